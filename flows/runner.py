@@ -1,0 +1,77 @@
+"""Run one Step against the store: skip when committed, lock, stage, execute, commit with lineage.
+
+Plain Python (no Prefect), so the Prefect task stays a thin wrapper and the logic tests without a server.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flows.compiler import PHASE_VERSIONS, Plan, Step
+from infra.locks import step_lock
+from infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
+from infra.store import Store
+from tasks.base import InputArtifact, Runtime, StepContext, StepResult
+from tasks.registry import executor_for
+
+
+@dataclass
+class StepOutcome:
+    step_id: str
+    uri: str
+    executed: bool
+    manifest: Manifest
+    result: StepResult | None = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    plan: Plan
+    store: Store
+    spec_hash: str
+    runtime: Runtime
+
+
+def step_uri(ctx: RunContext, step: Step) -> str:
+    return ctx.store.uri(step.kind, step.name, ctx.plan.fingerprints[step.id])
+
+
+def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAdapter) -> StepOutcome:
+    store = ctx.store
+    uri = step_uri(ctx, step)
+    if store.is_committed(uri):
+        log.info("%s is cached at %s", step.id, uri)
+        return StepOutcome(step.id, uri, False, store.read_manifest(uri))
+    key = f"{step.kind}/{step.name}-{ctx.plan.fingerprints[step.id][:12]}"
+    with step_lock(store, key, should_stop=lambda: store.is_committed(uri)) as held:
+        if not held or store.is_committed(uri):  # another run committed it while we waited
+            log.info("%s was committed by another run", step.id)
+            return StepOutcome(step.id, uri, False, store.read_manifest(uri))
+        inputs = {}
+        for role, dep_id in step.inputs.items():
+            dep = ctx.plan.step(dep_id)
+            dep_uri = step_uri(ctx, dep)
+            if not store.is_committed(dep_uri):
+                raise RuntimeError(f"{step.id} needs {dep_id}, which is not committed at {dep_uri}")
+            inputs[role] = InputArtifact(role, dep_id, dep_uri, store.read_manifest(dep_uri), store)
+        started = time.time()
+        with store.staging() as out, tempfile.TemporaryDirectory(prefix="scratch-", dir=out.parent) as scratch:
+            sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), ctx.runtime, log)
+            result = executor_for(step.kind)(sctx)
+            manifest = Manifest(
+                kind=step.kind, name=step.name, fingerprint=ctx.plan.fingerprints[step.id], uri=uri,
+                config=step.config,
+                inputs=[InputRef(role=r, step=a.step_id, uri=a.uri, fingerprint=a.manifest.fingerprint)
+                        for r, a in inputs.items()],
+                spec_hash=ctx.spec_hash, spec_name=ctx.plan.spec_name, code_version=code_version(),
+                phase_version=PHASE_VERSIONS[step.kind], libraries=library_versions(), **host_facts(),
+                started_at=started, finished_at=time.time(), metrics=result.metrics,
+                provenance=result.provenance,
+            )
+            manifest = store.commit(out, manifest)
+        log.info("%s committed to %s in %.1fs", step.id, uri, manifest.duration_s)
+        return StepOutcome(step.id, uri, True, manifest, result)

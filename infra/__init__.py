@@ -1,0 +1,1 @@
+"""Infrastructure: the artifact store, lineage manifests, locks, fingerprints and the runtime environment."""

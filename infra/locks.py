@@ -1,0 +1,120 @@
+"""A lock per step with a heartbeat, so two runs never compute one step at once; stale locks are taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from infra.store import Store
+
+
+class LockTimeout(TimeoutError):
+    pass
+
+
+class StepLock:
+    """Held while a step computes. The holder rewrites the lock file every `heartbeat_s`; a lock whose
+    heartbeat is older than `stale_after_s` belongs to a dead process and is taken over."""
+
+    def __init__(self, store: Store, key: str, heartbeat_s: float = 5.0, stale_after_s: float = 60.0):
+        self.store = store
+        self.path = f"{store._root_path}/.locks/{key}.lock"
+        self.token = uuid.uuid4().hex
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self) -> str:
+        return json.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
+                           "heartbeat": time.time()})
+
+    def _read(self) -> dict | None:
+        try:
+            with self.store.fs.open(self.path, "r") as f:
+                return json.loads(f.read())
+        except (FileNotFoundError, json.JSONDecodeError, OSError):
+            return None
+
+    def _try_create(self) -> bool:
+        fs = self.store.fs
+        if not self.store.is_remote:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(self._body())
+            return True
+        if fs.exists(self.path):
+            return False
+        with fs.open(self.path, "w") as f:  # object stores: write, then check we won the race
+            f.write(self._body())
+        time.sleep(0.2)
+        current = self._read()
+        return bool(current and current.get("token") == self.token)
+
+    def acquire(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Take the lock; returns False if `should_stop()` turned true while waiting (e.g. step committed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._try_create():
+                self._start_heartbeat()
+                return True
+            if should_stop():
+                return False
+            holder = self._read()
+            if holder is None or time.time() - holder.get("heartbeat", 0) > self.stale_after_s:
+                self._break_stale(holder)
+                continue
+            if time.monotonic() > deadline:
+                raise LockTimeout(f"{self.path} is held by {holder.get('host')} pid {holder.get('pid')}")
+            time.sleep(min(1.0, self.heartbeat_s))
+
+    def _break_stale(self, holder: dict | None) -> None:
+        again = self._read()
+        if again == holder:  # unchanged since we judged it stale
+            try:
+                self.store.fs.rm(self.path)
+            except FileNotFoundError:
+                pass
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(self.heartbeat_s):
+                current = self._read()
+                if current and current.get("token") != self.token:
+                    return  # taken over: we were judged dead
+                with self.store.fs.open(self.path, "w") as f:
+                    f.write(self._body())
+
+        self._thread = threading.Thread(target=beat, name="compass-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        current = self._read()
+        if current and current.get("token") == self.token:
+            self.store.fs.rm(self.path)
+
+
+@contextmanager
+def step_lock(store: Store, key: str, timeout_s: float = 24 * 3600,
+              should_stop: Callable[[], bool] = lambda: False) -> Iterator[bool]:
+    """Yields True when this process holds the lock, False when `should_stop` made waiting pointless."""
+    lock = StepLock(store, key)
+    held = lock.acquire(timeout_s, should_stop)
+    try:
+        yield held
+    finally:
+        if held:
+            lock.release()

@@ -1,0 +1,92 @@
+"""The lineage manifest every committed artifact carries (written last: its presence means committed)."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import subprocess
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MANIFEST = "manifest.json"
+TRACKED_LIBRARIES = ("compass", "torch", "deepspeed", "prefect", "datatrove", "tokenizers", "transformers",
+                     "trl", "lighteval", "s3fs", "ray", "pydantic")
+
+
+class InputRef(BaseModel):
+    role: str
+    step: str
+    uri: str
+    fingerprint: str
+
+
+class FileEntry(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class Manifest(BaseModel):
+    """What a step produced and everything needed to trace and reproduce it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+    name: str
+    fingerprint: str
+    uri: str
+    config: dict[str, Any]
+    inputs: list[InputRef] = Field(default_factory=list)
+    spec_hash: str
+    spec_name: str
+    code_version: str
+    phase_version: str
+    libraries: dict[str, str]
+    host: str
+    python: str
+    started_at: float
+    finished_at: float
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    provenance: list[dict[str, Any]] = Field(default_factory=list, description="Raw sources: package, sha256...")
+    files: list[FileEntry] = Field(default_factory=list)
+
+    @property
+    def step_id(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+
+@cache
+def library_versions() -> dict[str, str]:
+    out = {}
+    for lib in TRACKED_LIBRARIES:
+        try:
+            out[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+@cache
+def code_version() -> str:
+    """The git commit of compass's checkout (with '+dirty' when it has local changes), or 'unknown'."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def host_facts() -> dict[str, str]:
+    return {"host": socket.gethostname(), "python": platform.python_version()}

@@ -1,0 +1,146 @@
+"""The artifact store: one folder per step output under a local root or an s3:// prefix (via fsspec).
+
+A step writes into a local staging folder; `commit` moves (local) or uploads (s3) it to its final place and
+writes `manifest.json` last, so an artifact without a manifest is never taken for done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from infra.fingerprint import sha256_file
+from infra.manifest import MANIFEST, FileEntry, Manifest
+
+
+def artifact_folder(kind: str, name: str, fingerprint: str) -> str:
+    return f"{kind}/{name}-{fingerprint[:12]}"
+
+
+class Store:
+    """Content-addressed artifacts with lineage manifests, on any fsspec filesystem."""
+
+    def __init__(self, root: str):
+        self.is_remote = "://" in root and not root.startswith("file://")
+        if not self.is_remote:
+            root = str(Path(root.removeprefix("file://")).expanduser().resolve())
+        self.root = root.rstrip("/")
+        self.fs: fsspec.AbstractFileSystem
+        self.fs, self._root_path = url_to_fs(self.root)
+        if not self.is_remote:
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+
+    # --- addressing -------------------------------------------------------------------------------------
+    def uri(self, kind: str, name: str, fingerprint: str) -> str:
+        return f"{self.root}/{artifact_folder(kind, name, fingerprint)}"
+
+    def _path(self, uri: str) -> str:
+        """fsspec path (no protocol) of a URI inside this store."""
+        if not uri.startswith(self.root):
+            raise ValueError(f"{uri} is not inside the store {self.root}")
+        return self._root_path + uri[len(self.root):]
+
+    # --- reading ----------------------------------------------------------------------------------------
+    def is_committed(self, uri: str) -> bool:
+        return self.fs.exists(f"{self._path(uri)}/{MANIFEST}")
+
+    def read_manifest(self, uri: str) -> Manifest:
+        with self.fs.open(f"{self._path(uri)}/{MANIFEST}", "r") as f:
+            return Manifest.model_validate_json(f.read())
+
+    def committed_versions(self, kind: str, name: str) -> list[Manifest]:
+        """Committed artifacts of one step name (any fingerprint), newest first."""
+        pattern = f"{self._root_path}/{kind}/{name}-*/{MANIFEST}"
+        manifests = []
+        for path in self.fs.glob(pattern):
+            folder = path.rsplit("/", 2)[-2]
+            if folder[: -13] != name:  # 'name-<12 hex>': reject names that merely start alike
+                continue
+            with self.fs.open(path, "r") as f:
+                manifests.append(Manifest.model_validate_json(f.read()))
+        return sorted(manifests, key=lambda m: m.finished_at, reverse=True)
+
+    def local_path(self, uri: str, cache_dir: Path | None = None) -> Path:
+        """A local folder with the artifact's files: the folder itself, or a verified download from S3."""
+        if not self.is_remote:
+            return Path(self._path(uri))
+        manifest = self.read_manifest(uri)
+        cache = (cache_dir or Path(tempfile.gettempdir()) / "compass-cache") / manifest.fingerprint
+        done = cache / MANIFEST
+        if not done.exists():
+            partial = cache.with_name(cache.name + f".part-{uuid.uuid4().hex[:8]}")
+            for entry in manifest.files:
+                target = partial / entry.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(f"{self._path(uri)}/{entry.path}", str(target))
+                if sha256_file(str(target)) != entry.sha256:
+                    raise OSError(f"checksum mismatch for {uri}/{entry.path}")
+            (partial / MANIFEST).write_text(manifest.model_dump_json(indent=2))
+            try:
+                partial.rename(cache)
+            except OSError:  # another process finished the same download first
+                shutil.rmtree(partial, ignore_errors=True)
+        return cache
+
+    # --- writing ----------------------------------------------------------------------------------------
+    @contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A fresh local folder to write an artifact into; removed afterwards unless committed (moved)."""
+        if self.is_remote:
+            base = Path(tempfile.gettempdir()) / "compass-staging"
+        else:
+            base = Path(self.root) / ".staging"
+        base.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="step-", dir=base))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def commit(self, staged: Path, manifest: Manifest) -> Manifest:
+        """Record file checksums in the manifest and publish the artifact atomically (manifest last)."""
+        files = sorted(p for p in staged.rglob("*") if p.is_file() and p.name != MANIFEST)
+        entries = [FileEntry(path=p.relative_to(staged).as_posix(), size=p.stat().st_size,
+                             sha256=sha256_file(str(p))) for p in files]
+        manifest = manifest.model_copy(update={"files": entries})
+        body = manifest.model_dump_json(indent=2)
+        target = self._path(manifest.uri)
+        if self.is_remote:
+            self._upload(staged, entries, target, body)
+        else:
+            self._move_into_place(staged, Path(target), body)
+        return manifest
+
+    def _move_into_place(self, staged: Path, target: Path, body: str) -> None:
+        (staged / MANIFEST).write_text(body)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            if (target / MANIFEST).exists():
+                return  # already committed by an earlier attempt: artifacts are immutable
+            shutil.rmtree(target)  # leftovers of a crashed commit
+        moved = staged.with_name(staged.name + ".moving")
+        staged.rename(moved)  # keep `staging()`'s cleanup from touching the published folder
+        os.replace(moved, target)
+        os.makedirs(staged, exist_ok=True)
+
+    def _upload(self, staged: Path, entries: list[FileEntry], target: str, body: str) -> None:
+        if self.fs.exists(f"{target}/{MANIFEST}"):
+            return
+        for entry in entries:
+            self.fs.put_file(str(staged / entry.path), f"{target}/{entry.path}")
+        with self.fs.open(f"{target}/{MANIFEST}", "w") as f:
+            f.write(body)
+
+    def write_json(self, relpath: str, value: object) -> None:
+        """Small store-level bookkeeping files (e.g. run records), written whole."""
+        with self.fs.open(f"{self._root_path}/{relpath}", "w") as f:
+            json.dump(value, f, indent=2)

@@ -1,0 +1,36 @@
+"""`what.ablations`: a baseline and variants that each change exactly one thing."""
+
+from typing import Any
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from specs.base import SpecModel
+
+
+class AblationBaseline(SpecModel):
+    """A cheap stand-in for the main run: a proxy model (architecture overrides) and/or fewer tokens."""
+
+    architecture: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of what.architecture for a proxy model (empty = target size)."
+    )
+    tokens: PositiveFloat
+    sequence_length: PositiveInt
+    global_batch_size: PositiveInt
+    mixture: dict[str, float] = Field(min_length=1)
+    lr: PositiveFloat | None = None
+
+
+class AblationVariant(SpecModel):
+    """One change against the baseline, as a dotted path (e.g. architecture.tied_embeddings) and value."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    change: dict[str, Any] = Field(min_length=1)
+
+
+class Ablations(SpecModel):
+    baseline: AblationBaseline
+    variants: list[AblationVariant] = Field(min_length=1)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    metrics: list[str] = Field(
+        default_factory=lambda: ["val_loss"], description="Metrics compared; the first decides the verdict."
+    )

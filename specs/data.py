@@ -1,0 +1,71 @@
+"""`what.data`: the raw sources and the curation pipeline each goes through."""
+
+from typing import Any, Literal
+
+from pydantic import Field, PositiveInt
+
+from specs.base import SpecModel
+
+SOURCE_NAME = r"^[a-z][a-z0-9_]*$"
+
+FilterName = Literal["gopher_quality", "gopher_repetition", "c4_quality", "fineweb_quality", "regex", "url"]
+
+
+class FilterSpec(SpecModel):
+    """One datatrove filter; `params` go to the filter's constructor and are checked against it."""
+
+    name: FilterName
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class LanguageId(SpecModel):
+    """Offline language identification (py3langid): tag every document, optionally drop the others."""
+
+    keep: list[str] = Field(default_factory=list, description="ISO 639-1 codes to keep; empty keeps all.")
+    min_score: float = Field(default=0.0, ge=0, le=1, description="Drop documents below this confidence.")
+
+
+class MinhashSpec(SpecModel):
+    """MinHash near-duplicate removal (datatrove): ~ Jaccard threshold set by buckets x hashes."""
+
+    n_grams: PositiveInt = 5
+    num_buckets: PositiveInt = 14
+    hashes_per_bucket: PositiveInt = 8
+
+
+class Curation(SpecModel):
+    """The pipeline a source goes through, in this order: filters, language id, exact dedup, MinHash."""
+
+    filters: list[FilterSpec] = Field(default_factory=list)
+    language_id: LanguageId | None = None
+    exact_dedup: bool = True
+    minhash: MinhashSpec | None = None
+    heldout_fraction: float = Field(
+        default=0.05, ge=0, lt=0.5, description="Documents kept aside (by id hash) for held-out measurement."
+    )
+
+
+class DataSource(SpecModel):
+    """A raw source: a local folder, an s3:// prefix, or an offline package (deb://, pypi://, stdlib://)."""
+
+    name: str = Field(pattern=SOURCE_NAME, description="Identifier used by mixtures (lower_snake_case).")
+    uri: str = Field(
+        min_length=1,
+        description="Local path, s3://bucket/prefix, deb://PACKAGE, pypi://NAME==VERSION or stdlib://.",
+    )
+    include: list[str] = Field(default_factory=lambda: ["**/*"], description="Glob patterns inside the source.")
+    exclude: list[str] = Field(default_factory=list)
+    format: Literal["jsonl", "parquet", "text", "html", "code"] = "text"
+    text_key: str = Field(default="text", description="jsonl/parquet: the column holding the text.")
+    split: Literal["file", "sections"] = Field(
+        default="file", description="One document per file, or per section (html headings, text paragraphs)."
+    )
+    section_chars: PositiveInt = Field(default=4000, description="sections: target characters per document.")
+    language: str | None = Field(default=None, description="ISO 639-1 code, if the whole source is one language.")
+    domain: str = Field(default="web", description="Domain tag: web, code, docs, books, math, ...")
+    max_documents: PositiveInt | None = Field(default=None, description="Cap, taken in a stable order.")
+    curation: Curation = Curation()
+
+
+class Data(SpecModel):
+    sources: list[DataSource] = Field(min_length=1)

@@ -1,0 +1,77 @@
+"""`how`: hardware, parallelism, precision, storage, orchestration and cadences."""
+
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from specs.base import SpecModel
+
+Accelerator = Literal["cpu", "h100", "h200", "a100", "l40s"]
+
+# Dense bf16 peak TFLOP/s per device, used for GPU-hours and MFU (CPU: measured at run time instead).
+PEAK_TFLOPS: dict[str, float] = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "l40s": 362.0, "cpu": 0.5}
+MEMORY_GIB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "l40s": 48.0, "cpu": 24.0}
+
+
+class Hardware(SpecModel):
+    accelerator: Accelerator = "cpu"
+    devices_per_node: PositiveInt = 1
+    nodes: PositiveInt = 1
+    peak_tflops: PositiveFloat | None = Field(default=None, description="Overrides the accelerator's table value.")
+    assumed_mfu: float = Field(default=0.3, gt=0, le=1, description="Model FLOPs utilisation for cost estimates.")
+
+    @property
+    def total_devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def peak(self) -> float:
+        return self.peak_tflops or PEAK_TFLOPS[self.accelerator]
+
+
+class Parallelism(SpecModel):
+    deepspeed: bool = True
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    data_parallel: PositiveInt = 1
+    tensor_parallel: PositiveInt = 1
+    pipeline_parallel: PositiveInt = 1
+    micro_batch_size: PositiveInt = 1
+    activation_checkpointing: bool = False
+
+
+class Storage(SpecModel):
+    root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact.")
+
+
+class Orchestration(SpecModel):
+    retries: int = Field(default=1, ge=0)
+    retry_delay_seconds: float = Field(default=10, ge=0)
+    timeout_seconds: PositiveFloat | None = Field(default=None, description="Per-step limit (none = no limit).")
+    step_timeouts: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="Per-kind overrides, e.g. {pretrain: 86400}."
+    )
+    task_runner: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
+    workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
+    max_parallel_steps: PositiveInt = 2
+
+
+class Checkpoints(SpecModel):
+    every_steps: PositiveInt = 1000
+    keep_last: PositiveInt = 2
+
+
+class EvaluationCadence(SpecModel):
+    every_checkpoint: bool = True
+    schedule_cron: str | None = None
+    schedule_interval_seconds: PositiveInt | None = None
+
+
+class How(SpecModel):
+    hardware: Hardware = Hardware()
+    parallelism: Parallelism = Parallelism()
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    storage: Storage = Storage()
+    orchestration: Orchestration = Orchestration()
+    checkpoints: Checkpoints = Checkpoints()
+    evaluation: EvaluationCadence = EvaluationCadence()

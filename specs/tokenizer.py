@@ -1,0 +1,43 @@
+"""`what.tokenizer`: candidate tokenizers and the rule that picks one."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field, PositiveInt
+
+from specs.base import SpecModel
+
+
+class BpeCandidate(SpecModel):
+    """A byte-level BPE trained on the curated training split."""
+
+    kind: Literal["bpe"]
+    vocab_size: PositiveInt = Field(ge=260, description="Includes the 256 byte symbols and special tokens.")
+    min_frequency: PositiveInt = 2
+
+
+class LocalCandidate(SpecModel):
+    """An existing tokenizer in Hugging Face format (a folder with tokenizer.json) on local disk."""
+
+    kind: Literal["local"]
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    path: str
+
+
+TokenizerCandidate = Annotated[BpeCandidate | LocalCandidate, Field(discriminator="kind")]
+
+
+class Selection(SpecModel):
+    """How to choose: lowest mean fertility, or the smallest vocabulary within a tolerance of the best."""
+
+    rule: Literal["lowest_fertility", "smallest_within"] = "smallest_within"
+    tolerance: float = Field(default=0.05, ge=0, le=1, description="smallest_within: relative fertility slack.")
+
+
+class Tokenizer(SpecModel):
+    candidates: list[TokenizerCandidate] = Field(min_length=1)
+    train_chars: PositiveInt = Field(
+        default=20_000_000, description="Characters of curated training text each BPE candidate is trained on."
+    )
+    eval_chars: PositiveInt = Field(default=2_000_000, description="Held-out characters measured per group.")
+    selection: Selection = Selection()
+    special_tokens: list[str] = Field(default_factory=lambda: ["<|endoftext|>", "<|pad|>"])

@@ -1,0 +1,81 @@
+"""`what.pretraining` and `what.long_context`: staged training with mixtures and one LR schedule across stages."""
+
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from specs.base import SpecModel
+
+
+class Optimizer(SpecModel):
+    """AdamW, with the playbook's defaults."""
+
+    lr: PositiveFloat = 2e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0, description="Max gradient norm (0 = no clipping).")
+
+
+class Schedule(SpecModel):
+    """One LR schedule spanning every stage, so a WSD or multi-step run can be extended without restarting."""
+
+    kind: Literal["wsd", "cosine", "multistep", "constant"] = "wsd"
+    warmup_steps: int = Field(default=0, ge=0)
+    decay_fraction: float = Field(
+        default=0.1, gt=0, le=1, description="wsd: share of all steps spent decaying (when no stage says decay)."
+    )
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    milestones: list[float] = Field(
+        default_factory=list, description="multistep: fractions of all steps where the LR is multiplied by gamma."
+    )
+    gamma: float = Field(default=0.316, gt=0, le=1)
+
+
+class PretrainStage(SpecModel):
+    """A stage: a token budget over a data mixture at one sequence length."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    tokens: PositiveFloat = Field(description="Token budget of the stage (e.g. 8e12).")
+    sequence_length: PositiveInt
+    global_batch_size: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
+    mixture: dict[str, float] = Field(min_length=1, description="Source name -> sampling weight; sums to 1.")
+    schedule_segment: Literal["auto", "stable", "decay"] = Field(
+        default="auto", description="wsd: 'decay' marks the stage(s) the LR decays in."
+    )
+    reset_optimizer: bool = Field(default=False, description="Start the stage with fresh optimizer state.")
+
+
+class Pretraining(SpecModel):
+    seed: int = 1234
+    optimizer: Optimizer = Optimizer()
+    schedule: Schedule = Schedule()
+    intra_document_masking: bool = True
+    stages: list[PretrainStage] = Field(min_length=1)
+
+
+class Yarn(SpecModel):
+    """Inference-time scaling written into the exported config (beyond the trained length)."""
+
+    kind: Literal["yarn", "linear"] = "yarn"
+    factor: PositiveFloat = 2.0
+
+
+class LongContextStage(SpecModel):
+    """A context-extension stage: a longer sequence length and a larger RoPE base."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    sequence_length: PositiveInt
+    rope_theta: PositiveFloat
+    tokens: PositiveFloat
+    global_batch_size: PositiveInt
+    mixture: dict[str, float] = Field(min_length=1)
+    lr: PositiveFloat = 2e-5
+    schedule: Literal["wsd", "cosine", "constant"] = "wsd"
+    warmup_steps: int = Field(default=0, ge=0)
+
+
+class LongContext(SpecModel):
+    stages: list[LongContextStage] = Field(default_factory=list)
+    inference_scaling: Yarn | None = None
+    retrieval_depths: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9])

@@ -1,0 +1,1 @@
+"""One module per lifecycle phase: each turns a Step and its input artifacts into an output artifact."""

@@ -1,0 +1,170 @@
+"""Curation with datatrove: filters -> language id -> exact dedup -> MinHash dedup -> train/held-out shards.
+
+Each stage is a datatrove pipeline run by its LocalPipelineExecutor (RayPipelineExecutor under
+`how.orchestration.task_runner: ray`); compass only wires the blocks the spec names and collects stats.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from datatrove.pipeline.dedup import (
+    ExactDedupConfig,
+    ExactDedupFilter,
+    ExactDedupSignature,
+    ExactFindDedups,
+    MinhashConfig,
+    MinhashDedupBuckets,
+    MinhashDedupCluster,
+    MinhashDedupFilter,
+    MinhashDedupSignature,
+)
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
+
+from tasks.base import Runtime, StepContext, StepResult
+from tasks.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def run_curate(ctx: StepContext) -> StepResult:
+    cfg = ctx.config
+    cur = cfg["curation"]
+    raw = ctx.inputs["raw"].local() / "documents"
+    work = ctx.scratch
+    stages: list[dict[str, Any]] = []
+
+    before = _measure(raw)
+    n_shards = max(1, len(list(raw.glob("*.jsonl.gz"))))
+
+    blocks = [FILTERS[f["name"]](**f["params"]) for f in cur["filters"]]
+    if cur.get("language_id") is not None:
+        lid = cur["language_id"]
+        blocks.append(LanguageIdFilter(lid["keep"], lid["min_score"], cfg.get("language")))
+    current = raw
+    if blocks:
+        current = work / "filtered"
+        stages.append(_run(ctx.runtime, "filter", work,
+                           [JsonlReader(str(raw)), *blocks, JsonlWriter(str(current))], n_shards))
+
+    if cur["exact_dedup"]:
+        exact = ExactDedupConfig(content_getter=document_text)
+        stages.append(_run(ctx.runtime, "exact-signature", work,
+                           [JsonlReader(str(current)), ExactDedupSignature(str(work / "exact-sigs"), exact)],
+                           n_shards))
+        stages.append(_run(ctx.runtime, "exact-find", work,
+                           [ExactFindDedups(str(work / "exact-sigs"), str(work / "exact-dups"), exact)], 1))
+        stages.append(_run(ctx.runtime, "exact-filter", work,
+                           [JsonlReader(str(current)), ExactDedupFilter(str(work / "exact-dups"), exact),
+                            JsonlWriter(str(work / "exact"))], n_shards))
+        current = work / "exact"
+
+    if cur.get("minhash"):
+        mh = cur["minhash"]
+        config = MinhashConfig(n_grams=mh["n_grams"], num_buckets=mh["num_buckets"],
+                               hashes_per_bucket=mh["hashes_per_bucket"])
+        stages.append(_run(ctx.runtime, "minhash-signature", work,
+                           [JsonlReader(str(current)), MinhashDedupSignature(str(work / "mh-sigs"), config)],
+                           n_shards))
+        stages.append(_run(ctx.runtime, "minhash-buckets", work,
+                           [MinhashDedupBuckets(str(work / "mh-sigs"), str(work / "mh-buckets"), config=config)],
+                           config.num_buckets))
+        stages.append(_run(ctx.runtime, "minhash-cluster", work,
+                           [MinhashDedupCluster(str(work / "mh-buckets"), str(work / "mh-remove"), config=config)], 1))
+        stages.append(_run(ctx.runtime, "minhash-filter", work,
+                           [JsonlReader(str(current)), MinhashDedupFilter(str(work / "mh-remove")),
+                            JsonlWriter(str(work / "minhash"))], n_shards))
+        current = work / "minhash"
+
+    stages.append(_run(ctx.runtime, "split", work,
+                       [JsonlReader(str(current)), SplitTagger(cur["heldout_fraction"]),
+                        JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz")], n_shards))
+
+    after = {split: _measure(ctx.out / split) for split in ("train", "heldout")}
+    kept = {k: after["train"][k] + after["heldout"][k] for k in before}
+    reasons = _removal_reasons(stages)
+    stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons, "stages": stages}
+    (ctx.out / "stats.json").write_text(json.dumps(stats, indent=2))
+    if kept["documents"] == 0:
+        raise ValueError(f"curation of {ctx.name} removed every document ({reasons}); loosen its filters")
+    metrics = {
+        "documents_in": before["documents"], "documents_out": kept["documents"],
+        "words_in": before["words"], "words_out": kept["words"],
+        "bytes_in": before["bytes"], "bytes_out": kept["bytes"],
+        "train_documents": after["train"]["documents"], "heldout_documents": after["heldout"]["documents"],
+        "removed_by": reasons,
+    }
+    rows = [{"measure": m, "in": before[m], "out": kept[m], "kept %": round(100 * kept[m] / max(1, before[m]), 1)}
+            for m in ("documents", "words", "bytes")]
+    rows += [{"measure": f"removed by {r}", "in": "", "out": n, "kept %": ""} for r, n in reasons.items()]
+    summary = (f"### curate `{ctx.name}`\n\n{before['documents']:,} -> {kept['documents']:,} documents "
+               f"({after['train']['documents']:,} train, {after['heldout']['documents']:,} held out); "
+               f"removed by: {reasons or 'nothing'}")
+    return StepResult(metrics=metrics, summary=summary, tables={"curation": rows})
+
+
+def _run(runtime: Runtime, stage: str, work: Path, pipeline: list, tasks: int) -> dict[str, Any]:
+    """Run one datatrove pipeline and return its merged block statistics."""
+    logging_dir = work / "logs" / stage
+    if runtime.task_runner == "ray":
+        from datatrove.executor import RayPipelineExecutor
+
+        executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=runtime.workers,
+                                       logging_dir=str(logging_dir), skip_completed=False)
+    else:
+        from datatrove.executor import LocalPipelineExecutor
+
+        executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, runtime.workers),
+                                         logging_dir=str(logging_dir), skip_completed=False)
+    executor.run()
+    stats_file = logging_dir / "stats.json"
+    blocks = json.loads(stats_file.read_text()) if stats_file.exists() else []
+    return {"stage": stage, "blocks": [{"name": b.get("name"), "stats": _plain_stats(b.get("stats", {}))}
+                                       for b in blocks]}
+
+
+def _plain_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in stats.items():
+        out[key] = value.get("total", value) if isinstance(value, dict) else value
+    return out
+
+
+def _removal_reasons(stages: list[dict[str, Any]]) -> dict[str, int]:
+    """Documents each block removed: `dropped_<reason>` counts where a filter gives reasons, else `dropped`."""
+    reasons: dict[str, int] = {}
+    for stage in stages:
+        for block in stage["blocks"]:
+            stats = block["stats"]
+            detailed = {k.removeprefix("dropped_"): v for k, v in stats.items() if k.startswith("dropped_")}
+            name = _block_label(str(block["name"]))
+            if detailed:
+                for reason, n in detailed.items():
+                    reasons[f"{name}: {reason}"] = int(n)
+            elif stats.get("dropped"):
+                reasons[name] = int(stats["dropped"])
+    return {k: v for k, v in reasons.items() if v}
+
+
+def _block_label(name: str) -> str:
+    """'🔻 - FILTER: 👯 Gopher Repetition' -> 'gopher_repetition'."""
+    words = re.findall(r"[A-Za-z0-9]+", name.rsplit(":", 1)[-1])
+    return "_".join(words).lower() or name
+
+
+def _measure(folder: Path) -> dict[str, int]:
+    docs = words = size = 0
+    for shard in sorted(folder.glob("*.jsonl*")):
+        opener = gzip.open if shard.suffix == ".gz" else open
+        with opener(shard, "rt", encoding="utf-8") as f:
+            for line in f:
+                text = json.loads(line)["text"]
+                docs += 1
+                words += len(_WORD.findall(text))
+                size += len(text.encode())
+    return {"documents": docs, "words": words, "bytes": size}

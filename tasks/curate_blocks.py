@@ -1,0 +1,87 @@
+"""datatrove building blocks compass adds: offline language id and a train/held-out router.
+
+Module-level and importable, because datatrove's local executor re-imports them in worker processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import cached_property
+
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.filters import (
+    C4QualityFilter,
+    FineWebQualityFilter,
+    GopherQualityFilter,
+    GopherRepetitionFilter,
+    RegexFilter,
+    URLFilter,
+)
+from datatrove.pipeline.filters.base_filter import BaseFilter
+
+FILTERS: dict[str, type[BaseFilter]] = {
+    "gopher_quality": GopherQualityFilter,
+    "gopher_repetition": GopherRepetitionFilter,
+    "c4_quality": C4QualityFilter,
+    "fineweb_quality": FineWebQualityFilter,
+    "regex": RegexFilter,
+    "url": URLFilter,
+}
+
+
+class LanguageIdFilter(BaseFilter):
+    """Tags `metadata['language']` with py3langid (offline) and drops documents outside `keep`."""
+
+    name = "🌍 py3langid"
+
+    def __init__(self, keep: list[str], min_score: float, fixed_language: str | None = None):
+        super().__init__()
+        self.keep = set(keep)
+        self.min_score = min_score
+        self.fixed_language = fixed_language
+
+    @cached_property
+    def identifier(self):
+        from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+        return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        language, score = self.identifier.classify(doc.text[:4000])
+        doc.metadata["detected_language"] = language
+        doc.metadata["language_score"] = round(float(score), 4)
+        if self.keep and language not in self.keep:
+            return False, "language"
+        if score < self.min_score:
+            return False, "language_score"
+        doc.metadata.setdefault("language", self.fixed_language or language)
+        return True
+
+
+def heldout_bucket(doc_id: str) -> float:
+    """A stable number in [0, 1) from a document id: the same document is always on the same side."""
+    return int(hashlib.sha1(doc_id.encode()).hexdigest()[:8], 16) / 0x100000000
+
+
+class SplitTagger(PipelineStep):
+    """Marks each document train or heldout (by id hash), for writers that use `${split}` in file names."""
+
+    name = "✂️ train/heldout"
+    type = "🔢 - SPLIT"
+
+    def __init__(self, heldout_fraction: float):
+        super().__init__()
+        self.heldout_fraction = heldout_fraction
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for doc in data:
+            split = "heldout" if heldout_bucket(doc.id) < self.heldout_fraction else "train"
+            doc.metadata["split"] = split
+            self.stat_update(split)
+            yield doc
+
+
+def document_text(doc: Document) -> str:
+    """Content getter for exact dedup (module-level and annotated: datatrove inspects the return type)."""
+    return doc.text

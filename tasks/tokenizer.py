@@ -1,0 +1,175 @@
+"""Tokenizer selection: train each BPE candidate on the curated training split, measure fertility and the
+proportion of continued words per language/domain on held-out text, and choose by the spec's rule."""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from tasks.base import StepContext, StepResult
+
+_CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
+_HAS_ALNUM = re.compile(r"\w")
+
+
+@dataclass(frozen=True)
+class Doc:
+    text: str
+    group: str  # language code for natural language, "code" for code
+
+
+def run_tokenizer_selection(ctx: StepContext) -> StepResult:
+    cfg = ctx.config
+    curated = ctx.inputs_with_prefix("curated:")
+    train_docs = list(_balanced(curated, "train", cfg["train_chars"]))
+    heldout = _heldout_by_group(curated, cfg["eval_chars"])
+    if not heldout:
+        raise ValueError("no held-out documents: raise curation.heldout_fraction on some source")
+    ctx.log.info("tokenizer: training on %d documents (%d chars); held-out groups %s", len(train_docs),
+                 sum(len(d.text) for d in train_docs), sorted(heldout))
+
+    results = []
+    for cand in cfg["candidates"]:
+        key = f"bpe-{cand['vocab_size']}" if cand["kind"] == "bpe" else cand["name"]
+        folder = ctx.out / "candidates" / key
+        if cand["kind"] == "bpe":
+            tok = _train_bpe(train_docs, cand["vocab_size"], cand["min_frequency"], cfg["special_tokens"])
+            _save_hf(tok, folder, cfg["special_tokens"])
+        else:
+            source = (ctx.runtime.base_dir / cand["path"]).expanduser()
+            shutil.copytree(source, folder)
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        per_group = {g: _measure(tok, docs, g) for g, docs in sorted(heldout.items())}
+        mean_fertility = sum(m["fertility"] for m in per_group.values()) / len(per_group)
+        results.append({"candidate": key, "vocab_size": tok.get_vocab_size(), "mean_fertility": mean_fertility,
+                        "groups": per_group})
+
+    chosen = _choose(results, cfg["selection"])
+    shutil.copytree(ctx.out / "candidates" / chosen["candidate"], ctx.out / "chosen")
+    (ctx.out / "comparison.json").write_text(json.dumps({"chosen": chosen["candidate"], "results": results},
+                                                        indent=2))
+    rows = []
+    for r in results:
+        row = {"candidate": r["candidate"], "vocab": r["vocab_size"], "mean fertility": round(r["mean_fertility"], 3)}
+        for g, m in r["groups"].items():
+            row[f"{g} fertility"] = round(m["fertility"], 3)
+            row[f"{g} continued %"] = round(100 * m["continued"], 1)
+        row["chosen"] = "yes" if r is chosen else ""
+        rows.append(row)
+    rule = cfg["selection"]["rule"]
+    summary = (f"### tokenizer selection\n\nchosen **{chosen['candidate']}** by `{rule}` "
+               f"(mean fertility {chosen['mean_fertility']:.3f} tokens/word over {', '.join(heldout)})")
+    metrics = {"chosen": chosen["candidate"], "vocab_size": chosen["vocab_size"],
+               "mean_fertility": chosen["mean_fertility"],
+               "candidates": {r["candidate"]: round(r["mean_fertility"], 4) for r in results}}
+    return StepResult(metrics=metrics, summary=summary, tables={"tokenizer-comparison": rows})
+
+
+def _choose(results: list[dict], selection: dict) -> dict:
+    best = min(results, key=lambda r: r["mean_fertility"])
+    if selection["rule"] == "lowest_fertility":
+        return best
+    limit = best["mean_fertility"] * (1 + selection["tolerance"])
+    within = [r for r in results if r["mean_fertility"] <= limit]
+    return min(within, key=lambda r: (r["vocab_size"], r["mean_fertility"]))
+
+
+def _group_of(meta: dict) -> str:
+    return "code" if meta.get("domain") == "code" else (meta.get("language") or meta.get("domain") or "other")
+
+
+def _read(folder: Path) -> Iterator[Doc]:
+    for shard in sorted(folder.glob("*.jsonl.gz")):
+        with gzip.open(shard, "rt", encoding="utf-8") as f:
+            for line in f:
+                d = json.loads(line)
+                yield Doc(d["text"], _group_of(d.get("metadata", {})))
+
+
+def _balanced(curated: dict, split: str, budget: int) -> Iterator[Doc]:
+    """Round-robin over sources so no single source dominates the tokenizer's training text."""
+    streams = [_read(art.local() / split) for _, art in sorted(curated.items())]
+    used = 0
+    while streams and used < budget:
+        for stream in list(streams):
+            doc = next(stream, None)
+            if doc is None:
+                streams.remove(stream)
+                continue
+            used += len(doc.text)
+            yield doc
+
+
+def _heldout_by_group(curated: dict, budget: int) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    used: dict[str, int] = {}
+    for _, art in sorted(curated.items()):
+        for doc in _read(art.local() / "heldout"):
+            if used.get(doc.group, 0) < budget:
+                groups.setdefault(doc.group, []).append(doc.text)
+                used[doc.group] = used.get(doc.group, 0) + len(doc.text)
+    return groups
+
+
+def _train_bpe(docs: list[Doc], vocab_size: int, min_frequency: int, special: list[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    return tok
+
+
+def _save_hf(tok: Tokenizer, folder: Path, special: list[str]) -> None:
+    eos = special[0]
+    pad = special[1] if len(special) > 1 else special[0]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=pad,
+                                 unk_token=None)
+    hf.save_pretrained(str(folder))
+
+
+def _word_spans(text: str, group: str) -> list[tuple[int, int]]:
+    """Word boundaries: datatrove's word tokenizer for the language, identifiers and symbols for code."""
+    if group == "code":
+        return [m.span() for m in _CODE_WORD.finditer(text) if _HAS_ALNUM.search(m.group())]
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    try:
+        words = load_word_tokenizer(group).word_tokenize(text)
+    except ValueError:  # no tokenizer for this language: whitespace words
+        words = text.split()
+    spans, cursor = [], 0
+    for w in words:
+        start = text.find(w, cursor)
+        if start < 0 or not _HAS_ALNUM.search(w):
+            continue
+        spans.append((start, start + len(w)))
+        cursor = start + len(w)
+    return spans
+
+
+def _measure(tok: Tokenizer, texts: list[str], group: str) -> dict[str, float]:
+    """Fertility = tokens per word; continued = share of words split over more than one token."""
+    n_tokens = n_words = n_continued = 0
+    for text in texts:
+        enc = tok.encode(text)
+        starts = [s for s, _ in enc.offsets]
+        ends = [e for _, e in enc.offsets]
+        n_tokens += len(enc.ids)
+        for ws, we in _word_spans(text, group):
+            first = bisect.bisect_right(ends, ws)   # first token ending after the word starts
+            last = bisect.bisect_left(starts, we)   # tokens starting before the word ends
+            n_words += 1
+            n_continued += (last - first) > 1
+    return {"fertility": n_tokens / max(1, n_words), "continued": n_continued / max(1, n_words),
+            "words": n_words, "tokens": n_tokens}
