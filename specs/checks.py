@@ -212,10 +212,12 @@ def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         yield Issue(("how", "parallelism", "tensor_parallel"),
                     f"tensor_parallel={par.tensor_parallel} must divide num_heads={arch.num_heads} "
                     f"and num_kv_heads={arch.num_kv_heads}", "pick a common divisor")
-    per_step = par.micro_batch_size * par.data_parallel
-    stages = [("pretraining", i, s.global_batch_size) for i, s in enumerate(spec.what.pretraining.stages)]
-    stages += [("long_context", i, s.global_batch_size) for i, s in enumerate(spec.what.long_context.stages)]
-    for section, i, gbs in stages:
+    stages = [("pretraining", i, s.global_batch_size, par.micro_batch_size)
+              for i, s in enumerate(spec.what.pretraining.stages)]
+    stages += [("long_context", i, s.global_batch_size, s.micro_batch_size or par.micro_batch_size)
+               for i, s in enumerate(spec.what.long_context.stages)]
+    for section, i, gbs, micro in stages:
+        per_step = micro * par.data_parallel
         if gbs % per_step:
             yield Issue(("what", section, "stages", i, "global_batch_size"),
                         f"global_batch_size={gbs} is not a multiple of micro_batch_size x data_parallel = {per_step}",
@@ -232,7 +234,7 @@ def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
 
 def _tokenizer(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     cands = spec.what.tokenizer.candidates
-    keys = [f"bpe-{c.vocab_size}" if c.kind == "bpe" else c.name for c in cands]
+    keys = [candidate_key(c) for c in cands]
     for dup in sorted(_duplicates(keys)):
         yield Issue(("what", "tokenizer", "candidates", keys.index(dup)), f"candidate '{dup}' is listed twice",
                     "list each candidate once")
@@ -246,6 +248,11 @@ def _tokenizer(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
         yield Issue(("what", "architecture", "vocab_size"),
                     "vocab_size is fixed while several tokenizer candidates compete",
                     "leave vocab_size empty so the chosen tokenizer sets it")
+
+
+def candidate_key(c: Any) -> str:
+    return {"bpe": lambda: f"bpe-{c.vocab_size}", "local": lambda: c.name,
+            "hub": lambda: c.repo.replace("/", "--")}[c.kind]()
 
 
 def valid_checkpoints(spec: TrainingSpec) -> set[str]:

@@ -23,7 +23,15 @@ class LocalCandidate(SpecModel):
     path: str
 
 
-TokenizerCandidate = Annotated[BpeCandidate | LocalCandidate, Field(discriminator="kind")]
+class HubCandidate(SpecModel):
+    """A published tokenizer by repository id; needs hub access or a warm Hugging Face cache (not offline)."""
+
+    kind: Literal["hub"]
+    repo: str = Field(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
+    vocab_size: PositiveInt = Field(description="Its vocabulary size, for planning before it is loaded.")
+
+
+TokenizerCandidate = Annotated[BpeCandidate | LocalCandidate | HubCandidate, Field(discriminator="kind")]
 
 
 class Selection(SpecModel):

@@ -70,6 +70,9 @@ class LongContextStage(SpecModel):
     tokens: PositiveFloat
     global_batch_size: PositiveInt
     mixture: dict[str, float] = Field(min_length=1)
+    micro_batch_size: PositiveInt | None = Field(
+        default=None, description="Overrides how.parallelism.micro_batch_size: long sequences need smaller ones."
+    )
     lr: PositiveFloat = 2e-5
     schedule: Literal["wsd", "cosine", "constant"] = "wsd"
     warmup_steps: int = Field(default=0, ge=0)

@@ -37,6 +37,7 @@ def run_curate(ctx: StepContext) -> StepResult:
     cur = cfg["curation"]
     raw = ctx.inputs["raw"].local() / "documents"
     work = ctx.scratch
+    logs = ctx.out / "datatrove-logs"
     stages: list[dict[str, Any]] = []
 
     before = _measure(raw)
@@ -49,17 +50,17 @@ def run_curate(ctx: StepContext) -> StepResult:
     current = raw
     if blocks:
         current = work / "filtered"
-        stages.append(_run(ctx.runtime, "filter", work,
+        stages.append(_run(ctx.runtime, "filter", logs,
                            [JsonlReader(str(raw)), *blocks, JsonlWriter(str(current))], n_shards))
 
     if cur["exact_dedup"]:
         exact = ExactDedupConfig(content_getter=document_text)
-        stages.append(_run(ctx.runtime, "exact-signature", work,
+        stages.append(_run(ctx.runtime, "exact-signature", logs,
                            [JsonlReader(str(current)), ExactDedupSignature(str(work / "exact-sigs"), exact)],
                            n_shards))
-        stages.append(_run(ctx.runtime, "exact-find", work,
+        stages.append(_run(ctx.runtime, "exact-find", logs,
                            [ExactFindDedups(str(work / "exact-sigs"), str(work / "exact-dups"), exact)], 1))
-        stages.append(_run(ctx.runtime, "exact-filter", work,
+        stages.append(_run(ctx.runtime, "exact-filter", logs,
                            [JsonlReader(str(current)), ExactDedupFilter(str(work / "exact-dups"), exact),
                             JsonlWriter(str(work / "exact"))], n_shards))
         current = work / "exact"
@@ -68,20 +69,20 @@ def run_curate(ctx: StepContext) -> StepResult:
         mh = cur["minhash"]
         config = MinhashConfig(n_grams=mh["n_grams"], num_buckets=mh["num_buckets"],
                                hashes_per_bucket=mh["hashes_per_bucket"])
-        stages.append(_run(ctx.runtime, "minhash-signature", work,
+        stages.append(_run(ctx.runtime, "minhash-signature", logs,
                            [JsonlReader(str(current)), MinhashDedupSignature(str(work / "mh-sigs"), config)],
                            n_shards))
-        stages.append(_run(ctx.runtime, "minhash-buckets", work,
+        stages.append(_run(ctx.runtime, "minhash-buckets", logs,
                            [MinhashDedupBuckets(str(work / "mh-sigs"), str(work / "mh-buckets"), config=config)],
                            config.num_buckets))
-        stages.append(_run(ctx.runtime, "minhash-cluster", work,
+        stages.append(_run(ctx.runtime, "minhash-cluster", logs,
                            [MinhashDedupCluster(str(work / "mh-buckets"), str(work / "mh-remove"), config=config)], 1))
-        stages.append(_run(ctx.runtime, "minhash-filter", work,
+        stages.append(_run(ctx.runtime, "minhash-filter", logs,
                            [JsonlReader(str(current)), MinhashDedupFilter(str(work / "mh-remove")),
                             JsonlWriter(str(work / "minhash"))], n_shards))
         current = work / "minhash"
 
-    stages.append(_run(ctx.runtime, "split", work,
+    stages.append(_run(ctx.runtime, "split", logs,
                        [JsonlReader(str(current)), SplitTagger(cur["heldout_fraction"]),
                         JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz")], n_shards))
 
@@ -108,9 +109,9 @@ def run_curate(ctx: StepContext) -> StepResult:
     return StepResult(metrics=metrics, summary=summary, tables={"curation": rows})
 
 
-def _run(runtime: Runtime, stage: str, work: Path, pipeline: list, tasks: int) -> dict[str, Any]:
+def _run(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int) -> dict[str, Any]:
     """Run one datatrove pipeline and return its merged block statistics."""
-    logging_dir = work / "logs" / stage
+    logging_dir = logs / stage
     if runtime.task_runner == "ray":
         from datatrove.executor import RayPipelineExecutor
 

@@ -85,3 +85,31 @@ class SplitTagger(PipelineStep):
 def document_text(doc: Document) -> str:
     """Content getter for exact dedup (module-level and annotated: datatrove inspects the return type)."""
     return doc.text
+
+
+def _quiet_console_task_logger():
+    """datatrove sends every task's INFO log to stderr, which buries compass's own progress. Keep its full
+    log files (they become part of the artifact) and show only warnings on the console. Patched here because
+    worker processes import this module to unpickle the blocks above, so they get the same behaviour."""
+    import sys
+
+    import datatrove.executor.base as executor_base
+    from datatrove.utils.logging import add_task_logger, logger
+
+    if getattr(executor_base.add_task_logger, "_compass_quiet", False):
+        return
+
+    def add_quiet_task_logger(logging_dir, rank: int, local_rank: int = 0, node_rank: int = -1):
+        logfile = add_task_logger(logging_dir, rank, local_rank, node_rank=node_rank)
+        logger.remove()
+        logger.add(logfile, level="DEBUG", format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {message}")
+        logger.add(sys.stderr, level="WARNING", format="datatrove {level}: {message}")
+        return logfile
+
+    add_quiet_task_logger._compass_quiet = True  # type: ignore[attr-defined]
+    executor_base.add_task_logger = add_quiet_task_logger
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING", format="datatrove {level}: {message}")
+
+
+_quiet_console_task_logger()

@@ -1,0 +1,164 @@
+"""The `compass` command line: validate, plan, run, lineage, schema."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.tree import Tree
+
+from infra.environment import prepare_environment
+
+app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)]
+EXIT_BAD_INPUT = 2
+
+
+def _load(path: Path):
+    from specs.loader import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        for problem in exc.problems:
+            err.print(str(problem), markup=False, highlight=False)
+        n = len(exc.problems)
+        err.print(f"[red]{n} problem{'s' if n != 1 else ''} in {path}[/red]; nothing was run or written.")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+@app.command()
+def validate(spec: SpecArg) -> None:
+    """Check a spec: schema, cross-field rules; every problem with its file:line."""
+    loaded = _load(spec)
+    s = loaded.spec
+    out.print(f"[green]ok[/green] {spec}: '{s.name}' ({s.why.reason}), {len(s.what.data.sources)} sources, "
+              f"{len(s.what.pretraining.stages)} pretraining stages, spec hash {loaded.spec_hash[:12]}")
+
+
+def _store_root(loaded, store: str | None) -> str:
+    from flows.lifecycle import _resolve_root
+
+    return store or _resolve_root(loaded.spec.how.storage.root, loaded.base_dir)
+
+
+@app.command()
+def plan(spec: SpecArg,
+         store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
+         as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Print the DAG (fingerprints, outputs, what would run and why) and the cost estimate."""
+    loaded = _load(spec)
+    from flows.compiler import compile_spec
+    from flows.report import cost_sections, dag_section, print_sections
+    from flows.status import plan_status
+    from infra.store import Store
+    from tasks.registry import executable_kinds
+
+    compiled = compile_spec(loaded.spec)
+    target = Store(_store_root(loaded, store))
+    statuses = plan_status(compiled, target, executable_kinds())
+    sections = [dag_section(compiled, statuses, target.root), *cost_sections(loaded.spec)]
+    if as_json:
+        print(json.dumps({"spec": loaded.spec.name, "spec_hash": loaded.spec_hash,
+                          "sections": [{"title": s.title, "columns": s.columns, "rows": s.rows, "notes": s.notes}
+                                       for s in sections]}, indent=2, default=str))
+        return
+    out.print(f"[bold]compass plan[/bold] {spec}: '{loaded.spec.name}', spec hash {loaded.spec_hash[:12]}\n")
+    print_sections(sections, out)
+
+
+@app.command()
+def run(spec: SpecArg,
+        store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
+        until: Annotated[list[str] | None, typer.Option(help="Only run step kinds up to these (repeatable).")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON.")] = False) -> None:
+    """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
+    loaded = _load(spec)
+    prepare_environment()
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.lifecycle import lifecycle
+
+    orch = loaded.spec.how.orchestration
+    if orch.task_runner == "ray":
+        from prefect_ray import RayTaskRunner
+
+        runner = RayTaskRunner(address=orch.ray_address) if orch.ray_address else RayTaskRunner()
+    else:
+        runner = ThreadPoolTaskRunner(max_workers=orch.max_parallel_steps)
+    started = time.time()
+    flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
+    summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
+                   store_root=_store_root(loaded, store), until=until)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"compass run: {summary['spec']}", title_justify="left")
+    for col in ("step", "state", "seconds", "output"):
+        table.add_column(col, overflow="fold")
+    for r in summary["steps"]:
+        table.add_row(r["step"], "[green]ran[/green]" if r["executed"] else "cached",
+                      str(r["seconds"]) if r["executed"] else "-", r["uri"])
+    out.print(table)
+    ran = sum(r["executed"] for r in summary["steps"])
+    out.print(f"{ran} ran, {len(summary['steps']) - ran} cached, {len(summary['not_executable'])} not executable "
+              f"in this version; {time.time() - started:.0f}s. Results: {summary['store']}")
+
+
+@app.command()
+def lineage(uri: Annotated[str, typer.Argument(help="Artifact folder, file or manifest (local or s3://).")],
+            as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Print an artifact's ancestry back to the raw sources, from manifests alone."""
+    from infra.lineage import LineageError
+    from infra.lineage import lineage as walk
+
+    try:
+        tree = walk(uri)
+    except LineageError as exc:
+        err.print(f"{uri}: {exc} (give a path inside a committed artifact of the store)", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    if as_json:
+        print(json.dumps(tree, indent=2))
+        return
+    root = Tree(_label(tree))
+    _grow(root, tree)
+    out.print(root)
+
+
+def _label(node: dict) -> str:
+    label = f"[bold]{node['step']}[/bold] [dim]{node['fingerprint'][:12]}[/dim] {node['uri']}"
+    for p in node.get("provenance", []):
+        what = p.get("package") or p.get("path") or p.get("uri") or p.get("kind")
+        label += f"\n  source: {p.get('kind')} {what} {p.get('version', '')} " + (
+            f"sha256 {p['archive_sha256'][:16]}" if "archive_sha256" in p else "")
+    if node.get("missing"):
+        label += " [red](missing)[/red]"
+    return label
+
+
+def _grow(branch: Tree, node: dict) -> None:
+    for child in node.get("inputs", []):
+        _grow(branch.add(_label(child)), child)
+
+
+@app.command()
+def schema() -> None:
+    """Print the spec's JSON Schema (for editor completion and checking)."""
+    from specs.spec import TrainingSpec
+
+    sys.stdout.write(json.dumps(TrainingSpec.model_json_schema(), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    app()

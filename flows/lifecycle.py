@@ -1,0 +1,110 @@
+"""The Prefect lifecycle flow: one task per Step, in dependency order, retries and timeouts from `how`,
+a markdown/table artifact per step, and the plan published at the start of every run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture, wait
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.compiler import Plan, Step, compile_spec
+from flows.report import cost_sections, dag_section, to_markdown
+from flows.runner import RunContext, StepOutcome, run_step
+from flows.status import plan_status
+from infra.store import Store
+from specs.loader import load_spec_text
+from tasks.base import Runtime
+from tasks.registry import executable_kinds
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")[:100]
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def execute_step(ctx: RunContext, step: Step) -> dict[str, Any]:
+    log = get_run_logger()
+    outcome = run_step(ctx, step, log)
+    _publish(ctx, step, outcome)
+    return {"step": step.id, "uri": outcome.uri, "executed": outcome.executed,
+            "seconds": round(outcome.manifest.duration_s, 2)}
+
+
+def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
+    m = outcome.manifest
+    key = artifact_key(ctx.plan.spec_name, step.kind, step.name)
+    head = outcome.result.summary if outcome.result else f"### {step.id}\n\ncached: committed earlier"
+    inputs = "\n".join(f"- {i.role}: `{i.uri}`" for i in m.inputs) or "- none (raw source)"
+    body = (f"{head}\n\n**output** `{m.uri}`  \n**fingerprint** `{m.fingerprint[:16]}`  \n"
+            f"**took** {m.duration_s:.1f}s on {m.host}  \n**files** {len(m.files)}, "
+            f"{sum(f.size for f in m.files):,} bytes\n\n**inputs**\n{inputs}\n")
+    create_markdown_artifact(key=key, markdown=body, description=f"{step.id}: {m.uri}")
+    if outcome.result:
+        for name, rows in outcome.result.tables.items():
+            if rows:
+                create_table_artifact(key=artifact_key(ctx.plan.spec_name, name, step.name), table=rows,
+                                      description=f"{step.id}: {name}")
+
+
+def _with_options(ctx_spec_timeouts: dict[str, float], step: Step, orch: Any, spec_name: str):
+    timeout = ctx_spec_timeouts.get(step.kind, orch.timeout_seconds)
+    return execute_step.with_options(
+        name=f"{step.kind}", task_run_name=step.id, retries=orch.retries,
+        retry_delay_seconds=orch.retry_delay_seconds, timeout_seconds=timeout,
+        tags=[f"compass:{step.kind}", *step.tags, f"spec:{spec_name}"],
+    )
+
+
+def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
+    """Submit every step with `wait_for` on its inputs and wait for all of them."""
+    futures: dict[str, PrefectFuture] = {}
+    for step in plan.steps:
+        deps = [futures[d] for d in step.inputs.values()]
+        futures[step.id] = _with_options(orch.step_timeouts, step, orch, plan.spec_name).submit(
+            ctx, step, wait_for=deps)
+    wait(list(futures.values()))
+    return [f.result() for f in futures.values()]
+
+
+@flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True,
+      persist_result=False)
+def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None = None,
+              store_root: str | None = None, until: list[str] | None = None) -> dict[str, Any]:
+    """Validate the spec, compile it, publish the plan, then run every step compass can execute."""
+    logger = get_run_logger()
+    base = Path(base_dir) if base_dir else Path.cwd()
+    loaded = load_spec_text(spec_yaml, spec_path, base_dir=base)
+    spec = loaded.spec
+    full = compile_spec(spec)
+    kinds = executable_kinds() if not until else executable_kinds() & set(until)
+    plan = full.restricted_to(kinds)
+    store = Store(store_root or _resolve_root(spec.how.storage.root, base))
+    statuses = plan_status(full, store, kinds)
+    create_markdown_artifact(
+        key=artifact_key(spec.name, "plan"),
+        markdown=f"## compass plan: {spec.name}\n\nspec hash `{loaded.spec_hash[:16]}`, store `{store.root}`\n\n"
+                 + to_markdown([dag_section(full, statuses, store.root), *cost_sections(spec)]),
+        description=f"plan of {spec.name}")
+    left_out = [s.id for s in full.steps if s.id not in plan.fingerprints]
+    if left_out:
+        logger.info("not run in this version (no executor yet): %s", ", ".join(left_out))
+    orch = spec.how.orchestration
+    runtime = Runtime(workers=orch.workers, task_runner=orch.task_runner, ray_address=orch.ray_address,
+                      base_dir=base)
+    ctx = RunContext(plan, store, loaded.spec_hash, runtime)
+    results = run_plan(plan, ctx, orch)
+    ran = [r["step"] for r in results if r["executed"]]
+    logger.info("%d steps ran, %d cached, %d not executable yet", len(ran), len(results) - len(ran), len(left_out))
+    return {"spec": spec.name, "store": store.root, "steps": results, "not_executable": left_out}
+
+
+def _resolve_root(root: str, base: Path) -> str:
+    """Relative store roots are relative to the working directory, like DESIGN.md's `store/`."""
+    return root if "://" in root else str((Path.cwd() / root).resolve())

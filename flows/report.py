@@ -1,0 +1,131 @@
+"""The plan as tables (DAG with cache status, costs, memory, KV cache), rendered for a terminal or markdown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flows.compiler import Plan
+from flows.status import StepStatus
+from specs import costs
+from specs.spec import TrainingSpec
+
+
+@dataclass
+class Section:
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = field(default_factory=list)
+
+
+def human(n: float, unit: str = "") -> str:
+    for factor, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= factor:
+            return f"{n / factor:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}" if float(n).is_integer() else f"{n:.3g}{unit}"
+
+
+def hours(h: float) -> str:
+    return f"{h:,.0f}" if h >= 100 else f"{h:.3g}"
+
+
+def gib(n: float) -> str:
+    return f"{n / costs.GIB:.2f} GiB" if n >= costs.GIB / 100 else f"{n / 1024**2:.1f} MiB"
+
+
+def _deps(inputs: list[str]) -> str:
+    deps = sorted(set(inputs))
+    return ", ".join(deps) if len(deps) <= 2 else f"{deps[0]} +{len(deps) - 1} more"
+
+
+def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str) -> Section:
+    rows = []
+    for step, st in zip(plan.steps, statuses, strict=True):
+        rows.append([step.id, _deps(list(step.inputs.values())) or "-", plan.fingerprints[step.id][:12],
+                     st.state, st.reason, st.uri.removeprefix(store_root + "/")])
+    counts = {s: sum(1 for x in statuses if x.state == s) for s in ("run", "cached", "blocked", "unknown")}
+    note = (f"{counts['run']} to run, {counts['cached']} cached, {counts['blocked']} not executable in this "
+            f"version" + (f", {counts['unknown']} unknown" if counts["unknown"] else "")
+            + f"; outputs under {store_root}")
+    return Section("DAG", ["step", "depends on", "fingerprint", "state", "why", "output"], rows, [note])
+
+
+def cost_sections(spec: TrainingSpec) -> list[Section]:
+    arch, how = spec.what.architecture, spec.how
+    vocab = costs.planning_vocab(spec)
+    p = costs.count_parameters(arch, vocab)
+    params_rows = [["embedding", f"{p.embedding:,}", human(p.embedding)],
+                   ["non-embedding", f"{p.non_embedding:,}", human(p.non_embedding)],
+                   ["total", f"{p.total:,}", human(p.total)]]
+    if arch.family == "moe":
+        params_rows.append(["active non-embedding", f"{p.active_non_embedding:,}", human(p.active_non_embedding)])
+    params = Section("Parameters", ["part", "count", "~"], params_rows,
+                     [f"vocabulary {vocab:,}" + ("" if arch.vocab_size else " (largest tokenizer candidate)")
+                      + f"; tied embeddings: {arch.tied_embeddings}"])
+
+    stages = costs.stage_costs(spec)
+    hw = how.hardware
+    stage_rows = [[f"{s.section}:{s.name}", human(s.tokens), s.seq_len, f"{s.flops:.3e}", hours(s.gpu_hours),
+                   f"{s.wall_days:.3g}"] for s in stages]
+    total_h = sum(s.gpu_hours for s in stages)
+    stage_rows.append(["total", human(sum(s.tokens for s in stages)), "", f"{sum(s.flops for s in stages):.3e}",
+                       hours(total_h), f"{sum(s.wall_days for s in stages):.3g}"])
+    compute = Section("Training compute", ["stage", "tokens", "seq", "FLOPs", "GPU-hours", "days"], stage_rows,
+                      [f"6·N·D + attention (PaLM); {hw.total_devices} x {hw.accelerator} at {hw.peak:g} TFLOP/s, "
+                       f"assumed MFU {hw.assumed_mfu:.0%}"])
+    sections = [params, compute]
+    abl = costs.ablation_cost(spec)
+    if abl:
+        sections.append(Section("Ablations", ["runs", "proxy params", "tokens/run", "FLOPs", "GPU-hours",
+                                              "vs main run"],
+                                [[abl.runs, human(abl.params), human(abl.tokens_per_run), f"{abl.flops:.3e}",
+                                  hours(abl.gpu_hours), f"{abl.share_of_main:.1%}"]],
+                                ["SmolLM3 spent 161,280 GPU-hours on ablations and debugging, over half its main run"]))
+    device = costs.device_memory_bytes(how)
+    mem_rows = []
+    for z in range(4):
+        m = costs.memory_per_gpu(spec, z)
+        mark = " (spec)" if z == how.parallelism.zero_stage else ""
+        fits = "yes" if m.total <= device else "NO"
+        mem_rows.append([f"ZeRO-{z}{mark}", gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
+                         gib(m.logits), gib(m.total), fits])
+    par = how.parallelism
+    sections.append(Section("Memory per GPU", ["stage", "weights", "grads", "optimizer", "activations", "logits",
+                                               "total", f"fits {gib(device)}"], mem_rows,
+                            [f"{how.precision}, DP={par.data_parallel}, TP={par.tensor_parallel}, micro-batch "
+                             f"{par.micro_batch_size}, activation checkpointing {par.activation_checkpointing}"]))
+    kv_rows = [[k.seq_len, gib(k.bytes_gqa), gib(k.bytes_mha), f"{k.bytes_mha / k.bytes_gqa:.0f}x"]
+               for k in costs.kv_cache(spec)]
+    sections.append(Section("KV cache per sequence (bf16)",
+                            ["context", f"{arch.num_kv_heads} KV heads", f"MHA ({arch.num_heads})", "saving"],
+                            kv_rows))
+    return sections
+
+
+def to_markdown(sections: list[Section]) -> str:
+    out = []
+    for s in sections:
+        out.append(f"### {s.title}\n")
+        out.append("| " + " | ".join(s.columns) + " |")
+        out.append("|" + "---|" * len(s.columns))
+        for row in s.rows:
+            out.append("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |")
+        out.extend(f"\n_{n}_" for n in s.notes)
+        out.append("")
+    return "\n".join(out)
+
+
+def print_sections(sections: list[Section], console: Any) -> None:
+    from rich.table import Table
+
+    for s in sections:
+        table = Table(title=s.title, title_justify="left", show_lines=False, header_style="bold")
+        for c in s.columns:
+            table.add_column(c, overflow="fold")
+        for row in s.rows:
+            table.add_row(*[str(c) for c in row])
+        console.print(table)
+        for n in s.notes:
+            console.print(f"  [dim]{n}[/dim]")
+        console.print()

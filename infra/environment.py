@@ -1,0 +1,29 @@
+"""Process environment compass needs, set before Prefect, Ray or Hugging Face libraries are imported."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def prepare_environment(home: Path | None = None) -> None:
+    """Offline Hugging Face, quiet telemetry, and a project-local Prefect home; never overrides the user."""
+    for key, value in OFFLINE.items():
+        os.environ.setdefault(key, value)
+    base = home or Path.cwd() / ".compass"
+    os.environ.setdefault("PREFECT_HOME", str(base / "prefect"))
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
+    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")

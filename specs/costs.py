@@ -1,0 +1,182 @@
+"""The planner's arithmetic: parameters, FLOPs, GPU-hours, memory per GPU and KV-cache size.
+
+Conventions (stated so a reader can redo them by hand):
+- parameters follow the transformers Llama/Qwen3/SmolLM3 layout: no biases, SwiGLU FFN (3 matrices),
+  two RMSNorms per layer, a final norm, optional q/k norms, an output head counted once when tied;
+- training FLOPs per token = 6 * N_matmul + 12 * L * H * Q * T (PaLM, appendix B), where N_matmul is the
+  non-embedding parameters plus the output projection (V * d; it is a matmul even when tied), H heads,
+  Q head dim, T sequence length; for MoE, N_matmul counts active experts only;
+- memory uses mixed-precision Adam (bf16/fp16: 2 bytes weights, 2 grads, 12 optimizer = fp32 master, m, v;
+  fp32: 4, 4, 8) partitioned by ZeRO over data-parallel ranks and by tensor parallelism;
+- activations per layer per sequence: T * d * 34 bytes (Korthikanti et al., flash attention, 16-bit),
+  divided by TP; with activation checkpointing only each layer's input (2 * T * d bytes) is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specs.architecture import Architecture
+from specs.how import MEMORY_GIB, How
+from specs.spec import TrainingSpec
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    embedding: int          # input embedding
+    non_embedding: int      # transformer blocks, final norm and an untied output head
+    lm_head: int            # untied output head (0 when tied), included in non_embedding
+    active_non_embedding: int  # MoE: with only the routed top-k (+ shared) experts
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.non_embedding
+
+
+def planning_vocab(spec: TrainingSpec) -> int:
+    """The vocabulary size the plan assumes: fixed in the architecture, or the largest candidate."""
+    if spec.what.architecture.vocab_size:
+        return spec.what.architecture.vocab_size
+    sizes = [c.vocab_size for c in spec.what.tokenizer.candidates if c.kind in ("bpe", "hub")]
+    return max(sizes) if sizes else 32_000
+
+
+def count_parameters(arch: Architecture, vocab: int) -> ParamCount:
+    d, hd, L = arch.hidden_size, arch.resolved_head_dim, arch.num_layers
+    attn = d * arch.num_heads * hd * 2 + d * arch.num_kv_heads * hd * 2
+    norms = 2 * d + (2 * hd if arch.qk_norm else 0)
+    if arch.family == "moe" and arch.moe:
+        m = arch.moe
+        expert = 3 * d * m.expert_ffn_size
+        shared = m.shared_experts * expert + (d if m.shared_experts else 0)  # shared experts and their gate
+        ffn = d * m.num_experts + m.num_experts * expert + shared
+        active_ffn = d * m.num_experts + m.experts_per_token * expert + shared
+    else:
+        ffn = active_ffn = 3 * d * arch.ffn_size
+    embedding = vocab * d
+    lm_head = 0 if arch.tied_embeddings else vocab * d
+    non_embedding = L * (attn + ffn + norms) + d + lm_head
+    active = L * (attn + active_ffn + norms) + d + lm_head
+    return ParamCount(embedding, non_embedding, lm_head, active)
+
+
+def flops_per_token(arch: Architecture, vocab: int, seq_len: int) -> float:
+    p = count_parameters(arch, vocab)
+    n_matmul = p.active_non_embedding - p.lm_head + vocab * arch.hidden_size - _norm_params(arch)
+    attention = 12 * arch.num_layers * arch.num_heads * arch.resolved_head_dim * seq_len
+    return 6 * n_matmul + attention
+
+
+def _norm_params(arch: Architecture) -> int:
+    per_layer = 2 * arch.hidden_size + (2 * arch.resolved_head_dim if arch.qk_norm else 0)
+    return arch.num_layers * per_layer + arch.hidden_size
+
+
+def gpu_hours(flops: float, how: How) -> float:
+    return flops / (how.hardware.peak * 1e12 * how.hardware.assumed_mfu) / 3600
+
+
+@dataclass(frozen=True)
+class StageCost:
+    section: str
+    name: str
+    tokens: float
+    seq_len: int
+    flops: float
+    gpu_hours: float
+    wall_days: float
+
+
+def stage_costs(spec: TrainingSpec) -> list[StageCost]:
+    arch, how, vocab = spec.what.architecture, spec.how, planning_vocab(spec)
+    stages = [("pretrain", s.name, s.tokens, s.sequence_length) for s in spec.what.pretraining.stages]
+    stages += [("long_context", s.name, s.tokens, s.sequence_length) for s in spec.what.long_context.stages]
+    out = []
+    for section, name, tokens, seq in stages:
+        flops = flops_per_token(arch, vocab, seq) * tokens
+        hours = gpu_hours(flops, how)
+        out.append(StageCost(section, name, tokens, seq, flops, hours, hours / how.hardware.total_devices / 24))
+    return out
+
+
+@dataclass(frozen=True)
+class AblationCost:
+    runs: int
+    params: int
+    tokens_per_run: float
+    flops: float
+    gpu_hours: float
+    share_of_main: float
+
+
+def ablation_cost(spec: TrainingSpec) -> AblationCost | None:
+    abl = spec.what.ablations
+    if abl is None:
+        return None
+    proxy = Architecture.model_validate({**spec.what.architecture.model_dump(), **abl.baseline.architecture})
+    vocab = planning_vocab(spec)
+    runs = (len(abl.variants) + 1) * len(abl.seeds)
+    flops = runs * flops_per_token(proxy, vocab, abl.baseline.sequence_length) * abl.baseline.tokens
+    hours = gpu_hours(flops, spec.how)
+    main = sum(s.gpu_hours for s in stage_costs(spec))
+    return AblationCost(runs, count_parameters(proxy, vocab).total, abl.baseline.tokens, flops, hours,
+                        hours / main if main else 0.0)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    zero_stage: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+
+def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = None) -> MemoryEstimate:
+    """Bytes per GPU for one training micro-step at `seq_len` (default: the longest pretraining stage)."""
+    arch, how = spec.what.architecture, spec.how
+    par = how.parallelism
+    vocab = planning_vocab(spec)
+    n = count_parameters(arch, vocab).total
+    tp, dp = par.tensor_parallel, par.data_parallel
+    w_bytes, g_bytes, o_bytes = (4, 4, 8) if how.precision == "fp32" else (2, 2, 12)
+    weights = n * w_bytes / tp / (dp if zero_stage >= 3 else 1)
+    grads = n * g_bytes / tp / (dp if zero_stage >= 2 else 1)
+    optim = n * o_bytes / tp / (dp if zero_stage >= 1 else 1)
+    seq = seq_len or max(s.sequence_length for s in spec.what.pretraining.stages)
+    b, d, L = par.micro_batch_size, arch.hidden_size, arch.num_layers
+    act_scale = 2 if how.precision == "fp32" else 1
+    if par.activation_checkpointing:
+        acts = (L * 2 * seq * b * d + 34 * seq * b * d) * act_scale / tp
+    else:
+        acts = L * 34 * seq * b * d * act_scale / tp
+    logits = seq * b * vocab * 4 / tp  # fp32 logits for the loss
+    return MemoryEstimate(zero_stage, weights, grads, optim, acts, logits)
+
+
+def device_memory_bytes(how: How) -> float:
+    return MEMORY_GIB[how.hardware.accelerator] * GIB
+
+
+@dataclass(frozen=True)
+class KvCache:
+    seq_len: int
+    bytes_gqa: float
+    bytes_mha: float
+
+
+def kv_cache(spec: TrainingSpec, bytes_per_value: int = 2) -> list[KvCache]:
+    """KV cache per sequence = 2 (K and V) * layers * kv_heads * head_dim * bytes * length."""
+    arch = spec.what.architecture
+    lengths = sorted({s.sequence_length for s in spec.what.pretraining.stages}
+                     | {s.sequence_length for s in spec.what.long_context.stages})
+    per_token_gqa = 2 * arch.num_layers * arch.num_kv_heads * arch.resolved_head_dim * bytes_per_value
+    per_token_mha = 2 * arch.num_layers * arch.num_heads * arch.resolved_head_dim * bytes_per_value
+    return [KvCache(n, per_token_gqa * n, per_token_mha * n) for n in lengths]
