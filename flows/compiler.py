@@ -6,6 +6,7 @@ that read it and their descendants.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,8 @@ def compile_spec(spec: TrainingSpec) -> Plan:
     for src in what.data.sources:
         ingest_cfg = src.model_dump(mode="json", include={"uri", "include", "exclude", "format", "text_key", "split",
                                                           "section_chars", "language", "domain", "max_documents"})
+        if src.uri.startswith("stdlib://"):  # the code differs between Python versions
+            ingest_cfg["python"] = platform.python_version()
         steps.append(Step("ingest", src.name, ingest_cfg, tags=("data",)))
         curate_cfg = {"curation": _dump(src.curation), "language": src.language, "domain": src.domain}
         steps.append(Step("curate", src.name, curate_cfg, {"raw": f"ingest:{src.name}"}, tags=("data",)))

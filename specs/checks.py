@@ -56,7 +56,7 @@ def _architecture(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         yield Issue((*at, "positions", "nope_every"), f"nope_every only applies to kind: rnope, not {pos.kind}",
                     "remove nope_every or set kind: rnope")
     if a.family == "moe" and a.moe is None:
-        yield Issue((*at, "moe"), "family: moe needs a moe block",
+        yield Issue((*at, "family"), "family: moe needs a moe block",
                     "add moe: {num_experts, experts_per_token, expert_ffn_size}")
     if a.family == "dense" and a.moe is not None:
         yield Issue((*at, "moe"), "a moe block on a dense model", "set family: moe or remove the block")
@@ -66,14 +66,14 @@ def _architecture(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
                     "route to at most num_experts experts")
 
 
-def _duplicates(names: list[str]) -> set[str]:
-    return {n for n in names if names.count(n) > 1}
+def _repeats(names: list[str]) -> list[tuple[int, str]]:
+    """(index, name) of every entry whose name appeared earlier: the duplicate, not the original."""
+    return [(i, n) for i, n in enumerate(names) if n in names[:i]]
 
 
 def _sources(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     sources = spec.what.data.sources
-    for dup in sorted(_duplicates([s.name for s in sources])):
-        i = [s.name for s in sources].index(dup)
+    for i, dup in _repeats([s.name for s in sources]):
         yield Issue(("what", "data", "sources", i, "name"), f"source name '{dup}' is used twice",
                     "give every source its own name")
     for i, src in enumerate(sources):
@@ -132,8 +132,8 @@ def _mixtures(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
 
 def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     pre = spec.what.pretraining.stages
-    for dup in sorted(_duplicates([s.name for s in pre])):
-        yield Issue(("what", "pretraining", "stages", [s.name for s in pre].index(dup), "name"),
+    for i, dup in _repeats([s.name for s in pre]):
+        yield Issue(("what", "pretraining", "stages", i, "name"),
                     f"stage name '{dup}' is used twice", "name every stage differently")
     for i, (a, b) in enumerate(zip(pre, pre[1:], strict=False)):
         if b.sequence_length < a.sequence_length:
@@ -235,8 +235,8 @@ def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
 def _tokenizer(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     cands = spec.what.tokenizer.candidates
     keys = [candidate_key(c) for c in cands]
-    for dup in sorted(_duplicates(keys)):
-        yield Issue(("what", "tokenizer", "candidates", keys.index(dup)), f"candidate '{dup}' is listed twice",
+    for i, dup in _repeats(keys):
+        yield Issue(("what", "tokenizer", "candidates", i), f"candidate '{dup}' is listed twice",
                     "list each candidate once")
     for i, c in enumerate(cands):
         if c.kind == "local" and not (base_dir / c.path / "tokenizer.json").expanduser().exists():
@@ -270,8 +270,8 @@ def _references(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         if crit.checkpoint not in valid:
             yield Issue(("why", "success_criteria", i, "checkpoint"), f"unknown checkpoint '{crit.checkpoint}'", hint)
     post = spec.what.post_training
-    for dup in sorted(_duplicates([s.name for s in post])):
-        yield Issue(("what", "post_training", [s.name for s in post].index(dup), "name"),
+    for i, dup in _repeats([s.name for s in post]):
+        yield Issue(("what", "post_training", i, "name"),
                     f"post-training step '{dup}' is named twice", "name every step differently")
     for i, step in enumerate(post):
         refs = []
@@ -295,8 +295,8 @@ def _ablations(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
                         "proxy overrides use what.architecture's field names")
     base = abl.baseline.model_dump()
     base["architecture"] = {**spec.what.architecture.model_dump(), **abl.baseline.architecture}
-    for dup in sorted(_duplicates([v.name for v in abl.variants])):
-        yield Issue(("what", "ablations", "variants", [v.name for v in abl.variants].index(dup), "name"),
+    for i, dup in _repeats([v.name for v in abl.variants]):
+        yield Issue(("what", "ablations", "variants", i, "name"),
                     f"variant '{dup}' is named twice", "name every variant differently")
     for i, variant in enumerate(abl.variants):
         at = ("what", "ablations", "variants", i, "change")

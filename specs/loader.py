@@ -110,7 +110,8 @@ def _parse_yaml(text: str, filename: str) -> Any:
     except YAMLError as exc:
         raise SpecError([SpecProblem(filename, 1, "<yaml>", str(exc), "check the YAML syntax")]) from None
     if not isinstance(data, CommentedMap):
-        raise SpecError([SpecProblem(filename, 1, "<spec>", "the spec must be a mapping with why, what, how",
+        line = data.lc.line + 1 if hasattr(data, "lc") else 1
+        raise SpecError([SpecProblem(filename, line, "<spec>", "the spec must be a mapping with why, what, how",
                                      "start from specs/examples/tiny.yaml")])
     return data
 
@@ -119,7 +120,7 @@ class _LineIndex:
     """Maps a data path (keys and list indexes) to the 1-based line where it appears."""
 
     def __init__(self, root: Any):
-        self._lines: dict[Loc, int] = {(): 1}
+        self._lines: dict[Loc, int] = {(): root.lc.line + 1 if hasattr(root, "lc") else 1}
         self._walk(root, ())
 
     def _walk(self, node: Any, loc: Loc) -> None:
@@ -221,6 +222,8 @@ def _dotted(loc: Loc) -> str:
 
 _HINTS = {
     "missing": "add this field",
+    "literal_error": "use one of the listed values",
+    "enum": "use one of the listed values",
     "int_parsing": "write a whole number",
     "int_from_float": "write a whole number",
     "float_parsing": "write a number such as 2e-4",
@@ -253,7 +256,9 @@ def _problems_from_validation(exc: ValidationError, data: Any, lines: _LineIndex
         elif kind == "missing" and loc:
             parent = _dotted(loc[:-1]) or "the top level"
             hint = f"add '{loc[-1]}:' under {parent}"
-        elif kind == "union_tag_not_found":
-            hint = "say which kind this entry is"
+        elif kind in ("union_tag_invalid", "union_tag_not_found"):
+            tag = str(err.get("ctx", {}).get("discriminator", "")).strip("'\"")
+            loc = (*loc, tag) if tag else loc
+            hint = f"set '{tag}' to one of the listed values" if kind == "union_tag_invalid" else f"add '{tag}:'"
         problems.append(SpecProblem(filename, lines.line_for(loc), _dotted(loc), message, hint))
     return sorted(problems, key=lambda p: p.line)

@@ -52,6 +52,9 @@ def run_curate(ctx: StepContext) -> StepResult:
         current = work / "filtered"
         stages.append(_run(ctx.runtime, "filter", logs,
                            [JsonlReader(str(raw)), *blocks, JsonlWriter(str(current))], n_shards))
+        if not any(current.glob("*.jsonl.gz")):
+            raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
+                             "loosen its filters")
 
     if cur["exact_dedup"]:
         exact = ExactDedupConfig(content_getter=document_text)
@@ -153,7 +156,9 @@ def _removal_reasons(stages: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _block_label(name: str) -> str:
-    """'🔻 - FILTER: 👯 Gopher Repetition' -> 'gopher_repetition'."""
+    """'🔻 - FILTER: 👯 Gopher Repetition' -> 'gopher_repetition'; dedup filters -> exact_dedup/minhash_dedup."""
+    if "DEDUP" in name.upper():
+        return "minhash_dedup" if "minhash" in name.lower() else "exact_dedup"
     words = re.findall(r"[A-Za-z0-9]+", name.rsplit(":", 1)[-1])
     return "_".join(words).lower() or name
 

@@ -94,22 +94,30 @@ def _quiet_console_task_logger():
     import sys
 
     import datatrove.executor.base as executor_base
-    from datatrove.utils.logging import add_task_logger, logger
+    from datatrove.utils.logging import add_task_logger, close_task_logger, logger
 
     if getattr(executor_base.add_task_logger, "_compass_quiet", False):
         return
 
+    def quiet_console() -> None:
+        logger.remove()
+        logger.add(sys.stderr, level="WARNING", format="datatrove {level}: {message}")
+
     def add_quiet_task_logger(logging_dir, rank: int, local_rank: int = 0, node_rank: int = -1):
         logfile = add_task_logger(logging_dir, rank, local_rank, node_rank=node_rank)
         logger.remove()
+        quiet_console()
         logger.add(logfile, level="DEBUG", format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {message}")
-        logger.add(sys.stderr, level="WARNING", format="datatrove {level}: {message}")
         return logfile
+
+    def close_quiet_task_logger(logfile) -> None:
+        close_task_logger(logfile)  # re-adds datatrove's default console logger
+        quiet_console()
 
     add_quiet_task_logger._compass_quiet = True  # type: ignore[attr-defined]
     executor_base.add_task_logger = add_quiet_task_logger
-    logger.remove()
-    logger.add(sys.stderr, level="WARNING", format="datatrove {level}: {message}")
+    executor_base.close_task_logger = close_quiet_task_logger
+    quiet_console()
 
 
 _quiet_console_task_logger()

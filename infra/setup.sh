@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything compass needs into .venv, in the order that works offline-from-hubs on a CPU machine:
+# torch's CPU wheel first, DeepSpeed built without isolation against it, then the project and its pins.
+# Idempotent: a stamp keyed on pyproject.toml and this script skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.compass-setup-$(cat pyproject.toml infra/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+echo "compass: installing dependencies into .venv (first run takes a few minutes)" >&2
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip install -q --upgrade pip wheel setuptools
+pip install -q torch==2.13.0                      # the CPU wheel; an open 'torch' pulls a CUDA build
+if ! python -c "import deepspeed" 2>/dev/null; then
+  DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8
+fi
+pip install -q -e ".[dev]"
+
+# Debian package lists, so deb:// sources can be downloaded (apt-get download); skipped where apt is absent.
+if command -v apt-get >/dev/null 2>&1; then
+  if ! ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1; then
+    apt-get update -qq || echo "compass: apt-get update failed; deb:// sources will not download" >&2
+  fi
+else
+  echo "compass: apt-get not found: deb:// sources are unavailable on this machine" >&2
+fi
+rm -f .venv/.compass-setup-*
+touch "$stamp"

@@ -1,0 +1,103 @@
+"""Shared fixtures: a real Prefect server on 127.0.0.1 for the session, and a CLI runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(tmp_home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PREFECT_HOME": str(tmp_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "DO_NOT_TRACK": "1",
+                "PATH": f"{VENV_BIN}:{env.get('PATH', '')}"})
+    return env
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`prefect server start` on a free loopback port with its own database; stopped at the end."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = base_env(home)
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+class Cli:
+    """Runs `compass ...` in a subprocess, the way a user does."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]):
+        self.cwd, self.env = cwd, env
+
+    def __call__(self, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(VENV_BIN / "compass"), *args], cwd=self.cwd, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"compass {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                                 f"{done.stderr[-5000:]}")
+        return done
+
+    def json(self, *args: str) -> dict:
+        return json.loads(self(*args, "--json").stdout)
+
+
+@pytest.fixture
+def server_cli(prefect_server: str, tmp_path: Path) -> Cli:
+    env = base_env(tmp_path / "prefect-client")
+    env["PREFECT_API_URL"] = prefect_server
+    return Cli(tmp_path, env)
+
+
+def write_minimal_spec(folder: Path, **replacements: str) -> Path:
+    """The minimal spec with absolute fixture paths, optionally edited (old text -> new text)."""
+    text = (REPO / "tests" / "specs" / "minimal.yaml").read_text()
+    text = text.replace("../fixtures/", f"{FIXTURES}/")
+    for old, new in replacements.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = folder / "spec.yaml"
+    path.write_text(text)
+    return path

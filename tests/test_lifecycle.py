@@ -1,0 +1,120 @@
+"""End to end through the CLI against a real Prefect server: run, cached re-run, one-field changes,
+plan reasons, lineage, and the artifacts the UI shows."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Cli, write_minimal_spec
+
+pytestmark = pytest.mark.slow
+
+
+def executed(summary: dict) -> set[str]:
+    return {s["step"] for s in summary["steps"] if s["executed"]}
+
+
+def read_ids(folder: Path) -> set[str]:
+    ids = set()
+    for shard in folder.glob("*.jsonl.gz"):
+        with gzip.open(shard, "rt") as f:
+            ids |= {json.loads(line)["id"] for line in f}
+    return ids
+
+
+def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
+    spec = write_minimal_spec(tmp_path)
+    store = tmp_path / "store"
+    all_steps = {"ingest:notes", "curate:notes", "ingest:code", "curate:code", "tokenizer:select"}
+
+    first = server_cli.json("run", str(spec), "--store", str(store))
+    assert executed(first) == all_steps
+    assert {"pretrain:stage1", "pretrain:stage2"} <= set(first["not_executable"])
+
+    # curation removed exactly what was planted: 2 exact copies, 1 near copy, 1 French note
+    curated = next(store.glob("curate/notes-*"))
+    stats = json.loads((curated / "stats.json").read_text())
+    assert stats["before"]["documents"] == 44
+    removed = stats["removed_by"]
+    assert removed["exact_dedup"] == 2 and removed["minhash_dedup"] == 1
+    assert sum(removed.values()) == 4  # and the French note, by a quality or the language filter
+    kept = read_ids(curated / "train") | read_ids(curated / "heldout")
+    assert len(kept) == 40
+    assert not {"notes/note40.txt#0", "notes/note41.txt#0", "notes/note43.txt#0"} & kept
+    assert len({"notes/note02.txt#0", "notes/note42.txt#0"} & kept) == 1  # MinHash kept one of the pair
+
+    again = server_cli.json("run", str(spec), "--store", str(store))
+    assert executed(again) == set()
+
+    # one tokenizer field: only the tokenizer re-runs; plan says why
+    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000"})
+    plan = server_cli.json("plan", str(spec), "--store", str(store))
+    dag = {row[0]: row for row in plan["sections"][0]["rows"]}
+    assert dag["tokenizer:select"][3:5] == ["run", "config changed: train_chars"]
+    assert dag["curate:notes"][3] == "cached"
+    assert executed(server_cli.json("run", str(spec), "--store", str(store))) == {"tokenizer:select"}
+
+    # one curation field of one source: that curation and its descendants re-run, nothing else
+    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000",
+                                           "curation: {heldout_fraction: 0.2}": "curation: {heldout_fraction: 0.25}"})
+    plan = server_cli.json("plan", str(spec), "--store", str(store))
+    dag = {row[0]: row for row in plan["sections"][0]["rows"]}
+    assert dag["curate:code"][4] == "config changed: curation.heldout_fraction"
+    assert dag["tokenizer:select"][4] == "input changed: curate:code"
+    assert executed(server_cli.json("run", str(spec), "--store", str(store))) == {"curate:code", "tokenizer:select"}
+
+    # orchestration settings are not part of any fingerprint
+    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000",
+                                           "curation: {heldout_fraction: 0.2}": "curation: {heldout_fraction: 0.25}",
+                                           "parallelism: {micro_batch_size: 2}":
+                                           "parallelism: {micro_batch_size: 2}\n  orchestration: {retries: 4}"})
+    assert executed(server_cli.json("run", str(spec), "--store", str(store))) == set()
+
+    # lineage from a file of the chosen tokenizer back to both raw sources
+    chosen = next(store.glob("tokenizer/select-*")) / "chosen" / "tokenizer.json"
+    tree = server_cli.json("lineage", str(chosen))
+    assert tree["step"] == "tokenizer:select"
+    raw = {c["inputs"][0]["step"]: c["inputs"][0]["provenance"] for c in tree["inputs"]}
+    assert set(raw) == {"ingest:notes", "ingest:code"}
+    assert raw["ingest:notes"][0]["kind"] == "local"
+    text = server_cli("lineage", str(chosen)).stdout
+    assert "ingest:notes" in text and "curate:code" in text
+
+
+def test_artifacts_and_task_runs_reach_the_server(server_cli: Cli, tmp_path: Path, prefect_server: str,
+                                                  monkeypatch: pytest.MonkeyPatch):
+    spec = write_minimal_spec(tmp_path, **{"name: minimal": "name: minimal-ui"})
+    server_cli.json("run", str(spec), "--store", str(tmp_path / "store"))
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+
+    async def query():
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter
+        from prefect.client.schemas.filters import FlowRunFilterName
+
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="minimal-ui")))
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [runs[0].id]}))
+            keys = ["minimal-ui-plan", "minimal-ui-tokenizer-select", "minimal-ui-tokenizer-comparison-select",
+                    "minimal-ui-curation-notes"]
+            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+            return runs, tasks, arts
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        runs, tasks, arts = asyncio.run(query())
+    assert runs and runs[0].state.is_completed()
+    assert {t.name for t in tasks} >= {"ingest:notes", "curate:notes", "tokenizer:select"}
+    assert all(t.state.is_completed() for t in tasks)
+    by_key = {a.key: a for a in arts}
+    assert set(by_key) == {"minimal-ui-plan", "minimal-ui-tokenizer-select", "minimal-ui-tokenizer-comparison-select",
+                           "minimal-ui-curation-notes"}
+    assert by_key["minimal-ui-tokenizer-comparison-select"].type == "table"
+    assert "Training compute" in by_key["minimal-ui-plan"].data
