@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from infra.store import Store
 
@@ -42,6 +42,17 @@ class StepLock:
         except (FileNotFoundError, json.JSONDecodeError, OSError):
             return None
 
+    def _write_whole(self, body: str) -> None:
+        """Readers must never see a half-written lock: replace locally, single PUT on object stores."""
+        if self.store.is_remote:
+            with self.store.fs.open(self.path, "w") as f:
+                f.write(body)
+            return
+        tmp = f"{self.path}.{self.token}.tmp"
+        with open(tmp, "w") as f:
+            f.write(body)
+        os.replace(tmp, self.path)
+
     def _try_create(self) -> bool:
         fs = self.store.fs
         if not self.store.is_remote:
@@ -71,20 +82,31 @@ class StepLock:
             if should_stop():
                 return False
             holder = self._read()
-            if holder is None or time.time() - holder.get("heartbeat", 0) > self.stale_after_s:
+            if holder is None:  # being written, just released, or left empty by a crash mid-create
+                if self._age_s() > self.stale_after_s:
+                    self._break_stale(None)
+                else:
+                    time.sleep(0.05)
+                continue
+            if time.time() - holder.get("heartbeat", 0) > self.stale_after_s:
                 self._break_stale(holder)
                 continue
             if time.monotonic() > deadline:
                 raise LockTimeout(f"{self.path} is held by {holder.get('host')} pid {holder.get('pid')}")
             time.sleep(min(1.0, self.heartbeat_s))
 
+    def _age_s(self) -> float:
+        try:
+            modified = self.store.fs.modified(self.path)
+        except (FileNotFoundError, OSError, NotImplementedError):
+            return 0.0
+        return time.time() - modified.timestamp()
+
     def _break_stale(self, holder: dict | None) -> None:
         again = self._read()
         if again == holder:  # unchanged since we judged it stale
-            try:
+            with suppress(FileNotFoundError):
                 self.store.fs.rm(self.path)
-            except FileNotFoundError:
-                pass
 
     def _start_heartbeat(self) -> None:
         def beat() -> None:
@@ -92,8 +114,7 @@ class StepLock:
                 current = self._read()
                 if current and current.get("token") != self.token:
                     return  # taken over: we were judged dead
-                with self.store.fs.open(self.path, "w") as f:
-                    f.write(self._body())
+                self._write_whole(self._body())
 
         self._thread = threading.Thread(target=beat, name="compass-lock-heartbeat", daemon=True)
         self._thread.start()

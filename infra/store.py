@@ -95,10 +95,7 @@ class Store:
     @contextmanager
     def staging(self) -> Iterator[Path]:
         """A fresh local folder to write an artifact into; removed afterwards unless committed (moved)."""
-        if self.is_remote:
-            base = Path(tempfile.gettempdir()) / "compass-staging"
-        else:
-            base = Path(self.root) / ".staging"
+        base = Path(tempfile.gettempdir()) / "compass-staging" if self.is_remote else Path(self.root) / ".staging"
         base.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix="step-", dir=base))
         try:

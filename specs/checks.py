@@ -155,7 +155,8 @@ def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
             yield Issue((*at, "sequence_length"), f"sequence_length {stage.sequence_length} does not extend the "
                         f"context beyond {previous}", "each long-context stage must be longer than the one before")
         if stage.rope_theta < previous_theta:
-            yield Issue((*at, "rope_theta"), f"rope_theta {stage.rope_theta:g} is below the previous {previous_theta:g}",
+            yield Issue((*at, "rope_theta"),
+                        f"rope_theta {stage.rope_theta:g} is below the previous {previous_theta:g}",
                         "raise the RoPE base as the context grows (SmolLM3: 50k -> 2M -> 5M)")
         one_step = stage.global_batch_size * stage.sequence_length
         if stage.tokens < one_step:

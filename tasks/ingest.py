@@ -19,7 +19,8 @@ from tasks.base import StepContext, StepResult
 DOCS_PER_SHARD = 500
 _BLOCKS = {"p", "div", "pre", "li", "tr", "br", "dt", "dd", "table", "h1", "h2", "h3", "h4", "h5", "h6",
            "blockquote", "section", "title"}
-_DROP = "//script|//style|//nav|//*[contains(@class,'navheader')]|//*[contains(@class,'navfooter')]|//*[contains(@class,'toc')]"
+_DROP = ("//script|//style|//nav|//*[contains(@class,'navheader')]|//*[contains(@class,'navfooter')]"
+         "|//*[contains(@class,'toc')]")
 _SECTION = "\u2063\u2063section\u2063\u2063"  # invisible separators: never in real text
 
 

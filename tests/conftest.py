@@ -40,7 +40,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     env = base_env(home)
-    log = open(home / "server.log", "w")
+    log = open(home / "server.log", "w")  # noqa: SIM115 (outlives this block: closed in finally)
     proc = subprocess.Popen([str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"

@@ -4,8 +4,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config
-from transformers import SmolLM3ForCausalLM
+from transformers import (
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
 
 from specs import costs, load_spec
 from specs.architecture import Architecture

@@ -94,8 +94,12 @@ def test_artifacts_and_task_runs_reach_the_server(server_cli: Cli, tmp_path: Pat
 
     async def query():
         from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter
-        from prefect.client.schemas.filters import FlowRunFilterName
+        from prefect.client.schemas.filters import (
+            ArtifactFilter,
+            ArtifactFilterKey,
+            FlowRunFilter,
+            FlowRunFilterName,
+        )
 
         async with get_client() as client:
             runs = await client.read_flow_runs(

@@ -1,0 +1,88 @@
+"""The pure compiler: DAG shape, fingerprints, and which steps a one-field change touches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.compiler import compile_spec
+from specs import load_spec, load_spec_text
+
+EXAMPLES = Path(__file__).parent.parent / "specs" / "examples"
+
+
+@pytest.fixture(scope="module")
+def tiny_text() -> str:
+    return (EXAMPLES / "tiny.yaml").read_text()
+
+
+def plan_of(text: str):
+    return compile_spec(load_spec_text(text, "tiny.yaml", base_dir=EXAMPLES).spec)
+
+
+def changed(a, b) -> set[str]:
+    return {sid for sid in a.fingerprints if a.fingerprints[sid] != b.fingerprints.get(sid)}
+
+
+def test_compiler_imports_no_prefect():
+    code = "import sys, flows.compiler; assert not [m for m in sys.modules if m.startswith('prefect')]"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "smollm3-3b.yaml"])
+def test_examples_compile_in_dependency_order(name: str):
+    plan = compile_spec(load_spec(EXAMPLES / name).spec)
+    seen: set[str] = set()
+    for step in plan.steps:
+        assert set(step.inputs.values()) <= seen, step.id
+        seen.add(step.id)
+    kinds = {s.kind for s in plan.steps}
+    assert {"ingest", "curate", "tokenizer", "ablate", "pretrain", "long_context", "post_train", "evaluate",
+            "report"} <= kinds
+    assert len(set(plan.fingerprints.values())) == len(plan.steps)
+
+
+def test_fingerprints_are_stable(tiny_text: str):
+    assert plan_of(tiny_text).fingerprints == plan_of(tiny_text).fingerprints
+
+
+def test_tokenizer_field_touches_tokenizer_and_descendants_only(tiny_text: str):
+    base = plan_of(tiny_text)
+    edited = plan_of(tiny_text.replace("train_chars: 6000000", "train_chars: 5000000"))
+    assert changed(base, edited) == {"tokenizer:select"} | base.descendants("tokenizer:select")
+    assert not any(s.startswith(("ingest:", "curate:")) for s in changed(base, edited))
+
+
+def test_one_source_curation_touches_that_source_only(tiny_text: str):
+    base = plan_of(tiny_text)
+    edited = plan_of(tiny_text.replace("language_id: {keep: [fr], min_score: 0.5}",
+                                       "language_id: {keep: [fr], min_score: 0.6}"))
+    diff = changed(base, edited)
+    assert diff == {"curate:docs_fr"} | base.descendants("curate:docs_fr")
+    assert "ingest:docs_fr" not in diff and "curate:docs_de" not in diff
+
+
+def test_orchestration_and_storage_do_not_change_identity(tiny_text: str):
+    base = plan_of(tiny_text)
+    edited = plan_of(tiny_text.replace("retries: 1, retry_delay_seconds: 5, task_runner: local, workers: 2",
+                                       "retries: 5, retry_delay_seconds: 60, task_runner: ray, workers: 8")
+                     .replace("storage: {root: store}", "storage: {root: 's3://bucket/runs'}"))
+    assert changed(base, edited) == set()
+
+
+def test_extending_a_stable_wsd_stage_keeps_earlier_stages(tiny_text: str):
+    base = plan_of(tiny_text)
+    edited = plan_of(tiny_text.replace("tokens: 200000", "tokens: 300000"))  # stage2 (the decay stage)
+    diff = changed(base, edited)
+    assert "pretrain:stage1" not in diff and "pretrain:stage2" in diff
+
+
+def test_ablation_variants_are_separate_steps_per_seed(tiny_text: str):
+    plan = plan_of(tiny_text)
+    runs = [s for s in plan.steps if s.kind == "ablate"]
+    assert {s.name for s in runs} == {"baseline-s0", "baseline-s1", "untied-s0", "untied-s1"}
+    untied = next(s for s in runs if s.name == "untied-s0")
+    assert untied.config["change"] == {"architecture.tied_embeddings": False}

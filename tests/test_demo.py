@@ -1,0 +1,45 @@
+"""The demo spec on real offline data (Debian docs in four languages, Shakespeare, the Python stdlib),
+in Prefect's embedded mode exactly as the README's demo command runs it; the second run is fully cached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, Cli, base_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_real_multilingual_data_then_caches(tmp_path: Path):
+    env = base_env(tmp_path / "prefect-home")  # no PREFECT_API_URL: embedded server
+    cli = Cli(tmp_path, env)
+    spec = str(REPO / "specs" / "examples" / "tiny.yaml")
+    store = tmp_path / "store"
+
+    first = cli.json("run", spec, "--store", str(store))
+    ran = {s["step"] for s in first["steps"] if s["executed"]}
+    sources = {"docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py"}
+    assert ran == {f"{k}:{s}" for s in sources for k in ("ingest", "curate")} | {"tokenizer:select"}
+
+    comparison = json.loads(next(store.glob("tokenizer/select-*/comparison.json")).read_text())
+    groups = set(comparison["results"][0]["groups"])
+    assert groups == {"en", "fr", "de", "es", "code"}
+    fertility = {r["candidate"]: r["mean_fertility"] for r in comparison["results"]}
+    assert fertility["bpe-2048"] > fertility["bpe-4096"] > fertility["bpe-8192"]  # bigger vocab, fewer tokens
+    chosen = next(store.glob("tokenizer/select-*/chosen"))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chosen))
+    text = "Le paquet est installé avec apt-get."
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+    ingest = json.loads(next(store.glob("ingest/docs_fr-*/manifest.json")).read_text())
+    assert ingest["provenance"][0]["package"] == "debian-reference-fr"
+    assert len(ingest["provenance"][0]["archive_sha256"]) == 64
+
+    second = cli.json("run", spec, "--store", str(store))
+    assert not [s for s in second["steps"] if s["executed"]]
+    assert len(second["steps"]) == len(first["steps"])

@@ -1,0 +1,129 @@
+"""The artifact store: atomic commits (manifest last), checksums, locks with heartbeats, lineage."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows import runner
+from flows.compiler import Plan, Step
+from infra.fingerprint import fingerprint, sha256_file
+from infra.lineage import LineageError, lineage
+from infra.locks import StepLock
+from infra.manifest import MANIFEST, Manifest
+from infra.store import Store
+from tasks.base import Runtime, StepResult
+
+
+def manifest_for(store: Store, kind: str, name: str, fp: str, **extra) -> Manifest:
+    return Manifest(kind=kind, name=name, fingerprint=fp, uri=store.uri(kind, name, fp), config={},
+                    spec_hash="s", spec_name="t", code_version="c", phase_version="1", libraries={}, host="h",
+                    python="3", started_at=1.0, finished_at=2.0, **extra)
+
+
+def test_commit_is_atomic_and_records_checksums(tmp_path: Path):
+    store = Store(str(tmp_path / "store"))
+    fp = "a" * 64
+    m = manifest_for(store, "curate", "web", fp)
+    with store.staging() as out:
+        (out / "train").mkdir()
+        (out / "train" / "0.jsonl").write_text('{"text": "x"}\n')
+        assert not store.is_committed(m.uri)
+        committed = store.commit(out, m)
+    assert store.is_committed(m.uri)
+    folder = Path(m.uri)
+    entry = committed.files[0]
+    assert entry.path == "train/0.jsonl" and entry.sha256 == sha256_file(str(folder / "train/0.jsonl"))
+    assert json.loads((folder / MANIFEST).read_text())["fingerprint"] == fp
+    assert not list((tmp_path / "store" / ".staging").iterdir())  # staging cleaned up
+
+
+def test_half_written_artifact_is_not_committed_and_is_replaced(tmp_path: Path):
+    store = Store(str(tmp_path / "store"))
+    m = manifest_for(store, "curate", "web", "b" * 64)
+    leftover = Path(m.uri)
+    leftover.mkdir(parents=True)
+    (leftover / "partial.bin").write_bytes(b"crashed mid-write")
+    assert not store.is_committed(m.uri)
+    with store.staging() as out:
+        (out / "good.txt").write_text("complete")
+        store.commit(out, m)
+    assert sorted(p.name for p in leftover.iterdir()) == ["good.txt", MANIFEST]
+
+
+def test_committed_versions_match_name_exactly(tmp_path: Path):
+    store = Store(str(tmp_path / "store"))
+    for name, fp in (("web", "c" * 64), ("web_fr", "d" * 64)):
+        with store.staging() as out:
+            store.commit(out, manifest_for(store, "curate", name, fp))
+    assert [m.name for m in store.committed_versions("curate", "web")] == ["web"]
+
+
+def test_lock_excludes_a_second_holder_and_stale_locks_are_taken_over(tmp_path: Path):
+    store = Store(str(tmp_path / "store"))
+    first = StepLock(store, "curate/web-1", heartbeat_s=0.2, stale_after_s=2)
+    assert first.acquire(timeout_s=1)
+    second = StepLock(store, "curate/web-1", heartbeat_s=0.2, stale_after_s=2)
+    with pytest.raises(TimeoutError):
+        second.acquire(timeout_s=1.0)  # the heartbeat keeps the first lock fresh
+    first.release()
+    assert second.acquire(timeout_s=1)
+    second.release()
+    # a lock left by a dead process (no heartbeat for longer than stale_after_s) is taken over
+    dead = Path(store._root_path) / ".locks" / "curate" / "web-2.lock"
+    dead.parent.mkdir(parents=True, exist_ok=True)
+    dead.write_text(json.dumps({"token": "dead", "host": "h", "pid": 1, "heartbeat": time.time() - 60}))
+    third = StepLock(store, "curate/web-2", stale_after_s=2)
+    assert third.acquire(timeout_s=2)
+    third.release()
+
+
+def test_two_runs_compute_one_step_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    calls = []
+
+    def slow_step(ctx):
+        calls.append(ctx.name)
+        time.sleep(1.5)
+        (ctx.out / "result.txt").write_text("done")
+        return StepResult(metrics={"n": 1})
+
+    monkeypatch.setattr(runner, "executor_for", lambda kind: slow_step)
+    step = Step("ingest", "web", {"uri": "x"})
+    plan = Plan("t", [step], {step.id: fingerprint("ingest", step.config, {}, "1")})
+    ctx = runner.RunContext(plan, Store(str(tmp_path / "store")), "hash", Runtime())
+    outcomes = []
+    threads = [threading.Thread(target=lambda: outcomes.append(runner.run_step(ctx, step, logging.getLogger())))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["web"]
+    assert sorted(o.executed for o in outcomes) == [False, True]
+    assert len({o.uri for o in outcomes}) == 1
+
+
+def test_lineage_walks_manifests_to_the_source(tmp_path: Path):
+    store = Store(str(tmp_path / "store"))
+    raw = manifest_for(store, "ingest", "web", "e" * 64, provenance=[{"kind": "pypi", "package": "p"}])
+    with store.staging() as out:
+        store.commit(out, raw)
+    from infra.manifest import InputRef
+
+    cur = manifest_for(store, "curate", "web", "f" * 64,
+                       inputs=[InputRef(role="raw", step="ingest:web", uri=raw.uri, fingerprint=raw.fingerprint)])
+    with store.staging() as out:
+        (out / "train").mkdir()
+        (out / "train" / "0.jsonl").write_text("{}")
+        store.commit(out, cur)
+    tree = lineage(f"{cur.uri}/train/0.jsonl")
+    assert tree["step"] == "curate:web"
+    assert tree["inputs"][0]["step"] == "ingest:web"
+    assert tree["inputs"][0]["provenance"] == [{"kind": "pypi", "package": "p"}]
+    with pytest.raises(LineageError):
+        lineage(str(tmp_path / "nowhere"))
