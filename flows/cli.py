@@ -94,7 +94,7 @@ def run(spec: SpecArg,
 
         runner = RayTaskRunner(address=orch.ray_address) if orch.ray_address else RayTaskRunner()
     else:
-        runner = ThreadPoolTaskRunner(max_workers=orch.max_parallel_steps)
+        runner = ThreadPoolTaskRunner(max_workers=8)  # run_plan itself keeps max_parallel_steps running
     started = time.time()
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
     summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),

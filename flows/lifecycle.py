@@ -10,7 +10,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture, wait
+from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.compiler import Plan, Step, compile_spec
@@ -63,17 +63,37 @@ def _with_options(ctx_spec_timeouts: dict[str, float], step: Step, orch: Any, sp
 
 
 def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
-    """Submit every step with `wait_for` on its inputs and wait for all of them."""
-    futures: dict[str, PrefectFuture] = {}
-    for step in plan.steps:
-        deps = [futures[d] for d in step.inputs.values()]
-        futures[step.id] = _with_options(orch.step_timeouts, step, orch, plan.spec_name).submit(
-            ctx, step, wait_for=deps)
-    wait(list(futures.values()))
-    return [f.result() for f in futures.values()]
+    """Submit each step once its inputs are done, at most `max_parallel_steps` at a time.
+
+    Submitting only ready steps means no worker thread ever blocks waiting for an upstream step; the finished
+    upstream futures still go in `wait_for`, so the Prefect UI draws the DAG's edges.
+    """
+    pending = list(plan.steps)
+    running: dict[str, PrefectFuture] = {}
+    finished: dict[str, PrefectFuture] = {}
+    results: list[dict[str, Any]] = []
+    failure: BaseException | None = None
+    while pending or running:
+        ready = [s for s in pending if set(s.inputs.values()) <= set(finished)] if failure is None else []
+        for step in ready[: max(0, orch.max_parallel_steps - len(running))]:
+            options = _with_options(orch.step_timeouts, step, orch, plan.spec_name)
+            running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
+            pending.remove(step)
+        if not running:
+            break
+        done = next(as_completed(list(running.values())))
+        step_id = next(sid for sid, f in running.items() if f is done)
+        finished[step_id] = running.pop(step_id)
+        try:
+            results.append(done.result())
+        except BaseException as exc:  # let the running steps finish, submit nothing new, then fail the flow
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return results
 
 
-@flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True,
+@flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True,
       persist_result=False)
 def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None = None,
               store_root: str | None = None, until: list[str] | None = None) -> dict[str, Any]:
