@@ -47,9 +47,17 @@ def ingest(source: str, store: Path) -> Path:
 def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     """What a datatrove user writes without compass: the same blocks, the same stages."""
     from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import (ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups,
-                                          MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
-                                          MinhashDedupFilter, MinhashDedupSignature)
+    from datatrove.pipeline.dedup import (
+        ExactDedupConfig,
+        ExactDedupFilter,
+        ExactDedupSignature,
+        ExactFindDedups,
+        MinhashConfig,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
     from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter

@@ -86,3 +86,18 @@ def test_ablation_variants_are_separate_steps_per_seed(tiny_text: str):
     assert {s.name for s in runs} == {"baseline-s0", "baseline-s1", "untied-s0", "untied-s1"}
     untied = next(s for s in runs if s.name == "untied-s0")
     assert untied.config["change"] == {"architecture.tied_embeddings": False}
+
+
+def test_schema_command_prints_a_schema_the_examples_satisfy():
+    import json
+
+    import jsonschema
+    from ruamel.yaml import YAML
+
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "schema"], capture_output=True, text=True, check=True)
+    schema = json.loads(done.stdout)
+    assert set(schema["properties"]) == {"name", "description", "why", "what", "how"}
+    for name in ("tiny.yaml", "smollm3-3b.yaml"):
+        jsonschema.validate(YAML(typ="safe").load((EXAMPLES / name).read_text()), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "x", "why": {}, "what": {}, "hw": 1}, schema)

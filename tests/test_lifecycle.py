@@ -75,8 +75,18 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
                                            "parallelism: {micro_batch_size: 2}\n  orchestration: {retries: 4}"})
     assert executed(server_cli.json("run", str(spec), "--store", str(store))) == set()
 
+    # a local tokenizer folder competes as a candidate next to freshly trained ones
+    previous = next(store.glob("tokenizer/select-*")) / "chosen"
+    spec = write_minimal_spec(tmp_path, **{"      - {kind: bpe, vocab_size: 400}":
+                                           f"      - {{kind: bpe, vocab_size: 400}}\n"
+                                           f"      - {{kind: local, name: earlier, path: '{previous}'}}"})
+    assert executed(server_cli.json("run", str(spec), "--store", str(store))) == {"tokenizer:select"}
+    newest = max(store.glob("tokenizer/select-*/comparison.json"), key=lambda p: p.stat().st_mtime)
+    candidates = {r["candidate"] for r in json.loads(newest.read_text())["results"]}
+    assert candidates == {"bpe-300", "bpe-400", "earlier"}
+
     # lineage from a file of the chosen tokenizer back to both raw sources
-    chosen = next(store.glob("tokenizer/select-*")) / "chosen" / "tokenizer.json"
+    chosen = newest.parent / "chosen" / "tokenizer.json"
     tree = server_cli.json("lineage", str(chosen))
     assert tree["step"] == "tokenizer:select"
     raw = {c["inputs"][0]["step"]: c["inputs"][0]["provenance"] for c in tree["inputs"]}
