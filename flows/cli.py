@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -97,8 +100,9 @@ def run(spec: SpecArg,
         runner = ThreadPoolTaskRunner(max_workers=8)  # run_plan itself keeps max_parallel_steps running
     started = time.time()
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
-    summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
-                   store_root=_store_root(loaded, store), until=until)
+    with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
+        summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
+                       store_root=_store_root(loaded, store), until=until)
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -114,6 +118,23 @@ def run(spec: SpecArg,
     ran = sum(r["executed"] for r in summary["steps"])
     out.print(f"{ran} ran, {len(summary['steps']) - ran} cached, {len(summary['not_executable'])} not executable "
               f"in this version; {time.time() - started:.0f}s. Results: {summary['store']}")
+
+
+@contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """Point file descriptor 1 at stderr, so even C-level and early-bound writers leave stdout alone."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @app.command()

@@ -15,8 +15,8 @@ from specs.spec import TrainingSpec
 
 # Bump a phase's version when its code changes what it produces: its steps then re-run.
 PHASE_VERSIONS: dict[str, str] = {
-    "ingest": "1", "curate": "1", "tokenizer": "1", "ablate": "1", "pretrain": "1", "long_context": "1",
-    "post_train": "1", "evaluate": "1", "report": "1",
+    "ingest": "1", "curate": "1", "tokenizer": "1", "tokenize": "1", "ablate": "1", "pretrain": "1",
+    "long_context": "1", "post_train": "1", "evaluate": "1", "report": "1",
 }
 
 
@@ -89,8 +89,16 @@ def compile_spec(spec: TrainingSpec) -> Plan:
     curated = {f"curated:{name}": f"curate:{name}" for name in sources}
     steps.append(Step("tokenizer", "select", _dump(what.tokenizer), curated, tags=("tokenizer",)))
 
+    trained_on = sorted({n for st in what.pretraining.stages for n in st.mixture}
+                        | {n for st in what.long_context.stages for n in st.mixture}
+                        | (set(what.ablations.baseline.mixture) if what.ablations else set())
+                        | set(what.evaluation.perplexity_sources))
+    for name in trained_on:
+        steps.append(Step("tokenize", name, {}, {"tokenizer": "tokenizer:select", "curated": f"curate:{name}"},
+                          tags=("data",)))
+
     def data_inputs(mixture: dict[str, float]) -> dict[str, str]:
-        return {"tokenizer": "tokenizer:select", **{f"curated:{n}": f"curate:{n}" for n in sorted(mixture)}}
+        return {"tokenizer": "tokenizer:select", **{f"tokens:{n}": f"tokenize:{n}" for n in sorted(mixture)}}
 
     arch = _dump(what.architecture)
     model_steps: list[str] = []
@@ -115,7 +123,9 @@ def compile_spec(spec: TrainingSpec) -> Plan:
         cfg = {
             "architecture": arch, "optimizer": _dump(pt.optimizer), "schedule": _dump(pt.schedule),
             "seed": pt.seed, "intra_document_masking": pt.intra_document_masking,
-            "stages": [_dump(s) for s in (pt.stages if schedule_needs_total else pt.stages[: i + 1])],
+            # a stable WSD stage does not depend on later stages: extending the run keeps it cached
+            "stages": [_dump(s) for s in (pt.stages if schedule_needs_total or stage.schedule_segment == "decay"
+                                          else pt.stages[: i + 1])],
             "stage": stage.name,
         }
         inputs = data_inputs(stage.mixture)
@@ -155,7 +165,7 @@ def compile_spec(spec: TrainingSpec) -> Plan:
     if ev.tasks or ev.perplexity_sources:
         for model_step in model_steps:
             inputs = {"model": model_step, "tokenizer": "tokenizer:select",
-                      **{f"curated:{n}": f"curate:{n}" for n in ev.perplexity_sources}}
+                      **{f"tokens:{n}": f"tokenize:{n}" for n in ev.perplexity_sources}}
             name = model_step.replace(":", "-")
             steps.append(Step("evaluate", name, {"suite": _dump(ev)}, inputs, tags=("evaluation", "gpu")))
             eval_ids.append(f"evaluate:{name}")

@@ -117,7 +117,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         logger.info("not run in this version (no executor yet): %s", ", ".join(left_out))
     orch = spec.how.orchestration
     runtime = Runtime(workers=orch.workers, task_runner=orch.task_runner, ray_address=orch.ray_address,
-                      base_dir=base)
+                      base_dir=base, how=spec.how.model_dump(mode="json"))
     ctx = RunContext(plan, store, loaded.spec_hash, runtime)
     results = run_plan(plan, ctx, orch)
     ran = [r["step"] for r in results if r["executed"]]

@@ -6,6 +6,7 @@ Plain Python (no Prefect), so the Prefect task stays a thin wrapper and the logi
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             inputs[role] = InputArtifact(role, dep_id, dep_uri, store.read_manifest(dep_uri), store)
         started = time.time()
         with store.staging() as out, tempfile.TemporaryDirectory(prefix="scratch-", dir=out.parent) as scratch:
-            sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), ctx.runtime, log)
+            workdir = store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
+            sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,
+                               log)
             result = executor_for(step.kind)(sctx)
             manifest = Manifest(
                 kind=step.kind, name=step.name, fingerprint=ctx.plan.fingerprints[step.id], uri=uri,
@@ -73,5 +76,6 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
                 provenance=result.provenance,
             )
             manifest = store.commit(out, manifest)
+        shutil.rmtree(workdir, ignore_errors=True)  # committed: checkpoints of the attempt are no longer needed
         log.info("%s committed to %s in %.1fs", step.id, uri, manifest.duration_s)
         return StepOutcome(step.id, uri, True, manifest, result)

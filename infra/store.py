@@ -91,6 +91,14 @@ class Store:
                 shutil.rmtree(partial, ignore_errors=True)
         return cache
 
+    def work_dir(self, kind: str, name: str, fingerprint: str) -> Path:
+        """A local folder that survives a crashed attempt of one step (checkpoints), keyed by its identity."""
+        if self.is_remote:
+            base = Path(os.environ.get("COMPASS_CACHE", Path.home() / ".cache" / "compass")) / "work"
+        else:
+            base = Path(self.root) / ".work"
+        return base / artifact_folder(kind, name, fingerprint)
+
     # --- writing ----------------------------------------------------------------------------------------
     @contextmanager
     def staging(self) -> Iterator[Path]:

@@ -19,6 +19,7 @@ class Runtime:
     task_runner: str = "local"
     ray_address: str | None = None
     base_dir: Path = Path.cwd()
+    how: dict = field(default_factory=dict)  # the spec's `how`, for hardware and parallelism
 
 
 @dataclass
@@ -36,7 +37,8 @@ class InputArtifact:
 
 @dataclass
 class StepContext:
-    """`out` becomes the artifact; `scratch` is working space, deleted when the step ends."""
+    """`out` becomes the artifact; `scratch` is working space deleted when the step ends; `workdir` survives
+    a crash of the step (checkpoints live there) and is removed once the artifact is committed."""
 
     kind: str
     name: str
@@ -44,6 +46,7 @@ class StepContext:
     inputs: dict[str, InputArtifact]
     out: Path
     scratch: Path
+    workdir: Path
     runtime: Runtime
     log: logging.Logger | logging.LoggerAdapter
 

@@ -11,6 +11,8 @@ _EXECUTORS: dict[str, str] = {
     "ingest": "tasks.ingest:run_ingest",
     "curate": "tasks.curate:run_curate",
     "tokenizer": "tasks.tokenizer:run_tokenizer_selection",
+    "tokenize": "tasks.tokenize:run_tokenize",
+    "pretrain": "tasks.pretrain:run_pretrain",
 }
 
 

@@ -22,7 +22,12 @@ def test_demo_runs_real_multilingual_data_then_caches(tmp_path: Path):
     first = cli.json("run", spec, "--store", str(store))
     ran = {s["step"] for s in first["steps"] if s["executed"]}
     sources = {"docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py"}
-    assert ran == {f"{k}:{s}" for s in sources for k in ("ingest", "curate")} | {"tokenizer:select"}
+    assert ran == ({f"{k}:{s}" for s in sources for k in ("ingest", "curate", "tokenize")}
+                   | {"tokenizer:select", "pretrain:stage1", "pretrain:stage2"})
+    for stage in ("stage1", "stage2"):
+        metrics = json.loads(next(store.glob(f"pretrain/{stage}-*/manifest.json")).read_text())["metrics"]
+        assert metrics["final_loss"] < metrics["first_loss"]
+        assert set(metrics["val_loss"]) >= {"docs_en", "code_py"}
 
     comparison = json.loads(next(store.glob("tokenizer/select-*/comparison.json")).read_text())
     groups = set(comparison["results"][0]["groups"])

@@ -52,7 +52,8 @@ def test_run_and_cached_rerun_on_s3(server_cli: Cli, tmp_path: Path, s3_endpoint
 
     first = server_cli.json("run", str(spec), "--store", root)
     assert {s["step"] for s in first["steps"] if s["executed"]} == {
-        "ingest:notes", "curate:notes", "ingest:code", "curate:code", "tokenizer:select"}
+        "ingest:notes", "curate:notes", "ingest:code", "curate:code", "tokenizer:select", "tokenize:notes",
+        "tokenize:code", "pretrain:stage1", "pretrain:stage2"}
     assert all(s["uri"].startswith(root + "/") for s in first["steps"])
     second = server_cli.json("run", str(spec), "--store", root)
     assert not [s for s in second["steps"] if s["executed"]]
@@ -65,7 +66,7 @@ def test_run_and_cached_rerun_on_s3(server_cli: Cli, tmp_path: Path, s3_endpoint
 
     fs = s3fs.S3FileSystem(key="compass-test", secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint})
     manifests = fs.glob("compass-test/runs/*/*/manifest.json")
-    assert len(manifests) == 5
+    assert len(manifests) == 9
     for path in manifests:
         text = fs.cat(path).decode()
         assert SECRET not in text

@@ -1,0 +1,130 @@
+"""Training engines with one interface: plain torch (optionally DDP) and DeepSpeed (ZeRO 0-3).
+
+`how` picks one; both take a torch AdamW (so DeepSpeed builds no fused optimizer op on CPU), set the LR from
+the schedule every step, clip gradients, and save/load their whole state into a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the launcher's environment, (0, 1, 0) when run in-process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def init_distributed(backend: str) -> None:
+    rank, world, _ = dist_env()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: dict[str, Any], accumulation: int):
+        self.module = model
+        _, world, _ = dist_env()
+        self.model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        self.optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"])
+        self.accumulation = accumulation
+        self.clip = opt["grad_clip"]
+
+    def __call__(self, **inputs):
+        return self.model(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()
+
+    def micro_step(self) -> None:
+        """Nothing to do between accumulation boundaries: gradients simply accumulate."""
+
+    def step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.clip if self.clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save(self, folder: Path, extra: dict[str, Any]) -> None:
+        rank, _, _ = dist_env()
+        if rank == 0:
+            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": extra},
+                       folder / "state.pt")
+
+    def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
+        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+        self.module.load_state_dict(state["model"])
+        if load_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        return state["extra"]
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: dict[str, Any], accumulation: int,
+                 micro_batch: int, zero_stage: int, precision: str):
+        import deepspeed
+
+        _, world, _ = dist_env()
+        optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"])
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": accumulation,
+            "train_batch_size": micro_batch * accumulation * world,
+            "gradient_clipping": opt["grad_clip"],
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": precision == "bf16"},
+            "fp16": {"enabled": precision == "fp16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                                 dist_init_required=True)
+        self.module = self.engine.module
+        self.zero_stage = zero_stage
+
+    def __call__(self, **inputs):
+        return self.engine(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+
+    def step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads and self.zero_stage < 2 else None
+        self.engine.step()  # an optimizer step at the accumulation boundary (the caller ensures we are at one)
+        if norm is None:  # ZeRO-2/3 partition gradients: DeepSpeed knows the global norm
+            norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def micro_step(self) -> None:
+        """Between accumulation boundaries DeepSpeed still needs step() to count micro-batches."""
+        self.engine.step()
+
+    def save(self, folder: Path, extra: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(str(folder), tag="deepspeed", client_state={"extra": extra})
+
+    def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
+        _, client = self.engine.load_checkpoint(str(folder), tag="deepspeed", load_optimizer_states=load_optimizer,
+                                                load_lr_scheduler_states=False)
+        return (client or {}).get("extra", {})
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.module.state_dict()

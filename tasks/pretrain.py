@@ -1,0 +1,133 @@
+"""Pretraining stage step: continue from the previous stage, train this stage's tokens on its mixture,
+export Hugging Face checkpoints, and publish metrics and the loss curve.
+
+World size 1 trains in-process; more ranks (data parallel, or several nodes) launch the same module,
+`model.trainer`, with torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tasks.base import StepContext, StepResult
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_job(ctx: StepContext) -> dict[str, Any]:
+    cfg, how = ctx.config, ctx.runtime.how
+    tok_dir = ctx.inputs["tokenizer"].local() / "chosen"
+    tok_cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    vocab = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    added = json.loads((tok_dir / "tokenizer.json").read_text()).get("added_tokens", [])
+    ids = {t["content"]: t["id"] for t in added} | vocab
+    arch = cfg["architecture"]
+    stages = cfg["stages"]
+    previous = ctx.inputs.get("previous")
+    return {
+        "workdir": str(ctx.workdir), "architecture": arch, "optimizer": cfg["optimizer"],
+        "schedule": cfg["schedule"], "stages": stages, "stage": cfg["stage"], "seed": cfg["seed"],
+        "intra_document_masking": cfg["intra_document_masking"],
+        "embedding_weight_decay": arch["embedding_weight_decay"],
+        "tokenizer_dir": str(tok_dir),
+        "vocab_size": arch.get("vocab_size") or (max(ids.values()) + 1),
+        "special_ids": {"eos": ids[tok_cfg["eos_token"]], "pad": ids[tok_cfg.get("pad_token") or tok_cfg["eos_token"]]},
+        "max_positions": max(s["sequence_length"] for s in stages),
+        "sources": {role.removeprefix("tokens:"): str(art.local()) for role, art in ctx.inputs.items()
+                    if role.startswith("tokens:")},
+        "init_from": str(previous.local() / "state") if previous else None,
+        "parallelism": how["parallelism"], "precision": how["precision"],
+        "accelerator": how["hardware"]["accelerator"], "peak_tflops": how["hardware"].get("peak_tflops"),
+        "checkpoint_every": how["checkpoints"]["every_steps"], "keep_last": how["checkpoints"]["keep_last"],
+    }
+
+
+def world_size(how: dict[str, Any]) -> int:
+    par = how["parallelism"]
+    return par["data_parallel"] * par["tensor_parallel"] * par["pipeline_parallel"]
+
+
+def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
+    """Run model.trainer on the job: in-process for one rank, torchrun for several."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_path = workdir / "job.json"
+    job_path.write_text(json.dumps(job, indent=1))
+    world = world_size({"parallelism": job["parallelism"]})
+    if world == 1:
+        from model.trainer import train_stage
+
+        for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        result = train_stage(job).__dict__
+        (workdir / "result.json").write_text(json.dumps(result))
+        return result
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "model.trainer", str(job_path)]
+    log.info("launching %s", " ".join(cmd))
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+    (workdir / "launcher.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"training failed ({done.returncode}); last output:\n{(done.stdout + done.stderr)[-3000:]}")
+    return json.loads((workdir / "result.json").read_text())
+
+
+def plot_loss(metrics: Path, out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for stage in dict.fromkeys(r["stage"] for r in rows):
+        xs = [r["tokens"] for r in rows if r["stage"] == stage]
+        ax.plot(xs, [r["loss"] for r in rows if r["stage"] == stage], label=stage)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def run_pretrain(ctx: StepContext) -> StepResult:
+    job = build_job(ctx)
+    result = run_training(job, ctx.workdir, ctx.log)
+    from model import checkpoint as ckpt
+
+    kept = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")
+    final = kept[-1]
+    shutil.copytree(final / "hf", ctx.out / "final")
+    shutil.copytree(final, ctx.out / "state", ignore=shutil.ignore_patterns("hf"))
+    for folder in kept:
+        shutil.copytree(folder / "hf", ctx.out / "checkpoints" / folder.name)
+    previous_metrics = ctx.inputs["previous"].local() / "metrics.jsonl" if "previous" in ctx.inputs else None
+    history = previous_metrics.read_text() if previous_metrics and previous_metrics.exists() else ""
+    (ctx.out / "metrics.jsonl").write_text(history + (ctx.workdir / "metrics.jsonl").read_text())
+    plot_loss(ctx.out / "metrics.jsonl", ctx.out / "loss.png", f"{ctx.name}: loss over all stages so far")
+    rows = [json.loads(line) for line in (ctx.workdir / "metrics.jsonl").read_text().splitlines() if line]
+    first, last = rows[0]["loss"], result["final_loss"]
+    mean_tps = sum(r["tokens_per_s"] for r in rows) / len(rows)
+    metrics = {"steps": result["steps"], "tokens": result["tokens"], "first_loss": first, "final_loss": last,
+               "val_loss": result["val_loss"], "tokens_per_s": mean_tps,
+               "mfu": sum(r["mfu"] for r in rows) / len(rows), "resumed_from": result["resumed_from"],
+               "checkpoints": [p.name for p in kept]}
+    val = ", ".join(f"{k} {v:.3f}" for k, v in result["val_loss"].items())
+    summary = (f"### pretrain `{ctx.name}`\n\n{result['steps']} steps, {result['tokens']:,} tokens; "
+               f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s")
+    table = [{"step": r["step"], "loss": round(r["loss"], 4), "lr": r["lr"], "grad_norm": round(r["grad_norm"], 3)}
+             for r in rows[:: max(1, len(rows) // 20)]]
+    return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
