@@ -19,3 +19,5 @@ lint: setup
 bench: setup
 	.venv/bin/python benchmarks/curation_throughput.py
 	.venv/bin/python benchmarks/cached_rerun.py
+	.venv/bin/python benchmarks/pretrain_throughput.py --engine torch
+	.venv/bin/python benchmarks/pretrain_throughput.py --engine deepspeed

@@ -122,7 +122,7 @@ def compile_spec(spec: TrainingSpec) -> Plan:
     for i, stage in enumerate(pt.stages):
         cfg = {
             "architecture": arch, "optimizer": _dump(pt.optimizer), "schedule": _dump(pt.schedule),
-            "seed": pt.seed, "intra_document_masking": pt.intra_document_masking,
+            "seed": pt.seed, "intra_document_masking": pt.intra_document_masking, "monitors": _dump(pt.monitors),
             # a stable WSD stage does not depend on later stages: extending the run keeps it cached
             "stages": [_dump(s) for s in (pt.stages if schedule_needs_total or stage.schedule_segment == "decay"
                                           else pt.stages[: i + 1])],

@@ -26,5 +26,6 @@ def prepare_environment(home: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "compass")  # training progress in the run's logs
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")
     os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")  # SQLite contention under parallel tasks

@@ -45,14 +45,21 @@ class TorchEngine:
     def micro_step(self) -> None:
         """Nothing to do between accumulation boundaries: gradients simply accumulate."""
 
-    def step(self, lr: float) -> float:
+    def grad_norm(self) -> float:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def step(self, lr: float, norm: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.clip if self.clip > 0 else float("inf"))
+        if self.clip > 0:
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, torch.tensor(norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def save(self, folder: Path, extra: dict[str, Any]) -> None:
         rank, _, _ = dist_env()
@@ -102,15 +109,18 @@ class DeepSpeedEngine:
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
 
-    def step(self, lr: float) -> float:
+    def grad_norm(self) -> float:
+        """Before the step (ZeRO-0/1 keep full gradients); ZeRO-2/3 partition them, so 0 = not checked here."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads and self.zero_stage < 2 else 0.0
+
+    def step(self, lr: float, norm: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads and self.zero_stage < 2 else None
-        self.engine.step()  # an optimizer step at the accumulation boundary (the caller ensures we are at one)
-        if norm is None:  # ZeRO-2/3 partition gradients: DeepSpeed knows the global norm
-            norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        self.engine.step()  # an optimizer step at the accumulation boundary (DeepSpeed clips)
+
+    def discard(self) -> None:
+        self.engine.zero_grad()
 
     def micro_step(self) -> None:
         """Between accumulation boundaries DeepSpeed still needs step() to count micro-batches."""

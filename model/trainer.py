@@ -10,21 +10,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import resource
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from model import checkpoint as ckpt
 from model.architecture import build_model, hf_config, parameter_groups
 from model.engine import DeepSpeedEngine, TorchEngine, dist_env, init_distributed
+from model.monitors import Event, TrainingMonitor, TrainingStopped
 from model.packing import PackedBatch, Packer
 from model.schedules import shape_from_config
 from specs.architecture import Architecture
@@ -42,6 +43,7 @@ class StageResult:
     val_loss: dict[str, float]
     resumed_from: int | None
     rank_check: str = "single process"
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 def load_job(path: Path) -> dict[str, Any]:
@@ -127,11 +129,17 @@ def train_stage(job: dict[str, Any]) -> StageResult:
     flops_tok = flops_per_token(arch, vocab, seq)
     every, keep_last = job["checkpoint_every"], job["keep_last"]
     masking = job["intra_document_masking"]
+    monitor = TrainingMonitor(job["monitors"])
+    events: list[dict[str, Any]] = []
+    rollbacks = 0
     last_loss = float("nan")
     engine_model = engine.module
     engine_model.train()
     rank_check = "single process"
-    for step in range(start, stage_steps):
+    bar = tqdm(total=stage_steps, initial=start, desc=stage["name"], unit="step",
+               disable=rank != 0 or not sys.stderr.isatty())
+    step = start
+    while step < stage_steps:
         t0 = time.perf_counter()
         batch = packer.next_batch(gbs)
         local = batch.slice(rank * gbs // world, (rank + 1) * gbs // world)
@@ -145,14 +153,34 @@ def train_stage(job: dict[str, Any]) -> StageResult:
             if getattr(out, "aux_loss", None) is not None and arch.moe:
                 loss = loss + arch.moe.load_balancing_coef * out.aux_loss
             engine.backward(loss)
-            total_loss += float(ce) / accumulation
+            total_loss += float(ce.detach()) / accumulation
             if m < accumulation - 1:
                 engine.micro_step()
-        lr = opt["lr"] * shape.lr_factor(offset + step)
-        grad_norm = engine.step(lr)
         last_loss = _mean_across_ranks(total_loss, world)
+        grad_norm = engine.grad_norm()
+        event = monitor.check_before_step(offset + step + 1, last_loss, grad_norm)
+        if event is not None:
+            events.append(event.as_dict())
+            log.warning(event.describe())
+            if event.action == "stop":
+                raise TrainingStopped(event)
+            if event.action == "rollback":
+                rollbacks += 1
+                if rollbacks > job["monitors"]["max_rollbacks"]:
+                    raise TrainingStopped(event, f"(more than {job['monitors']['max_rollbacks']} rollbacks)")
+                step = _rollback(engine, ckpt_root, event, metrics_path, offset)
+                monitor.forget_since_rollback()
+                bar.n = step
+                continue  # the packer keeps its position: the offending batches are skipped
+        lr = opt["lr"] * shape.lr_factor(offset + step)
+        engine.step(lr, grad_norm)
         elapsed = time.perf_counter() - t0
         tokens = gbs * seq
+        for later in monitor.record(offset + step + 1, last_loss, tokens / elapsed):
+            events.append(later.as_dict())
+            log.warning(later.describe())
+            if later.action == "stop":
+                raise TrainingStopped(later)
         if rank == 0:
             record = {"step": offset + step + 1, "stage": stage["name"], "stage_step": step + 1, "loss": last_loss,
                       "grad_norm": grad_norm, "lr": lr, "tokens": (offset + step + 1) * tokens,
@@ -160,18 +188,36 @@ def train_stage(job: dict[str, Any]) -> StageResult:
                       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{lr:.1e}")
             if (step + 1) % max(1, stage_steps // 20) == 0 or step + 1 == stage_steps:
                 log.info("%s step %d/%d loss %.4f lr %.2e grad %.2f %.0f tok/s", stage["name"], step + 1,
                          stage_steps, last_loss, lr, grad_norm, record["tokens_per_s"])
-        if not math.isfinite(last_loss):
-            raise FloatingPointError(f"loss became {last_loss} at step {offset + step + 1}")
-        if (step + 1) % every == 0 or step + 1 == stage_steps:
-            _save(engine, ckpt_root, step + 1, packer, job, offset)
+        step += 1
+        if step % every == 0 or step == stage_steps:
+            _save(engine, ckpt_root, step, packer, job, offset)
             if rank == 0:
                 ckpt.prune(ckpt_root, keep_last, keep={stage_steps})
+    bar.close()
+    if rank == 0 and events:
+        with open(workdir / "events.jsonl", "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in events)
     val = evaluate(engine, job, masking) if rank == 0 else {}
     return StageResult(stage_steps, stage_steps * gbs * seq, last_loss, val,
-                       int(resumed.name.split("-")[1]) if resumed else None, rank_check)
+                       int(resumed.name.split("-")[1]) if resumed else None, rank_check, events)
+
+
+def _rollback(engine, root: Path, event: Event, metrics_path: Path, offset: int) -> int:
+    """Restore the newest good checkpoint's weights, optimizer and RNG; return its stage step."""
+    engine.discard()
+    good = ckpt.newest_valid(root)
+    if good is None:
+        raise TrainingStopped(event, "(no checkpoint to roll back to yet)")
+    extra = engine.load(good)
+    ckpt.set_rng_state(extra["rng"])
+    _truncate_metrics(metrics_path, offset + extra["stage_step"])
+    log.warning("rolled back to %s; skipping the batches since then", good.name)
+    return extra["stage_step"]
 
 
 def _digest(tensors) -> int:

@@ -46,8 +46,51 @@ class PretrainStage(SpecModel):
     reset_optimizer: bool = Field(default=False, description="Start the stage with fresh optimizer state.")
 
 
+MonitorAction = Literal["warn", "rollback", "stop"]
+
+
+class SpikeMonitor(SpecModel):
+    """Sudden loss spike: above the recent mean by `sigma` standard deviations (usually a bad batch)."""
+
+    sigma: PositiveFloat = 6.0
+    window: PositiveInt = 50
+    action: MonitorAction = "rollback"
+
+
+class DivergenceMonitor(SpecModel):
+    """NaN or infinite loss or gradient norm."""
+
+    action: Literal["rollback", "stop"] = "rollback"
+
+
+class TrendMonitor(SpecModel):
+    """Slow rise (LR too high) or plateau (time for a change of data or schedule) over a window of steps."""
+
+    window: PositiveInt = 200
+    threshold: PositiveFloat = 0.02
+    action: Literal["warn", "stop"] = "warn"
+
+
+class ThroughputMonitor(SpecModel):
+    """Tokens/s below `ratio` x the median so far: dataloader, then communication, then kernels."""
+
+    ratio: float = Field(default=0.5, gt=0, lt=1)
+    window: PositiveInt = 20
+    action: Literal["warn", "stop"] = "warn"
+
+
+class Monitors(SpecModel):
+    spike: SpikeMonitor | None = SpikeMonitor()
+    divergence: DivergenceMonitor = DivergenceMonitor()
+    slow_rise: TrendMonitor | None = TrendMonitor()
+    plateau: TrendMonitor | None = TrendMonitor(window=400, threshold=0.002)
+    throughput: ThroughputMonitor | None = ThroughputMonitor()
+    max_rollbacks: int = Field(default=3, ge=0, description="Then stop: repeated rollbacks mean a deeper problem.")
+
+
 class Pretraining(SpecModel):
     seed: int = 1234
+    monitors: Monitors = Monitors()
     optimizer: Optimizer = Optimizer()
     schedule: Schedule = Schedule()
     intra_document_masking: bool = True

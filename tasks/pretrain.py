@@ -50,6 +50,7 @@ def build_job(ctx: StepContext) -> dict[str, Any]:
         "parallelism": how["parallelism"], "precision": how["precision"],
         "accelerator": how["hardware"]["accelerator"], "peak_tflops": how["hardware"].get("peak_tflops"),
         "checkpoint_every": how["checkpoints"]["every_steps"], "keep_last": how["checkpoints"]["keep_last"],
+        "monitors": cfg["monitors"],
     }
 
 
@@ -124,10 +125,13 @@ def run_pretrain(ctx: StepContext) -> StepResult:
     metrics = {"steps": result["steps"], "tokens": result["tokens"], "first_loss": first, "final_loss": last,
                "val_loss": result["val_loss"], "tokens_per_s": mean_tps,
                "mfu": sum(r["mfu"] for r in rows) / len(rows), "resumed_from": result["resumed_from"],
-               "checkpoints": [p.name for p in kept]}
+               "checkpoints": [p.name for p in kept], "monitor_events": result.get("events", [])}
     val = ", ".join(f"{k} {v:.3f}" for k, v in result["val_loss"].items())
     summary = (f"### pretrain `{ctx.name}`\n\n{result['steps']} steps, {result['tokens']:,} tokens; "
                f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s")
+    for event in result.get("events", []):
+        summary += (f"\n\n**{event['kind']}** at step {event['step']} ({event['detail']}), action {event['action']}: "
+                    f"{event['cause']}. {event['remedy']}.")
     table = [{"step": r["step"], "loss": round(r["loss"], 4), "lr": r["lr"], "grad_norm": round(r["grad_norm"], 3)}
              for r in rows[:: max(1, len(rows) // 20)]]
     return StepResult(metrics=metrics, summary=summary, tables={"loss": table})

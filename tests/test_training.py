@@ -15,43 +15,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from flows.compiler import compile_spec
-from flows.runner import RunContext, run_step
-from infra.store import Store
-from specs import load_spec
-from tasks.base import InputArtifact, Runtime, StepContext
-from tasks.pretrain import build_job, free_port, run_training
+from tasks.pretrain import free_port, run_training
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def stage1_job(tmp_path_factory: pytest.TempPathFactory):
-    """The minimal spec's data steps run for real; returns a factory of pretrain:stage1 jobs."""
-    loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
-    plan = compile_spec(loaded.spec)
-    store = Store(str(tmp_path_factory.mktemp("store")))
-    how = loaded.spec.how.model_dump(mode="json")
-    ctx = RunContext(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), store, loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=how))
-    for step in ctx.plan.steps:
-        run_step(ctx, step, logging.getLogger("test"))
-    step = plan.step("pretrain:stage1")
-
-    def make(workdir: Path, **parallelism) -> dict:
-        inputs = {}
-        for role, dep in step.inputs.items():
-            uri = store.uri(dep.split(":")[0], dep.split(":")[1], plan.fingerprints[dep])
-            inputs[role] = InputArtifact(role, dep, uri, store.read_manifest(uri), store)
-        runtime = Runtime(how={**how, "parallelism": {**how["parallelism"], **parallelism}})
-        sctx = StepContext("pretrain", "stage1", step.config, inputs, workdir, workdir, workdir, runtime,
-                           logging.getLogger("test"))
-        job = build_job(sctx)
-        job["checkpoint_every"] = 10
-        return job
-
-    return make
 
 
 def trainer(job: dict, workdir: Path) -> subprocess.Popen:
