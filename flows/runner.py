@@ -63,7 +63,7 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
         with store.staging() as out, tempfile.TemporaryDirectory(prefix="scratch-", dir=out.parent) as scratch:
             workdir = store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
             sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,
-                               log)
+                               log, store=store, work_key=key)
             result = executor_for(step.kind)(sctx)
             manifest = Manifest(
                 kind=step.kind, name=step.name, fingerprint=ctx.plan.fingerprints[step.id], uri=uri,
@@ -77,5 +77,9 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             )
             manifest = store.commit(out, manifest)
         shutil.rmtree(workdir, ignore_errors=True)  # committed: checkpoints of the attempt are no longer needed
+        if store.is_remote:
+            from infra.checkpoint_mirror import CheckpointMirror
+
+            CheckpointMirror(store, key, workdir).clear()
         log.info("%s committed to %s in %.1fs", step.id, uri, manifest.duration_s)
         return StepOutcome(step.id, uri, True, manifest, result)

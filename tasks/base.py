@@ -49,6 +49,8 @@ class StepContext:
     workdir: Path
     runtime: Runtime
     log: logging.Logger | logging.LoggerAdapter
+    store: Store | None = None
+    work_key: str = ""  # <kind>/<name>-<fingerprint[:12]>: names this step's recovery copies in the store
 
     def inputs_with_prefix(self, prefix: str) -> dict[str, InputArtifact]:
         return {role[len(prefix):]: art for role, art in self.inputs.items() if role.startswith(prefix)}

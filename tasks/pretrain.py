@@ -106,7 +106,20 @@ def plot_loss(metrics: Path, out: Path, title: str) -> None:
 
 def run_pretrain(ctx: StepContext) -> StepResult:
     job = build_job(ctx)
-    result = run_training(job, ctx.workdir, ctx.log)
+    mirror = None
+    if ctx.store is not None and ctx.store.is_remote:
+        from infra.checkpoint_mirror import CheckpointMirror
+
+        mirror = CheckpointMirror(ctx.store, ctx.work_key, ctx.workdir / "checkpoints")
+        restored = mirror.restore()
+        if restored:
+            ctx.log.info("resuming from %s, recovered from the store", restored)
+        mirror.start()
+    try:
+        result = run_training(job, ctx.workdir, ctx.log)
+    finally:
+        if mirror:
+            mirror.stop()
     from model import checkpoint as ckpt
 
     kept = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")

@@ -1,0 +1,111 @@
+"""Background mirroring of a step's checkpoints to a remote store, and their recovery on a fresh machine.
+
+Training writes checkpoints to a local work folder (fast, and what the trainer resumes from). With an
+s3:// store, a thread uploads every completed checkpoint to `<store>/.work/<kind>/<name>-<fp>/checkpoints/`
+(its checksum file last, so a half-uploaded one is never used) without stalling training, and mirrors
+pruning. A retried step on another machine downloads the newest complete one before training resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+from infra.store import Store
+
+log = logging.getLogger("compass.mirror")
+CHECKSUMS = "checksums.json"
+
+
+class CheckpointMirror:
+    def __init__(self, store: Store, work_key: str, local: Path, interval_s: float = 2.0):
+        self.store = store
+        self.fs = store.fs
+        self.remote = f"{store._root_path}/.work/{work_key}"
+        self.local = local
+        self.interval_s = interval_s
+        self.uploaded: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- recovery ---------------------------------------------------------------------------------------
+    def remote_checkpoints(self) -> list[str]:
+        """Names of complete remote checkpoints, oldest first."""
+        self.fs.invalidate_cache(self.remote)
+        names = []
+        for path in self.fs.glob(f"{self.remote}/checkpoints/step-*/{CHECKSUMS}"):
+            names.append(path.rsplit("/", 2)[-2])
+        return sorted(names)
+
+    def restore(self) -> str | None:
+        """Download the newest remote checkpoint when none is local; returns its name."""
+        if any(self.local.glob(f"step-*/{CHECKSUMS}")):
+            return None
+        remote = self.remote_checkpoints()
+        if not remote:
+            return None
+        name = remote[-1]
+        tmp = self.local / f"{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        prefix = f"{self.remote}/checkpoints/{name}"
+        files = [p for p in self.fs.find(prefix) if not p.endswith("/" + CHECKSUMS)]
+        for path in files:
+            target = tmp / path[len(prefix) + 1:]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(path, str(target))
+        self.fs.get_file(f"{prefix}/{CHECKSUMS}", str(tmp / CHECKSUMS))
+        tmp.rename(self.local / name)
+        self.uploaded.add(name)
+        metrics = f"{self.remote}/metrics.jsonl"
+        if self.fs.exists(metrics):  # the trainer trims it back to the checkpoint's step
+            self.fs.get_file(metrics, str(self.local.parent / "metrics.jsonl"))
+        log.info("restored checkpoint %s from %s", name, prefix)
+        return name
+
+    # --- mirroring --------------------------------------------------------------------------------------
+    def sync_once(self) -> None:
+        local = sorted(p.name for p in self.local.glob("step-*") if (p / CHECKSUMS).exists() and p.name[5:].isdigit())
+        for name in local:
+            if name in self.uploaded:
+                continue
+            folder = self.local / name
+            prefix = f"{self.remote}/checkpoints/{name}"
+            try:
+                for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+                    self.fs.put_file(str(path), f"{prefix}/{path.relative_to(folder).as_posix()}")
+                self.fs.put_file(str(folder / CHECKSUMS), f"{prefix}/{CHECKSUMS}")
+                self.uploaded.add(name)
+            except FileNotFoundError:  # pruned locally while uploading: drop the partial copy below
+                continue
+        metrics = self.local.parent / "metrics.jsonl"
+        if metrics.exists():
+            self.fs.put_file(str(metrics), f"{self.remote}/metrics.jsonl")
+        for name in set(self.remote_checkpoints()) - set(local):
+            self.fs.rm(f"{self.remote}/checkpoints/{name}", recursive=True)
+            self.uploaded.discard(name)
+
+    def start(self) -> CheckpointMirror:
+        def loop() -> None:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    self.sync_once()
+                except Exception as exc:  # a flaky network must not kill training; the next pass retries
+                    log.warning("checkpoint upload failed, will retry: %s", exc)
+
+        self._thread = threading.Thread(target=loop, name="compass-checkpoint-mirror", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        self.sync_once()
+
+    def clear(self) -> None:
+        """The step is committed: its recovery copies are no longer needed."""
+        if self.fs.exists(self.remote):
+            self.fs.rm(self.remote, recursive=True)
