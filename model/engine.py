@@ -31,7 +31,10 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, groups: list[dict], opt: dict[str, Any], accumulation: int):
         self.module = model
         _, world, _ = dist_env()
-        self.model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        on_gpu = next(model.parameters()).is_cuda
+        _, _, local_rank = dist_env()
+        self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None)
+                      if world > 1 else model)
         self.optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"])
         self.accumulation = accumulation
         self.clip = opt["grad_clip"]

@@ -72,11 +72,28 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float) -> tuple[
     return ce, ce
 
 
-def forward(engine, batch: PackedBatch, masking: bool) -> Any:
-    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
+def training_device(accelerator: str) -> torch.device:
+    """The local GPU of this rank when `how` names one and CUDA is present, else the CPU."""
+    _, _, local_rank = dist_env()
+    if accelerator != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def model_inputs(batch: PackedBatch, masking: bool, device: torch.device) -> dict[str, Any]:
+    inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device),
+              "use_cache": False}
     if masking:
-        inputs["attention_mask"] = batch.attention_mask()
-    return engine(**inputs)
+        inputs["attention_mask"] = batch.attention_mask().to(device)
+    return inputs
+
+
+def forward(engine, batch: PackedBatch, masking: bool, device: torch.device, precision: str) -> Any:
+    if device.type == "cuda" and precision == "bf16" and isinstance(engine, TorchEngine):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return engine(**model_inputs(batch, masking, device))
+    return engine(**model_inputs(batch, masking, device))
 
 
 def train_stage(job: dict[str, Any]) -> StageResult:
@@ -101,14 +118,16 @@ def train_stage(job: dict[str, Any]) -> StageResult:
     special = {"bos": job["special_ids"]["eos"], "eos": job["special_ids"]["eos"], "pad": job["special_ids"]["pad"]}
     config = hf_config(arch, vocab, special, max_positions=job["max_positions"])
     model = build_model(config, job["seed"])
+    device = training_device(job["accelerator"])
     groups = parameter_groups(model, opt["weight_decay"], job["embedding_weight_decay"])
     if par["deepspeed"]:
-        init_distributed("gloo")
+        if device.type == "cpu":
+            init_distributed("gloo")  # on GPUs DeepSpeed initialises NCCL itself
         engine: TorchEngine | DeepSpeedEngine = DeepSpeedEngine(model, groups, opt, accumulation, micro,
                                                                 par["zero_stage"], job["precision"])
     else:
-        init_distributed("gloo" if job["accelerator"] == "cpu" else "nccl")
-        engine = TorchEngine(model, groups, opt, accumulation)
+        init_distributed("gloo" if device.type == "cpu" else "nccl")
+        engine = TorchEngine(model.to(device), groups, opt, accumulation)
     packer = Packer(sources, stage["mixture"], seq, seed=job["seed"] + 7919 * (offset + 1))
 
     resumed = ckpt.newest_valid(ckpt_root)
@@ -148,8 +167,8 @@ def train_stage(job: dict[str, Any]) -> StageResult:
         total_loss = 0.0
         for m in range(accumulation):
             part = local.slice(m * micro, (m + 1) * micro)
-            out = forward(engine, part, masking)
-            loss, ce = lm_loss(out.logits, part.labels, arch.z_loss)
+            out = forward(engine, part, masking, device, job["precision"])
+            loss, ce = lm_loss(out.logits, part.labels.to(device), arch.z_loss)
             if getattr(out, "aux_loss", None) is not None and arch.moe:
                 loss = loss + arch.moe.load_balancing_coef * out.aux_loss
             engine.backward(loss)
@@ -186,6 +205,8 @@ def train_stage(job: dict[str, Any]) -> StageResult:
                       "grad_norm": grad_norm, "lr": lr, "tokens": (offset + step + 1) * tokens,
                       "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
                       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            if device.type == "cuda":
+                record["gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             bar.update(1)
@@ -202,7 +223,7 @@ def train_stage(job: dict[str, Any]) -> StageResult:
     if rank == 0 and events:
         with open(workdir / "events.jsonl", "a") as f:
             f.writelines(json.dumps(e) + "\n" for e in events)
-    val = evaluate(engine, job, masking) if rank == 0 else {}
+    val = evaluate(engine, job, masking, device) if rank == 0 else {}
     return StageResult(stage_steps, stage_steps * gbs * seq, last_loss, val,
                        int(resumed.name.split("-")[1]) if resumed else None, rank_check, events)
 
@@ -292,7 +313,8 @@ def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_
 
 
 @torch.no_grad()
-def evaluate(engine, job: dict[str, Any], masking: bool, max_sequences: int = 16) -> dict[str, float]:
+def evaluate(engine, job: dict[str, Any], masking: bool, device: torch.device,
+             max_sequences: int = 16) -> dict[str, float]:
     """Validation loss per source on its held-out documents, packed without mixing sources."""
     model = engine.module
     model.eval()
@@ -307,11 +329,8 @@ def evaluate(engine, job: dict[str, Any], masking: bool, max_sequences: int = 16
         losses = []
         for _ in range(n):
             batch = packer.next_batch(1)
-            inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
-            if masking:
-                inputs["attention_mask"] = batch.attention_mask()
-            logits = model(**inputs).logits
-            losses.append(float(lm_loss(logits, batch.labels, 0.0)[1]))
+            logits = model(**model_inputs(batch, masking, device)).logits
+            losses.append(float(lm_loss(logits, batch.labels.to(device), 0.0)[1]))
         out[name] = sum(losses) / len(losses)
     model.train()
     return out

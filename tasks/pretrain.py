@@ -48,10 +48,19 @@ def build_job(ctx: StepContext) -> dict[str, Any]:
                     if role.startswith("tokens:")},
         "init_from": str(previous.local() / "state") if previous else None,
         "parallelism": how["parallelism"], "precision": how["precision"],
-        "accelerator": how["hardware"]["accelerator"], "peak_tflops": how["hardware"].get("peak_tflops"),
+        "accelerator": how["hardware"]["accelerator"], "peak_tflops": _peak_tflops(how["hardware"]),
         "checkpoint_every": how["checkpoints"]["every_steps"], "keep_last": how["checkpoints"]["keep_last"],
         "monitors": cfg["monitors"],
     }
+
+
+def _peak_tflops(hardware: dict[str, Any]) -> float | None:
+    """The spec's or the data sheet's peak for GPUs; None on CPU, where the trainer measures one."""
+    from specs.how import PEAK_TFLOPS
+
+    if hardware.get("peak_tflops"):
+        return hardware["peak_tflops"]
+    return None if hardware["accelerator"] == "cpu" else PEAK_TFLOPS[hardware["accelerator"]]
 
 
 def world_size(how: dict[str, Any]) -> int:
@@ -61,6 +70,10 @@ def world_size(how: dict[str, Any]) -> int:
 
 def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
     """Run model.trainer on the job: in-process for one rank, torchrun for several."""
+    par = job["parallelism"]
+    if par["tensor_parallel"] > 1 or par["pipeline_parallel"] > 1:
+        raise NotImplementedError("tensor and pipeline parallel training are planned and costed but not executed "
+                                  "by this version; use data parallelism (with ZeRO) for now")
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job, indent=1))
