@@ -49,6 +49,7 @@ def build_job(ctx: StepContext) -> dict[str, Any]:
         "init_from": str(previous.local() / "state") if previous else None,
         "parallelism": how["parallelism"], "precision": how["precision"],
         "accelerator": how["hardware"]["accelerator"], "peak_tflops": _peak_tflops(how["hardware"]),
+        "nodes": how["hardware"]["nodes"],
         "checkpoint_every": how["checkpoints"]["every_steps"], "keep_last": how["checkpoints"]["keep_last"],
         "monitors": cfg["monitors"],
     }
@@ -74,6 +75,9 @@ def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
     if par["tensor_parallel"] > 1 or par["pipeline_parallel"] > 1:
         raise NotImplementedError("tensor and pipeline parallel training are planned and costed but not executed "
                                   "by this version; use data parallelism (with ZeRO) for now")
+    if job.get("nodes", 1) > 1:
+        raise NotImplementedError("multi-node launch (hostfile / rendezvous) is not in this version; "
+                                  "run one node with data_parallel = devices_per_node")
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job, indent=1))
