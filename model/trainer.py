@@ -312,27 +312,33 @@ def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_
             shutil.copy(tokenizer_dir / name, out / name)
 
 
-@torch.no_grad()
-def evaluate(engine, job: dict[str, Any], masking: bool, device: torch.device,
-             max_sequences: int = 16) -> dict[str, float]:
-    """Validation loss per source on its held-out documents, packed without mixing sources."""
-    model = engine.module
-    model.eval()
+def evaluate(engine, job: dict[str, Any], masking: bool, device: torch.device) -> dict[str, float]:
+    """Validation loss per mixture source at the end of the stage."""
     seq = next(s for s in job["stages"] if s["name"] == job["stage"])["sequence_length"]
+    sources = {name: Path(path) for name, path in job["sources"].items()}
+    return heldout_losses(engine.module, sources, seq, masking, device)
+
+
+@torch.no_grad()
+def heldout_losses(model: torch.nn.Module, sources: dict[str, Path], seq_len: int, masking: bool,
+                   device: torch.device, max_sequences: int = 16) -> dict[str, float]:
+    """Mean next-token loss per source on its held-out documents, packed without mixing sources."""
+    was_training = model.training
+    model.eval()
     out: dict[str, float] = {}
-    for name, path in sorted(job["sources"].items()):
-        held = TokenizedSource(Path(path), "heldout")
+    for name, path in sorted(sources.items()):
+        held = TokenizedSource(path, "heldout")
         if held.n_documents == 0:
             continue
-        packer = Packer({name: held}, {name: 1.0}, seq, seed=0)
-        n = min(max_sequences, max(1, len(held.tokens) // seq))
+        packer = Packer({name: held}, {name: 1.0}, seq_len, seed=0)
+        n = min(max_sequences, max(1, len(held.tokens) // seq_len))
         losses = []
         for _ in range(n):
             batch = packer.next_batch(1)
             logits = model(**model_inputs(batch, masking, device)).logits
             losses.append(float(lm_loss(logits, batch.labels.to(device), 0.0)[1]))
         out[name] = sum(losses) / len(losses)
-    model.train()
+    model.train(was_training)
     return out
 
 

@@ -124,6 +124,13 @@ def _mixtures(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         yield from _mixture(stage.mixture, ("what", "long_context", "stages", i, "mixture"), names)
     if spec.what.ablations:
         yield from _mixture(spec.what.ablations.baseline.mixture, ("what", "ablations", "baseline", "mixture"), names)
+    from tasks.benchmarks import BENCHMARKS
+
+    for i, task in enumerate(spec.what.evaluation.tasks):
+        if task.name not in BENCHMARKS:
+            yield Issue(("what", "evaluation", "tasks", i, "name"),
+                        f"no offline data for benchmark '{task.name}' on this machine",
+                        f"available offline: {', '.join(BENCHMARKS)}")
     for i, src in enumerate(spec.what.evaluation.perplexity_sources):
         if src not in names:
             yield Issue(("what", "evaluation", "perplexity_sources", i), f"unknown source '{src}'",

@@ -13,6 +13,7 @@ _EXECUTORS: dict[str, str] = {
     "tokenizer": "tasks.tokenizer:run_tokenizer_selection",
     "tokenize": "tasks.tokenize:run_tokenize",
     "pretrain": "tasks.pretrain:run_pretrain",
+    "evaluate": "tasks.evaluate:run_evaluate",
 }
 
 

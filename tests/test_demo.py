@@ -23,7 +23,11 @@ def test_demo_runs_real_multilingual_data_then_caches(tmp_path: Path):
     ran = {s["step"] for s in first["steps"] if s["executed"]}
     sources = {"docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py"}
     assert ran == ({f"{k}:{s}" for s in sources for k in ("ingest", "curate", "tokenize")}
-                   | {"tokenizer:select", "pretrain:stage1", "pretrain:stage2"})
+                   | {"tokenizer:select", "pretrain:stage1", "pretrain:stage2", "evaluate:pretrain-stage1",
+                      "evaluate:pretrain-stage2"})
+    evaluation = json.loads(next(store.glob("evaluate/pretrain-stage2-*/results.json")).read_text())
+    assert 0 <= evaluation["arc_easy:cf/acc"] <= 1 and 0 <= evaluation["hellaswag:cf/acc"] <= 1
+    assert evaluation["val_ppl:docs_en"] > 1
     for stage in ("stage1", "stage2"):
         metrics = json.loads(next(store.glob(f"pretrain/{stage}-*/manifest.json")).read_text())["metrics"]
         assert metrics["final_loss"] < metrics["first_loss"]

