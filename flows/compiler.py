@@ -16,7 +16,7 @@ from specs.spec import TrainingSpec
 # Bump a phase's version when its code changes what it produces: its steps then re-run.
 PHASE_VERSIONS: dict[str, str] = {
     "ingest": "1", "curate": "1", "tokenizer": "1", "tokenize": "1", "ablate": "1", "pretrain": "1",
-    "long_context": "1", "post_train": "1", "evaluate": "1", "report": "1",
+    "long_context": "1", "post_train": "1", "evaluate": "1", "compare": "1", "report": "1",
 }
 
 
@@ -113,7 +113,7 @@ def compile_spec(spec: TrainingSpec) -> Plan:
                 name = f"{variant}-s{seed}"
                 steps.append(Step("ablate", name, cfg, data_inputs(abl.baseline.mixture), tags=("ablation", "gpu")))
                 run_ids.append(f"ablate:{name}")
-        steps.append(Step("report", "ablations", {"metrics": abl.metrics, "seeds": abl.seeds},
+        steps.append(Step("compare", "ablations", {"metrics": abl.metrics, "seeds": abl.seeds},
                           {r.replace(":", "/"): r for r in run_ids}, tags=("ablation",)))
 
     pt = what.pretraining
@@ -170,9 +170,11 @@ def compile_spec(spec: TrainingSpec) -> Plan:
             steps.append(Step("evaluate", name, {"suite": _dump(ev)}, inputs, tags=("evaluation", "gpu")))
             eval_ids.append(f"evaluate:{name}")
     if eval_ids:
+        # the report reads the evaluations of the checkpoints its criteria name, nothing else
+        named = {_resolve_checkpoint(c.checkpoint, model_steps) for c in spec.why.success_criteria}
+        inputs = {f"eval:{m}": f"evaluate:{m.replace(':', '-')}" for m in sorted(named)}
         steps.append(Step("report", "success", {"criteria": [_dump(c) for c in spec.why.success_criteria],
-                                                "final": model_steps[-1]},
-                          {e.replace(":", "/"): e for e in eval_ids}, tags=("report",)))
+                                                "final": model_steps[-1]}, inputs, tags=("report",)))
     return _order(spec.name, steps)
 
 

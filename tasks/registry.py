@@ -14,6 +14,7 @@ _EXECUTORS: dict[str, str] = {
     "tokenize": "tasks.tokenize:run_tokenize",
     "pretrain": "tasks.pretrain:run_pretrain",
     "evaluate": "tasks.evaluate:run_evaluate",
+    "report": "tasks.report:run_success_report",
 }
 
 

@@ -41,7 +41,7 @@ def test_examples_compile_in_dependency_order(name: str):
         seen.add(step.id)
     kinds = {s.kind for s in plan.steps}
     assert {"ingest", "curate", "tokenizer", "ablate", "pretrain", "long_context", "post_train", "evaluate",
-            "report"} <= kinds
+            "compare", "report"} <= kinds
     assert len(set(plan.fingerprints.values())) == len(plan.steps)
 
 

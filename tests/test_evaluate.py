@@ -85,6 +85,15 @@ def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
     assert {i.step for i in manifest.inputs} == {"pretrain:stage2", "tokenizer:select", "tokenize:notes"}
 
 
+def test_success_report_checks_the_why_criteria(evaluated):
+    report = evaluated["report:success"].manifest.metrics
+    (row,) = report["criteria"]  # minimal.yaml: val_ppl:notes <= 1000 at the final checkpoint
+    assert row["checkpoint"] == "pretrain:stage2" and row["criterion"] == "val_ppl:notes <= 1000.0"
+    assert row["measured"] == evaluated["evaluate:pretrain-stage2"].manifest.metrics["val_ppl:notes"]
+    assert row["verdict"] == ("pass" if row["measured"] <= 1000 else "fail")
+    assert report["passed"] == (row["verdict"] == "pass")
+
+
 def test_every_model_step_gets_its_evaluation(evaluated):
     assert {"evaluate:pretrain-stage1", "evaluate:pretrain-stage2"} <= set(evaluated)
     seen = [evaluated[f"evaluate:pretrain-{s}"].manifest.metrics["tokens_seen"] for s in ("stage1", "stage2")]

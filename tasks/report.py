@@ -1,0 +1,34 @@
+"""The success report: does the run meet the `why` success criteria? Pass or fail, with the numbers."""
+
+from __future__ import annotations
+
+import json
+import operator
+
+from tasks.base import StepContext, StepResult
+
+OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def run_success_report(ctx: StepContext) -> StepResult:
+    final = ctx.config["final"]
+    measured = {role.removeprefix("eval:"): art.manifest.metrics for role, art in ctx.inputs.items()}
+    rows = []
+    for crit in ctx.config["criteria"]:
+        checkpoint = final if crit["checkpoint"] == "final" else crit["checkpoint"]
+        value = measured.get(checkpoint, {}).get(crit["metric"])
+        if value is None:
+            verdict = "not measured"
+            available = sorted(k for k, v in measured.get(checkpoint, {}).items() if isinstance(v, int | float))
+            note = f"the evaluation of {checkpoint} has no metric '{crit['metric']}' (it has: {', '.join(available)})"
+        else:
+            verdict = "pass" if OPS[crit["op"]](value, crit["threshold"]) else "fail"
+            note = ""
+        rows.append({"criterion": f"{crit['metric']} {crit['op']} {crit['threshold']}", "checkpoint": checkpoint,
+                     "measured": value, "verdict": verdict, "note": note})
+    passed = all(r["verdict"] == "pass" for r in rows)
+    (ctx.out / "report.json").write_text(json.dumps({"passed": passed, "criteria": rows}, indent=2))
+    lines = [f"- **{r['verdict'].upper()}** {r['criterion']} at `{r['checkpoint']}`: measured {r['measured']}"
+             + (f" ({r['note']})" if r["note"] else "") for r in rows]
+    summary = f"### success criteria: {'MET' if passed else 'NOT MET'}\n\n" + "\n".join(lines)
+    return StepResult(metrics={"passed": passed, "criteria": rows}, summary=summary, tables={"success": rows})
