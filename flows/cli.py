@@ -173,6 +173,71 @@ def _grow(branch: Tree, node: dict) -> None:
         _grow(branch.add(_label(child)), child)
 
 
+@app.command("evaluate-schedule")
+def evaluate_schedule(
+        spec: SpecArg,
+        root: Annotated[str | None, typer.Option(help="Checkpoint root to scan (default: how.storage.root).")] = None,
+        interval: Annotated[int | None, typer.Option(help="Seconds between runs.")] = None,
+        cron: Annotated[str | None, typer.Option(help="Cron schedule instead of an interval.")] = None,
+        once: Annotated[bool, typer.Option("--once", help="Evaluate now, without a deployment.")] = False) -> None:
+    """Serve a Prefect deployment that evaluates every new checkpoint under a root, on a schedule."""
+    loaded = _load(spec)
+    prepare_environment()
+    from flows.scheduled_eval import evaluate_new_checkpoints
+
+    tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
+    if not tasks:
+        err.print(f"{spec}: what.evaluation.tasks is empty: nothing to evaluate (add benchmarks to the suite)")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    params = {"checkpoint_root": _store_root(loaded, root), "tasks": tasks}
+    if once:
+        print(json.dumps(evaluate_new_checkpoints(**params), indent=2))
+        return
+    ev = loaded.spec.how.evaluation
+    interval = interval or (None if cron else ev.schedule_interval_seconds)
+    cron = cron or ev.schedule_cron
+    if not interval and not cron:
+        err.print(f"{spec}: no schedule: pass --interval or --cron, or set how.evaluation.schedule_interval_seconds")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    when = f"every {interval}s" if interval else cron
+    out.print(f"serving deployment 'evaluate-{loaded.spec.name}' ({when}) over {params['checkpoint_root']}; "
+              "Ctrl-C stops it")
+    evaluate_new_checkpoints.serve(name=f"evaluate-{loaded.spec.name}", interval=interval, cron=cron,
+                                   parameters=params)
+
+
+ablate_app = typer.Typer(help="Ablation helpers.", no_args_is_help=True)
+app.add_typer(ablate_app, name="ablate")
+
+
+@ablate_app.command("promote")
+def ablate_promote(
+        spec: SpecArg,
+        variant: Annotated[str | None, typer.Option(help="Variant to promote (default: the comparison's winner).")]
+        = None,
+        out_path: Annotated[Path | None, typer.Option("--out", help="New spec file (default: <spec>.promoted.yaml).")]
+        = None,
+        store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None) -> None:
+    """Write a new spec whose baseline includes the winning change, and drop that variant."""
+    from flows.promote import PromoteError, promote, winning_variant
+    from infra.store import Store
+    from specs.loader import SpecError
+
+    loaded = _load(spec)
+    target = out_path or spec.with_name(spec.stem + ".promoted.yaml")
+    try:
+        chosen = variant or winning_variant(loaded, Store(_store_root(loaded, store)))
+        change = promote(spec, chosen, target)
+    except PromoteError as exc:
+        err.print(f"{spec}: {exc}", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except SpecError as exc:
+        err.print("\n".join(str(p) for p in exc.problems), markup=False)
+        target.unlink(missing_ok=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    out.print(f"promoted '{chosen}' ({change}) into {target}")
+
+
 @app.command()
 def schema() -> None:
     """Print the spec's JSON Schema (for editor completion and checking)."""

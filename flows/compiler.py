@@ -109,7 +109,9 @@ def compile_spec(spec: TrainingSpec) -> Plan:
         for variant, change in variants:
             for seed in abl.seeds:
                 cfg = {"architecture": arch, "baseline": _dump(abl.baseline), "change": change, "seed": seed,
-                       "optimizer": _dump(what.pretraining.optimizer), "metrics": abl.metrics}
+                       "optimizer": _dump(what.pretraining.optimizer), "metrics": abl.metrics,
+                       "schedule": _dump(what.pretraining.schedule), "monitors": _dump(what.pretraining.monitors),
+                       "intra_document_masking": what.pretraining.intra_document_masking}
                 name = f"{variant}-s{seed}"
                 steps.append(Step("ablate", name, cfg, data_inputs(abl.baseline.mixture), tags=("ablation", "gpu")))
                 run_ids.append(f"ablate:{name}")

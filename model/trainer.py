@@ -97,6 +97,12 @@ def forward(engine, batch: PackedBatch, masking: bool, device: torch.device, pre
 
 
 def train_stage(job: dict[str, Any]) -> StageResult:
+    # grad mode is per thread, and libraries run in the same process (lighteval) switch it off globally
+    with torch.enable_grad():
+        return _train_stage(job)
+
+
+def _train_stage(job: dict[str, Any]) -> StageResult:
     rank, world, _ = dist_env()
     workdir = Path(job["workdir"])
     ckpt_root = workdir / "checkpoints"

@@ -83,11 +83,13 @@ def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
     job_path.write_text(json.dumps(job, indent=1))
     world = world_size({"parallelism": job["parallelism"]})
     if world == 1:
+        import torch.distributed as dist
+
         from model.trainer import train_stage
 
-        for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if not dist.is_initialized():  # one rank, this process: a private rendezvous on a free port
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                               "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         result = train_stage(job).__dict__
         (workdir / "result.json").write_text(json.dumps(result))
         return result

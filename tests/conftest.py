@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 def base_env(tmp_home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by in-process training
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in rendezvous}
     env.update({"PREFECT_HOME": str(tmp_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "DO_NOT_TRACK": "1",
                 "PATH": f"{VENV_BIN}:{env.get('PATH', '')}"})

@@ -22,9 +22,13 @@ def test_demo_runs_real_multilingual_data_then_caches(tmp_path: Path):
     first = cli.json("run", spec, "--store", str(store))
     ran = {s["step"] for s in first["steps"] if s["executed"]}
     sources = {"docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py"}
+    ablations = {f"ablate:{v}-s{s}" for v in ("baseline", "untied") for s in (0, 1)} | {"compare:ablations"}
     assert ran == ({f"{k}:{s}" for s in sources for k in ("ingest", "curate", "tokenize")}
                    | {"tokenizer:select", "pretrain:stage1", "pretrain:stage2", "evaluate:pretrain-stage1",
-                      "evaluate:pretrain-stage2"})
+                      "evaluate:pretrain-stage2"} | ablations)
+    comparison = json.loads(next(store.glob("compare/ablations-*/comparison.json")).read_text())
+    (untied,) = [r for r in comparison["rows"] if r["variant"] == "untied"]
+    assert untied["runs"] == 2 and untied["verdict"] in ("better", "worse", "within noise")
     evaluation = json.loads(next(store.glob("evaluate/pretrain-stage2-*/results.json")).read_text())
     assert 0 <= evaluation["arc_easy:cf/acc"] <= 1 and 0 <= evaluation["hellaswag:cf/acc"] <= 1
     assert evaluation["val_ppl:docs_en"] > 1

@@ -1,0 +1,64 @@
+"""`compass ablate promote`: write a new spec whose baseline includes a winning ablation change (the
+playbook's loop: integrate what helped, then test the next change against the new baseline)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from ruamel.yaml import YAML
+
+from flows.compiler import compile_spec
+from infra.store import Store
+from specs.loader import LoadedSpec, load_spec
+
+
+class PromoteError(ValueError):
+    pass
+
+
+def winning_variant(loaded: LoadedSpec, store: Store) -> str:
+    """The variant the committed comparison of this spec judged best ('better' with the largest gain)."""
+    plan = compile_spec(loaded.spec)
+    if "compare:ablations" not in plan.fingerprints:
+        raise PromoteError("the spec has no ablations")
+    uri = store.uri("compare", "ablations", plan.fingerprints["compare:ablations"])
+    if not store.is_committed(uri):
+        raise PromoteError(f"no comparison at {uri}: run the spec first (compass run), or name --variant")
+    with store.fs.open(f"{store._path(uri)}/comparison.json", "r") as f:
+        rows = json.load(f)["rows"]
+    better = [r for r in rows[1:] if r["verdict"] == "better"]
+    if not better:
+        verdicts = ", ".join(f"{r['variant']}: {r['verdict']}" for r in rows[1:])
+        raise PromoteError(f"no variant beat the baseline beyond the seed noise ({verdicts}); nothing to promote")
+    return min(better, key=lambda r: r["delta"])["variant"] if "loss" in json.dumps(rows[0]) else max(
+        better, key=lambda r: r["delta"])["variant"]
+
+
+def promote(spec_path: Path, variant: str, out: Path) -> str:
+    """Apply the variant's change to the spec (architecture changes to what.architecture, the rest to the
+    ablation baseline), drop the variant, write `out` and validate it. Returns the change applied."""
+    yaml = YAML(typ="rt")
+    data = yaml.load(spec_path.read_text())
+    ablations = data["what"].get("ablations")
+    variants = ablations["variants"] if ablations else []
+    match = [v for v in variants if v["name"] == variant]
+    if not match:
+        raise PromoteError(f"no variant '{variant}' in {spec_path} (have: {', '.join(v['name'] for v in variants)})")
+    (path, value), = match[0]["change"].items()
+    if path.startswith("architecture."):
+        target, keys = data["what"]["architecture"], path.split(".")[1:]
+    else:
+        target, keys = ablations["baseline"], path.split(".")
+    for key in keys[:-1]:
+        target = target[key]
+    target[keys[-1]] = value
+    variants.remove(match[0])
+    if not variants:
+        del data["what"]["ablations"]
+    buffer = io.StringIO()
+    yaml.dump(data, buffer)
+    out.write_text(buffer.getvalue())
+    load_spec(out)  # the promoted spec must be valid (raises SpecError with locations otherwise)
+    return f"{path} = {value!r}"

@@ -1,0 +1,105 @@
+"""Scheduled evaluation: a Prefect flow that scans a checkpoint root (local or s3://) and evaluates exactly
+the checkpoints that have no result for the current suite yet.
+
+Checkpoints are found through committed manifests only (an artifact's manifest is written last), so a
+checkpoint still being written is invisible until its step commits, and is picked up by the next run. A
+checkpoint is identified by the sha256 of its weights, and a suite by the hash of its definition, so a
+result is never computed twice and a changed suite evaluates everything again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.compiler import PHASE_VERSIONS
+from infra.fingerprint import canonical_json
+from infra.manifest import Manifest
+from infra.store import Store
+
+MODEL_KINDS = ("pretrain", "long_context", "post_train")
+
+
+def suite_hash(tasks: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(canonical_json({"tasks": tasks, "version": PHASE_VERSIONS["evaluate"]}).encode()).hexdigest()
+
+
+def discover(store: Store) -> list[dict[str, Any]]:
+    """Every Hugging Face checkpoint inside committed model artifacts, with the sha256 of its weights."""
+    found = []
+    for kind in MODEL_KINDS:
+        for path in store.fs.glob(f"{store._root_path}/{kind}/*/manifest.json"):
+            with store.fs.open(path, "r") as f:
+                manifest = Manifest.model_validate_json(f.read())
+            for entry in manifest.files:
+                if entry.path.endswith("model.safetensors") and not entry.path.startswith("state/"):
+                    folder = entry.path.rsplit("/", 1)[0]
+                    found.append({"artifact": manifest.uri, "folder": folder, "step": manifest.step_id,
+                                  "weights_sha256": entry.sha256,
+                                  "tokens": manifest.metrics.get("tokens")})
+    return sorted(found, key=lambda c: (c["artifact"], c["folder"]))
+
+
+def result_path(store: Store, suite: str, checkpoint: dict[str, Any]) -> str:
+    return f"{store._root_path}/.evaluations/{suite[:12]}/{checkpoint['weights_sha256'][:20]}.json"
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="evaluate {checkpoint[step]} {checkpoint[folder]}")
+def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], tasks: list[dict[str, Any]],
+                        suite: str) -> dict[str, Any]:
+    from tasks.evaluate import run_lighteval
+
+    store = Store(store_root)
+    local = store.local_path(checkpoint["artifact"]) / checkpoint["folder"]
+    with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
+        started = time.time()
+        results, provenance = run_lighteval(local, tasks, Path(scratch))
+    metrics = {f"{name}/{m}": float(v) for name, values in results.items() for m, v in values.items()
+               if not m.endswith("_stderr")}
+    record = {"checkpoint": checkpoint, "suite": suite, "tasks": tasks, "metrics": metrics,
+              "provenance": provenance, "seconds": time.time() - started}
+    target = result_path(store, suite, checkpoint)
+    if store.is_remote:
+        with store.fs.open(target, "w") as f:  # a single PUT: never half-visible
+            f.write(json.dumps(record, indent=2))
+    else:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(target).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.rename(target)
+    return record
+
+
+@flow(name="compass-scheduled-evaluation", persist_result=False)
+def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Evaluate every committed checkpoint under `checkpoint_root` that has no result for this suite."""
+    from infra.environment import prepare_environment
+
+    prepare_environment()
+    logger = get_run_logger()
+    store = Store(checkpoint_root)
+    suite = suite_hash(tasks)
+    checkpoints = list({c["weights_sha256"]: c for c in reversed(discover(store))}.values())  # same weights once
+    todo = [c for c in checkpoints if not store.fs.exists(result_path(store, suite, c))]
+    logger.info("%d checkpoints under %s, %d without results for suite %s", len(checkpoints), checkpoint_root,
+                len(todo), suite[:12])
+    records = [evaluate_checkpoint(checkpoint_root, c, tasks, suite) for c in todo]
+    if records:
+        create_table_artifact(key=f"scheduled-evaluation-{suite[:12]}", description=f"suite {suite[:12]}",
+                              table=[{"step": r["checkpoint"]["step"], "checkpoint": r["checkpoint"]["folder"],
+                                      **{k: round(v, 4) for k, v in r["metrics"].items()}} for r in records])
+    summary = {"suite": suite, "checkpoints": len(checkpoints), "evaluated": [r["checkpoint"] for r in records]}
+    runs = f"{store._root_path}/.evaluations/{suite[:12]}/runs"
+    if not store.is_remote:
+        Path(runs).mkdir(parents=True, exist_ok=True)
+    with store.fs.open(f"{runs}/{int(time.time() * 1000)}.json", "w") as f:
+        f.write(json.dumps(summary))
+    return summary

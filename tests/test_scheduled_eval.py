@@ -1,0 +1,81 @@
+"""Scheduled evaluation against a real Prefect server: a served deployment whose interval schedule fires,
+evaluating exactly the checkpoints without results, nothing on the next run, and new commits after that."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import VENV_BIN, Cli, write_minimal_spec
+
+pytestmark = pytest.mark.slow
+SUITE = "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n  pretraining:"
+
+
+def train(spec_path: Path, store: Path) -> None:
+    from flows.compiler import compile_spec
+    from flows.runner import RunContext, run_step
+    from infra.store import Store
+    from specs import load_spec
+    from tasks.base import Runtime
+
+    loaded = load_spec(spec_path)
+    plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain"})
+    ctx = RunContext(plan, Store(str(store)), loaded.spec_hash,
+                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+    for step in plan.steps:
+        run_step(ctx, step, logging.getLogger("test"))
+
+
+def runs(store: Path) -> list[dict]:
+    files = sorted(store.glob(".evaluations/*/runs/*.json"))
+    return [json.loads(f.read_text()) for f in files]
+
+
+def wait_for_runs(store: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while len(runs(store)) < n:
+        assert proc.poll() is None, "the served deployment exited"
+        assert time.monotonic() < deadline, f"only {len(runs(store))} scheduled runs after {timeout}s"
+        time.sleep(1)
+    return runs(store)
+
+
+def test_served_schedule_evaluates_each_checkpoint_once(server_cli: Cli, tmp_path: Path):
+    store = tmp_path / "store"
+    spec = write_minimal_spec(tmp_path, **{"  pretraining:": SUITE})
+    train(spec, store)
+    proc = subprocess.Popen([str(VENV_BIN / "compass"), "evaluate-schedule", str(spec), "--root", str(store),
+                             "--interval", "5"], cwd=tmp_path, env=server_cli.env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        first, second = wait_for_runs(store, 2, proc)[:2]
+        assert first["checkpoints"] == 2  # stage1 and stage2 (each stage's final equals its last checkpoint)
+        assert {c["step"] for c in first["evaluated"]} == {"pretrain:stage1", "pretrain:stage2"}
+        assert second["evaluated"] == []  # nothing new: nothing evaluated
+        results = list(store.glob(".evaluations/*/*.json"))
+        assert len(results) == 2
+        record = json.loads(results[0].read_text())
+        assert 0 <= record["metrics"]["arc_easy:cf/acc"] <= 1
+
+        # a checkpoint committed while the deployment is running is picked up by a later run
+        retrained = write_minimal_spec(tmp_path, **{"  pretraining:": SUITE, "stages:": "seed: 99\n    stages:"})
+        train(retrained, store)
+        count = len(runs(store))
+        later = wait_for_runs(store, count + 1, proc)[count:]
+        new = [c for r in later for c in r["evaluated"]]
+        assert {c["step"] for c in new} == {"pretrain:stage1", "pretrain:stage2"}
+        assert len(list(store.glob(".evaluations/*/*.json"))) == 4
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
