@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.compiler import PHASE_VERSIONS
 from infra.fingerprint import canonical_json
+from infra.locks import step_lock
 from infra.manifest import Manifest
 from infra.store import Store
 
@@ -54,10 +55,21 @@ def result_path(store: Store, suite: str, checkpoint: dict[str, Any]) -> str:
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="evaluate {checkpoint[step]} {checkpoint[folder]}")
 def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], tasks: list[dict[str, Any]],
-                        suite: str) -> dict[str, Any]:
+                        suite: str) -> dict[str, Any] | None:
+    """Evaluate one checkpoint unless a result exists (or appears while waiting for another run's lock)."""
+    store = Store(store_root)
+    target = result_path(store, suite, checkpoint)
+    key = f"evaluations/{suite[:12]}/{checkpoint['weights_sha256'][:20]}"
+    with step_lock(store, key, should_stop=lambda: store.fs.exists(target)) as held:
+        if not held or store.fs.exists(target):  # an overlapping run evaluated it first
+            return None
+        return _evaluate(store, checkpoint, tasks, suite, target)
+
+
+def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, Any]], suite: str,
+              target: str) -> dict[str, Any]:
     from tasks.evaluate import run_lighteval
 
-    store = Store(store_root)
     local = store.local_path(checkpoint["artifact"]) / checkpoint["folder"]
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
         started = time.time()
@@ -66,7 +78,6 @@ def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], tasks: list
                if not m.endswith("_stderr")}
     record = {"checkpoint": checkpoint, "suite": suite, "tasks": tasks, "metrics": metrics,
               "provenance": provenance, "seconds": time.time() - started}
-    target = result_path(store, suite, checkpoint)
     if store.is_remote:
         with store.fs.open(target, "w") as f:  # a single PUT: never half-visible
             f.write(json.dumps(record, indent=2))
@@ -91,7 +102,7 @@ def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]]) 
     todo = [c for c in checkpoints if not store.fs.exists(result_path(store, suite, c))]
     logger.info("%d checkpoints under %s, %d without results for suite %s", len(checkpoints), checkpoint_root,
                 len(todo), suite[:12])
-    records = [evaluate_checkpoint(checkpoint_root, c, tasks, suite) for c in todo]
+    records = [r for c in todo if (r := evaluate_checkpoint(checkpoint_root, c, tasks, suite)) is not None]
     if records:
         create_table_artifact(key=f"scheduled-evaluation-{suite[:12]}", description=f"suite {suite[:12]}",
                               table=[{"step": r["checkpoint"]["step"], "checkpoint": r["checkpoint"]["folder"],
