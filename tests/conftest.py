@@ -59,12 +59,18 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             time.sleep(1)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
         log.close()
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a process started with start_new_session: SIGINT (Prefect stops cleanly on it), then SIGKILL."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 class Cli:

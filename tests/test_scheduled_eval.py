@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import VENV_BIN, Cli, write_minimal_spec
+from tests.conftest import VENV_BIN, Cli, stop_group, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 SUITE = "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n  pretraining:"
@@ -74,8 +72,4 @@ def test_served_schedule_evaluates_each_checkpoint_once(server_cli: Cli, tmp_pat
         assert {c["step"] for c in new} == {"pretrain:stage1", "pretrain:stage2"}
         assert len(list(store.glob(".evaluations/*/*.json"))) == 4
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
