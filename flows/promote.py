@@ -27,13 +27,13 @@ def winning_variant(loaded: LoadedSpec, store: Store) -> str:
     if not store.is_committed(uri):
         raise PromoteError(f"no comparison at {uri}: run the spec first (compass run), or name --variant")
     with store.fs.open(f"{store._path(uri)}/comparison.json", "r") as f:
-        rows = json.load(f)["rows"]
-    better = [r for r in rows[1:] if r["verdict"] == "better"]
+        comparison = json.load(f)
+    better = [r for r in comparison["rows"][1:] if r["verdict"] == "better"]
     if not better:
-        verdicts = ", ".join(f"{r['variant']}: {r['verdict']}" for r in rows[1:])
+        verdicts = ", ".join(f"{r['variant']}: {r['verdict']}" for r in comparison["rows"][1:])
         raise PromoteError(f"no variant beat the baseline beyond the seed noise ({verdicts}); nothing to promote")
-    return min(better, key=lambda r: r["delta"])["variant"] if "loss" in json.dumps(rows[0]) else max(
-        better, key=lambda r: r["delta"])["variant"]
+    gain = -1 if any(word in comparison["metric"] for word in ("loss", "ppl")) else 1  # lower loss is better
+    return max(better, key=lambda r: gain * r["delta"])["variant"]
 
 
 def promote(spec_path: Path, variant: str, out: Path) -> str:

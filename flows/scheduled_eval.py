@@ -37,7 +37,7 @@ def discover(store: Store) -> list[dict[str, Any]]:
     """Every Hugging Face checkpoint inside committed model artifacts, with the sha256 of its weights."""
     found = []
     for kind in MODEL_KINDS:
-        for path in store.fs.glob(f"{store._root_path}/{kind}/*/manifest.json"):
+        for path in store.fs.glob(f"{store.root_path}/{kind}/*/manifest.json"):
             with store.fs.open(path, "r") as f:
                 manifest = Manifest.model_validate_json(f.read())
             for entry in manifest.files:
@@ -50,7 +50,7 @@ def discover(store: Store) -> list[dict[str, Any]]:
 
 
 def result_path(store: Store, suite: str, checkpoint: dict[str, Any]) -> str:
-    return f"{store._root_path}/.evaluations/{suite[:12]}/{checkpoint['weights_sha256'][:20]}.json"
+    return f"{store.root_path}/.evaluations/{suite[:12]}/{checkpoint['weights_sha256'][:20]}.json"
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="evaluate {checkpoint[step]} {checkpoint[folder]}")
@@ -108,7 +108,7 @@ def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]]) 
                               table=[{"step": r["checkpoint"]["step"], "checkpoint": r["checkpoint"]["folder"],
                                       **{k: round(v, 4) for k, v in r["metrics"].items()}} for r in records])
     summary = {"suite": suite, "checkpoints": len(checkpoints), "evaluated": [r["checkpoint"] for r in records]}
-    runs = f"{store._root_path}/.evaluations/{suite[:12]}/runs"
+    runs = f"{store.root_path}/.evaluations/{suite[:12]}/runs"
     if not store.is_remote:
         Path(runs).mkdir(parents=True, exist_ok=True)
     with store.fs.open(f"{runs}/{int(time.time() * 1000)}.json", "w") as f:

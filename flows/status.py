@@ -34,7 +34,7 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def plan_status(plan: Plan, store: Store, executable: set[str]) -> list[StepStatus]:
     """State and reason per step; when the store cannot be reached, says so instead of failing the plan."""
     try:
-        store.fs.exists(store._root_path)
+        store.fs.exists(store.root_path)
     except Exception as exc:  # credentials, network, endpoint: the plan is still worth printing
         reason = f"store not reachable ({type(exc).__name__})"
         return [StepStatus(s.id, store.uri(s.kind, s.name, plan.fingerprints[s.id]), "unknown", reason)

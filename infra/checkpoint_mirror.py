@@ -23,7 +23,7 @@ class CheckpointMirror:
     def __init__(self, store: Store, work_key: str, local: Path, interval_s: float = 2.0):
         self.store = store
         self.fs = store.fs
-        self.remote = f"{store._root_path}/.work/{work_key}"
+        self.remote = f"{store.root_path}/.work/{work_key}"
         self.local = local
         self.interval_s = interval_s
         self.uploaded: set[str] = set()

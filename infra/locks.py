@@ -24,7 +24,7 @@ class StepLock:
 
     def __init__(self, store: Store, key: str, heartbeat_s: float = 5.0, stale_after_s: float = 60.0):
         self.store = store
-        self.path = f"{store._root_path}/.locks/{key}.lock"
+        self.path = f"{store.root_path}/.locks/{key}.lock"
         self.token = uuid.uuid4().hex
         self.heartbeat_s = heartbeat_s
         self.stale_after_s = stale_after_s

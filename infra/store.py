@@ -6,7 +6,6 @@ writes `manifest.json` last, so an artifact without a manifest is never taken fo
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -35,7 +34,7 @@ class Store:
             root = str(Path(root.removeprefix("file://")).expanduser().resolve())
         self.root = root.rstrip("/")
         self.fs: fsspec.AbstractFileSystem
-        self.fs, self._root_path = url_to_fs(self.root)
+        self.fs, self.root_path = url_to_fs(self.root)
         if not self.is_remote:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
@@ -47,7 +46,7 @@ class Store:
         """fsspec path (no protocol) of a URI inside this store."""
         if not uri.startswith(self.root):
             raise ValueError(f"{uri} is not inside the store {self.root}")
-        return self._root_path + uri[len(self.root):]
+        return self.root_path + uri[len(self.root):]
 
     # --- reading ----------------------------------------------------------------------------------------
     def is_committed(self, uri: str) -> bool:
@@ -59,7 +58,7 @@ class Store:
 
     def committed_versions(self, kind: str, name: str) -> list[Manifest]:
         """Committed artifacts of one step name (any fingerprint), newest first."""
-        pattern = f"{self._root_path}/{kind}/{name}-*/{MANIFEST}"
+        pattern = f"{self.root_path}/{kind}/{name}-*/{MANIFEST}"
         manifests = []
         for path in self.fs.glob(pattern):
             folder = path.rsplit("/", 2)[-2]
@@ -144,8 +143,3 @@ class Store:
             self.fs.put_file(str(staged / entry.path), f"{target}/{entry.path}")
         with self.fs.open(f"{target}/{MANIFEST}", "w") as f:
             f.write(body)
-
-    def write_json(self, relpath: str, value: object) -> None:
-        """Small store-level bookkeeping files (e.g. run records), written whole."""
-        with self.fs.open(f"{self._root_path}/{relpath}", "w") as f:
-            json.dump(value, f, indent=2)

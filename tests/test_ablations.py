@@ -63,3 +63,12 @@ def test_ablation_runs_comparison_and_promotion(tmp_path: Path):
     assert [v.name for v in promoted.what.ablations.variants] == ["more_code"]
     done = cli("ablate", "promote", str(spec), "--variant", "nope", "--store", str(store), check=False)
     assert done.returncode == 2 and "no variant 'nope'" in done.stderr
+
+    # without --variant the committed comparison decides: the largest improvement beyond noise, or nothing
+    auto = cli("ablate", "promote", str(spec), "--store", str(store), "--out", str(tmp_path / "auto.yaml"),
+               check=False)
+    better = sorted((r for r in comparison["rows"] if r["verdict"] == "better"), key=lambda r: r["delta"])
+    if better:
+        assert auto.returncode == 0 and f"promoted '{better[0]['variant']}'" in auto.stdout
+    else:
+        assert auto.returncode == 2 and "nothing to promote" in auto.stderr

@@ -75,7 +75,7 @@ def test_lock_excludes_a_second_holder_and_stale_locks_are_taken_over(tmp_path: 
     assert second.acquire(timeout_s=1)
     second.release()
     # a lock left by a dead process (no heartbeat for longer than stale_after_s) is taken over
-    dead = Path(store._root_path) / ".locks" / "curate" / "web-2.lock"
+    dead = Path(store.root_path) / ".locks" / "curate" / "web-2.lock"
     dead.parent.mkdir(parents=True, exist_ok=True)
     dead.write_text(json.dumps({"token": "dead", "host": "h", "pid": 1, "heartbeat": time.time() - 60}))
     third = StepLock(store, "curate/web-2", stale_after_s=2)
