@@ -21,3 +21,4 @@ bench: setup
 	.venv/bin/python benchmarks/cached_rerun.py
 	.venv/bin/python benchmarks/pretrain_throughput.py --engine torch
 	.venv/bin/python benchmarks/pretrain_throughput.py --engine deepspeed
+	.venv/bin/python benchmarks/evaluation_throughput.py

@@ -13,6 +13,8 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,32 @@ def world_size(how: dict[str, Any]) -> int:
     return par["data_parallel"] * par["tensor_parallel"] * par["pipeline_parallel"]
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+_PORT: list[int] = []  # the port of this process's single-rank group, once initialised
+
+
+@contextmanager
+def _single_rank_env(fresh_port: bool) -> Iterator[None]:
+    """A private rendezvous for one in-process rank while it trains (DeepSpeed reads it at every
+    initialisation), removed afterwards so that processes started later (torchrun, lighteval) do not inherit
+    it and try to bind the same port."""
+    if fresh_port or not _PORT:
+        _PORT[:] = [free_port()]
+    saved = {k: os.environ.get(k) for k in RENDEZVOUS}
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_PORT[0]), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
     """Run model.trainer on the job: in-process for one rank, torchrun for several."""
     par = job["parallelism"]
@@ -87,10 +115,8 @@ def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
 
         from model.trainer import train_stage
 
-        if not dist.is_initialized():  # one rank, this process: a private rendezvous on a free port
-            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                               "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-        result = train_stage(job).__dict__
+        with _single_rank_env(fresh_port=not dist.is_initialized()):
+            result = train_stage(job).__dict__
         (workdir / "result.json").write_text(json.dumps(result))
         return result
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1",
