@@ -87,17 +87,13 @@ def run(spec: SpecArg,
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
     loaded = _load(spec)
     prepare_environment()
-    from prefect.task_runners import ThreadPoolTaskRunner
+    from flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
 
-    from flows.lifecycle import lifecycle
-
-    orch = loaded.spec.how.orchestration
-    if orch.task_runner == "ray":
-        from prefect_ray import RayTaskRunner
-
-        runner = RayTaskRunner(address=orch.ray_address) if orch.ray_address else RayTaskRunner()
-    else:
-        runner = ThreadPoolTaskRunner(max_workers=8)  # run_plan itself keeps max_parallel_steps running
+    try:
+        runner = task_runner_for(loaded.spec.how.orchestration)
+    except RayNeedsServer as exc:
+        err.print(f"[red]error:[/red] {spec}: {exc}")
+        raise typer.Exit(2) from None
     started = time.time()
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
     with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary

@@ -15,8 +15,8 @@ from specs.spec import TrainingSpec
 
 # Bump a phase's version when its code changes what it produces: its steps then re-run.
 PHASE_VERSIONS: dict[str, str] = {
-    "ingest": "1", "curate": "1", "tokenizer": "1", "tokenize": "1", "ablate": "1", "pretrain": "1",
-    "long_context": "1", "post_train": "1", "evaluate": "1", "compare": "1", "report": "1",
+    "ingest": "1", "curate": "2", "tokenizer": "1", "tokenize": "1", "ablate": "1", "pretrain": "1",
+    "long_context": "1", "post_train": "1", "evaluate": "2", "compare": "1", "report": "1", "curves": "1",
 }
 
 
@@ -169,9 +169,12 @@ def compile_spec(spec: TrainingSpec) -> Plan:
             inputs = {"model": model_step, "tokenizer": "tokenizer:select",
                       **{f"tokens:{n}": f"tokenize:{n}" for n in ev.perplexity_sources}}
             name = model_step.replace(":", "-")
-            steps.append(Step("evaluate", name, {"suite": _dump(ev)}, inputs, tags=("evaluation", "gpu")))
+            cfg = {"suite": _dump(ev), "every_checkpoint": spec.how.evaluation.every_checkpoint}
+            steps.append(Step("evaluate", name, cfg, inputs, tags=("evaluation", "gpu")))
             eval_ids.append(f"evaluate:{name}")
     if eval_ids:
+        steps.append(Step("curves", "evaluation", {"runs": model_steps},
+                          {f"eval:{m}": f"evaluate:{m.replace(':', '-')}" for m in model_steps}, tags=("report",)))
         # the report reads the evaluations of the checkpoints its criteria name, nothing else
         named = {_resolve_checkpoint(c.checkpoint, model_steps) for c in spec.why.success_criteria}
         inputs = {f"eval:{m}": f"evaluate:{m.replace(':', '-')}" for m in sorted(named)}

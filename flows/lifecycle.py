@@ -3,7 +3,9 @@ a markdown/table artifact per step, and the plan published at the start of every
 
 from __future__ import annotations
 
+import os
 import re
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ def execute_step(ctx: RunContext, step: Step) -> dict[str, Any]:
     outcome = run_step(ctx, step, log)
     _publish(ctx, step, outcome)
     return {"step": step.id, "uri": outcome.uri, "executed": outcome.executed,
-            "seconds": round(outcome.manifest.duration_s, 2)}
+            "seconds": round(outcome.manifest.duration_s, 2), "pid": os.getpid()}
 
 
 def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
@@ -62,6 +64,25 @@ def _with_options(ctx_spec_timeouts: dict[str, float], step: Step, orch: Any, sp
     )
 
 
+# Steps that spread their own work over Ray (datatrove's RayPipelineExecutor): their driver task takes no CPU
+# slot, or with every slot held by such drivers their inner tasks would never be scheduled.
+SELF_DISTRIBUTING = {"curate"}
+
+
+def _placement(runtime: Runtime, step: Step):
+    """Ray resources a step's task asks for (a no-op with the local task runner)."""
+    if runtime.task_runner != "ray":
+        return nullcontext()
+    from prefect_ray.context import remote_options
+
+    if step.kind in SELF_DISTRIBUTING:
+        return remote_options(num_cpus=0)
+    hardware = runtime.how.get("hardware", {})
+    if "gpu" in step.tags and hardware.get("accelerator", "cpu") != "cpu":
+        return remote_options(num_gpus=hardware.get("devices_per_node", 1))
+    return nullcontext()
+
+
 def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
     """Submit each step once its inputs are done, at most `max_parallel_steps` at a time.
 
@@ -77,7 +98,8 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
         ready = [s for s in pending if set(s.inputs.values()) <= set(finished)] if failure is None else []
         for step in ready[: max(0, orch.max_parallel_steps - len(running))]:
             options = _with_options(orch.step_timeouts, step, orch, plan.spec_name)
-            running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
+            with _placement(ctx.runtime, step):
+                running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
             pending.remove(step)
         if not running:
             break
@@ -122,7 +144,31 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     results = run_plan(plan, ctx, orch)
     ran = [r["step"] for r in results if r["executed"]]
     logger.info("%d steps ran, %d cached, %d not executable yet", len(ran), len(results) - len(ran), len(left_out))
-    return {"spec": spec.name, "store": store.root, "steps": results, "not_executable": left_out}
+    return {"spec": spec.name, "store": store.root, "steps": results, "not_executable": left_out,
+            "flow_pid": os.getpid()}
+
+
+def task_runner_for(orch: Any) -> Any:
+    """The task runner `how.orchestration` asks for: threads here, or Ray (an existing cluster or a local one).
+
+    Ray workers report task runs to the Prefect API, so Ray needs a running server (PREFECT_API_URL); with the
+    embedded one each worker would start a server of its own."""
+    if orch.task_runner != "ray":
+        return ThreadPoolTaskRunner(max_workers=8)  # run_plan itself keeps max_parallel_steps running
+    from prefect.settings import PREFECT_API_URL
+    from prefect_ray import RayTaskRunner
+
+    if not PREFECT_API_URL.value():
+        raise RayNeedsServer("how.orchestration.task_runner: ray needs a Prefect server: start one "
+                             "(`prefect server start --host 127.0.0.1`) and set PREFECT_API_URL, or use "
+                             "task_runner: local")
+    if orch.ray_address:
+        return RayTaskRunner(address=orch.ray_address)
+    return RayTaskRunner(init_kwargs={"num_cpus": orch.ray_num_cpus} if orch.ray_num_cpus else None)
+
+
+class RayNeedsServer(RuntimeError):
+    pass
 
 
 def _resolve_root(root: str, base: Path) -> str:

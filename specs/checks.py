@@ -15,7 +15,7 @@ from specs.spec import TrainingSpec
 Loc = tuple[str | int, ...]
 
 STEP_KINDS = ("fetch", "curate", "tokenizer", "ablate", "pretrain", "long_context", "post_train", "evaluate",
-              "compare", "report")
+              "compare", "report", "curves")
 
 
 @dataclass(frozen=True)

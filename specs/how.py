@@ -51,7 +51,8 @@ class Orchestration(SpecModel):
         default_factory=dict, description="Per-kind overrides, e.g. {pretrain: 86400}."
     )
     task_runner: Literal["local", "ray"] = "local"
-    ray_address: str | None = None
+    ray_address: str | None = Field(default=None, description="An existing Ray cluster (None = start one locally).")
+    ray_num_cpus: PositiveInt | None = Field(default=None, description="CPUs of a locally started Ray (None = all).")
     workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
     max_parallel_steps: PositiveInt = 2
 

@@ -27,7 +27,7 @@ from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 
 from tasks.base import Runtime, StepContext, StepResult
-from tasks.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text
+from tasks.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text, portable_record
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -87,7 +87,8 @@ def run_curate(ctx: StepContext) -> StepResult:
 
     stages.append(_run(ctx.runtime, "split", logs,
                        [JsonlReader(str(current)), SplitTagger(cur["heldout_fraction"]),
-                        JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz")], n_shards))
+                        JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz",
+                                    adapter=portable_record)], n_shards))
 
     after = {split: _measure(ctx.out / split) for split in ("train", "heldout")}
     kept = {k: after["train"][k] + after["heldout"][k] for k in before}

@@ -121,3 +121,11 @@ def _quiet_console_task_logger():
 
 
 _quiet_console_task_logger()
+
+
+def portable_record(writer, document) -> dict:
+    """JsonlWriter adapter for curated output: datatrove's record without the reader's `file_path`, an
+    absolute path into the store that would make the same data differ between stores and machines."""
+    data = writer._default_adapter(document)
+    data.get("metadata", {}).pop("file_path", None)
+    return data

@@ -48,35 +48,52 @@ def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -
 
 
 def tokens_seen(model_folder: Path) -> int | None:
+    rows = _metric_rows(model_folder)
+    return int(rows[-1]["tokens"]) if rows else None
+
+
+def _metric_rows(model_folder: Path) -> list[dict[str, Any]]:
     metrics = model_folder / "metrics.jsonl"
     if not metrics.exists():
-        return None
-    last = metrics.read_text().strip().splitlines()[-1]
-    return int(json.loads(last)["tokens"])
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line]
 
 
-def run_evaluate(ctx: StepContext) -> StepResult:
+def kept_checkpoints(model_folder: Path) -> list[tuple[str, Path, int | None]]:
+    """(name, HF folder, tokens seen) of every checkpoint a model artifact kept, oldest first.
+
+    Tokens come from the metrics of the artifact's own (last) stage: a checkpoint `step-N` holds the weights
+    after that stage's step N."""
+    rows = _metric_rows(model_folder)
+    stage = rows[-1]["stage"] if rows else None
+    tokens_at = {r["stage_step"]: int(r["tokens"]) for r in rows if r["stage"] == stage and "stage_step" in r}
+    found = sorted((model_folder / "checkpoints").glob("step-*")) if (model_folder / "checkpoints").exists() else []
+    out = [(p.name, p, tokens_at.get(int(p.name.split("-")[1]))) for p in found]
+    if not out:
+        out = [("final", model_folder / "final", tokens_seen(model_folder))]
+    return out
+
+
+def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Path],
+                   scratch: Path) -> tuple[dict[str, Any], list[dict], list[dict]]:
+    """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from model.trainer import heldout_losses
 
-    suite = ctx.config["suite"]
-    model_folder = ctx.inputs["model"].local()
-    model_dir = model_folder / "final"
-    metrics: dict[str, Any] = {"checkpoint": ctx.inputs["model"].step_id, "tokens_seen": tokens_seen(model_folder)}
-    rows = []
+    scratch.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, Any] = {}
+    rows: list[dict] = []
     provenance: list[dict] = []
     if suite["tasks"]:
-        results, provenance = run_lighteval(model_dir, suite["tasks"], ctx.scratch)
+        results, provenance = run_lighteval(model_dir, suite["tasks"], scratch)
         for name, values in results.items():
             for metric, value in values.items():
                 if not metric.endswith("_stderr"):
                     metrics[f"{name}/{metric}"] = value = float(value)
                     rows.append({"task": name, "metric": metric, "value": round(value, 4),
                                  "stderr": round(values.get(f"{metric}_stderr", float("nan")), 4)})
-    sources = {role.removeprefix("tokens:"): art.local() for role, art in ctx.inputs.items()
-               if role.startswith("tokens:")}
     if sources:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir))
         losses = heldout_losses(model, sources, model.config.max_position_embeddings, masking=True,
@@ -86,7 +103,35 @@ def run_evaluate(ctx: StepContext) -> StepResult:
             metrics[f"val_ppl:{name}"] = math.exp(loss)
             rows.append({"task": f"held-out {name}", "metric": "perplexity", "value": round(math.exp(loss), 3),
                          "stderr": ""})
+    return metrics, rows, provenance
+
+
+def run_evaluate(ctx: StepContext) -> StepResult:
+    """Evaluate the model step's final weights, and with `every_checkpoint` each checkpoint it kept: the
+    points of the evaluation curves (metric against tokens seen)."""
+    suite = ctx.config["suite"]
+    model = ctx.inputs["model"]
+    model_folder = model.local()
+    sources = {role.removeprefix("tokens:"): art.local() for role, art in ctx.inputs.items()
+               if role.startswith("tokens:")}
+    final_metrics, rows, provenance = evaluate_model(model_folder / "final", suite, sources, ctx.scratch / "final")
+    curve = []
+    if ctx.config.get("every_checkpoint"):
+        checkpoints = kept_checkpoints(model_folder)
+        for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
+            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name)
+            curve.append({"checkpoint": name, "tokens": tokens, **values})
+            ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
+        curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})
+    else:
+        curve.append({"checkpoint": "final", "tokens": tokens_seen(model_folder), **final_metrics})
+    metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
+               "curve": curve}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
-    shown = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float))
-    summary = f"### evaluate `{ctx.inputs['model'].step_id}`\n\n{shown}"
+    summary = (f"### evaluate `{model.step_id}`\n\n{_shown(final_metrics)}\n\n"
+               f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}")
     return StepResult(metrics=metrics, summary=summary, tables={"evaluation": rows}, provenance=provenance)
+
+
+def _shown(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in values.items() if isinstance(v, float))

@@ -15,6 +15,7 @@ _EXECUTORS: dict[str, str] = {
     "pretrain": "tasks.pretrain:run_pretrain",
     "evaluate": "tasks.evaluate:run_evaluate",
     "report": "tasks.report:run_success_report",
+    "curves": "tasks.curves:run_curves",
     "ablate": "tasks.ablate:run_ablation",
     "compare": "tasks.ablate:run_comparison",
 }

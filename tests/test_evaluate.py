@@ -34,7 +34,8 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
 
     text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
         "  pretraining:", "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
-        "      - {name: piqa, formulation: mcf, limit: 20}\n    perplexity_sources: [notes]\n  pretraining:")
+        "      - {name: piqa, formulation: mcf, limit: 20}\n    perplexity_sources: [notes]\n  pretraining:").replace(
+        "how:\n", "how:\n  checkpoints: {every_steps: 30, keep_last: 2}\n")
     loaded = load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
     from tasks.registry import executable_kinds
 
@@ -98,3 +99,23 @@ def test_every_model_step_gets_its_evaluation(evaluated):
     assert {"evaluate:pretrain-stage1", "evaluate:pretrain-stage2"} <= set(evaluated)
     seen = [evaluated[f"evaluate:pretrain-{s}"].manifest.metrics["tokens_seen"] for s in ("stage1", "stage2")]
     assert seen[0] < seen[1]
+
+
+def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
+    from PIL import Image
+
+    # stage1: 78 steps, a checkpoint every 30, the last two kept (60, 78); stage2: 39 steps (30, 39)
+    curves = {s: evaluated[f"evaluate:pretrain-{s}"].manifest.metrics["curve"] for s in ("stage1", "stage2")}
+    assert [p["checkpoint"] for p in curves["stage1"]] == ["step-00000060", "step-00000078"]
+    assert [p["checkpoint"] for p in curves["stage2"]] == ["step-00000030", "step-00000039"]
+    assert [p["tokens"] for p in curves["stage1"] + curves["stage2"]] == [60 * 256, 78 * 256, 108 * 256, 117 * 256]
+    final = evaluated["evaluate:pretrain-stage2"].manifest.metrics
+    assert curves["stage2"][-1]["val_ppl:notes"] == final["val_ppl:notes"]  # the last checkpoint is the final one
+    assert curves["stage1"][0]["val_ppl:notes"] != curves["stage1"][1]["val_ppl:notes"]  # distinct weights
+    drawn = evaluated["curves:evaluation"]
+    points = json.loads((Path(drawn.uri) / "curves.json").read_text())
+    assert set(points["val_ppl:notes"]) == {"pretrain:stage1", "pretrain:stage2"}
+    assert points["arc_easy:cf/acc"]["pretrain:stage2"] == [[108 * 256, curves["stage2"][0]["arc_easy:cf/acc"]],
+                                                           [117 * 256, final["arc_easy:cf/acc"]]]
+    with Image.open(Path(drawn.uri) / "curves.png") as image:
+        assert image.width > 400 and image.height > 200
