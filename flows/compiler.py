@@ -92,7 +92,8 @@ def compile_spec(spec: TrainingSpec) -> Plan:
     trained_on = sorted({n for st in what.pretraining.stages for n in st.mixture}
                         | {n for st in what.long_context.stages for n in st.mixture}
                         | (set(what.ablations.baseline.mixture) if what.ablations else set())
-                        | set(what.evaluation.perplexity_sources))
+                        | set(what.evaluation.perplexity_sources)
+                        | ({what.long_context.retrieval_source} if what.long_context.retrieval_source else set()))
     for name in trained_on:
         steps.append(Step("tokenize", name, {}, {"tokenizer": "tokenizer:select", "curated": f"curate:{name}"},
                           tags=("data",)))
@@ -138,9 +139,13 @@ def compile_spec(spec: TrainingSpec) -> Plan:
         model_steps.append(previous)
 
     lc = what.long_context
+    previous_length = pt.stages[-1].sequence_length
     for stage in lc.stages:
         cfg = {"stage": _dump(stage), "inference_scaling": _dump(lc.inference_scaling),
-               "intra_document_masking": pt.intra_document_masking}
+               "intra_document_masking": pt.intra_document_masking, "architecture": arch,
+               "optimizer": _dump(pt.optimizer), "seed": pt.seed, "monitors": _dump(pt.monitors),
+               "previous_length": previous_length}
+        previous_length = stage.sequence_length
         inputs = {**data_inputs(stage.mixture), "previous": previous}
         steps.append(Step("long_context", stage.name, cfg, inputs, tags=("training", "gpu")))
         previous = f"long_context:{stage.name}"
@@ -164,12 +169,16 @@ def compile_spec(spec: TrainingSpec) -> Plan:
 
     ev = what.evaluation
     eval_ids = []
+    retrieval = _retrieval(spec)
     if ev.tasks or ev.perplexity_sources:
         for model_step in model_steps:
             inputs = {"model": model_step, "tokenizer": "tokenizer:select",
                       **{f"tokens:{n}": f"tokenize:{n}" for n in ev.perplexity_sources}}
             name = model_step.replace(":", "-")
             cfg = {"suite": _dump(ev), "every_checkpoint": spec.how.evaluation.every_checkpoint}
+            if retrieval:
+                cfg["retrieval"] = retrieval
+                inputs["haystack"] = f"tokenize:{retrieval['source']}"
             steps.append(Step("evaluate", name, cfg, inputs, tags=("evaluation", "gpu")))
             eval_ids.append(f"evaluate:{name}")
     if eval_ids:
@@ -181,6 +190,17 @@ def compile_spec(spec: TrainingSpec) -> Plan:
         steps.append(Step("report", "success", {"criteria": [_dump(c) for c in spec.why.success_criteria],
                                                 "final": model_steps[-1]}, inputs, tags=("report",)))
     return _order(spec.name, steps)
+
+
+def _retrieval(spec: TrainingSpec) -> dict[str, Any] | None:
+    """Passkey retrieval at every trained length (the last pretraining one, then each extension stage)."""
+    lc = spec.what.long_context
+    if not lc.stages:
+        return None
+    first = lc.stages[0].mixture
+    return {"lengths": [spec.what.pretraining.stages[-1].sequence_length, *(s.sequence_length for s in lc.stages)],
+            "depths": lc.retrieval_depths, "samples": lc.retrieval_samples,
+            "source": lc.retrieval_source or max(sorted(first), key=lambda n: first[n])}
 
 
 def _resolve_checkpoint(ref: str, model_steps: list[str]) -> str:

@@ -42,8 +42,15 @@ class PackedBatch:
                            self.labels[start:stop])
 
 
+PADDING = -1  # segment id of padding: its own block in the mask, never a label
+
+
 class Packer:
-    def __init__(self, sources: dict[str, TokenizedSource], weights: dict[str, float], seq_len: int, seed: int):
+    def __init__(self, sources: dict[str, TokenizedSource], weights: dict[str, float], seq_len: int, seed: int,
+                 whole_from: int | None = None, pad_id: int = 0):
+        """`whole_from`: documents longer than this (and no longer than `seq_len`) are never split across
+        sequences; a long-context stage sets it to the previous context length, so the long documents it is
+        meant to learn from arrive whole. The rest of a sequence they do not fit in is padding, masked out."""
         self.names = sorted(weights)
         missing = [n for n in self.names if sources[n].n_documents == 0]
         if missing:
@@ -53,6 +60,8 @@ class Packer:
         self.probs = np.asarray([weights[n] / total for n in self.names])
         self.seq_len = seq_len
         self.seed = seed
+        self.whole_from = whole_from
+        self.pad_id = pad_id
         self.rng = np.random.default_rng([seed, 0x5EED])
         self.epochs = [0] * len(self.names)
         self.cursors = [0] * len(self.names)
@@ -104,6 +113,11 @@ class Packer:
                 self.carry = (source, doc, 0)
             source, doc, used = self.carry
             piece = self.sources[source].document(doc)[used:]
+            if (self.whole_from is not None and used == 0 and filled > 0
+                    and self.whole_from < len(piece) <= self.seq_len and len(piece) > self.seq_len - filled):
+                tokens[filled:] = self.pad_id  # the document starts the next sequence, whole
+                segments[filled:] = PADDING
+                break
             take = min(len(piece), self.seq_len - filled)
             tokens[filled: filled + take] = piece[:take]
             segments[filled: filled + take] = segment
@@ -129,4 +143,5 @@ def make_batch(tokens: np.ndarray, segments: np.ndarray) -> PackedBatch:
     positions = idx - start_idx
     labels = input_ids.clone()
     labels[starts] = -100  # the token before belongs to another document (or there is none)
+    labels[seg == PADDING] = -100
     return PackedBatch(input_ids, positions, seg, labels)

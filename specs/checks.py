@@ -170,6 +170,14 @@ def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
             yield Issue((*at, "tokens"), f"{stage.tokens:g} tokens is less than one optimizer step ({one_step})",
                         "raise tokens or lower global_batch_size")
         previous, previous_theta = stage.sequence_length, stage.rope_theta
+    source = spec.what.long_context.retrieval_source
+    names = {s.name for s in spec.what.data.sources}
+    if source and source not in names:
+        yield Issue(("what", "long_context", "retrieval_source"), f"unknown source '{source}'",
+                    f"use one of: {', '.join(sorted(names))}")
+    if any(not 0 <= d <= 1 for d in spec.what.long_context.retrieval_depths):
+        yield Issue(("what", "long_context", "retrieval_depths"), "depths are fractions of the context",
+                    "use values between 0 (start) and 1 (end)")
     if spec.what.architecture.positions.kind == "nope" and lc:
         yield Issue(("what", "long_context"), "long-context stages change rope_theta, but the model has no RoPE",
                     "use positions.kind: rope or rnope, or drop the long-context stages")

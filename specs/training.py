@@ -124,4 +124,9 @@ class LongContextStage(SpecModel):
 class LongContext(SpecModel):
     stages: list[LongContextStage] = Field(default_factory=list)
     inference_scaling: Yarn | None = None
-    retrieval_depths: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9])
+    retrieval_depths: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9],
+                                          description="Needle depths of the passkey retrieval evaluation (0-1).")
+    retrieval_samples: PositiveInt = Field(default=10, description="Passkey prompts per (length, depth).")
+    retrieval_source: str | None = Field(
+        default=None, description="Source whose held-out text is the haystack (default: the first stage's "
+                                  "most weighted source).")

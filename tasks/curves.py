@@ -19,7 +19,8 @@ def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
             if point.get("tokens") is None:
                 continue
             for metric, value in point.items():
-                if isinstance(value, float) and math.isfinite(value) and not metric.startswith("val_loss:"):
+                if (isinstance(value, float) and math.isfinite(value) and not metric.startswith("val_loss:")
+                        and "/depth" not in metric):
                     out.setdefault(metric, {}).setdefault(run, []).append((int(point["tokens"]), value))
     return {m: {r: sorted(p) for r, p in runs.items()} for m, runs in sorted(out.items())}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+
+import numpy as np
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +76,9 @@ def kept_checkpoints(model_folder: Path) -> list[tuple[str, Path, int | None]]:
     return out
 
 
-def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Path],
-                   scratch: Path) -> tuple[dict[str, Any], list[dict], list[dict]]:
+def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Path], scratch: Path,
+                   retrieval: dict[str, Any] | None = None,
+                   haystack: Path | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
     """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -103,6 +106,22 @@ def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Pa
             metrics[f"val_ppl:{name}"] = math.exp(loss)
             rows.append({"task": f"held-out {name}", "metric": "perplexity", "value": round(math.exp(loss), 3),
                          "stderr": ""})
+    if retrieval and haystack is not None:
+        from tasks.retrieval import passkey_accuracy
+        from tasks.tokenize import TokenizedSource
+
+        text = TokenizedSource(haystack, "heldout").tokens
+        cells = passkey_accuracy(model_dir, np.asarray(text), retrieval["lengths"], retrieval["depths"],
+                                 retrieval["samples"])
+        for length in retrieval["lengths"]:
+            at = [c for c in cells if c["length"] == length]
+            if not at:
+                continue
+            metrics[f"passkey@{length}"] = sum(c["accuracy"] for c in at) / len(at)
+            for c in at:
+                metrics[f"passkey@{length}/depth{c['depth']}"] = float(c["accuracy"])
+                rows.append({"task": f"passkey {length} tokens, depth {c['depth']}", "metric": "accuracy",
+                             "value": c["accuracy"], "stderr": ""})
     return metrics, rows, provenance
 
 
@@ -114,12 +133,15 @@ def run_evaluate(ctx: StepContext) -> StepResult:
     model_folder = model.local()
     sources = {role.removeprefix("tokens:"): art.local() for role, art in ctx.inputs.items()
                if role.startswith("tokens:")}
-    final_metrics, rows, provenance = evaluate_model(model_folder / "final", suite, sources, ctx.scratch / "final")
+    retrieval = ctx.config.get("retrieval")
+    haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
+    final_metrics, rows, provenance = evaluate_model(model_folder / "final", suite, sources, ctx.scratch / "final",
+                                                     retrieval, haystack)
     curve = []
     if ctx.config.get("every_checkpoint"):
         checkpoints = kept_checkpoints(model_folder)
         for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
-            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name)
+            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack)
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
         curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})

@@ -13,7 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -150,7 +150,14 @@ def plot_loss(metrics: Path, out: Path, title: str) -> None:
 
 
 def run_pretrain(ctx: StepContext) -> StepResult:
-    job = build_job(ctx)
+    return train_and_export(ctx, build_job(ctx), "pretrain")
+
+
+def train_and_export(ctx: StepContext, job: dict[str, Any], label: str,
+                     export: Callable[[Path], None] | None = None) -> StepResult:
+    """Train one stage (resuming from the work folder or the store's mirror), then write the artifact: the
+    final HF model, the training state the next stage continues from, every kept checkpoint, metrics and
+    the loss curve. `export` adjusts each exported HF folder (e.g. the long-context inference scaling)."""
     mirror = None
     if ctx.store is not None and ctx.store.is_remote:
         from infra.checkpoint_mirror import CheckpointMirror
@@ -173,6 +180,9 @@ def run_pretrain(ctx: StepContext) -> StepResult:
     shutil.copytree(final, ctx.out / "state", ignore=shutil.ignore_patterns("hf"))
     for folder in kept:
         shutil.copytree(folder / "hf", ctx.out / "checkpoints" / folder.name)
+    if export:
+        for folder in [ctx.out / "final", *sorted((ctx.out / "checkpoints").iterdir())]:
+            export(folder)
     previous_metrics = ctx.inputs["previous"].local() / "metrics.jsonl" if "previous" in ctx.inputs else None
     history = previous_metrics.read_text() if previous_metrics and previous_metrics.exists() else ""
     (ctx.out / "metrics.jsonl").write_text(history + (ctx.workdir / "metrics.jsonl").read_text())
@@ -185,7 +195,7 @@ def run_pretrain(ctx: StepContext) -> StepResult:
                "mfu": sum(r["mfu"] for r in rows) / len(rows), "resumed_from": result["resumed_from"],
                "checkpoints": [p.name for p in kept], "monitor_events": result.get("events", [])}
     val = ", ".join(f"{k} {v:.3f}" for k, v in result["val_loss"].items())
-    summary = (f"### pretrain `{ctx.name}`\n\n{result['steps']} steps, {result['tokens']:,} tokens; "
+    summary = (f"### {label} `{ctx.name}`\n\n{result['steps']} steps, {result['tokens']:,} tokens; "
                f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s")
     for event in result.get("events", []):
         summary += (f"\n\n**{event['kind']}** at step {event['step']} ({event['detail']}), action {event['action']}: "

@@ -13,6 +13,7 @@ _EXECUTORS: dict[str, str] = {
     "tokenizer": "tasks.tokenizer:run_tokenizer_selection",
     "tokenize": "tasks.tokenize:run_tokenize",
     "pretrain": "tasks.pretrain:run_pretrain",
+    "long_context": "tasks.long_context:run_long_context",
     "evaluate": "tasks.evaluate:run_evaluate",
     "report": "tasks.report:run_success_report",
     "curves": "tasks.curves:run_curves",
