@@ -209,7 +209,8 @@ def _train_stage(job: dict[str, Any]) -> StageResult:
                 raise TrainingStopped(later)
         if rank == 0:
             record = {"step": offset + step + 1, "stage": stage["name"], "stage_step": step + 1, "loss": last_loss,
-                      "grad_norm": grad_norm, "lr": lr, "tokens": job.get("tokens_before", 0) + (offset + step + 1) * tokens,
+                      "grad_norm": grad_norm, "lr": lr,
+                      "tokens": job.get("tokens_before", 0) + (offset + step + 1) * tokens,
                       "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
                       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             if device.type == "cuda":

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-
-import numpy as np
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tasks.base import StepContext, StepResult
 

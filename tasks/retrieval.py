@@ -32,7 +32,8 @@ def build_prompt(haystack: np.ndarray, needle: list[int], question: list[int], l
 
 
 @torch.no_grad()
-def score_candidates(model: torch.nn.Module, prompt: list[int], candidates: list[list[int]], pad_id: int) -> list[float]:
+def score_candidates(model: torch.nn.Module, prompt: list[int], candidates: list[list[int]],
+                     pad_id: int) -> list[float]:
     """Sum of log-probabilities of each candidate continuation, one batched forward pass."""
     width = len(prompt) + max(len(c) for c in candidates)
     rows = [prompt + c + [pad_id] * (width - len(prompt) - len(c)) for c in candidates]

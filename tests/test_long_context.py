@@ -46,7 +46,7 @@ def test_documents_longer_than_the_old_context_are_packed_whole():
     source = Docs(lengths)
     packer = Packer({"d": source}, {"d": 1.0}, 96, seed=0, whole_from=32, pad_id=0)
     seen: dict[int, list[int]] = {}
-    for row in range(40):
+    for _ in range(40):
         tokens, segments = packer.next_sequence()
         for seg in set(segments.tolist()) - {PADDING}:
             doc = int(tokens[segments == seg][0])
