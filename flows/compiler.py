@@ -93,7 +93,8 @@ def compile_spec(spec: TrainingSpec) -> Plan:
                         | {n for st in what.long_context.stages for n in st.mixture}
                         | (set(what.ablations.baseline.mixture) if what.ablations else set())
                         | set(what.evaluation.perplexity_sources)
-                        | ({what.long_context.retrieval_source} if what.long_context.retrieval_source else set()))
+                        | ({what.long_context.retrieval_source} if what.long_context.retrieval_source else set())
+                        | {p.dataset for p in what.post_training if p.method == "mid_training"})
     for name in trained_on:
         steps.append(Step("tokenize", name, {}, {"tokenizer": "tokenizer:select", "curated": f"curate:{name}"},
                           tags=("data",)))
@@ -152,7 +153,7 @@ def compile_spec(spec: TrainingSpec) -> Plan:
         model_steps.append(previous)
 
     for post in what.post_training:
-        cfg = _dump(post)
+        cfg = {**_dump(post), "seed": pt.seed, "vibe_prompts": what.evaluation.vibe_prompts}
         inputs = {"tokenizer": "tokenizer:select", "previous": previous}
         refs = []
         if post.method in ("dpo", "orpo", "kto") and post.pairs and post.pairs.kind == "strong_vs_weak":
@@ -161,7 +162,11 @@ def compile_spec(spec: TrainingSpec) -> Plan:
             refs = [("teacher", post.teacher)]
         for role, ref in refs:
             inputs[role] = _resolve_checkpoint(ref, model_steps)
-        if post.dataset in sources:
+        if post.method == "mid_training":  # the pretraining engine, on the tokenized source
+            cfg.update({"architecture": arch, "optimizer": _dump(pt.optimizer), "monitors": _dump(pt.monitors),
+                        "intra_document_masking": pt.intra_document_masking})
+            inputs.update(data_inputs({post.dataset: 1.0}))
+        elif post.dataset in sources:
             inputs[f"curated:{post.dataset}"] = f"curate:{post.dataset}"
         steps.append(Step("post_train", post.name, cfg, inputs, tags=("training", "gpu")))
         previous = f"post_train:{post.name}"

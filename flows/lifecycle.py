@@ -96,7 +96,14 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
     failure: BaseException | None = None
     while pending or running:
         ready = [s for s in pending if set(s.inputs.values()) <= set(finished)] if failure is None else []
-        for step in ready[: max(0, orch.max_parallel_steps - len(running))]:
+        gpu_running = sum("gpu" in plan.step(sid).tags for sid in running)
+        for step in ready:
+            if len(running) >= orch.max_parallel_steps:
+                break
+            if "gpu" in step.tags and ctx.runtime.task_runner != "ray":  # Ray places them by their resources
+                if gpu_running >= orch.max_parallel_gpu_steps:
+                    continue
+                gpu_running += 1
             options = _with_options(orch.step_timeouts, step, orch, plan.spec_name)
             with _placement(ctx.runtime, step):
                 running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
@@ -115,7 +122,7 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
     return results
 
 
-@flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True,
+@flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=False,
       persist_result=False)
 def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None = None,
               store_root: str | None = None, until: list[str] | None = None) -> dict[str, Any]:

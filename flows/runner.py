@@ -9,6 +9,8 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,16 @@ class RunContext:
     store: Store
     spec_hash: str
     runtime: Runtime
+
+
+@contextmanager
+def _default_grad_mode() -> Iterator[None]:
+    """Steps run on reused worker threads, and torch's grad mode is per thread: a library that switches it off
+    and never back (lighteval does) would leave the next step on that thread unable to train."""
+    import torch
+
+    with torch.enable_grad():
+        yield
 
 
 def step_uri(ctx: RunContext, step: Step) -> str:
@@ -64,7 +76,8 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             workdir = store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
             sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,
                                log, store=store, work_key=key)
-            result = executor_for(step.kind)(sctx)
+            with _default_grad_mode():
+                result = executor_for(step.kind)(sctx)
             manifest = Manifest(
                 kind=step.kind, name=step.name, fingerprint=ctx.plan.fingerprints[step.id], uri=uri,
                 config=step.config,

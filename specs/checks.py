@@ -289,7 +289,17 @@ def _references(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     for i, dup in _repeats([s.name for s in post]):
         yield Issue(("what", "post_training", i, "name"),
                     f"post-training step '{dup}' is named twice", "name every step differently")
+    sources = {s.name for s in spec.what.data.sources}
     for i, step in enumerate(post):
+        if step.method == "mid_training":
+            if step.dataset not in sources:
+                yield Issue(("what", "post_training", i, "dataset"),
+                            f"mid-training continues pretraining on a curated source; '{step.dataset}' is not one",
+                            f"use one of: {', '.join(sorted(sources))}")
+            if any(s.method != "mid_training" for s in post[:i]):
+                yield Issue(("what", "post_training", i, "method"),
+                            "mid-training continues the pretraining state, so it comes before SFT, preference "
+                            "optimisation and RL", "move it to the top of post_training")
         refs = []
         if step.method in ("dpo", "orpo", "kto") and step.pairs and step.pairs.kind == "strong_vs_weak":
             refs = [("pairs", "strong", step.pairs.strong), ("pairs", "weak", step.pairs.weak)]

@@ -55,6 +55,10 @@ class Orchestration(SpecModel):
     ray_num_cpus: PositiveInt | None = Field(default=None, description="CPUs of a locally started Ray (None = all).")
     workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
     max_parallel_steps: PositiveInt = 2
+    max_parallel_gpu_steps: PositiveInt = Field(
+        default=1, description="Steps that use the accelerator (training, evaluation) running at once in one "
+                               "process: they would compete for one device."
+    )
 
 
 class Checkpoints(SpecModel):

@@ -76,6 +76,12 @@ def kept_checkpoints(model_folder: Path) -> list[tuple[str, Path, int | None]]:
     return out
 
 
+def trained_length(config: Any) -> int:
+    """The context the model was trained at (YaRN/linear scaling raise max_position_embeddings beyond it)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
+
+
 def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Path], scratch: Path,
                    retrieval: dict[str, Any] | None = None,
                    haystack: Path | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
@@ -99,7 +105,7 @@ def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Pa
                                  "stderr": round(values.get(f"{metric}_stderr", float("nan")), 4)})
     if sources:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-        losses = heldout_losses(model, sources, model.config.max_position_embeddings, masking=True,
+        losses = heldout_losses(model, sources, trained_length(model.config), masking=True,
                                 device=torch.device("cpu"))
         for name, loss in losses.items():
             metrics[f"val_loss:{name}"] = loss

@@ -14,6 +14,7 @@ _EXECUTORS: dict[str, str] = {
     "tokenize": "tasks.tokenize:run_tokenize",
     "pretrain": "tasks.pretrain:run_pretrain",
     "long_context": "tasks.long_context:run_long_context",
+    "post_train": "tasks.post_train:run_post_train",
     "evaluate": "tasks.evaluate:run_evaluate",
     "report": "tasks.report:run_success_report",
     "curves": "tasks.curves:run_curves",

@@ -23,9 +23,12 @@ def test_demo_runs_real_multilingual_data_then_caches(tmp_path: Path):
     ran = {s["step"] for s in first["steps"] if s["executed"]}
     sources = {"docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py"}
     ablations = {f"ablate:{v}-s{s}" for v in ("baseline", "untied") for s in (0, 1)} | {"compare:ablations"}
+    models = ["pretrain:stage1", "pretrain:stage2", "long_context:ctx512", "long_context:ctx1024", "post_train:sft",
+              "post_train:apo", "post_train:grpo"]
+    assert not first["not_executable"]  # every phase of the lifecycle runs
     assert ran == ({f"{k}:{s}" for s in sources for k in ("ingest", "curate", "tokenize")}
-                   | {"tokenizer:select", "pretrain:stage1", "pretrain:stage2", "evaluate:pretrain-stage1",
-                      "evaluate:pretrain-stage2"} | ablations)
+                   | {"tokenizer:select", "curves:evaluation", "report:success"} | set(models)
+                   | {f"evaluate:{m.replace(':', '-')}" for m in models} | ablations)
     comparison = json.loads(next(store.glob("compare/ablations-*/comparison.json")).read_text())
     (untied,) = [r for r in comparison["rows"] if r["variant"] == "untied"]
     assert untied["runs"] == 2 and untied["verdict"] in ("better", "worse", "within noise")
@@ -36,6 +39,20 @@ def test_demo_runs_real_multilingual_data_then_caches(tmp_path: Path):
         metrics = json.loads(next(store.glob(f"pretrain/{stage}-*/manifest.json")).read_text())["metrics"]
         assert metrics["final_loss"] < metrics["first_loss"]
         assert set(metrics["val_loss"]) >= {"docs_en", "code_py"}
+
+    retrieval = {m: json.loads(next(store.glob(f"evaluate/{m.replace(':', '-')}-*/results.json")).read_text())
+                 for m in ("pretrain:stage2", "long_context:ctx1024")}
+    for results in retrieval.values():
+        assert {f"passkey@{n}" for n in (256, 512, 1024)} <= set(results)
+    config = json.loads(next(store.glob("long_context/ctx1024-*/final/config.json")).read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["rope_theta"] == 100000
+    curves = json.loads(next(store.glob("curves/evaluation-*/curves.json")).read_text())
+    assert set(curves["val_ppl:docs_en"]) == set(models)
+    assert len(curves["val_ppl:docs_en"]["pretrain:stage1"]) >= 2  # every kept checkpoint, not only the last
+    report = json.loads(next(store.glob("report/success-*/report.json")).read_text())
+    assert report["criteria"][0]["checkpoint"] == "post_train:grpo" and report["criteria"][0]["measured"] > 1
+    vibe = json.loads(next(store.glob("post_train/sft-*/vibe_check.json")).read_text())
+    assert len(vibe) == 3
 
     comparison = json.loads(next(store.glob("tokenizer/select-*/comparison.json")).read_text())
     groups = set(comparison["results"][0]["groups"])

