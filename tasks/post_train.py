@@ -67,29 +67,58 @@ def answer_prompts(model_dir: Path, prompts: list[list[dict[str, str]]]) -> list
     return generate(model, tokenizer, prompts, max_new_tokens=PAIR_TOKENS, seed=PAIR_SEED)
 
 
+def fitting_prompts(prompts: list[list[dict[str, str]]], tokenizer, budget: int) -> list[list[dict[str, str]]]:
+    """Prompts short enough to leave room for an answer within max_length: a truncated pair has no completion
+    tokens left, and the preference losses turn into NaN."""
+    return [p for p in prompts
+            if len(tokenizer(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]) <= budget]
+
+
 def preference_pairs(ctx: StepContext, tokenizer) -> list[dict[str, Any]]:
     """Strong-versus-weak pairs: held-back prompts answered by the strong and the weak checkpoint of this
-    run; chosen = strong, rejected = weak (pairs with identical answers are dropped)."""
+    run; chosen = strong, rejected = weak. Pairs with identical answers, or an empty one (no completion tokens:
+the preference losses would divide by zero), are dropped."""
     cfg = ctx.config
     conversations = _conversations(ctx, seed=1, limit=cfg["max_samples"])
-    prompts = [c[:-1] for c in conversations]
+    prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg["max_length"] - PAIR_TOKENS)
     answers = {role: answer_prompts(ctx.inputs[role].local() / "final", prompts) for role in ("strong", "weak")}
     return [{"prompt": p, "chosen": [{"role": "assistant", "content": s}],
              "rejected": [{"role": "assistant", "content": w}]}
-            for p, s, w in zip(prompts, answers["strong"], answers["weak"], strict=True) if s != w]
+            for p, s, w in zip(prompts, answers["strong"], answers["weak"], strict=True) if s and w and s != w]
+
+
+def build_pairs(ctx: StepContext, tokenizer) -> list[dict[str, Any]]:
+    """The step's preference pairs: from the dataset, strong versus weak, or graded on-policy samples."""
+    from tasks.pairs import dataset_pairs, on_policy_pairs
+
+    cfg = ctx.config
+    kind = (cfg.get("pairs") or {}).get("kind")
+    if kind == "strong_vs_weak":
+        pairs = preference_pairs(ctx, tokenizer)
+        why = "the strong and weak checkpoints answered every prompt identically; pick checkpoints further apart"
+    elif kind == "verifier":
+        root, _ = dataset_root(cfg["dataset"], ctx.runtime.base_dir)
+        problems = arithmetic_problems(root, cfg["max_samples"], seed=0)
+        pairs = on_policy_pairs(ctx.inputs["previous"].local() / "final", problems,
+                                cfg["pairs"]["samples_per_prompt"], cfg["pairs"]["verifier"], 32, PAIR_SEED)
+        why = (f"no problem got both a right and a wrong answer among {cfg['pairs']['samples_per_prompt']} "
+               "samples; sample more per prompt, or start from a stronger checkpoint")
+    else:
+        root, _ = dataset_root(cfg["dataset"], ctx.runtime.base_dir)
+        pairs = dataset_pairs(root, cfg["max_samples"])
+        why = (f"{cfg['dataset']} has no JSONL lines with prompt, chosen and rejected; name a pairs dataset or "
+               "set pairs: {kind: strong_vs_weak, ...} or {kind: verifier}")
+    if not pairs:
+        raise ValueError(f"post_training {ctx.name}: no preference pairs: {why}")
+    return pairs
 
 
 def run_preference(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]]:
     from datasets import Dataset
 
     cfg = ctx.config
-    if not cfg.get("pairs") or cfg["pairs"]["kind"] != "strong_vs_weak":
-        raise NotImplementedError("preference pairs: this version builds strong_vs_weak pairs; verifier-graded "
-                                  "on-policy pairs are planned")
-    pairs = preference_pairs(ctx, tokenizer)
-    if not pairs:
-        raise RuntimeError("the strong and weak checkpoints answered every prompt identically: no pairs to learn "
-                           "from; pick checkpoints further apart")
+    pairs = build_pairs(ctx, tokenizer)
     with open(ctx.out / "pairs.jsonl", "w") as f:
         f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs)
     common = _common_args(ctx)
@@ -197,6 +226,10 @@ def run_post_train(ctx: StepContext) -> StepResult:
     previous = ctx.inputs["previous"].local()
     model, tokenizer = load_chat_model(previous / "final")
     trainer, facts = METHODS[method](ctx, model, tokenizer)
+    broken = [n for n, p in trainer.model.named_parameters() if not p.detach().isfinite().all()]
+    if broken:
+        raise FloatingPointError(f"post_training {ctx.name}: {method} left non-finite weights ({broken[0]} and "
+                                 f"{len(broken) - 1} more); lower lr or check the data; nothing was committed")
     final = ctx.out / "final"
     trainer.model.config.use_cache = False
     trainer.model.save_pretrained(str(final), safe_serialization=True)

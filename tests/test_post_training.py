@@ -32,12 +32,27 @@ POST = """  post_training:
        pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
     - {method: kto, name: kto, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 8, max_length: 256,
        pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
+    - {method: dpo, name: dpo_data, loss_type: sigmoid, dataset: prefs, lr: 1.0e-4, max_samples: 4, max_length: 128}
     - {method: distill, name: distill, dataset: "pypi://evals==3.0.1.post1", teacher: "post_train:sft", lr: 1.0e-4,
        max_samples: 8, max_length: 128}
   evaluation:
     perplexity_sources: [notes]
     vibe_prompts: ["What is 2 + 2?", "Say hello."]
   pretraining:"""
+
+
+PREFERENCES = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(6)]
+
+
+def test_verifier_pairs_a_right_answer_against_a_wrong_one():
+    from tasks.pairs import pairs_from_grades
+
+    problems = [{"question": "3 * 4 =", "answer": "12"}, {"question": "9 - 2 =", "answer": "7"},
+                {"question": "1 + 1 =", "answer": "2"}]
+    samples = [[" 11", " 12", " 13"], [" 7", " 7"], [" 3", " 4"]]  # mixed, all right, all wrong
+    (pair,) = pairs_from_grades(problems, samples, "arithmetic")
+    assert pair["prompt"] == [{"role": "user", "content": "3 * 4 ="}]
+    assert pair["chosen"][0]["content"] == " 12" and pair["rejected"][0]["content"] == " 11"
 
 
 def test_arithmetic_verifier_computes_the_answer():
@@ -62,6 +77,8 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory):
     from tasks.registry import executable_kinds
 
     folder = tmp_path_factory.mktemp("post")
+    (folder / "prefs").mkdir()
+    (folder / "prefs" / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PREFERENCES))
     spec = write_minimal_spec(folder, **{"  pretraining:": POST})
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec).restricted_to(executable_kinds())
@@ -107,10 +124,13 @@ def test_preference_pairs_are_strong_versus_weak_answers(post_trained):
     assert {i.role: i.step for i in apo.manifest.inputs}["strong"] == "post_train:sft"
     assert {i.role: i.step for i in apo.manifest.inputs}["weak"] == "pretrain:stage1"
     from tasks.post_data import chat_examples, dataset_root
-    from tasks.post_train import MAX_CHARS_PER_TOKEN
+    from tasks.chat import load_chat_model
+    from tasks.post_train import MAX_CHARS_PER_TOKEN, PAIR_TOKENS, fitting_prompts
 
     root, _ = dataset_root("pypi://evals==3.0.1.post1", Path("."))
-    prompts = [c[:-1] for c in chat_examples(root, 16, 1, 256 * MAX_CHARS_PER_TOKEN)]
+    _, tokenizer = load_chat_model(Path(post_trained["post_train:sft"].uri) / "final")
+    prompts = fitting_prompts([c[:-1] for c in chat_examples(root, 16, 1, 256 * MAX_CHARS_PER_TOKEN)], tokenizer,
+                              256 - PAIR_TOKENS)
     answers = {role: answer_prompts(Path(post_trained[step].uri) / "final", prompts)
                for role, step in (("chosen", "post_train:sft"), ("rejected", "pretrain:stage1"))}
     expected = [(p, c, r) for p, c, r in zip(prompts, answers["chosen"], answers["rejected"], strict=True) if c != r]
@@ -156,10 +176,20 @@ def test_mid_training_continues_pretraining_on_its_source(post_trained):
 
 
 @pytest.mark.slow
+def test_preference_pairs_from_a_dataset(post_trained):
+    step = post_trained["post_train:dpo_data"]
+    pairs = [json.loads(line) for line in (Path(step.uri) / "pairs.jsonl").read_text().splitlines()]
+    assert step.manifest.metrics["pairs"] == 4 and len(pairs) == 4  # max_samples caps the dataset's six
+    assert pairs[0] == {"prompt": [{"role": "user", "content": "What is 0 + 0?"}],
+                        "chosen": [{"role": "assistant", "content": "0"}],
+                        "rejected": [{"role": "assistant", "content": "1"}]}
+
+
+@pytest.mark.slow
 def test_orpo_kto_and_distillation_train_from_their_inputs(post_trained):
     for name in ("orpo", "kto", "distill"):
         manifest = post_trained[f"post_train:{name}"].manifest
         assert manifest.metrics["steps"] >= 1 and manifest.metrics["final_loss"] is not None, name
     assert post_trained["post_train:kto"].manifest.metrics["pairs"] >= 1
     inputs = {i.role: i.step for i in post_trained["post_train:distill"].manifest.inputs}
-    assert inputs["teacher"] == "post_train:sft" and inputs["previous"] == "post_train:kto"
+    assert inputs["teacher"] == "post_train:sft" and inputs["previous"] == "post_train:dpo_data"
