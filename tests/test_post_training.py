@@ -123,8 +123,8 @@ def test_preference_pairs_are_strong_versus_weak_answers(post_trained):
     assert pairs and apo.manifest.metrics["pairs"] == len(pairs)
     assert {i.role: i.step for i in apo.manifest.inputs}["strong"] == "post_train:sft"
     assert {i.role: i.step for i in apo.manifest.inputs}["weak"] == "pretrain:stage1"
-    from tasks.post_data import chat_examples, dataset_root
     from tasks.chat import load_chat_model
+    from tasks.post_data import chat_examples, dataset_root
     from tasks.post_train import MAX_CHARS_PER_TOKEN, PAIR_TOKENS, fitting_prompts
 
     root, _ = dataset_root("pypi://evals==3.0.1.post1", Path("."))
