@@ -13,21 +13,32 @@ from typing import Any
 from tasks.base import StepContext, StepResult
 
 
-def stage_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The pretraining-engine config of one extension stage: its own token budget, mixture and LR schedule."""
-    stage = config["stage"]
+def continuation_config(config: dict[str, Any], *, name: str, tokens: float, sequence_length: int,
+                        global_batch_size: int, mixture: dict[str, float], rope_theta: float, lr: float,
+                        schedule: str = "wsd", warmup_steps: int = 0) -> dict[str, Any]:
+    """The pretraining-engine config of one stage that continues a trained model (long-context extension,
+    mid-training): the same architecture at a new RoPE base, its own budget, mixture and LR schedule."""
     arch = json.loads(json.dumps(config["architecture"]))
-    arch["positions"]["rope_theta"] = stage["rope_theta"]
+    arch["positions"]["rope_theta"] = rope_theta
     return {
-        "architecture": arch, "optimizer": {**config["optimizer"], "lr": stage["lr"]},
-        "schedule": {"kind": stage["schedule"], "warmup_steps": stage["warmup_steps"], "decay_fraction": 0.2,
+        "architecture": arch, "optimizer": {**config["optimizer"], "lr": lr},
+        "schedule": {"kind": schedule, "warmup_steps": warmup_steps, "decay_fraction": 0.2,
                      "min_lr_ratio": 0.0, "milestones": [], "gamma": 1.0},
-        "stages": [{"name": stage["name"], "tokens": stage["tokens"], "sequence_length": stage["sequence_length"],
-                    "global_batch_size": stage["global_batch_size"], "mixture": stage["mixture"],
+        "stages": [{"name": name, "tokens": tokens, "sequence_length": sequence_length,
+                    "global_batch_size": global_batch_size, "mixture": mixture,
                     "schedule_segment": "auto", "reset_optimizer": False}],
-        "stage": stage["name"], "seed": config["seed"], "intra_document_masking": config["intra_document_masking"],
+        "stage": name, "seed": config["seed"], "intra_document_masking": config["intra_document_masking"],
         "monitors": config["monitors"],
     }
+
+
+def stage_config(config: dict[str, Any]) -> dict[str, Any]:
+    """One extension stage: its own length, RoPE base, token budget, mixture and LR schedule."""
+    stage = config["stage"]
+    return continuation_config(config, name=stage["name"], tokens=stage["tokens"],
+                               sequence_length=stage["sequence_length"], global_batch_size=stage["global_batch_size"],
+                               mixture=stage["mixture"], rope_theta=stage["rope_theta"], lr=stage["lr"],
+                               schedule=stage["schedule"], warmup_steps=stage["warmup_steps"])
 
 
 def inference_scaling(scaling: dict[str, Any] | None, trained_length: int, rope_theta: float):

@@ -11,16 +11,11 @@ from tasks.base import StepContext, StepResult
 
 
 def stage_config(config: dict[str, Any], rope_theta: float, sequence_length: int) -> dict[str, Any]:
-    arch = json.loads(json.dumps(config["architecture"]))
-    arch["positions"]["rope_theta"] = rope_theta
-    stage = {"name": config["name"], "tokens": config["tokens"], "sequence_length": sequence_length,
-             "global_batch_size": config["batch_size"], "mixture": {config["dataset"]: 1.0},
-             "schedule_segment": "auto", "reset_optimizer": False}
-    return {"architecture": arch, "optimizer": {**config["optimizer"], "lr": config["lr"]},
-            "schedule": {"kind": "wsd", "warmup_steps": 0, "decay_fraction": 0.2, "min_lr_ratio": 0.0,
-                         "milestones": [], "gamma": 1.0},
-            "stages": [stage], "stage": config["name"], "seed": config["seed"],
-            "intra_document_masking": config["intra_document_masking"], "monitors": config["monitors"]}
+    from tasks.long_context import continuation_config
+
+    return continuation_config(config, name=config["name"], tokens=config["tokens"], sequence_length=sequence_length,
+                               global_batch_size=config["batch_size"], mixture={config["dataset"]: 1.0},
+                               rope_theta=rope_theta, lr=config["lr"])
 
 
 def run_mid_training(ctx: StepContext) -> StepResult:
