@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.tree import Tree
 
+from flows.cli_ops import register as register_ops
 from infra.environment import prepare_environment
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
@@ -179,7 +180,7 @@ def evaluate_schedule(
     """Serve a Prefect deployment that evaluates every new checkpoint under a root, on a schedule."""
     loaded = _load(spec)
     prepare_environment()
-    from flows.scheduled_eval import evaluate_new_checkpoints
+    from flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
 
     tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
     if not tasks:
@@ -199,7 +200,7 @@ def evaluate_schedule(
     out.print(f"serving deployment 'evaluate-{loaded.spec.name}' ({when}) over {params['checkpoint_root']}; "
               "Ctrl-C stops it")
     evaluate_new_checkpoints.serve(name=f"evaluate-{loaded.spec.name}", interval=interval, cron=cron,
-                                   parameters=params)
+                                   parameters=params, global_limit=SCAN_ONE_AT_A_TIME)
 
 
 ablate_app = typer.Typer(help="Ablation helpers.", no_args_is_help=True)
@@ -241,6 +242,8 @@ def schema() -> None:
 
     sys.stdout.write(json.dumps(TrainingSpec.model_json_schema(), indent=2) + "\n")
 
+
+register_ops(app, _load, _store_root, out, err, EXIT_BAD_INPUT)
 
 if __name__ == "__main__":
     app()

@@ -3,6 +3,7 @@ a markdown/table artifact per step, and the plan published at the start of every
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from contextlib import nullcontext
@@ -46,13 +47,27 @@ def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
     inputs = "\n".join(f"- {i.role}: `{i.uri}`" for i in m.inputs) or "- none (raw source)"
     body = (f"{head}\n\n**output** `{m.uri}`  \n**fingerprint** `{m.fingerprint[:16]}`  \n"
             f"**took** {m.duration_s:.1f}s on {m.host}  \n**files** {len(m.files)}, "
-            f"{sum(f.size for f in m.files):,} bytes\n\n**inputs**\n{inputs}\n")
+            f"{sum(f.size for f in m.files):,} bytes\n\n**inputs**\n{inputs}\n{_embedded_plots(ctx.store, m)}")
     create_markdown_artifact(key=key, markdown=body, description=f"{step.id}: {m.uri}")
     if outcome.result:
         for name, rows in outcome.result.tables.items():
             if rows:
                 create_table_artifact(key=artifact_key(ctx.plan.spec_name, name, step.name), table=rows,
                                       description=f"{step.id}: {name}")
+
+
+MAX_EMBEDDED_PLOT_BYTES = 1_000_000
+
+
+def _embedded_plots(store: Store, manifest: Any) -> str:
+    """The artifact's top-level PNG plots (loss, curves, comparisons) inlined as data URIs: the UI shows them
+    without any access to the store, local or S3."""
+    parts = []
+    for entry in manifest.files:
+        if entry.path.endswith(".png") and "/" not in entry.path and entry.size <= MAX_EMBEDDED_PLOT_BYTES:
+            data = base64.b64encode(store.read_bytes(manifest.uri, entry.path)).decode()
+            parts.append(f"\n**{entry.path}**\n\n![{entry.path}](data:image/png;base64,{data})\n")
+    return "".join(parts)
 
 
 def _with_options(ctx_spec_timeouts: dict[str, float], step: Step, orch: Any, spec_name: str):
@@ -125,12 +140,22 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
 @flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=False,
       persist_result=False)
 def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None = None,
-              store_root: str | None = None, until: list[str] | None = None) -> dict[str, Any]:
-    """Validate the spec, compile it, publish the plan, then run every step compass can execute."""
+              store_root: str | None = None, until: list[str] | None = None,
+              spec_hash: str | None = None) -> dict[str, Any]:
+    """Validate the spec, compile it, publish the plan, then run every step compass can execute.
+
+    `spec_hash`, when given (`compass submit` gives it), must be the hash of `spec_yaml`: a run never trains
+    a spec other than the one its submitter validated."""
     logger = get_run_logger()
     base = Path(base_dir) if base_dir else Path.cwd()
     loaded = load_spec_text(spec_yaml, spec_path, base_dir=base)
     spec = loaded.spec
+    if spec_hash and spec_hash != loaded.spec_hash:
+        raise ValueError(f"{spec_path}: spec_hash {spec_hash[:12]} does not match the spec text "
+                         f"({loaded.spec_hash[:12]}); submit the spec again")
+    if _needs_ray_runner(spec.how.orchestration):  # a deployment starts this flow with its default runner
+        return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
+            spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until)
     full = compile_spec(spec)
     kinds = executable_kinds() if not until else executable_kinds() & set(until)
     plan = full.restricted_to(kinds)
@@ -172,6 +197,14 @@ def task_runner_for(orch: Any) -> Any:
     if orch.ray_address:
         return RayTaskRunner(address=orch.ray_address)
     return RayTaskRunner(init_kwargs={"num_cpus": orch.ray_num_cpus} if orch.ray_num_cpus else None)
+
+
+def _needs_ray_runner(orch: Any) -> bool:
+    from prefect.context import FlowRunContext
+
+    current = FlowRunContext.get()
+    return (orch.task_runner == "ray" and current is not None
+            and type(current.task_runner).__name__ != "RayTaskRunner")
 
 
 class RayNeedsServer(RuntimeError):

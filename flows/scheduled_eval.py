@@ -19,6 +19,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
 from flows.compiler import PHASE_VERSIONS
 from infra.fingerprint import canonical_json
@@ -27,6 +28,9 @@ from infra.manifest import Manifest
 from infra.store import Store
 
 MODEL_KINDS = ("pretrain", "long_context", "post_train")
+# A scan still running when the schedule fires again makes the new run cancel itself: overlapping scans would
+# only wait on each other's locks, and one run per tick that finds nothing new is the expected rhythm.
+SCAN_ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
 
 
 def suite_hash(tasks: list[dict[str, Any]]) -> str:
@@ -70,7 +74,7 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, An
               target: str) -> dict[str, Any]:
     from tasks.evaluate import run_lighteval
 
-    local = store.local_path(checkpoint["artifact"]) / checkpoint["folder"]
+    local = store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
         started = time.time()
         results, provenance = run_lighteval(local, tasks, Path(scratch))

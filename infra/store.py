@@ -6,6 +6,7 @@ writes `manifest.json` last, so an artifact without a manifest is never taken fo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -68,16 +69,24 @@ class Store:
                 manifests.append(Manifest.model_validate_json(f.read()))
         return sorted(manifests, key=lambda m: m.finished_at, reverse=True)
 
-    def local_path(self, uri: str, cache_dir: Path | None = None) -> Path:
-        """A local folder with the artifact's files: the folder itself, or a verified download from S3."""
+    def read_bytes(self, uri: str, relative: str) -> bytes:
+        """One file of an artifact."""
+        with self.fs.open(f"{self._path(uri)}/{relative}", "rb") as f:
+            return f.read()
+
+    def local_path(self, uri: str, cache_dir: Path | None = None, only: str | None = None) -> Path:
+        """A local folder with the artifact's files: the folder itself, or a verified download from S3
+        (`only`: just the files under that sub-folder, e.g. one checkpoint of a model artifact)."""
         if not self.is_remote:
             return Path(self._path(uri))
         manifest = self.read_manifest(uri)
-        cache = (cache_dir or Path(tempfile.gettempdir()) / "compass-cache") / manifest.fingerprint
+        prefix = only.strip("/") + "/" if only else ""
+        name = manifest.fingerprint + (f"-{hashlib.sha256(prefix.encode()).hexdigest()[:8]}" if prefix else "")
+        cache = (cache_dir or Path(tempfile.gettempdir()) / "compass-cache") / name
         done = cache / MANIFEST
         if not done.exists():
             partial = cache.with_name(cache.name + f".part-{uuid.uuid4().hex[:8]}")
-            for entry in manifest.files:
+            for entry in (e for e in manifest.files if e.path.startswith(prefix)):
                 target = partial / entry.path
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(f"{self._path(uri)}/{entry.path}", str(target))

@@ -37,12 +37,13 @@ def base_env(tmp_home: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`prefect server start` on a free loopback port with its own database; stopped at the end."""
+    """`compass server` (Prefect's server and UI) on a free loopback port with its own database; stopped at
+    the end."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     env = base_env(home)
     log = open(home / "server.log", "w")  # noqa: SIM115 (outlives this block: closed in finally)
-    proc = subprocess.Popen([str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([str(VENV_BIN / "compass"), "server", "--port", str(port)],  # 127.0.0.1 by default
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + 180

@@ -6,47 +6,30 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import VENV_BIN, Cli, free_port, write_minimal_spec
+from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow
-SECRET = "compass-test-secret-key"
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+def s3() -> Iterator[RestartableS3]:
+    server = RestartableS3(free_port())
+    server.start()
     try:
-        for _ in range(60):
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        yield url
+        yield server
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
 
 
-def test_run_and_cached_rerun_on_s3(server_cli: Cli, tmp_path: Path, s3_endpoint: str):
-    import boto3
-
-    env = {"AWS_ACCESS_KEY_ID": "compass-test", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": s3_endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
-    server_cli.env.update(env)
-    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="compass-test", aws_secret_access_key=SECRET,
-                 region_name="us-east-1").create_bucket(Bucket="compass-test")
+def test_run_and_cached_rerun_on_s3(server_cli: Cli, tmp_path: Path, s3: RestartableS3):
+    server_cli.env.update(s3.env)
+    s3.create_bucket("compass-test")
     spec = write_minimal_spec(tmp_path, **{"name: minimal": "name: minimal-s3"})
     root = "s3://compass-test/runs"
 
@@ -64,7 +47,7 @@ def test_run_and_cached_rerun_on_s3(server_cli: Cli, tmp_path: Path, s3_endpoint
 
     import s3fs
 
-    fs = s3fs.S3FileSystem(key="compass-test", secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint})
+    fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
     manifests = fs.glob("compass-test/runs/*/*/manifest.json")
     assert len(manifests) == 9
     for path in manifests:
@@ -75,27 +58,22 @@ def test_run_and_cached_rerun_on_s3(server_cli: Cli, tmp_path: Path, s3_endpoint
             assert fs.size(f"{path.rsplit('/', 1)[0]}/{entry['path']}") == entry["size"]
 
 
-def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, tmp_path: Path, s3_endpoint: str):
+def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, tmp_path: Path, s3: RestartableS3):
     """Kill -9 `compass run` mid-stage, lose the machine's local work folder, run again: the step resumes
     from the checkpoint mirrored to S3 in the background."""
     import os
     import signal
 
-    import boto3
     import s3fs
 
-    env = {"AWS_ACCESS_KEY_ID": "compass-test", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": s3_endpoint, "AWS_EC2_METADATA_DISABLED": "true",
-           "COMPASS_CACHE": str(tmp_path / "machine-cache")}
-    server_cli.env.update(env)
-    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="compass-test", aws_secret_access_key=SECRET,
-                 region_name="us-east-1").create_bucket(Bucket="compass-resume")
+    server_cli.env.update(s3.env | {"COMPASS_CACHE": str(tmp_path / "machine-cache")})
+    s3.create_bucket("compass-resume")
     spec = write_minimal_spec(tmp_path, **{
         "name: minimal": "name: minimal-resume",
         "tokens: 20000, sequence_length: 64": "tokens: 150000, sequence_length: 64",
         "parallelism: {micro_batch_size: 2}": "parallelism: {micro_batch_size: 2}\n  checkpoints: {every_steps: 100}"})
     root = "s3://compass-resume/runs"
-    fs = s3fs.S3FileSystem(key="compass-test", secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint})
+    fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
     proc = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", root], cwd=tmp_path,
                             env=server_cli.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -117,3 +95,56 @@ def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, tmp_p
     assert manifest["metrics"]["resumed_from"] >= 100
     fs.invalidate_cache()
     assert not fs.glob("compass-resume/runs/.work/pretrain/stage1-*/checkpoints/*")  # cleared after commit
+
+
+def verified(fs, manifest_path: str) -> dict:
+    """A committed artifact read back whole: every file its manifest lists, with the sha256 it records."""
+    import hashlib
+
+    manifest = json.loads(fs.cat(manifest_path))
+    folder = manifest_path.rsplit("/", 1)[0]
+    for entry in manifest["files"]:
+        assert hashlib.sha256(fs.cat(f"{folder}/{entry['path']}")).hexdigest() == entry["sha256"], entry["path"]
+    return manifest
+
+
+def test_s3_outage_mid_upload_loses_nothing_committed(server_cli: Cli, tmp_path: Path, s3: RestartableS3):
+    """The S3 server dies in the middle of a checkpoint upload and comes back: what was committed before is
+    intact, the interrupted artifact is never visible half-written, and a re-run finishes only what was left."""
+    import s3fs
+
+    server_cli.env.update(s3.env)
+    s3.create_bucket("compass-outage")
+    spec = write_minimal_spec(tmp_path, **{"name: minimal": "name: minimal-outage"})
+    root = "s3://compass-outage/runs"
+    fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
+    data_kinds = ["--until", "ingest", "--until", "curate", "--until", "tokenizer", "--until", "tokenize"]
+    server_cli.json("run", str(spec), "--store", root, *data_kinds)
+    before = {path: verified(fs, path) for path in fs.glob("compass-outage/runs/*/*/manifest.json")}
+    assert len(before) == 7
+
+    s3.arm("/runs/pretrain/stage1-")  # the first PUT of stage1's committed files hangs, then the server dies
+    proc = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", root, "--json"],
+                            cwd=tmp_path, env=server_cli.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        assert s3.hit.wait(600), "stage1 never started uploading"
+        s3.stop()
+        time.sleep(3)  # clients retrying now get 'connection refused'
+        s3.start()
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    fs.invalidate_cache()
+    for path, manifest in before.items():
+        assert verified(fs, path) == manifest
+    for path in fs.glob("compass-outage/runs/pretrain/*/manifest.json"):
+        verified(fs, path)  # committed despite the outage (retries): then whole
+
+    final = server_cli.json("run", str(spec), "--store", root)
+    assert {s["step"] for s in final["steps"] if s["executed"]} <= {"pretrain:stage1", "pretrain:stage2"}
+    fs.invalidate_cache()
+    committed = {p: verified(fs, p) for p in fs.glob("compass-outage/runs/*/*/manifest.json")}
+    assert {f"{m['kind']}:{m['name']}" for m in committed.values()} >= {"pretrain:stage1", "pretrain:stage2"}
+    assert all(committed[path] == manifest for path, manifest in before.items())

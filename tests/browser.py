@@ -1,0 +1,48 @@
+"""Headless Chromium from Debian's packages, driven by selenium through Debian's chromedriver: nothing downloads
+a browser or a driver. Flags from ../shared/ENVIRONMENT.md (the closed network refuses background fetches)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
+         "--no-first-run", "--window-size=1440,1000"]
+
+
+@contextmanager
+def chromium(scratch: Path) -> Iterator:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    for binary in (CHROMIUM, CHROMEDRIVER):
+        if not Path(binary).exists():
+            raise RuntimeError(f"{binary} is missing: infra/setup.sh installs Debian's chromium and "
+                               "chromium-driver (run `make setup` as root)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(prefix="compass-chromium-", dir=scratch)
+    for flag in [*FLAGS, f"--user-data-dir={profile}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for_text(driver, text: str, timeout: float = 60) -> None:
+    """Wait until the rendered page contains `text` (the UI fills itself in after load)."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout
+    while text not in driver.find_element(By.TAG_NAME, "body").text:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"'{text}' not on {driver.current_url} after {timeout}s")
+        time.sleep(0.5)

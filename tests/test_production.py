@@ -1,0 +1,221 @@
+"""The production path on one machine, with the demo spec: a Prefect server, `compass deploy`, a process worker,
+`compass submit --watch` of the demo spec with its store on a real S3-compatible server, then the run seen
+through `compass status`, `compass run` (a fully cached re-run on S3), `prefect deployment run`, and the web UI
+in headless Chromium. The demo runs once here; every phase of the lifecycle is checked on what it left in S3."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN, Cli, base_env, free_port, stop_group
+from tests.s3_server import KEY_ID, SECRET, RestartableS3
+
+pytestmark = pytest.mark.slow
+DEMO = REPO / "specs" / "examples" / "tiny.yaml"
+BUCKET = "compass-demo"
+ROOT = f"s3://{BUCKET}/tiny"
+SCREENSHOTS = REPO / "test-artifacts"
+
+
+@dataclass
+class Production:
+    cli: Cli
+    s3: RestartableS3
+    submitted: dict
+    api_url: str
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": self.s3.url})
+
+    def one(self, pattern: str) -> dict:
+        """The JSON file matching `pattern` under the demo's store (exactly one)."""
+        fs = self.fs()
+        (path,) = fs.glob(f"{BUCKET}/tiny/{pattern}")
+        return json.loads(fs.cat(path))
+
+
+@pytest.fixture(scope="module")
+def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Production]:
+    home = tmp_path_factory.mktemp("production")
+    s3 = RestartableS3(free_port())
+    s3.start()
+    s3.create_bucket(BUCKET)
+    env = base_env(home / "prefect-client") | s3.env | {"PREFECT_API_URL": prefect_server}
+    cli = Cli(home, env)
+    deployed = cli.json("deploy", str(DEMO))
+    assert {d["name"] for d in deployed["deployments"]} == {"compass-lifecycle/lifecycle",
+                                                             "compass-lifecycle/ablations"}
+    log = open(home / "worker.log", "w")  # noqa: SIM115 (closed in finally)
+    worker = subprocess.Popen([str(VENV_BIN / "compass"), "worker"], cwd=home, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        done = cli("submit", str(DEMO), "--store", ROOT, "--watch", "--json", timeout=2400)
+        submitted = json.loads(done.stdout)
+        yield Production(cli, s3, submitted, prefect_server)
+    finally:
+        stop_group(worker)
+        log.close()
+        _remove_gpu_limit()
+        s3.stop()
+
+
+def _remove_gpu_limit() -> None:
+    """The session's server is shared: leave no tag limit behind for the other tests."""
+    from prefect.client.orchestration import get_client
+
+    from flows.deployments import GPU_TAG
+
+    with get_client(sync_client=True) as client:
+        client.delete_concurrency_limit_by_tag(GPU_TAG)
+
+
+def test_submitted_demo_runs_every_phase_with_its_store_on_s3(production: Production):
+    assert production.submitted["state"] == "Completed"
+    assert production.submitted["url"].endswith(f"/runs/flow-run/{production.submitted['id']}")
+    p = production
+    fs = p.fs()
+    sources = {"docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py"}
+    models = ["pretrain:stage1", "pretrain:stage2", "long_context:ctx512", "long_context:ctx1024", "post_train:sft",
+              "post_train:apo", "post_train:grpo"]
+    ablations = {f"ablate:{v}-s{s}" for v in ("baseline", "untied") for s in (0, 1)} | {"compare:ablations"}
+    committed = {"{kind}:{name}".format(**json.loads(fs.cat(m))) for m in fs.glob(f"{BUCKET}/tiny/*/*/manifest.json")}
+    assert committed == ({f"{k}:{s}" for s in sources for k in ("ingest", "curate", "tokenize")}
+                         | {"tokenizer:select", "curves:evaluation", "report:success"} | set(models)
+                         | {f"evaluate:{m.replace(':', '-')}" for m in models} | ablations)
+
+    comparison = p.one("compare/ablations-*/comparison.json")
+    (untied,) = [r for r in comparison["rows"] if r["variant"] == "untied"]
+    assert untied["runs"] == 2 and untied["verdict"] in ("better", "worse", "within noise")
+    evaluation = p.one("evaluate/pretrain-stage2-*/results.json")
+    assert 0 <= evaluation["arc_easy:cf/acc"] <= 1 and 0 <= evaluation["hellaswag:cf/acc"] <= 1
+    assert evaluation["val_ppl:docs_en"] > 1
+    for stage in ("stage1", "stage2"):
+        metrics = p.one(f"pretrain/{stage}-*/manifest.json")["metrics"]
+        assert metrics["final_loss"] < metrics["first_loss"]
+        assert set(metrics["val_loss"]) >= {"docs_en", "code_py"}
+    for model in ("pretrain:stage2", "long_context:ctx1024"):
+        results = p.one(f"evaluate/{model.replace(':', '-')}-*/results.json")
+        assert {f"passkey@{n}" for n in (256, 512, 1024)} <= set(results)
+    config = p.one("long_context/ctx1024-*/final/config.json")
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["rope_theta"] == 100000
+    curves = p.one("curves/evaluation-*/curves.json")
+    assert set(curves["val_ppl:docs_en"]) == set(models)
+    assert len(curves["val_ppl:docs_en"]["pretrain:stage1"]) >= 2  # every kept checkpoint, not only the last
+    report = p.one("report/success-*/report.json")
+    assert report["criteria"][0]["checkpoint"] == "post_train:grpo" and report["criteria"][0]["measured"] > 1
+    assert len(p.one("post_train/sft-*/vibe_check.json")) == 3
+
+    tokenizers = p.one("tokenizer/select-*/comparison.json")
+    assert set(tokenizers["results"][0]["groups"]) == {"en", "fr", "de", "es", "code"}
+    fertility = {r["candidate"]: r["mean_fertility"] for r in tokenizers["results"]}
+    assert fertility["bpe-2048"] > fertility["bpe-4096"] > fertility["bpe-8192"]  # bigger vocab, fewer tokens
+    ingest = p.one("ingest/docs_fr-*/manifest.json")
+    assert ingest["provenance"][0]["package"] == "debian-reference-fr"
+
+    for path in fs.glob(f"{BUCKET}/tiny/*/*/manifest.json"):  # credentials reach neither manifests nor files
+        assert SECRET not in fs.cat(path).decode()
+
+
+def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch):
+    from transformers import AutoTokenizer
+
+    from infra.store import Store
+
+    for key, value in production.s3.env.items():
+        monkeypatch.setenv(key, value)
+    store = Store(ROOT)
+    (manifest,) = store.committed_versions("tokenizer", "select")
+    local = store.local_path(manifest.uri, cache_dir=tmp_path, only="chosen") / "chosen"
+    assert not (local.parent / "comparison.json").exists()  # only the sub-folder asked for came down
+    tok = AutoTokenizer.from_pretrained(str(local))
+    text = "Le paquet est installé avec apt-get."
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_status_shows_the_run_its_last_step_and_store(production: Production):
+    rows = json.loads(production.cli("status", "--json").stdout)
+    (row,) = [r for r in rows if r["id"] == production.submitted["id"]]
+    assert row["state"] == "Completed" and row["store"] == ROOT and row["deployment"] == "lifecycle"
+    assert row["current_step"] == "report:success" or row["current_step"].startswith(("curves:", "evaluate:"))
+    assert row["steps_done"] >= 40
+
+
+def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Production):
+    again = production.cli.json("run", str(DEMO), "--store", ROOT)
+    assert again["steps"] and not [s for s in again["steps"] if s["executed"]]
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[production.submitted["id"]])),
+                                limit=200)
+    assert logs and not [log for log in logs if SECRET in log.message]
+
+
+def test_prefect_deployment_run_takes_the_same_parameters(production: Production):
+    """The documented alternative to `compass submit`: the Prefect CLI with a JSON parameter object."""
+    params = {"spec_yaml": DEMO.read_text(), "spec_path": str(DEMO), "base_dir": str(DEMO.parent),
+              "store_root": ROOT, "until": ["ingest", "curate", "tokenizer", "tokenize"]}
+    done = subprocess.run([str(VENV_BIN / "prefect"), "deployment", "run", "compass-lifecycle/lifecycle",
+                           "--params", json.dumps(params), "--watch"], cwd=production.cli.cwd,
+                          env=production.cli.env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Completed" in done.stdout + done.stderr
+
+
+def test_web_ui_shows_the_run_its_task_runs_and_artifacts(production: Production, tmp_path: Path):
+    from selenium.webdriver.common.by import By
+
+    from tests.browser import chromium, wait_for_text
+
+    SCREENSHOTS.mkdir(exist_ok=True)
+    ui = production.api_url.removesuffix("/api")
+    run_id = production.submitted["id"]
+    with chromium(tmp_path) as browser:
+        browser.get(f"{ui}/runs/flow-run/{run_id}")
+        wait_for_text(browser, "Completed")
+        page = browser.find_element(By.TAG_NAME, "body").text
+        assert production.submitted["name"] in page and "compass-lifecycle" in page
+        browser.save_screenshot(str(SCREENSHOTS / "flow-run.png"))
+
+        browser.get(f"{ui}/runs/flow-run/{run_id}?tab=Task+Runs")
+        wait_for_text(browser, "pretrain:stage1")
+        page = browser.find_element(By.TAG_NAME, "body").text
+        assert {"ingest:docs_en", "tokenizer:select"} <= {line.strip() for line in page.splitlines()}
+        browser.save_screenshot(str(SCREENSHOTS / "task-runs.png"))
+
+        browser.get(f"{ui}/runs/flow-run/{run_id}?tab=Artifacts")
+        wait_for_text(browser, "tiny-demo-plan")
+        page = browser.find_element(By.TAG_NAME, "body").text
+        assert {"tiny-demo-plan", "tiny-demo-compare-ablations", "tiny-demo-curves-evaluation"} <= set(page.split())
+        browser.save_screenshot(str(SCREENSHOTS / "artifacts.png"))
+
+        artifact = _latest_artifact("tiny-demo-curves-evaluation")
+        browser.get(f"{ui}/artifacts/artifact/{artifact}")
+        wait_for_text(browser, "curves.png")
+        time.sleep(1)
+        sizes = [browser.execute_script("return arguments[0].naturalWidth", img)
+                 for img in browser.find_elements(By.CSS_SELECTOR, "img[alt='curves.png']")]
+        assert sizes and sizes[0] > 100  # the plot is an image the page decoded, not a broken link
+        browser.save_screenshot(str(SCREENSHOTS / "curves-artifact.png"))
+
+
+def _latest_artifact(key: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        (artifact, *_) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                               limit=1)
+        return str(artifact.id)
