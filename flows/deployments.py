@@ -7,6 +7,8 @@ hash), so a worker needs no copy of the spec file.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,5 +78,6 @@ def deploy_all(pool: str, evaluation: dict[str, Any] | None = None) -> list[Depl
             description="Evaluates checkpoints that have no result for the suite yet."))
         when = f"every {evaluation['interval']}s" if evaluation.get("interval") else evaluation.get("cron")
         made.append(Deployed(f"{EVALUATION_FLOW}/{evaluation['name']}", when))
-    deploy(*deployments, work_pool_name=pool, print_next_steps_message=False)
+    with contextlib.redirect_stdout(sys.stderr):  # Prefect prints its own table: keep stdout for compass
+        deploy(*deployments, work_pool_name=pool, print_next_steps_message=False)
     return made

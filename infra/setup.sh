@@ -28,8 +28,17 @@ if command -v apt-get >/dev/null 2>&1; then
   if ! ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1; then
     apt-get update -qq || echo "compass: apt-get update failed; deb:// sources will not download" >&2
   fi
+  # Debian's Chromium and its driver, for the web-UI test (selenium drives them; nothing downloads a browser).
+  if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    if [ "$(id -u)" = 0 ]; then
+      apt-get install -y -qq chromium chromium-driver >/dev/null \
+        || echo "compass: could not install chromium; the web-UI test will fail" >&2
+    else
+      echo "compass: run 'apt-get install chromium chromium-driver' as root for the web-UI test" >&2
+    fi
+  fi
 else
-  echo "compass: apt-get not found: deb:// sources are unavailable on this machine" >&2
+  echo "compass: apt-get not found: deb:// sources and the web-UI test's browser are unavailable" >&2
 fi
 rm -f .venv/.compass-setup-*
 touch "$stamp"

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,13 @@ def stage1_job(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+
+
+@contextmanager
+def prefect_client(api_url: str) -> Iterator:
+    """A synchronous Prefect client for the test's server (the test process itself has no PREFECT_API_URL)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        yield client

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, Cli, base_env, free_port, stop_group
+from tests.conftest import REPO, VENV_BIN, Cli, base_env, free_port, prefect_client, stop_group
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow
@@ -64,17 +64,15 @@ def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         stop_group(worker)
         log.close()
-        _remove_gpu_limit()
+        _remove_gpu_limit(prefect_server)
         s3.stop()
 
 
-def _remove_gpu_limit() -> None:
+def _remove_gpu_limit(api_url: str) -> None:
     """The session's server is shared: leave no tag limit behind for the other tests."""
-    from prefect.client.orchestration import get_client
-
     from flows.deployments import GPU_TAG
 
-    with get_client(sync_client=True) as client:
+    with prefect_client(api_url) as client:
         client.delete_concurrency_limit_by_tag(GPU_TAG)
 
 
@@ -154,10 +152,9 @@ def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Product
     again = production.cli.json("run", str(DEMO), "--store", ROOT)
     assert again["steps"] and not [s for s in again["steps"] if s["executed"]]
 
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    with get_client(sync_client=True) as client:
+    with prefect_client(production.api_url) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[production.submitted["id"]])),
                                 limit=200)
     assert logs and not [log for log in logs if SECRET in log.message]
@@ -201,7 +198,7 @@ def test_web_ui_shows_the_run_its_task_runs_and_artifacts(production: Production
         assert {"tiny-demo-plan", "tiny-demo-compare-ablations", "tiny-demo-curves-evaluation"} <= set(page.split())
         browser.save_screenshot(str(SCREENSHOTS / "artifacts.png"))
 
-        artifact = _latest_artifact("tiny-demo-curves-evaluation")
+        artifact = _latest_artifact(production.api_url, "tiny-demo-curves-evaluation")
         browser.get(f"{ui}/artifacts/artifact/{artifact}")
         wait_for_text(browser, "curves.png")
         time.sleep(1)
@@ -211,11 +208,10 @@ def test_web_ui_shows_the_run_its_task_runs_and_artifacts(production: Production
         browser.save_screenshot(str(SCREENSHOTS / "curves-artifact.png"))
 
 
-def _latest_artifact(key: str) -> str:
-    from prefect.client.orchestration import get_client
+def _latest_artifact(api_url: str, key: str) -> str:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    with get_client(sync_client=True) as client:
+    with prefect_client(api_url) as client:
         (artifact, *_) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
                                                limit=1)
         return str(artifact.id)

@@ -1,0 +1,63 @@
+"""Prefect's tag concurrency limit, set by `compass deploy`, keeps GPU steps from running at once across the
+server, even when a spec lets its own process run two of them together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Cli, prefect_client, write_minimal_spec
+
+pytestmark = pytest.mark.slow
+TWO_GPU_STEPS = """  ablations:
+    baseline: {tokens: 6000, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
+    variants:
+      - {name: untied, change: {architecture.tied_embeddings: false}}
+  pretraining:"""
+
+
+def gpu_intervals(api_url: str, run_name: str) -> list[tuple[float, float]]:
+    """Start and end of the ablation task runs of the latest flow run named `run_name`."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with prefect_client(api_url) as client:
+        (run, *_) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])),
+                                         sort=FlowRunSort.START_TIME_DESC, limit=1)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+    ablations = [t for t in tasks if t.name.startswith("ablate:") and "gpu" in t.tags]
+    assert len(ablations) == 2
+    return sorted((t.start_time.timestamp(), t.end_time.timestamp()) for t in ablations)
+
+
+def overlap(intervals: list[tuple[float, float]]) -> float:
+    (a_start, a_end), (b_start, b_end) = intervals
+    return min(a_end, b_end) - max(a_start, b_start)
+
+
+def test_gpu_tag_limit_serialises_gpu_steps_across_the_server(server_cli: Cli, prefect_server: str,
+                                                              tmp_path: Path):
+    spec = write_minimal_spec(tmp_path, **{
+        "  pretraining:": TWO_GPU_STEPS,
+        "how:\n": "how:\n  orchestration: {max_parallel_steps: 2, max_parallel_gpu_steps: 2}\n"})
+    kinds = [arg for kind in ("ingest", "curate", "tokenizer", "tokenize", "ablate") for arg in ("--until", kind)]
+
+    free = tmp_path / "free"
+    server_cli("run", str(spec), "--store", str(free), *kinds)
+    assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec))) > 0  # the spec alone lets both run together
+
+    deployed = server_cli.json("deploy", "--gpu-slots", "1")
+    assert deployed["gpu_slots"] == 1
+    try:
+        server_cli("run", str(spec), "--store", str(tmp_path / "limited"), *kinds)
+        assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec))) <= 0  # one at a time
+    finally:
+        with prefect_client(prefect_server) as client:
+            client.delete_concurrency_limit_by_tag("gpu")
+
+
+def _hash(spec: Path) -> str:
+    from specs import load_spec
+
+    return load_spec(spec).spec_hash[:8]
