@@ -246,6 +246,16 @@ def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     if not par.deepspeed and par.zero_stage:
         yield Issue(("how", "parallelism", "zero_stage"), "ZeRO needs deepspeed: true",
                     "set deepspeed: true or zero_stage: 0")
+    hw = how.hardware
+    if hw.hosts and len(hw.hosts) != hw.nodes:
+        yield Issue(("how", "hardware", "hosts"), f"{len(hw.hosts)} hosts for nodes={hw.nodes}",
+                    "list one address per node, the rendezvous host first")
+    elif hw.nodes > 1 and not hw.hosts:
+        yield Issue(("how", "hardware", "nodes"), f"nodes={hw.nodes} but how.hardware.hosts is empty",
+                    "list the nodes' addresses in how.hardware.hosts, the rendezvous host first")
+    if hw.launcher == "deepspeed" and not par.deepspeed:
+        yield Issue(("how", "hardware", "launcher"), "the deepspeed launcher needs parallelism.deepspeed: true",
+                    "use launcher: torchrun, or set deepspeed: true")
 
 
 def _tokenizer(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:

@@ -19,6 +19,12 @@ class Hardware(SpecModel):
     nodes: PositiveInt = 1
     peak_tflops: PositiveFloat | None = Field(default=None, description="Overrides the accelerator's table value.")
     assumed_mfu: float = Field(default=0.3, gt=0, le=1, description="Model FLOPs utilisation for cost estimates.")
+    hosts: list[str] = Field(default_factory=list, description="One address per node; the first hosts the "
+                             "rendezvous. Nodes share the code and the work folder at the same paths.")
+    launcher: Literal["torchrun", "deepspeed"] = Field(
+        default="torchrun", description="torchrun: compass starts one launcher per node (over ssh when remote); "
+                                        "deepspeed: DeepSpeed's launcher on the first host with a hostfile (pdsh).")
+    rendezvous_port: int = Field(default=29500, ge=1024, le=65535)
 
     @property
     def total_devices(self) -> int:

@@ -2,7 +2,7 @@
 export Hugging Face checkpoints, and publish metrics and the loss curve.
 
 World size 1 trains in-process; more ranks (data parallel, or several nodes) launch the same module,
-`model.trainer`, with torchrun.
+`model.trainer`, with torchrun or DeepSpeed's launcher (infra/launcher.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from infra.launcher import LaunchPlan, plan_launch
 from tasks.base import StepContext, StepResult
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -51,7 +55,9 @@ def build_job(ctx: StepContext) -> dict[str, Any]:
         "init_from": str(previous.local() / "state") if previous else None,
         "parallelism": how["parallelism"], "precision": how["precision"],
         "accelerator": how["hardware"]["accelerator"], "peak_tflops": _peak_tflops(how["hardware"]),
-        "nodes": how["hardware"]["nodes"],
+        "nodes": how["hardware"]["nodes"], "hosts": how["hardware"].get("hosts", []),
+        "launcher": how["hardware"].get("launcher", "torchrun"),
+        "rendezvous_port": how["hardware"].get("rendezvous_port", 29500),
         "checkpoint_every": how["checkpoints"]["every_steps"], "keep_last": how["checkpoints"]["keep_last"],
         "monitors": cfg["monitors"],
     }
@@ -103,13 +109,11 @@ def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
     if par["tensor_parallel"] > 1 or par["pipeline_parallel"] > 1:
         raise NotImplementedError("tensor and pipeline parallel training are planned and costed but not executed "
                                   "by this version; use data parallelism (with ZeRO) for now")
-    if job.get("nodes", 1) > 1:
-        raise NotImplementedError("multi-node launch (hostfile / rendezvous) is not in this version; "
-                                  "run one node with data_parallel = devices_per_node")
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job, indent=1))
     world = world_size({"parallelism": job["parallelism"]})
+    nodes = job.get("nodes", 1)
     if world == 1:
         import torch.distributed as dist
 
@@ -119,14 +123,41 @@ def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
             result = train_stage(job).__dict__
         (workdir / "result.json").write_text(json.dumps(result))
         return result
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "model.trainer", str(job_path)]
-    log.info("launching %s", " ".join(cmd))
-    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
-    (workdir / "launcher.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"training failed ({done.returncode}); last output:\n{(done.stdout + done.stderr)[-3000:]}")
+    plan = plan_launch(job_path, world=world, nodes=nodes, hosts=job.get("hosts") or [],
+                       launcher=job.get("launcher", "torchrun"),
+                       port=job.get("rendezvous_port", 29500) if nodes > 1 else free_port(),
+                       python=sys.executable, cwd=REPO)
+    if plan.hostfile:
+        (workdir / "hostfile").write_text(plan.hostfile)
+    for command in plan.commands:
+        log.info("launching on %s: %s", command.host, command)
+    _run_all(plan, workdir)
     return json.loads((workdir / "result.json").read_text())
+
+
+def _run_all(plan: LaunchPlan, workdir: Path) -> None:
+    """Start every node's launcher, wait for all; one failing stops the others (they would wait forever)."""
+    logs = [open(workdir / f"launcher-{i}.log", "w") for i in range(len(plan.commands))]  # noqa: SIM115
+    procs = [subprocess.Popen(c.argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **plan.env})
+             for c, f in zip(plan.commands, logs, strict=True)]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None or all(code == 0 for code in codes):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    if failed is not None:
+        tail = (workdir / f"launcher-{failed}.log").read_text()[-3000:]
+        raise RuntimeError(f"training failed on {plan.commands[failed].host} "
+                           f"({procs[failed].returncode}); last output:\n{tail}")
 
 
 def plot_loss(metrics: Path, out: Path, title: str) -> None:

@@ -149,8 +149,6 @@ def stage1_job(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
-
-
 @contextmanager
 def prefect_client(api_url: str) -> Iterator:
     """A synchronous Prefect client for the test's server (the test process itself has no PREFECT_API_URL)."""
