@@ -315,6 +315,11 @@ def _references(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
             refs = [("pairs", "strong", step.pairs.strong), ("pairs", "weak", step.pairs.weak)]
         if step.method == "distill":
             refs = [("teacher", step.teacher)]
+            layers = spec.what.architecture.num_layers
+            if step.student_layers is not None and step.student_layers >= layers:
+                yield Issue(("what", "post_training", i, "student_layers"),
+                            f"a student of {step.student_layers} layers is not smaller than the model's {layers}",
+                            f"use fewer than {layers} layers, or leave it out to distil into the model as is")
         for *path, ref in refs:
             if ref not in valid:
                 yield Issue(("what", "post_training", i, *path), f"unknown checkpoint '{ref}'", hint)

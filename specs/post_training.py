@@ -76,11 +76,14 @@ class Grpo(_PostStep):
 
 
 class Distillation(_PostStep):
-    """On-policy distillation (TRL GKD) from a larger checkpoint of this run."""
+    """On-policy distillation (TRL GKD) from a larger checkpoint of this run into a smaller student."""
 
     method: Literal["distill"]
     teacher: str = Field(description="Step name of the teacher checkpoint.")
     lmbda: float = Field(default=0.5, ge=0, le=1)
+    student_layers: PositiveInt | None = Field(
+        default=None, description="The student keeps this many of the previous model's layers, evenly spaced "
+                                  "with the first and last kept (DistilBERT's initialisation); none = all.")
 
 
 PostTrainStep = Annotated[

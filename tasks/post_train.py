@@ -199,12 +199,38 @@ def run_distill(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]
 
     cfg = ctx.config
     teacher, _ = load_chat_model(ctx.inputs["teacher"].local() / "final")
+    if cfg.get("student_layers"):
+        kept = keep_layers(model, cfg["student_layers"])
+        ctx.log.info("distill %s: student keeps layers %s of %d", ctx.name, kept, teacher.config.num_hidden_layers)
     data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg["max_samples"])])
     args = GKDConfig(**_common_args(ctx), lmbda=cfg["lmbda"], max_length=cfg["max_length"], dataset_num_proc=None)
     trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data,
                          processing_class=tokenizer)
     trainer.train()
-    return trainer, {"examples": len(data)}
+    return trainer, {"examples": len(data), "teacher_layers": teacher.config.num_hidden_layers,
+                     "student_layers": model.config.num_hidden_layers,
+                     "student_parameters": sum(p.numel() for p in model.parameters()),
+                     "teacher_parameters": sum(p.numel() for p in teacher.parameters())}
+
+
+def keep_layers(model, keep: int) -> list[int]:
+    """Shrink a decoder in place to `keep` of its layers, evenly spaced, first and last included; per-layer
+    config lists (RoPE/NoPE pattern, layer types) follow. Returns the kept layer indices."""
+    import torch
+
+    layers = model.model.layers
+    total = len(layers)
+    kept = [0] if keep == 1 else sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
+    model.model.layers = torch.nn.ModuleList([layers[i] for i in kept])
+    for new_index, layer in enumerate(model.model.layers):
+        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = new_index  # the KV cache is indexed by position in the stack
+    config = model.config
+    for name, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == total and name != "architectures":
+            setattr(config, name, [value[i] for i in kept])
+    config.num_hidden_layers = len(kept)
+    return kept
 
 
 METHODS = {"sft": run_sft, "dpo": run_preference, "orpo": run_preference, "kto": run_preference,

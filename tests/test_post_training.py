@@ -34,7 +34,7 @@ POST = """  post_training:
        pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
     - {method: dpo, name: dpo_data, loss_type: sigmoid, dataset: prefs, lr: 1.0e-4, max_samples: 4, max_length: 128}
     - {method: distill, name: distill, dataset: "pypi://evals==3.0.1.post1", teacher: "post_train:sft", lr: 1.0e-4,
-       max_samples: 8, max_length: 128}
+       max_samples: 8, max_length: 128, student_layers: 1}
   evaluation:
     perplexity_sources: [notes]
     vibe_prompts: ["What is 2 + 2?", "Say hello."]
@@ -193,3 +193,10 @@ def test_orpo_kto_and_distillation_train_from_their_inputs(post_trained):
     assert post_trained["post_train:kto"].manifest.metrics["pairs"] >= 1
     inputs = {i.role: i.step for i in post_trained["post_train:distill"].manifest.inputs}
     assert inputs["teacher"] == "post_train:sft" and inputs["previous"] == "post_train:dpo_data"
+    distilled = post_trained["post_train:distill"].manifest.metrics  # a larger checkpoint into a smaller one
+    assert (distilled["teacher_layers"], distilled["student_layers"]) == (2, 1)
+    assert distilled["student_parameters"] < distilled["teacher_parameters"]
+    from transformers import AutoConfig
+
+    exported = AutoConfig.from_pretrained(str(Path(post_trained["post_train:distill"].uri) / "final"))
+    assert exported.num_hidden_layers == 1

@@ -151,6 +151,11 @@ def test_status_shows_the_run_its_last_step_and_store(production: Production):
 def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Production):
     again = production.cli.json("run", str(DEMO), "--store", ROOT)
     assert again["steps"] and not [s for s in again["steps"] if s["executed"]]
+    assert all(s["uri"].startswith(ROOT + "/") for s in again["steps"])
+    tokenizer_uri = next(s["uri"] for s in again["steps"] if s["step"] == "tokenizer:select")
+    tree = production.cli.json("lineage", f"{tokenizer_uri}/chosen/tokenizer.json")  # read from s3:// manifests
+    assert {c["step"] for c in tree["inputs"]} == {f"curate:{s}" for s in
+                                                   ("docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py")}
 
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
