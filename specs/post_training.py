@@ -53,6 +53,8 @@ class PairsFromVerifier(SpecModel):
     kind: Literal["verifier"]
     verifier: Literal["exact_answer", "arithmetic"] = "exact_answer"
     samples_per_prompt: PositiveInt = 4
+    easiest_first: bool = Field(default=False, description="Take the problems with the shortest answers first: "
+                                "a weak policy is sometimes right only there, and a pair needs one right answer.")
 
 
 class Preference(_PostStep):

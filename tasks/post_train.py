@@ -99,7 +99,10 @@ def build_pairs(ctx: StepContext, tokenizer) -> list[dict[str, Any]]:
         why = "the strong and weak checkpoints answered every prompt identically; pick checkpoints further apart"
     elif kind == "verifier":
         root, _ = dataset_root(cfg["dataset"], ctx.runtime.base_dir)
-        problems = arithmetic_problems(root, cfg["max_samples"], seed=0)
+        problems = arithmetic_problems(root, None, seed=0)
+        if cfg["pairs"].get("easiest_first"):
+            problems.sort(key=lambda p: (len(p["answer"].lstrip("-")), len(p["question"])))  # stable: seeded order
+        problems = problems[:cfg["max_samples"]] if cfg["max_samples"] else problems
         pairs = on_policy_pairs(ctx.inputs["previous"].local() / "final", problems,
                                 cfg["pairs"]["samples_per_prompt"], cfg["pairs"]["verifier"], 32, PAIR_SEED)
         why = (f"no problem got both a right and a wrong answer among {cfg['pairs']['samples_per_prompt']} "

