@@ -46,3 +46,37 @@ def wait_for_text(driver, text: str, timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"'{text}' not on {driver.current_url} after {timeout}s")
         time.sleep(0.5)
+
+
+def open_tab(driver, name: str) -> None:
+    """Click one of a page's tabs (the UI ignores a tab named in the URL on first load)."""
+    from selenium.webdriver.common.by import By
+
+    wait_for_text(driver, name)
+    (tab,) = [e for e in driver.find_elements(By.CSS_SELECTOR, "li.p-tab") if e.text.strip() == name]
+    tab.click()
+
+
+SCROLLER = """
+const boxes = [document.scrollingElement, ...document.querySelectorAll('*')].filter(e => e &&
+    e.scrollHeight > e.clientHeight + 10 && (e === document.scrollingElement ||
+    ['auto', 'scroll'].includes(getComputedStyle(e).overflowY)));
+return boxes.sort((a, b) => b.scrollHeight - a.scrollHeight)[0] || document.scrollingElement;
+"""
+
+
+def text_while_scrolling(driver, pause: float = 0.4) -> str:
+    """Everything the page shows from top to bottom: the UI renders long lists only as they scroll into view
+    (inside its own scrolling container, not the window)."""
+    from selenium.webdriver.common.by import By
+
+    box = driver.execute_script(SCROLLER)
+    seen: list[str] = []
+    position = 0
+    while True:
+        driver.execute_script("arguments[0].scrollTop = arguments[1]", box, position)
+        time.sleep(pause)
+        seen.append(driver.find_element(By.TAG_NAME, "body").text)
+        if position >= driver.execute_script("return arguments[0].scrollHeight - arguments[0].clientHeight", box):
+            return "\n".join(seen)
+        position += max(200, driver.execute_script("return arguments[0].clientHeight", box) // 2)

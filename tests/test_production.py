@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.lifecycle import artifact_key
 from tests.conftest import REPO, VENV_BIN, Cli, base_env, free_port, prefect_client, stop_group
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
@@ -176,40 +177,60 @@ def test_prefect_deployment_run_takes_the_same_parameters(production: Production
     assert "Completed" in done.stdout + done.stderr
 
 
+def test_a_run_refuses_a_spec_text_that_does_not_match_its_hash(production: Production):
+    params = {"spec_yaml": DEMO.read_text().replace("tiny-demo", "tampered"), "spec_path": str(DEMO),
+              "base_dir": str(DEMO.parent), "store_root": ROOT, "spec_hash": "0" * 64}
+    done = subprocess.run([str(VENV_BIN / "prefect"), "deployment", "run", "compass-lifecycle/lifecycle",
+                           "--params", json.dumps(params), "--watch"], cwd=production.cli.cwd,
+                          env=production.cli.env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    rows = json.loads(production.cli("status", "--json").stdout)
+    assert rows[0]["state"] == "Failed" and rows[0]["steps_done"] == 0
+
+
 def test_web_ui_shows_the_run_its_task_runs_and_artifacts(production: Production, tmp_path: Path):
+    """The Prefect UI in headless Chromium: the run, every step as a task run, every step's artifact, and a
+    plot that the page decoded as an image. Screenshots go to test-artifacts/."""
     from selenium.webdriver.common.by import By
 
-    from tests.browser import chromium, wait_for_text
+    from tests.browser import chromium, open_tab, text_while_scrolling, wait_for_text
 
     SCREENSHOTS.mkdir(exist_ok=True)
     ui = production.api_url.removesuffix("/api")
     run_id = production.submitted["id"]
+    steps = {"{kind}:{name}".format(**json.loads(production.fs().cat(m)))
+             for m in production.fs().glob(f"{BUCKET}/tiny/*/*/manifest.json")}
     with chromium(tmp_path) as browser:
         browser.get(f"{ui}/runs/flow-run/{run_id}")
         wait_for_text(browser, "Completed")
+        wait_for_text(browser, f"{len(steps)} Task runs")
         page = browser.find_element(By.TAG_NAME, "body").text
-        assert production.submitted["name"] in page and "compass-lifecycle" in page
+        assert production.submitted["name"] in page and "compass-lifecycle" in page and "lifecycle" in page
         browser.save_screenshot(str(SCREENSHOTS / "flow-run.png"))
 
-        browser.get(f"{ui}/runs/flow-run/{run_id}?tab=Task+Runs")
-        wait_for_text(browser, "pretrain:stage1")
-        page = browser.find_element(By.TAG_NAME, "body").text
-        assert {"ingest:docs_en", "tokenizer:select"} <= {line.strip() for line in page.splitlines()}
+        open_tab(browser, "Task Runs")
+        wait_for_text(browser, "report:success")
+        shown = {line.strip() for line in text_while_scrolling(browser).splitlines()}
+        assert steps <= shown, sorted(steps - shown)
         browser.save_screenshot(str(SCREENSHOTS / "task-runs.png"))
 
-        browser.get(f"{ui}/runs/flow-run/{run_id}?tab=Artifacts")
+        open_tab(browser, "Artifacts")
         wait_for_text(browser, "tiny-demo-plan")
-        page = browser.find_element(By.TAG_NAME, "body").text
-        assert {"tiny-demo-plan", "tiny-demo-compare-ablations", "tiny-demo-curves-evaluation"} <= set(page.split())
+        shown = set(text_while_scrolling(browser).split())
+        keys = {artifact_key("tiny-demo", *step.split(":")) for step in steps} | {"tiny-demo-plan"}
+        assert keys <= shown, sorted(keys - shown)
         browser.save_screenshot(str(SCREENSHOTS / "artifacts.png"))
 
         artifact = _latest_artifact(production.api_url, "tiny-demo-curves-evaluation")
         browser.get(f"{ui}/artifacts/artifact/{artifact}")
         wait_for_text(browser, "curves.png")
-        time.sleep(1)
-        sizes = [browser.execute_script("return arguments[0].naturalWidth", img)
-                 for img in browser.find_elements(By.CSS_SELECTOR, "img[alt='curves.png']")]
-        assert sizes and sizes[0] > 100  # the plot is an image the page decoded, not a broken link
+        deadline = time.monotonic() + 30
+        while not (sizes := [browser.execute_script("return arguments[0].naturalWidth", img)
+                             for img in browser.find_elements(By.CSS_SELECTOR, "img[alt='curves.png']")]) \
+                or not sizes[0]:
+            assert time.monotonic() < deadline, "the curves image never decoded"
+            time.sleep(0.5)
+        assert sizes[0] > 100  # the plot is an image the page decoded, not a broken link
         browser.save_screenshot(str(SCREENSHOTS / "curves-artifact.png"))
 
 
