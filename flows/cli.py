@@ -186,7 +186,8 @@ def evaluate_schedule(
     if not tasks:
         err.print(f"{spec}: what.evaluation.tasks is empty: nothing to evaluate (add benchmarks to the suite)")
         raise typer.Exit(EXIT_BAD_INPUT)
-    params = {"checkpoint_root": _store_root(loaded, root), "tasks": tasks}
+    params = {"checkpoint_root": _store_root(loaded, root), "tasks": tasks,
+              "credentials_block": loaded.spec.how.storage.credentials_block}
     if once:
         print(json.dumps(evaluate_new_checkpoints(**params), indent=2))
         return

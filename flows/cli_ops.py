@@ -89,7 +89,8 @@ def register(app: typer.Typer, load, store_root, out, err, exit_bad_input: int) 
             if tasks and (ev.schedule_interval_seconds or ev.schedule_cron):
                 evaluation = {"name": f"evaluate-{loaded.spec.name}", "interval": ev.schedule_interval_seconds,
                               "cron": None if ev.schedule_interval_seconds else ev.schedule_cron,
-                              "parameters": {"checkpoint_root": store_root(loaded, None), "tasks": tasks}}
+                              "parameters": {"checkpoint_root": store_root(loaded, None), "tasks": tasks,
+                                             "credentials_block": loaded.spec.how.storage.credentials_block}}
         slots = gpu_slots or (loaded.spec.how.orchestration.max_parallel_gpu_steps if loaded else 1)
         made = deploy_all(pool, evaluation)
         ensure_gpu_limit(slots)

@@ -20,6 +20,7 @@ from flows.compiler import Plan, Step, compile_spec
 from flows.report import cost_sections, dag_section, to_markdown
 from flows.runner import RunContext, StepOutcome, run_step
 from flows.status import plan_status
+from infra.credentials import apply_credentials_block
 from infra.store import Store
 from specs.loader import load_spec_text
 from tasks.base import Runtime
@@ -153,6 +154,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     if spec_hash and spec_hash != loaded.spec_hash:
         raise ValueError(f"{spec_path}: spec_hash {spec_hash[:12]} does not match the spec text "
                          f"({loaded.spec_hash[:12]}); submit the spec again")
+    if apply_credentials_block(spec.how.storage.credentials_block):
+        logger.info("store credentials from Prefect Secret block '%s'", spec.how.storage.credentials_block)
     if _needs_ray_runner(spec.how.orchestration):  # a deployment starts this flow with its default runner
         return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
             spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until)

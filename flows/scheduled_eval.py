@@ -94,11 +94,14 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, An
 
 
 @flow(name="compass-scheduled-evaluation", persist_result=False)
-def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]],
+                             credentials_block: str | None = None) -> dict[str, Any]:
     """Evaluate every committed checkpoint under `checkpoint_root` that has no result for this suite."""
+    from infra.credentials import apply_credentials_block
     from infra.environment import prepare_environment
 
     prepare_environment()
+    apply_credentials_block(credentials_block)
     logger = get_run_logger()
     store = Store(checkpoint_root)
     suite = suite_hash(tasks)

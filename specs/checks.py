@@ -250,9 +250,6 @@ def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     if hw.hosts and len(hw.hosts) != hw.nodes:
         yield Issue(("how", "hardware", "hosts"), f"{len(hw.hosts)} hosts for nodes={hw.nodes}",
                     "list one address per node, the rendezvous host first")
-    elif hw.nodes > 1 and not hw.hosts:
-        yield Issue(("how", "hardware", "nodes"), f"nodes={hw.nodes} but how.hardware.hosts is empty",
-                    "list the nodes' addresses in how.hardware.hosts, the rendezvous host first")
     if hw.launcher == "deepspeed" and not par.deepspeed:
         yield Issue(("how", "hardware", "launcher"), "the deepspeed launcher needs parallelism.deepspeed: true",
                     "use launcher: torchrun, or set deepspeed: true")

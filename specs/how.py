@@ -47,6 +47,9 @@ class Parallelism(SpecModel):
 
 class Storage(SpecModel):
     root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact.")
+    credentials_block: str | None = Field(
+        default=None, description="Prefect Secret block holding {aws_access_key_id, aws_secret_access_key, "
+                                  "endpoint_url, region_name, aws_session_token}; otherwise the environment's.")
 
 
 class Orchestration(SpecModel):

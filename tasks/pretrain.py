@@ -123,6 +123,9 @@ def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
             result = train_stage(job).__dict__
         (workdir / "result.json").write_text(json.dumps(result))
         return result
+    if nodes > 1 and not job.get("hosts"):  # a spec may be planned and costed without them, not launched
+        raise ValueError(f"how.hardware.nodes is {nodes} but how.hardware.hosts is empty: list the nodes' "
+                         "addresses, the rendezvous host first")
     plan = plan_launch(job_path, world=world, nodes=nodes, hosts=job.get("hosts") or [],
                        launcher=job.get("launcher", "torchrun"),
                        port=job.get("rendezvous_port", 29500) if nodes > 1 else free_port(),
