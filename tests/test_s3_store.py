@@ -118,3 +118,32 @@ def test_s3_outage_mid_upload_loses_nothing_committed(server_cli: Cli, tmp_path:
     committed = {p: verified(fs, p) for p in fs.glob("compass-outage/runs/*/*/manifest.json")}
     assert {f"{m['kind']}:{m['name']}" for m in committed.values()} >= {"pretrain:stage1", "pretrain:stage2"}
     assert all(committed[path] == manifest for path, manifest in before.items())
+
+
+def test_credentials_from_a_prefect_secret_block(server_cli: Cli, prefect_server: str, tmp_path: Path,
+                                                 s3: RestartableS3):
+    """A worker with no S3 credentials in its environment gets them from the spec's Secret block; they reach
+    neither manifests nor logs. Without the block, the run fails on the store, not silently elsewhere."""
+    import s3fs
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    s3.create_bucket("compass-block")
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+        Secret(value={"aws_access_key_id": KEY_ID, "aws_secret_access_key": SECRET, "endpoint_url": s3.url,
+                      "region_name": "us-east-1"}).save("compass-test-s3", overwrite=True)
+    for key in [k for k in server_cli.env if k.startswith("AWS_")]:  # a worker with no credentials of its own
+        del server_cli.env[key]
+    server_cli.env["AWS_EC2_METADATA_DISABLED"] = "true"
+    storage = "how:\n  storage: {root: s3://compass-block/runs, credentials_block: compass-test-s3}\n"
+    spec = write_minimal_spec(tmp_path, **{"name: minimal": "name: minimal-block", "how:\n": storage})
+    done = server_cli.json("run", str(spec), "--until", "ingest", "--until", "curate")
+    assert len(done["steps"]) == 4 and all(s["uri"].startswith("s3://compass-block/runs/") for s in done["steps"])
+    fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
+    manifests = fs.glob("compass-block/runs/*/*/manifest.json")
+    assert len(manifests) == 4 and not [m for m in manifests if SECRET in fs.cat(m).decode()]
+
+    missing = write_minimal_spec(tmp_path, **{"name: minimal": "name: minimal-block",
+                                              "how:\n": storage.replace("compass-test-s3", "no-such-block")})
+    failed = server_cli("run", str(missing), "--until", "ingest", check=False)
+    assert failed.returncode != 0 and "no Secret block named 'no-such-block'" in failed.stderr + failed.stdout
