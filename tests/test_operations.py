@@ -41,3 +41,48 @@ def test_server_refuses_to_listen_beyond_loopback_without_auth(tmp_path: Path):
     cli = Cli(tmp_path, base_env(tmp_path / "home"))
     done = cli("server", "--host", "0.0.0.0", check=False)
     assert done.returncode == 2 and "PREFECT_SERVER_API_AUTH_STRING" in done.stderr
+
+
+def test_server_with_basic_auth_refuses_clients_without_it(tmp_path: Path):
+    """The documented way to expose the server: Prefect's basic auth (tested on loopback)."""
+    import base64
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tests.conftest import VENV_BIN, free_port, stop_group
+
+    port = free_port()
+    env = base_env(tmp_path / "home") | {"PREFECT_SERVER_API_AUTH_STRING": "admin:compass-pw"}
+    proc = subprocess.Popen([str(VENV_BIN / "compass"), "server", "--port", str(port)], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api/flow_runs/filter"
+
+    def post(auth: str | None) -> int:
+        request = urllib.request.Request(url, data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        if auth:
+            request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                code = post("admin:compass-pw")
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(1)
+        assert code == 200 and post(None) == 401 and post("admin:wrong") == 401
+        client = base_env(tmp_path / "client") | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+        assert Cli(tmp_path, client | {"PREFECT_API_AUTH_STRING": "admin:compass-pw"})("status", "--json")
+        refused = Cli(tmp_path, client)("status", "--json", check=False)
+        assert refused.returncode != 0
+    finally:
+        stop_group(proc)
