@@ -18,7 +18,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.compiler import Plan, Step, compile_spec
 from flows.report import cost_sections, dag_section, to_markdown
-from flows.runner import RunContext, StepOutcome, run_step
+from flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
 from flows.status import plan_status
 from infra.credentials import apply_credentials_block
 from infra.store import Store
@@ -44,7 +44,7 @@ def execute_step(ctx: RunContext, step: Step) -> dict[str, Any]:
 def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
     m = outcome.manifest
     key = artifact_key(ctx.plan.spec_name, step.kind, step.name)
-    head = outcome.result.summary if outcome.result else f"### {step.id}\n\ncached: committed earlier"
+    head = outcome.result.summary if outcome.result else _cached_summary(ctx.store, step, m)
     inputs = "\n".join(f"- {i.role}: `{i.uri}`" for i in m.inputs) or "- none (raw source)"
     body = (f"{head}\n\n**output** `{m.uri}`  \n**fingerprint** `{m.fingerprint[:16]}`  \n"
             f"**took** {m.duration_s:.1f}s on {m.host}  \n**files** {len(m.files)}, "
@@ -55,6 +55,13 @@ def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
             if rows:
                 create_table_artifact(key=artifact_key(ctx.plan.spec_name, name, step.name), table=rows,
                                       description=f"{step.id}: {name}")
+
+
+def _cached_summary(store: Store, step: Step, manifest: Any) -> str:
+    """The summary the step wrote when it ran, marked as cached."""
+    if any(f.path == SUMMARY_FILE for f in manifest.files):
+        return f"{store.read_bytes(manifest.uri, SUMMARY_FILE).decode()}\n\n*cached: committed earlier*"
+    return f"### {step.id}\n\ncached: committed earlier"
 
 
 MAX_EMBEDDED_PLOT_BYTES = 1_000_000

@@ -21,6 +21,8 @@ from infra.store import Store
 from tasks.base import InputArtifact, Runtime, StepContext, StepResult
 from tasks.registry import executor_for
 
+SUMMARY_FILE = "summary.md"
+
 
 @dataclass
 class StepOutcome:
@@ -78,6 +80,8 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
                                log, store=store, work_key=key)
             with _default_grad_mode():
                 result = executor_for(step.kind)(sctx)
+            if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
+                (out / SUMMARY_FILE).write_text(result.summary)
             manifest = Manifest(
                 kind=step.kind, name=step.name, fingerprint=ctx.plan.fingerprints[step.id], uri=uri,
                 config=step.config,

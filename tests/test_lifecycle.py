@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cli, write_minimal_spec
+from tests.conftest import Cli, prefect_client, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +146,17 @@ def test_artifacts_and_task_runs_reach_the_server(server_cli: Cli, tmp_path: Pat
                            "minimal-ui-curation-notes"}
     assert by_key["minimal-ui-tokenizer-comparison-select"].type == "table"
     assert "Training compute" in by_key["minimal-ui-plan"].data
+
+    # a cached re-run publishes each step's summary again, with its plots inlined for the UI
+    server_cli.json("run", str(spec), "--store", str(tmp_path / "store"))
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with prefect_client(prefect_server) as client:
+        first, again = sorted(client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["minimal-ui-pretrain-stage1"])),
+            sort=ArtifactSort.CREATED_DESC, limit=2), key=lambda a: a.created)
+    assert "cached: committed earlier" in again.data and "cached" not in first.data
+    summary = first.data.split("**output**")[0].strip()
+    assert summary and summary in again.data
+    assert "![loss.png](data:image/png;base64," in again.data
