@@ -1,0 +1,137 @@
+"""What the production path costs over `compass run`: the same data steps of the minimal spec run three ways,
+each on a fresh store so every step executes.
+
+  baseline   `compass run` in Prefect's embedded mode (the demo's way; includes the temporary server's start)
+  server     `compass run` against a running local Prefect server
+  submitted  `compass submit --watch` to a deployment, run by a process worker on that server
+
+Prints wall time and the ratio to the baseline, and the peak RSS of the client command (for `submitted`, of
+the worker and the flow run it started too, sampled).
+
+    python benchmarks/submission_overhead.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+DATA_STEPS = ["--until", "ingest", "--until", "curate", "--until", "tokenizer", "--until", "tokenize"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(home: Path, api: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"})
+    if api:
+        env["PREFECT_API_URL"] = api
+    return env
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants, from /proc."""
+    total, todo = 0, [pid]
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        todo.extend(children.get(p, []))
+    return total / 2**20
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.peak = max(self.peak, tree_rss_mib(self.pid))
+
+
+def timed(argv: list[str], env: dict[str, str], cwd: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, env=env, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="compass-bench-submit-"))
+    spec = work / "spec.yaml"
+    spec.write_text((REPO / "tests" / "specs" / "minimal.yaml").read_text()
+                    .replace("../fixtures/", f"{REPO}/tests/fixtures/"))
+    compass = str(BIN / "compass")
+
+    baseline = timed([compass, "run", str(spec), "--store", str(work / "s0"), *DATA_STEPS],
+                     env_for(work / "embedded", None), work)
+    baseline_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    server = subprocess.Popen([compass, "server", "--port", str(port)], env=env_for(work / "server", None),
+                              cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = None
+    try:
+        for _ in range(180):
+            try:
+                urllib.request.urlopen(f"{api}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        client = env_for(work / "client", api)
+        with_server = timed([compass, "run", str(spec), "--store", str(work / "s1"), *DATA_STEPS], client, work)
+        subprocess.run([compass, "deploy"], env=client, cwd=work, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        worker = subprocess.Popen([compass, "worker"], env=client, cwd=work, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        time.sleep(5)  # the worker polls its pool
+        sampler = PeakSampler(worker.pid)
+        sampler.start()
+        submitted = timed([compass, "submit", str(spec), "--store", str(work / "s2"), "--watch", *DATA_STEPS],
+                          client, work)
+        sampler.done.set()
+        client_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    finally:
+        for proc in (worker, server):
+            if proc is not None:
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    print("minimal spec, data steps (7), fresh store each time")
+    print(f"  baseline: compass run, embedded   {baseline:7.1f} s   peak RSS {baseline_rss:6.0f} MiB")
+    print(f"  compass run, local server         {with_server:7.1f} s   ratio {with_server / baseline:.2f}")
+    print(f"  compass submit --watch, worker    {submitted:7.1f} s   ratio {submitted / baseline:.2f}   "
+          f"worker + flow run peak RSS {sampler.peak:6.0f} MiB")
+    print(f"  largest client command peak RSS {client_rss:6.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
