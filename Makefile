@@ -22,3 +22,4 @@ bench: setup
 	.venv/bin/python benchmarks/pretrain_throughput.py --engine torch
 	.venv/bin/python benchmarks/pretrain_throughput.py --engine deepspeed
 	.venv/bin/python benchmarks/evaluation_throughput.py
+	.venv/bin/python benchmarks/submission_overhead.py
