@@ -13,7 +13,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
-         "--no-first-run", "--window-size=1440,1000"]
+         "--no-first-run", "--window-size=1440,2000"]
 
 
 @contextmanager
@@ -65,7 +65,7 @@ return boxes.sort((a, b) => b.scrollHeight - a.scrollHeight)[0] || document.scro
 """
 
 
-def text_while_scrolling(driver, pause: float = 0.4) -> str:
+def text_while_scrolling(driver, pause: float = 0.3) -> str:
     """Everything the page shows from top to bottom: the UI renders long lists only as they scroll into view
     (inside its own scrolling container, not the window)."""
     from selenium.webdriver.common.by import By
@@ -79,4 +79,4 @@ def text_while_scrolling(driver, pause: float = 0.4) -> str:
         seen.append(driver.find_element(By.TAG_NAME, "body").text)
         if position >= driver.execute_script("return arguments[0].scrollHeight - arguments[0].clientHeight", box):
             return "\n".join(seen)
-        position += max(200, driver.execute_script("return arguments[0].clientHeight", box) // 2)
+        position += max(200, driver.execute_script("return arguments[0].clientHeight", box) * 2 // 3)
