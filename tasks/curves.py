@@ -63,4 +63,4 @@ def run_curves(ctx: StepContext) -> StepResult:
     n = sum(len(p) for runs in points.values() for p in runs.values())
     summary = (f"### evaluation curves\n\n{len(points)} metrics, {len(evaluations)} runs, {n} points; "
                f"`curves.png` in the artifact")
-    return StepResult(metrics={"metrics": sorted(points), "points": n}, summary=summary, tables={"curves": table})
+    return StepResult(metrics={"metrics": sorted(points), "points": n}, summary=summary, tables={"curve_points": table})

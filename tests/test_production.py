@@ -235,9 +235,13 @@ def test_web_ui_shows_the_run_its_task_runs_and_artifacts(production: Production
 
 
 def _latest_artifact(api_url: str, key: str) -> str:
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    """The newest markdown artifact with this key (a cached re-run publishes a newer version)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
+    from prefect.client.schemas.sorting import ArtifactSort
 
     with prefect_client(api_url) as client:
-        (artifact, *_) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
-                                               limit=1)
+        (artifact, *_) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]),
+                                           type=ArtifactFilterType(any_=["markdown"])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
         return str(artifact.id)
