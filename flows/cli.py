@@ -89,10 +89,12 @@ def run(spec: SpecArg,
     loaded = _load(spec)
     prepare_environment()
     from flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
+    from infra.credentials import CredentialsBlockError, apply_credentials_block
 
     try:
         runner = task_runner_for(loaded.spec.how.orchestration)
-    except RayNeedsServer as exc:
+        apply_credentials_block(loaded.spec.how.storage.credentials_block)  # fail here, before any flow run
+    except (RayNeedsServer, CredentialsBlockError) as exc:
         err.print(f"[red]error:[/red] {spec}: {exc}")
         raise typer.Exit(2) from None
     started = time.time()

@@ -146,4 +146,4 @@ def test_credentials_from_a_prefect_secret_block(server_cli: Cli, prefect_server
     missing = write_minimal_spec(tmp_path, **{"name: minimal": "name: minimal-block",
                                               "how:\n": storage.replace("compass-test-s3", "no-such-block")})
     failed = server_cli("run", str(missing), "--until", "ingest", check=False)
-    assert failed.returncode != 0 and "no Secret block named 'no-such-block'" in failed.stderr + failed.stdout
+    assert failed.returncode == 2 and "no Secret block named 'no-such-block'" in failed.stderr + failed.stdout
