@@ -27,17 +27,26 @@ SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_defa
 EXIT_BAD_INPUT = 2
 
 
-def _load(path: Path):
+def _load(path: Path, until: list[str] | None = None):
+    """The validated spec, or exit 2 with every problem; `until` names must match steps of its plan."""
+    from flows.compiler import UnknownTarget, compile_spec
     from specs.loader import SpecError, load_spec
 
     try:
-        return load_spec(path)
+        loaded = load_spec(path)
     except SpecError as exc:
         for problem in exc.problems:
             err.print(str(problem), markup=False, highlight=False)
         n = len(exc.problems)
         err.print(f"[red]{n} problem{'s' if n != 1 else ''} in {path}[/red]; nothing was run or written.")
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    if until:
+        try:
+            compile_spec(loaded.spec).up_to(until)
+        except UnknownTarget as exc:
+            err.print(f"{path}: {exc}", markup=False, highlight=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+    return loaded
 
 
 @app.command()
@@ -83,10 +92,12 @@ def plan(spec: SpecArg,
 @app.command()
 def run(spec: SpecArg,
         store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
-        until: Annotated[list[str] | None, typer.Option(help="Only run step kinds up to these (repeatable).")] = None,
+        until: Annotated[list[str] | None, typer.Option(
+            help="Run only these steps (a kind such as pretrain, or a step id such as pretrain:stage1) and the "
+                 "steps they need (repeatable).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON.")] = False) -> None:
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
-    loaded = _load(spec)
+    loaded = _load(spec, until)
     prepare_environment()
     from flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
     from infra.credentials import CredentialsBlockError, apply_credentials_block
@@ -115,8 +126,9 @@ def run(spec: SpecArg,
                       str(r["seconds"]) if r["executed"] else "-", r["uri"])
     out.print(table)
     ran = sum(r["executed"] for r in summary["steps"])
-    out.print(f"{ran} ran, {len(summary['steps']) - ran} cached, {len(summary['not_executable'])} not executable "
-              f"in this version; {time.time() - started:.0f}s. Results: {summary['store']}")
+    left_out = f", {len(summary['left_out'])} left out by --until" if summary["left_out"] else ""
+    out.print(f"{ran} ran, {len(summary['steps']) - ran} cached{left_out}; {time.time() - started:.0f}s. "
+              f"Results: {summary['store']}")
 
 
 @contextmanager

@@ -107,11 +107,12 @@ def register(app: typer.Typer, load, store_root, out, err, exit_bad_input: int) 
     def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)],
                store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
                deployment: Annotated[str, typer.Option(help="Deployment to run.")] = "compass-lifecycle/lifecycle",
-               until: Annotated[list[str] | None, typer.Option(help="Only these step kinds (repeatable).")] = None,
+               until: Annotated[list[str] | None, typer.Option(
+                   help="Run only these steps (kind or step id) and the steps they need (repeatable).")] = None,
                watch: Annotated[bool, typer.Option(help="Follow state and logs until the run ends.")] = False,
                as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
         """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment."""
-        loaded = load(spec)
+        loaded = load(spec, until)
         need_server("compass submit")
         from prefect.exceptions import ObjectNotFound
 

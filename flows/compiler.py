@@ -20,6 +20,10 @@ PHASE_VERSIONS: dict[str, str] = {
 }
 
 
+class UnknownTarget(ValueError):
+    """`--until` named something the plan does not have."""
+
+
 @dataclass(frozen=True)
 class Step:
     """One unit of work: (kind, name, config, inputs). `inputs` maps a role to the id of another step."""
@@ -54,6 +58,23 @@ class Plan:
             out |= nxt
             frontier = nxt
         return out
+
+    def up_to(self, targets: list[str]) -> Plan:
+        """The steps named in `targets` (a step id such as `pretrain:stage1`, or a kind such as `pretrain`) and
+        every step they need: what `--until` runs. Raises UnknownTarget for a name that matches no step."""
+        unknown = [t for t in targets if not any(t in (s.id, s.kind) for s in self.steps)]
+        if unknown:
+            kinds = sorted({s.kind for s in self.steps})
+            raise UnknownTarget(f"--until {', '.join(unknown)}: no such step or step kind in this spec's plan; "
+                                f"use a kind ({', '.join(kinds)}) or a step id such as {self.steps[-1].id}")
+        wanted = {s.id for s in self.steps if s.id in targets or s.kind in targets}
+        frontier = set(wanted)
+        while frontier:
+            needed = {i for s in self.steps if s.id in frontier for i in s.inputs.values()} - wanted
+            wanted |= needed
+            frontier = needed
+        return Plan(self.spec_name, [s for s in self.steps if s.id in wanted],
+                    {i: fp for i, fp in self.fingerprints.items() if i in wanted})
 
     def restricted_to(self, kinds: set[str]) -> Plan:
         """The sub-plan of steps of the given kinds whose inputs are all inside it."""

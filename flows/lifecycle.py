@@ -167,8 +167,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
             spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until)
     full = compile_spec(spec)
-    kinds = executable_kinds() if not until else executable_kinds() & set(until)
-    plan = full.restricted_to(kinds)
+    kinds = executable_kinds()
+    plan = (full.up_to(until) if until else full).restricted_to(kinds)
     store = Store(store_root or _resolve_root(spec.how.storage.root, base))
     statuses = plan_status(full, store, kinds)
     create_markdown_artifact(
@@ -178,15 +178,15 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         description=f"plan of {spec.name}")
     left_out = [s.id for s in full.steps if s.id not in plan.fingerprints]
     if left_out:
-        logger.info("not run in this version (no executor yet): %s", ", ".join(left_out))
+        logger.info("left out (--until %s): %s", " ".join(until or []), ", ".join(left_out))
     orch = spec.how.orchestration
     runtime = Runtime(workers=orch.workers, task_runner=orch.task_runner, ray_address=orch.ray_address,
                       base_dir=base, how=spec.how.model_dump(mode="json"))
     ctx = RunContext(plan, store, loaded.spec_hash, runtime)
     results = run_plan(plan, ctx, orch)
     ran = [r["step"] for r in results if r["executed"]]
-    logger.info("%d steps ran, %d cached, %d not executable yet", len(ran), len(results) - len(ran), len(left_out))
-    return {"spec": spec.name, "store": store.root, "steps": results, "not_executable": left_out,
+    logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
+    return {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
             "flow_pid": os.getpid()}
 
 

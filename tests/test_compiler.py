@@ -88,6 +88,27 @@ def test_ablation_variants_are_separate_steps_per_seed(tiny_text: str):
     assert untied.config["change"] == {"architecture.tied_embeddings": False}
 
 
+def test_until_runs_the_named_steps_and_everything_they_need(tiny_text: str):
+    plan = plan_of(tiny_text)
+    stage1 = plan.up_to(["pretrain:stage1"])
+    ids = [s.id for s in stage1.steps]
+    assert ids[-1] == "pretrain:stage1" and "pretrain:stage2" not in ids
+    assert {"tokenizer:select", "ingest:docs_en", "tokenize:code_py"} <= set(ids)
+    assert not any(s.kind in ("ablate", "evaluate", "post_train") for s in stage1.steps)
+    for step in stage1.steps:  # closed under inputs, fingerprints unchanged
+        assert set(step.inputs.values()) <= set(ids) and stage1.fingerprints[step.id] == plan.fingerprints[step.id]
+    ablations = plan.up_to(["compare"])
+    assert {s.kind for s in ablations.steps} == {"ingest", "curate", "tokenizer", "tokenize", "ablate", "compare"}
+
+
+def test_until_with_an_unknown_name_exits_2_before_running(tmp_path: Path):
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(EXAMPLES / "tiny.yaml"), "--until", "pretrian",
+                           "--store", str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--until pretrian: no such step or step kind" in done.stderr and "pretrain" in done.stderr
+    assert not (tmp_path / "store").exists()
+
+
 def test_schema_command_prints_a_schema_the_examples_satisfy():
     import json
 

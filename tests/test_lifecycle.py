@@ -36,7 +36,7 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
 
     first = server_cli.json("run", str(spec), "--store", str(store))
     assert executed(first) == all_steps
-    assert first["not_executable"] == []  # the minimal spec has no phase compass cannot run yet
+    assert first["left_out"] == []  # no --until: every step of the plan is in the run
 
     # two stages trained, the second continuing the first; the final checkpoint loads in transformers
     stage1 = json.loads(next(store.glob("pretrain/stage1-*/manifest.json")).read_text())["metrics"]
