@@ -13,6 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -21,6 +22,7 @@ from flows.report import cost_sections, dag_section, to_markdown
 from flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
 from flows.status import plan_status
 from infra.credentials import apply_credentials_block
+from infra.interrupt import end_soon
 from infra.store import Store
 from specs.loader import load_spec_text
 from tasks.base import Runtime
@@ -112,6 +114,14 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
     Submitting only ready steps means no worker thread ever blocks waiting for an upstream step; the finished
     upstream futures still go in `wait_for`, so the Prefect UI draws the DAG's edges.
     """
+    try:
+        return _run_ready_steps(plan, ctx, orch)
+    except (KeyboardInterrupt, TerminationSignal) as exc:  # steps' threads would keep the process alive
+        end_soon(exc)
+        raise
+
+
+def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}

@@ -74,6 +74,7 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
                 raise RuntimeError(f"{step.id} needs {dep_id}, which is not committed at {dep_uri}")
             inputs[role] = InputArtifact(role, dep_id, dep_uri, store.read_manifest(dep_uri), store)
         started = time.time()
+        log.info("%s running; commits to %s", step.id, uri)
         with store.staging() as out, tempfile.TemporaryDirectory(prefix="scratch-", dir=out.parent) as scratch:
             workdir = store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
             sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,

@@ -160,3 +160,34 @@ def test_artifacts_and_task_runs_reach_the_server(server_cli: Cli, tmp_path: Pat
     summary = first.data.split("**output**")[0].strip()
     assert summary and summary in again.data
     assert "![loss.png](data:image/png;base64," in again.data
+
+
+def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_cli: Cli, tmp_path: Path):
+    """Prefect turns SIGTERM into an exception in the main thread, but the training step runs in a worker
+    thread: the run must end without finishing (or committing) that step, and lose nothing committed."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import VENV_BIN
+
+    spec = write_minimal_spec(tmp_path, **{"tokens: 20000": "tokens: 80000"})  # a stage long enough to stop
+    store = tmp_path / "store"
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store)],
+                                cwd=tmp_path, env=server_cli.env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        while "pretrain:stage1 running" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(2)  # inside the training loop
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 143, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted (TerminationSignal)" in log.read_text()
+    committed = {p.parent.parent.name + ":" + p.parent.name.rsplit("-", 1)[0] for p in store.glob("*/*/manifest.json")}
+    assert {"curate:notes", "curate:code", "tokenizer:select", "tokenize:notes"} <= committed
+    assert not any(c.startswith("pretrain:") for c in committed)  # the step in flight never committed
