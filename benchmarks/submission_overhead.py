@@ -17,24 +17,18 @@ import contextlib
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
+
+from infra.net import free_port, wait_for_http
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DATA_STEPS = ["--until", "ingest", "--until", "curate", "--until", "tokenizer", "--until", "tokenize"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(home: Path, api: str | None) -> dict[str, str]:
@@ -98,12 +92,7 @@ def main() -> None:
                               cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     worker = None
     try:
-        for _ in range(180):
-            try:
-                urllib.request.urlopen(f"{api}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
+        wait_for_http(f"{api}/health", server)
         client = env_for(work / "client", api)
         with_server = timed([compass, "run", str(spec), "--store", str(work / "s1"), *DATA_STEPS], client, work)
         subprocess.run([compass, "deploy"], env=client, cwd=work, check=True, stdout=subprocess.DEVNULL,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from infra.launcher import LaunchPlan, plan_launch
+from infra.net import free_port
 from tasks.base import StepContext, StepResult
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_job(ctx: StepContext) -> dict[str, Any]:

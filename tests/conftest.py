@@ -5,26 +5,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from infra.net import free_port, wait_for_http
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(tmp_home: Path) -> dict[str, str]:
@@ -47,18 +40,12 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc = subprocess.Popen([str(VENV_BIN / "compass"), "server", "--port", str(port)],  # 127.0.0.1 by default
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(1)
+        try:
+            wait_for_http(f"{url}/health", proc)
+        except RuntimeError as exc:
+            raise RuntimeError(f"prefect server did not start ({exc}): "
+                               f"{(home / 'server.log').read_text()[-2000:]}") from None
         yield url
     finally:
         stop_group(proc)

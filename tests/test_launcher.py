@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from infra.launcher import plan_launch
-from tasks.pretrain import free_port, run_training
+from infra.net import free_port
+from tasks.pretrain import run_training
 from tests.conftest import REPO
 
 

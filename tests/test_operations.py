@@ -47,11 +47,11 @@ def test_server_with_basic_auth_refuses_clients_without_it(tmp_path: Path):
     """The documented way to expose the server: Prefect's basic auth (tested on loopback)."""
     import base64
     import subprocess
-    import time
     import urllib.error
     import urllib.request
 
-    from tests.conftest import VENV_BIN, free_port, stop_group
+    from infra.net import free_port, wait_for_http
+    from tests.conftest import VENV_BIN, stop_group
 
     port = free_port()
     env = base_env(tmp_path / "home") | {"PREFECT_SERVER_API_AUTH_STRING": "admin:compass-pw"}
@@ -71,14 +71,8 @@ def test_server_with_basic_auth_refuses_clients_without_it(tmp_path: Path):
             return exc.code
 
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                code = post("admin:compass-pw")
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(1)
+        wait_for_http(f"http://127.0.0.1:{port}/api/health", proc)
+        code = post("admin:compass-pw")
         assert code == 200 and post(None) == 401 and post("admin:wrong") == 401
         client = base_env(tmp_path / "client") | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
         assert Cli(tmp_path, client | {"PREFECT_API_AUTH_STRING": "admin:compass-pw"})("status", "--json")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from flows.lifecycle import artifact_key
-from tests.conftest import REPO, VENV_BIN, Cli, base_env, free_port, prefect_client, stop_group
+from infra.net import free_port
+from tests.conftest import REPO, VENV_BIN, Cli, base_env, prefect_client, stop_group
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow

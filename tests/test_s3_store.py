@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VENV_BIN, Cli, free_port, write_minimal_spec
+from infra.net import free_port
+from tests.conftest import VENV_BIN, Cli, write_minimal_spec
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tasks.pretrain import free_port
+from infra.net import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
