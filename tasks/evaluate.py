@@ -72,11 +72,22 @@ def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -
         config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype="float32", device="cpu")
         pipeline = Pipeline(tasks=_pipeline_task(t), pipeline_parameters=params,
                             evaluation_tracker=tracker, model_config=config)
-        pipeline.evaluate()
+        try:
+            pipeline.evaluate()
+        except RuntimeError as exc:
+            if "must match the size of tensor" not in str(exc):
+                raise
+            raise RuntimeError(f"{task_key(t)} on {model_dir}: lighteval cannot score an answer longer than the "
+                               f"model's context ({_context_length(model_dir)} tokens): evaluate this benchmark "
+                               "on a model with a longer context, or in multiple-choice form (mcf)") from exc
         for key, metrics in pipeline.get_results()["results"].items():
             if key != "all":
                 results[task_key(t)] = metrics
     return results, provenance
+
+
+def _context_length(model_dir: Path) -> int | None:
+    return json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
 
 
 def tokens_seen(model_folder: Path) -> int | None:

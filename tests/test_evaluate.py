@@ -209,3 +209,12 @@ def _accuracy_from_lighteval_directly(model_dir: Path, module: str, prompt: str,
                                                              device="cpu"))
     pipeline.evaluate()
     return next(v["acc"] for k, v in pipeline.get_results()["results"].items() if k.startswith("direct"))
+
+
+def test_an_answer_longer_than_the_context_is_explained(evaluated, tmp_path: Path):
+    from tasks.evaluate import evaluate_model
+
+    model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"  # trained on 64 tokens
+    suite = {"tasks": [{"name": "winogrande", "formulation": "cf", "fewshot": 0, "limit": 8}]}
+    with pytest.raises(RuntimeError, match=r"winogrande:cf on .*longer than the model's context \(64 tokens\)"):
+        evaluate_model(model_dir, suite, {}, tmp_path)
