@@ -75,6 +75,15 @@ def _splits(dataset: Path, subset: str) -> set[str]:
     return set((builder.config.data_files or {}).keys())
 
 
+def _fewshot_split(config: Any) -> str | None:
+    """The split lighteval draws few-shot examples from: the config's, else the first declared split outside the
+    evaluation ones, train before dev before valid (None: it samples the evaluation split itself)."""
+    if config.few_shots_split:
+        return config.few_shots_split
+    others = [k for k in config.hf_avail_splits if k not in config.evaluation_splits]
+    return next((k for prefix in ("train", "dev", "valid", "default") for k in others if prefix in k), None)
+
+
 def locate(name: str, fewshot: int = 0) -> LocalTask:
     """The task `name` with its data found on this machine; raises TaskDataMissing saying what is missing."""
     import difflib
@@ -93,8 +102,8 @@ def locate(name: str, fewshot: int = 0) -> LocalTask:
                               f"'{config.hf_subset}'), which is not on this machine and cannot be downloaded "
                               "offline", fetch)
     needed = set(config.evaluation_splits)
-    if fewshot:
-        needed.add(config.few_shots_split or "train")
+    if fewshot and (split := _fewshot_split(config)):
+        needed.add(split)
     try:
         missing = needed - _splits(dataset, config.hf_subset)
     except (ValueError, FileNotFoundError) as e:
