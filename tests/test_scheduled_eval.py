@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import VENV_BIN, Cli, stop_group, write_minimal_spec
 
 pytestmark = pytest.mark.slow
-SUITE = "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n  pretraining:"
+SUITE = ("  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n"
+         "    perplexity_sources: [notes]\n  pretraining:")  # the criterion of minimal.yaml is val_ppl:notes
 
 
 def train(spec_path: Path, store: Path) -> None:
