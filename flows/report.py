@@ -45,8 +45,9 @@ def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str) -> Sect
         rows.append([step.id, _deps(list(step.inputs.values())) or "-", plan.fingerprints[step.id][:12],
                      st.state, st.reason, st.uri.removeprefix(store_root + "/")])
     counts = {s: sum(1 for x in statuses if x.state == s) for s in ("run", "cached", "blocked", "unknown")}
-    note = (f"{counts['run']} to run, {counts['cached']} cached, {counts['blocked']} not executable in this "
-            f"version" + (f", {counts['unknown']} unknown" if counts["unknown"] else "")
+    note = (f"{counts['run']} to run, {counts['cached']} cached"
+            + (f", {counts['blocked']} not executable in this version" if counts["blocked"] else "")
+            + (f", {counts['unknown']} unknown" if counts["unknown"] else "")
             + f"; outputs under {store_root}")
     return Section("DAG", ["step", "depends on", "fingerprint", "state", "why", "output"], rows, [note])
 
