@@ -22,7 +22,7 @@ from flows.report import cost_sections, dag_section, to_markdown
 from flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
 from flows.status import plan_status
 from infra.credentials import apply_credentials_block
-from infra.interrupt import end_soon
+from infra.interrupt import stop_run
 from infra.store import Store
 from specs.loader import load_spec_text
 from tasks.base import Runtime
@@ -117,8 +117,7 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
     try:
         return _run_ready_steps(plan, ctx, orch)
     except (KeyboardInterrupt, TerminationSignal) as exc:  # steps' threads would keep the process alive
-        end_soon(exc)
-        raise
+        stop_run(exc)
 
 
 def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:

@@ -1,11 +1,12 @@
-"""Ending a run promptly on SIGTERM or Ctrl-C.
+"""Ending a run at once on SIGTERM or Ctrl-C.
 
-Prefect turns SIGTERM into `TerminationSignal` (Ctrl-C is `KeyboardInterrupt`) in the main thread, records
-the run as crashed or cancelled, and re-raises. Steps, though, execute in worker threads, and Python waits for
-those at exit, so a training step kept the process alive until it finished. Nothing needs them to finish:
-every committed artifact is already durable (commits are atomic) and the step in flight resumes from its last
-checkpoint on the next run. So once Prefect has had a moment to report, the processes the steps started are
-ended and the process exits with the signal's conventional status.
+Prefect turns SIGTERM into `TerminationSignal` (Ctrl-C is `KeyboardInterrupt`) in the main thread, but its
+engine then waits for the step threads to finish before it records anything, so a training step kept the
+process alive, and the run "Running", until the step ended and committed. Nothing needs the step to finish:
+every committed artifact is already durable (commits are atomic, the manifest last) and the step in flight
+resumes from its last checkpoint on the next run. So compass records the final state itself (Cancelled when
+the server asked for the cancellation, else Crashed, for the flow run and its running steps), sends the
+buffered logs, ends the processes the steps started, and exits with the signal's conventional status.
 """
 
 from __future__ import annotations
@@ -14,30 +15,53 @@ import contextlib
 import logging
 import os
 import sys
-import threading
+from typing import NoReturn
 
-GRACE_SECONDS = 5.0  # for Prefect to record the final state and flush its logs
+log = logging.getLogger("compass")
 
 
 def exit_code(exc: BaseException) -> int:
     return 130 if isinstance(exc, KeyboardInterrupt) else 143
 
 
-def end_soon(exc: BaseException, grace: float = GRACE_SECONDS) -> None:
-    """Exit `grace` seconds from now, whatever the step threads are doing."""
-    logging.getLogger("compass").warning("interrupted (%s): committed steps are kept; the step in flight "
-                                         "resumes from its last checkpoint on the next run", type(exc).__name__)
-    timer = threading.Timer(grace, _exit_now, (exit_code(exc),))
-    timer.daemon = True
-    timer.start()
+def stop_run(exc: BaseException) -> NoReturn:
+    """Record the run as ended, end what it started, and exit now (called in the flow's main thread)."""
+    reason = (f"interrupted ({type(exc).__name__}): committed steps are kept; the step in flight commits "
+              "nothing and resumes from its last checkpoint on the next run")
+    log.warning(reason)
+    with contextlib.suppress(Exception):
+        record_final_states(reason)
+    with contextlib.suppress(Exception):
+        from prefect.logging.handlers import APILogWorker
 
-
-def _exit_now(code: int) -> None:
+        APILogWorker.drain_all(timeout=5)
     end_children()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
-    os._exit(code)
+    os._exit(exit_code(exc))
+
+
+def record_final_states(reason: str) -> None:
+    """The flow run Cancelled (if a cancellation was asked for) or Crashed, and its running task runs Crashed."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+    from prefect.context import FlowRunContext
+    from prefect.states import Cancelled, Crashed
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    run_id = ctx.flow_run.id
+    with get_client(sync_client=True) as client:
+        running = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}),
+                                        task_run_filter=TaskRunFilter(state={"type": {"any_": ["RUNNING"]}}))
+        for task_run in running:
+            client.set_task_run_state(task_run.id, Crashed(message=reason), force=True)
+        current = client.read_flow_run(run_id).state
+        final = Cancelled(message=reason) if current is not None and current.is_cancelling() else Crashed(
+            message=reason)
+        client.set_flow_run_state(run_id, final, force=True)
 
 
 def end_children(timeout: float = 5.0) -> None:

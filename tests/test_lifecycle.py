@@ -162,16 +162,21 @@ def test_artifacts_and_task_runs_reach_the_server(server_cli: Cli, tmp_path: Pat
     assert "![loss.png](data:image/png;base64," in again.data
 
 
-def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_cli: Cli, tmp_path: Path):
+def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_cli: Cli, prefect_server: str,
+                                                                         tmp_path: Path):
     """Prefect turns SIGTERM into an exception in the main thread, but the training step runs in a worker
-    thread: the run must end without finishing (or committing) that step, and lose nothing committed."""
+    thread: the run must end without finishing (or committing) that step, record its state on the server, and
+    lose nothing committed."""
     import signal
     import subprocess
     import time
 
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    from specs import load_spec
     from tests.conftest import VENV_BIN
 
-    spec = write_minimal_spec(tmp_path, **{"tokens: 20000": "tokens: 80000"})  # a stage long enough to stop
+    spec = write_minimal_spec(tmp_path, **{"tokens: 20000": "tokens: 400000"})  # a stage long enough to stop
     store = tmp_path / "store"
     log = tmp_path / "run.log"
     with log.open("w") as out:
@@ -180,8 +185,8 @@ def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_c
     try:
         while "pretrain:stage1 running" not in log.read_text():
             assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(2)  # inside the training loop
+            time.sleep(0.2)
+        time.sleep(1)  # inside the training step
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 143, log.read_text()[-3000:]
     finally:
@@ -191,3 +196,11 @@ def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_c
     committed = {p.parent.parent.name + ":" + p.parent.name.rsplit("-", 1)[0] for p in store.glob("*/*/manifest.json")}
     assert {"curate:notes", "curate:code", "tokenizer:select", "tokenize:notes"} <= committed
     assert not any(c.startswith("pretrain:") for c in committed)  # the step in flight never committed
+
+    name = f"minimal-{load_spec(spec).spec_hash[:8]}"
+    with prefect_client(prefect_server) as client:
+        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [name]}))
+        tasks = {t.name: t.state.type.value for t in client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
+    assert run.state.type.value == "CRASHED" and "interrupted" in run.state.message
+    assert tasks["pretrain:stage1"] == "CRASHED" and tasks["tokenizer:select"] == "COMPLETED"
