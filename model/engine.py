@@ -81,6 +81,17 @@ class TorchEngine:
         return self.module.state_dict()
 
 
+def _keep_deepspeed_off_the_cpu_shm_op() -> None:
+    """DeepSpeed JIT-compiles its shared-memory CPU allreduce op at every start, under a file lock in the torch
+    extensions cache: a process ended while holding it (an interrupted run) leaves the lock behind and every
+    later DeepSpeed start waits on it forever, and two environments sharing the cache rebuild it in turn. A
+    single in-process rank needs no allreduce and several CPU ranks use gloo's, so compass marks the op
+    unavailable (GPU accelerators do not use it)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
 
@@ -88,6 +99,7 @@ class DeepSpeedEngine:
                  micro_batch: int, zero_stage: int, precision: str):
         import deepspeed
 
+        _keep_deepspeed_off_the_cpu_shm_op()
         _, world, _ = dist_env()
         optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"])
         config = {
