@@ -153,23 +153,20 @@ def _evaluation(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         if src not in names:
             yield Issue(("what", "evaluation", "perplexity_sources", i), f"unknown source '{src}'",
                         f"known sources: {', '.join(sorted(names))}")
-    keys = [t.key for t in ev.tasks]
-    produced = [*(f"{k}/<metric>" for k in keys), *(f"val_{m}:{s}" for s in ev.perplexity_sources
-                                                    for m in ("loss", "ppl"))]
-    if spec.what.long_context.stages:  # passkey retrieval at every trained length
-        lengths = [spec.what.pretraining.stages[-1].sequence_length,
-                   *(s.sequence_length for s in spec.what.long_context.stages)]
-        produced += [f"passkey@{n}" for n in lengths]
     if not (ev.tasks or ev.perplexity_sources):
         return  # nothing is evaluated, so no success report is compiled
+    keys = {t.key for t in ev.tasks}  # each gives <key>/<metric>
+    if spec.what.long_context.stages:  # passkey@<length>, and per depth passkey@<length>/depth<d>
+        keys |= {f"passkey@{n}" for n in [spec.what.pretraining.stages[-1].sequence_length,
+                                          *(s.sequence_length for s in spec.what.long_context.stages)]}
+    plain = {f"val_{m}:{s}" for s in ev.perplexity_sources for m in ("loss", "ppl")}
     for i, crit in enumerate(spec.why.success_criteria):
-        metric = crit.metric
-        if ("/" in metric and metric.split("/")[0] in keys) or metric in produced or \
-                (metric.split("/")[0] in produced and metric.startswith("passkey@")):
+        prefix = crit.metric.split("/")[0]
+        if crit.metric in plain or prefix in keys and (prefix.startswith("passkey@") or "/" in crit.metric):
             continue
-        yield Issue(("why", "success_criteria", i, "metric"),
-                    f"no evaluation produces the metric '{metric}'",
-                    f"the evaluation suite gives: {', '.join(produced)}")
+        given = sorted(k if k.startswith("passkey@") else f"{k}/<metric>" for k in keys) + sorted(plain)
+        yield Issue(("why", "success_criteria", i, "metric"), f"no evaluation produces the metric '{crit.metric}'",
+                    f"the evaluation suite gives: {', '.join(given)}")
 
 
 def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:

@@ -14,10 +14,10 @@ from tasks.base import StepContext, StepResult
 
 
 def task_key(task: dict[str, Any]) -> str:
-    """The metric prefix of one suite entry (see specs.evaluation.EvalTask.key)."""
-    if task.get("source", "compass") == "lighteval":
-        return f"lighteval:{task['name']}"
-    return f"{task['name']}:{task['formulation']}"
+    """The metric prefix of one suite entry, as the spec names it (`arc_easy:cf`, `lighteval:winogrande`)."""
+    from specs.evaluation import EvalTask
+
+    return EvalTask.model_validate(task).key
 
 
 def _pipeline_task(task: dict[str, Any]) -> str:
