@@ -20,15 +20,15 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
-    from infra.environment import prepare_environment
+    from compass.infra.environment import prepare_environment
 
     work = Path(tempfile.mkdtemp(prefix="compass-bench-"))
     prepare_environment(work / ".compass")
-    from flows.compiler import compile_spec
-    from flows.lifecycle import lifecycle
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.registry import executable_kinds
+    from compass.flows.compiler import compile_spec
+    from compass.flows.lifecycle import lifecycle
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.registry import executable_kinds
 
     spec_path = REPO / "tests" / "specs" / "minimal.yaml"
     loaded = load_spec(spec_path)

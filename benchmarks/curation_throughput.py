@@ -31,11 +31,11 @@ def ingest(source: str, store: Path) -> Path:
     """Ingest the demo source once (cached in the store) and return its documents folder."""
     import logging
 
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import Runtime
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
 
     loaded = load_spec(REPO / "specs" / "examples" / "tiny.yaml")
     plan = compile_spec(loaded.spec).restricted_to({"ingest"})
@@ -46,6 +46,7 @@ def ingest(source: str, store: Path) -> Path:
 
 def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     """What a datatrove user writes without compass: the same blocks, the same stages."""
+    from compass.tasks.curate_blocks import LanguageIdFilter, SplitTagger, document_text
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup import (
         ExactDedupConfig,
@@ -61,8 +62,6 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
-
-    from tasks.curate_blocks import LanguageIdFilter, SplitTagger, document_text
 
     n = len(list(docs.glob("*.jsonl.gz")))
     logs, work = out / "logs", out / "work"
@@ -90,12 +89,12 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
     """compass's curate executor with its store commit (checksums, manifest), without Prefect."""
     import logging
 
-    from flows.compiler import Plan, Step
-    from flows.runner import RunContext, run_step
-    from infra.fingerprint import fingerprint
-    from infra.manifest import Manifest
-    from infra.store import Store
-    from tasks.base import Runtime
+    from compass.flows.compiler import Plan, Step
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.fingerprint import fingerprint
+    from compass.infra.manifest import Manifest
+    from compass.infra.store import Store
+    from compass.tasks.base import Runtime
 
     store = Store(str(out / "store"))
     raw = Step("ingest", "bench", {"path": str(docs)})
@@ -141,7 +140,7 @@ def main() -> None:
     if args.child:
         child(args.child[0], args.child[1], args.child[2], int(args.child[3]))
         return
-    from infra.environment import prepare_environment
+    from compass.infra.environment import prepare_environment
 
     prepare_environment()
     docs = ingest(args.source, Path(args.store))

@@ -23,11 +23,11 @@ SUITE = "  evaluation:\n    tasks:\n      - {{name: arc_easy, formulation: cf, l
 
 def prepare(work: Path, samples: int) -> dict:
     """Train the minimal spec's model on the fixture corpus; return what both variants need."""
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec_text
-    from tasks.base import Runtime
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec_text
+    from compass.tasks.base import Runtime
 
     text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace("  pretraining:", SUITE.format(n=samples))
     loaded = load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
@@ -43,18 +43,18 @@ def prepare(work: Path, samples: int) -> dict:
 
 
 def run_compass(ctx: dict, out: Path) -> None:
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec_text
-    from tasks.base import Runtime
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec_text
+    from compass.tasks.base import Runtime
 
     loaded = load_spec_text(ctx["spec"], "minimal.yaml", base_dir=Path(ctx["base_dir"]))
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain",
                                                     "evaluate"})
     run_ctx = RunContext(plan, Store(ctx["store"]), loaded.spec_hash, Runtime(how=loaded.spec.how.model_dump()))
-    import tasks.evaluate  # noqa: F401  same footing as the direct variant: libraries imported before the clock
-    from infra.lighteval_compat import install
+    import compass.tasks.evaluate  # noqa: F401  same footing as the direct variant: libraries imported before the clock
+    from compass.infra.lighteval_compat import install
 
     install()
     import lighteval.pipeline  # noqa: F401
@@ -64,14 +64,13 @@ def run_compass(ctx: dict, out: Path) -> None:
 
 
 def run_direct(ctx: dict, out: Path) -> None:
-    from infra.lighteval_compat import install
+    from compass.infra.lighteval_compat import install
 
     install()
+    from compass.tasks.benchmarks import prepare
     from lighteval.logging.evaluation_tracker import EvaluationTracker
     from lighteval.models.transformers.transformers_model import TransformersModelConfig
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
-
-    from tasks.benchmarks import prepare
 
     folder, _ = prepare("arc_easy")
     custom = out.parent / "direct_tasks.py"
@@ -102,7 +101,7 @@ def main() -> None:
     if args.child:
         VARIANTS[args.child[0]](json.loads(Path(args.child[1]).read_text()), Path(args.child[2]))
         return
-    from infra.environment import prepare_environment
+    from compass.infra.environment import prepare_environment
 
     prepare_environment()
     work = Path(tempfile.mkdtemp(prefix="compass-bench-"))

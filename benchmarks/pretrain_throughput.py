@@ -25,12 +25,12 @@ WARMUP = 5
 
 def prepare(store: Path, steps: int, engine: str) -> dict:
     """Data steps of the minimal spec (fixtures), then a pretraining job with the demo's architecture."""
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import InputArtifact, Runtime, StepContext
-    from tasks.pretrain import build_job
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import InputArtifact, Runtime, StepContext
+    from compass.tasks.pretrain import build_job
 
     loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
     demo = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec
@@ -59,8 +59,8 @@ def prepare(store: Path, steps: int, engine: str) -> dict:
 
 
 def packed_batches(job: dict, n: int):
-    from model.packing import Packer
-    from tasks.tokenize import TokenizedSource
+    from compass.model.packing import Packer
+    from compass.tasks.tokenize import TokenizedSource
 
     stage = job["stages"][0]
     sources = {k: TokenizedSource(Path(v)) for k, v in job["sources"].items()}
@@ -69,8 +69,8 @@ def packed_batches(job: dict, n: int):
 
 
 def model_for(job: dict):
-    from model.architecture import build_model, hf_config
-    from specs.architecture import Architecture
+    from compass.model.architecture import build_model, hf_config
+    from compass.specs.architecture import Architecture
 
     arch = Architecture.model_validate(job["architecture"])
     special = {"bos": job["special_ids"]["eos"], "eos": job["special_ids"]["eos"], "pad": job["special_ids"]["pad"]}
@@ -78,7 +78,7 @@ def model_for(job: dict):
 
 
 def run_compass(job: dict, timing: Path) -> None:
-    from model.trainer import train_stage
+    from compass.model.trainer import train_stage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
@@ -115,9 +115,8 @@ def run_minimal(job: dict, timing: Path) -> None:
 
 def run_hf_trainer(job: dict, timing: Path) -> None:
     import torch
+    from compass.model.packing import PackedBatch
     from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from model.packing import PackedBatch
 
     batches = packed_batches(job, len(job_steps(job)))
     rows = [{"input_ids": b.input_ids[i], "position_ids": b.position_ids[i], "labels": b.labels[i],
@@ -165,7 +164,7 @@ def main() -> None:
         name, job_path, timing = args.child
         VARIANTS[name](json.loads(Path(job_path).read_text()), Path(timing))
         return
-    from infra.environment import prepare_environment
+    from compass.infra.environment import prepare_environment
 
     prepare_environment()
     work = Path(tempfile.mkdtemp(prefix="compass-bench-"))

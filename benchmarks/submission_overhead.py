@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from infra.net import free_port, wait_for_http
+from compass.infra.net import free_port, wait_for_http
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from compass.flows.cli_ops import register as register_ops
+from compass.infra.environment import prepare_environment
 from rich.console import Console
 from rich.tree import Tree
-
-from flows.cli_ops import register as register_ops
-from infra.environment import prepare_environment
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -29,8 +28,8 @@ EXIT_BAD_INPUT = 2
 
 def _load(path: Path, until: list[str] | None = None):
     """The validated spec, or exit 2 with every problem; `until` names must match steps of its plan."""
-    from flows.compiler import UnknownTarget, compile_spec
-    from specs.loader import SpecError, load_spec
+    from compass.flows.compiler import UnknownTarget, compile_spec
+    from compass.specs.loader import SpecError, load_spec
 
     try:
         loaded = load_spec(path)
@@ -59,7 +58,7 @@ def validate(spec: SpecArg) -> None:
 
 
 def _store_root(loaded, store: str | None) -> str:
-    from flows.lifecycle import _resolve_root
+    from compass.flows.lifecycle import _resolve_root
 
     return store or _resolve_root(loaded.spec.how.storage.root, loaded.base_dir)
 
@@ -70,11 +69,11 @@ def plan(spec: SpecArg,
          as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """Print the DAG (fingerprints, outputs, what would run and why) and the cost estimate."""
     loaded = _load(spec)
-    from flows.compiler import compile_spec
-    from flows.report import cost_sections, dag_section, print_sections
-    from flows.status import plan_status
-    from infra.store import Store
-    from tasks.registry import executable_kinds
+    from compass.flows.compiler import compile_spec
+    from compass.flows.report import cost_sections, dag_section, print_sections
+    from compass.flows.status import plan_status
+    from compass.infra.store import Store
+    from compass.tasks.registry import executable_kinds
 
     compiled = compile_spec(loaded.spec)
     target = Store(_store_root(loaded, store))
@@ -99,8 +98,8 @@ def run(spec: SpecArg,
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
     loaded = _load(spec, until)
     prepare_environment()
-    from flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
-    from infra.credentials import CredentialsBlockError, apply_credentials_block
+    from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
+    from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 
     try:
         runner = task_runner_for(loaded.spec.how.orchestration)
@@ -152,8 +151,8 @@ def _stdout_to_stderr(active: bool) -> Iterator[None]:
 def lineage(uri: Annotated[str, typer.Argument(help="Artifact folder, file or manifest (local or s3://).")],
             as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Print an artifact's ancestry back to the raw sources, from manifests alone."""
-    from infra.lineage import LineageError
-    from infra.lineage import lineage as walk
+    from compass.infra.lineage import LineageError
+    from compass.infra.lineage import lineage as walk
 
     try:
         tree = walk(uri)
@@ -194,7 +193,7 @@ def evaluate_schedule(
     """Serve a Prefect deployment that evaluates every new checkpoint under a root, on a schedule."""
     loaded = _load(spec)
     prepare_environment()
-    from flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
+    from compass.flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
 
     tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
     if not tasks:
@@ -231,9 +230,9 @@ def ablate_promote(
         = None,
         store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None) -> None:
     """Write a new spec whose baseline includes the winning change, and drop that variant."""
-    from flows.promote import PromoteError, promote, winning_variant
-    from infra.store import Store
-    from specs.loader import SpecError
+    from compass.flows.promote import PromoteError, promote, winning_variant
+    from compass.infra.store import Store
+    from compass.specs.loader import SpecError
 
     loaded = _load(spec)
     target = out_path or spec.with_name(spec.stem + ".promoted.yaml")
@@ -253,7 +252,7 @@ def ablate_promote(
 @app.command()
 def schema() -> None:
     """Print the spec's JSON Schema (for editor completion and checking)."""
-    from specs.spec import TrainingSpec
+    from compass.specs.spec import TrainingSpec
 
     sys.stdout.write(json.dumps(TrainingSpec.model_json_schema(), indent=2) + "\n")
 

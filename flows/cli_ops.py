@@ -61,7 +61,7 @@ def register(app: typer.Typer, load, store_root, out, err, exit_bad_input: int) 
     def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")] = "compass") -> None:
         """Start a process worker on the work pool (created when missing); it runs submitted specs."""
         need_server("compass worker")
-        from flows.deployments import ensure_pool
+        from compass.flows.deployments import ensure_pool
 
         ensure_pool(pool)
         sys.stdout.flush()
@@ -79,7 +79,7 @@ def register(app: typer.Typer, load, store_root, out, err, exit_bad_input: int) 
         """Create or update the work pool, the deployments and the GPU concurrency limit on the server."""
         loaded = load(spec) if spec else None
         need_server("compass deploy")
-        from flows.deployments import deploy_all, ensure_gpu_limit, ensure_pool
+        from compass.flows.deployments import deploy_all, ensure_gpu_limit, ensure_pool
 
         created = ensure_pool(pool)
         evaluation = None
@@ -114,11 +114,10 @@ def register(app: typer.Typer, load, store_root, out, err, exit_bad_input: int) 
         """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment."""
         loaded = load(spec, until)
         need_server("compass submit")
+        from compass.flows.submit import submit as create_run
+        from compass.flows.submit import ui_url
+        from compass.flows.submit import watch as follow
         from prefect.exceptions import ObjectNotFound
-
-        from flows.submit import submit as create_run
-        from flows.submit import ui_url
-        from flows.submit import watch as follow
 
         try:
             run = create_run(loaded, str(spec), deployment, store_root(loaded, store), until)
@@ -145,7 +144,7 @@ def register(app: typer.Typer, load, store_root, out, err, exit_bad_input: int) 
                as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
         """Recent lifecycle runs on the server: state, current step, store location."""
         need_server("compass status")
-        from flows.run_status import recent_runs
+        from compass.flows.run_status import recent_runs
 
         rows = recent_runs(limit)
         if as_json:

@@ -10,8 +10,8 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.fingerprint import fingerprint
-from specs.spec import TrainingSpec
+from compass.infra.fingerprint import fingerprint
+from compass.specs.spec import TrainingSpec
 
 # Bump a phase's version when its code changes what it produces: its steps then re-run.
 PHASE_VERSIONS: dict[str, str] = {

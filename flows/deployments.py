@@ -55,9 +55,8 @@ def ensure_gpu_limit(slots: int) -> None:
 def deploy_all(pool: str, evaluation: dict[str, Any] | None = None) -> list[Deployed]:
     """Create or update the lifecycle and ablation deployments, and the scheduled evaluation when given
     (`evaluation`: name, parameters, interval or cron)."""
+    from compass.flows.lifecycle import lifecycle
     from prefect import deploy
-
-    from flows.lifecycle import lifecycle
 
     deployments = [
         lifecycle.to_deployment(name="lifecycle", entrypoint_type=EntrypointType.MODULE_PATH,
@@ -69,7 +68,7 @@ def deploy_all(pool: str, evaluation: dict[str, Any] | None = None) -> list[Depl
     ]
     made = [Deployed(LIFECYCLE), Deployed(ABLATIONS)]
     if evaluation:
-        from flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
+        from compass.flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
 
         deployments.append(evaluate_new_checkpoints.to_deployment(
             name=evaluation["name"], entrypoint_type=EntrypointType.MODULE_PATH,

@@ -10,23 +10,22 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from compass.flows.compiler import Plan, Step, compile_spec
+from compass.flows.report import cost_sections, dag_section, to_markdown
+from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
+from compass.flows.status import plan_status
+from compass.infra.credentials import apply_credentials_block
+from compass.infra.interrupt import stop_run
+from compass.infra.store import Store
+from compass.specs.loader import load_spec_text
+from compass.tasks.base import Runtime
+from compass.tasks.registry import executable_kinds
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
-
-from flows.compiler import Plan, Step, compile_spec
-from flows.report import cost_sections, dag_section, to_markdown
-from flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
-from flows.status import plan_status
-from infra.credentials import apply_credentials_block
-from infra.interrupt import stop_run
-from infra.store import Store
-from specs.loader import load_spec_text
-from tasks.base import Runtime
-from tasks.registry import executable_kinds
 
 
 def artifact_key(*parts: str) -> str:

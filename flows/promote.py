@@ -7,11 +7,10 @@ import io
 import json
 from pathlib import Path
 
+from compass.flows.compiler import compile_spec
+from compass.infra.store import Store
+from compass.specs.loader import LoadedSpec, load_spec
 from ruamel.yaml import YAML
-
-from flows.compiler import compile_spec
-from infra.store import Store
-from specs.loader import LoadedSpec, load_spec
 
 
 class PromoteError(ValueError):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flows.compiler import Plan
-from flows.status import StepStatus
-from specs import costs
-from specs.spec import TrainingSpec
+from compass.flows.compiler import Plan
+from compass.flows.status import StepStatus
+from compass.specs import costs
+from compass.specs.spec import TrainingSpec
 
 
 @dataclass

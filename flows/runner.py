@@ -14,12 +14,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.compiler import PHASE_VERSIONS, Plan, Step
-from infra.locks import step_lock
-from infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
-from infra.store import Store
-from tasks.base import InputArtifact, Runtime, StepContext, StepResult
-from tasks.registry import executor_for
+from compass.flows.compiler import PHASE_VERSIONS, Plan, Step
+from compass.infra.locks import step_lock
+from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
+from compass.infra.store import Store
+from compass.tasks.base import InputArtifact, Runtime, StepContext, StepResult
+from compass.tasks.registry import executor_for
 
 SUMMARY_FILE = "summary.md"
 
@@ -96,7 +96,7 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             manifest = store.commit(out, manifest)
         shutil.rmtree(workdir, ignore_errors=True)  # committed: checkpoints of the attempt are no longer needed
         if store.is_remote:
-            from infra.checkpoint_mirror import CheckpointMirror
+            from compass.infra.checkpoint_mirror import CheckpointMirror
 
             CheckpointMirror(store, key, workdir).clear()
         log.info("%s committed to %s in %.1fs", step.id, uri, manifest.duration_s)

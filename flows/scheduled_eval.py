@@ -16,16 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compass.flows.compiler import PHASE_VERSIONS
+from compass.infra.fingerprint import canonical_json
+from compass.infra.locks import step_lock
+from compass.infra.manifest import Manifest
+from compass.infra.store import Store
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-
-from flows.compiler import PHASE_VERSIONS
-from infra.fingerprint import canonical_json
-from infra.locks import step_lock
-from infra.manifest import Manifest
-from infra.store import Store
 
 MODEL_KINDS = ("pretrain", "long_context", "post_train")
 # A scan still running when the schedule fires again makes the new run cancel itself: overlapping scans would
@@ -72,7 +71,7 @@ def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], tasks: list
 
 def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, Any]], suite: str,
               target: str) -> dict[str, Any]:
-    from tasks.evaluate import run_lighteval
+    from compass.tasks.evaluate import run_lighteval
 
     local = store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
@@ -97,8 +96,8 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, An
 def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]],
                              credentials_block: str | None = None) -> dict[str, Any]:
     """Evaluate every committed checkpoint under `checkpoint_root` that has no result for this suite."""
-    from infra.credentials import apply_credentials_block
-    from infra.environment import prepare_environment
+    from compass.infra.credentials import apply_credentials_block
+    from compass.infra.environment import prepare_environment
 
     prepare_environment()
     apply_credentials_block(credentials_block)

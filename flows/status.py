@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flows.compiler import Plan, Step
-from infra.store import Store
+from compass.flows.compiler import Plan, Step
+from compass.infra.store import Store
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from infra.store import Store
+from compass.infra.store import Store
 
 log = logging.getLogger("compass.mirror")
 CHECKSUMS = "checksums.json"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-TRAINER_MODULE = "model.trainer"
+TRAINER_MODULE = "compass.model.trainer"
 Launcher = Literal["torchrun", "deepspeed"]
 
 

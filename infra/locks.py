@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
-from infra.store import Store
+from compass.infra.store import Store
 
 
 class LockTimeout(TimeoutError):

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 MANIFEST = "manifest.json"
-TRACKED_LIBRARIES = ("compass", "torch", "deepspeed", "prefect", "datatrove", "tokenizers", "transformers",
+TRACKED_LIBRARIES = ("compass-lifecycle", "torch", "deepspeed", "prefect", "datatrove", "tokenizers", "transformers",
                      "trl", "lighteval", "s3fs", "ray", "pydantic")
 
 

@@ -15,8 +15,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from infra.fingerprint import sha256_file
-from specs.sources import SourceUri
+from compass.infra.fingerprint import sha256_file
+from compass.specs.sources import SourceUri
 
 
 class FetchError(RuntimeError):

@@ -21,6 +21,11 @@ pip install -q torch==2.13.0                      # the CPU wheel; an open 'torc
 if ! python -c "import deepspeed" 2>/dev/null; then
   DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8
 fi
+# Before the namespace move this checkout installed as the distribution `compass` with top-level `specs`, `flows`,
+# ... packages; remove that install so only `compass.*` imports.
+if pip show compass 2>/dev/null | grep -qx "Editable project location: $PWD"; then
+  pip uninstall -q -y compass
+fi
 pip install -q -e ".[dev]"
 
 # Debian package lists, so deb:// sources can be downloaded (apt-get download); skipped where apt is absent.

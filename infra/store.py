@@ -16,10 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
+from compass.infra.fingerprint import sha256_file
+from compass.infra.manifest import MANIFEST, FileEntry, Manifest
 from fsspec.core import url_to_fs
-
-from infra.fingerprint import sha256_file
-from infra.manifest import MANIFEST, FileEntry, Manifest
 
 
 def artifact_folder(kind: str, name: str, fingerprint: str) -> str:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from compass.specs.architecture import Architecture
 from transformers import PretrainedConfig, PreTrainedModel
-
-from specs.architecture import Architecture
 
 
 class ArchitectureNotSupported(ValueError):

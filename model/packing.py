@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from tasks.tokenize import TokenizedSource
+from compass.tasks.tokenize import TokenizedSource
 
 
 @dataclass

@@ -20,17 +20,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from compass.model import checkpoint as ckpt
+from compass.model.architecture import build_model, hf_config, parameter_groups
+from compass.model.engine import DeepSpeedEngine, TorchEngine, dist_env, init_distributed
+from compass.model.monitors import Event, TrainingMonitor, TrainingStopped
+from compass.model.packing import PackedBatch, Packer
+from compass.model.schedules import shape_from_config
+from compass.specs.architecture import Architecture
+from compass.specs.costs import flops_per_token
+from compass.tasks.tokenize import TokenizedSource
 from tqdm import tqdm
-
-from model import checkpoint as ckpt
-from model.architecture import build_model, hf_config, parameter_groups
-from model.engine import DeepSpeedEngine, TorchEngine, dist_env, init_distributed
-from model.monitors import Event, TrainingMonitor, TrainingStopped
-from model.packing import PackedBatch, Packer
-from model.schedules import shape_from_config
-from specs.architecture import Architecture
-from specs.costs import flops_per_token
-from tasks.tokenize import TokenizedSource
 
 log = logging.getLogger("compass.train")
 

@@ -2,9 +2,8 @@
 
 from typing import Literal
 
+from compass.specs.base import SpecModel
 from pydantic import Field, PositiveFloat, PositiveInt
-
-from specs.base import SpecModel
 
 
 class MoE(SpecModel):

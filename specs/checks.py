@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specs.sources import SourceUriError, parse_source_uri
-from specs.spec import TrainingSpec
+from compass.specs.sources import SourceUriError, parse_source_uri
+from compass.specs.spec import TrainingSpec
 
 Loc = tuple[str | int, ...]
 
@@ -94,7 +94,7 @@ def _sources(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
 
 
 def _filter_params(name: str, params: dict[str, Any], loc: Loc) -> Iterator[Issue]:
-    from tasks.curate_blocks import FILTERS
+    from compass.tasks.curate_blocks import FILTERS
 
     cls = FILTERS[name]
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "exclusion_writer")]
@@ -129,7 +129,7 @@ def _mixtures(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
 def _evaluation(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     """Every benchmark must be runnable here before any work starts, and every criterion must name a metric
     the evaluation produces."""
-    from tasks.benchmarks import BENCHMARKS
+    from compass.tasks.benchmarks import BENCHMARKS
 
     ev = spec.what.evaluation
     names = {s.name for s in spec.what.data.sources}
@@ -143,7 +143,7 @@ def _evaluation(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
             if "formulation" in task.model_fields_set:
                 yield Issue((*at, "formulation"), "a lighteval task has its own prompt; formulation applies to "
                             "compass benchmarks only", "remove formulation")
-            from tasks.lighteval_tasks import TaskDataMissing, locate
+            from compass.tasks.lighteval_tasks import TaskDataMissing, locate
 
             try:
                 locate(task.name, task.fewshot)

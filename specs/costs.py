@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specs.architecture import Architecture
-from specs.how import MEMORY_GIB, How
-from specs.spec import TrainingSpec
+from compass.specs.architecture import Architecture
+from compass.specs.how import MEMORY_GIB, How
+from compass.specs.spec import TrainingSpec
 
 GIB = 1024**3
 

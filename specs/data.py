@@ -2,9 +2,8 @@
 
 from typing import Any, Literal
 
+from compass.specs.base import SpecModel
 from pydantic import Field, PositiveInt
-
-from specs.base import SpecModel
 
 SOURCE_NAME = r"^[a-z][a-z0-9_]*$"
 

@@ -9,12 +9,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from compass.specs.spec import TrainingSpec
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
-
-from specs.spec import TrainingSpec
 
 Loc = tuple[str | int, ...]
 
@@ -75,7 +74,7 @@ def load_spec(path: str | Path) -> LoadedSpec:
 
 def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
     """Parse, validate structurally, then run the cross-field checks; raise SpecError with all problems."""
-    from specs.checks import check_spec
+    from compass.specs.checks import check_spec
 
     base = base_dir or Path.cwd()
     data = _parse_yaml(text, filename)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from specs.base import HintedError
+from compass.specs.base import HintedError
 
 
 class SourceUriError(HintedError):

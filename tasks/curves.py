@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tasks.base import StepContext, StepResult
+from compass.tasks.base import StepContext, StepResult
 
 
 def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:

@@ -9,19 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from tasks.base import StepContext, StepResult
+from compass.tasks.base import StepContext, StepResult
 
 
 def task_key(task: dict[str, Any]) -> str:
     """The metric prefix of one suite entry, as the spec names it (`arc_easy:cf`, `lighteval:winogrande`)."""
-    from specs.evaluation import EvalTask
+    from compass.specs.evaluation import EvalTask
 
     return EvalTask.model_validate(task).key
 
 
 def _pipeline_task(task: dict[str, Any]) -> str:
-    from tasks.lighteval_tasks import LOCAL_PREFIX
+    from compass.tasks.lighteval_tasks import LOCAL_PREFIX
 
     if task.get("source", "compass") == "lighteval":
         return f"{LOCAL_PREFIX}{task['name']}|{task['fewshot']}"
@@ -30,8 +29,8 @@ def _pipeline_task(task: dict[str, Any]) -> str:
 
 def custom_tasks_module(tasks: list[dict[str, Any]], scratch: Path) -> tuple[Path, list[dict]]:
     """A lighteval custom-tasks file serving every task of the suite from local data, and its provenance."""
-    from tasks.benchmarks import prepare
-    from tasks.lighteval_tasks import locate
+    from compass.tasks.benchmarks import prepare
+    from compass.tasks.lighteval_tasks import locate
 
     prepared, provenance, formulations, standard = {}, [], {}, {}
     for t in tasks:
@@ -47,8 +46,8 @@ def custom_tasks_module(tasks: list[dict[str, Any]], scratch: Path) -> tuple[Pat
             provenance.append(prov)
         formulations.setdefault(t["name"], []).append(t["formulation"])
     module = scratch / "compass_custom_tasks.py"
-    module.write_text("from tasks.benchmarks import task_table\n"
-                      "from tasks.lighteval_tasks import local_configs\n"
+    module.write_text("from compass.tasks.benchmarks import task_table\n"
+                      "from compass.tasks.lighteval_tasks import local_configs\n"
                       f"TASKS_TABLE = list(task_table({json.dumps(prepared)}, {json.dumps(formulations)}))\n"
                       f"TASKS_TABLE += local_configs({json.dumps(standard)})\n")
     return module, provenance
@@ -56,7 +55,7 @@ def custom_tasks_module(tasks: list[dict[str, Any]], scratch: Path) -> tuple[Pat
 
 def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -> tuple[dict, list[dict]]:
     """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance)."""
-    from infra.lighteval_compat import install
+    from compass.infra.lighteval_compat import install
 
     install()
     from lighteval.logging.evaluation_tracker import EvaluationTracker
@@ -128,9 +127,8 @@ def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Pa
                    haystack: Path | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
     """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
     import torch
+    from compass.model.trainer import heldout_losses
     from transformers import AutoModelForCausalLM
-
-    from model.trainer import heldout_losses
 
     scratch.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, Any] = {}
@@ -154,8 +152,8 @@ def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Pa
             rows.append({"task": f"held-out {name}", "metric": "perplexity", "value": round(math.exp(loss), 3),
                          "stderr": ""})
     if retrieval and haystack is not None:
-        from tasks.retrieval import passkey_accuracy
-        from tasks.tokenize import TokenizedSource
+        from compass.tasks.retrieval import passkey_accuracy
+        from compass.tasks.tokenize import TokenizedSource
 
         text = TokenizedSource(haystack, "heldout").tokens
         cells = passkey_accuracy(model_dir, np.asarray(text), retrieval["lengths"], retrieval["depths"],

@@ -11,10 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
-
-from infra.packages import fetch_package
-from specs.sources import parse_source_uri
-from tasks.base import StepContext, StepResult
+from compass.infra.packages import fetch_package
+from compass.specs.sources import parse_source_uri
+from compass.tasks.base import StepContext, StepResult
 
 DOCS_PER_SHARD = 500
 _BLOCKS = {"p", "div", "pre", "li", "tr", "br", "dt", "dd", "table", "h1", "h2", "h3", "h4", "h5", "h6",

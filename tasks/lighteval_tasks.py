@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from specs.base import HintedError
+from compass.specs.base import HintedError
 
 LOCAL_PREFIX = "compass_local_"  # lighteval refuses custom tasks that reuse a built-in task's name
 
@@ -39,7 +39,7 @@ class LocalTask:
 @cache
 def registry() -> dict[str, Any]:
     """lighteval's built-in task configs by name (imports every task module once: several seconds)."""
-    from infra.lighteval_compat import install
+    from compass.infra.lighteval_compat import install
 
     install()
     from lighteval.tasks.registry import Registry

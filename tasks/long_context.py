@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tasks.base import StepContext, StepResult
+from compass.tasks.base import StepContext, StepResult
 
 
 def continuation_config(config: dict[str, Any], *, name: str, tokens: float, sequence_length: int,
@@ -62,11 +62,11 @@ def inference_scaling(scaling: dict[str, Any] | None, trained_length: int, rope_
 
 
 def run_long_context(ctx: StepContext) -> StepResult:
-    from tasks.pretrain import build_job, train_and_export
+    from compass.tasks.pretrain import build_job, train_and_export
 
     stage = ctx.config["stage"]
     job = build_job(replace(ctx, config=stage_config(ctx.config)))
-    from tasks.evaluate import tokens_seen
+    from compass.tasks.evaluate import tokens_seen
 
     job["whole_from"] = ctx.config["previous_length"]
     job["tokens_before"] = tokens_seen(ctx.inputs["previous"].local()) or 0

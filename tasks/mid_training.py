@@ -7,11 +7,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from tasks.base import StepContext, StepResult
+from compass.tasks.base import StepContext, StepResult
 
 
 def stage_config(config: dict[str, Any], rope_theta: float, sequence_length: int) -> dict[str, Any]:
-    from tasks.long_context import continuation_config
+    from compass.tasks.long_context import continuation_config
 
     return continuation_config(config, name=config["name"], tokens=config["tokens"], sequence_length=sequence_length,
                                global_batch_size=config["batch_size"], mixture={config["dataset"]: 1.0},
@@ -19,9 +19,9 @@ def stage_config(config: dict[str, Any], rope_theta: float, sequence_length: int
 
 
 def run_mid_training(ctx: StepContext) -> StepResult:
-    from tasks.evaluate import tokens_seen
-    from tasks.long_context import inference_scaling
-    from tasks.pretrain import build_job, train_and_export
+    from compass.tasks.evaluate import tokens_seen
+    from compass.tasks.long_context import inference_scaling
+    from compass.tasks.pretrain import build_job, train_and_export
 
     previous = ctx.inputs["previous"].local()
     if not (previous / "state").exists():

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.post_data import arithmetic_reward, exact_answer_reward
+from compass.tasks.post_data import arithmetic_reward, exact_answer_reward
 
 Pair = dict[str, Any]
 
@@ -36,7 +36,7 @@ def pairs_from_grades(problems: list[dict[str, str]], samples: list[list[str]], 
 def on_policy_pairs(model_dir: Path, problems: list[dict[str, str]], samples_per_prompt: int, verifier: str,
                     max_new_tokens: int, seed: int) -> list[Pair]:
     """Sample each problem `samples_per_prompt` times from the model being trained, grade, pair."""
-    from tasks.chat import generate, load_chat_model
+    from compass.tasks.chat import generate, load_chat_model
 
     model, tokenizer = load_chat_model(model_dir)
     conversations = [[{"role": "user", "content": p["question"]}] for p in problems for _ in range(samples_per_prompt)]

@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from infra.packages import fetch_package
-from specs.sources import parse_source_uri
+from compass.infra.packages import fetch_package
+from compass.specs.sources import parse_source_uri
 
 Messages = list[dict[str, str]]
 

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tasks.base import StepContext, StepResult
-from tasks.chat import generate, load_chat_model
-from tasks.post_data import (
+from compass.tasks.base import StepContext, StepResult
+from compass.tasks.chat import generate, load_chat_model
+from compass.tasks.post_data import (
     arithmetic_problems,
     arithmetic_reward,
     chat_examples,
@@ -90,7 +90,7 @@ the preference losses would divide by zero), are dropped."""
 
 def build_pairs(ctx: StepContext, tokenizer) -> list[dict[str, Any]]:
     """The step's preference pairs: from the dataset, strong versus weak, or graded on-policy samples."""
-    from tasks.pairs import dataset_pairs, on_policy_pairs
+    from compass.tasks.pairs import dataset_pairs, on_policy_pairs
 
     cfg = ctx.config
     kind = (cfg.get("pairs") or {}).get("kind")
@@ -241,12 +241,12 @@ METHODS = {"sft": run_sft, "dpo": run_preference, "orpo": run_preference, "kto":
 
 
 def run_post_train(ctx: StepContext) -> StepResult:
-    from tasks.evaluate import tokens_seen
+    from compass.tasks.evaluate import tokens_seen
 
     cfg = ctx.config
     method = cfg["method"]
     if method == "mid_training":
-        from tasks.mid_training import run_mid_training
+        from compass.tasks.mid_training import run_mid_training
 
         return run_mid_training(ctx)
     if method not in METHODS:

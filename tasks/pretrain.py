@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from infra.launcher import LaunchPlan, plan_launch
-from infra.net import free_port
-from tasks.base import StepContext, StepResult
+from compass.infra.launcher import LaunchPlan, plan_launch
+from compass.infra.net import free_port
+from compass.tasks.base import StepContext, StepResult
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def build_job(ctx: StepContext) -> dict[str, Any]:
 
 def _peak_tflops(hardware: dict[str, Any]) -> float | None:
     """The spec's or the data sheet's peak for GPUs; None on CPU, where the trainer measures one."""
-    from specs.how import PEAK_TFLOPS
+    from compass.specs.how import PEAK_TFLOPS
 
     if hardware.get("peak_tflops"):
         return hardware["peak_tflops"]
@@ -110,8 +110,7 @@ def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
     nodes = job.get("nodes", 1)
     if world == 1:
         import torch.distributed as dist
-
-        from model.trainer import train_stage
+        from compass.model.trainer import train_stage
 
         with _single_rank_env(fresh_port=not dist.is_initialized()):
             result = train_stage(job).__dict__
@@ -188,7 +187,7 @@ def train_and_export(ctx: StepContext, job: dict[str, Any], label: str,
     the loss curve. `export` adjusts each exported HF folder (e.g. the long-context inference scaling)."""
     mirror = None
     if ctx.store is not None and ctx.store.is_remote:
-        from infra.checkpoint_mirror import CheckpointMirror
+        from compass.infra.checkpoint_mirror import CheckpointMirror
 
         mirror = CheckpointMirror(ctx.store, ctx.work_key, ctx.workdir / "checkpoints")
         restored = mirror.restore()
@@ -200,7 +199,7 @@ def train_and_export(ctx: StepContext, job: dict[str, Any], label: str,
     finally:
         if mirror:
             mirror.stop()
-    from model import checkpoint as ckpt
+    from compass.model import checkpoint as ckpt
 
     kept = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")
     final = kept[-1]

@@ -5,21 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import import_module
 
-from tasks.base import StepContext, StepResult
+from compass.tasks.base import StepContext, StepResult
 
 _EXECUTORS: dict[str, str] = {
-    "ingest": "tasks.ingest:run_ingest",
-    "curate": "tasks.curate:run_curate",
-    "tokenizer": "tasks.tokenizer:run_tokenizer_selection",
-    "tokenize": "tasks.tokenize:run_tokenize",
-    "pretrain": "tasks.pretrain:run_pretrain",
-    "long_context": "tasks.long_context:run_long_context",
-    "post_train": "tasks.post_train:run_post_train",
-    "evaluate": "tasks.evaluate:run_evaluate",
-    "report": "tasks.report:run_success_report",
-    "curves": "tasks.curves:run_curves",
-    "ablate": "tasks.ablate:run_ablation",
-    "compare": "tasks.ablate:run_comparison",
+    "ingest": "compass.tasks.ingest:run_ingest",
+    "curate": "compass.tasks.curate:run_curate",
+    "tokenizer": "compass.tasks.tokenizer:run_tokenizer_selection",
+    "tokenize": "compass.tasks.tokenize:run_tokenize",
+    "pretrain": "compass.tasks.pretrain:run_pretrain",
+    "long_context": "compass.tasks.long_context:run_long_context",
+    "post_train": "compass.tasks.post_train:run_post_train",
+    "evaluate": "compass.tasks.evaluate:run_evaluate",
+    "report": "compass.tasks.report:run_success_report",
+    "curves": "compass.tasks.curves:run_curves",
+    "ablate": "compass.tasks.ablate:run_ablation",
+    "compare": "compass.tasks.ablate:run_comparison",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import operator
 
-from tasks.base import StepContext, StepResult
+from compass.tasks.base import StepContext, StepResult
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 

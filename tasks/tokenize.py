@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from compass.tasks.base import StepContext, StepResult
 from tokenizers import Tokenizer
-
-from tasks.base import StepContext, StepResult
 
 BATCH = 256
 

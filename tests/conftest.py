@@ -12,8 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-from infra.net import free_port, wait_for_http
+from compass.infra.net import free_port, wait_for_http
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -103,12 +102,12 @@ def write_minimal_spec(folder: Path, **replacements: str) -> Path:
 def stage1_job(tmp_path_factory: pytest.TempPathFactory):
     import logging
 
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import InputArtifact, Runtime, StepContext
-    from tasks.pretrain import build_job
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import InputArtifact, Runtime, StepContext
+    from compass.tasks.pretrain import build_job
 
     """The minimal spec's data steps run for real; returns a factory of pretrain:stage1 jobs."""
     loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")

@@ -23,12 +23,12 @@ ABLATIONS = """  ablations:
 
 
 def test_ablation_runs_comparison_and_promotion(tmp_path: Path):
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import Runtime
-    from tasks.registry import executable_kinds
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
+    from compass.tasks.registry import executable_kinds
 
     spec = tmp_path / "spec.yaml"
     spec.write_text((REPO / "tests" / "specs" / "minimal.yaml").read_text()

@@ -6,8 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from specs.loader import SpecError, load_spec
+from compass.specs.loader import SpecError, load_spec
 
 BAD = sorted((Path(__file__).parent / "bad_specs").glob("*.yaml"))
 EXPECT = re.compile(r"^# expect: (\d+): (.*)$", re.M)
@@ -46,7 +45,7 @@ def test_cli_exits_2_lists_every_problem_and_writes_nothing(tmp_path: Path):
     store = tmp_path / "store"
     for command in (["validate", str(spec)], ["plan", str(spec), "--store", str(store)],
                     ["run", str(spec), "--store", str(store)]):
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *command], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "compass.flows.cli", *command], capture_output=True, text=True,
                               cwd=tmp_path, timeout=120)
         assert done.returncode == 2, done.stderr
         assert f"{spec}:" in done.stderr and "must divide" in done.stderr and "sum to 0.9" in done.stderr

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from flows.compiler import compile_spec
-from specs import load_spec, load_spec_text
+from compass.flows.compiler import compile_spec
+from compass.specs import load_spec, load_spec_text
 
 EXAMPLES = Path(__file__).parent.parent / "specs" / "examples"
 
@@ -102,8 +101,9 @@ def test_until_runs_the_named_steps_and_everything_they_need(tiny_text: str):
 
 
 def test_until_with_an_unknown_name_exits_2_before_running(tmp_path: Path):
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(EXAMPLES / "tiny.yaml"), "--until", "pretrian",
-                           "--store", str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "run", str(EXAMPLES / "tiny.yaml"),
+                           "--until", "pretrian", "--store", str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--until pretrian: no such step or step kind" in done.stderr and "pretrain" in done.stderr
     assert not (tmp_path / "store").exists()
@@ -115,7 +115,8 @@ def test_schema_command_prints_a_schema_the_examples_satisfy():
     import jsonschema
     from ruamel.yaml import YAML
 
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "schema"], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "schema"], capture_output=True, text=True,
+                          check=True)
     schema = json.loads(done.stdout)
     assert set(schema["properties"]) == {"name", "description", "why", "what", "how"}
     for name in ("tiny.yaml", "smollm3-3b.yaml"):

@@ -58,6 +58,6 @@ def test_gpu_tag_limit_serialises_gpu_steps_across_the_server(server_cli: Cli, p
 
 
 def _hash(spec: Path) -> str:
-    from specs import load_spec
+    from compass.specs import load_spec
 
     return load_spec(spec).spec_hash[:8]

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
+from compass.tasks.benchmarks import cf_prompt, mcf_prompt
 
-from tasks.benchmarks import cf_prompt, mcf_prompt
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -26,18 +26,18 @@ def test_cloze_and_multiple_choice_formulations():
 
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory: pytest.TempPathFactory):
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec_text
-    from tasks.base import Runtime
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec_text
+    from compass.tasks.base import Runtime
 
     text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
         "  pretraining:", "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
         "      - {name: piqa, formulation: mcf, limit: 20}\n    perplexity_sources: [notes]\n  pretraining:").replace(
         "how:\n", "how:\n  checkpoints: {every_steps: 30, keep_last: 2}\n")
     loaded = load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
-    from tasks.registry import executable_kinds
+    from compass.tasks.registry import executable_kinds
 
     plan = compile_spec(loaded.spec).restricted_to(executable_kinds())
     store = Store(str(tmp_path_factory.mktemp("store")))
@@ -48,13 +48,13 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
-    from tasks.benchmarks import prepare
+    from compass.tasks.benchmarks import prepare
 
     outcome = evaluated["evaluate:pretrain-stage2"]
     ours = json.loads((Path(outcome.uri) / "results.json").read_text())
     model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"
     folder, _ = prepare("arc_easy")
-    direct = _accuracy_from_lighteval_directly(model_dir, "tasks.benchmarks", "cf_prompt", folder, 40, tmp_path)
+    direct = _accuracy_from_lighteval_directly(model_dir, "compass.tasks.benchmarks", "cf_prompt", folder, 40, tmp_path)
     assert ours["arc_easy:cf/acc"] == pytest.approx(direct)
     assert 0 <= ours["piqa:mcf/acc"] <= 1
     assert ours["val_ppl:notes"] == pytest.approx(math.exp(ours["val_loss:notes"]))
@@ -99,9 +99,9 @@ def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
         assert image.width > 400 and image.height > 200
 
 
-@pytest.mark.parametrize("name", sorted(__import__("tasks.benchmarks").benchmarks.BENCHMARKS))
+@pytest.mark.parametrize("name", sorted(__import__("compass.tasks.benchmarks").tasks.benchmarks.BENCHMARKS))
 def test_every_offline_benchmark_gives_well_formed_cf_and_mcf_docs(name: str):
-    from tasks.benchmarks import prepare
+    from compass.tasks.benchmarks import prepare
 
     folder, provenance = prepare(name)
     rows = [json.loads(line) for line in (folder / "validation.jsonl").read_text().splitlines()]
@@ -117,7 +117,7 @@ def test_every_offline_benchmark_gives_well_formed_cf_and_mcf_docs(name: str):
 
 
 def test_new_benchmarks_run_through_lighteval(evaluated, tmp_path: Path):
-    from tasks.evaluate import evaluate_model
+    from compass.tasks.evaluate import evaluate_model
 
     names = ["openbookqa", "commonsense_qa", "sciq", "social_iqa", "winogrande", "boolq", "copa"]
     forms = ["cf", "mcf", "cf", "mcf", "cf", "mcf", "cf"]  # one each: both forms are checked above without a model
@@ -147,12 +147,12 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
     """`source: lighteval` runs lighteval's own winogrande task (its prompt, metric, version) on the dataset
     found in the hub cache; the spec is refused before any work while the data is missing."""
     import datasets
+    from compass.infra.packages import fetch_package
+    from compass.specs import load_spec_text
+    from compass.specs.loader import SpecError
+    from compass.tasks.benchmarks import DATASETS, PACKAGE
+    from compass.tasks.evaluate import evaluate_model
 
-    from infra.packages import fetch_package
-    from specs import load_spec_text
-    from specs.loader import SpecError
-    from tasks.benchmarks import DATASETS, PACKAGE
-    from tasks.evaluate import evaluate_model
     from tests.hub_cache import seed_dataset
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -186,7 +186,7 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
 def _accuracy_from_lighteval_directly(model_dir: Path, module: str, prompt: str, data: Path, limit: int,
                                       tmp_path: Path) -> float:
     """lighteval's Pipeline on `data/validation.jsonl` with the named prompt function, nothing of compass's."""
-    from infra.lighteval_compat import install
+    from compass.infra.lighteval_compat import install
 
     install()
     from lighteval.logging.evaluation_tracker import EvaluationTracker
@@ -212,7 +212,7 @@ def _accuracy_from_lighteval_directly(model_dir: Path, module: str, prompt: str,
 
 
 def test_an_answer_longer_than_the_context_is_explained(evaluated, tmp_path: Path):
-    from tasks.evaluate import evaluate_model
+    from compass.tasks.evaluate import evaluate_model
 
     model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"  # trained on 64 tokens
     suite = {"tasks": [{"name": "winogrande", "formulation": "cf", "fewshot": 0, "limit": 8}]}

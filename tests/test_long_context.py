@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from compass.model.packing import PADDING, Packer
+from compass.tasks.retrieval import NEEDLE, QUESTION, build_prompt
 
-from model.packing import PADDING, Packer
-from tasks.retrieval import NEEDLE, QUESTION, build_prompt
 from tests.conftest import write_minimal_spec
 
 LONG_CONTEXT = """  long_context:
@@ -73,13 +73,12 @@ def test_passkey_prompt_puts_the_needle_at_its_depth():
 
 @pytest.mark.slow
 def test_extension_stages_export_yarn_and_measure_retrieval(tmp_path: Path):
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import Runtime
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": LONG_CONTEXT})
     loaded = load_spec(spec)

@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from model import checkpoint as ckpt
-from model.architecture import build_model, hf_config, nope_pattern, parameter_groups
-from model.packing import Packer, make_batch
-from model.schedules import shape_from_config
-from specs import costs
-from specs.architecture import Architecture
+from compass.model import checkpoint as ckpt
+from compass.model.architecture import build_model, hf_config, nope_pattern, parameter_groups
+from compass.model.packing import Packer, make_batch
+from compass.model.schedules import shape_from_config
+from compass.specs import costs
+from compass.specs.architecture import Architecture
 
 SPECIAL = {"bos": 0, "eos": 0, "pad": 1}
 ARCHS = {

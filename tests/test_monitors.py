@@ -7,9 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-
-from model.monitors import TrainingMonitor
-from specs.training import Monitors
+from compass.model.monitors import TrainingMonitor
+from compass.specs.training import Monitors
 
 CONFIG = Monitors().model_dump(mode="json")
 
@@ -47,8 +46,8 @@ def test_slow_rise_plateau_and_throughput_drop_are_reported_once():
 
 @pytest.mark.slow
 def test_diverging_run_rolls_back_then_stops_with_cause_and_remedy(stage1_job, tmp_path: Path):
-    from model.monitors import TrainingStopped
-    from model.trainer import train_stage
+    from compass.model.monitors import TrainingStopped
+    from compass.model.trainer import train_stage
 
     job = stage1_job(tmp_path, deepspeed=False)
     job["optimizer"] = {**job["optimizer"], "lr": 5e4, "grad_clip": 0.0}  # an absurd LR: the loss blows up

@@ -9,8 +9,14 @@ import logging
 from pathlib import Path
 
 import pytest
+from compass.tasks.post_data import (
+    arithmetic_reward,
+    evaluate_expression,
+    exact_answer_reward,
+    first_number,
+    length_penalty,
+)
 
-from tasks.post_data import arithmetic_reward, evaluate_expression, exact_answer_reward, first_number, length_penalty
 from tests.conftest import write_minimal_spec
 
 POST = """  post_training:
@@ -47,7 +53,7 @@ PREFERENCES = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected
 
 
 def test_verifier_pairs_a_right_answer_against_a_wrong_one():
-    from tasks.pairs import pairs_from_grades
+    from compass.tasks.pairs import pairs_from_grades
 
     problems = [{"question": "3 * 4 =", "answer": "12"}, {"question": "9 - 2 =", "answer": "7"},
                 {"question": "1 + 1 =", "answer": "2"}]
@@ -71,12 +77,12 @@ def test_arithmetic_verifier_computes_the_answer():
 
 @pytest.fixture(scope="module")
 def post_trained(tmp_path_factory: pytest.TempPathFactory):
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import Runtime
-    from tasks.registry import executable_kinds
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
+    from compass.tasks.registry import executable_kinds
 
     folder = tmp_path_factory.mktemp("post")
     (folder / "prefs").mkdir()
@@ -91,7 +97,7 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.slow
 def test_sft_masks_everything_but_assistant_tokens(post_trained):
-    from tasks.chat import IM_END, load_chat_model
+    from compass.tasks.chat import IM_END, load_chat_model
 
     final = Path(post_trained["post_train:sft"].uri) / "final"
     model, tokenizer = load_chat_model(final)
@@ -118,16 +124,16 @@ def test_sft_masks_everything_but_assistant_tokens(post_trained):
 
 @pytest.mark.slow
 def test_preference_pairs_are_strong_versus_weak_answers(post_trained):
-    from tasks.post_train import answer_prompts
+    from compass.tasks.post_train import answer_prompts
 
     apo = post_trained["post_train:apo"]
     pairs = [json.loads(line) for line in (Path(apo.uri) / "pairs.jsonl").read_text().splitlines()]
     assert pairs and apo.manifest.metrics["pairs"] == len(pairs)
     assert {i.role: i.step for i in apo.manifest.inputs}["strong"] == "post_train:sft"
     assert {i.role: i.step for i in apo.manifest.inputs}["weak"] == "pretrain:stage1"
-    from tasks.chat import load_chat_model
-    from tasks.post_data import chat_examples, dataset_root
-    from tasks.post_train import MAX_CHARS_PER_TOKEN, PAIR_TOKENS, fitting_prompts
+    from compass.tasks.chat import load_chat_model
+    from compass.tasks.post_data import chat_examples, dataset_root
+    from compass.tasks.post_train import MAX_CHARS_PER_TOKEN, PAIR_TOKENS, fitting_prompts
 
     root, _ = dataset_root("pypi://evals==3.0.1.post1", Path("."))
     _, tokenizer = load_chat_model(Path(post_trained["post_train:sft"].uri) / "final")

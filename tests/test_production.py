@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from compass.flows.lifecycle import artifact_key
+from compass.infra.net import free_port
 
-from flows.lifecycle import artifact_key
-from infra.net import free_port
 from tests.conftest import REPO, VENV_BIN, Cli, base_env, prefect_client, stop_group
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
@@ -72,7 +72,7 @@ def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _remove_gpu_limit(api_url: str) -> None:
     """The session's server is shared: leave no tag limit behind for the other tests."""
-    from flows.deployments import GPU_TAG
+    from compass.flows.deployments import GPU_TAG
 
     with prefect_client(api_url) as client:
         client.delete_concurrency_limit_by_tag(GPU_TAG)
@@ -127,9 +127,8 @@ def test_submitted_demo_runs_every_phase_with_its_store_on_s3(production: Produc
 
 def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch):
+    from compass.infra.store import Store
     from transformers import AutoTokenizer
-
-    from infra.store import Store
 
     for key, value in production.s3.env.items():
         monkeypatch.setenv(key, value)

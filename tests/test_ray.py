@@ -34,11 +34,11 @@ def content(store, uri: str, rel: str) -> bytes:
 
 
 def test_ray_fans_out_steps_with_the_same_results_as_local(server_cli: Cli, tmp_path: Path):
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import Runtime
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": ABLATIONS, "how:\n": (
         "how:\n  orchestration: {task_runner: ray, ray_num_cpus: 2, workers: 2, max_parallel_steps: 2}\n")})

@@ -19,11 +19,11 @@ SUITE = ("  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, l
 
 
 def train(spec_path: Path, store: Path) -> None:
-    from flows.compiler import compile_spec
-    from flows.runner import RunContext, run_step
-    from infra.store import Store
-    from specs import load_spec
-    from tasks.base import Runtime
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
 
     loaded = load_spec(spec_path)
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain"})

@@ -9,15 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from flows import runner
-from flows.compiler import Plan, Step
-from infra.fingerprint import fingerprint, sha256_file
-from infra.lineage import LineageError, lineage
-from infra.locks import StepLock
-from infra.manifest import MANIFEST, Manifest
-from infra.store import Store
-from tasks.base import Runtime, StepResult
+from compass.flows import runner
+from compass.flows.compiler import Plan, Step
+from compass.infra.fingerprint import fingerprint, sha256_file
+from compass.infra.lineage import LineageError, lineage
+from compass.infra.locks import StepLock
+from compass.infra.manifest import MANIFEST, Manifest
+from compass.infra.store import Store
+from compass.tasks.base import Runtime, StepResult
 
 
 def manifest_for(store: Store, kind: str, name: str, fp: str, **extra) -> Manifest:
@@ -113,7 +112,7 @@ def test_lineage_walks_manifests_to_the_source(tmp_path: Path):
     raw = manifest_for(store, "ingest", "web", "e" * 64, provenance=[{"kind": "pypi", "package": "p"}])
     with store.staging() as out:
         store.commit(out, raw)
-    from infra.manifest import InputRef
+    from compass.infra.manifest import InputRef
 
     cur = manifest_for(store, "curate", "web", "f" * 64,
                        inputs=[InputRef(role="raw", step="ingest:web", uri=raw.uri, fingerprint=raw.fingerprint)])

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from compass.infra.net import free_port
 from safetensors.torch import load_file
 
-from infra.net import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -25,8 +25,8 @@ def trainer(job: dict, workdir: Path) -> subprocess.Popen:
     (workdir / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    return subprocess.Popen([sys.executable, "-m", "model.trainer", str(workdir / "job.json")], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "compass.model.trainer", str(workdir / "job.json")], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def final_weights(workdir: Path) -> dict:
