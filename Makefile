@@ -1,6 +1,6 @@
 # The two commands: `make demo` runs the demo lifecycle, `make test` runs the test suite.
 # Both install what they need first (infra/setup.sh, idempotent).
-.PHONY: demo test setup lint bench
+.PHONY: demo test test-fast setup lint bench
 
 setup:
 	@bash infra/setup.sh
@@ -12,6 +12,10 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest -q tests
+
+# Everything not marked slow (no end-to-end flows): a few minutes, for iterating.
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not slow" tests
 
 lint: setup
 	.venv/bin/ruff check .

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 CURATION = {"filters": [{"name": "gopher_repetition", "params": {}},
                         {"name": "gopher_quality", "params": {"min_doc_words": 30}}],
@@ -39,14 +38,13 @@ def ingest(source: str, store: Path) -> Path:
 
     loaded = load_spec(REPO / "specs" / "examples" / "tiny.yaml")
     plan = compile_spec(loaded.spec).restricted_to({"ingest"})
-    ctx = RunContext(plan, Store(str(store)), loaded.spec_hash, Runtime(base_dir=loaded.base_dir))
+    ctx = RunContext(plan, Store(str(store)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     outcome = run_step(ctx, plan.step(f"ingest:{source}"), logging.getLogger("bench"))
     return Path(outcome.uri) / "documents"
 
 
 def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     """What a datatrove user writes without compass: the same blocks, the same stages."""
-    from compass.tasks.curate_blocks import LanguageIdFilter, SplitTagger, document_text
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup import (
         ExactDedupConfig,
@@ -62,6 +60,8 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
+
+    from compass.tasks.curate_blocks import LanguageIdFilter, SplitTagger, document_text
 
     n = len(list(docs.glob("*.jsonl.gz")))
     logs, work = out / "logs", out / "work"
@@ -89,27 +89,32 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
     """compass's curate executor with its store commit (checksums, manifest), without Prefect."""
     import logging
 
-    from compass.flows.compiler import Plan, Step
+    from compass.flows.compiler import Plan
     from compass.flows.runner import RunContext, run_step
     from compass.infra.fingerprint import fingerprint
     from compass.infra.manifest import Manifest
     from compass.infra.store import Store
+    from compass.specs.data import Curation
+    from compass.specs.how import How, Orchestration
     from compass.tasks.base import Runtime
+    from compass.tasks.curate import CurateConfig
+    from compass.tasks.steps import EmptyConfig, Step
 
     store = Store(str(out / "store"))
-    raw = Step("ingest", "bench", {"path": str(docs)})
-    cur = Step("curate", "bench", {"curation": CURATION, "language": "en", "domain": "books"}, {"raw": raw.id})
-    fps = {raw.id: fingerprint("ingest", raw.config, {}, "bench")}
-    fps[cur.id] = fingerprint("curate", cur.config, {"raw": fps[raw.id]}, "bench")
+    raw = Step("ingest", "bench", EmptyConfig())
+    config = CurateConfig(curation=Curation.model_validate(CURATION), language="en", domain="books")
+    cur = Step("curate", "bench", config, {"raw": raw.id})
+    fps = {raw.id: fingerprint("ingest", {"path": str(docs)}, {}, "bench")}
+    fps[cur.id] = fingerprint("curate", cur.config.identity(), {"raw": fps[raw.id]}, "bench")
     plan = Plan("bench", [raw, cur], fps)
     raw_uri = store.uri("ingest", "bench", fps[raw.id])
     with store.staging() as staged:  # register the ingested documents as a committed input artifact
         os.symlink(docs, staged / "documents")
         store._move_into_place(staged, Path(raw_uri), Manifest(
-            kind="ingest", name="bench", fingerprint=fps[raw.id], uri=raw_uri, config=raw.config, spec_hash="-",
+            kind="ingest", name="bench", fingerprint=fps[raw.id], uri=raw_uri, config={}, spec_hash="-",
             spec_name="bench", code_version="-", phase_version="-", libraries={}, host="-", python="-",
             started_at=0, finished_at=0).model_dump_json())
-    ctx = RunContext(plan, store, "bench", Runtime(workers=workers))
+    ctx = RunContext(plan, store, "bench", Runtime(how=How(orchestration=Orchestration(workers=workers))))
     run_step(ctx, cur, logging.getLogger("bench"))
 
 

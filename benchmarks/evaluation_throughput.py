@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 SUITE = "  evaluation:\n    tasks:\n      - {{name: arc_easy, formulation: cf, limit: {n}}}\n  pretraining:"
 
 
@@ -34,7 +33,7 @@ def prepare(work: Path, samples: int) -> dict:
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain"})
     store = Store(str(work / "store"))
     ctx = RunContext(plan, store, loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     for step in plan.steps:
         run_step(ctx, step, logging.getLogger("bench"))
     return {"spec": text, "base_dir": str(REPO / "tests" / "specs"), "store": str(work / "store"),
@@ -52,7 +51,7 @@ def run_compass(ctx: dict, out: Path) -> None:
     loaded = load_spec_text(ctx["spec"], "minimal.yaml", base_dir=Path(ctx["base_dir"]))
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain",
                                                     "evaluate"})
-    run_ctx = RunContext(plan, Store(ctx["store"]), loaded.spec_hash, Runtime(how=loaded.spec.how.model_dump()))
+    run_ctx = RunContext(plan, Store(ctx["store"]), loaded.spec_hash, Runtime(how=loaded.spec.how))
     import compass.tasks.evaluate  # noqa: F401  same footing as the direct variant: libraries imported before the clock
     from compass.infra.lighteval_compat import install
 
@@ -67,10 +66,11 @@ def run_direct(ctx: dict, out: Path) -> None:
     from compass.infra.lighteval_compat import install
 
     install()
-    from compass.tasks.benchmarks import prepare
     from lighteval.logging.evaluation_tracker import EvaluationTracker
     from lighteval.models.transformers.transformers_model import TransformersModelConfig
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
+
+    from compass.tasks.offline_benchmarks import prepare
 
     folder, _ = prepare("arc_easy")
     custom = out.parent / "direct_tasks.py"

@@ -18,85 +18,84 @@ import tempfile
 import time
 from pathlib import Path
 
+from compass.model.job import TrainJob
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 WARMUP = 5
 
 
-def prepare(store: Path, steps: int, engine: str) -> dict:
+def prepare(store: Path, steps: int, engine: str) -> TrainJob:
     """Data steps of the minimal spec (fixtures), then a pretraining job with the demo's architecture."""
     from compass.flows.compiler import compile_spec
-    from compass.flows.runner import RunContext, run_step
+    from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.tasks.base import InputArtifact, Runtime, StepContext
-    from compass.tasks.pretrain import build_job
+    from compass.tasks.training import build_job
 
     loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
     demo = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec
     plan = compile_spec(loaded.spec)
     st = Store(str(store))
-    how = loaded.spec.how.model_dump(mode="json")
-    ctx = RunContext(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), st, loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=how))
-    for step in ctx.plan.steps:
-        run_step(ctx, step, logging.getLogger("bench"))
+    run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), st, loaded.spec_hash,
+                   Runtime(how=loaded.spec.how, base_dir=loaded.base_dir), logging.getLogger("bench"))
     step = plan.step("pretrain:stage1")
     inputs = {}
     for role, dep in step.inputs.items():
         uri = st.uri(*dep.split(":"), plan.fingerprints[dep])
         inputs[role] = InputArtifact(role, dep, uri, st.read_manifest(uri), st)
-    how["parallelism"] = {**how["parallelism"], "deepspeed": engine == "deepspeed", "micro_batch_size": 8}
-    config = {**step.config, "architecture": demo.what.architecture.model_dump(mode="json")}
+    how = loaded.spec.how
+    how = how.model_copy(update={
+        "parallelism": how.parallelism.model_copy(update={"deepspeed": engine == "deepspeed", "micro_batch_size": 8}),
+        "checkpoints": how.checkpoints.model_copy(update={"every_steps": 10**9})})  # one final save, like the others
     seq, batch = 256, 8
-    config["stages"] = [{**config["stages"][0], "tokens": steps * seq * batch, "sequence_length": seq,
-                         "global_batch_size": batch}]
-    job = build_job(StepContext("pretrain", "stage1", config, inputs, store, store, store / "work",
-                                Runtime(how=how), logging.getLogger("bench")))
-    job["checkpoint_every"] = 10**9  # one checkpoint at the end, like the baselines' final save
-    job["monitors"] = {**job["monitors"], "throughput": None}
-    return job
+    config = step.config
+    stage = config.stages[0].model_copy(update={"tokens": steps * seq * batch, "sequence_length": seq,
+                                                "global_batch_size": batch})
+    recipe = config.model_copy(update={"architecture": demo.what.architecture, "stages": [stage],
+                                       "monitors": config.monitors.model_copy(update={"throughput": None})})
+    return build_job(StepContext("pretrain", "stage1", recipe, inputs, store, store, store / "work",
+                                 Runtime(how=how), logging.getLogger("bench")), recipe)
 
 
-def packed_batches(job: dict, n: int):
+def packed_batches(job: TrainJob, n: int):
     from compass.model.packing import Packer
-    from compass.tasks.tokenize import TokenizedSource
+    from compass.model.token_files import TokenizedSource
 
-    stage = job["stages"][0]
-    sources = {k: TokenizedSource(Path(v)) for k, v in job["sources"].items()}
-    packer = Packer(sources, stage["mixture"], stage["sequence_length"], seed=job["seed"])
-    return [packer.next_batch(stage["global_batch_size"]) for _ in range(n)]
+    stage = job.recipe.current
+    sources = {k: TokenizedSource(v) for k, v in job.sources.items()}
+    packer = Packer(sources, stage.mixture, stage.sequence_length, seed=job.recipe.seed)
+    return [packer.next_batch(stage.global_batch_size) for _ in range(n)]
 
 
-def model_for(job: dict):
+def model_for(job: TrainJob):
     from compass.model.architecture import build_model, hf_config
-    from compass.specs.architecture import Architecture
 
-    arch = Architecture.model_validate(job["architecture"])
-    special = {"bos": job["special_ids"]["eos"], "eos": job["special_ids"]["eos"], "pad": job["special_ids"]["pad"]}
-    return build_model(hf_config(arch, job["vocab_size"], special, job["max_positions"]), job["seed"])
+    special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
+    return build_model(hf_config(job.recipe.architecture, job.vocab_size, special, job.recipe.max_positions),
+                       job.recipe.seed)
 
 
-def run_compass(job: dict, timing: Path) -> None:
+def run_compass(job: TrainJob, timing: Path) -> None:
     from compass.model.trainer import train_stage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     train_stage(job)
-    rows = [json.loads(line) for line in (Path(job["workdir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (job.workdir / "metrics.jsonl").read_text().splitlines()]
     timed = rows[WARMUP:]
-    seconds = sum(r["tokens_per_s"] and (job["stages"][0]["global_batch_size"] * job["stages"][0]["sequence_length"])
-                  / r["tokens_per_s"] for r in timed)
+    tokens = job.recipe.current.global_batch_size * job.recipe.current.sequence_length
+    seconds = sum(tokens / r["tokens_per_s"] for r in timed)
     timing.write_text(json.dumps({"seconds": seconds, "steps": len(timed)}))
 
 
-def run_minimal(job: dict, timing: Path) -> None:
+def run_minimal(job: TrainJob, timing: Path) -> None:
     """What one writes by hand: AdamW, packed batches with the block-diagonal mask, clip, step."""
     import torch
     import torch.nn.functional as F
 
     model = model_for(job)
-    opt = torch.optim.AdamW(model.parameters(), lr=job["optimizer"]["lr"], betas=tuple(job["optimizer"]["betas"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=job.recipe.optimizer.lr, betas=job.recipe.optimizer.betas)
     batches = packed_batches(job, len(job_steps(job)))
     start = None
     for i, b in enumerate(batches):
@@ -113,10 +112,11 @@ def run_minimal(job: dict, timing: Path) -> None:
     timing.write_text(json.dumps({"seconds": time.perf_counter() - start, "steps": len(batches) - WARMUP}))
 
 
-def run_hf_trainer(job: dict, timing: Path) -> None:
+def run_hf_trainer(job: TrainJob, timing: Path) -> None:
     import torch
-    from compass.model.packing import PackedBatch
     from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from compass.model.packing import PackedBatch
 
     batches = packed_batches(job, len(job_steps(job)))
     rows = [{"input_ids": b.input_ids[i], "position_ids": b.position_ids[i], "labels": b.labels[i],
@@ -136,19 +136,19 @@ def run_hf_trainer(job: dict, timing: Path) -> None:
 
     clock = Clock()
     args = TrainingArguments(output_dir=str(timing.parent / "hf"), use_cpu=True, per_device_train_batch_size=len(
-        batches[0]), max_steps=len(batches), learning_rate=job["optimizer"]["lr"], report_to="none",
+        batches[0]), max_steps=len(batches), learning_rate=job.recipe.optimizer.lr, report_to="none",
         save_strategy="no", logging_strategy="no", dataloader_drop_last=True, max_grad_norm=1.0,
         dataloader_num_workers=0,
-        lr_scheduler_type="constant", remove_unused_columns=False, seed=job["seed"])
+        lr_scheduler_type="constant", remove_unused_columns=False, seed=job.recipe.seed)
     trainer = Trainer(model=model_for(job), args=args, train_dataset=rows, callbacks=[clock],
                       data_collator=collate)
     trainer.train()
     timing.write_text(json.dumps({"seconds": time.perf_counter() - clock.start, "steps": len(batches) - WARMUP}))
 
 
-def job_steps(job: dict) -> range:
-    s = job["stages"][0]
-    return range(int(s["tokens"] // (s["global_batch_size"] * s["sequence_length"])))
+def job_steps(job: TrainJob) -> range:
+    s = job.recipe.current
+    return range(int(s.tokens // (s.global_batch_size * s.sequence_length)))
 
 
 VARIANTS = {"minimal torch loop": run_minimal, "compass trainer": run_compass, "HF Trainer": run_hf_trainer}
@@ -162,20 +162,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         name, job_path, timing = args.child
-        VARIANTS[name](json.loads(Path(job_path).read_text()), Path(timing))
+        VARIANTS[name](TrainJob.read(Path(job_path)), Path(timing))
         return
     from compass.infra.environment import prepare_environment
 
     prepare_environment()
     work = Path(tempfile.mkdtemp(prefix="compass-bench-"))
     job = prepare(work / "store", args.steps, args.engine)
-    tokens = job["stages"][0]["global_batch_size"] * job["stages"][0]["sequence_length"]
+    tokens = job.recipe.current.global_batch_size * job.recipe.current.sequence_length
     results = {}
     for name in VARIANTS:
         run_dir = work / name.replace(" ", "-")
         run_dir.mkdir()
         job_path = run_dir / "job.json"
-        job_path.write_text(json.dumps({**job, "workdir": str(run_dir)}))
+        job.model_copy(update={"workdir": run_dir}).write(job_path)
         proc = subprocess.Popen([sys.executable, __file__, "--child", name, str(job_path), str(run_dir / "t.json")],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _, status, usage = os.wait4(proc.pid, 0)

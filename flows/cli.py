@@ -12,55 +12,25 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from compass.flows.cli_ops import register as register_ops
-from compass.infra.environment import prepare_environment
-from rich.console import Console
 from rich.tree import Tree
+
+from compass.flows.cli_common import EXIT_BAD_INPUT, SpecArg, err, load, out, store_root
+from compass.flows.cli_ops import ops
+from compass.infra.environment import prepare_environment
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
-
-SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)]
-EXIT_BAD_INPUT = 2
-
-
-def _load(path: Path, until: list[str] | None = None):
-    """The validated spec, or exit 2 with every problem; `until` names must match steps of its plan."""
-    from compass.flows.compiler import UnknownTarget, compile_spec
-    from compass.specs.loader import SpecError, load_spec
-
-    try:
-        loaded = load_spec(path)
-    except SpecError as exc:
-        for problem in exc.problems:
-            err.print(str(problem), markup=False, highlight=False)
-        n = len(exc.problems)
-        err.print(f"[red]{n} problem{'s' if n != 1 else ''} in {path}[/red]; nothing was run or written.")
-        raise typer.Exit(EXIT_BAD_INPUT) from None
-    if until:
-        try:
-            compile_spec(loaded.spec).up_to(until)
-        except UnknownTarget as exc:
-            err.print(f"{path}: {exc}", markup=False, highlight=False)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-    return loaded
+app.add_typer(ops)  # server, worker, deploy, submit, status
 
 
 @app.command()
 def validate(spec: SpecArg) -> None:
-    """Check a spec: schema, cross-field rules; every problem with its file:line."""
-    loaded = _load(spec)
-    s = loaded.spec
+    """Check a spec: schema, cross-field rules and preflight; every problem with its file:line."""
+    checked = load(spec)
+    s = checked.spec
     out.print(f"[green]ok[/green] {spec}: '{s.name}' ({s.why.reason}), {len(s.what.data.sources)} sources, "
-              f"{len(s.what.pretraining.stages)} pretraining stages, spec hash {loaded.spec_hash[:12]}")
-
-
-def _store_root(loaded, store: str | None) -> str:
-    from compass.flows.lifecycle import _resolve_root
-
-    return store or _resolve_root(loaded.spec.how.storage.root, loaded.base_dir)
+              f"{len(s.what.pretraining.stages)} pretraining stages, {len(checked.plan.steps)} steps, spec hash "
+              f"{checked.loaded.spec_hash[:12]}")
 
 
 @app.command()
@@ -68,17 +38,15 @@ def plan(spec: SpecArg,
          store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """Print the DAG (fingerprints, outputs, what would run and why) and the cost estimate."""
-    loaded = _load(spec)
-    from compass.flows.compiler import compile_spec
-    from compass.flows.report import cost_sections, dag_section, print_sections
-    from compass.flows.status import plan_status
+    checked = load(spec)
+    loaded = checked.loaded
+    from compass.flows.plan_report import cost_sections, dag_section, print_sections
+    from compass.flows.plan_status import plan_status
     from compass.infra.store import Store
-    from compass.tasks.registry import executable_kinds
 
-    compiled = compile_spec(loaded.spec)
-    target = Store(_store_root(loaded, store))
-    statuses = plan_status(compiled, target, executable_kinds())
-    sections = [dag_section(compiled, statuses, target.root), *cost_sections(loaded.spec)]
+    target = Store(store_root(checked, store))
+    statuses = plan_status(checked.plan, target)
+    sections = [dag_section(checked.plan, statuses, target.root), *cost_sections(loaded.spec)]
     if as_json:
         print(json.dumps({"spec": loaded.spec.name, "spec_hash": loaded.spec_hash,
                           "sections": [{"title": s.title, "columns": s.columns, "rows": s.rows, "notes": s.notes}
@@ -96,7 +64,8 @@ def run(spec: SpecArg,
                  "steps they need (repeatable).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON.")] = False) -> None:
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
-    loaded = _load(spec, until)
+    checked = load(spec, until)
+    loaded = checked.loaded
     prepare_environment()
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
     from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
@@ -111,7 +80,7 @@ def run(spec: SpecArg,
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
     with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
         summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
-                       store_root=_store_root(loaded, store), until=until)
+                       store_root=store_root(checked, store), until=until)
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -191,7 +160,8 @@ def evaluate_schedule(
         cron: Annotated[str | None, typer.Option(help="Cron schedule instead of an interval.")] = None,
         once: Annotated[bool, typer.Option("--once", help="Evaluate now, without a deployment.")] = False) -> None:
     """Serve a Prefect deployment that evaluates every new checkpoint under a root, on a schedule."""
-    loaded = _load(spec)
+    checked = load(spec)
+    loaded = checked.loaded
     prepare_environment()
     from compass.flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
 
@@ -199,7 +169,7 @@ def evaluate_schedule(
     if not tasks:
         err.print(f"{spec}: what.evaluation.tasks is empty: nothing to evaluate (add benchmarks to the suite)")
         raise typer.Exit(EXIT_BAD_INPUT)
-    params = {"checkpoint_root": _store_root(loaded, root), "tasks": tasks,
+    params = {"checkpoint_root": store_root(checked, root), "tasks": tasks,
               "credentials_block": loaded.spec.how.storage.credentials_block}
     if once:
         print(json.dumps(evaluate_new_checkpoints(**params), indent=2))
@@ -234,10 +204,10 @@ def ablate_promote(
     from compass.infra.store import Store
     from compass.specs.loader import SpecError
 
-    loaded = _load(spec)
+    checked = load(spec)
     target = out_path or spec.with_name(spec.stem + ".promoted.yaml")
     try:
-        chosen = variant or winning_variant(loaded, Store(_store_root(loaded, store)))
+        chosen = variant or winning_variant(checked, Store(store_root(checked, store)))
         change = promote(spec, chosen, target)
     except PromoteError as exc:
         err.print(f"{spec}: {exc}", markup=False)
@@ -256,8 +226,6 @@ def schema() -> None:
 
     sys.stdout.write(json.dumps(TrainingSpec.model_json_schema(), indent=2) + "\n")
 
-
-register_ops(app, _load, _store_root, out, err, EXIT_BAD_INPUT)
 
 if __name__ == "__main__":
     app()

@@ -13,6 +13,9 @@ from typing import Annotated
 
 import typer
 
+from compass.flows.cli_common import EXIT_BAD_INPUT, err, load, out, store_root
+
+ops = typer.Typer()
 LOOPBACK_NAMES = {"localhost"}
 
 
@@ -25,136 +28,135 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def register(app: typer.Typer, load, store_root, out, err, exit_bad_input: int) -> None:
-    """Add the operations commands to the `compass` app (`load` and `store_root` are the CLI's helpers)."""
 
-    def need_server(what: str) -> str:
-        from prefect.settings import PREFECT_API_URL
+def need_server(what: str) -> str:
+    from prefect.settings import PREFECT_API_URL
 
-        url = PREFECT_API_URL.value()
-        if not url:
-            err.print(f"{what} needs a Prefect server: start one with `compass server`, then "
-                      "`export PREFECT_API_URL=http://127.0.0.1:4200/api`", markup=False)
-            raise typer.Exit(exit_bad_input)
-        return url
+    url = PREFECT_API_URL.value()
+    if not url:
+        err.print(f"{what} needs a Prefect server: start one with `compass server`, then "
+                  "`export PREFECT_API_URL=http://127.0.0.1:4200/api`", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    return url
 
-    @app.command()
-    def server(host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-               port: Annotated[int, typer.Option(help="Port for the API and the UI.")] = 4200) -> None:
-        """Start a Prefect server (API and web UI) on 127.0.0.1; another address needs basic auth set."""
-        env = dict(os.environ)
-        if not _is_loopback(host) and not env.get("PREFECT_SERVER_API_AUTH_STRING"):
-            err.print(f"refusing to listen on {host} without authentication: set "
-                      "PREFECT_SERVER_API_AUTH_STRING='user:password' here and PREFECT_API_AUTH_STRING to the "
-                      "same value on every client and worker", markup=False)
-            raise typer.Exit(exit_bad_input)
-        env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        env.setdefault("PREFECT_SERVER_UI_API_URL", f"http://{host}:{port}/api")  # the UI calls the API here
-        env.setdefault("DO_NOT_TRACK", "1")
-        out.print(f"Prefect server on http://{host}:{port} (UI); clients: "
-                  f"export PREFECT_API_URL=http://{host}:{port}/api")
-        sys.stdout.flush()
-        prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
-        os.execvpe(prefect, [prefect, "server", "start", "--host", host, "--port", str(port)], env)
+@ops.command()
+def server(host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+           port: Annotated[int, typer.Option(help="Port for the API and the UI.")] = 4200) -> None:
+    """Start a Prefect server (API and web UI) on 127.0.0.1; another address needs basic auth set."""
+    env = dict(os.environ)
+    if not _is_loopback(host) and not env.get("PREFECT_SERVER_API_AUTH_STRING"):
+        err.print(f"refusing to listen on {host} without authentication: set "
+                  "PREFECT_SERVER_API_AUTH_STRING='user:password' here and PREFECT_API_AUTH_STRING to the "
+                  "same value on every client and worker", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    env.setdefault("PREFECT_SERVER_UI_API_URL", f"http://{host}:{port}/api")  # the UI calls the API here
+    env.setdefault("DO_NOT_TRACK", "1")
+    out.print(f"Prefect server on http://{host}:{port} (UI); clients: "
+              f"export PREFECT_API_URL=http://{host}:{port}/api")
+    sys.stdout.flush()
+    prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
+    os.execvpe(prefect, [prefect, "server", "start", "--host", host, "--port", str(port)], env)
 
-    @app.command()
-    def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")] = "compass") -> None:
-        """Start a process worker on the work pool (created when missing); it runs submitted specs."""
-        need_server("compass worker")
-        from compass.flows.deployments import ensure_pool
+@ops.command()
+def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")] = "compass") -> None:
+    """Start a process worker on the work pool (created when missing); it runs submitted specs."""
+    need_server("compass worker")
+    from compass.flows.deployments import ensure_pool
 
-        ensure_pool(pool)
-        sys.stdout.flush()
-        prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
-        os.execvp(prefect, [prefect, "worker", "start", "--pool", pool, "--type", "process"])
+    ensure_pool(pool)
+    sys.stdout.flush()
+    prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
+    os.execvp(prefect, [prefect, "worker", "start", "--pool", pool, "--type", "process"])
 
-    @app.command()
-    def deploy(spec: Annotated[Path | None, typer.Argument(
-                   help="Optional spec: also deploy its scheduled evaluation and use its GPU slots.")] = None,
-               pool: Annotated[str, typer.Option(help="Process work pool the deployments run on.")] = "compass",
-               gpu_slots: Annotated[int | None, typer.Option(
-                   help="Most GPU-tagged steps running at once over all runs (default: the spec's "
-                        "how.orchestration.max_parallel_gpu_steps, else 1).")] = None,
-               as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-        """Create or update the work pool, the deployments and the GPU concurrency limit on the server."""
-        loaded = load(spec) if spec else None
-        need_server("compass deploy")
-        from compass.flows.deployments import deploy_all, ensure_gpu_limit, ensure_pool
+@ops.command()
+def deploy(spec: Annotated[Path | None, typer.Argument(
+               help="Optional spec: also deploy its scheduled evaluation and use its GPU slots.")] = None,
+           pool: Annotated[str, typer.Option(help="Process work pool the deployments run on.")] = "compass",
+           gpu_slots: Annotated[int | None, typer.Option(
+               help="Most GPU-tagged steps running at once over all runs (default: the spec's "
+                    "how.orchestration.max_parallel_gpu_steps, else 1).")] = None,
+           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Create or update the work pool, the deployments and the GPU concurrency limit on the server."""
+    loaded = load(spec) if spec else None
+    need_server("compass deploy")
+    from compass.flows.deployments import deploy_all, ensure_gpu_limit, ensure_pool
 
-        created = ensure_pool(pool)
-        evaluation = None
-        if loaded is not None:
-            ev = loaded.spec.how.evaluation
-            tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
-            if tasks and (ev.schedule_interval_seconds or ev.schedule_cron):
-                evaluation = {"name": f"evaluate-{loaded.spec.name}", "interval": ev.schedule_interval_seconds,
-                              "cron": None if ev.schedule_interval_seconds else ev.schedule_cron,
-                              "parameters": {"checkpoint_root": store_root(loaded, None), "tasks": tasks,
-                                             "credentials_block": loaded.spec.how.storage.credentials_block}}
-        slots = gpu_slots or (loaded.spec.how.orchestration.max_parallel_gpu_steps if loaded else 1)
-        made = deploy_all(pool, evaluation)
-        ensure_gpu_limit(slots)
-        if as_json:
-            print(json.dumps({"pool": pool, "pool_created": created, "gpu_slots": slots,
-                              "deployments": [{"name": d.name, "schedule": d.schedule} for d in made]}))
-            return
-        out.print(f"work pool '{pool}' {'created' if created else 'exists'}; at most {slots} GPU step(s) at once")
-        for d in made:
-            out.print(f"deployment {d.name}" + (f" ({d.schedule})" if d.schedule else ""))
-        out.print(f"start a worker: compass worker --pool {pool}")
+    created = ensure_pool(pool)
+    evaluation = None
+    if loaded is not None:
+        ev = loaded.spec.how.evaluation
+        tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
+        if tasks and (ev.schedule_interval_seconds or ev.schedule_cron):
+            evaluation = {"name": f"evaluate-{loaded.spec.name}", "interval": ev.schedule_interval_seconds,
+                          "cron": None if ev.schedule_interval_seconds else ev.schedule_cron,
+                          "parameters": {"checkpoint_root": store_root(loaded, None), "tasks": tasks,
+                                         "credentials_block": loaded.spec.how.storage.credentials_block}}
+    slots = gpu_slots or (loaded.spec.how.orchestration.max_parallel_gpu_steps if loaded else 1)
+    made = deploy_all(pool, evaluation)
+    ensure_gpu_limit(slots)
+    if as_json:
+        print(json.dumps({"pool": pool, "pool_created": created, "gpu_slots": slots,
+                          "deployments": [{"name": d.name, "schedule": d.schedule} for d in made]}))
+        return
+    out.print(f"work pool '{pool}' {'created' if created else 'exists'}; at most {slots} GPU step(s) at once")
+    for d in made:
+        out.print(f"deployment {d.name}" + (f" ({d.schedule})" if d.schedule else ""))
+    out.print(f"start a worker: compass worker --pool {pool}")
 
-    @app.command()
-    def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)],
-               store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
-               deployment: Annotated[str, typer.Option(help="Deployment to run.")] = "compass-lifecycle/lifecycle",
-               until: Annotated[list[str] | None, typer.Option(
-                   help="Run only these steps (kind or step id) and the steps they need (repeatable).")] = None,
-               watch: Annotated[bool, typer.Option(help="Follow state and logs until the run ends.")] = False,
-               as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-        """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment."""
-        loaded = load(spec, until)
-        need_server("compass submit")
-        from compass.flows.submit import submit as create_run
-        from compass.flows.submit import ui_url
-        from compass.flows.submit import watch as follow
-        from prefect.exceptions import ObjectNotFound
+@ops.command()
+def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)],
+           store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
+           deployment: Annotated[str, typer.Option(help="Deployment to run.")] = "compass-lifecycle/lifecycle",
+           until: Annotated[list[str] | None, typer.Option(
+               help="Run only these steps (kind or step id) and the steps they need (repeatable).")] = None,
+           watch: Annotated[bool, typer.Option(help="Follow state and logs until the run ends.")] = False,
+           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment."""
+    checked = load(spec, until)
+    need_server("compass submit")
+    from prefect.exceptions import ObjectNotFound
 
-        try:
-            run = create_run(loaded, str(spec), deployment, store_root(loaded, store), until)
-        except ObjectNotFound:
-            err.print(f"deployment '{deployment}' not found on the server: run `compass deploy` first", markup=False)
-            raise typer.Exit(exit_bad_input) from None
-        url = ui_url(run.id)
-        if not as_json:
-            out.print(f"submitted {run.name} ({run.id}) to {deployment}\n{url}")
-        final = run
-        if watch:
-            final = follow(run.id, (lambda line: print(line, file=sys.stderr)) if as_json else
-                           (lambda line: out.print(line, markup=False, highlight=False)))
-        state = final.state.name if final.state else "Scheduled"
-        if as_json:
-            print(json.dumps({"id": str(run.id), "name": run.name, "url": url, "state": state}))
-        elif watch:
-            out.print(f"{run.name}: {state}")
-        if watch and not (final.state and final.state.is_completed()):
-            raise typer.Exit(1)
+    from compass.flows.submit import submit as create_run
+    from compass.flows.submit import ui_url
+    from compass.flows.submit import watch as follow
 
-    @app.command()
-    def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 10,
-               as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-        """Recent lifecycle runs on the server: state, current step, store location."""
-        need_server("compass status")
-        from compass.flows.run_status import recent_runs
+    try:
+        run = create_run(checked.loaded, str(spec), deployment, store_root(checked, store), until)
+    except ObjectNotFound:
+        err.print(f"deployment '{deployment}' not found on the server: run `compass deploy` first", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    url = ui_url(run.id)
+    if not as_json:
+        out.print(f"submitted {run.name} ({run.id}) to {deployment}\n{url}")
+    final = run
+    if watch:
+        final = follow(run.id, (lambda line: print(line, file=sys.stderr)) if as_json else
+                       (lambda line: out.print(line, markup=False, highlight=False)))
+    state = final.state.name if final.state else "Scheduled"
+    if as_json:
+        print(json.dumps({"id": str(run.id), "name": run.name, "url": url, "state": state}))
+    elif watch:
+        out.print(f"{run.name}: {state}")
+    if watch and not (final.state and final.state.is_completed()):
+        raise typer.Exit(1)
 
-        rows = recent_runs(limit)
-        if as_json:
-            print(json.dumps([r.as_dict() for r in rows], indent=2))
-            return
-        from rich.table import Table
+@ops.command()
+def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 10,
+           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Recent lifecycle runs on the server: state, current step, store location."""
+    need_server("compass status")
+    from compass.flows.recent_runs import recent_runs
 
-        table = Table(title="compass runs", title_justify="left")
-        for col in ("run", "state", "started", "step", "done", "store", "deployment"):
-            table.add_column(col, overflow="fold")
-        for r in rows:
-            table.add_row(r.name, r.state, r.started, r.current_step, str(r.steps_done), r.store, r.deployment)
-        out.print(table)
+    rows = recent_runs(limit)
+    if as_json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title="compass runs", title_justify="left")
+    for col in ("run", "state", "started", "step", "done", "store", "deployment"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r.name, r.state, r.started, r.current_step, str(r.steps_done), r.store, r.deployment)
+    out.print(table)

@@ -1,6 +1,6 @@
 """compass's Prefect deployments, declared here and created or updated by `compass deploy`.
 
-Deployments name their flows by module path (`flows.lifecycle.lifecycle`), so a process worker on any machine
+Deployments name their flows by module path (`compass.flows.lifecycle.lifecycle`), so a process worker on any machine
 with compass installed runs them without shipping code; specs travel as a parameter (the YAML text and its
 hash), so a worker needs no copy of the spec file.
 """
@@ -14,13 +14,12 @@ from typing import Any
 
 from prefect.deployments.runner import EntrypointType
 
-DEFAULT_POOL = "compass"
+from compass.tasks.registry import deployment_kinds
+from compass.tasks.steps import GPU_TAG
+
 LIFECYCLE = "compass-lifecycle/lifecycle"
 ABLATIONS = "compass-lifecycle/ablations"
 EVALUATION_FLOW = "compass-scheduled-evaluation"
-GPU_TAG = "gpu"
-# What an ablation-only run executes: the data and tokenizer it depends on, the runs, the comparison.
-ABLATION_KINDS = ["ingest", "curate", "tokenizer", "tokenize", "ablate", "compare"]
 
 
 @dataclass(frozen=True)
@@ -55,15 +54,17 @@ def ensure_gpu_limit(slots: int) -> None:
 def deploy_all(pool: str, evaluation: dict[str, Any] | None = None) -> list[Deployed]:
     """Create or update the lifecycle and ablation deployments, and the scheduled evaluation when given
     (`evaluation`: name, parameters, interval or cron)."""
-    from compass.flows.lifecycle import lifecycle
     from prefect import deploy
+
+    from compass.flows.lifecycle import lifecycle
 
     deployments = [
         lifecycle.to_deployment(name="lifecycle", entrypoint_type=EntrypointType.MODULE_PATH,
                                 description="The whole lifecycle of one training spec (parameter spec_yaml).",
                                 tags=["compass"]),
         lifecycle.to_deployment(name="ablations", entrypoint_type=EntrypointType.MODULE_PATH,
-                                parameters={"until": ABLATION_KINDS}, tags=["compass", "ablations"],
+                                # the ablation kinds, and through --until everything they need (data, tokenizer)
+                                parameters={"until": deployment_kinds("ablations")}, tags=["compass", "ablations"],
                                 description="Only a spec's ablations and what they need."),
     ]
     made = [Deployed(LIFECYCLE), Deployed(ABLATIONS)]

@@ -10,22 +10,25 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from compass.flows.compiler import Plan, Step, compile_spec
-from compass.flows.report import cost_sections, dag_section, to_markdown
-from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
-from compass.flows.status import plan_status
-from compass.infra.credentials import apply_credentials_block
-from compass.infra.interrupt import stop_run
-from compass.infra.store import Store
-from compass.specs.loader import load_spec_text
-from compass.tasks.base import Runtime
-from compass.tasks.registry import executable_kinds
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
+
+from compass.flows.compiler import Plan
+from compass.flows.plan_report import cost_sections, dag_section, to_markdown
+from compass.flows.plan_status import plan_status
+from compass.flows.preflight import load_checked_text
+from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
+from compass.infra.credentials import apply_credentials_block
+from compass.infra.interrupt import stop_run
+from compass.infra.store import Store
+from compass.specs.how import Orchestration
+from compass.tasks import registry
+from compass.tasks.base import Runtime
+from compass.tasks.steps import GPU_TAG, Step
 
 
 def artifact_key(*parts: str) -> str:
@@ -79,8 +82,8 @@ def _embedded_plots(store: Store, manifest: Any) -> str:
     return "".join(parts)
 
 
-def _with_options(ctx_spec_timeouts: dict[str, float], step: Step, orch: Any, spec_name: str):
-    timeout = ctx_spec_timeouts.get(step.kind, orch.timeout_seconds)
+def _with_options(step: Step, orch: Orchestration, spec_name: str):
+    timeout = orch.step_timeouts.get(step.kind, orch.timeout_seconds)
     return execute_step.with_options(
         name=f"{step.kind}", task_run_name=step.id, retries=orch.retries,
         retry_delay_seconds=orch.retry_delay_seconds, timeout_seconds=timeout,
@@ -88,26 +91,24 @@ def _with_options(ctx_spec_timeouts: dict[str, float], step: Step, orch: Any, sp
     )
 
 
-# Steps that spread their own work over Ray (datatrove's RayPipelineExecutor): their driver task takes no CPU
-# slot, or with every slot held by such drivers their inner tasks would never be scheduled.
-SELF_DISTRIBUTING = {"curate"}
-
-
 def _placement(runtime: Runtime, step: Step):
-    """Ray resources a step's task asks for (a no-op with the local task runner)."""
-    if runtime.task_runner != "ray":
+    """Ray resources a step's task asks for (a no-op with the local task runner). A kind that spreads its own
+    work over Ray (datatrove's RayPipelineExecutor) has a driver that takes no CPU slot, or with every slot held
+    by such drivers their inner tasks would never be scheduled."""
+    if runtime.how.orchestration.task_runner != "ray":
         return nullcontext()
     from prefect_ray.context import remote_options
 
-    if step.kind in SELF_DISTRIBUTING:
+    kind = registry.kind(step.kind)
+    if kind.spreads_itself:
         return remote_options(num_cpus=0)
-    hardware = runtime.how.get("hardware", {})
-    if "gpu" in step.tags and hardware.get("accelerator", "cpu") != "cpu":
-        return remote_options(num_gpus=hardware.get("devices_per_node", 1))
+    hardware = runtime.how.hardware
+    if kind.uses_accelerator and hardware.accelerator != "cpu":
+        return remote_options(num_gpus=hardware.devices_per_node)
     return nullcontext()
 
 
-def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
+def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
     """Submit each step once its inputs are done, at most `max_parallel_steps` at a time.
 
     Submitting only ready steps means no worker thread ever blocks waiting for an upstream step; the finished
@@ -119,7 +120,7 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
         stop_run(exc)
 
 
-def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, Any]]:
+def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}
@@ -127,15 +128,15 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Any) -> list[dict[str, A
     failure: BaseException | None = None
     while pending or running:
         ready = [s for s in pending if set(s.inputs.values()) <= set(finished)] if failure is None else []
-        gpu_running = sum("gpu" in plan.step(sid).tags for sid in running)
+        gpu_running = sum(GPU_TAG in plan.step(sid).tags for sid in running)
         for step in ready:
             if len(running) >= orch.max_parallel_steps:
                 break
-            if "gpu" in step.tags and ctx.runtime.task_runner != "ray":  # Ray places them by their resources
+            if GPU_TAG in step.tags and orch.task_runner != "ray":  # Ray places them by their resources
                 if gpu_running >= orch.max_parallel_gpu_steps:
                     continue
                 gpu_running += 1
-            options = _with_options(orch.step_timeouts, step, orch, plan.spec_name)
+            options = _with_options(step, orch, plan.spec_name)
             with _placement(ctx.runtime, step):
                 running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
             pending.remove(step)
@@ -164,8 +165,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     a spec other than the one its submitter validated."""
     logger = get_run_logger()
     base = Path(base_dir) if base_dir else Path.cwd()
-    loaded = load_spec_text(spec_yaml, spec_path, base_dir=base)
-    spec = loaded.spec
+    checked = load_checked_text(spec_yaml, spec_path, base_dir=base)
+    loaded, spec = checked.loaded, checked.spec
     if spec_hash and spec_hash != loaded.spec_hash:
         raise ValueError(f"{spec_path}: spec_hash {spec_hash[:12]} does not match the spec text "
                          f"({loaded.spec_hash[:12]}); submit the spec again")
@@ -174,11 +175,10 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     if _needs_ray_runner(spec.how.orchestration):  # a deployment starts this flow with its default runner
         return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
             spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until)
-    full = compile_spec(spec)
-    kinds = executable_kinds()
-    plan = (full.up_to(until) if until else full).restricted_to(kinds)
-    store = Store(store_root or _resolve_root(spec.how.storage.root, base))
-    statuses = plan_status(full, store, kinds)
+    full = checked.plan
+    plan = full.up_to(until) if until else full
+    store = Store(store_root or resolve_root(spec.how.storage.root))
+    statuses = plan_status(full, store)
     create_markdown_artifact(
         key=artifact_key(spec.name, "plan"),
         markdown=f"## compass plan: {spec.name}\n\nspec hash `{loaded.spec_hash[:16]}`, store `{store.root}`\n\n"
@@ -188,8 +188,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     if left_out:
         logger.info("left out (--until %s): %s", " ".join(until or []), ", ".join(left_out))
     orch = spec.how.orchestration
-    runtime = Runtime(workers=orch.workers, task_runner=orch.task_runner, ray_address=orch.ray_address,
-                      base_dir=base, how=spec.how.model_dump(mode="json"))
+    runtime = Runtime(how=spec.how, base_dir=base)
     ctx = RunContext(plan, store, loaded.spec_hash, runtime)
     results = run_plan(plan, ctx, orch)
     ran = [r["step"] for r in results if r["executed"]]
@@ -198,7 +197,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
             "flow_pid": os.getpid()}
 
 
-def task_runner_for(orch: Any) -> Any:
+def task_runner_for(orch: Orchestration) -> Any:
     """The task runner `how.orchestration` asks for: threads here, or Ray (an existing cluster or a local one).
 
     Ray workers report task runs to the Prefect API, so Ray needs a running server (PREFECT_API_URL); with the
@@ -217,7 +216,7 @@ def task_runner_for(orch: Any) -> Any:
     return RayTaskRunner(init_kwargs={"num_cpus": orch.ray_num_cpus} if orch.ray_num_cpus else None)
 
 
-def _needs_ray_runner(orch: Any) -> bool:
+def _needs_ray_runner(orch: Orchestration) -> bool:
     from prefect.context import FlowRunContext
 
     current = FlowRunContext.get()
@@ -229,6 +228,6 @@ class RayNeedsServer(RuntimeError):
     pass
 
 
-def _resolve_root(root: str, base: Path) -> str:
+def resolve_root(root: str) -> str:
     """Relative store roots are relative to the working directory, like DESIGN.md's `store/`."""
     return root if "://" in root else str((Path.cwd() / root).resolve())

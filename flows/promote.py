@@ -7,19 +7,19 @@ import io
 import json
 from pathlib import Path
 
-from compass.flows.compiler import compile_spec
-from compass.infra.store import Store
-from compass.specs.loader import LoadedSpec, load_spec
 from ruamel.yaml import YAML
+
+from compass.flows.preflight import CheckedSpec, load_checked
+from compass.infra.store import Store
 
 
 class PromoteError(ValueError):
     pass
 
 
-def winning_variant(loaded: LoadedSpec, store: Store) -> str:
+def winning_variant(checked: CheckedSpec, store: Store) -> str:
     """The variant the committed comparison of this spec judged best ('better' with the largest gain)."""
-    plan = compile_spec(loaded.spec)
+    plan = checked.plan
     if "compare:ablations" not in plan.fingerprints:
         raise PromoteError("the spec has no ablations")
     uri = store.uri("compare", "ablations", plan.fingerprints["compare:ablations"])
@@ -59,5 +59,5 @@ def promote(spec_path: Path, variant: str, out: Path) -> str:
     buffer = io.StringIO()
     yaml.dump(data, buffer)
     out.write_text(buffer.getvalue())
-    load_spec(out)  # the promoted spec must be valid (raises SpecError with locations otherwise)
+    load_checked(out)  # the promoted spec must be valid (raises SpecError with locations otherwise)
     return f"{path} = {value!r}"

@@ -14,12 +14,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from compass.flows.compiler import PHASE_VERSIONS, Plan, Step
+from compass.flows.compiler import Plan
 from compass.infra.locks import step_lock
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
-from compass.infra.store import Store
+from compass.infra.store import Store, artifact_folder
+from compass.tasks import registry
 from compass.tasks.base import InputArtifact, Runtime, StepContext, StepResult
-from compass.tasks.registry import executor_for
+from compass.tasks.steps import Step
 
 SUMMARY_FILE = "summary.md"
 
@@ -61,7 +62,8 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
     if store.is_committed(uri):
         log.info("%s is cached at %s", step.id, uri)
         return StepOutcome(step.id, uri, False, store.read_manifest(uri))
-    key = f"{step.kind}/{step.name}-{ctx.plan.fingerprints[step.id][:12]}"
+    key = artifact_folder(step.kind, step.name, ctx.plan.fingerprints[step.id])
+    kind = registry.kind(step.kind)
     with step_lock(store, key, should_stop=lambda: store.is_committed(uri)) as held:
         if not held or store.is_committed(uri):  # another run committed it while we waited
             log.info("%s was committed by another run", step.id)
@@ -80,16 +82,16 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,
                                log, store=store, work_key=key)
             with _default_grad_mode():
-                result = executor_for(step.kind)(sctx)
+                result = kind.run(sctx)
             if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
                 (out / SUMMARY_FILE).write_text(result.summary)
             manifest = Manifest(
                 kind=step.kind, name=step.name, fingerprint=ctx.plan.fingerprints[step.id], uri=uri,
-                config=step.config,
+                config=step.config.identity(),
                 inputs=[InputRef(role=r, step=a.step_id, uri=a.uri, fingerprint=a.manifest.fingerprint)
                         for r, a in inputs.items()],
                 spec_hash=ctx.spec_hash, spec_name=ctx.plan.spec_name, code_version=code_version(),
-                phase_version=PHASE_VERSIONS[step.kind], libraries=library_versions(), **host_facts(),
+                phase_version=kind.version, libraries=library_versions(), **host_facts(),
                 started_at=started, finished_at=time.time(), metrics=result.metrics,
                 provenance=result.provenance,
             )
@@ -101,3 +103,12 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             CheckpointMirror(store, key, workdir).clear()
         log.info("%s committed to %s in %.1fs", step.id, uri, manifest.duration_s)
         return StepOutcome(step.id, uri, True, manifest, result)
+
+
+def run_in_process(plan: Plan, store: Store, spec_hash: str, runtime: Runtime,
+                   log: logging.Logger | logging.LoggerAdapter | None = None) -> dict[str, StepOutcome]:
+    """Every step of `plan`, one after another in this process, without Prefect: for tests, benchmarks and
+    debugging a step. The same store, locks, caching and manifests as a flow run."""
+    ctx = RunContext(plan, store, spec_hash, runtime)
+    log = log or logging.getLogger("compass")
+    return {step.id: run_step(ctx, step, log) for step in plan.steps}

@@ -16,30 +16,32 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compass.flows.compiler import PHASE_VERSIONS
-from compass.infra.fingerprint import canonical_json
-from compass.infra.locks import step_lock
-from compass.infra.manifest import Manifest
-from compass.infra.store import Store
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
-MODEL_KINDS = ("pretrain", "long_context", "post_train")
+from compass.infra.fingerprint import canonical_json
+from compass.infra.locks import step_lock
+from compass.infra.manifest import Manifest
+from compass.infra.store import Store
+from compass.specs.evaluation import EvalTask
+from compass.tasks import registry
+
 # A scan still running when the schedule fires again makes the new run cancel itself: overlapping scans would
 # only wait on each other's locks, and one run per tick that finds nothing new is the expected rhythm.
 SCAN_ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
 
 
 def suite_hash(tasks: list[dict[str, Any]]) -> str:
-    return hashlib.sha256(canonical_json({"tasks": tasks, "version": PHASE_VERSIONS["evaluate"]}).encode()).hexdigest()
+    version = registry.kind("evaluate").version
+    return hashlib.sha256(canonical_json({"tasks": tasks, "version": version}).encode()).hexdigest()
 
 
 def discover(store: Store) -> list[dict[str, Any]]:
     """Every Hugging Face checkpoint inside committed model artifacts, with the sha256 of its weights."""
     found = []
-    for kind in MODEL_KINDS:
+    for kind in registry.model_kinds():
         for path in store.fs.glob(f"{store.root_path}/{kind}/*/manifest.json"):
             with store.fs.open(path, "r") as f:
                 manifest = Manifest.model_validate_json(f.read())
@@ -76,7 +78,7 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, An
     local = store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
         started = time.time()
-        results, provenance = run_lighteval(local, tasks, Path(scratch))
+        results, provenance = run_lighteval(local, [EvalTask.model_validate(t) for t in tasks], Path(scratch))
     metrics = {f"{name}/{m}": float(v) for name, values in results.items() for m, v in values.items()
                if not m.endswith("_stderr")}
     record = {"checkpoint": checkpoint, "suite": suite, "tasks": tasks, "metrics": metrics,

@@ -29,3 +29,11 @@ def prepare_environment(home: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "compass")  # training progress in the run's logs
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")
     os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")  # SQLite contention under parallel tasks
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache as the environment names it now (huggingface_hub reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home) / "hub"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from compass.infra.manifest import MANIFEST, Manifest
 from fsspec.core import url_to_fs
+
+from compass.infra.manifest import MANIFEST, Manifest
 
 
 class LineageError(LookupError):

@@ -74,17 +74,29 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+DISTRIBUTION = "compass-lifecycle"
+
+
 @cache
 def code_version() -> str:
-    """The git commit of compass's checkout (with '+dirty' when it has local changes), or 'unknown'."""
-    repo = Path(__file__).resolve().parent.parent
+    """The git commit of the compass checkout this code runs from ('+dirty' with local changes), or, installed
+    from a wheel, the distribution's version. The checkout is the folder holding compass's own packages, and
+    only counts when it is the top of its git work tree (an install inside another repository is not one)."""
+    checkout = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, timeout=5,
+                              check=True).stdout.strip()
+
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        if Path(git("rev-parse", "--show-toplevel")).resolve() == checkout:
+            dirty = git("status", "--porcelain", "--untracked-files=no")
+            return git("rev-parse", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        return f"{DISTRIBUTION}=={metadata.version(DISTRIBUTION)}"
+    except metadata.PackageNotFoundError:
         return "unknown"
 
 

@@ -16,9 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
+from fsspec.core import url_to_fs
+
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, FileEntry, Manifest
-from fsspec.core import url_to_fs
 
 
 def artifact_folder(kind: str, name: str, fingerprint: str) -> str:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from compass.specs.architecture import Architecture
 from transformers import PretrainedConfig, PreTrainedModel
+
+from compass.specs.architecture import Architecture
 
 
 class ArchitectureNotSupported(ValueError):

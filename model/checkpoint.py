@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from compass.infra.fingerprint import sha256_file
 
 CHECKSUMS = "checksums.json"

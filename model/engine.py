@@ -8,10 +8,30 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from compass.specs.training import Optimizer
+
+
+class Engine(Protocol):
+    """What the training loop needs from an engine: forward, backward with accumulation, a clipped optimizer
+    step at a given LR, and the whole training state saved to and loaded from a checkpoint folder."""
+
+    name: str
+    module: torch.nn.Module  # the bare model (no DDP or DeepSpeed wrapper), for export and evaluation
+
+    def __call__(self, **inputs: Any) -> Any: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def micro_step(self) -> None: ...
+    def grad_norm(self) -> float: ...
+    def step(self, lr: float, norm: float) -> None: ...
+    def discard(self) -> None: ...
+    def save(self, folder: Path, extra: dict[str, Any]) -> None: ...
+    def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]: ...
+    def export_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -28,16 +48,15 @@ def init_distributed(backend: str) -> None:
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: dict[str, Any], accumulation: int):
+    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int):
         self.module = model
-        _, world, _ = dist_env()
+        _, world, local_rank = dist_env()
         on_gpu = next(model.parameters()).is_cuda
-        _, _, local_rank = dist_env()
         self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None)
                       if world > 1 else model)
-        self.optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"])
+        self.optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
         self.accumulation = accumulation
-        self.clip = opt["grad_clip"]
+        self.clip = opt.grad_clip
 
     def __call__(self, **inputs):
         return self.model(**inputs)
@@ -95,18 +114,18 @@ def _keep_deepspeed_off_the_cpu_shm_op() -> None:
 class DeepSpeedEngine:
     name = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: dict[str, Any], accumulation: int,
+    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int,
                  micro_batch: int, zero_stage: int, precision: str):
         import deepspeed
 
         _keep_deepspeed_off_the_cpu_shm_op()
         _, world, _ = dist_env()
-        optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"])
+        optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
         config = {
             "train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": accumulation,
             "train_batch_size": micro_batch * accumulation * world,
-            "gradient_clipping": opt["grad_clip"],
+            "gradient_clipping": opt.grad_clip,
             "zero_optimization": {"stage": zero_stage},
             "bf16": {"enabled": precision == "bf16"},
             "fp16": {"enabled": precision == "fp16"},

@@ -10,6 +10,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from compass.specs.training import Monitors
+
 CAUSES = {
     "divergence": ("the loss or gradient norm is not finite: numerical instability, often an LR too high",
                    "roll back; lower the LR or warm up longer; z-loss and QK-norm help stability"),
@@ -50,11 +52,10 @@ class Event:
 class TrainingMonitor:
     """Fed one (loss, grad norm, tokens/s) per optimizer step; returns the events that step raised."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: Monitors):
         self.cfg = config
-        spike = config.get("spike") or {}
-        self.losses: deque[float] = deque(maxlen=max(spike.get("window", 50), 1))
-        trend_windows = [(config.get(k) or {}).get("window", 0) for k in ("slow_rise", "plateau")]
+        self.losses: deque[float] = deque(maxlen=config.spike.window if config.spike else 50)
+        trend_windows = [m.window for m in (config.slow_rise, config.plateau) if m]
         self.history: deque[float] = deque(maxlen=max(trend_windows + [1]))
         self.speeds: list[float] = []
         self.warned: set[str] = set()
@@ -62,13 +63,13 @@ class TrainingMonitor:
     def check_before_step(self, step: int, loss: float, grad_norm: float) -> Event | None:
         """Checks that must run before the optimizer applies this step's gradients."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            return Event("divergence", step, self.cfg["divergence"]["action"], f"loss {loss}, grad norm {grad_norm}")
-        spike = self.cfg.get("spike")
+            return Event("divergence", step, self.cfg.divergence.action, f"loss {loss}, grad norm {grad_norm}")
+        spike = self.cfg.spike
         if spike and len(self.losses) >= min(10, self.losses.maxlen or 10):
             mean = statistics.fmean(self.losses)
             std = statistics.pstdev(self.losses) or 1e-8
-            if loss > mean + spike["sigma"] * std and loss > mean * 1.05:
-                return Event("spike", step, spike["action"],
+            if loss > mean + spike.sigma * std and loss > mean * 1.05:
+                return Event("spike", step, spike.action,
                              f"loss {loss:.4f} vs recent mean {mean:.4f} ± {std:.4f}")
         return None
 
@@ -78,25 +79,24 @@ class TrainingMonitor:
         self.history.append(loss)
         self.speeds.append(tokens_per_s)
         events = []
-        for kind in ("slow_rise", "plateau"):
-            cfg = self.cfg.get(kind)
-            if not cfg or kind in self.warned or len(self.history) < cfg["window"]:
+        for kind, cfg in (("slow_rise", self.cfg.slow_rise), ("plateau", self.cfg.plateau)):
+            if not cfg or kind in self.warned or len(self.history) < cfg.window:
                 continue
-            window = list(self.history)[-cfg["window"]:]
+            window = list(self.history)[-cfg.window:]
             half = len(window) // 2
             early, late = statistics.fmean(window[:half]), statistics.fmean(window[half:])
             change = (late - early) / abs(early)
-            span = f"over {cfg['window']} steps"
-            if kind == "slow_rise" and change > cfg["threshold"]:
-                events.append(Event(kind, step, cfg["action"], f"mean loss rose {change:.1%} {span}"))
-            if kind == "plateau" and abs(change) < cfg["threshold"]:
-                events.append(Event(kind, step, cfg["action"], f"mean loss moved {change:.2%} {span}"))
-        tp = self.cfg.get("throughput")
-        if tp and "throughput" not in self.warned and len(self.speeds) > tp["window"]:
+            span = f"over {cfg.window} steps"
+            if kind == "slow_rise" and change > cfg.threshold:
+                events.append(Event(kind, step, cfg.action, f"mean loss rose {change:.1%} {span}"))
+            if kind == "plateau" and abs(change) < cfg.threshold:
+                events.append(Event(kind, step, cfg.action, f"mean loss moved {change:.2%} {span}"))
+        tp = self.cfg.throughput
+        if tp and "throughput" not in self.warned and len(self.speeds) > tp.window:
             median = statistics.median(self.speeds[:-1])
-            recent = statistics.fmean(self.speeds[-min(5, tp["window"]):])
-            if recent < tp["ratio"] * median:
-                events.append(Event("throughput", step, tp["action"],
+            recent = statistics.fmean(self.speeds[-min(5, tp.window):])
+            if recent < tp.ratio * median:
+                events.append(Event("throughput", step, tp.action,
                                     f"{recent:,.0f} tokens/s vs median {median:,.0f}"))
         self.warned |= {e.kind for e in events}
         return events

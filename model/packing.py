@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from compass.tasks.tokenize import TokenizedSource
+
+from compass.model.token_files import TokenizedSource
 
 
 @dataclass
@@ -32,6 +33,15 @@ class PackedBatch:
         mask = torch.zeros(allowed.shape, dtype=dtype)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[:, None]
+
+    def model_inputs(self, masking: bool, device: torch.device) -> dict[str, Any]:
+        """Keyword arguments for a transformers causal LM: position ids restart at every document, and with
+        `masking` the block-diagonal mask keeps documents apart."""
+        inputs: dict[str, Any] = {"input_ids": self.input_ids.to(device), "position_ids": self.position_ids.to(device),
+                                  "use_cache": False}
+        if masking:
+            inputs["attention_mask"] = self.attention_mask().to(device)
+        return inputs
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -7,7 +7,10 @@ step, and a WSD run can be extended by adding tokens to its stable stages withou
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from compass.specs.training import PretrainStage, Schedule
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,13 @@ class ScheduleShape:
         raise ValueError(f"unknown schedule {self.kind}")
 
 
-def shape_from_config(schedule: dict, stages: list[dict]) -> ScheduleShape:
-    """From the spec's schedule and stage configs (token budget, sequence length, global batch)."""
-    steps = tuple(StageSteps(s["name"], max(1, int(s["tokens"] // (s["global_batch_size"] * s["sequence_length"]))),
-                             s.get("schedule_segment", "auto")) for s in stages)
-    return ScheduleShape(schedule["kind"], schedule["warmup_steps"], schedule["decay_fraction"],
-                         schedule["min_lr_ratio"], tuple(schedule.get("milestones", ())), schedule["gamma"], steps)
+def schedule_shape(schedule: Schedule, stages: Sequence[PretrainStage]) -> ScheduleShape:
+    """From the spec's schedule and the stages it spans (token budget, sequence length, global batch)."""
+    steps = tuple(StageSteps(s.name, stage_steps(s), s.schedule_segment) for s in stages)
+    return ScheduleShape(schedule.kind, schedule.warmup_steps, schedule.decay_fraction, schedule.min_lr_ratio,
+                         tuple(schedule.milestones), schedule.gamma, steps)
+
+
+def stage_steps(stage: PretrainStage) -> int:
+    """Optimizer steps of a stage: its token budget in whole global batches (at least one)."""
+    return max(1, int(stage.tokens // (stage.global_batch_size * stage.sequence_length)))

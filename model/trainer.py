@@ -1,8 +1,11 @@
 """The training loop for one stage: the same code in-process on CPU and under torchrun/deepspeed on GPUs.
 
-A TrainJob (JSON) says everything: architecture, optimizer, the schedule over all stages, which stage to
-train, where the tokenized sources are, what to continue from, and where to keep checkpoints. Running the
+A TrainJob says everything: the recipe (architecture, optimizer, the schedule over all stages, which stage to
+train), where the tokenized sources are, what to continue from, and where to keep checkpoints. Running the
 same job again resumes from its newest complete checkpoint and produces bitwise the same weights on CPU.
+
+The loop itself only draws batches, accumulates gradients and steps the optimizer; metrics, progress,
+monitors and checkpoints are callbacks (model/callbacks.py).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import hashlib
 import json
 import logging
 import resource
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,17 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
 from compass.model import checkpoint as ckpt
 from compass.model.architecture import build_model, hf_config, parameter_groups
-from compass.model.engine import DeepSpeedEngine, TorchEngine, dist_env, init_distributed
-from compass.model.monitors import Event, TrainingMonitor, TrainingStopped
+from compass.model.callbacks import Callback, Checkpointing, MetricsFile, Monitoring, Progress, Rollback
+from compass.model.engine import DeepSpeedEngine, Engine, TorchEngine, dist_env, init_distributed
+from compass.model.job import TrainJob
+from compass.model.loss import lm_loss
+from compass.model.monitors import Event, TrainingStopped
 from compass.model.packing import PackedBatch, Packer
-from compass.model.schedules import shape_from_config
-from compass.specs.architecture import Architecture
+from compass.model.schedules import schedule_shape
+from compass.model.token_files import TokenizedSource
+from compass.model.validation import heldout_losses
 from compass.specs.costs import flops_per_token
-from compass.tasks.tokenize import TokenizedSource
-from tqdm import tqdm
 
 log = logging.getLogger("compass.train")
 
@@ -45,10 +49,6 @@ class StageResult:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-def load_job(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
-
-
 def cpu_peak_tflops() -> float:
     """A measured fp32 matmul peak for MFU on CPU (there is no data-sheet number to use)."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
@@ -57,18 +57,6 @@ def cpu_peak_tflops() -> float:
     for _ in range(8):
         a @ b
     return 8 * 2 * 1024**3 / (time.perf_counter() - start) / 1e12
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy on next tokens (labels already -100 across document boundaries), plus z-loss."""
-    logits = logits[:, :-1].float()
-    target = labels[:, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-    if z_loss > 0:
-        valid = target != -100
-        lse = torch.logsumexp(logits, dim=-1)[valid]
-        return ce + z_loss * (lse**2).mean(), ce
-    return ce, ce
 
 
 def training_device(accelerator: str) -> torch.device:
@@ -80,172 +68,209 @@ def training_device(accelerator: str) -> torch.device:
     return torch.device("cpu")
 
 
-def model_inputs(batch: PackedBatch, masking: bool, device: torch.device) -> dict[str, Any]:
-    inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device),
-              "use_cache": False}
-    if masking:
-        inputs["attention_mask"] = batch.attention_mask().to(device)
-    return inputs
+def default_callbacks(job: TrainJob) -> list[Callback]:
+    """Monitors first (they may veto the step), then the metrics line, progress, and checkpoints last."""
+    return [Monitoring(job.recipe.monitors), MetricsFile(job.workdir / "metrics.jsonl"), Progress(),
+            Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
 
 
-def forward(engine, batch: PackedBatch, masking: bool, device: torch.device, precision: str) -> Any:
-    if device.type == "cuda" and precision == "bf16" and isinstance(engine, TorchEngine):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return engine(**model_inputs(batch, masking, device))
-    return engine(**model_inputs(batch, masking, device))
+class Trainer:
+    """One stage of training. `fit()` resumes from the newest complete checkpoint in the job's work folder (or
+    starts from `init_from`), trains to the stage's last step and returns the stage's result."""
 
+    def __init__(self, job: TrainJob, callbacks: list[Callback] | None = None):
+        self.job = job
+        self.rank, self.world, _ = dist_env()
+        recipe = job.recipe
+        self.stage = recipe.current
+        shape = schedule_shape(recipe.schedule, recipe.stages)
+        names = [s.name for s in shape.stages]
+        self.shape = shape
+        self.offset = sum(s.steps for s in shape.stages[: names.index(self.stage.name)])
+        self.stage_steps = shape.stages[names.index(self.stage.name)].steps
+        gbs = self.stage.global_batch_size
+        if gbs % (job.micro_batch_size * self.world):
+            raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {job.micro_batch_size} x world "
+                             f"{self.world}")
+        self.accumulation = gbs // (job.micro_batch_size * self.world)
+        self.checkpoint_root = job.workdir / "checkpoints"
+        self.device = training_device(job.hardware.accelerator)
+        self.engine = self._engine()
+        self.packer = Packer({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
+                             self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1),
+                             whole_from=job.whole_from, pad_id=job.special_ids.pad)
+        self.callbacks = default_callbacks(job) + list(callbacks or [])
+        self.step = 0  # optimizer steps of this stage done so far
+        self.events: list[dict[str, Any]] = []
+        self.last_loss = float("nan")
 
-def train_stage(job: dict[str, Any]) -> StageResult:
-    # grad mode is per thread, and libraries run in the same process (lighteval) switch it off globally
-    with torch.enable_grad():
-        return _train_stage(job)
+    # --- set-up -------------------------------------------------------------------------------------------
+    def _engine(self) -> Engine:
+        job, recipe = self.job, self.job.recipe
+        arch = recipe.architecture
+        special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
+        model = build_model(hf_config(arch, job.vocab_size, special, max_positions=recipe.max_positions),
+                            recipe.seed)
+        if job.parallelism.activation_checkpointing:  # recompute each layer's activations in the backward pass
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        groups = parameter_groups(model, recipe.optimizer.weight_decay, arch.embedding_weight_decay)
+        par = job.parallelism
+        if par.deepspeed:
+            if self.device.type == "cpu":
+                init_distributed("gloo")  # on GPUs DeepSpeed initialises NCCL itself
+            return DeepSpeedEngine(model, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
+                                   par.zero_stage, job.precision)
+        init_distributed("gloo" if self.device.type == "cpu" else "nccl")
+        return TorchEngine(model.to(self.device), groups, recipe.optimizer, self.accumulation)
 
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps over every stage of the schedule, this one included."""
+        return self.offset + self.step
 
-def _train_stage(job: dict[str, Any]) -> StageResult:
-    rank, world, _ = dist_env()
-    workdir = Path(job["workdir"])
-    ckpt_root = workdir / "checkpoints"
-    arch = Architecture.model_validate(job["architecture"])
-    opt = job["optimizer"]
-    par = job["parallelism"]
-    stage = next(s for s in job["stages"] if s["name"] == job["stage"])
-    shape = shape_from_config(job["schedule"], job["stages"])
-    offset = sum(s.steps for s in shape.stages[: [s.name for s in shape.stages].index(stage["name"])])
-    stage_steps = next(s.steps for s in shape.stages if s.name == stage["name"])
-    micro = job.get("micro_batch_size") or par["micro_batch_size"]
-    gbs, seq = stage["global_batch_size"], stage["sequence_length"]
-    if gbs % (micro * world):
-        raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {micro} x world {world}")
-    accumulation = gbs // (micro * world)
+    # --- hooks --------------------------------------------------------------------------------------------
+    def _dispatch(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
 
-    sources = {name: TokenizedSource(Path(path)) for name, path in job["sources"].items()}
-    vocab = job["vocab_size"]
-    special = {"bos": job["special_ids"]["eos"], "eos": job["special_ids"]["eos"], "pad": job["special_ids"]["pad"]}
-    config = hf_config(arch, vocab, special, max_positions=job["max_positions"])
-    model = build_model(config, job["seed"])
-    device = training_device(job["accelerator"])
-    groups = parameter_groups(model, opt["weight_decay"], job["embedding_weight_decay"])
-    if par["deepspeed"]:
-        if device.type == "cpu":
-            init_distributed("gloo")  # on GPUs DeepSpeed initialises NCCL itself
-        engine: TorchEngine | DeepSpeedEngine = DeepSpeedEngine(model, groups, opt, accumulation, micro,
-                                                                par["zero_stage"], job["precision"])
-    else:
-        init_distributed("gloo" if device.type == "cpu" else "nccl")
-        engine = TorchEngine(model.to(device), groups, opt, accumulation)
-    packer = Packer(sources, stage["mixture"], seq, seed=job["seed"] + 7919 * (offset + 1),
-                    whole_from=job.get("whole_from"), pad_id=special["pad"])
+    def report(self, event: Event) -> None:
+        """A monitor event: logged and kept for the stage's result."""
+        self.events.append(event.as_dict())
+        log.warning(event.describe())
 
-    resumed = ckpt.newest_valid(ckpt_root)
-    start = 0
-    if resumed is not None:
-        extra = engine.load(resumed)
-        packer.load_state_dict(extra["packer"])
-        ckpt.set_rng_state(extra["rng"])
-        start = extra["stage_step"]
-        log.info("resuming %s from %s (step %d of %d)", stage["name"], resumed.name, start, stage_steps)
-    elif job.get("init_from"):
-        engine.load(Path(job["init_from"]), load_optimizer=not stage.get("reset_optimizer", False))
-        log.info("continuing from the previous stage's final state %s", job["init_from"])
+    # --- the loop -----------------------------------------------------------------------------------------
+    def fit(self) -> StageResult:
+        resumed = self._resume()
+        self._dispatch("on_start")
+        peak = (self.job.peak_tflops or cpu_peak_tflops()) * self.world
+        seq, gbs = self.stage.sequence_length, self.stage.global_batch_size
+        flops_tok = flops_per_token(self.job.recipe.architecture, self.job.vocab_size, seq)
+        rank_check = "single process"
+        first = True
+        self.engine.module.train()
+        try:
+            while self.step < self.stage_steps:
+                self._dispatch("pre_step")
+                t0 = time.perf_counter()
+                batch = self.packer.next_batch(gbs)
+                local = batch.slice(self.rank * gbs // self.world, (self.rank + 1) * gbs // self.world)
+                if self.world > 1 and first:
+                    rank_check = check_ranks(self.engine.module, local)
+                first = False
+                loss = self._accumulate(local)
+                grad_norm = self.engine.grad_norm()
+                try:
+                    self._dispatch("before_update", loss, grad_norm)
+                except Rollback as rollback:
+                    self.restore_newest_checkpoint(rollback.event)
+                    continue  # the packer keeps its position: the offending batches are skipped
+                lr = self.job.recipe.optimizer.lr * self.shape.lr_factor(self.global_step)
+                self.engine.step(lr, grad_norm)
+                elapsed = time.perf_counter() - t0
+                self.step += 1
+                self.last_loss = loss
+                self._dispatch("post_step", self._record(loss, grad_norm, lr, elapsed, flops_tok, peak))
+        except BaseException as exc:
+            self._dispatch("on_error", exc)
+            raise
+        self._dispatch("on_end")
+        masking = self.job.recipe.intra_document_masking
+        val = heldout_losses(self.engine.module, self.job.sources, seq, masking, self.device) if self.rank == 0 else {}
+        return StageResult(self.stage_steps, self.stage_steps * gbs * seq, self.last_loss, val,
+                           int(resumed.name.split("-")[1]) if resumed else None, rank_check, self.events)
 
-    metrics_path = workdir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, offset + start)
-    peak = (job.get("peak_tflops") or cpu_peak_tflops()) * world
-    flops_tok = flops_per_token(arch, vocab, seq)
-    every, keep_last = job["checkpoint_every"], job["keep_last"]
-    masking = job["intra_document_masking"]
-    monitor = TrainingMonitor(job["monitors"])
-    events: list[dict[str, Any]] = []
-    rollbacks = 0
-    last_loss = float("nan")
-    engine_model = engine.module
-    engine_model.train()
-    rank_check = "single process"
-    bar = tqdm(total=stage_steps, initial=start, desc=stage["name"], unit="step",
-               disable=rank != 0 or not sys.stderr.isatty())
-    step = start
-    while step < stage_steps:
-        t0 = time.perf_counter()
-        batch = packer.next_batch(gbs)
-        local = batch.slice(rank * gbs // world, (rank + 1) * gbs // world)
-        if world > 1 and step == start:
-            rank_check = check_ranks(engine_model, local)
-        total_loss = 0.0
-        for m in range(accumulation):
+    def _accumulate(self, local: PackedBatch) -> float:
+        """Forward and backward over the rank's micro-batches; returns the cross-entropy averaged over ranks."""
+        micro, arch = self.job.micro_batch_size, self.job.recipe.architecture
+        total = 0.0
+        for m in range(self.accumulation):
             part = local.slice(m * micro, (m + 1) * micro)
-            out = forward(engine, part, masking, device, job["precision"])
-            loss, ce = lm_loss(out.logits, part.labels.to(device), arch.z_loss)
+            out = self._forward(part)
+            loss, ce = lm_loss(out.logits, part.labels.to(self.device), arch.z_loss)
             if getattr(out, "aux_loss", None) is not None and arch.moe:
                 loss = loss + arch.moe.load_balancing_coef * out.aux_loss
-            engine.backward(loss)
-            total_loss += float(ce.detach()) / accumulation
-            if m < accumulation - 1:
-                engine.micro_step()
-        last_loss = _mean_across_ranks(total_loss, world)
-        grad_norm = engine.grad_norm()
-        event = monitor.check_before_step(offset + step + 1, last_loss, grad_norm)
-        if event is not None:
-            events.append(event.as_dict())
-            log.warning(event.describe())
-            if event.action == "stop":
-                raise TrainingStopped(event)
-            if event.action == "rollback":
-                rollbacks += 1
-                if rollbacks > job["monitors"]["max_rollbacks"]:
-                    raise TrainingStopped(event, f"(more than {job['monitors']['max_rollbacks']} rollbacks)")
-                step = _rollback(engine, ckpt_root, event, metrics_path, offset)
-                monitor.forget_since_rollback()
-                bar.n = step
-                continue  # the packer keeps its position: the offending batches are skipped
-        lr = opt["lr"] * shape.lr_factor(offset + step)
-        engine.step(lr, grad_norm)
-        elapsed = time.perf_counter() - t0
-        tokens = gbs * seq
-        for later in monitor.record(offset + step + 1, last_loss, tokens / elapsed):
-            events.append(later.as_dict())
-            log.warning(later.describe())
-            if later.action == "stop":
-                raise TrainingStopped(later)
+            self.engine.backward(loss)
+            total += float(ce.detach()) / self.accumulation
+            if m < self.accumulation - 1:
+                self.engine.micro_step()
+        return _mean_across_ranks(total, self.world)
+
+    def _forward(self, batch: PackedBatch) -> Any:
+        inputs = batch.model_inputs(self.job.recipe.intra_document_masking, self.device)
+        if self.device.type == "cuda" and self.job.precision == "bf16" and isinstance(self.engine, TorchEngine):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self.engine(**inputs)
+        return self.engine(**inputs)
+
+    def _record(self, loss: float, grad_norm: float, lr: float, elapsed: float, flops_tok: float,
+                peak: float) -> dict[str, Any]:
+        tokens = self.stage.global_batch_size * self.stage.sequence_length
+        record = {"step": self.global_step, "stage": self.stage.name, "stage_step": self.step, "loss": loss,
+                  "grad_norm": grad_norm, "lr": lr, "tokens": self.job.tokens_before + self.global_step * tokens,
+                  "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if self.device.type == "cuda":
+            record["gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return record
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def _resume(self) -> Path | None:
+        """Continue from the newest complete checkpoint of this stage, else from the previous stage's state."""
+        resumed = ckpt.newest_valid(self.checkpoint_root)
+        if resumed is not None:
+            extra = self.engine.load(resumed)
+            self.packer.load_state_dict(extra["packer"])
+            ckpt.set_rng_state(extra["rng"])
+            self.step = extra["stage_step"]
+            log.info("resuming %s from %s (step %d of %d)", self.stage.name, resumed.name, self.step,
+                     self.stage_steps)
+        elif self.job.init_from:
+            self.engine.load(self.job.init_from, load_optimizer=not self.stage.reset_optimizer)
+            log.info("continuing from the previous stage's final state %s", self.job.init_from)
+        return resumed
+
+    def save_checkpoint(self) -> Path:
+        """Write model, optimizer, RNG and data position at this step, checksummed and renamed into place."""
+        rank, world = self.rank, self.world
+        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        final = ckpt.step_dir(self.checkpoint_root, self.step)
+        tmp = final.with_name(final.name + ".tmp")
         if rank == 0:
-            record = {"step": offset + step + 1, "stage": stage["name"], "stage_step": step + 1, "loss": last_loss,
-                      "grad_norm": grad_norm, "lr": lr,
-                      "tokens": job.get("tokens_before", 0) + (offset + step + 1) * tokens,
-                      "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
-                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-            if device.type == "cuda":
-                record["gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{lr:.1e}")
-            if (step + 1) % max(1, stage_steps // 20) == 0 or step + 1 == stage_steps:
-                log.info("%s step %d/%d loss %.4f lr %.2e grad %.2f %.0f tok/s", stage["name"], step + 1,
-                         stage_steps, last_loss, lr, grad_norm, record["tokens_per_s"])
-        step += 1
-        if step % every == 0 or step == stage_steps:
-            _save(engine, ckpt_root, step, packer, job, offset)
-            if rank == 0:
-                ckpt.prune(ckpt_root, keep_last, keep={stage_steps})
-    bar.close()
-    if rank == 0 and events:
-        with open(workdir / "events.jsonl", "a") as f:
-            f.writelines(json.dumps(e) + "\n" for e in events)
-    val = evaluate(engine, job, masking, device) if rank == 0 else {}
-    return StageResult(stage_steps, stage_steps * gbs * seq, last_loss, val,
-                       int(resumed.name.split("-")[1]) if resumed else None, rank_check, events)
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier(world)
+        extra = {"packer": self.packer.state_dict(), "rng": ckpt.rng_state(), "stage_step": self.step,
+                 "global_step": self.global_step, "engine": self.engine.name}
+        self.engine.save(tmp, extra)
+        state = self.engine.export_state_dict()
+        if rank == 0:
+            export_hf(self.engine.module, state, self.job.tokenizer_dir, tmp / "hf")
+        _barrier(world)
+        if rank == 0:
+            ckpt.finalize(tmp, final)
+        _barrier(world)
+        self._dispatch("post_checkpoint", final)
+        return final
+
+    def restore_newest_checkpoint(self, event: Event) -> None:
+        """Roll back: the newest good checkpoint's weights, optimizer and RNG; the step count returns there."""
+        self.engine.discard()
+        good = ckpt.newest_valid(self.checkpoint_root)
+        if good is None:
+            raise TrainingStopped(event, "(no checkpoint to roll back to yet)")
+        extra = self.engine.load(good)
+        ckpt.set_rng_state(extra["rng"])
+        self.step = extra["stage_step"]
+        log.warning("rolled back to %s; skipping the batches since then", good.name)
+        self._dispatch("post_restore", self.step)
 
 
-def _rollback(engine, root: Path, event: Event, metrics_path: Path, offset: int) -> int:
-    """Restore the newest good checkpoint's weights, optimizer and RNG; return its stage step."""
-    engine.discard()
-    good = ckpt.newest_valid(root)
-    if good is None:
-        raise TrainingStopped(event, "(no checkpoint to roll back to yet)")
-    extra = engine.load(good)
-    ckpt.set_rng_state(extra["rng"])
-    _truncate_metrics(metrics_path, offset + extra["stage_step"])
-    log.warning("rolled back to %s; skipping the batches since then", good.name)
-    return extra["stage_step"]
+def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> StageResult:
+    # grad mode is per thread, and libraries run in the same process (lighteval) switch it off globally
+    with torch.enable_grad():
+        return Trainer(job, callbacks).fit()
 
 
 def _digest(tensors) -> int:
@@ -279,82 +304,28 @@ def _mean_across_ranks(value: float, world: int) -> float:
     return float(t) / world
 
 
-def _truncate_metrics(path: Path, keep_through_step: int) -> None:
-    """On resume, drop metric lines written after the checkpoint (they will be written again)."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= keep_through_step]
-    path.write_text("".join(ln + "\n" for ln in lines))
-
-
-def _save(engine, root: Path, stage_step: int, packer: Packer, job: dict, offset: int) -> None:
-    rank, world, _ = dist_env()
-    root.mkdir(parents=True, exist_ok=True)
-    final = ckpt.step_dir(root, stage_step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    if world > 1:
-        torch.distributed.barrier()
-    extra = {"packer": packer.state_dict(), "rng": ckpt.rng_state(), "stage_step": stage_step,
-             "global_step": offset + stage_step, "engine": engine.name}
-    engine.save(tmp, extra)
-    state = engine.export_state_dict()
-    if rank == 0:
-        export_hf(engine.module, state, Path(job["tokenizer_dir"]), tmp / "hf")
-    if world > 1:
-        torch.distributed.barrier()
-    if rank == 0:
-        ckpt.finalize(tmp, final)
+def _barrier(world: int) -> None:
     if world > 1:
         torch.distributed.barrier()
 
 
 def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> None:
     """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is."""
+    import shutil
+
     model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
 
 
-def evaluate(engine, job: dict[str, Any], masking: bool, device: torch.device) -> dict[str, float]:
-    """Validation loss per mixture source at the end of the stage."""
-    seq = next(s for s in job["stages"] if s["name"] == job["stage"])["sequence_length"]
-    sources = {name: Path(path) for name, path in job["sources"].items()}
-    return heldout_losses(engine.module, sources, seq, masking, device)
-
-
-@torch.no_grad()
-def heldout_losses(model: torch.nn.Module, sources: dict[str, Path], seq_len: int, masking: bool,
-                   device: torch.device, max_sequences: int = 16) -> dict[str, float]:
-    """Mean next-token loss per source on its held-out documents, packed without mixing sources."""
-    was_training = model.training
-    model.eval()
-    out: dict[str, float] = {}
-    for name, path in sorted(sources.items()):
-        held = TokenizedSource(path, "heldout")
-        if held.n_documents == 0:
-            continue
-        packer = Packer({name: held}, {name: 1.0}, seq_len, seed=0)
-        n = min(max_sequences, max(1, len(held.tokens) // seq_len))
-        losses = []
-        for _ in range(n):
-            batch = packer.next_batch(1)
-            logits = model(**model_inputs(batch, masking, device)).logits
-            losses.append(float(lm_loss(logits, batch.labels.to(device), 0.0)[1]))
-        out[name] = sum(losses) / len(losses)
-    model.train(was_training)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for launchers: `python -m model.trainer JOB.json` (torchrun / deepspeed run it per rank)."""
+    """Entry point for launchers: `python -m compass.model.trainer JOB.json` (torchrun / deepspeed run it per
+    rank); rank 0 writes `result.json` beside the job."""
     args = argv if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job_path = Path(args[0])
-    result = train_stage(load_job(job_path))
+    result = train_stage(TrainJob.read(job_path))
     rank, _, _ = dist_env()
     if rank == 0:
         (job_path.parent / "result.json").write_text(json.dumps(result.__dict__))

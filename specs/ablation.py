@@ -2,8 +2,9 @@
 
 from typing import Any
 
-from compass.specs.base import SpecModel
 from pydantic import Field, PositiveFloat, PositiveInt
+
+from compass.specs.base import SpecModel
 
 
 class AblationBaseline(SpecModel):

@@ -1,6 +1,12 @@
 """Shared base for every spec model: unknown keys are errors, so a typo never passes silently."""
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ConfigDict
+
+Loc = tuple[str | int, ...]
 
 
 class SpecModel(BaseModel):
@@ -15,3 +21,12 @@ class HintedError(ValueError):
     def __init__(self, message: str, hint: str):
         super().__init__(message)
         self.hint = hint
+
+
+@dataclass(frozen=True)
+class Issue:
+    """A problem at a place in the spec (`loc`: keys and list indexes from the top), located to a line later."""
+
+    loc: Loc
+    message: str
+    hint: str = ""

@@ -1,38 +1,35 @@
-"""Cross-field checks: the rules no single field can enforce, each with a message a person can act on."""
+"""Cross-field checks: the rules no single field can enforce, each with a message a person can act on.
+
+Pure: they read the spec and nothing else. What depends on the machine (local paths, installed libraries,
+cached datasets) or on the compiled plan (step kinds, checkpoint names) is checked by the preflight layer,
+compass.flows.preflight, before anything runs.
+"""
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from compass.specs.base import Issue, Loc
 from compass.specs.sources import SourceUriError, parse_source_uri
 from compass.specs.spec import TrainingSpec
 
-Loc = tuple[str | int, ...]
 
-STEP_KINDS = ("fetch", "curate", "tokenizer", "ablate", "pretrain", "long_context", "post_train", "evaluate",
-              "compare", "report", "curves")
-
-
-@dataclass(frozen=True)
-class Issue:
-    loc: Loc
-    message: str
-    hint: str = ""
-
-
-def check_spec(spec: TrainingSpec, base_dir: Path) -> list[Issue]:
+def check_spec(spec: TrainingSpec) -> list[Issue]:
     """Run every check and return all issues (empty when the spec is consistent)."""
     checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _tokenizer,
-              _references, _ablations, _orchestration, _evaluation)
-    return [issue for check in checks for issue in check(spec, base_dir)]
+              _post_training, _ablations, _orchestration, _evaluation)
+    return [issue for check in checks for issue in check(spec)]
 
 
-def _architecture(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def _unused(model: Any, field: str, loc: Loc, applies: bool, why: str) -> Iterator[Issue]:
+    """A field set where it has no effect is refused, never silently ignored."""
+    if not applies and field in model.model_fields_set:
+        yield Issue((*loc, field), f"{field} has no effect here: {why}", f"remove {field}")
+
+
+def _architecture(spec: TrainingSpec) -> Iterator[Issue]:
     a = spec.what.architecture
     at = ("what", "architecture")
     if a.num_kv_heads > a.num_heads or a.num_heads % a.num_kv_heads:
@@ -64,6 +61,15 @@ def _architecture(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         yield Issue((*at, "moe", "experts_per_token"),
                     f"experts_per_token={a.moe.experts_per_token} exceeds num_experts={a.moe.num_experts}",
                     "route to at most num_experts experts")
+    if a.family == "moe" and a.moe and a.moe.shared_experts:
+        yield Issue((*at, "moe", "shared_experts"), "MoE builds on Qwen3-MoE, which has no shared experts",
+                    "set shared_experts: 0")
+    if a.family == "moe" and a.moe and not a.qk_norm:
+        yield Issue((*at, "qk_norm"), "MoE builds on Qwen3-MoE, whose attention has q/k norms",
+                    "set qk_norm: true")
+    if (a.family == "moe" and a.moe or a.qk_norm) and pos.kind != "rope":
+        yield Issue((*at, "positions", "kind"), f"{'MoE' if a.family == 'moe' else 'qk_norm'} builds on Qwen3, "
+                    f"which has RoPE in every layer, not {pos.kind}", "use positions.kind: rope")
 
 
 def _repeats(names: list[str]) -> list[tuple[int, str]]:
@@ -71,7 +77,7 @@ def _repeats(names: list[str]) -> list[tuple[int, str]]:
     return [(i, n) for i, n in enumerate(names) if n in names[:i]]
 
 
-def _sources(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+def _sources(spec: TrainingSpec) -> Iterator[Issue]:
     sources = spec.what.data.sources
     for i, dup in _repeats([s.name for s in sources]):
         yield Issue(("what", "data", "sources", i, "name"), f"source name '{dup}' is used twice",
@@ -83,25 +89,12 @@ def _sources(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
         except SourceUriError as exc:
             yield Issue((*at, "uri"), str(exc), exc.hint)
             continue
-        if uri.scheme == "file" and not (base_dir / uri.path).expanduser().exists():
-            yield Issue((*at, "uri"), f"local source '{uri.path}' does not exist (relative to {base_dir})",
-                        "fix the path, or use s3://, deb://, pypi:// or stdlib://")
         if src.format in ("jsonl", "parquet") and uri.scheme in ("deb", "stdlib"):
             yield Issue((*at, "format"), f"format {src.format} does not fit a {uri.scheme}:// source",
                         "packages hold text, html or code files")
-        for j, flt in enumerate(src.curation.filters):
-            yield from _filter_params(flt.name, flt.params, (*at, "curation", "filters", j))
-
-
-def _filter_params(name: str, params: dict[str, Any], loc: Loc) -> Iterator[Issue]:
-    from compass.tasks.curate_blocks import FILTERS
-
-    cls = FILTERS[name]
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "exclusion_writer")]
-    for key in params:
-        if key not in accepted:
-            yield Issue((*loc, "params", key), f"{cls.__name__} has no parameter '{key}'",
-                        f"accepted: {', '.join(accepted)}")
+        yield from _unused(src, "text_key", at, src.format in ("jsonl", "parquet"),
+                           "only jsonl and parquet records have keys")
+        yield from _unused(src, "section_chars", at, src.split == "sections", "only split: sections cuts sections")
 
 
 def _mixture(mixture: dict[str, float], loc: Loc, source_names: set[str]) -> Iterator[Issue]:
@@ -116,7 +109,7 @@ def _mixture(mixture: dict[str, float], loc: Loc, source_names: set[str]) -> Ite
         yield Issue(loc, f"mixture weights sum to {total:g}, not 1", "rescale the weights so they sum to 1")
 
 
-def _mixtures(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def _mixtures(spec: TrainingSpec) -> Iterator[Issue]:
     names = {s.name for s in spec.what.data.sources}
     for i, stage in enumerate(spec.what.pretraining.stages):
         yield from _mixture(stage.mixture, ("what", "pretraining", "stages", i, "mixture"), names)
@@ -126,33 +119,22 @@ def _mixtures(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         yield from _mixture(spec.what.ablations.baseline.mixture, ("what", "ablations", "baseline", "mixture"), names)
 
 
-def _evaluation(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
-    """Every benchmark must be runnable here before any work starts, and every criterion must name a metric
-    the evaluation produces."""
-    from compass.tasks.benchmarks import BENCHMARKS
-
+def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
+    """Every criterion must name a metric the evaluation produces (whether each benchmark can run on this
+    machine is a preflight check)."""
     ev = spec.what.evaluation
     names = {s.name for s in spec.what.data.sources}
     for i, task in enumerate(ev.tasks):
-        at = ("what", "evaluation", "tasks", i)
-        if task.source == "compass" and task.name not in BENCHMARKS:
-            yield Issue((*at, "name"), f"no offline data for benchmark '{task.name}' on this machine",
-                        f"available offline: {', '.join(BENCHMARKS)}; or set source: lighteval for a lighteval "
-                        "task whose dataset this machine holds")
-        if task.source == "lighteval":
-            if "formulation" in task.model_fields_set:
-                yield Issue((*at, "formulation"), "a lighteval task has its own prompt; formulation applies to "
-                            "compass benchmarks only", "remove formulation")
-            from compass.tasks.lighteval_tasks import TaskDataMissing, locate
-
-            try:
-                locate(task.name, task.fewshot)
-            except TaskDataMissing as e:
-                yield Issue((*at, "name"), str(e), e.hint)
+        if task.source == "lighteval" and "formulation" in task.model_fields_set:
+            yield Issue(("what", "evaluation", "tasks", i, "formulation"), "a lighteval task has its own prompt; "
+                        "formulation applies to compass benchmarks only", "remove formulation")
     for i, src in enumerate(ev.perplexity_sources):
         if src not in names:
             yield Issue(("what", "evaluation", "perplexity_sources", i), f"unknown source '{src}'",
                         f"known sources: {', '.join(sorted(names))}")
+    chats = any(p.method != "mid_training" for p in spec.what.post_training)
+    yield from _unused(ev, "vibe_prompts", ("what", "evaluation"), chats or not ev.vibe_prompts,
+                       "vibe prompts are answered by chat post-training steps (sft, dpo, grpo, ...); there are none")
     if not (ev.tasks or ev.perplexity_sources):
         return  # nothing is evaluated, so no success report is compiled
     keys = {t.key for t in ev.tasks}  # each gives <key>/<metric>
@@ -169,7 +151,7 @@ def _evaluation(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
                     f"the evaluation suite gives: {', '.join(given)}")
 
 
-def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def _stages(spec: TrainingSpec) -> Iterator[Issue]:
     pre = spec.what.pretraining.stages
     for i, dup in _repeats([s.name for s in pre]):
         yield Issue(("what", "pretraining", "stages", i, "name"),
@@ -201,6 +183,7 @@ def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         if stage.tokens < one_step:
             yield Issue((*at, "tokens"), f"{stage.tokens:g} tokens is less than one optimizer step ({one_step})",
                         "raise tokens or lower global_batch_size")
+        yield from _unused(stage, "decay_fraction", at, stage.schedule == "wsd", "only wsd decays by a fraction")
         previous, previous_theta = stage.sequence_length, stage.rope_theta
     source = spec.what.long_context.retrieval_source
     names = {s.name for s in spec.what.data.sources}
@@ -210,12 +193,15 @@ def _stages(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     if any(not 0 <= d <= 1 for d in spec.what.long_context.retrieval_depths):
         yield Issue(("what", "long_context", "retrieval_depths"), "depths are fractions of the context",
                     "use values between 0 (start) and 1 (end)")
+    for name in ("inference_scaling", "retrieval_depths", "retrieval_samples", "retrieval_source"):
+        yield from _unused(spec.what.long_context, name, ("what", "long_context"), bool(lc),
+                           "there are no long-context stages")
     if spec.what.architecture.positions.kind == "nope" and lc:
         yield Issue(("what", "long_context"), "long-context stages change rope_theta, but the model has no RoPE",
                     "use positions.kind: rope or rnope, or drop the long-context stages")
 
 
-def _schedule(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def _schedule(spec: TrainingSpec) -> Iterator[Issue]:
     pt = spec.what.pretraining
     sched = pt.schedule
     segments = [s.schedule_segment for s in pt.stages]
@@ -245,9 +231,13 @@ def _schedule(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     elif sched.milestones:
         yield Issue(("what", "pretraining", "schedule", "milestones"), f"milestones do not apply to {sched.kind}",
                     "remove them or use kind: multistep")
+    at = ("what", "pretraining", "schedule")
+    yield from _unused(sched, "gamma", at, sched.kind == "multistep", "only multistep multiplies the LR by gamma")
+    yield from _unused(sched, "decay_fraction", at, sched.kind == "wsd", "only wsd decays by a fraction")
+    yield from _unused(sched, "min_lr_ratio", at, sched.kind in ("wsd", "cosine"), f"{sched.kind} never decays")
 
 
-def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     how = spec.how
     par = how.parallelism
     devices = how.hardware.total_devices
@@ -264,14 +254,20 @@ def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
               for i, s in enumerate(spec.what.pretraining.stages)]
     stages += [("long_context", i, s.global_batch_size, s.micro_batch_size or par.micro_batch_size)
                for i, s in enumerate(spec.what.long_context.stages)]
-    for section, i, gbs, micro in stages:
+    locs = [(("what", section, "stages", i, "global_batch_size"), gbs, micro) for section, i, gbs, micro in stages]
+    locs += [(("what", "post_training", i, "batch_size"), s.batch_size, par.micro_batch_size)
+             for i, s in enumerate(spec.what.post_training) if s.method == "mid_training"]
+    for loc, gbs, micro in locs:
         per_step = micro * par.data_parallel
         if gbs % per_step:
-            yield Issue(("what", section, "stages", i, "global_batch_size"),
-                        f"global_batch_size={gbs} is not a multiple of micro_batch_size x data_parallel = {per_step}",
+            yield Issue(loc, f"{loc[-1]}={gbs} is not a multiple of micro_batch_size x data_parallel = {per_step}",
                         "gradient accumulation needs a whole number of micro-batches")
-    if how.hardware.accelerator == "cpu" and how.precision == "fp16":
-        yield Issue(("how", "precision"), "fp16 is not supported on CPU", "use fp32 on CPU (bf16 is ~17x slower)")
+    if how.hardware.accelerator == "cpu" and how.precision != "fp32":
+        yield Issue(("how", "precision"), f"{how.precision} is not supported on CPU: training there is fp32",
+                    "use fp32 on CPU (bf16 is ~17x slower there; fp16 does not train)")
+    if par.pipeline_parallel > 1:
+        yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
+                    "use data and tensor parallelism (with ZeRO) instead")
     if how.hardware.accelerator == "cpu" and par.tensor_parallel > 1:
         yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism needs GPUs",
                     "use data_parallel on CPU")
@@ -287,74 +283,53 @@ def _parallelism(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
                     "use launcher: torchrun, or set deepspeed: true")
 
 
-def _tokenizer(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
-    cands = spec.what.tokenizer.candidates
-    keys = [candidate_key(c) for c in cands]
-    for i, dup in _repeats(keys):
+def _tokenizer(spec: TrainingSpec) -> Iterator[Issue]:
+    tok = spec.what.tokenizer
+    for i, dup in _repeats([c.key for c in tok.candidates]):
         yield Issue(("what", "tokenizer", "candidates", i), f"candidate '{dup}' is listed twice",
                     "list each candidate once")
-    for i, c in enumerate(cands):
-        if c.kind == "local" and not (base_dir / c.path / "tokenizer.json").expanduser().exists():
-            yield Issue(("what", "tokenizer", "candidates", i, "path"),
-                        f"no tokenizer.json in '{c.path}' (relative to {base_dir})",
-                        "point to a folder saved with save_pretrained()")
     vocab = spec.what.architecture.vocab_size
-    if vocab is not None and len(cands) > 1:
+    if vocab is not None and len(tok.candidates) > 1:
         yield Issue(("what", "architecture", "vocab_size"),
                     "vocab_size is fixed while several tokenizer candidates compete",
                     "leave vocab_size empty so the chosen tokenizer sets it")
+    yield from _unused(tok.selection, "tolerance", ("what", "tokenizer", "selection"),
+                       tok.selection.rule == "smallest_within", "only smallest_within has a tolerance")
 
 
-def candidate_key(c: Any) -> str:
-    return {"bpe": lambda: f"bpe-{c.vocab_size}", "local": lambda: c.name,
-            "hub": lambda: c.repo.replace("/", "--")}[c.kind]()
-
-
-def valid_checkpoints(spec: TrainingSpec) -> set[str]:
-    names = {"final"}
-    names |= {f"pretrain:{s.name}" for s in spec.what.pretraining.stages}
-    names |= {f"long_context:{s.name}" for s in spec.what.long_context.stages}
-    names |= {f"post_train:{s.name}" for s in spec.what.post_training}
-    return names
-
-
-def _references(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
-    valid = valid_checkpoints(spec)
-    hint = f"one of: {', '.join(sorted(valid))}"
-    for i, crit in enumerate(spec.why.success_criteria):
-        if crit.checkpoint not in valid:
-            yield Issue(("why", "success_criteria", i, "checkpoint"), f"unknown checkpoint '{crit.checkpoint}'", hint)
+def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
+    """Rules inside post_training; whether the checkpoints it names exist is checked on the compiled plan."""
     post = spec.what.post_training
     for i, dup in _repeats([s.name for s in post]):
         yield Issue(("what", "post_training", i, "name"),
                     f"post-training step '{dup}' is named twice", "name every step differently")
     sources = {s.name for s in spec.what.data.sources}
     for i, step in enumerate(post):
+        at = ("what", "post_training", i)
         if step.method == "mid_training":
             if step.dataset not in sources:
-                yield Issue(("what", "post_training", i, "dataset"),
+                yield Issue((*at, "dataset"),
                             f"mid-training continues pretraining on a curated source; '{step.dataset}' is not one",
                             f"use one of: {', '.join(sorted(sources))}")
             if any(s.method != "mid_training" for s in post[:i]):
-                yield Issue(("what", "post_training", i, "method"),
+                yield Issue((*at, "method"),
                             "mid-training continues the pretraining state, so it comes before SFT, preference "
                             "optimisation and RL", "move it to the top of post_training")
-        refs = []
-        if step.method in ("dpo", "orpo", "kto") and step.pairs and step.pairs.kind == "strong_vs_weak":
-            refs = [("pairs", "strong", step.pairs.strong), ("pairs", "weak", step.pairs.weak)]
+        if step.method in ("orpo", "kto"):
+            yield from _unused(step, "loss_type", at, False, f"{step.method} has its own loss; loss_type is DPO's")
+        if step.method == "grpo" and bool(step.length_penalty) != (step.target_length is not None):
+            yield Issue((*at, "length_penalty" if step.length_penalty else "target_length"),
+                        "length_penalty and target_length work together: the penalty is per token beyond the target",
+                        "set both, or neither")
         if step.method == "distill":
-            refs = [("teacher", step.teacher)]
             layers = spec.what.architecture.num_layers
             if step.student_layers is not None and step.student_layers >= layers:
-                yield Issue(("what", "post_training", i, "student_layers"),
+                yield Issue((*at, "student_layers"),
                             f"a student of {step.student_layers} layers is not smaller than the model's {layers}",
                             f"use fewer than {layers} layers, or leave it out to distil into the model as is")
-        for *path, ref in refs:
-            if ref not in valid:
-                yield Issue(("what", "post_training", i, *path), f"unknown checkpoint '{ref}'", hint)
 
 
-def _ablations(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def _ablations(spec: TrainingSpec) -> Iterator[Issue]:
     abl = spec.what.ablations
     if abl is None:
         return
@@ -383,6 +358,10 @@ def _ablations(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
         elif current == value:
             yield Issue((*at, path), f"variant '{variant.name}' sets {path} to its baseline value {value!r}",
                         "a variant must differ from the baseline")
+    for i, metric in enumerate(abl.metrics):
+        if metric != "val_loss":
+            yield Issue(("what", "ablations", "metrics", i), f"ablation runs do not measure '{metric}'",
+                        "compare val_loss (the validation loss averaged over the mixture's sources)")
 
 
 _MISSING = object()
@@ -396,12 +375,13 @@ def _lookup(node: Any, parts: list[str]) -> Any:
     return node
 
 
-def _orchestration(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def _orchestration(spec: TrainingSpec) -> Iterator[Issue]:
     orch = spec.how.orchestration
-    for kind in orch.step_timeouts:
-        if kind not in STEP_KINDS:
-            yield Issue(("how", "orchestration", "step_timeouts", kind), f"unknown step kind '{kind}'",
-                        f"one of: {', '.join(STEP_KINDS)}")
+    at = ("how", "orchestration")
+    ray = orch.task_runner == "ray"
+    yield from _unused(orch, "ray_address", at, ray, "only task_runner: ray joins a Ray cluster")
+    yield from _unused(orch, "ray_num_cpus", at, ray and orch.ray_address is None,
+                       "only a Ray that compass starts itself takes a CPU count")
     ev = spec.how.evaluation
     if ev.schedule_cron and ev.schedule_interval_seconds:
         yield Issue(("how", "evaluation"), "both schedule_cron and schedule_interval_seconds are set",

@@ -2,8 +2,9 @@
 
 from typing import Any, Literal
 
-from compass.specs.base import SpecModel
 from pydantic import Field, PositiveInt
+
+from compass.specs.base import SpecModel
 
 SOURCE_NAME = r"^[a-z][a-z0-9_]*$"
 

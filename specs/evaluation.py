@@ -2,8 +2,9 @@
 
 from typing import Literal
 
-from compass.specs.base import SpecModel
 from pydantic import Field, PositiveInt
+
+from compass.specs.base import SpecModel
 
 
 class EvalTask(SpecModel):

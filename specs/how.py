@@ -2,10 +2,12 @@
 
 from typing import Literal
 
-from compass.specs.base import SpecModel
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from compass.specs.base import SpecModel
+
 Accelerator = Literal["cpu", "h100", "h200", "a100", "l40s"]
+Precision = Literal["fp32", "bf16", "fp16"]
 
 # Dense bf16 peak TFLOP/s per device, used for GPU-hours and MFU (CPU: measured at run time instead).
 PEAK_TFLOPS: dict[str, float] = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "l40s": 362.0, "cpu": 0.5}
@@ -83,7 +85,7 @@ class EvaluationCadence(SpecModel):
 class How(SpecModel):
     hardware: Hardware = Hardware()
     parallelism: Parallelism = Parallelism()
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     storage: Storage = Storage()
     orchestration: Orchestration = Orchestration()
     checkpoints: Checkpoints = Checkpoints()

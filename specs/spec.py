@@ -1,5 +1,7 @@
 """The whole training spec: why / what / how."""
 
+from pydantic import Field
+
 from compass.specs.ablation import Ablations
 from compass.specs.architecture import Architecture
 from compass.specs.base import SpecModel
@@ -10,7 +12,6 @@ from compass.specs.post_training import PostTrainStep
 from compass.specs.tokenizer import Tokenizer
 from compass.specs.training import LongContext, Pretraining
 from compass.specs.why import Why
-from pydantic import Field
 
 
 class What(SpecModel):

@@ -2,8 +2,9 @@
 
 from typing import Annotated, Literal
 
-from compass.specs.base import SpecModel
 from pydantic import Field, PositiveInt
+
+from compass.specs.base import SpecModel
 
 
 class BpeCandidate(SpecModel):
@@ -13,6 +14,11 @@ class BpeCandidate(SpecModel):
     vocab_size: PositiveInt = Field(ge=260, description="Includes the 256 byte symbols and special tokens.")
     min_frequency: PositiveInt = 2
 
+    @property
+    def key(self) -> str:
+        """The candidate's name in the comparison and its folder in the artifact."""
+        return f"bpe-{self.vocab_size}"
+
 
 class LocalCandidate(SpecModel):
     """An existing tokenizer in Hugging Face format (a folder with tokenizer.json) on local disk."""
@@ -21,13 +27,23 @@ class LocalCandidate(SpecModel):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
     path: str
 
+    @property
+    def key(self) -> str:
+        return self.name
+
 
 class HubCandidate(SpecModel):
-    """A published tokenizer by repository id; needs hub access or a warm Hugging Face cache (not offline)."""
+    """A published tokenizer by repository id, read from the local Hugging Face cache (nothing is downloaded:
+    `hf download REPO` on a machine with network, then copy the cache)."""
 
     kind: Literal["hub"]
     repo: str = Field(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
+    revision: str = Field(default="main", description="Branch, tag or commit of the cached snapshot.")
     vocab_size: PositiveInt = Field(description="Its vocabulary size, for planning before it is loaded.")
+
+    @property
+    def key(self) -> str:
+        return self.repo.replace("/", "--")
 
 
 TokenizerCandidate = Annotated[BpeCandidate | LocalCandidate | HubCandidate, Field(discriminator="kind")]

@@ -2,8 +2,9 @@
 
 from typing import Literal
 
-from compass.specs.base import SpecModel
 from pydantic import Field, PositiveFloat, PositiveInt
+
+from compass.specs.base import SpecModel
 
 
 class Optimizer(SpecModel):
@@ -118,6 +119,8 @@ class LongContextStage(SpecModel):
     lr: PositiveFloat = 2e-5
     schedule: Literal["wsd", "cosine", "constant"] = "wsd"
     warmup_steps: int = Field(default=0, ge=0)
+    decay_fraction: float = Field(default=0.1, gt=0, le=1, description="wsd: share of the stage's steps spent "
+                                                                       "decaying to zero.")
 
 
 class LongContext(SpecModel):

@@ -2,8 +2,9 @@
 
 from typing import Annotated, Literal
 
-from compass.specs.base import SpecModel
 from pydantic import Field
+
+from compass.specs.base import SpecModel
 
 
 class SuccessCriterion(SpecModel):

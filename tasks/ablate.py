@@ -5,10 +5,63 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import replace
 from typing import Any
 
+from compass.model.job import StageRecipe
+from compass.specs.ablation import AblationBaseline
+from compass.specs.architecture import Architecture
+from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.tokenize import data_inputs
+from compass.tasks.training import build_job, run_training
+
+
+class AblateConfig(StepConfig):
+    """One (variant, seed) run: the baseline with `change` applied (a dotted field and its value)."""
+
+    architecture: Architecture
+    baseline: AblationBaseline
+    change: dict[str, Any]
+    seed: int
+    optimizer: Optimizer
+    metrics: list[str]
+    schedule: Schedule
+    monitors: Monitors
+    intra_document_masking: bool
+
+    def recipe(self) -> StageRecipe:
+        """The pretraining recipe of this run: proxy architecture, one stage, this seed."""
+        base = {"architecture": {**self.architecture.model_dump(), **self.baseline.architecture},
+                **self.baseline.model_dump(exclude={"architecture"})}
+        run = apply_change(base, self.change)
+        stage = PretrainStage(name="ablation", tokens=run["tokens"], sequence_length=run["sequence_length"],
+                              global_batch_size=run["global_batch_size"], mixture=run["mixture"])
+        optimizer = self.optimizer.model_copy(update={"lr": run["lr"]}) if run.get("lr") else self.optimizer
+        return StageRecipe(architecture=Architecture.model_validate(run["architecture"]), optimizer=optimizer,
+                           schedule=self.schedule, stages=[stage], stage="ablation", seed=self.seed,
+                           intra_document_masking=self.intra_document_masking, monitors=self.monitors)
+
+
+class CompareConfig(StepConfig):
+    metrics: list[str]
+    seeds: list[int]
+
+
+def build(plan: PlanBuilder) -> None:
+    what = plan.spec.what
+    abl, pt = what.ablations, what.pretraining
+    if abl is None:
+        return
+    runs = {}
+    for variant, change in [("baseline", {}), *((v.name, v.change) for v in abl.variants)]:
+        for seed in abl.seeds:
+            config = AblateConfig(architecture=what.architecture, baseline=abl.baseline, change=change, seed=seed,
+                                  optimizer=pt.optimizer, metrics=abl.metrics, schedule=pt.schedule,
+                                  monitors=pt.monitors, intra_document_masking=pt.intra_document_masking)
+            step_id = plan.add(ABLATE, f"{variant}-s{seed}", config, data_inputs(plan, list(abl.baseline.mixture)))
+            runs[step_id.replace(":", "/")] = step_id
+    plan.add(COMPARE, "ablations", CompareConfig(metrics=abl.metrics, seeds=abl.seeds), runs)
 
 
 def apply_change(baseline: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
@@ -23,33 +76,14 @@ def apply_change(baseline: dict[str, Any], change: dict[str, Any]) -> dict[str, 
     return out
 
 
-def run_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The pretraining config of one ablation run: proxy architecture, one stage, this seed."""
-    base = {"architecture": {**config["architecture"], **config["baseline"]["architecture"]},
-            **{k: v for k, v in config["baseline"].items() if k != "architecture"}}
-    run = apply_change(base, config["change"])
-    optimizer = dict(config["optimizer"])
-    if run.get("lr"):
-        optimizer["lr"] = run["lr"]
-    stage = {"name": "ablation", "tokens": run["tokens"], "sequence_length": run["sequence_length"],
-             "global_batch_size": run["global_batch_size"], "mixture": run["mixture"], "schedule_segment": "auto",
-             "reset_optimizer": False}
-    return {"architecture": run["architecture"], "optimizer": optimizer, "schedule": config["schedule"],
-            "stages": [stage], "stage": "ablation", "seed": config["seed"],
-            "intra_document_masking": config["intra_document_masking"], "monitors": config["monitors"]}
-
-
-def run_ablation(ctx: StepContext) -> StepResult:
-    from compass.tasks.pretrain import build_job, run_training
-
-    job = build_job(replace(ctx, config=run_config(ctx.config)))
-    result = run_training(job, ctx.workdir, ctx.log)
+def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
+    result = run_training(build_job(ctx, ctx.config.recipe()), ctx.log)
     val = result["val_loss"]
     metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,
-               "final_loss": result["final_loss"], "tokens": result["tokens"], "seed": ctx.config["seed"],
-               "change": ctx.config["change"]}
+               "final_loss": result["final_loss"], "tokens": result["tokens"], "seed": ctx.config.seed,
+               "change": ctx.config.change}
     (ctx.out / "metrics.jsonl").write_text((ctx.workdir / "metrics.jsonl").read_text())
-    summary = (f"### ablation `{ctx.name}`\n\nchange {ctx.config['change'] or 'none (baseline)'}; "
+    summary = (f"### ablation `{ctx.name}`\n\nchange {ctx.config.change or 'none (baseline)'}; "
                f"validation loss {metrics['val_loss']:.4f} after {result['tokens']:,} tokens")
     return StepResult(metrics=metrics, summary=summary)
 
@@ -61,8 +95,8 @@ def verdict(delta: float, noise: float, lower_is_better: bool) -> str:
     return "better" if improved else "worse"
 
 
-def run_comparison(ctx: StepContext) -> StepResult:
-    metric = ctx.config["metrics"][0]
+def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
+    metric = ctx.config.metrics[0]
     lower_is_better = "loss" in metric or "ppl" in metric
     by_variant: dict[str, list[float]] = {}
     changes: dict[str, Any] = {}
@@ -110,3 +144,10 @@ def _plot(rows: list[dict], metric: str, out) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="1", uses_accelerator=True,
+                  deployment="ablations", tags=("ablation",))
+COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="1", deployment="ablations",
+                   tags=("ablation",))
+STEP_KINDS = (ABLATE, COMPARE)

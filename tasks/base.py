@@ -1,25 +1,27 @@
-"""The contract between the runner and a phase: what a step gets (StepContext) and gives back (StepResult)."""
+"""The contract between the runner and a step kind: what a step gets (StepContext) and gives back (StepResult)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from compass.infra.manifest import Manifest
 from compass.infra.store import Store
+from compass.specs.how import How
+from compass.tasks.steps import StepConfig, inputs_with_prefix
+
+ConfigT = TypeVar("ConfigT", bound=StepConfig)
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """Settings from `how` that change how a step runs but never what it produces (not fingerprinted)."""
+    """Settings that change how a step runs but never what it produces (not fingerprinted): the spec's `how`
+    (hardware, parallelism, checkpoints, orchestration) and the folder relative paths resolve against."""
 
-    workers: int = 2
-    task_runner: str = "local"
-    ray_address: str | None = None
-    base_dir: Path = Path.cwd()
-    how: dict = field(default_factory=dict)  # the spec's `how`, for hardware and parallelism
+    how: How = field(default_factory=How)
+    base_dir: Path = field(default_factory=Path.cwd)
 
 
 @dataclass
@@ -36,13 +38,13 @@ class InputArtifact:
 
 
 @dataclass
-class StepContext:
+class StepContext(Generic[ConfigT]):
     """`out` becomes the artifact; `scratch` is working space deleted when the step ends; `workdir` survives
     a crash of the step (checkpoints live there) and is removed once the artifact is committed."""
 
     kind: str
     name: str
-    config: dict[str, Any]
+    config: ConfigT
     inputs: dict[str, InputArtifact]
     out: Path
     scratch: Path
@@ -53,7 +55,11 @@ class StepContext:
     work_key: str = ""  # <kind>/<name>-<fingerprint[:12]>: names this step's recovery copies in the store
 
     def inputs_with_prefix(self, prefix: str) -> dict[str, InputArtifact]:
-        return {role[len(prefix):]: art for role, art in self.inputs.items() if role.startswith(prefix)}
+        return inputs_with_prefix(self.inputs, prefix)
+
+    def local_inputs(self, prefix: str) -> dict[str, Path]:
+        """Local folders of the inputs whose role starts with `prefix`, keyed by the rest of the role."""
+        return {name: art.local() for name, art in self.inputs_with_prefix(prefix).items()}
 
 
 @dataclass

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,11 +38,20 @@ def load_chat_model(folder: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-@torch.no_grad()
 def generate(model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int,
              batch_size: int = 16, seed: int | None = None) -> list[str]:
     """Answers to each conversation: greedy, or sampled from `seed` (reproducible on CPU for the same
     conversations in the same order)."""
+    import torch
+
+    with torch.no_grad():
+        return _generate(model, tokenizer, conversations, max_new_tokens, batch_size, seed)
+
+
+def _generate(model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int,
+              batch_size: int, seed: int | None) -> list[str]:
+    import torch
+
     tokenizer.padding_side = "left"
     was_training = model.training
     model.eval()

@@ -7,33 +7,67 @@ Each stage is a datatrove pipeline run by its LocalPipelineExecutor (RayPipeline
 from __future__ import annotations
 
 import gzip
+import inspect
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from compass.specs.base import Issue
+from compass.specs.data import Curation
+from compass.specs.spec import TrainingSpec
 from compass.tasks.base import Runtime, StepContext, StepResult
-from compass.tasks.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text, portable_record
-from datatrove.pipeline.dedup import (
-    ExactDedupConfig,
-    ExactDedupFilter,
-    ExactDedupSignature,
-    ExactFindDedups,
-    MinhashConfig,
-    MinhashDedupBuckets,
-    MinhashDedupCluster,
-    MinhashDedupFilter,
-    MinhashDedupSignature,
-)
-from datatrove.pipeline.readers import JsonlReader
-from datatrove.pipeline.writers import JsonlWriter
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
-def run_curate(ctx: StepContext) -> StepResult:
+class CurateConfig(StepConfig):
+    curation: Curation
+    language: str | None
+    domain: str
+
+
+def build(plan: PlanBuilder) -> None:
+    for src in plan.spec.what.data.sources:
+        plan.add(KIND, src.name, CurateConfig(curation=src.curation, language=src.language, domain=src.domain),
+                 {"raw": f"ingest:{src.name}"})
+
+
+def preflight(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+    """Every filter parameter must be one the installed datatrove filter's constructor takes."""
+    from compass.tasks.curate_blocks import FILTERS
+
+    for i, src in enumerate(spec.what.data.sources):
+        for j, flt in enumerate(src.curation.filters):
+            cls = FILTERS[flt.name]
+            accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "exclusion_writer")]
+            for key in flt.params:
+                if key not in accepted:
+                    yield Issue(("what", "data", "sources", i, "curation", "filters", j, "params", key),
+                                f"{cls.__name__} has no parameter '{key}'", f"accepted: {', '.join(accepted)}")
+
+
+def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
+    from datatrove.pipeline.dedup import (
+        ExactDedupConfig,
+        ExactDedupFilter,
+        ExactDedupSignature,
+        ExactFindDedups,
+        MinhashConfig,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+
+    from compass.tasks.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text, portable_record
+
     cfg = ctx.config
-    cur = cfg["curation"]
+    cur = cfg.curation
     raw = ctx.inputs["raw"].local() / "documents"
     work = ctx.scratch
     logs = ctx.out / "datatrove-logs"
@@ -42,10 +76,10 @@ def run_curate(ctx: StepContext) -> StepResult:
     before = _measure(raw)
     n_shards = max(1, len(list(raw.glob("*.jsonl.gz"))))
 
-    blocks = [FILTERS[f["name"]](**f["params"]) for f in cur["filters"]]
-    if cur.get("language_id") is not None:
-        lid = cur["language_id"]
-        blocks.append(LanguageIdFilter(lid["keep"], lid["min_score"], cfg.get("language")))
+    blocks = [FILTERS[f.name](**f.params) for f in cur.filters]
+    if cur.language_id is not None:
+        lid = cur.language_id
+        blocks.append(LanguageIdFilter(lid.keep, lid.min_score, cfg.language))
     current = raw
     if blocks:
         current = work / "filtered"
@@ -55,7 +89,7 @@ def run_curate(ctx: StepContext) -> StepResult:
             raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                              "loosen its filters")
 
-    if cur["exact_dedup"]:
+    if cur.exact_dedup:
         exact = ExactDedupConfig(content_getter=document_text)
         stages.append(_run(ctx.runtime, "exact-signature", logs,
                            [JsonlReader(str(current)), ExactDedupSignature(str(work / "exact-sigs"), exact)],
@@ -67,10 +101,9 @@ def run_curate(ctx: StepContext) -> StepResult:
                             JsonlWriter(str(work / "exact"))], n_shards))
         current = work / "exact"
 
-    if cur.get("minhash"):
-        mh = cur["minhash"]
-        config = MinhashConfig(n_grams=mh["n_grams"], num_buckets=mh["num_buckets"],
-                               hashes_per_bucket=mh["hashes_per_bucket"])
+    if cur.minhash:
+        mh = cur.minhash
+        config = MinhashConfig(n_grams=mh.n_grams, num_buckets=mh.num_buckets, hashes_per_bucket=mh.hashes_per_bucket)
         stages.append(_run(ctx.runtime, "minhash-signature", logs,
                            [JsonlReader(str(current)), MinhashDedupSignature(str(work / "mh-sigs"), config)],
                            n_shards))
@@ -85,7 +118,7 @@ def run_curate(ctx: StepContext) -> StepResult:
         current = work / "minhash"
 
     stages.append(_run(ctx.runtime, "split", logs,
-                       [JsonlReader(str(current)), SplitTagger(cur["heldout_fraction"]),
+                       [JsonlReader(str(current)), SplitTagger(cur.heldout_fraction),
                         JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz",
                                     adapter=portable_record)], n_shards))
 
@@ -115,15 +148,16 @@ def run_curate(ctx: StepContext) -> StepResult:
 def _run(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int) -> dict[str, Any]:
     """Run one datatrove pipeline and return its merged block statistics."""
     logging_dir = logs / stage
-    if runtime.task_runner == "ray":
+    orch = runtime.how.orchestration
+    if orch.task_runner == "ray":
         from datatrove.executor import RayPipelineExecutor
 
-        executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=runtime.workers,
+        executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=orch.workers,
                                        logging_dir=str(logging_dir), skip_completed=False)
     else:
         from datatrove.executor import LocalPipelineExecutor
 
-        executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, runtime.workers),
+        executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, orch.workers),
                                          logging_dir=str(logging_dir), skip_completed=False)
     executor.run()
     stats_file = logging_dir / "stats.json"
@@ -174,3 +208,8 @@ def _measure(folder: Path) -> dict[str, int]:
                 words += len(_WORD.findall(text))
                 size += len(text.encode())
     return {"documents": docs, "words": words, "bytes": size}
+
+
+KIND = StepKind("curate", CurateConfig, run_curate, build, version="2", spreads_itself=True, tags=("data",),
+                preflight=preflight)
+STEP_KINDS = (KIND,)

@@ -9,6 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.evaluate import step_name
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+
+
+class CurvesConfig(StepConfig):
+    runs: list[str]  # the model steps drawn, in training order
+
+
+def build(plan: PlanBuilder) -> None:
+    evaluated = {s.inputs["model"] for s in plan.of_kind("evaluate")}
+    runs = [m for m in plan.model_steps if m in evaluated]
+    if runs:
+        plan.add(KIND, "evaluation", CurvesConfig(runs=runs), {f"eval:{m}": f"evaluate:{step_name(m)}" for m in runs})
 
 
 def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -52,7 +65,7 @@ def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path
     plt.close(fig)
 
 
-def run_curves(ctx: StepContext) -> StepResult:
+def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
     evaluations = {role.removeprefix("eval:"): json.loads((art.local() / "results.json").read_text())
                    for role, art in ctx.inputs.items()}
     points = curve_points(evaluations)
@@ -64,3 +77,7 @@ def run_curves(ctx: StepContext) -> StepResult:
     summary = (f"### evaluation curves\n\n{len(points)} metrics, {len(evaluations)} runs, {n} points; "
                f"`curves.png` in the artifact")
     return StepResult(metrics={"metrics": sorted(points), "points": n}, summary=summary, tables={"curve_points": table})
+
+
+KIND = StepKind("curves", CurvesConfig, run_curves, build, version="1", tags=("report",))
+STEP_KINDS = (KIND,)

@@ -1,59 +1,130 @@
-"""Evaluation of one checkpoint: lighteval on the offline benchmarks the spec names (CF or MCF), plus the
-validation loss and perplexity of each curated source the spec lists."""
+"""Evaluation of one model step: lighteval on the benchmarks the spec names (compass's offline benchmarks in CF or
+MCF, or lighteval's own tasks on local data), the validation loss and perplexity of each curated source the spec
+lists, and passkey retrieval at every trained length when the spec extends the context."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from compass.model.history import kept_checkpoints, tokens_seen
+from compass.specs.base import Issue
+from compass.specs.evaluation import EvalTask, Evaluation
+from compass.specs.spec import TrainingSpec
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.tokenize import tokens_of
+from compass.tasks.tokenizer import STEP_ID as TOKENIZER
 
 
-def task_key(task: dict[str, Any]) -> str:
-    """The metric prefix of one suite entry, as the spec names it (`arc_easy:cf`, `lighteval:winogrande`)."""
-    from compass.specs.evaluation import EvalTask
+class Retrieval(BaseModel):
+    """Passkey retrieval: at each trained length, needles at these depths in held-out text of `source`."""
 
-    return EvalTask.model_validate(task).key
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lengths: list[int]
+    depths: list[float]
+    samples: int
+    source: str
 
 
-def _pipeline_task(task: dict[str, Any]) -> str:
+class EvaluateConfig(StepConfig):
+    omit_when_none = frozenset({"retrieval"})
+
+    suite: Evaluation
+    every_checkpoint: bool
+    retrieval: Retrieval | None = None
+
+
+def retrieval_of(spec: TrainingSpec) -> Retrieval | None:
+    """Passkey retrieval at every trained length (the last pretraining one, then each extension stage)."""
+    lc = spec.what.long_context
+    if not lc.stages:
+        return None
+    first = lc.stages[0].mixture
+    lengths = [spec.what.pretraining.stages[-1].sequence_length, *(s.sequence_length for s in lc.stages)]
+    return Retrieval(lengths=lengths, depths=lc.retrieval_depths, samples=lc.retrieval_samples,
+                     source=lc.retrieval_source or max(sorted(first), key=lambda n: first[n]))
+
+
+def step_name(model_step: str) -> str:
+    """`evaluate:<kind>-<name>` evaluates the model step `<kind>:<name>`."""
+    return model_step.replace(":", "-")
+
+
+def build(plan: PlanBuilder) -> None:
+    ev = plan.spec.what.evaluation
+    if not (ev.tasks or ev.perplexity_sources):
+        return
+    retrieval = retrieval_of(plan.spec)
+    config = EvaluateConfig(suite=ev, every_checkpoint=plan.spec.how.evaluation.every_checkpoint, retrieval=retrieval)
+    for model_step in plan.model_steps:
+        inputs = {"model": model_step, "tokenizer": TOKENIZER,
+                  **{f"tokens:{n}": tokens_of(plan, n) for n in ev.perplexity_sources}}
+        if retrieval:
+            inputs["haystack"] = tokens_of(plan, retrieval.source)
+        plan.add(KIND, step_name(model_step), config, inputs)
+
+
+def preflight(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+    """Every benchmark must be runnable on this machine before any work starts: compass's own from the offline
+    data it knows, lighteval's from a dataset the machine holds."""
+    from compass.tasks.lighteval_tasks import TaskDataMissing, locate
+    from compass.tasks.offline_benchmarks import BENCHMARKS
+
+    for i, task in enumerate(spec.what.evaluation.tasks):
+        at = ("what", "evaluation", "tasks", i, "name")
+        if task.source == "compass" and task.name not in BENCHMARKS:
+            yield Issue(at, f"no offline data for benchmark '{task.name}' on this machine",
+                        f"available offline: {', '.join(BENCHMARKS)}; or set source: lighteval for a lighteval "
+                        "task whose dataset this machine holds")
+        if task.source == "lighteval":
+            try:
+                locate(task.name, task.fewshot)
+            except TaskDataMissing as e:
+                yield Issue(at, str(e), e.hint)
+
+
+def _pipeline_task(task: EvalTask) -> str:
     from compass.tasks.lighteval_tasks import LOCAL_PREFIX
 
-    if task.get("source", "compass") == "lighteval":
-        return f"{LOCAL_PREFIX}{task['name']}|{task['fewshot']}"
-    return f"{task['name']}_{task['formulation']}|{task['fewshot']}"
+    if task.source == "lighteval":
+        return f"{LOCAL_PREFIX}{task.name}|{task.fewshot}"
+    return f"{task.name}_{task.formulation}|{task.fewshot}"
 
 
-def custom_tasks_module(tasks: list[dict[str, Any]], scratch: Path) -> tuple[Path, list[dict]]:
+def custom_tasks_module(tasks: list[EvalTask], scratch: Path) -> tuple[Path, list[dict]]:
     """A lighteval custom-tasks file serving every task of the suite from local data, and its provenance."""
-    from compass.tasks.benchmarks import prepare
     from compass.tasks.lighteval_tasks import locate
+    from compass.tasks.offline_benchmarks import prepare
 
     prepared, provenance, formulations, standard = {}, [], {}, {}
     for t in tasks:
-        if t.get("source", "compass") == "lighteval":
-            if t["name"] not in standard:
-                local = locate(t["name"], t["fewshot"])
-                standard[t["name"]] = str(local.dataset)
+        if t.source == "lighteval":
+            if t.name not in standard:
+                local = locate(t.name, t.fewshot)
+                standard[t.name] = str(local.dataset)
                 provenance.append(local.provenance)
             continue
-        if t["name"] not in prepared:
-            folder, prov = prepare(t["name"])
-            prepared[t["name"]] = str(folder)
+        if t.name not in prepared:
+            folder, prov = prepare(t.name)
+            prepared[t.name] = str(folder)
             provenance.append(prov)
-        formulations.setdefault(t["name"], []).append(t["formulation"])
+        formulations.setdefault(t.name, []).append(t.formulation)
     module = scratch / "compass_custom_tasks.py"
-    module.write_text("from compass.tasks.benchmarks import task_table\n"
+    module.write_text("from compass.tasks.offline_benchmarks import task_table\n"
                       "from compass.tasks.lighteval_tasks import local_configs\n"
                       f"TASKS_TABLE = list(task_table({json.dumps(prepared)}, {json.dumps(formulations)}))\n"
                       f"TASKS_TABLE += local_configs({json.dumps(standard)})\n")
     return module, provenance
 
 
-def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -> tuple[dict, list[dict]]:
+def run_lighteval(model_dir: Path, tasks: list[EvalTask], scratch: Path) -> tuple[dict, list[dict]]:
     """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance)."""
     from compass.infra.lighteval_compat import install
 
@@ -66,7 +137,7 @@ def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -
     results = {}
     for t in tasks:  # one pipeline per task: each has its own sample limit
         params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module),
-                                    max_samples=t.get("limit"))
+                                    max_samples=t.limit)
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
         config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype="float32", device="cpu")
         pipeline = Pipeline(tasks=_pipeline_task(t), pipeline_parameters=params,
@@ -76,44 +147,17 @@ def run_lighteval(model_dir: Path, tasks: list[dict[str, Any]], scratch: Path) -
         except RuntimeError as exc:
             if "must match the size of tensor" not in str(exc):
                 raise
-            raise RuntimeError(f"{task_key(t)} on {model_dir}: lighteval cannot score an answer longer than the "
+            raise RuntimeError(f"{t.key} on {model_dir}: lighteval cannot score an answer longer than the "
                                f"model's context ({_context_length(model_dir)} tokens): evaluate this benchmark "
                                "on a model with a longer context, or in multiple-choice form (mcf)") from exc
         for key, metrics in pipeline.get_results()["results"].items():
             if key != "all":
-                results[task_key(t)] = metrics
+                results[t.key] = metrics
     return results, provenance
 
 
 def _context_length(model_dir: Path) -> int | None:
     return json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-
-
-def tokens_seen(model_folder: Path) -> int | None:
-    rows = _metric_rows(model_folder)
-    return int(rows[-1]["tokens"]) if rows else None
-
-
-def _metric_rows(model_folder: Path) -> list[dict[str, Any]]:
-    metrics = model_folder / "metrics.jsonl"
-    if not metrics.exists():
-        return []
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line]
-
-
-def kept_checkpoints(model_folder: Path) -> list[tuple[str, Path, int | None]]:
-    """(name, HF folder, tokens seen) of every checkpoint a model artifact kept, oldest first.
-
-    Tokens come from the metrics of the artifact's own (last) stage: a checkpoint `step-N` holds the weights
-    after that stage's step N."""
-    rows = _metric_rows(model_folder)
-    stage = rows[-1]["stage"] if rows else None
-    tokens_at = {r["stage_step"]: int(r["tokens"]) for r in rows if r["stage"] == stage and "stage_step" in r}
-    found = sorted((model_folder / "checkpoints").glob("step-*")) if (model_folder / "checkpoints").exists() else []
-    out = [(p.name, p, tokens_at.get(int(p.name.split("-")[1]))) for p in found]
-    if not out:
-        out = [("final", model_folder / "final", tokens_seen(model_folder))]
-    return out
 
 
 def trained_length(config: Any) -> int:
@@ -122,20 +166,22 @@ def trained_length(config: Any) -> int:
     return int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
 
 
-def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Path], scratch: Path,
-                   retrieval: dict[str, Any] | None = None,
+def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
+                   retrieval: Retrieval | None = None,
                    haystack: Path | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
     """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
+    import numpy as np
     import torch
-    from compass.model.trainer import heldout_losses
     from transformers import AutoModelForCausalLM
+
+    from compass.model.validation import heldout_losses
 
     scratch.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, Any] = {}
     rows: list[dict] = []
     provenance: list[dict] = []
-    if suite["tasks"]:
-        results, provenance = run_lighteval(model_dir, suite["tasks"], scratch)
+    if suite.tasks:
+        results, provenance = run_lighteval(model_dir, suite.tasks, scratch)
         for name, values in results.items():
             for metric, value in values.items():
                 if not metric.endswith("_stderr"):
@@ -152,13 +198,12 @@ def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Pa
             rows.append({"task": f"held-out {name}", "metric": "perplexity", "value": round(math.exp(loss), 3),
                          "stderr": ""})
     if retrieval and haystack is not None:
+        from compass.model.token_files import TokenizedSource
         from compass.tasks.retrieval import passkey_accuracy
-        from compass.tasks.tokenize import TokenizedSource
 
         text = TokenizedSource(haystack, "heldout").tokens
-        cells = passkey_accuracy(model_dir, np.asarray(text), retrieval["lengths"], retrieval["depths"],
-                                 retrieval["samples"])
-        for length in retrieval["lengths"]:
+        cells = passkey_accuracy(model_dir, np.asarray(text), retrieval.lengths, retrieval.depths, retrieval.samples)
+        for length in retrieval.lengths:
             at = [c for c in cells if c["length"] == length]
             if not at:
                 continue
@@ -170,20 +215,19 @@ def evaluate_model(model_dir: Path, suite: dict[str, Any], sources: dict[str, Pa
     return metrics, rows, provenance
 
 
-def run_evaluate(ctx: StepContext) -> StepResult:
+def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     """Evaluate the model step's final weights, and with `every_checkpoint` each checkpoint it kept: the
     points of the evaluation curves (metric against tokens seen)."""
-    suite = ctx.config["suite"]
+    suite = ctx.config.suite
     model = ctx.inputs["model"]
     model_folder = model.local()
-    sources = {role.removeprefix("tokens:"): art.local() for role, art in ctx.inputs.items()
-               if role.startswith("tokens:")}
-    retrieval = ctx.config.get("retrieval")
+    sources = ctx.local_inputs("tokens:")
+    retrieval = ctx.config.retrieval
     haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
     final_metrics, rows, provenance = evaluate_model(model_folder / "final", suite, sources, ctx.scratch / "final",
                                                      retrieval, haystack)
     curve = []
-    if ctx.config.get("every_checkpoint"):
+    if ctx.config.every_checkpoint:
         checkpoints = kept_checkpoints(model_folder)
         for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
             values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack)
@@ -202,3 +246,8 @@ def run_evaluate(ctx: StepContext) -> StepResult:
 
 def _shown(values: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in values.items() if isinstance(v, float))
+
+
+KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="2", uses_accelerator=True,
+                tags=("evaluation",), preflight=preflight)
+STEP_KINDS = (KIND,)

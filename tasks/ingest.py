@@ -6,14 +6,18 @@ import fnmatch
 import gzip
 import io
 import json
+import platform
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
-import fsspec
 from compass.infra.packages import fetch_package
+from compass.specs.base import Issue
 from compass.specs.sources import parse_source_uri
+from compass.specs.spec import TrainingSpec
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
 
 DOCS_PER_SHARD = 500
 _BLOCKS = {"p", "div", "pre", "li", "tr", "br", "dt", "dd", "table", "h1", "h2", "h3", "h4", "h5", "h6",
@@ -23,33 +27,70 @@ _DROP = ("//script|//style|//nav|//*[contains(@class,'navheader')]|//*[contains(
 _SECTION = "\u2063\u2063section\u2063\u2063"  # invisible separators: never in real text
 
 
-def run_ingest(ctx: StepContext) -> StepResult:
+class IngestConfig(StepConfig):
+    """Where the raw files are and how they become documents (curation is the next step's)."""
+
+    omit_when_none = frozenset({"python"})
+
+    uri: str
+    include: list[str]
+    exclude: list[str]
+    format: Literal["jsonl", "parquet", "text", "html", "code"]
+    text_key: str
+    split: Literal["file", "sections"]
+    section_chars: int
+    language: str | None
+    domain: str
+    max_documents: int | None
+    python: str | None = None  # stdlib:// sources: the standard library differs between Python versions
+
+
+def build(plan: PlanBuilder) -> None:
+    for src in plan.spec.what.data.sources:
+        fields = src.model_dump(mode="json", include=set(IngestConfig.model_fields) - {"python"})
+        python = platform.python_version() if src.uri.startswith("stdlib://") else None
+        plan.add(KIND, src.name, IngestConfig(**fields, python=python))
+
+
+def preflight(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+    """A local source must exist on this machine."""
+    for i, src in enumerate(spec.what.data.sources):
+        uri = parse_source_uri(src.uri)
+        if uri.scheme == "file" and not (base_dir / uri.path).expanduser().exists():
+            yield Issue(("what", "data", "sources", i, "uri"),
+                        f"local source '{uri.path}' does not exist (relative to {base_dir})",
+                        "fix the path, or use s3://, deb://, pypi:// or stdlib://")
+
+
+def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     cfg = ctx.config
-    uri = parse_source_uri(cfg["uri"])
+    uri = parse_source_uri(cfg.uri)
     provenance: dict
     if uri.is_package:
         root, provenance = fetch_package(uri)
         if uri.scheme == "stdlib" and uri.path:
             root = root / uri.path
-        fs, base = fsspec.filesystem("file"), str(root)
+        fs, base = _local_fs(), str(root)
     elif uri.scheme == "s3":
+        import fsspec
+
         fs, base = fsspec.core.url_to_fs(uri.path)
         provenance = {"kind": "s3", "uri": uri.path}
     else:
         path = (ctx.runtime.base_dir / uri.path).expanduser().resolve()
-        fs, base = fsspec.filesystem("file"), str(path)
+        fs, base = _local_fs(), str(path)
         provenance = {"kind": "local", "path": str(path)}
-    files = _select(fs, base.rstrip("/"), cfg["include"], cfg["exclude"])
+    files = _select(fs, base.rstrip("/"), cfg.include, cfg.exclude)
     if not files:
-        raise ValueError(f"source {ctx.name}: no files under {base} match include={cfg['include']} "
-                         f"exclude={cfg['exclude']}")
+        raise ValueError(f"source {ctx.name}: no files under {base} match include={cfg.include} "
+                         f"exclude={cfg.exclude}")
     ctx.log.info("ingest %s: %d files under %s", ctx.name, len(files), base)
     docs_dir = ctx.out / "documents"
     docs_dir.mkdir()
     n_docs = n_chars = 0
     shard: list[str] = []
     shard_id = 0
-    limit = cfg.get("max_documents")
+    limit = cfg.max_documents
     for doc in _documents(fs, base, files, cfg, ctx.name):
         shard.append(json.dumps(doc, ensure_ascii=False))
         n_docs += 1
@@ -65,12 +106,18 @@ def run_ingest(ctx: StepContext) -> StepResult:
         raise ValueError(f"source {ctx.name}: {len(files)} files matched but none held text")
     provenance |= {"files": len(files)}
     metrics = {"files": len(files), "documents": n_docs, "characters": n_chars, "shards": shard_id + bool(shard)}
-    summary = (f"### ingest `{ctx.name}`\n\n{cfg['uri']} -> {n_docs:,} documents, {n_chars:,} characters "
+    summary = (f"### ingest `{ctx.name}`\n\n{cfg.uri} -> {n_docs:,} documents, {n_chars:,} characters "
                f"from {len(files):,} files\n\nprovenance: `{json.dumps(provenance)}`")
     return StepResult(metrics=metrics, summary=summary, provenance=[provenance])
 
 
-def _select(fs: fsspec.AbstractFileSystem, base: str, include: list[str], exclude: list[str]) -> list[str]:
+def _local_fs():
+    import fsspec
+
+    return fsspec.filesystem("file")
+
+
+def _select(fs, base: str, include: list[str], exclude: list[str]) -> list[str]:
     found: set[str] = set()
     for pattern in include:
         for path in fs.glob(f"{base}/{pattern}"):
@@ -85,29 +132,29 @@ def _write_shard(folder: Path, shard_id: int, lines: list[str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def _documents(fs, base: str, files: list[str], cfg: dict, source: str) -> Iterator[dict]:
-    meta = {"source": source, "domain": cfg["domain"]}
-    if cfg.get("language"):
-        meta["language"] = cfg["language"]
+def _documents(fs, base: str, files: list[str], cfg: IngestConfig, source: str) -> Iterator[dict]:
+    meta = {"source": source, "domain": cfg.domain}
+    if cfg.language:
+        meta["language"] = cfg.language
     for rel in files:
         with fs.open(f"{base}/{rel}", "rb") as f:
             raw = f.read()
         if rel.endswith(".gz"):
             raw = gzip.decompress(raw)
-        fmt = cfg["format"]
+        fmt = cfg.format
         if fmt in ("jsonl", "parquet"):
-            for i, text in enumerate(_records(raw, fmt, cfg["text_key"])):
+            for i, text in enumerate(_records(raw, fmt, cfg.text_key)):
                 if text.strip():
                     yield {"id": f"{source}/{rel}#{i}", "text": text, "metadata": {**meta, "path": rel}}
             continue
         if fmt == "html":
-            parts = _html_sections(raw) if cfg.get("split") == "sections" else [_html_text(raw)]
-        elif fmt == "text" and cfg.get("split") == "sections":
+            parts = _html_sections(raw) if cfg.split == "sections" else [_html_text(raw)]
+        elif fmt == "text" and cfg.split == "sections":
             parts = re.split(r"\n\s*\n", raw.decode("utf-8", errors="replace"))
         else:
             parts = [raw.decode("utf-8", errors="replace")]
-        if cfg.get("split") == "sections":
-            parts = _group(parts, cfg.get("section_chars", 4000))
+        if cfg.split == "sections":
+            parts = _group(parts, cfg.section_chars)
         for i, part in enumerate(p for p in parts if p.strip()):
             yield {"id": f"{source}/{rel}#{i}", "text": part.strip(), "metadata": {**meta, "path": rel}}
 
@@ -166,3 +213,7 @@ def _group(parts: list[str], target: int) -> list[str]:
     if current:
         out.append(current)
     return out
+
+
+KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="1", tags=("data",), preflight=preflight)
+STEP_KINDS = (KIND,)

@@ -6,12 +6,12 @@ missing is refused when the spec is checked, before any work starts."""
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from compass.infra.environment import hub_cache
 from compass.specs.base import HintedError
 
 LOCAL_PREFIX = "compass_local_"  # lighteval refuses custom tasks that reuse a built-in task's name
@@ -45,14 +45,6 @@ def registry() -> dict[str, Any]:
     from lighteval.tasks.registry import Registry
 
     return Registry.load_all_task_configs()
-
-
-def hub_cache() -> Path:
-    """The hub cache as the environment names it now (huggingface_hub reads it once, at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home) / "hub"
 
 
 def _local_dataset(repo: str, revision: str | None) -> Path | None:

@@ -1,47 +1,69 @@
-"""Long-context extension stage: continue from the previous stage at a longer sequence length and a larger
-RoPE base, on a mixture that upweights long documents, which the packer keeps whole. NoPE layers and
-intra-document masking carry over (same architecture and masking); YaRN or linear scaling for lengths beyond
-the trained one is written into the exported config."""
+"""Long-context extension stages: continue from the previous stage at a longer sequence length and a larger RoPE
+base, on a mixture that upweights long documents, which the packer keeps whole. NoPE layers and intra-document
+masking carry over (same architecture and masking); YaRN or linear scaling for lengths beyond the trained one
+is written into the exported config."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from compass.model.history import tokens_seen
+from compass.model.job import StageRecipe
+from compass.specs.architecture import Architecture
+from compass.specs.training import LongContextStage, Monitors, Optimizer, PretrainStage, Schedule, Yarn
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.tokenize import data_inputs
+from compass.tasks.training import build_job, train_and_export
 
 
-def continuation_config(config: dict[str, Any], *, name: str, tokens: float, sequence_length: int,
-                        global_batch_size: int, mixture: dict[str, float], rope_theta: float, lr: float,
-                        schedule: str = "wsd", warmup_steps: int = 0) -> dict[str, Any]:
-    """The pretraining-engine config of one stage that continues a trained model (long-context extension,
-    mid-training): the same architecture at a new RoPE base, its own budget, mixture and LR schedule."""
-    arch = json.loads(json.dumps(config["architecture"]))
-    arch["positions"]["rope_theta"] = rope_theta
-    return {
-        "architecture": arch, "optimizer": {**config["optimizer"], "lr": lr},
-        "schedule": {"kind": schedule, "warmup_steps": warmup_steps, "decay_fraction": 0.2,
-                     "min_lr_ratio": 0.0, "milestones": [], "gamma": 1.0},
-        "stages": [{"name": name, "tokens": tokens, "sequence_length": sequence_length,
-                    "global_batch_size": global_batch_size, "mixture": mixture,
-                    "schedule_segment": "auto", "reset_optimizer": False}],
-        "stage": name, "seed": config["seed"], "intra_document_masking": config["intra_document_masking"],
-        "monitors": config["monitors"],
-    }
+class LongContextConfig(StepConfig):
+    stage: LongContextStage
+    inference_scaling: Yarn | None
+    intra_document_masking: bool
+    architecture: Architecture
+    optimizer: Optimizer
+    seed: int
+    monitors: Monitors
+    previous_length: int  # the context before this stage: longer documents are packed whole
+
+    def recipe(self) -> StageRecipe:
+        """One stage with its own length, RoPE base, budget, mixture and LR schedule."""
+        s = self.stage
+        stage = PretrainStage(name=s.name, tokens=s.tokens, sequence_length=s.sequence_length,
+                              global_batch_size=s.global_batch_size, mixture=s.mixture)
+        schedule = Schedule(kind=s.schedule, warmup_steps=s.warmup_steps, decay_fraction=s.decay_fraction)
+        return continuation(self.architecture, self.optimizer, self.seed, self.intra_document_masking,
+                            self.monitors, stage, rope_theta=s.rope_theta, lr=s.lr, schedule=schedule)
 
 
-def stage_config(config: dict[str, Any]) -> dict[str, Any]:
-    """One extension stage: its own length, RoPE base, token budget, mixture and LR schedule."""
-    stage = config["stage"]
-    return continuation_config(config, name=stage["name"], tokens=stage["tokens"],
-                               sequence_length=stage["sequence_length"], global_batch_size=stage["global_batch_size"],
-                               mixture=stage["mixture"], rope_theta=stage["rope_theta"], lr=stage["lr"],
-                               schedule=stage["schedule"], warmup_steps=stage["warmup_steps"])
+def continuation(architecture: Architecture, optimizer: Optimizer, seed: int, masking: bool, monitors: Monitors,
+                 stage: PretrainStage, *, rope_theta: float, lr: float, schedule: Schedule) -> StageRecipe:
+    """The recipe of one stage that continues a trained model (long-context extension, mid-training): the same
+    architecture at a new RoPE base, its own budget, mixture, LR and schedule."""
+    positions = architecture.positions.model_copy(update={"rope_theta": rope_theta})
+    return StageRecipe(architecture=architecture.model_copy(update={"positions": positions}),
+                       optimizer=optimizer.model_copy(update={"lr": lr}), schedule=schedule, stages=[stage],
+                       stage=stage.name, seed=seed, intra_document_masking=masking, monitors=monitors)
 
 
-def inference_scaling(scaling: dict[str, Any] | None, trained_length: int, rope_theta: float):
+def build(plan: PlanBuilder) -> None:
+    what = plan.spec.what
+    pt, lc = what.pretraining, what.long_context
+    previous = plan.of_kind("pretrain")[-1].id
+    previous_length = pt.stages[-1].sequence_length
+    for stage in lc.stages:
+        config = LongContextConfig(stage=stage, inference_scaling=lc.inference_scaling,
+                                   intra_document_masking=pt.intra_document_masking, architecture=what.architecture,
+                                   optimizer=pt.optimizer, seed=pt.seed, monitors=pt.monitors,
+                                   previous_length=previous_length)
+        previous = plan.add(KIND, stage.name, config, {**data_inputs(plan, list(stage.mixture)), "previous": previous})
+        previous_length = stage.sequence_length
+
+
+def inference_scaling(scaling: Yarn | None, trained_length: int, rope_theta: float) -> Callable[[Path], None]:
     """Writes the RoPE base and, if asked, YaRN/linear scaling beyond the trained length into config.json."""
 
     def apply(folder: Path) -> None:
@@ -49,9 +71,9 @@ def inference_scaling(scaling: dict[str, Any] | None, trained_length: int, rope_
         config = json.loads(path.read_text())
         params = {"rope_type": "default", "rope_theta": rope_theta}
         if scaling:
-            params = {"rope_type": scaling["kind"], "rope_theta": rope_theta, "factor": scaling["factor"],
+            params = {"rope_type": scaling.kind, "rope_theta": rope_theta, "factor": scaling.factor,
                       "original_max_position_embeddings": trained_length}
-            config["max_position_embeddings"] = int(trained_length * scaling["factor"])
+            config["max_position_embeddings"] = int(trained_length * scaling.factor)
         else:
             config["max_position_embeddings"] = trained_length
         config["rope_parameters"] = params
@@ -61,18 +83,19 @@ def inference_scaling(scaling: dict[str, Any] | None, trained_length: int, rope_
     return apply
 
 
-def run_long_context(ctx: StepContext) -> StepResult:
-    from compass.tasks.pretrain import build_job, train_and_export
-
-    stage = ctx.config["stage"]
-    job = build_job(replace(ctx, config=stage_config(ctx.config)))
-    from compass.tasks.evaluate import tokens_seen
-
-    job["whole_from"] = ctx.config["previous_length"]
-    job["tokens_before"] = tokens_seen(ctx.inputs["previous"].local()) or 0
-    if stage.get("micro_batch_size"):
-        job["micro_batch_size"] = stage["micro_batch_size"]
-    export = inference_scaling(ctx.config.get("inference_scaling"), stage["sequence_length"], stage["rope_theta"])
+def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
+    cfg = ctx.config
+    stage = cfg.stage
+    job = build_job(ctx, cfg.recipe(), whole_from=cfg.previous_length,
+                    tokens_before=tokens_seen(ctx.inputs["previous"].local()) or 0,
+                    micro_batch_size=stage.micro_batch_size)
+    export = inference_scaling(cfg.inference_scaling, stage.sequence_length, stage.rope_theta)
     result = train_and_export(ctx, job, "long-context", export)
-    result.metrics.update({"sequence_length": stage["sequence_length"], "rope_theta": stage["rope_theta"]})
+    result.metrics.update({"sequence_length": stage.sequence_length, "rope_theta": stage.rope_theta})
     return result
+
+
+# 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2)
+KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="2", uses_accelerator=True,
+                produces_model=True, tags=("training",))
+STEP_KINDS = (KIND,)

@@ -4,25 +4,28 @@ from the previous stage's full training state, at the context length and RoPE ba
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from typing import Any
 
+from compass.model.history import tokens_seen
+from compass.specs.architecture import Architecture
+from compass.specs.post_training import MidTraining
+from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule, Yarn
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.long_context import continuation, inference_scaling
+from compass.tasks.post_train import PostTrainConfig
+from compass.tasks.training import build_job, train_and_export
 
 
-def stage_config(config: dict[str, Any], rope_theta: float, sequence_length: int) -> dict[str, Any]:
-    from compass.tasks.long_context import continuation_config
+class MidTrainingConfig(MidTraining, PostTrainConfig):
+    """The spec's mid-training step, with the architecture, optimizer and monitors it trains with."""
 
-    return continuation_config(config, name=config["name"], tokens=config["tokens"], sequence_length=sequence_length,
-                               global_batch_size=config["batch_size"], mixture={config["dataset"]: 1.0},
-                               rope_theta=rope_theta, lr=config["lr"])
+    architecture: Architecture
+    optimizer: Optimizer
+    monitors: Monitors
+    intra_document_masking: bool
 
 
-def run_mid_training(ctx: StepContext) -> StepResult:
-    from compass.tasks.evaluate import tokens_seen
-    from compass.tasks.long_context import inference_scaling
-    from compass.tasks.pretrain import build_job, train_and_export
-
+def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
+    cfg = ctx.config
     previous = ctx.inputs["previous"].local()
     if not (previous / "state").exists():
         raise ValueError(f"mid-training {ctx.name} continues a training state, and {ctx.inputs['previous'].step_id} "
@@ -31,9 +34,12 @@ def run_mid_training(ctx: StepContext) -> StepResult:
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     length = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
-    job = build_job(replace(ctx, config=stage_config(ctx.config, theta, length)))
-    job["tokens_before"] = tokens_seen(previous) or 0
-    scaling = ({"kind": rope["rope_type"], "factor": rope["factor"]} if rope.get("rope_type") in ("yarn", "linear")
+    stage = PretrainStage(name=cfg.name, tokens=cfg.tokens, sequence_length=length, global_batch_size=cfg.batch_size,
+                          mixture={cfg.dataset: 1.0})
+    recipe = continuation(cfg.architecture, cfg.optimizer, cfg.seed, cfg.intra_document_masking, cfg.monitors, stage,
+                          rope_theta=theta, lr=cfg.lr, schedule=Schedule(kind="wsd"))
+    job = build_job(ctx, recipe, tokens_before=tokens_seen(previous) or 0)
+    scaling = (Yarn(kind=rope["rope_type"], factor=rope["factor"]) if rope.get("rope_type") in ("yarn", "linear")
                else None)
     result = train_and_export(ctx, job, "mid-training", inference_scaling(scaling, length, theta))
     result.metrics.update({"method": "mid_training", "sequence_length": length})

@@ -1,5 +1,6 @@
 """Post-training steps with TRL: SFT (assistant-only loss), preference optimisation (DPO and its loss types,
-ORPO, KTO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD).
+ORPO, KTO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD);
+mid-training (continued pretraining on a curated source) runs on compass's own engine (tasks/mid_training.py).
 
 Each step starts from the previous model step's final weights, exports a Hugging Face folder with its
 tokenizer and chat template, continues the metrics history (tokens keep counting), and answers the spec's
@@ -13,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from compass.model.history import tokens_seen
+from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.chat import generate, load_chat_model
 from compass.tasks.post_data import (
@@ -23,35 +26,100 @@ from compass.tasks.post_data import (
     exact_answer_reward,
     length_penalty,
 )
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.tokenizer import STEP_ID as TOKENIZER
+
+
+class PostTrainConfig(StepConfig):
+    """What every post-training step reads besides its own section: the run's seed and the vibe prompts."""
+
+    seed: int
+    vibe_prompts: list[str]
+
+
+class SftConfig(Sft, PostTrainConfig):
+    pass
+
+
+class PreferenceConfig(Preference, PostTrainConfig):
+    pass
+
+
+class GrpoConfig(Grpo, PostTrainConfig):
+    pass
+
+
+class DistillConfig(Distillation, PostTrainConfig):
+    pass
+
+
+TrlConfig = SftConfig | PreferenceConfig | GrpoConfig | DistillConfig
+CONFIGS: dict[str, type[PostTrainConfig]] = {"sft": SftConfig, "dpo": PreferenceConfig, "orpo": PreferenceConfig,
+                                              "kto": PreferenceConfig, "grpo": GrpoConfig, "distill": DistillConfig}
+
+
+def build(plan: PlanBuilder) -> None:
+    from compass.tasks.mid_training import MidTrainingConfig
+    from compass.tasks.tokenize import data_inputs
+
+    what = plan.spec.what
+    pt = what.pretraining
+    common = {"seed": pt.seed, "vibe_prompts": what.evaluation.vibe_prompts}
+    previous = plan.model_steps[-1]
+    for i, post in enumerate(what.post_training):
+        inputs = {"tokenizer": TOKENIZER, "previous": previous}
+        if isinstance(post, MidTraining):  # the pretraining engine, on the tokenized source
+            config: PostTrainConfig = MidTrainingConfig(
+                **dict(post), **common, architecture=what.architecture, optimizer=pt.optimizer,
+                monitors=pt.monitors, intra_document_masking=pt.intra_document_masking)
+            inputs.update(data_inputs(plan, [post.dataset]))
+        else:
+            config = CONFIGS[post.method](**dict(post), **common)
+            at = ("what", "post_training", i)
+            refs = []
+            if isinstance(post, Preference) and post.pairs and post.pairs.kind == "strong_vs_weak":
+                refs = [("strong", post.pairs.strong, (*at, "pairs", "strong")),
+                        ("weak", post.pairs.weak, (*at, "pairs", "weak"))]
+            elif isinstance(post, Distillation):
+                refs = [("teacher", post.teacher, (*at, "teacher"))]
+            for role, ref, loc in refs:
+                if (resolved := plan.checkpoint(ref, loc)) is not None:
+                    inputs[role] = resolved
+        previous = plan.add(KIND, post.name, config, inputs)
+
 
 MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many characters are left out
 
 
-def _common_args(ctx: StepContext, tokens: bool = True) -> dict[str, Any]:
+def _common_args(ctx: StepContext[TrlConfig], tokens: bool = True) -> dict[str, Any]:
     cfg = ctx.config
-    args = dict(output_dir=str(ctx.scratch / "trainer"), learning_rate=cfg["lr"], num_train_epochs=cfg["epochs"],
-                per_device_train_batch_size=cfg["batch_size"], use_cpu=True, bf16=False, report_to="none",
-                save_strategy="no", logging_steps=1, seed=cfg.get("seed", 0), disable_tqdm=True,
+    args = dict(output_dir=str(ctx.scratch / "trainer"), learning_rate=cfg.lr, num_train_epochs=cfg.epochs,
+                per_device_train_batch_size=cfg.batch_size, use_cpu=True, bf16=False, report_to="none",
+                save_strategy="no", logging_steps=1, seed=cfg.seed, disable_tqdm=True,
                 lr_scheduler_type="linear", warmup_steps=0)
     if tokens:
         args["include_num_input_tokens_seen"] = "all"
     return args
 
 
-def _conversations(ctx: StepContext, seed: int, limit: int | None) -> list[list[dict[str, str]]]:
+def _system_prompt(cfg: PostTrainConfig) -> str | None:
+    return cfg.system_prompt if isinstance(cfg, SftConfig) else None
+
+
+def _conversations(ctx: StepContext[TrlConfig], seed: int, limit: int | None) -> list[list[dict[str, str]]]:
     cfg = ctx.config
-    root, _ = dataset_root(cfg["dataset"], ctx.runtime.base_dir)
-    return chat_examples(root, limit, seed, cfg["max_length"] * MAX_CHARS_PER_TOKEN, cfg.get("system_prompt"))
+    root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
+    return chat_examples(root, limit, seed, cfg.max_length * MAX_CHARS_PER_TOKEN, _system_prompt(cfg))
 
 
-def run_sft(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]]:
+def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     cfg = ctx.config
-    data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=0, limit=cfg["max_samples"])])
-    args = SFTConfig(**_common_args(ctx), max_length=cfg["max_length"], packing=cfg["packing"],
-                     assistant_only_loss=cfg["assistant_only_loss"], dataset_num_proc=None)
+    data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=0, limit=cfg.max_samples)])
+    args = SFTConfig(**_common_args(ctx), max_length=cfg.max_length, packing=cfg.packing,
+                     assistant_only_loss=cfg.assistant_only_loss, dataset_num_proc=None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     trainer.train()
     return trainer, {"examples": len(data)}
@@ -75,49 +143,49 @@ def fitting_prompts(prompts: list[list[dict[str, str]]], tokenizer, budget: int)
                              add_special_tokens=False)["input_ids"]) <= budget]
 
 
-def preference_pairs(ctx: StepContext, tokenizer) -> list[dict[str, Any]]:
+def preference_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str, Any]]:
     """Strong-versus-weak pairs: held-back prompts answered by the strong and the weak checkpoint of this
     run; chosen = strong, rejected = weak. Pairs with identical answers, or an empty one (no completion tokens:
 the preference losses would divide by zero), are dropped."""
     cfg = ctx.config
-    conversations = _conversations(ctx, seed=1, limit=cfg["max_samples"])
-    prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg["max_length"] - PAIR_TOKENS)
+    conversations = _conversations(ctx, seed=1, limit=cfg.max_samples)
+    prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg.max_length - PAIR_TOKENS)
     answers = {role: answer_prompts(ctx.inputs[role].local() / "final", prompts) for role in ("strong", "weak")}
     return [{"prompt": p, "chosen": [{"role": "assistant", "content": s}],
              "rejected": [{"role": "assistant", "content": w}]}
             for p, s, w in zip(prompts, answers["strong"], answers["weak"], strict=True) if s and w and s != w]
 
 
-def build_pairs(ctx: StepContext, tokenizer) -> list[dict[str, Any]]:
+def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str, Any]]:
     """The step's preference pairs: from the dataset, strong versus weak, or graded on-policy samples."""
     from compass.tasks.pairs import dataset_pairs, on_policy_pairs
 
     cfg = ctx.config
-    kind = (cfg.get("pairs") or {}).get("kind")
-    if kind == "strong_vs_weak":
+    pairs_spec = cfg.pairs
+    if pairs_spec is not None and pairs_spec.kind == "strong_vs_weak":
         pairs = preference_pairs(ctx, tokenizer)
         why = "the strong and weak checkpoints answered every prompt identically; pick checkpoints further apart"
-    elif kind == "verifier":
-        root, _ = dataset_root(cfg["dataset"], ctx.runtime.base_dir)
+    elif pairs_spec is not None:  # verifier
+        root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
         problems = arithmetic_problems(root, None, seed=0)
-        if cfg["pairs"].get("easiest_first"):
+        if pairs_spec.easiest_first:
             problems.sort(key=lambda p: (len(p["answer"].lstrip("-")), len(p["question"])))  # stable: seeded order
-        problems = problems[:cfg["max_samples"]] if cfg["max_samples"] else problems
-        pairs = on_policy_pairs(ctx.inputs["previous"].local() / "final", problems,
-                                cfg["pairs"]["samples_per_prompt"], cfg["pairs"]["verifier"], 32, PAIR_SEED)
-        why = (f"no problem got both a right and a wrong answer among {cfg['pairs']['samples_per_prompt']} "
+        problems = problems[:cfg.max_samples] if cfg.max_samples else problems
+        pairs = on_policy_pairs(ctx.inputs["previous"].local() / "final", problems, pairs_spec.samples_per_prompt,
+                                pairs_spec.verifier, 32, PAIR_SEED)
+        why = (f"no problem got both a right and a wrong answer among {pairs_spec.samples_per_prompt} "
                "samples; sample more per prompt, or start from a stronger checkpoint")
     else:
-        root, _ = dataset_root(cfg["dataset"], ctx.runtime.base_dir)
-        pairs = dataset_pairs(root, cfg["max_samples"])
-        why = (f"{cfg['dataset']} has no JSONL lines with prompt, chosen and rejected; name a pairs dataset or "
+        root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
+        pairs = dataset_pairs(root, cfg.max_samples)
+        why = (f"{cfg.dataset} has no JSONL lines with prompt, chosen and rejected; name a pairs dataset or "
                "set pairs: {kind: strong_vs_weak, ...} or {kind: verifier}")
     if not pairs:
         raise ValueError(f"post_training {ctx.name}: no preference pairs: {why}")
     return pairs
 
 
-def run_preference(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]]:
+def run_preference(ctx: StepContext[PreferenceConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
     from datasets import Dataset
 
     cfg = ctx.config
@@ -125,17 +193,17 @@ def run_preference(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, A
     with open(ctx.out / "pairs.jsonl", "w") as f:
         f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs)
     common = _common_args(ctx)
-    if cfg["method"] == "dpo":
+    if cfg.method == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        args = DPOConfig(**common, loss_type=cfg["loss_type"], beta=cfg["beta"], max_length=cfg["max_length"])
+        args = DPOConfig(**common, loss_type=cfg.loss_type, beta=cfg.beta, max_length=cfg.max_length)
         trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
                              processing_class=tokenizer)
-    elif cfg["method"] == "orpo":
+    elif cfg.method == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-        args = ORPOConfig(**common, beta=cfg["beta"], max_length=cfg["max_length"])
+        args = ORPOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
         trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
                               processing_class=tokenizer)
     else:  # kto: unpaired, chosen answers desirable and rejected ones not
@@ -143,7 +211,7 @@ def run_preference(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, A
 
         rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
                 for p in pairs for side in ("chosen", "rejected")]
-        args = KTOConfig(**common, beta=cfg["beta"], max_length=cfg["max_length"])
+        args = KTOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
         trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                              processing_class=tokenizer)
     trainer.train()
@@ -170,22 +238,22 @@ def _text(completion: Any) -> str:
     return completion[0]["content"] if isinstance(completion, list) else str(completion)
 
 
-def run_grpo(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]]:
+def run_grpo(ctx: StepContext[GrpoConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     cfg = ctx.config
-    root, _ = dataset_root(cfg["dataset"], ctx.runtime.base_dir)
-    problems = arithmetic_problems(root, cfg["max_samples"], seed=0)
+    root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
+    problems = arithmetic_problems(root, cfg.max_samples, seed=0)
     if not problems:
-        raise ValueError(f"post_training {ctx.name}: no problems with checkable answers in {cfg['dataset']}")
+        raise ValueError(f"post_training {ctx.name}: no problems with checkable answers in {cfg.dataset}")
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p["question"]}], **p} for p in problems])
-    groups = cfg["num_generations"]
-    batch = max(groups, cfg["batch_size"] // groups * groups)
+    groups = cfg.num_generations
+    batch = max(groups, cfg.batch_size // groups * groups)
     args = GRPOConfig(**{**_common_args(ctx, tokens=False), "per_device_train_batch_size": batch},
-                      num_generations=groups, max_completion_length=cfg["max_completion_length"], use_vllm=False,
+                      num_generations=groups, max_completion_length=cfg.max_completion_length, use_vllm=False,
                       log_completions=False)
-    rewards = reward_functions(cfg["verifier"], tokenizer, cfg["length_penalty"], cfg.get("target_length"))
+    rewards = reward_functions(cfg.verifier, tokenizer, cfg.length_penalty, cfg.target_length)
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=data,
                           processing_class=tokenizer)
     trainer.train()
@@ -194,7 +262,7 @@ def run_grpo(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]]:
                      "final_reward": history[-1]["reward"] if history else None}
 
 
-def run_distill(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]]:
+def run_distill(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
     from datasets import Dataset
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -202,11 +270,11 @@ def run_distill(ctx: StepContext, model, tokenizer) -> tuple[Any, dict[str, Any]
 
     cfg = ctx.config
     teacher, _ = load_chat_model(ctx.inputs["teacher"].local() / "final")
-    if cfg.get("student_layers"):
-        kept = keep_layers(model, cfg["student_layers"])
+    if cfg.student_layers:
+        kept = keep_layers(model, cfg.student_layers)
         ctx.log.info("distill %s: student keeps layers %s of %d", ctx.name, kept, teacher.config.num_hidden_layers)
-    data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg["max_samples"])])
-    args = GKDConfig(**_common_args(ctx), lmbda=cfg["lmbda"], max_length=cfg["max_length"], dataset_num_proc=None)
+    data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg.max_samples)])
+    args = GKDConfig(**_common_args(ctx), lmbda=cfg.lmbda, max_length=cfg.max_length, dataset_num_proc=None)
     trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data,
                          processing_class=tokenizer)
     trainer.train()
@@ -240,18 +308,13 @@ METHODS = {"sft": run_sft, "dpo": run_preference, "orpo": run_preference, "kto":
            "grpo": run_grpo, "distill": run_distill}
 
 
-def run_post_train(ctx: StepContext) -> StepResult:
-    from compass.tasks.evaluate import tokens_seen
+def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
+    from compass.tasks.mid_training import MidTrainingConfig, run_mid_training
 
     cfg = ctx.config
-    method = cfg["method"]
-    if method == "mid_training":
-        from compass.tasks.mid_training import run_mid_training
-
+    if isinstance(cfg, MidTrainingConfig):
         return run_mid_training(ctx)
-    if method not in METHODS:
-        raise NotImplementedError(f"post-training method '{method}' is not executed by this version; "
-                                  f"available: {', '.join(sorted(METHODS))}")
+    method = cfg.method
     previous = ctx.inputs["previous"].local()
     model, tokenizer = load_chat_model(previous / "final")
     trainer, facts = METHODS[method](ctx, model, tokenizer)
@@ -281,14 +344,14 @@ def run_post_train(ctx: StepContext) -> StepResult:
     return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
 
 
-def _vibe_check(ctx: StepContext, model, tokenizer) -> str:
+def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
     """Fixed prompts answered by this checkpoint, kept in the artifact and shown as markdown."""
-    prompts = ctx.config.get("vibe_prompts") or []
+    prompts = ctx.config.vibe_prompts
     if not prompts:
         return ""
     conversations = [[{"role": "user", "content": p}] for p in prompts]
-    if ctx.config.get("system_prompt"):
-        conversations = [[{"role": "system", "content": ctx.config["system_prompt"]}, *c] for c in conversations]
+    if system := _system_prompt(ctx.config):
+        conversations = [[{"role": "system", "content": system}, *c] for c in conversations]
     answers = generate(model, tokenizer, conversations, max_new_tokens=48)
     text = "#### vibe check\n\n" + "\n\n".join(f"**{p}**\n\n> {a or '(empty)'}" for p, a in zip(prompts, answers,
                                                                                                 strict=True))
@@ -296,3 +359,8 @@ def _vibe_check(ctx: StepContext, model, tokenizer) -> str:
     (ctx.out / "vibe_check.json").write_text(json.dumps([{"prompt": p, "answer": a}
                                                          for p, a in zip(prompts, answers, strict=True)], indent=1))
     return text
+
+
+KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="1", uses_accelerator=True,
+                produces_model=True, tags=("training",))
+STEP_KINDS = (KIND,)

@@ -1,232 +1,39 @@
-"""Pretraining stage step: continue from the previous stage, train this stage's tokens on its mixture,
-export Hugging Face checkpoints, and publish metrics and the loss curve.
-
-World size 1 trains in-process; more ranks (data parallel, or several nodes) launch the same module,
-`model.trainer`, with torchrun or DeepSpeed's launcher (infra/launcher.py).
-"""
+"""Pretraining stages: each continues the previous stage, trains its tokens on its mixture, exports Hugging Face
+checkpoints, and publishes metrics and the loss curve. One LR schedule spans all stages."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
-
-from compass.infra.launcher import LaunchPlan, plan_launch
-from compass.infra.net import free_port
+from compass.model.job import StageRecipe
 from compass.tasks.base import StepContext, StepResult
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def build_job(ctx: StepContext) -> dict[str, Any]:
-    cfg, how = ctx.config, ctx.runtime.how
-    tok_dir = ctx.inputs["tokenizer"].local() / "chosen"
-    tok_cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    vocab = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    added = json.loads((tok_dir / "tokenizer.json").read_text()).get("added_tokens", [])
-    ids = {t["content"]: t["id"] for t in added} | vocab
-    arch = cfg["architecture"]
-    stages = cfg["stages"]
-    previous = ctx.inputs.get("previous")
-    return {
-        "workdir": str(ctx.workdir), "architecture": arch, "optimizer": cfg["optimizer"],
-        "schedule": cfg["schedule"], "stages": stages, "stage": cfg["stage"], "seed": cfg["seed"],
-        "intra_document_masking": cfg["intra_document_masking"],
-        "embedding_weight_decay": arch["embedding_weight_decay"],
-        "tokenizer_dir": str(tok_dir),
-        "vocab_size": arch.get("vocab_size") or (max(ids.values()) + 1),
-        "special_ids": {"eos": ids[tok_cfg["eos_token"]], "pad": ids[tok_cfg.get("pad_token") or tok_cfg["eos_token"]]},
-        "max_positions": max(s["sequence_length"] for s in stages),
-        "sources": {role.removeprefix("tokens:"): str(art.local()) for role, art in ctx.inputs.items()
-                    if role.startswith("tokens:")},
-        "init_from": str(previous.local() / "state") if previous else None,
-        "parallelism": how["parallelism"], "precision": how["precision"],
-        "accelerator": how["hardware"]["accelerator"], "peak_tflops": _peak_tflops(how["hardware"]),
-        "nodes": how["hardware"]["nodes"], "hosts": how["hardware"].get("hosts", []),
-        "launcher": how["hardware"].get("launcher", "torchrun"),
-        "rendezvous_port": how["hardware"].get("rendezvous_port", 29500),
-        "checkpoint_every": how["checkpoints"]["every_steps"], "keep_last": how["checkpoints"]["keep_last"],
-        "monitors": cfg["monitors"],
-    }
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.tokenize import data_inputs
+from compass.tasks.training import build_job, train_and_export
 
 
-def _peak_tflops(hardware: dict[str, Any]) -> float | None:
-    """The spec's or the data sheet's peak for GPUs; None on CPU, where the trainer measures one."""
-    from compass.specs.how import PEAK_TFLOPS
-
-    if hardware.get("peak_tflops"):
-        return hardware["peak_tflops"]
-    return None if hardware["accelerator"] == "cpu" else PEAK_TFLOPS[hardware["accelerator"]]
+class PretrainConfig(StageRecipe, StepConfig):
+    """A stage and the schedule around it. `stages` lists the stages the schedule spans: with WSD, a stable
+    stage does not depend on the stages after it, so extending a run keeps the stages before cached."""
 
 
-def world_size(how: dict[str, Any]) -> int:
-    par = how["parallelism"]
-    return par["data_parallel"] * par["tensor_parallel"] * par["pipeline_parallel"]
+def build(plan: PlanBuilder) -> None:
+    pt = plan.spec.what.pretraining
+    needs_total = pt.schedule.kind != "wsd" or all(s.schedule_segment == "auto" for s in pt.stages)
+    previous: str | None = None
+    for i, stage in enumerate(pt.stages):
+        spanned = pt.stages if needs_total or stage.schedule_segment == "decay" else pt.stages[: i + 1]
+        config = PretrainConfig(architecture=plan.spec.what.architecture, optimizer=pt.optimizer,
+                                schedule=pt.schedule, stages=spanned, stage=stage.name, seed=pt.seed,
+                                intra_document_masking=pt.intra_document_masking, monitors=pt.monitors)
+        inputs = data_inputs(plan, list(stage.mixture))
+        if previous:
+            inputs["previous"] = previous
+        previous = plan.add(KIND, stage.name, config, inputs)
 
 
-RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
+    return train_and_export(ctx, build_job(ctx, ctx.config), "pretrain")
 
 
-_PORT: list[int] = []  # the port of this process's single-rank group, once initialised
-
-
-@contextmanager
-def _single_rank_env(fresh_port: bool) -> Iterator[None]:
-    """A private rendezvous for one in-process rank while it trains (DeepSpeed reads it at every
-    initialisation), removed afterwards so that processes started later (torchrun, lighteval) do not inherit
-    it and try to bind the same port."""
-    if fresh_port or not _PORT:
-        _PORT[:] = [free_port()]
-    saved = {k: os.environ.get(k) for k in RENDEZVOUS}
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_PORT[0]), "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0"})
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def run_training(job: dict[str, Any], workdir: Path, log) -> dict[str, Any]:
-    """Run model.trainer on the job: in-process for one rank, torchrun for several."""
-    par = job["parallelism"]
-    if par["tensor_parallel"] > 1 or par["pipeline_parallel"] > 1:
-        raise NotImplementedError("tensor and pipeline parallel training are planned and costed but not executed "
-                                  "by this version; use data parallelism (with ZeRO) for now")
-    workdir.mkdir(parents=True, exist_ok=True)
-    job_path = workdir / "job.json"
-    job_path.write_text(json.dumps(job, indent=1))
-    world = world_size({"parallelism": job["parallelism"]})
-    nodes = job.get("nodes", 1)
-    if world == 1:
-        import torch.distributed as dist
-        from compass.model.trainer import train_stage
-
-        with _single_rank_env(fresh_port=not dist.is_initialized()):
-            result = train_stage(job).__dict__
-        (workdir / "result.json").write_text(json.dumps(result))
-        return result
-    if nodes > 1 and not job.get("hosts"):  # a spec may be planned and costed without them, not launched
-        raise ValueError(f"how.hardware.nodes is {nodes} but how.hardware.hosts is empty: list the nodes' "
-                         "addresses, the rendezvous host first")
-    plan = plan_launch(job_path, world=world, nodes=nodes, hosts=job.get("hosts") or [],
-                       launcher=job.get("launcher", "torchrun"),
-                       port=job.get("rendezvous_port", 29500) if nodes > 1 else free_port(),
-                       python=sys.executable, cwd=REPO)
-    if plan.hostfile:
-        (workdir / "hostfile").write_text(plan.hostfile)
-    for command in plan.commands:
-        log.info("launching on %s: %s", command.host, command)
-    _run_all(plan, workdir)
-    return json.loads((workdir / "result.json").read_text())
-
-
-def _run_all(plan: LaunchPlan, workdir: Path) -> None:
-    """Start every node's launcher, wait for all; one failing stops the others (they would wait forever)."""
-    logs = [open(workdir / f"launcher-{i}.log", "w") for i in range(len(plan.commands))]  # noqa: SIM115
-    procs = [subprocess.Popen(c.argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **plan.env})
-             for c, f in zip(plan.commands, logs, strict=True)]
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
-            if failed is not None or all(code == 0 for code in codes):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    if failed is not None:
-        tail = (workdir / f"launcher-{failed}.log").read_text()[-3000:]
-        raise RuntimeError(f"training failed on {plan.commands[failed].host} "
-                           f"({procs[failed].returncode}); last output:\n{tail}")
-
-
-def plot_loss(metrics: Path, out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for stage in dict.fromkeys(r["stage"] for r in rows):
-        xs = [r["tokens"] for r in rows if r["stage"] == stage]
-        ax.plot(xs, [r["loss"] for r in rows if r["stage"] == stage], label=stage)
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
-def run_pretrain(ctx: StepContext) -> StepResult:
-    return train_and_export(ctx, build_job(ctx), "pretrain")
-
-
-def train_and_export(ctx: StepContext, job: dict[str, Any], label: str,
-                     export: Callable[[Path], None] | None = None) -> StepResult:
-    """Train one stage (resuming from the work folder or the store's mirror), then write the artifact: the
-    final HF model, the training state the next stage continues from, every kept checkpoint, metrics and
-    the loss curve. `export` adjusts each exported HF folder (e.g. the long-context inference scaling)."""
-    mirror = None
-    if ctx.store is not None and ctx.store.is_remote:
-        from compass.infra.checkpoint_mirror import CheckpointMirror
-
-        mirror = CheckpointMirror(ctx.store, ctx.work_key, ctx.workdir / "checkpoints")
-        restored = mirror.restore()
-        if restored:
-            ctx.log.info("resuming from %s, recovered from the store", restored)
-        mirror.start()
-    try:
-        result = run_training(job, ctx.workdir, ctx.log)
-    finally:
-        if mirror:
-            mirror.stop()
-    from compass.model import checkpoint as ckpt
-
-    kept = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")
-    final = kept[-1]
-    shutil.copytree(final / "hf", ctx.out / "final")
-    shutil.copytree(final, ctx.out / "state", ignore=shutil.ignore_patterns("hf"))
-    for folder in kept:
-        shutil.copytree(folder / "hf", ctx.out / "checkpoints" / folder.name)
-    if export:
-        for folder in [ctx.out / "final", *sorted((ctx.out / "checkpoints").iterdir())]:
-            export(folder)
-    previous_metrics = ctx.inputs["previous"].local() / "metrics.jsonl" if "previous" in ctx.inputs else None
-    history = previous_metrics.read_text() if previous_metrics and previous_metrics.exists() else ""
-    (ctx.out / "metrics.jsonl").write_text(history + (ctx.workdir / "metrics.jsonl").read_text())
-    plot_loss(ctx.out / "metrics.jsonl", ctx.out / "loss.png", f"{ctx.name}: loss over all stages so far")
-    rows = [json.loads(line) for line in (ctx.workdir / "metrics.jsonl").read_text().splitlines() if line]
-    first, last = rows[0]["loss"], result["final_loss"]
-    mean_tps = sum(r["tokens_per_s"] for r in rows) / len(rows)
-    metrics = {"steps": result["steps"], "tokens": result["tokens"], "first_loss": first, "final_loss": last,
-               "val_loss": result["val_loss"], "tokens_per_s": mean_tps,
-               "mfu": sum(r["mfu"] for r in rows) / len(rows), "resumed_from": result["resumed_from"],
-               "checkpoints": [p.name for p in kept], "monitor_events": result.get("events", [])}
-    val = ", ".join(f"{k} {v:.3f}" for k, v in result["val_loss"].items())
-    summary = (f"### {label} `{ctx.name}`\n\n{result['steps']} steps, {result['tokens']:,} tokens; "
-               f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s")
-    for event in result.get("events", []):
-        summary += (f"\n\n**{event['kind']}** at step {event['step']} ({event['detail']}), action {event['action']}: "
-                    f"{event['cause']}. {event['remedy']}.")
-    table = [{"step": r["step"], "loss": round(r["loss"], 4), "lr": r["lr"], "grad_norm": round(r["grad_norm"], 3)}
-             for r in rows[:: max(1, len(rows) // 20)]]
-    return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
+KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="1", uses_accelerator=True,
+                produces_model=True, tags=("training",))
+STEP_KINDS = (KIND,)

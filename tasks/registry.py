@@ -1,35 +1,77 @@
-"""Which function executes which step kind. Imports are lazy: a phase's libraries load only when it runs."""
+"""The one registry of step kinds. Each module below defines its kinds (`STEP_KINDS`, StepKind records); the
+compiler runs their builders in this order, so a kind may use the steps of the kinds listed before it.
+Installed distributions add kinds through the `compass.step_kinds` entry point group (a module with
+`STEP_KINDS`), and code can call `register()`.
+
+Kind modules import their heavy libraries inside functions: loading the registry (what `compass validate`
+does) stays fast.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import cache
 from importlib import import_module
+from importlib.metadata import entry_points
 
-from compass.tasks.base import StepContext, StepResult
+from compass.tasks.steps import StepKind
 
-_EXECUTORS: dict[str, str] = {
-    "ingest": "compass.tasks.ingest:run_ingest",
-    "curate": "compass.tasks.curate:run_curate",
-    "tokenizer": "compass.tasks.tokenizer:run_tokenizer_selection",
-    "tokenize": "compass.tasks.tokenize:run_tokenize",
-    "pretrain": "compass.tasks.pretrain:run_pretrain",
-    "long_context": "compass.tasks.long_context:run_long_context",
-    "post_train": "compass.tasks.post_train:run_post_train",
-    "evaluate": "compass.tasks.evaluate:run_evaluate",
-    "report": "compass.tasks.report:run_success_report",
-    "curves": "compass.tasks.curves:run_curves",
-    "ablate": "compass.tasks.ablate:run_ablation",
-    "compare": "compass.tasks.ablate:run_comparison",
-}
+BUILTIN = (
+    "compass.tasks.ingest",
+    "compass.tasks.curate",
+    "compass.tasks.tokenizer",
+    "compass.tasks.tokenize",
+    "compass.tasks.ablate",
+    "compass.tasks.pretrain",
+    "compass.tasks.long_context",
+    "compass.tasks.post_train",
+    "compass.tasks.evaluate",
+    "compass.tasks.curves",
+    "compass.tasks.success_report",
+)
+ENTRY_POINTS = "compass.step_kinds"
 
-
-def executable_kinds() -> set[str]:
-    return set(_EXECUTORS)
+_registered: list[StepKind] = []
 
 
-def executor_for(kind: str) -> Callable[[StepContext], StepResult]:
-    try:
-        module, func = _EXECUTORS[kind].split(":")
-    except KeyError:
-        raise NotImplementedError(f"no executor for step kind '{kind}' in this version of compass") from None
-    return getattr(import_module(module), func)
+@cache
+def _discovered() -> tuple[StepKind, ...]:
+    modules = [import_module(name) for name in BUILTIN]
+    modules += [ep.load() for ep in entry_points(group=ENTRY_POINTS)]
+    return tuple(kind for module in modules for kind in module.STEP_KINDS)
+
+
+def kinds() -> list[StepKind]:
+    """Every kind, in build order: the built-in ones, installed plugins, then those registered at run time."""
+    out = [*_discovered(), *_registered]
+    names = [k.name for k in out]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"step kinds registered twice: {', '.join(duplicates)}")
+    return out
+
+
+def kind(name: str) -> StepKind:
+    for k in kinds():
+        if k.name == name:
+            return k
+    raise KeyError(f"no step kind '{name}' (known: {', '.join(k.name for k in kinds())})")
+
+
+def register(step_kind: StepKind) -> None:
+    """Add a kind after the others (its builder runs last)."""
+    if any(k.name == step_kind.name for k in kinds()):
+        raise ValueError(f"a step kind '{step_kind.name}' is already registered")
+    _registered.append(step_kind)
+
+
+def unregister(name: str) -> None:
+    _registered[:] = [k for k in _registered if k.name != name]
+
+
+def model_kinds() -> list[str]:
+    """Kinds whose artifacts hold a model (evaluated, and named by success criteria)."""
+    return [k.name for k in kinds() if k.produces_model]
+
+
+def deployment_kinds(deployment: str) -> list[str]:
+    return [k.name for k in kinds() if k.deployment == deployment]

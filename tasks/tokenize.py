@@ -1,7 +1,7 @@
-"""Tokenize one curated source with the chosen tokenizer into memory-mappable arrays.
+"""Tokenize one curated source with the chosen tokenizer into memory-mappable arrays (model/token_files.py).
 
-Per split (train, heldout): `<split>.tokens` (uint16 or uint32, each document followed by EOS) and
-`<split>.offsets.npy` (int64, document start offsets, plus the end).
+Tokenize steps are added on demand: a kind that trains or measures on a source asks for its tokens with
+`tokens_of`, so a source nobody trains on is never tokenized.
 """
 
 from __future__ import annotations
@@ -11,15 +11,25 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 from compass.tasks.base import StepContext, StepResult
-from tokenizers import Tokenizer
+from compass.tasks.steps import EmptyConfig, PlanBuilder, StepKind
+from compass.tasks.tokenizer import STEP_ID as TOKENIZER
+from compass.tasks.tokenizer import tokenizer_ids
 
 BATCH = 256
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+def tokens_of(plan: PlanBuilder, source: str) -> str:
+    """The id of the step that tokenizes `source`, added the first time it is asked for."""
+    step_id = f"tokenize:{source}"
+    if not plan.has(step_id):
+        plan.add(KIND, source, EmptyConfig(), {"tokenizer": TOKENIZER, "curated": f"curate:{source}"})
+    return step_id
+
+
+def data_inputs(plan: PlanBuilder, sources: list[str]) -> dict[str, str]:
+    """Inputs of a step that trains on `sources`: the tokenizer, and each source's tokens as `tokens:<name>`."""
+    return {"tokenizer": TOKENIZER, **{f"tokens:{n}": tokens_of(plan, n) for n in sorted(sources)}}
 
 
 def _texts(folder: Path) -> Iterator[str]:
@@ -29,51 +39,36 @@ def _texts(folder: Path) -> Iterator[str]:
                 yield json.loads(line)["text"]
 
 
-def run_tokenize(ctx: StepContext) -> StepResult:
+def _ids(tok, texts: Iterator[str]) -> Iterator[list[int]]:
+    batch: list[str] = []
+    for text in [*texts, None]:
+        if text is not None:
+            batch.append(text)
+        if batch and (text is None or len(batch) == BATCH):
+            yield from (enc.ids for enc in tok.encode_batch(batch))
+            batch = []
+
+
+def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
+    from tokenizers import Tokenizer
+
+    from compass.model.token_files import token_dtype, write_meta, write_split
+
     tok_dir = ctx.inputs["tokenizer"].local() / "chosen"
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    special = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    eos = tok.token_to_id(special["eos_token"])
+    eos = tokenizer_ids(tok_dir).eos
     dtype = token_dtype(tok.get_vocab_size())
     curated = ctx.inputs["curated"].local()
     metrics: dict[str, int] = {}
     for split in ("train", "heldout"):
-        offsets = [0]
-        with open(ctx.out / f"{split}.tokens", "wb") as out:
-            batch: list[str] = []
-            for text in [*_texts(curated / split), None]:
-                if text is not None:
-                    batch.append(text)
-                if batch and (text is None or len(batch) == BATCH):
-                    for enc in tok.encode_batch(batch):
-                        ids = np.asarray([*enc.ids, eos], dtype=dtype)
-                        out.write(ids.tobytes())
-                        offsets.append(offsets[-1] + len(ids))
-                    batch = []
-        np.save(ctx.out / f"{split}.offsets.npy", np.asarray(offsets, dtype=np.int64))
-        metrics[f"{split}_documents"] = len(offsets) - 1
-        metrics[f"{split}_tokens"] = offsets[-1]
-    (ctx.out / "meta.json").write_text(json.dumps({"dtype": dtype.name, "eos": eos,
-                                                   "vocab_size": tok.get_vocab_size()}))
+        documents, tokens = write_split(ctx.out, split, _ids(tok, _texts(curated / split)), eos, dtype)
+        metrics[f"{split}_documents"] = documents
+        metrics[f"{split}_tokens"] = tokens
+    write_meta(ctx.out, dtype, eos, tok.get_vocab_size())
     summary = (f"### tokenize `{ctx.name}`\n\n{metrics['train_tokens']:,} training tokens in "
                f"{metrics['train_documents']:,} documents; {metrics['heldout_tokens']:,} held-out tokens")
     return StepResult(metrics=metrics, summary=summary)
 
 
-class TokenizedSource:
-    """Read-only, memory-mapped view of one tokenized split."""
-
-    def __init__(self, folder: Path, split: str = "train"):
-        meta = json.loads((folder / "meta.json").read_text())
-        self.eos = meta["eos"]
-        path = folder / f"{split}.tokens"
-        dtype = np.dtype(meta["dtype"])
-        self.tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
-        self.offsets = np.load(folder / f"{split}.offsets.npy")
-
-    @property
-    def n_documents(self) -> int:
-        return len(self.offsets) - 1
-
-    def document(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]: self.offsets[i + 1]]
+KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="1", tags=("data",))
+STEP_KINDS = (KIND,)

@@ -1,5 +1,6 @@
-"""Tokenizer selection: train each BPE candidate on the curated training split, measure fertility and the
-proportion of continued words per language/domain on held-out text, and choose by the spec's rule."""
+"""Tokenizer selection: train each BPE candidate on the curated training split, read local and hub candidates
+from disk, measure fertility and the proportion of continued words per language/domain on held-out text, and
+choose by the spec's rule."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from compass.specs.base import Issue
+from compass.specs.spec import TrainingSpec
+from compass.specs.tokenizer import HubCandidate, Tokenizer
 from compass.tasks.base import StepContext, StepResult
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
 
+STEP_ID = "tokenizer:select"
 _CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
 _HAS_ALNUM = re.compile(r"\w")
+HUB_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class TokenizerConfig(Tokenizer, StepConfig):
+    """The spec's `what.tokenizer`, whole: candidates, training and held-out budgets, the selection rule."""
 
 
 @dataclass(frozen=True)
@@ -26,33 +35,108 @@ class Doc:
     group: str  # language code for natural language, "code" for code
 
 
-def run_tokenizer_selection(ctx: StepContext) -> StepResult:
+def build(plan: PlanBuilder) -> None:
+    curated = {f"curated:{s.name}": s.id for s in plan.of_kind("curate")}
+    plan.add(KIND, "select", TokenizerConfig(**dict(plan.spec.what.tokenizer)), curated)
+
+
+class HubTokenizerMissing(FileNotFoundError):
+    pass
+
+
+def hub_snapshot(candidate: HubCandidate) -> Path:
+    """The candidate's folder in the local Hugging Face cache (HF_HUB_CACHE); nothing is downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from compass.infra.environment import hub_cache
+
+    try:
+        folder = Path(snapshot_download(candidate.repo, revision=candidate.revision, local_files_only=True,
+                                        allow_patterns=list(HUB_FILES), cache_dir=hub_cache()))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise HubTokenizerMissing(str(exc)) from None
+    if not (folder / "tokenizer.json").exists():
+        raise HubTokenizerMissing(f"{folder} has no tokenizer.json")
+    return folder
+
+
+def preflight(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+    """Local candidates must be folders with a tokenizer.json; hub candidates must be in the local cache."""
+    from compass.infra.environment import hub_cache
+
+    for i, c in enumerate(spec.what.tokenizer.candidates):
+        at = ("what", "tokenizer", "candidates", i)
+        if c.kind == "local" and not (base_dir / c.path / "tokenizer.json").expanduser().exists():
+            yield Issue((*at, "path"), f"no tokenizer.json in '{c.path}' (relative to {base_dir})",
+                        "point to a folder saved with save_pretrained()")
+        if c.kind == "hub":
+            try:
+                hub_snapshot(c)
+            except HubTokenizerMissing:
+                yield Issue((*at, "repo"), f"the tokenizer '{c.repo}' (revision {c.revision}) is not in the local "
+                            f"Hugging Face cache ({hub_cache()}) and cannot be downloaded offline",
+                            f"on a machine with network run `hf download {c.repo} {' '.join(HUB_FILES)} --revision "
+                            f"{c.revision}` and copy its hub cache to {hub_cache()} (or set HF_HUB_CACHE)")
+
+
+@dataclass(frozen=True)
+class TokenizerIds:
+    """What training needs from the chosen tokenizer: its end-of-document and padding ids, and the size of the
+    embedding (the largest id plus one, added tokens included)."""
+
+    eos: int
+    pad: int
+    vocab_size: int
+
+
+def tokenizer_ids(folder: Path) -> TokenizerIds:
+    """Read from a Hugging Face tokenizer folder (ours, a local one, or a hub snapshot); the padding id falls back
+    to the end-of-document id."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    if tok.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {folder} has no end-of-sequence token: set eos_token in its "
+                         "tokenizer_config.json")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return TokenizerIds(tok.eos_token_id, pad, max(tok.get_vocab().values()) + 1)
+
+
+def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
+    from tokenizers import Tokenizer as FastTokenizer
+
     cfg = ctx.config
     curated = ctx.inputs_with_prefix("curated:")
-    train_docs = list(_balanced(curated, "train", cfg["train_chars"]))
-    heldout = _heldout_by_group(curated, cfg["eval_chars"])
+    train_docs = list(_balanced(curated, "train", cfg.train_chars))
+    heldout = _heldout_by_group(curated, cfg.eval_chars)
     if not heldout:
         raise ValueError("no held-out documents: raise curation.heldout_fraction on some source")
     ctx.log.info("tokenizer: training on %d documents (%d chars); held-out groups %s", len(train_docs),
                  sum(len(d.text) for d in train_docs), sorted(heldout))
 
     results = []
-    for cand in cfg["candidates"]:
-        key = f"bpe-{cand['vocab_size']}" if cand["kind"] == "bpe" else cand["name"]
-        folder = ctx.out / "candidates" / key
-        if cand["kind"] == "bpe":
-            tok = _train_bpe(train_docs, cand["vocab_size"], cand["min_frequency"], cfg["special_tokens"])
-            _save_hf(tok, folder, cfg["special_tokens"])
+    for cand in cfg.candidates:
+        folder = ctx.out / "candidates" / cand.key
+        if cand.kind == "bpe":
+            tok = _train_bpe(train_docs, cand.vocab_size, cand.min_frequency, cfg.special_tokens)
+            _save_hf(tok, folder, cfg.special_tokens)
         else:
-            source = (ctx.runtime.base_dir / cand["path"]).expanduser()
-            shutil.copytree(source, folder)
-            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            if cand.kind == "local":
+                shutil.copytree((ctx.runtime.base_dir / cand.path).expanduser(), folder)
+            else:
+                snapshot = hub_snapshot(cand)
+                folder.mkdir(parents=True)
+                for name in HUB_FILES:
+                    if (snapshot / name).exists():
+                        shutil.copy(snapshot / name, folder / name)
+            tok = FastTokenizer.from_file(str(folder / "tokenizer.json"))
         per_group = {g: _measure(tok, docs, g) for g, docs in sorted(heldout.items())}
         mean_fertility = sum(m["fertility"] for m in per_group.values()) / len(per_group)
-        results.append({"candidate": key, "vocab_size": tok.get_vocab_size(), "mean_fertility": mean_fertility,
+        results.append({"candidate": cand.key, "vocab_size": tok.get_vocab_size(), "mean_fertility": mean_fertility,
                         "groups": per_group})
 
-    chosen = _choose(results, cfg["selection"])
+    chosen = _choose(results, cfg.selection.rule, cfg.selection.tolerance)
     shutil.copytree(ctx.out / "candidates" / chosen["candidate"], ctx.out / "chosen")
     (ctx.out / "comparison.json").write_text(json.dumps({"chosen": chosen["candidate"], "results": results},
                                                         indent=2))
@@ -64,7 +148,7 @@ def run_tokenizer_selection(ctx: StepContext) -> StepResult:
             row[f"{g} continued %"] = round(100 * m["continued"], 1)
         row["chosen"] = "yes" if r is chosen else ""
         rows.append(row)
-    rule = cfg["selection"]["rule"]
+    rule = cfg.selection.rule
     summary = (f"### tokenizer selection\n\nchosen **{chosen['candidate']}** by `{rule}` "
                f"(mean fertility {chosen['mean_fertility']:.3f} tokens/word over {', '.join(heldout)})")
     metrics = {"chosen": chosen["candidate"], "vocab_size": chosen["vocab_size"],
@@ -73,11 +157,11 @@ def run_tokenizer_selection(ctx: StepContext) -> StepResult:
     return StepResult(metrics=metrics, summary=summary, tables={"tokenizer-comparison": rows})
 
 
-def _choose(results: list[dict], selection: dict) -> dict:
+def _choose(results: list[dict], rule: str, tolerance: float) -> dict:
     best = min(results, key=lambda r: r["mean_fertility"])
-    if selection["rule"] == "lowest_fertility":
+    if rule == "lowest_fertility":
         return best
-    limit = best["mean_fertility"] * (1 + selection["tolerance"])
+    limit = best["mean_fertility"] * (1 + tolerance)
     within = [r for r in results if r["mean_fertility"] <= limit]
     return min(within, key=lambda r: (r["vocab_size"], r["mean_fertility"]))
 
@@ -119,8 +203,11 @@ def _heldout_by_group(curated: dict, budget: int) -> dict[str, list[str]]:
     return groups
 
 
-def _train_bpe(docs: list[Doc], vocab_size: int, min_frequency: int, special: list[str]) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
+def _train_bpe(docs: list[Doc], vocab_size: int, min_frequency: int, special: list[str]):
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = FastTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special,
@@ -129,7 +216,9 @@ def _train_bpe(docs: list[Doc], vocab_size: int, min_frequency: int, special: li
     return tok
 
 
-def _save_hf(tok: Tokenizer, folder: Path, special: list[str]) -> None:
+def _save_hf(tok, folder: Path, special: list[str]) -> None:
+    from transformers import PreTrainedTokenizerFast
+
     eos = special[0]
     pad = special[1] if len(special) > 1 else special[0]
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=pad,
@@ -157,7 +246,7 @@ def _word_spans(text: str, group: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _measure(tok: Tokenizer, texts: list[str], group: str) -> dict[str, float]:
+def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
     """Fertility = tokens per word; continued = share of words split over more than one token."""
     n_tokens = n_words = n_continued = 0
     for text in texts:
@@ -172,3 +261,8 @@ def _measure(tok: Tokenizer, texts: list[str], group: str) -> dict[str, float]:
             n_continued += (last - first) > 1
     return {"fertility": n_tokens / max(1, n_words), "continued": n_continued / max(1, n_words),
             "words": n_words, "tokens": n_tokens}
+
+
+KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="1", tags=("tokenizer",),
+                preflight=preflight)
+STEP_KINDS = (KIND,)

@@ -12,7 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from compass.flows.compiler import compile_spec
 from compass.infra.net import free_port, wait_for_http
+from compass.model.job import TrainJob
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -100,37 +103,35 @@ def write_minimal_spec(folder: Path, **replacements: str) -> Path:
 
 @pytest.fixture(scope="session")
 def stage1_job(tmp_path_factory: pytest.TempPathFactory):
+    """The minimal spec's data steps run for real; returns a factory of pretrain:stage1 jobs."""
     import logging
 
-    from compass.flows.compiler import compile_spec
-    from compass.flows.runner import RunContext, run_step
+    from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
+    from compass.specs.how import Checkpoints
     from compass.tasks.base import InputArtifact, Runtime, StepContext
-    from compass.tasks.pretrain import build_job
+    from compass.tasks.training import build_job
 
-    """The minimal spec's data steps run for real; returns a factory of pretrain:stage1 jobs."""
     loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
     plan = compile_spec(loaded.spec)
     store = Store(str(tmp_path_factory.mktemp("store")))
-    how = loaded.spec.how.model_dump(mode="json")
-    ctx = RunContext(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), store, loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=how))
-    for step in ctx.plan.steps:
-        run_step(ctx, step, logging.getLogger("test"))
+    runtime = Runtime(how=loaded.spec.how, base_dir=loaded.base_dir)
+    run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), store, loaded.spec_hash,
+                   runtime)
     step = plan.step("pretrain:stage1")
 
-    def make(workdir: Path, **parallelism) -> dict:
+    def make(workdir: Path, **parallelism) -> TrainJob:
         inputs = {}
         for role, dep in step.inputs.items():
             uri = store.uri(dep.split(":")[0], dep.split(":")[1], plan.fingerprints[dep])
             inputs[role] = InputArtifact(role, dep, uri, store.read_manifest(uri), store)
-        runtime = Runtime(how={**how, "parallelism": {**how["parallelism"], **parallelism}})
-        sctx = StepContext("pretrain", "stage1", step.config, inputs, workdir, workdir, workdir, runtime,
+        how = loaded.spec.how.model_copy(update={
+            "parallelism": loaded.spec.how.parallelism.model_copy(update=parallelism),
+            "checkpoints": Checkpoints(every_steps=10, keep_last=2)})
+        sctx = StepContext("pretrain", "stage1", step.config, inputs, workdir, workdir, workdir, Runtime(how=how),
                            logging.getLogger("test"))
-        job = build_job(sctx)
-        job["checkpoint_every"] = 10
-        return job
+        return build_job(sctx, step.config)
 
     return make
 

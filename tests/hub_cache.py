@@ -22,3 +22,15 @@ def seed_dataset(cache: Path, repo: str, subset: str, splits: dict[str, Any]) ->
     (folder / "refs").mkdir(exist_ok=True)
     (folder / "refs" / "main").write_text(COMMIT)
     return snapshot
+
+
+def seed_model(cache: Path, repo: str, files: Path) -> Path:
+    """Place the files of `files` (a folder) as the snapshot of model repo `repo`, as `hf download REPO` would."""
+    import shutil
+
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / COMMIT
+    shutil.copytree(files, snapshot)
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(COMMIT)
+    return snapshot

@@ -28,16 +28,15 @@ def test_ablation_runs_comparison_and_promotion(tmp_path: Path):
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.tasks.base import Runtime
-    from compass.tasks.registry import executable_kinds
 
     spec = tmp_path / "spec.yaml"
     spec.write_text((REPO / "tests" / "specs" / "minimal.yaml").read_text()
                     .replace("../fixtures/", f"{REPO}/tests/fixtures/").replace("  pretraining:", ABLATIONS))
     loaded = load_spec(spec)
-    plan = compile_spec(loaded.spec).restricted_to(executable_kinds())
+    plan = compile_spec(loaded.spec)
     store = tmp_path / "store"
     ctx = RunContext(plan, Store(str(store)), loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
     runs = [o.manifest for sid, o in outcomes.items() if sid.startswith("ablate:")]
     assert len(runs) == 6  # (baseline + 2 variants) x 2 seeds

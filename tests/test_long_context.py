@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from compass.model.packing import PADDING, Packer
 from compass.tasks.retrieval import NEEDLE, QUESTION, build_prompt
-
 from tests.conftest import write_minimal_spec
 
 LONG_CONTEXT = """  long_context:
@@ -73,19 +73,20 @@ def test_passkey_prompt_puts_the_needle_at_its_depth():
 
 @pytest.mark.slow
 def test_extension_stages_export_yarn_and_measure_retrieval(tmp_path: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.tasks.base import Runtime
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": LONG_CONTEXT})
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain",
                                                     "long_context", "evaluate"})
     ctx = RunContext(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     done = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
 
     ext = Path(done["long_context:ctx256"].uri)

@@ -8,12 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from compass.model import checkpoint as ckpt
 from compass.model.architecture import build_model, hf_config, nope_pattern, parameter_groups
 from compass.model.packing import Packer, make_batch
-from compass.model.schedules import shape_from_config
+from compass.model.schedules import schedule_shape
 from compass.specs import costs
 from compass.specs.architecture import Architecture
+from compass.specs.training import PretrainStage, Schedule
 
 SPECIAL = {"bos": 0, "eos": 0, "pad": 1}
 ARCHS = {
@@ -115,27 +117,26 @@ def test_packer_follows_mixture_weights():
 
 
 def stages(*specs):
-    return [{"name": n, "tokens": t, "global_batch_size": 1, "sequence_length": 1, "schedule_segment": seg}
-            for n, t, seg in specs]
+    return [PretrainStage(name=n, tokens=t, global_batch_size=1, sequence_length=1, mixture={"a": 1.0},
+                          schedule_segment=seg) for n, t, seg in specs]
 
 
 def test_wsd_warms_up_holds_and_decays_in_the_decay_stage():
-    sched = {"kind": "wsd", "warmup_steps": 10, "decay_fraction": 0.1, "min_lr_ratio": 0.0, "gamma": 0.3}
-    shape = shape_from_config(sched, stages(("s1", 100, "stable"), ("s2", 50, "decay")))
+    sched = Schedule(kind="wsd", warmup_steps=10, decay_fraction=0.1, min_lr_ratio=0.0)
+    shape = schedule_shape(sched, stages(("s1", 100, "stable"), ("s2", 50, "decay")))
     f = [shape.lr_factor(i) for i in range(150)]
     assert f[0] == pytest.approx(0.1) and f[9] == 1.0 and f[99] == 1.0
     assert f[100] < 1.0 and f[149] == pytest.approx(0.0)
     assert all(x >= y for x, y in zip(f[100:], f[101:], strict=False))
     # extending the stable stage changes nothing before the old end: the point of WSD
-    longer = shape_from_config(sched, stages(("s1", 200, "stable"), ("s2", 50, "decay")))
+    longer = schedule_shape(sched, stages(("s1", 200, "stable"), ("s2", 50, "decay")))
     assert [longer.lr_factor(i) for i in range(100)] == f[:100]
 
 
 def test_cosine_and_multistep():
-    base = {"warmup_steps": 0, "decay_fraction": 0.1, "min_lr_ratio": 0.1, "gamma": 0.5}
-    cos = shape_from_config({**base, "kind": "cosine"}, stages(("s", 100, "auto")))
+    cos = schedule_shape(Schedule(kind="cosine", min_lr_ratio=0.1), stages(("s", 100, "auto")))
     assert cos.lr_factor(0) == pytest.approx(1.0) and cos.lr_factor(100) == pytest.approx(0.1)
-    ms = shape_from_config({**base, "kind": "multistep", "milestones": [0.5, 0.8]}, stages(("s", 100, "auto")))
+    ms = schedule_shape(Schedule(kind="multistep", milestones=[0.5, 0.8], gamma=0.5), stages(("s", 100, "auto")))
     assert [ms.lr_factor(i) for i in (49, 50, 79, 80)] == [1.0, 0.5, 0.5, 0.25]
 
 

@@ -7,10 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
-from compass.model.monitors import TrainingMonitor
-from compass.specs.training import Monitors
 
-CONFIG = Monitors().model_dump(mode="json")
+from compass.model.monitors import TrainingMonitor
+from compass.specs.training import Monitors, TrendMonitor
+
+CONFIG = Monitors()
 
 
 def test_spike_is_caught_before_the_step_and_normal_noise_is_not():
@@ -30,8 +31,7 @@ def test_divergence_on_nan_loss_or_gradient():
 
 
 def test_slow_rise_plateau_and_throughput_drop_are_reported_once():
-    cfg = {**CONFIG, "slow_rise": {"window": 50, "threshold": 0.02, "action": "warn"},
-           "plateau": {"window": 50, "threshold": 0.002, "action": "warn"}}
+    cfg = Monitors(slow_rise=TrendMonitor(window=50, threshold=0.02), plateau=TrendMonitor(window=50, threshold=0.002))
     rising = TrainingMonitor(cfg)
     kinds = [e.kind for i in range(100) for e in rising.record(i, 3.0 + 0.01 * i, 1000.0)]
     assert kinds == ["slow_rise"]
@@ -50,9 +50,12 @@ def test_diverging_run_rolls_back_then_stops_with_cause_and_remedy(stage1_job, t
     from compass.model.trainer import train_stage
 
     job = stage1_job(tmp_path, deepspeed=False)
-    job["optimizer"] = {**job["optimizer"], "lr": 5e4, "grad_clip": 0.0}  # an absurd LR: the loss blows up
-    job["monitors"] = {**job["monitors"], "max_rollbacks": 2}
-    job["checkpoint_every"] = 1
+    recipe = job.recipe
+    job = job.model_copy(update={
+        "recipe": recipe.model_copy(update={  # an absurd LR: the loss blows up
+            "optimizer": recipe.optimizer.model_copy(update={"lr": 5e4, "grad_clip": 0.0}),
+            "monitors": recipe.monitors.model_copy(update={"max_rollbacks": 2})}),
+        "checkpoints": job.checkpoints.model_copy(update={"every_steps": 1})})
     with pytest.raises(TrainingStopped) as info:
         train_stage(job)
     message = str(info.value)

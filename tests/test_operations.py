@@ -51,7 +51,6 @@ def test_server_with_basic_auth_refuses_clients_without_it(tmp_path: Path):
     import urllib.request
 
     from compass.infra.net import free_port, wait_for_http
-
     from tests.conftest import VENV_BIN, stop_group
 
     port = free_port()

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from compass.tasks.post_data import (
     arithmetic_reward,
     evaluate_expression,
@@ -16,7 +17,6 @@ from compass.tasks.post_data import (
     first_number,
     length_penalty,
 )
-
 from tests.conftest import write_minimal_spec
 
 POST = """  post_training:
@@ -82,16 +82,15 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory):
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.tasks.base import Runtime
-    from compass.tasks.registry import executable_kinds
 
     folder = tmp_path_factory.mktemp("post")
     (folder / "prefs").mkdir()
     (folder / "prefs" / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PREFERENCES))
     spec = write_minimal_spec(folder, **{"  pretraining:": POST})
     loaded = load_spec(spec)
-    plan = compile_spec(loaded.spec).restricted_to(executable_kinds())
+    plan = compile_spec(loaded.spec)
     ctx = RunContext(plan, Store(str(folder / "store")), loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     return {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from compass.flows.lifecycle import artifact_key
 from compass.infra.net import free_port
-
 from tests.conftest import REPO, VENV_BIN, Cli, base_env, prefect_client, stop_group
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
@@ -127,8 +127,9 @@ def test_submitted_demo_runs_every_phase_with_its_store_on_s3(production: Produc
 
 def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch):
-    from compass.infra.store import Store
     from transformers import AutoTokenizer
+
+    from compass.infra.store import Store
 
     for key, value in production.s3.env.items():
         monkeypatch.setenv(key, value)

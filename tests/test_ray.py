@@ -5,7 +5,6 @@ server; the results equal the local executors' (same fingerprints, same files, s
 from __future__ import annotations
 
 import gzip
-import logging
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ def content(store, uri: str, rel: str) -> bytes:
 
 def test_ray_fans_out_steps_with_the_same_results_as_local(server_cli: Cli, tmp_path: Path):
     from compass.flows.compiler import compile_spec
-    from compass.flows.runner import RunContext, run_step
+    from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.tasks.base import Runtime
@@ -52,11 +51,11 @@ def test_ray_fans_out_steps_with_the_same_results_as_local(server_cli: Cli, tmp_
     # the same plan through the local executors, in this process
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec).restricted_to(set(KINDS))
-    how = loaded.spec.how.model_dump(mode="json")
-    how["orchestration"]["task_runner"] = "local"
+    how = loaded.spec.how
+    how = how.model_copy(update={"orchestration": how.orchestration.model_copy(update={"task_runner": "local"})})
     local = Store(str(tmp_path / "local-store"))
-    ctx = RunContext(plan, local, loaded.spec_hash, Runtime(base_dir=loaded.base_dir, how=how))
-    ours = {s.id: run_step(ctx, s, logging.getLogger("test")).manifest for s in plan.steps}
+    outcomes = run_in_process(plan, local, loaded.spec_hash, Runtime(how=how, base_dir=loaded.base_dir))
+    ours = {step_id: outcome.manifest for step_id, outcome in outcomes.items()}
     ray_store = Store(str(tmp_path / "ray-store"))
     for step_id, manifest in ours.items():
         theirs = ray_store.read_manifest(steps[step_id]["uri"])

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from compass.infra.net import free_port
 
+from compass.infra.net import free_port
 from tests.conftest import VENV_BIN, Cli, write_minimal_spec
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 

@@ -28,7 +28,7 @@ def train(spec_path: Path, store: Path) -> None:
     loaded = load_spec(spec_path)
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain"})
     ctx = RunContext(plan, Store(str(store)), loaded.spec_hash,
-                     Runtime(base_dir=loaded.base_dir, how=loaded.spec.how.model_dump(mode="json")))
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     for step in plan.steps:
         run_step(ctx, step, logging.getLogger("test"))
 

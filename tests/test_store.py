@@ -9,14 +9,21 @@ import time
 from pathlib import Path
 
 import pytest
+
 from compass.flows import runner
-from compass.flows.compiler import Plan, Step
+from compass.flows.compiler import Plan
 from compass.infra.fingerprint import fingerprint, sha256_file
 from compass.infra.lineage import LineageError, lineage
 from compass.infra.locks import StepLock
 from compass.infra.manifest import MANIFEST, Manifest
 from compass.infra.store import Store
+from compass.tasks import registry
 from compass.tasks.base import Runtime, StepResult
+from compass.tasks.steps import Step, StepConfig, StepKind
+
+
+class SlowConfig(StepConfig):
+    label: str
 
 
 def manifest_for(store: Store, kind: str, name: str, fp: str, **extra) -> Manifest:
@@ -91,9 +98,9 @@ def test_two_runs_compute_one_step_once(tmp_path: Path, monkeypatch: pytest.Monk
         (ctx.out / "result.txt").write_text("done")
         return StepResult(metrics={"n": 1})
 
-    monkeypatch.setattr(runner, "executor_for", lambda kind: slow_step)
-    step = Step("ingest", "web", {"uri": "x"})
-    plan = Plan("t", [step], {step.id: fingerprint("ingest", step.config, {}, "1")})
+    monkeypatch.setattr(registry, "_registered", [StepKind("slow", SlowConfig, slow_step, None, version="1")])
+    step = Step("slow", "web", SlowConfig(label="x"))
+    plan = Plan("t", [step], {step.id: fingerprint("slow", step.config.identity(), {}, "1")})
     ctx = runner.RunContext(plan, Store(str(tmp_path / "store")), "hash", Runtime())
     outcomes = []
     threads = [threading.Thread(target=lambda: outcomes.append(runner.run_step(ctx, step, logging.getLogger())))

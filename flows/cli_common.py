@@ -1,0 +1,49 @@
+"""What every `compass` command shares: the consoles, the exit code for bad input, and loading a spec with every
+check (schema, rules, preflight) so that a bad spec stops here with all its problems and nothing written."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from compass.flows.preflight import CheckedSpec
+
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)]
+EXIT_BAD_INPUT = 2
+
+
+def load(path: Path, until: list[str] | None = None) -> CheckedSpec:
+    """The checked spec and its plan, or exit 2 with every problem; `until` names must match steps of the plan."""
+    from compass.flows.compiler import UnknownTarget
+    from compass.flows.preflight import load_checked
+    from compass.specs.loader import SpecError
+
+    try:
+        checked = load_checked(path)
+    except SpecError as exc:
+        for problem in exc.problems:
+            err.print(str(problem), markup=False, highlight=False)
+        n = len(exc.problems)
+        err.print(f"[red]{n} problem{'s' if n != 1 else ''} in {path}[/red]; nothing was run or written.")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    if until:
+        try:
+            checked.plan.up_to(until)
+        except UnknownTarget as exc:
+            err.print(f"{path}: {exc}", markup=False, highlight=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+    return checked
+
+
+def store_root(checked: CheckedSpec, store: str | None) -> str:
+    """`--store` if given, else the spec's `how.storage.root` (relative to the working directory)."""
+    from compass.flows.lifecycle import resolve_root
+
+    return store or resolve_root(checked.spec.how.storage.root)

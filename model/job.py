@@ -1,0 +1,86 @@
+"""What one training stage needs, typed: the recipe (what it computes, part of the step's identity) and the job
+(the recipe plus where its data, tokenizer and work folder are and how it runs). A job is written as JSON for
+launchers: every rank of `python -m compass.model.trainer JOB.json` reads the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, PositiveInt
+
+from compass.specs.architecture import Architecture
+from compass.specs.how import PEAK_TFLOPS, Checkpoints, Hardware, Parallelism, Precision
+from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+
+
+class StageRecipe(BaseModel):
+    """One stage of a schedule that may span several stages: the model, the optimizer, the LR schedule over
+    `stages`, which of them to train, the seed, masking and monitors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: Architecture
+    optimizer: Optimizer
+    schedule: Schedule
+    stages: list[PretrainStage]
+    stage: str
+    seed: int
+    intra_document_masking: bool
+    monitors: Monitors
+
+    @property
+    def current(self) -> PretrainStage:
+        return next(s for s in self.stages if s.name == self.stage)
+
+    @property
+    def max_positions(self) -> int:
+        return max(s.sequence_length for s in self.stages)
+
+
+class SpecialIds(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    eos: int
+    pad: int
+
+
+class TrainJob(BaseModel):
+    """A recipe bound to files and hardware. `init_from` continues a previous stage's full state; `whole_from`
+    keeps documents longer than that length whole (long context); `tokens_before` continues the token count."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recipe: StageRecipe
+    workdir: Path
+    tokenizer_dir: Path
+    vocab_size: PositiveInt
+    special_ids: SpecialIds
+    sources: dict[str, Path]
+    init_from: Path | None = None
+    whole_from: int | None = None
+    tokens_before: int = 0
+    micro_batch_size: PositiveInt
+    parallelism: Parallelism
+    precision: Precision
+    hardware: Hardware
+    checkpoints: Checkpoints
+
+    @property
+    def world_size(self) -> int:
+        par = self.parallelism
+        return par.data_parallel * par.tensor_parallel * par.pipeline_parallel
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """The spec's or the data sheet's peak for GPUs; None on CPU, where the trainer measures one."""
+        hw = self.hardware
+        if hw.peak_tflops:
+            return hw.peak_tflops
+        return None if hw.accelerator == "cpu" else PEAK_TFLOPS[hw.accelerator]
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> TrainJob:
+        return cls.model_validate_json(path.read_text())

@@ -1,0 +1,135 @@
+"""The shape of the code: one namespace, imports that only run downward through the layers, one registry of step
+kinds that is cheap to load, and a new step kind added in one module running through compile, plan and run."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from compass.flows.compiler import compile_spec
+from compass.flows.plan_status import plan_status
+from compass.infra.store import Store
+from compass.specs import load_spec
+from compass.tasks import registry
+from tests import step_kind_example
+from tests.conftest import REPO, prefect_client, write_minimal_spec
+
+LAYERS = ("specs", "infra", "model", "tasks", "flows")  # bottom to top
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, those inside functions and TYPE_CHECKING blocks included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, "." * node.level + (node.module or "")))
+    return found
+
+
+def test_no_import_runs_upward_and_every_import_names_the_namespace():
+    problems = []
+    for layer_index, layer in enumerate(LAYERS):
+        for path in sorted((REPO / layer).rglob("*.py")):
+            for line, module in imports_of(path):
+                parts = module.split(".")
+                if module.startswith(".") or parts[0] in LAYERS:
+                    problems.append(f"{path.relative_to(REPO)}:{line}: '{module}' is not imported as compass.*")
+                elif parts[0] == "compass" and len(parts) > 1 and LAYERS.index(parts[1]) > layer_index:
+                    problems.append(f"{path.relative_to(REPO)}:{line}: {layer} imports {module} from a higher layer")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layers_only_exist_inside_the_compass_namespace(tmp_path: Path):
+    """Outside the checkout `import specs` fails (nothing installs top-level packages) and compass.* works."""
+    for name in LAYERS:
+        done = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr, name
+    code = "import compass.specs, compass.flows.cli, compass.model.trainer; print(compass.specs.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert Path(done.stdout.strip()).parent == REPO / "specs"
+
+
+def test_every_package_folder_is_in_the_distribution():
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"compass." + ".".join(p.parent.relative_to(REPO).parts)
+               for layer in LAYERS for p in (REPO / layer).rglob("__init__.py")}
+    assert folders <= declared, folders - declared
+
+
+def test_loading_the_registry_and_compiling_import_no_heavy_library():
+    """`compass validate` and `compass plan` load every kind; the kinds keep torch, transformers, datatrove's
+    pipeline, TRL, lighteval and Prefect out of that path."""
+    code = ("import sys; from compass.flows.compiler import compile_spec; from compass.specs import load_spec; "
+            f"compile_spec(load_spec({str(REPO / 'specs/examples/tiny.yaml')!r}).spec); "
+            "heavy = ('torch', 'transformers', 'trl', 'lighteval', 'prefect', 'datatrove.pipeline', 'deepspeed'); "
+            "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('datatrove.pipeline')])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_each_kind_is_declared_once_with_everything_the_runner_needs():
+    kinds = registry.kinds()
+    names = [k.name for k in kinds]
+    assert len(names) == len(set(names))
+    assert {"ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain", "long_context",
+            "post_train", "evaluate", "curves", "report"} == set(names)
+    assert set(registry.model_kinds()) == {"pretrain", "long_context", "post_train"}
+    assert registry.deployment_kinds("ablations") == ["ablate", "compare"]
+    plan = compile_spec(load_spec(REPO / "specs/examples/tiny.yaml").spec)
+    for step in plan.steps:  # every step's config is its kind's typed model, and gpu steps are tagged
+        kind = registry.kind(step.kind)
+        assert isinstance(step.config, kind.config), step.id
+        assert ("gpu" in step.tags) == kind.uses_accelerator, step.id
+
+
+@pytest.fixture
+def word_count():
+    registry.register(step_kind_example.KIND)
+    yield step_kind_example.KIND
+    registry.unregister(step_kind_example.KIND.name)
+
+
+@pytest.mark.slow
+def test_a_step_kind_added_in_one_module_compiles_plans_and_runs(word_count, prefect_server: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from compass.flows.lifecycle import lifecycle
+
+    spec = write_minimal_spec(tmp_path)
+    plan = compile_spec(load_spec(spec).spec)
+    counts = [s for s in plan.steps if s.kind == "word_count"]
+    assert [(s.id, dict(s.inputs)) for s in counts] == [("word_count:notes", {"curated": "curate:notes"}),
+                                                         ("word_count:code", {"curated": "curate:code"})]
+    store = Store(str(tmp_path / "store"))
+    statuses = {s.step_id: (s.state, s.reason) for s in plan_status(plan, store)}
+    assert statuses["word_count:notes"] == ("run", "new")
+
+    monkeypatch.chdir(tmp_path)
+    with temporary_settings({PREFECT_API_URL: prefect_server}):  # the flow runs here, reporting to the server
+        summary = lifecycle.with_options(flow_run_name="new-step-kind")(
+            spec_yaml=spec.read_text(), spec_path=str(spec), base_dir=str(tmp_path), store_root=store.root,
+            until=["word_count"])
+    ran = {r["step"] for r in summary["steps"] if r["executed"]}
+    assert ran == {"ingest:notes", "ingest:code", "curate:notes", "curate:code", "word_count:notes",
+                   "word_count:code"}
+    with prefect_client(prefect_server) as client:
+        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["new-step-kind"])))
+        tasks = {t.name: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
+    assert run.state.is_completed() and tasks["word_count:notes"].state.is_completed()
+    assert "compass:word_count" in tasks["word_count:notes"].tags
+    manifest = store.read_manifest(store.uri("word_count", "notes", plan.fingerprints["word_count:notes"]))
+    assert manifest.config == {"min_length": 4} and manifest.phase_version == "1"
+    counted = json.loads((Path(manifest.uri) / "counts.json").read_text())
+    assert counted["words"] > 100 and counted == {k: manifest.metrics[k] for k in ("words", "documents")}
+    statuses = {s.step_id: s.state for s in plan_status(plan, store)}
+    assert statuses["word_count:notes"] == "cached"
