@@ -21,9 +21,13 @@ lint: setup
 	.venv/bin/ruff check .
 
 bench: setup
-	.venv/bin/python benchmarks/curation_throughput.py
-	.venv/bin/python benchmarks/cached_rerun.py
-	.venv/bin/python benchmarks/pretrain_throughput.py --engine torch
-	.venv/bin/python benchmarks/pretrain_throughput.py --engine deepspeed
-	.venv/bin/python benchmarks/evaluation_throughput.py
-	.venv/bin/python benchmarks/submission_overhead.py
+	cd benchmarks && ../.venv/bin/python curation_throughput.py
+	cd benchmarks && ../.venv/bin/python cached_rerun.py
+	cd benchmarks && ../.venv/bin/python pretrain_throughput.py --engine torch
+	cd benchmarks && ../.venv/bin/python pretrain_throughput.py --engine deepspeed --variants "bare torch loop,compass trainer,HF Trainer"
+	cd benchmarks && ../.venv/bin/python long_sequence_memory.py
+	cd benchmarks && ../.venv/bin/python loss_memory.py
+	cd benchmarks && ../.venv/bin/python async_checkpoint.py
+	cd benchmarks && ../.venv/bin/python evaluation_throughput.py
+	cd benchmarks && ../.venv/bin/python submission_overhead.py
+	cd benchmarks && ../.venv/bin/python gpu_throughput.py

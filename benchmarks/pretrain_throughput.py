@@ -1,194 +1,184 @@
-"""Pretraining throughput: compass's trainer against a minimal hand-written torch loop and against Hugging
-Face's Trainer, on the same model (the demo architecture), the same packed batches (intra-document masks)
-and the same sequence length. Each variant runs in its own process; tokens/s are over the timed steps
-(after warm-up), peak memory is the process's max RSS.
+"""Pretraining throughput: compass's trainer against a bare torch loop with the same settings (the same model,
+attention backend, chunked loss, AdamW and clipping: what compass adds is its loop, callbacks, metrics,
+prefetching and checkpoints), with torch.compile off and on, and against Hugging Face's Trainer on the same model
+and packed data (transformers' own attention and loss). Tokens/s over the timed steps after warm-up.
 
-    python benchmarks/pretrain_throughput.py [--steps 40] [--engine deepspeed|torch]
+    python benchmarks/pretrain_throughput.py [--steps 40] [--engine torch|deepspeed] [--rounds 3] [--seq 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from compass.model.job import TrainJob
+from harness import Run, child, fixture_job, interleave, peak_rss_mib, pin_threads, report, write_result
 
 REPO = Path(__file__).resolve().parent.parent
-WARMUP = 5
+VOCAB = 8192  # the demo's largest tokenizer candidate: the loss costs what it costs at that size
 
 
-def prepare(store: Path, steps: int, engine: str) -> TrainJob:
-    """Data steps of the minimal spec (fixtures), then a pretraining job with the demo's architecture."""
-    from compass.flows.compiler import compile_spec
-    from compass.flows.runner import run_in_process
-    from compass.infra.store import Store
+def prepare(work: Path, steps: int, engine: str, seq: int, batch: int):
+    """The minimal spec's data (fixture corpus) and the demo's architecture at a vocabulary of VOCAB."""
     from compass.specs import load_spec
-    from compass.tasks.base import InputArtifact, Runtime, StepContext
-    from compass.tasks.training import build_job
 
-    loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
-    demo = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec
-    plan = compile_spec(loaded.spec)
-    st = Store(str(store))
-    run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), st, loaded.spec_hash,
-                   Runtime(how=loaded.spec.how, base_dir=loaded.base_dir), logging.getLogger("bench"))
-    step = plan.step("pretrain:stage1")
-    inputs = {}
-    for role, dep in step.inputs.items():
-        uri = st.uri(*dep.split(":"), plan.fingerprints[dep])
-        inputs[role] = InputArtifact(role, dep, uri, st.read_manifest(uri), st)
-    how = loaded.spec.how
-    how = how.model_copy(update={
-        "parallelism": how.parallelism.model_copy(update={"deepspeed": engine == "deepspeed", "micro_batch_size": 8}),
-        "checkpoints": how.checkpoints.model_copy(update={"every_steps": 10**9})})  # one final save, like the others
-    seq, batch = 256, 8
-    config = step.config
-    stage = config.stages[0].model_copy(update={"tokens": steps * seq * batch, "sequence_length": seq,
-                                                "global_batch_size": batch})
-    recipe = config.model_copy(update={"architecture": demo.what.architecture, "stages": [stage],
-                                       "monitors": config.monitors.model_copy(update={"throughput": None})})
-    return build_job(StepContext("pretrain", "stage1", recipe, inputs, store, store, store / "work",
-                                 Runtime(how=how), logging.getLogger("bench")), recipe)
+    demo = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec.what.architecture
+    return fixture_job(work, steps=steps, seq=seq, batch=batch, micro=batch,
+                       architecture={**demo.model_dump(), "vocab_size": VOCAB},
+                       parallelism={"deepspeed": engine == "deepspeed"}, checkpoints={"every_steps": 10**9})
 
 
-def packed_batches(job: TrainJob, n: int):
-    from compass.model.packing import Packer
+def packed_batches(job, n: int):
+    from compass.model.packing import RowPacker
     from compass.model.token_files import TokenizedSource
 
     stage = job.recipe.current
     sources = {k: TokenizedSource(v) for k, v in job.sources.items()}
-    packer = Packer(sources, stage.mixture, stage.sequence_length, seed=job.recipe.seed)
-    return [packer.next_batch(stage.global_batch_size) for _ in range(n)]
+    packer = RowPacker(sources, stage.mixture, stage.sequence_length, seed=job.recipe.seed,
+                       rows=stage.global_batch_size)
+    return [packer.next_batch() for _ in range(n)]
 
 
-def model_for(job: TrainJob):
+def hf_model(job, attention: str | None = None):
     from compass.model.architecture import build_model, hf_config
+    from compass.model.attention import DOCUMENT_SDPA
 
     special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
     return build_model(hf_config(job.recipe.architecture, job.vocab_size, special, job.recipe.max_positions),
-                       job.recipe.seed)
+                       job.recipe.seed, attention or DOCUMENT_SDPA)
 
 
-def run_compass(job: TrainJob, timing: Path) -> None:
+def steps_of(job) -> int:
+    s = job.recipe.current
+    return int(s.tokens // (s.global_batch_size * s.sequence_length))
+
+
+def tokens_per_step(job) -> int:
+    return job.recipe.current.global_batch_size * job.recipe.current.sequence_length
+
+
+def run_compass(job, warmup: int, compile_: bool) -> float:
+    from compass.model.callbacks import Callback
     from compass.model.trainer import train_stage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
-    train_stage(job)
-    rows = [json.loads(line) for line in (job.workdir / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[WARMUP:]
-    tokens = job.recipe.current.global_batch_size * job.recipe.current.sequence_length
-    seconds = sum(tokens / r["tokens_per_s"] for r in timed)
-    timing.write_text(json.dumps({"seconds": seconds, "steps": len(timed)}))
+    stamps: list[float] = []
+
+    class Clock(Callback):
+        def post_step(self, trainer, record):
+            stamps.append(time.perf_counter())
+
+    train_stage(job.model_copy(update={"compile": compile_}), callbacks=[Clock()])
+    timed = len(stamps) - 1 - warmup  # from the end of step `warmup` to the end of the last step but one
+    return timed * tokens_per_step(job) / (stamps[-2] - stamps[warmup - 1])
 
 
-def run_minimal(job: TrainJob, timing: Path) -> None:
-    """What one writes by hand: AdamW, packed batches with the block-diagonal mask, clip, step."""
+def run_bare(job, warmup: int, compile_: bool) -> float:
+    """What one writes by hand with compass's model code: the same batches, AdamW, clip, step."""
     import torch
-    import torch.nn.functional as F
 
-    model = model_for(job)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.recipe.optimizer.lr, betas=job.recipe.optimizer.betas)
-    batches = packed_batches(job, len(job_steps(job)))
+    from compass.model.lm import CausalLMWithLoss
+
+    lm = CausalLMWithLoss(hf_model(job))
+    if compile_:
+        lm.compile()
+    opt = torch.optim.AdamW(lm.parameters(), lr=job.recipe.optimizer.lr, betas=job.recipe.optimizer.betas)
+    batches = packed_batches(job, steps_of(job))
     start = None
     for i, b in enumerate(batches):
-        if i == WARMUP:
+        if i == warmup:
             start = time.perf_counter()
-        logits = model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=b.attention_mask(),
-                       use_cache=False).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b.labels[:, 1:].reshape(-1),
-                               ignore_index=-100)
+        loss, _ = lm(**b.inputs(torch.device("cpu")))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    timing.write_text(json.dumps({"seconds": time.perf_counter() - start, "steps": len(batches) - WARMUP}))
+    return (len(batches) - warmup) * tokens_per_step(job) / (time.perf_counter() - start)
 
 
-def run_hf_trainer(job: TrainJob, timing: Path) -> None:
+def run_hf_trainer(job, warmup: int, compile_: bool) -> float:
+    """Hugging Face's Trainer on the same model and packed rows: transformers' sdpa attention (documents told
+    apart by the position ids, a mask built per batch) and its cross-entropy on full logits."""
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from compass.model.packing import PackedBatch
-
-    batches = packed_batches(job, len(job_steps(job)))
-    rows = [{"input_ids": b.input_ids[i], "position_ids": b.position_ids[i], "labels": b.labels[i],
-             "segment_ids": b.segment_ids[i]} for b in batches for i in range(len(b))]
+    batches = packed_batches(job, steps_of(job))
+    rows = [{"input_ids": b.input_ids[i], "position_ids": b.position_ids[i], "labels": b.labels[i]}
+            for b in batches for i in range(len(b))]
 
     def collate(items: list[dict]) -> dict:
-        """Like the other two variants, the block-diagonal mask is built per batch, in the loop."""
-        stacked = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-        packed = PackedBatch(stacked["input_ids"], stacked["position_ids"], stacked.pop("segment_ids"),
-                             stacked["labels"])
-        return {**stacked, "attention_mask": packed.attention_mask()}
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == WARMUP:
+            if state.global_step == warmup:
                 self.start = time.perf_counter()
 
     clock = Clock()
-    args = TrainingArguments(output_dir=str(timing.parent / "hf"), use_cpu=True, per_device_train_batch_size=len(
-        batches[0]), max_steps=len(batches), learning_rate=job.recipe.optimizer.lr, report_to="none",
-        save_strategy="no", logging_strategy="no", dataloader_drop_last=True, max_grad_norm=1.0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="constant", remove_unused_columns=False, seed=job.recipe.seed)
-    trainer = Trainer(model=model_for(job), args=args, train_dataset=rows, callbacks=[clock],
-                      data_collator=collate)
-    trainer.train()
-    timing.write_text(json.dumps({"seconds": time.perf_counter() - clock.start, "steps": len(batches) - WARMUP}))
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=len(batches[0]),
+        max_steps=len(batches), learning_rate=job.recipe.optimizer.lr, report_to="none", save_strategy="no",
+        logging_strategy="no", dataloader_drop_last=True, max_grad_norm=1.0, dataloader_num_workers=0,
+        lr_scheduler_type="constant", remove_unused_columns=False, seed=job.recipe.seed, torch_compile=compile_)
+    model = hf_model(job, "sdpa")
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[clock], data_collator=collate).train()
+    return (len(batches) - warmup) * tokens_per_step(job) / (time.perf_counter() - clock.start)
 
 
-def job_steps(job: TrainJob) -> range:
-    s = job.recipe.current
-    return range(int(s.tokens // (s.global_batch_size * s.sequence_length)))
-
-
-VARIANTS = {"minimal torch loop": run_minimal, "compass trainer": run_compass, "HF Trainer": run_hf_trainer}
+VARIANTS = {"bare torch loop": (run_bare, False), "compass trainer": (run_compass, False),
+            "bare torch loop + compile": (run_bare, True), "compass trainer + compile": (run_compass, True),
+            "HF Trainer": (run_hf_trainer, False), "HF Trainer + compile": (run_hf_trainer, True)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--engine", choices=["deepspeed", "torch"], default="deepspeed")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine", choices=["deepspeed", "torch"], default="torch")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        name, job_path, timing = args.child
-        VARIANTS[name](TrainJob.read(Path(job_path)), Path(timing))
+        from compass.model.job import TrainJob
+
+        pin_threads()
+        name, job_path, warmup, out = args.child
+        fn, compile_ = VARIANTS[name]
+        write_result(out, fn(TrainJob.read(Path(job_path)), int(warmup), compile_), peak_mib=peak_rss_mib())
         return
     from compass.infra.environment import prepare_environment
 
     prepare_environment()
     work = Path(tempfile.mkdtemp(prefix="compass-bench-"))
-    job = prepare(work / "store", args.steps, args.engine)
-    tokens = job.recipe.current.global_batch_size * job.recipe.current.sequence_length
-    results = {}
-    for name in VARIANTS:
-        run_dir = work / name.replace(" ", "-")
-        run_dir.mkdir()
-        job_path = run_dir / "job.json"
-        job.model_copy(update={"workdir": run_dir}).write(job_path)
-        proc = subprocess.Popen([sys.executable, __file__, "--child", name, str(job_path), str(run_dir / "t.json")],
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
-        if status:
-            raise SystemExit(f"{name} failed; rerun its child command to see why")
-        t = json.loads((run_dir / "t.json").read_text())
-        results[name] = (t["steps"] * tokens / t["seconds"], usage.ru_maxrss / 1024)
-    base_tps, base_mem = results["minimal torch loop"]
-    print(f"pretraining throughput: demo architecture, seq 256, batch 8, {args.steps} steps ({WARMUP} warm-up), "
-          f"compass engine {args.engine}, fp32 CPU")
-    for name, (tps, mem) in results.items():
-        print(f"  {name:20s} {tps:9,.0f} tokens/s  peak RSS {mem:6.0f} MiB  speed ratio vs minimal loop "
-              f"{tps / base_tps:.3f}  memory ratio {mem / base_mem:.3f}")
+    job = prepare(work, args.steps, args.engine, args.seq, args.batch)
+    chosen = [v for v in args.variants.split(",") if v]
+
+    def variant(name: str):
+        def run() -> Run:
+            run_dir = Path(tempfile.mkdtemp(dir=work))
+            job.model_copy(update={"workdir": run_dir}).write(run_dir / "job.json")
+            return child(__file__, [name, str(run_dir / "job.json"), str(args.warmup)], cwd=REPO)
+        return run
+
+    results = interleave({name: variant(name) for name in chosen}, args.rounds)
+    title = (f"pretraining throughput: demo architecture (vocab {VOCAB}), seq {args.seq}, batch {args.batch}, "
+             f"{args.steps} steps ({args.warmup} warm-up), compass engine {args.engine}, fp32 CPU")
+    ratios = report(title, results, chosen[0], "tokens/s")
+    for ours, theirs in (("compass trainer", "HF Trainer"), ("compass trainer + compile", "HF Trainer + compile"),
+                         ("compass trainer + compile", "HF Trainer")):
+        if {ours, theirs} <= set(chosen):
+            print(f"  {ours} vs {theirs}: {ratios[ours] / ratios[theirs]:.3f}")
+    if {"compass trainer + compile", "bare torch loop + compile"} <= set(chosen):
+        compiled = ratios["compass trainer + compile"] / ratios["bare torch loop + compile"]
+        print(f"  compiled: compass vs bare loop {compiled:.3f} (goal >= 0.95)")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -8,15 +8,17 @@ each on a fresh store so every step executes.
 Prints wall time and the ratio to the baseline, and the peak RSS of the client command (for `submitted`, of
 the worker and the flow run it started too, sampled).
 
-    python benchmarks/submission_overhead.py
+    python benchmarks/submission_overhead.py [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,35 +78,40 @@ def timed(argv: list[str], env: dict[str, str], cwd: Path) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="compass-bench-submit-"))
     spec = work / "spec.yaml"
     spec.write_text((REPO / "tests" / "specs" / "minimal.yaml").read_text()
                     .replace("../fixtures/", f"{REPO}/tests/fixtures/"))
     compass = str(BIN / "compass")
-
-    baseline = timed([compass, "run", str(spec), "--store", str(work / "s0"), *DATA_STEPS],
-                     env_for(work / "embedded", None), work)
-    baseline_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     server = subprocess.Popen([compass, "server", "--port", str(port)], env=env_for(work / "server", None),
                               cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     worker = None
+    times: dict[str, list[float]] = {"baseline": [], "server": [], "submitted": []}
+    peaks: list[float] = []
     try:
         wait_for_http(f"{api}/health", server)
         client = env_for(work / "client", api)
-        with_server = timed([compass, "run", str(spec), "--store", str(work / "s1"), *DATA_STEPS], client, work)
         subprocess.run([compass, "deploy"], env=client, cwd=work, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         worker = subprocess.Popen([compass, "worker"], env=client, cwd=work, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(5)  # the worker polls its pool
-        sampler = PeakSampler(worker.pid)
-        sampler.start()
-        submitted = timed([compass, "submit", str(spec), "--store", str(work / "s2"), "--watch", *DATA_STEPS],
-                          client, work)
-        sampler.done.set()
+        for i in range(args.rounds):  # interleaved: baseline, server, submitted, baseline, ...
+            times["baseline"].append(timed([compass, "run", str(spec), "--store", str(work / f"s0-{i}"),
+                                            *DATA_STEPS], env_for(work / f"embedded-{i}", None), work))
+            times["server"].append(timed([compass, "run", str(spec), "--store", str(work / f"s1-{i}"), *DATA_STEPS],
+                                         client, work))
+            sampler = PeakSampler(worker.pid)
+            sampler.start()
+            times["submitted"].append(timed([compass, "submit", str(spec), "--store", str(work / f"s2-{i}"),
+                                             "--watch", *DATA_STEPS], client, work))
+            sampler.done.set()
+            peaks.append(sampler.peak)
         client_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     finally:
         for proc in (worker, server):
@@ -114,12 +121,17 @@ def main() -> None:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
-    print("minimal spec, data steps (7), fresh store each time")
-    print(f"  baseline: compass run, embedded   {baseline:7.1f} s   peak RSS {baseline_rss:6.0f} MiB")
-    print(f"  compass run, local server         {with_server:7.1f} s   ratio {with_server / baseline:.2f}")
-    print(f"  compass submit --watch, worker    {submitted:7.1f} s   ratio {submitted / baseline:.2f}   "
-          f"worker + flow run peak RSS {sampler.peak:6.0f} MiB")
-    print(f"  largest client command peak RSS {client_rss:6.0f} MiB")
+    base = statistics.median(times["baseline"])
+    print(f"submission overhead: minimal spec, data steps (7), fresh store each time — {args.rounds} round(s) "
+          "interleaved; median (min-max)")
+    labels = {"baseline": "baseline: compass run, embedded", "server": "compass run, local server",
+              "submitted": "compass submit --watch, worker"}
+    for key, label in labels.items():
+        xs = times[key]
+        print(f"  {label:34s} {statistics.median(xs):7.1f} s ({min(xs):.1f}-{max(xs):.1f})   ratio "
+              f"{statistics.median(xs) / base:.2f}")
+    print(f"  worker + flow run peak RSS {statistics.median(peaks):6.0f} MiB; largest client command peak RSS "
+          f"{client_rss:6.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def cost_sections(spec: TrainingSpec) -> list[Section]:
     compute = Section("Training compute", ["stage", "tokens", "seq", "FLOPs", "GPU-hours", "days"], stage_rows,
                       [f"6·N·D + attention (PaLM); {hw.total_devices} x {hw.accelerator} at {hw.peak:g} TFLOP/s, "
                        f"assumed MFU {hw.assumed_mfu:.0%}"])
-    sections = [params, compute]
+    sections = [params, compute, training_core_section(spec)]
     abl = costs.ablation_cost(spec)
     if abl:
         sections.append(Section("Ablations", ["runs", "proxy params", "tokens/run", "FLOPs", "GPU-hours",
@@ -101,6 +101,32 @@ def cost_sections(spec: TrainingSpec) -> list[Section]:
                             ["context", f"{arch.num_kv_heads} KV heads", f"MHA ({arch.num_heads})", "saving"],
                             kv_rows))
     return sections
+
+
+def training_core_section(spec: TrainingSpec) -> Section:
+    """How the training steps will run: attention kernel, loss kernel, compile, checkpoints, precision."""
+    from compass.model.attention import DOCUMENT_SDPA, flash_kernel
+
+    how = spec.how
+    gpu = how.hardware.accelerator != "cpu"
+    flash = flash_kernel()
+    if how.attention == "auto":
+        attention = (f"{flash} (flash-attn installed here)" if gpu and flash else
+                     f"flash-attention where flash-attn is installed on the GPU nodes, else {DOCUMENT_SDPA}" if gpu
+                     else DOCUMENT_SDPA)
+    else:
+        attention = {"flash": flash or "flash_attention_2 (flash-attn not installed here)",
+                     "flex": "flex_attention", "sdpa": DOCUMENT_SDPA, "eager": "eager"}[how.attention]
+    loss = {"auto": "liger fused linear cross-entropy where liger-kernel is installed on CUDA, else chunked"
+                    if gpu else "chunked cross-entropy", "chunked": "chunked cross-entropy",
+            "liger": "liger fused linear cross-entropy"}[how.loss]
+    rows = [["attention", f"{how.attention}: {attention}"], ["loss", f"{how.loss}: {loss}"],
+            ["compile", str(how.compile)], ["activation checkpointing", str(how.parallelism.activation_checkpointing)],
+            ["precision", how.precision + (" (bf16 autocast on CUDA)" if how.precision == "bf16" else "")],
+            ["checkpoints", f"every {how.checkpoints.every_steps} steps, keep {how.checkpoints.keep_last}, "
+                            + ("written in the background" if how.checkpoints.asynchronous else "synchronous")]]
+    return Section("Training core", ["setting", "value"], rows,
+                   ["packed documents are kept apart by position ids: no dense attention mask"])
 
 
 def to_markdown(sections: list[Section]) -> str:

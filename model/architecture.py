@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from compass.model.attention import DOCUMENT_SDPA
 from compass.specs.architecture import Architecture
 
 
@@ -62,12 +63,15 @@ def nope_pattern(arch: Architecture) -> list[int]:
     return [0 if (i + 1) % pos.nope_every == 0 else 1 for i in range(arch.num_layers)]
 
 
-def build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+def build_model(config: PretrainedConfig, seed: int, attn_implementation: str = DOCUMENT_SDPA) -> PreTrainedModel:
     """Initialise from one seed: every data-parallel rank builds identical weights."""
     from transformers import AutoModelForCausalLM
 
+    from compass.model.attention import register
+
+    register()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model.config.use_cache = False
     return model
 

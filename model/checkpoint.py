@@ -1,11 +1,22 @@
 """Checkpoints: written into a temporary folder, checksummed, then renamed into place (the checksum file is
-the commit marker); verified on load; keep-last-K plus stage ends."""
+the commit marker); verified on load; keep-last-K plus stage ends.
+
+Writing happens in the background: the training thread copies the state to host memory (a snapshot) and goes
+on; a writer thread serialises it. At most one write is in flight, and a checkpoint exists for resume only once
+its checksum file is in place after the rename, so a process killed mid-write leaves a `.tmp` folder that
+nothing takes for a checkpoint.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +37,84 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every random generator training draws from: Python, NumPy, torch's CPU and each CUDA device's."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def to_host(obj: Any) -> Any:
+    """A copy of a (nested) state with every tensor copied to CPU memory: training may go on changing the
+    originals while the copy is written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        items = [(k, to_host(v)) for k, v in obj.items()]
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+Write = Callable[[Path], None]  # writes some files of a checkpoint into the folder it is given
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, one at a time. `submit` first waits for the previous write
+    (that wait is the time training is blocked), then returns while the new one is written; `wait` blocks until
+    everything submitted is on disk (and raises what a write raised)."""
+
+    def __init__(self, background: bool = True):
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, writes: list[Write], folder: Path, then: Callable[[], None] | None = None) -> float:
+        """Run `writes` into `folder`, then `then()` (e.g. finalize); returns the seconds spent blocked."""
+        blocked = self.wait()
+        if not self.background:
+            start = time.perf_counter()
+            self._run(writes, folder, then)
+            self._raise()
+            return blocked + time.perf_counter() - start
+        self._thread = threading.Thread(target=self._run, args=(writes, folder, then), name="compass-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+        return blocked
+
+    def _run(self, writes: list[Write], folder: Path, then: Callable[[], None] | None) -> None:
+        try:
+            for write in writes:
+                write(folder)
+            if then is not None:
+                then()
+        except BaseException as exc:  # surfaced in the training thread by the next wait()
+            self._error = exc
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> float:
+        start = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+        return time.perf_counter() - start
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint failed: {error}") from error
 
 
 def finalize(tmp: Path, final: Path) -> Path:
@@ -44,6 +126,32 @@ def finalize(tmp: Path, final: Path) -> Path:
         shutil.rmtree(final)
     tmp.rename(final)
     return final
+
+
+WRITTEN = ".written-rank{}"
+
+
+def commit_when_all_written(tmp: Path, final: Path, rank: int, world: int,
+                            timeout_s: float = 3600.0) -> Callable[[], None]:
+    """What the writer runs after this rank's files: the other ranks leave a marker in the (shared) folder, rank
+    0 waits for every marker, then checksums and renames the folder. No collective runs off the training thread,
+    and a checkpoint is committed only when every rank's part is on disk."""
+
+    def mark() -> None:
+        (tmp / WRITTEN.format(rank)).touch()
+
+    def commit() -> None:
+        markers = [tmp / WRITTEN.format(r) for r in range(1, world)]
+        deadline = time.monotonic() + timeout_s
+        while not all(m.exists() for m in markers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tmp}: not every rank wrote its part within {timeout_s:.0f}s")
+            time.sleep(0.05)
+        for marker in markers:
+            marker.unlink()
+        finalize(tmp, final)
+
+    return commit if rank == 0 else mark
 
 
 def is_complete(folder: Path) -> bool:

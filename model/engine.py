@@ -1,7 +1,10 @@
 """Training engines with one interface: plain torch (optionally DDP) and DeepSpeed (ZeRO 0-3).
 
 `how` picks one; both take a torch AdamW (so DeepSpeed builds no fused optimizer op on CPU), set the LR from
-the schedule every step, clip gradients, and save/load their whole state into a checkpoint folder.
+the schedule every step, clip gradients, and snapshot their whole state for a checkpoint (copied to host memory,
+written by the checkpoint writer's thread) or load it back from a checkpoint folder.
+
+The module an engine trains is `CausalLMWithLoss` (model/lm.py): its forward returns (loss, cross-entropy).
 """
 
 from __future__ import annotations
@@ -13,23 +16,24 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from compass.model.checkpoint import Write, to_host
 from compass.specs.training import Optimizer
 
 
 class Engine(Protocol):
     """What the training loop needs from an engine: forward, backward with accumulation, a clipped optimizer
-    step at a given LR, and the whole training state saved to and loaded from a checkpoint folder."""
+    step at a given LR, and the whole training state snapshotted for a checkpoint or loaded from one."""
 
     name: str
-    module: torch.nn.Module  # the bare model (no DDP or DeepSpeed wrapper), for export and evaluation
+    module: torch.nn.Module  # the bare CausalLMWithLoss (no DDP or DeepSpeed wrapper)
 
     def __call__(self, **inputs: Any) -> Any: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def micro_step(self) -> None: ...
-    def grad_norm(self) -> float: ...
-    def step(self, lr: float, norm: float) -> None: ...
+    def grad_norm(self) -> torch.Tensor: ...
+    def step(self, lr: float, norm: torch.Tensor) -> None: ...
     def discard(self) -> None: ...
-    def save(self, folder: Path, extra: dict[str, Any]) -> None: ...
+    def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]: ...
     def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]: ...
     def export_state_dict(self) -> dict[str, torch.Tensor]: ...
 
@@ -43,6 +47,11 @@ def init_distributed(backend: str) -> None:
     rank, world, _ = dist_env()
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world)
+
+
+def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Hugging Face model's own keys from the wrapper's state dict (`hf.` prefix dropped)."""
+    return {k.removeprefix("hf."): v for k, v in state.items()}
 
 
 class TorchEngine:
@@ -67,27 +76,28 @@ class TorchEngine:
     def micro_step(self) -> None:
         """Nothing to do between accumulation boundaries: gradients simply accumulate."""
 
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
-    def step(self, lr: float, norm: float) -> None:
+    def step(self, lr: float, norm: torch.Tensor) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.clip > 0:
             params = [p for p in self.module.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip, torch.tensor(norm))
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def save(self, folder: Path, extra: dict[str, Any]) -> None:
+    def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]:
         rank, _, _ = dist_env()
-        if rank == 0:
-            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": extra},
-                       folder / "state.pt")
+        if rank != 0:
+            return []
+        state = to_host({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": extra})
+        return [lambda out: torch.save(state, out / "state.pt")]
 
     def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
         state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
@@ -97,7 +107,7 @@ class TorchEngine:
         return state["extra"]
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.module.state_dict()
+        return hf_state(self.module.state_dict())
 
 
 def _keep_deepspeed_off_the_cpu_shm_op() -> None:
@@ -109,6 +119,22 @@ def _keep_deepspeed_off_the_cpu_shm_op() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _capturing_checkpoint_engine(config: Any) -> Any:
+    """DeepSpeed's torch checkpoint engine with `save` turned into a snapshot: each state dict DeepSpeed would
+    write is copied to host memory and kept, for the checkpoint writer's thread to serialise."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class Capturing(TorchCheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.captured: list[tuple[str, Any]] = []
+
+        def save(self, state_dict: Any, path: str) -> None:
+            self.captured.append((path, to_host(state_dict)))
+
+    return Capturing()
 
 
 class DeepSpeedEngine:
@@ -134,6 +160,7 @@ class DeepSpeedEngine:
         }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                                  dist_init_required=True)
+        self.engine.checkpoint_engine = self.capture = _capturing_checkpoint_engine(self.engine._config)
         self.module = self.engine.module
         self.zero_stage = zero_stage
 
@@ -143,12 +170,12 @@ class DeepSpeedEngine:
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
 
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor:
         """Before the step (ZeRO-0/1 keep full gradients); ZeRO-2/3 partition them, so 0 = not checked here."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads and self.zero_stage < 2 else 0.0
+        return torch.nn.utils.get_total_norm(grads) if grads and self.zero_stage < 2 else torch.zeros(())
 
-    def step(self, lr: float, norm: float) -> None:
+    def step(self, lr: float, norm: torch.Tensor) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.engine.step()  # an optimizer step at the accumulation boundary (DeepSpeed clips)
@@ -160,8 +187,19 @@ class DeepSpeedEngine:
         """Between accumulation boundaries DeepSpeed still needs step() to count micro-batches."""
         self.engine.step()
 
-    def save(self, folder: Path, extra: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(folder), tag="deepspeed", client_state={"extra": extra})
+    def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]:
+        """DeepSpeed's own checkpoint (every rank its shards), captured in memory; files written later."""
+        self.capture.captured = []
+        self.engine.save_checkpoint(str(folder), tag="deepspeed", client_state={"extra": extra}, save_latest=False)
+        captured, self.capture.captured = self.capture.captured, []
+        zipfile = self.capture.zipfile_serialization
+
+        def write(out: Path, path: str, state: Any) -> None:
+            target = out / Path(path).relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, target, _use_new_zipfile_serialization=zipfile)
+
+        return [lambda out, p=path, s=state: write(out, p, s) for path, state in captured]
 
     def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
         _, client = self.engine.load_checkpoint(str(folder), tag="deepspeed", load_optimizer_states=load_optimizer,
@@ -170,5 +208,5 @@ class DeepSpeedEngine:
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         if self.zero_stage == 3:
-            return self.engine._zero3_consolidated_16bit_state_dict()
-        return self.module.state_dict()
+            return hf_state(self.engine._zero3_consolidated_16bit_state_dict())
+        return hf_state(self.module.state_dict())

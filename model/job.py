@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from compass.specs.architecture import Architecture
-from compass.specs.how import PEAK_TFLOPS, Checkpoints, Hardware, Parallelism, Precision
+from compass.specs.how import PEAK_TFLOPS, AttentionBackend, Checkpoints, Hardware, LossKernel, Parallelism, Precision
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
 
 
@@ -64,6 +64,10 @@ class TrainJob(BaseModel):
     precision: Precision
     hardware: Hardware
     checkpoints: Checkpoints
+    attention: AttentionBackend = "auto"
+    compile: bool = False
+    loss: LossKernel = "auto"
+    prefetch: int = 2  # batches packed ahead on a background thread (0: pack in the training thread)
 
     @property
     def world_size(self) -> int:

@@ -1,31 +1,44 @@
-"""Mixture sampling and sequence packing with intra-document masking.
+"""Mixture sampling and sequence packing, one independent stream per row of the global batch.
 
-The Packer draws documents source by source according to the stage's mixture weights, deterministically
-from the seed, and packs them into fixed-length sequences. Its whole state (random generator, per-source
-epoch and cursor, the partly consumed document) is small and goes into every checkpoint: resuming restores
-it and continues with exactly the sequence an uninterrupted run would have produced.
+Row r of every global batch comes from its own stream: a Packer over shard r of every source (the documents
+whose index is r modulo the number of rows), with its own random generator. So a data-parallel rank packs only
+its own rows, deterministically, and the union of all ranks' rows is exactly the batch one process would pack.
+A stream's state (generator, per-source epoch and cursor, the partly consumed document) is small and does not
+grow with the step: it goes into every checkpoint, and resuming continues with exactly the sequences an
+uninterrupted run would have produced, at the same cost per batch at step 10 or step 100,000.
+
+Batches are packed ahead on a background thread (Prefetcher, a bounded queue); the time a step waits for its
+batch is measured.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from compass.model.token_files import TokenizedSource
+
+class Documents(Protocol):
+    n_documents: int
+
+    def document(self, i: int) -> np.ndarray: ...
 
 
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor     # [B, L]
-    position_ids: torch.Tensor  # [B, L], restarting at every document start
+    position_ids: torch.Tensor  # [B, L]: restarting at every document start (with intra-document masking)
     segment_ids: torch.Tensor   # [B, L], which document each token belongs to (per sequence)
     labels: torch.Tensor        # [B, L], -100 where the previous token belongs to another document
 
-    def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """4D additive mask [B, 1, L, L]: causal and block-diagonal, so no token attends across documents."""
+    def dense_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The 4D additive mask [B, 1, L, L] that keeps documents apart, for comparisons: training passes no mask
+        (the attention backends split documents by position ids, in memory linear in L)."""
         same = self.segment_ids[:, :, None] == self.segment_ids[:, None, :]
         length = self.segment_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -34,14 +47,15 @@ class PackedBatch:
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[:, None]
 
-    def model_inputs(self, masking: bool, device: torch.device) -> dict[str, Any]:
-        """Keyword arguments for a transformers causal LM: position ids restart at every document, and with
-        `masking` the block-diagonal mask keeps documents apart."""
-        inputs: dict[str, Any] = {"input_ids": self.input_ids.to(device), "position_ids": self.position_ids.to(device),
-                                  "use_cache": False}
-        if masking:
-            inputs["attention_mask"] = self.attention_mask().to(device)
-        return inputs
+    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Keyword arguments of CausalLMWithLoss: token ids, position ids, labels. The document starts are read
+        here, on the host, so that splitting rows into documents never waits on the device."""
+        from compass.model.attention import document_starts, known_starts
+
+        positions = self.position_ids.to(device, non_blocking=True)
+        known_starts(positions, document_starts(self.position_ids))
+        return {"input_ids": self.input_ids.to(device, non_blocking=True), "position_ids": positions,
+                "labels": self.labels.to(device, non_blocking=True)}
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -54,9 +68,29 @@ class PackedBatch:
 PADDING = -1  # segment id of padding: its own block in the mask, never a label
 
 
+class Shard:
+    """Documents r, r + n, r + 2n, ... of a source (n shards). A source with fewer documents than shards gives
+    every shard one document (shard r modulo its size): tiny sources repeat sooner, nothing else changes."""
+
+    def __init__(self, source: Documents, shard: int, shards: int):
+        self.source = source
+        total = source.n_documents
+        if total >= shards:
+            self.first, self.stride = shard, shards
+            self.n_documents = (total - shard + shards - 1) // shards
+        else:
+            self.first, self.stride = (shard % total if total else 0), shards
+            self.n_documents = 1 if total else 0
+
+    def document(self, i: int) -> np.ndarray:
+        return self.source.document(self.first + i * self.stride)
+
+
 class Packer:
-    def __init__(self, sources: dict[str, TokenizedSource], weights: dict[str, float], seq_len: int, seed: int,
-                 whole_from: int | None = None, pad_id: int = 0):
+    """One stream: documents drawn source by source by the mixture weights, packed into sequences."""
+
+    def __init__(self, sources: dict[str, Documents], weights: dict[str, float], seq_len: int, seed: int,
+                 whole_from: int | None = None, pad_id: int = 0, stream: int = 0):
         """`whole_from`: documents longer than this (and no longer than `seq_len`) are never split across
         sequences; a long-context stage sets it to the previous context length, so the long documents it is
         meant to learn from arrive whole. The rest of a sequence they do not fit in is padding, masked out."""
@@ -69,9 +103,10 @@ class Packer:
         self.probs = np.asarray([weights[n] / total for n in self.names])
         self.seq_len = seq_len
         self.seed = seed
+        self.stream = stream
         self.whole_from = whole_from
         self.pad_id = pad_id
-        self.rng = np.random.default_rng([seed, 0x5EED])
+        self.rng = np.random.default_rng([seed, 0x5EED, stream])
         self.epochs = [0] * len(self.names)
         self.cursors = [0] * len(self.names)
         self.carry: tuple[int, int, int] | None = None  # (source, document, tokens already used)
@@ -82,7 +117,7 @@ class Packer:
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self.rng.bit_generator.state, "epochs": list(self.epochs), "cursors": list(self.cursors),
                 "carry": list(self.carry) if self.carry else None, "sequences": self.sequences,
-                "names": self.names, "seed": self.seed, "seq_len": self.seq_len}
+                "names": self.names, "seed": self.seed, "seq_len": self.seq_len, "stream": self.stream}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["names"] != self.names or state["seq_len"] != self.seq_len:
@@ -98,7 +133,7 @@ class Packer:
         if key not in self._orders:
             n = self.sources[source].n_documents
             self._orders = {k: v for k, v in self._orders.items() if k[0] != source}  # keep one epoch per source
-            self._orders[key] = np.random.default_rng([self.seed, source, epoch]).permutation(n)
+            self._orders[key] = np.random.default_rng([self.seed, source, epoch, self.stream]).permutation(n)
         return self._orders[key]
 
     def _next_document(self) -> tuple[int, int]:
@@ -136,20 +171,93 @@ class Packer:
         self.sequences += 1
         return tokens, segments
 
-    def next_batch(self, n: int) -> PackedBatch:
+    def next_batch(self, n: int, masking: bool = True) -> PackedBatch:
         rows = [self.next_sequence() for _ in range(n)]
-        return make_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
+        return make_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), masking)
 
 
-def make_batch(tokens: np.ndarray, segments: np.ndarray) -> PackedBatch:
+class RowPacker:
+    """The rows `owned` of every global batch of `rows` rows, each from its own stream (see the module doc)."""
+
+    def __init__(self, sources: dict[str, Documents], weights: dict[str, float], seq_len: int, seed: int,
+                 rows: int, owned: range | None = None, whole_from: int | None = None, pad_id: int = 0,
+                 masking: bool = True):
+        self.rows, self.masking = rows, masking
+        self.owned = owned if owned is not None else range(rows)
+        names = sorted(weights)
+        self.streams = {r: Packer({n: Shard(sources[n], r, rows) for n in names}, weights, seq_len, seed,
+                                  whole_from, pad_id, stream=r) for r in self.owned}
+
+    def next_batch(self) -> PackedBatch:
+        sequences = [self.streams[r].next_sequence() for r in self.owned]
+        return make_batch(np.stack([s[0] for s in sequences]), np.stack([s[1] for s in sequences]), self.masking)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every owned stream's state by row (a checkpoint merges the states of all ranks)."""
+        return {"rows": self.rows, "streams": {str(r): s.state_dict() for r, s in self.streams.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("rows") != self.rows:
+            raise ValueError("checkpoint's data state was packed for another global batch size")
+        for r, stream in self.streams.items():
+            stream.load_state_dict(state["streams"][str(r)])
+
+
+def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One data state from the states of every rank (each holds its own rows)."""
+    return {"rows": states[0]["rows"], "streams": {k: v for s in states for k, v in s["streams"].items()}}
+
+
+class Prefetcher:
+    """Packs batches ahead on a thread, `depth` at most: each comes with the data state right after it, which a
+    checkpoint taken after that batch must hold (batches still in the queue are not consumed yet)."""
+
+    def __init__(self, packer: RowPacker, depth: int = 2):
+        self.packer = packer
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._fill, name="compass-prefetch", daemon=True)
+        self.thread.start()
+
+    def _fill(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                item = (self.packer.next_batch(), self.packer.state_dict())
+                while not self.stopping.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # raised in the training thread by next()
+            self.queue.put((exc, None))
+
+    def next(self) -> tuple[PackedBatch, dict[str, Any], float]:
+        """(batch, data state after it, seconds waited for it)."""
+        start = time.perf_counter()
+        batch, state = self.queue.get()
+        if isinstance(batch, BaseException):
+            raise batch
+        return batch, state, time.perf_counter() - start
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+
+def make_batch(tokens: np.ndarray, segments: np.ndarray, masking: bool = True) -> PackedBatch:
+    """Position ids restart at every document (so attention keeps documents apart) unless `masking` is off;
+    the first token of a document and padding are never labels."""
     input_ids = torch.from_numpy(tokens)
     seg = torch.from_numpy(segments)
     starts = torch.ones_like(seg, dtype=torch.bool)
     starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    # position = index minus the index where the current segment started
     idx = torch.arange(seg.shape[1]).expand_as(seg)
-    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    positions = idx - start_idx
+    if masking:  # position = index minus the index where the current segment started
+        start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+        positions = idx - start_idx
+    else:
+        positions = idx.clone()
     labels = input_ids.clone()
     labels[starts] = -100  # the token before belongs to another document (or there is none)
     labels[seg == PADDING] = -100

@@ -1,11 +1,13 @@
 """The training loop for one stage: the same code in-process on CPU and under torchrun/deepspeed on GPUs.
 
 A TrainJob says everything: the recipe (architecture, optimizer, the schedule over all stages, which stage to
-train), where the tokenized sources are, what to continue from, and where to keep checkpoints. Running the
-same job again resumes from its newest complete checkpoint and produces bitwise the same weights on CPU.
+train), where the tokenized sources are, what to continue from, where to keep checkpoints, and how to run
+(attention backend, loss kernel, compile, precision, parallelism). Running the same job again resumes from its
+newest complete checkpoint and produces bitwise the same weights on CPU (compile off).
 
-The loop itself only draws batches, accumulates gradients and steps the optimizer; metrics, progress,
-monitors and checkpoints are callbacks (model/callbacks.py).
+The loop draws batches (packed ahead on a thread, each rank only its own rows), accumulates gradients with one
+host sync per optimizer step, and steps the optimizer; metrics, progress, monitors and checkpoints are callbacks
+(model/callbacks.py). Checkpoints are snapshotted to host memory and written on a background thread.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import json
 import logging
 import resource
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,14 +25,16 @@ from typing import Any
 
 import torch
 
+from compass.model import attention
 from compass.model import checkpoint as ckpt
 from compass.model.architecture import build_model, hf_config, parameter_groups
 from compass.model.callbacks import Callback, Checkpointing, MetricsFile, Monitoring, Progress, Rollback
 from compass.model.engine import DeepSpeedEngine, Engine, TorchEngine, dist_env, init_distributed
 from compass.model.job import TrainJob
-from compass.model.loss import lm_loss
+from compass.model.lm import CausalLMWithLoss
+from compass.model.loss import resolve as resolve_loss
 from compass.model.monitors import Event, TrainingStopped
-from compass.model.packing import PackedBatch, Packer
+from compass.model.packing import PackedBatch, Prefetcher, RowPacker, merge_states
 from compass.model.schedules import schedule_shape
 from compass.model.token_files import TokenizedSource
 from compass.model.validation import heldout_losses
@@ -47,6 +52,7 @@ class StageResult:
     resumed_from: int | None
     rank_check: str = "single process"
     events: list[dict[str, Any]] = field(default_factory=list)
+    setup: dict[str, Any] = field(default_factory=dict)  # attention backend, loss kernel, compile, precision
 
 
 def cpu_peak_tflops() -> float:
@@ -83,45 +89,67 @@ class Trainer:
         self.rank, self.world, _ = dist_env()
         recipe = job.recipe
         self.stage = recipe.current
-        shape = schedule_shape(recipe.schedule, recipe.stages)
-        names = [s.name for s in shape.stages]
-        self.shape = shape
-        self.offset = sum(s.steps for s in shape.stages[: names.index(self.stage.name)])
-        self.stage_steps = shape.stages[names.index(self.stage.name)].steps
+        self.shape = schedule_shape(recipe.schedule, recipe.stages)
+        names = [s.name for s in self.shape.stages]
+        self.offset = sum(s.steps for s in self.shape.stages[: names.index(self.stage.name)])
+        self.stage_steps = self.shape.stages[names.index(self.stage.name)].steps
         gbs = self.stage.global_batch_size
         if gbs % (job.micro_batch_size * self.world):
             raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {job.micro_batch_size} x world "
                              f"{self.world}")
         self.accumulation = gbs // (job.micro_batch_size * self.world)
         self.checkpoint_root = job.workdir / "checkpoints"
+        job.workdir.mkdir(parents=True, exist_ok=True)
         self.device = training_device(job.hardware.accelerator)
-        self.engine = self._engine()
-        self.packer = Packer({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
-                             self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1),
-                             whole_from=job.whole_from, pad_id=job.special_ids.pad)
+        cuda = self.device.type == "cuda"
+        loss = resolve_loss(job.loss)
+        if loss == "chunked" and job.parallelism.deepspeed and job.parallelism.zero_stage == 3:
+            loss = "recomputed"  # the head's weight is whole only inside its own forward at ZeRO-3
+        self.setup = {"attention": attention.implementation(job.attention, cuda), "loss": loss,
+                      "compile": job.compile, "precision": job.precision, "engine": "", "prefetch": job.prefetch,
+                      "async_checkpoints": job.checkpoints.asynchronous}
+        self.lm = self._model()
+        self.engine = self._engine(self.lm)
+        self.setup["engine"] = self.engine.name
+        rows = range(self.rank * gbs // self.world, (self.rank + 1) * gbs // self.world)
+        self.packer = RowPacker({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
+                                self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
+                                owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
+                                masking=recipe.intra_document_masking)
         self.callbacks = default_callbacks(job) + list(callbacks or [])
+        self.writer = ckpt.CheckpointWriter(background=job.checkpoints.asynchronous)
         self.step = 0  # optimizer steps of this stage done so far
         self.events: list[dict[str, Any]] = []
         self.last_loss = float("nan")
+        self.data_state: dict[str, Any] = {}  # the data position after the last batch consumed
+        self.written: Path | None = None  # a checkpoint submitted to the writer, not yet announced
+        self.checkpoint_blocked_s = 0.0  # time the loop waited on checkpoints since the last metrics line
 
     # --- set-up -------------------------------------------------------------------------------------------
-    def _engine(self) -> Engine:
+    def _model(self) -> CausalLMWithLoss:
         job, recipe = self.job, self.job.recipe
         arch = recipe.architecture
         special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
-        model = build_model(hf_config(arch, job.vocab_size, special, max_positions=recipe.max_positions),
-                            recipe.seed)
+        hf = build_model(hf_config(arch, job.vocab_size, special, max_positions=recipe.max_positions), recipe.seed,
+                         self.setup["attention"])
         if job.parallelism.activation_checkpointing:  # recompute each layer's activations in the backward pass
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        groups = parameter_groups(model, recipe.optimizer.weight_decay, arch.embedding_weight_decay)
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        lm = CausalLMWithLoss(hf, arch.z_loss, arch.moe.load_balancing_coef if arch.moe else 0.0, self.setup["loss"])
+        if job.compile:
+            lm.compile()  # in place: parameter names (and so checkpoints) stay those of the eager model
+        return lm
+
+    def _engine(self, lm: CausalLMWithLoss) -> Engine:
+        job, recipe = self.job, self.job.recipe
+        groups = parameter_groups(lm.hf, recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay)
         par = job.parallelism
         if par.deepspeed:
             if self.device.type == "cpu":
                 init_distributed("gloo")  # on GPUs DeepSpeed initialises NCCL itself
-            return DeepSpeedEngine(model, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
+            return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision)
         init_distributed("gloo" if self.device.type == "cpu" else "nccl")
-        return TorchEngine(model.to(self.device), groups, recipe.optimizer, self.accumulation)
+        return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
 
     @property
     def global_step(self) -> int:
@@ -141,74 +169,107 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> StageResult:
         resumed = self._resume()
+        self.data_state = self.packer.state_dict()
+        batches = Prefetcher(self.packer, self.job.prefetch) if self.job.prefetch else None
+        log.info("%s: attention %s, loss %s, compile %s, %s, engine %s, prefetch %d, %s checkpoints",
+                 self.stage.name, self.setup["attention"], self.setup["loss"], self.job.compile, self.job.precision,
+                 self.engine.name, self.job.prefetch, "async" if self.job.checkpoints.asynchronous else "sync")
         self._dispatch("on_start")
         peak = (self.job.peak_tflops or cpu_peak_tflops()) * self.world
-        seq, gbs = self.stage.sequence_length, self.stage.global_batch_size
-        flops_tok = flops_per_token(self.job.recipe.architecture, self.job.vocab_size, seq)
+        flops_tok = flops_per_token(self.job.recipe.architecture, self.job.vocab_size, self.stage.sequence_length)
         rank_check = "single process"
         first = True
         self.engine.module.train()
         try:
             while self.step < self.stage_steps:
+                self._announce_written()
                 self._dispatch("pre_step")
-                t0 = time.perf_counter()
-                batch = self.packer.next_batch(gbs)
-                local = batch.slice(self.rank * gbs // self.world, (self.rank + 1) * gbs // self.world)
+                local, wait = self._next_batch(batches)
                 if self.world > 1 and first:
                     rank_check = check_ranks(self.engine.module, local)
                 first = False
-                loss = self._accumulate(local)
-                grad_norm = self.engine.grad_norm()
+                t0 = time.perf_counter()
+                loss_t, norm_t = self._accumulate(local), self.engine.grad_norm()
+                loss, grad_norm = self._read(loss_t, norm_t)  # the step's one host sync
+                t1 = time.perf_counter()
                 try:
                     self._dispatch("before_update", loss, grad_norm)
                 except Rollback as rollback:
                     self.restore_newest_checkpoint(rollback.event)
-                    continue  # the packer keeps its position: the offending batches are skipped
+                    continue  # the data keeps its position: the offending batches are skipped
                 lr = self.job.recipe.optimizer.lr * self.shape.lr_factor(self.global_step)
-                self.engine.step(lr, grad_norm)
-                elapsed = time.perf_counter() - t0
+                self.engine.step(lr, norm_t)
+                t2 = time.perf_counter()
                 self.step += 1
                 self.last_loss = loss
-                self._dispatch("post_step", self._record(loss, grad_norm, lr, elapsed, flops_tok, peak))
+                times = {"data_wait_s": wait, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1}
+                self._dispatch("post_step", self._record(loss, grad_norm, lr, times, flops_tok, peak))
+            self.checkpoint_blocked_s += self.writer.wait()
+            self._barrier()
+            self._announce_written()
         except BaseException as exc:
             self._dispatch("on_error", exc)
             raise
+        finally:
+            if batches is not None:
+                batches.close()
         self._dispatch("on_end")
+        seq, gbs = self.stage.sequence_length, self.stage.global_batch_size
         masking = self.job.recipe.intra_document_masking
-        val = heldout_losses(self.engine.module, self.job.sources, seq, masking, self.device) if self.rank == 0 else {}
+        val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device) if self.rank == 0 else {}
         return StageResult(self.stage_steps, self.stage_steps * gbs * seq, self.last_loss, val,
-                           int(resumed.name.split("-")[1]) if resumed else None, rank_check, self.events)
+                           int(resumed.name.split("-")[1]) if resumed else None, rank_check, self.events,
+                           dict(self.setup))
 
-    def _accumulate(self, local: PackedBatch) -> float:
-        """Forward and backward over the rank's micro-batches; returns the cross-entropy averaged over ranks."""
-        micro, arch = self.job.micro_batch_size, self.job.recipe.architecture
-        total = 0.0
+    def _next_batch(self, batches: Prefetcher | None) -> tuple[PackedBatch, float]:
+        if batches is None:
+            start = time.perf_counter()
+            batch = self.packer.next_batch()
+            self.data_state = self.packer.state_dict()
+            return batch, time.perf_counter() - start
+        batch, self.data_state, wait = batches.next()
+        return batch, wait
+
+    def _accumulate(self, local: PackedBatch) -> torch.Tensor:
+        """Forward and backward over the rank's micro-batches; the cross-entropy summed as a tensor (no host
+        sync between micro-batches)."""
+        micro = self.job.micro_batch_size
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(self.accumulation):
             part = local.slice(m * micro, (m + 1) * micro)
-            out = self._forward(part)
-            loss, ce = lm_loss(out.logits, part.labels.to(self.device), arch.z_loss)
-            if getattr(out, "aux_loss", None) is not None and arch.moe:
-                loss = loss + arch.moe.load_balancing_coef * out.aux_loss
+            loss, ce = self._forward(part)
             self.engine.backward(loss)
-            total += float(ce.detach()) / self.accumulation
+            total += ce.detach().double() / self.accumulation
             if m < self.accumulation - 1:
                 self.engine.micro_step()
-        return _mean_across_ranks(total, self.world)
+        return total
 
-    def _forward(self, batch: PackedBatch) -> Any:
-        inputs = batch.model_inputs(self.job.recipe.intra_document_masking, self.device)
+    def _forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = batch.inputs(self.device)
         if self.device.type == "cuda" and self.job.precision == "bf16" and isinstance(self.engine, TorchEngine):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 return self.engine(**inputs)
         return self.engine(**inputs)
 
-    def _record(self, loss: float, grad_norm: float, lr: float, elapsed: float, flops_tok: float,
+    def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+        """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both."""
+        if self.world > 1:
+            torch.distributed.all_reduce(loss)
+            loss = loss / self.world
+        values = torch.stack([loss.double(), norm.to(loss.device).double()]).tolist()
+        return values[0], values[1]
+
+    def _record(self, loss: float, grad_norm: float, lr: float, times: dict[str, float], flops_tok: float,
                 peak: float) -> dict[str, Any]:
         tokens = self.stage.global_batch_size * self.stage.sequence_length
+        elapsed = sum(times.values())
         record = {"step": self.global_step, "stage": self.stage.name, "stage_step": self.step, "loss": loss,
                   "grad_norm": grad_norm, "lr": lr, "tokens": self.job.tokens_before + self.global_step * tokens,
                   "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
+                  **{k: round(v, 6) for k, v in times.items()},
+                  "checkpoint_s": round(self.checkpoint_blocked_s, 6),
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        self.checkpoint_blocked_s = 0.0
         if self.device.type == "cuda":
             record["gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         return record
@@ -230,32 +291,52 @@ class Trainer:
         return resumed
 
     def save_checkpoint(self) -> Path:
-        """Write model, optimizer, RNG and data position at this step, checksummed and renamed into place."""
-        rank, world = self.rank, self.world
+        """Snapshot model, optimizer, RNG and data position at this step to host memory; the writer thread
+        writes, checksums and renames it into place (this returns as soon as the snapshot is taken)."""
+        start = time.perf_counter()
+        self.writer.wait()  # at most one write in flight
+        self._barrier()
+        self._announce_written()
         self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         final = ckpt.step_dir(self.checkpoint_root, self.step)
         tmp = final.with_name(final.name + ".tmp")
-        if rank == 0:
-            import shutil
-
+        if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        _barrier(world)
-        extra = {"packer": self.packer.state_dict(), "rng": ckpt.rng_state(), "stage_step": self.step,
+        self._barrier()
+        extra = {"packer": self._all_data_states(), "rng": ckpt.rng_state(), "stage_step": self.step,
                  "global_step": self.global_step, "engine": self.engine.name}
-        self.engine.save(tmp, extra)
-        state = self.engine.export_state_dict()
-        if rank == 0:
-            export_hf(self.engine.module, state, self.job.tokenizer_dir, tmp / "hf")
-        _barrier(world)
-        if rank == 0:
-            ckpt.finalize(tmp, final)
-        _barrier(world)
-        self._dispatch("post_checkpoint", final)
+        writes = self.engine.snapshot(tmp, extra)
+        exported = self.engine.export_state_dict()  # collective at ZeRO-3: every rank takes part
+        if self.rank == 0:
+            state = ckpt.to_host(exported)
+            hf, tokenizer_dir = self.lm.hf, self.job.tokenizer_dir
+            writes.append(lambda out: export_hf(hf, state, tokenizer_dir, out / "hf"))
+        self.writer.submit(writes, tmp, ckpt.commit_when_all_written(tmp, final, self.rank, self.world))
+        self.written = final
+        self.checkpoint_blocked_s += time.perf_counter() - start
         return final
+
+    def _announce_written(self) -> None:
+        """Once the writer is done with a checkpoint, the callbacks hear of it (rank 0: it is committed)."""
+        if self.written is not None and not self.writer.busy():
+            self.writer.wait()  # raises what the write raised
+            folder, self.written = self.written, None
+            self._dispatch("post_checkpoint", folder)
+
+    def _all_data_states(self) -> dict[str, Any]:
+        """The data position of every row, gathered from every rank: resume works at any world size."""
+        if self.world == 1:
+            return self.data_state
+        states: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(states, self.data_state)
+        return merge_states(states)
 
     def restore_newest_checkpoint(self, event: Event) -> None:
         """Roll back: the newest good checkpoint's weights, optimizer and RNG; the step count returns there."""
+        self.writer.wait()
+        self._barrier()
+        self._announce_written()
         self.engine.discard()
         good = ckpt.newest_valid(self.checkpoint_root)
         if good is None:
@@ -265,6 +346,10 @@ class Trainer:
         self.step = extra["stage_step"]
         log.warning("rolled back to %s; skipping the batches since then", good.name)
         self._dispatch("post_restore", self.step)
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
 
 
 def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> StageResult:
@@ -296,23 +381,8 @@ def check_ranks(model: torch.nn.Module, local: PackedBatch) -> str:
     return f"{world} ranks: identical weights, distinct data"
 
 
-def _mean_across_ranks(value: float, world: int) -> float:
-    if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return float(t) / world
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        torch.distributed.barrier()
-
-
 def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> None:
     """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is."""
-    import shutil
-
     model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_dir / name).exists():

@@ -9,7 +9,8 @@ Conventions (stated so a reader can redo them by hand):
 - memory uses mixed-precision Adam (bf16/fp16: 2 bytes weights, 2 grads, 12 optimizer = fp32 master, m, v;
   fp32: 4, 4, 8) partitioned by ZeRO over data-parallel ranks and by tensor parallelism;
 - activations per layer per sequence: T * d * 34 bytes (Korthikanti et al., flash attention, 16-bit),
-  divided by TP; with activation checkpointing only each layer's input (2 * T * d bytes) is kept.
+  divided by TP; with activation checkpointing only each layer's input (2 * T * d bytes) is kept;
+- logits: the chunked loss holds LOSS_CHUNK_BYTES of fp32 logits at a time, not the whole batch's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from compass.specs.how import MEMORY_GIB, How
 from compass.specs.spec import TrainingSpec
 
 GIB = 1024**3
+LOSS_CHUNK_BYTES = 256 * 1024**2  # fp32 logits the chunked loss holds at once (model/loss.py)
+
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk of the chunked loss: as many as fit LOSS_CHUNK_BYTES of fp32 logits."""
+    return max(16, LOSS_CHUNK_BYTES // (4 * vocab))
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,7 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
         acts = (L * 2 * seq * b * d + 34 * seq * b * d) * act_scale / tp
     else:
         acts = L * 34 * seq * b * d * act_scale / tp
-    logits = seq * b * vocab * 4 / tp  # fp32 logits for the loss
+    logits = min(seq * b, loss_chunk_tokens(vocab)) * vocab * 4 / tp  # fp32 logits of one loss chunk at a time
     return MemoryEstimate(zero_stage, weights, grads, optim, acts, logits)
 
 

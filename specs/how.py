@@ -74,6 +74,8 @@ class Orchestration(SpecModel):
 class Checkpoints(SpecModel):
     every_steps: PositiveInt = 1000
     keep_last: PositiveInt = 2
+    asynchronous: bool = Field(default=True, description="Copy the state to host memory and write it on a "
+                               "background thread while training goes on (at most one write in flight).")
 
 
 class EvaluationCadence(SpecModel):
@@ -82,10 +84,22 @@ class EvaluationCadence(SpecModel):
     schedule_interval_seconds: PositiveInt | None = None
 
 
+AttentionBackend = Literal["auto", "flash", "flex", "sdpa", "eager"]
+LossKernel = Literal["auto", "chunked", "liger"]
+
+
 class How(SpecModel):
     hardware: Hardware = Hardware()
     parallelism: Parallelism = Parallelism()
     precision: Precision = "fp32"
+    attention: AttentionBackend = Field(
+        default="auto", description="Packed-document attention: flash (flash-attn varlen, CUDA), flex "
+        "(FlexAttention, CUDA for training), sdpa (compass's per-document SDPA, memory-linear), eager (reference); "
+        "auto = flash where installed, else sdpa.")
+    compile: bool = Field(default=False, description="torch.compile the model (inductor; CPU and CUDA).")
+    loss: LossKernel = Field(
+        default="auto", description="chunked (cross-entropy a chunk of tokens at a time, no full fp32 logits) or "
+        "liger (Liger's fused linear cross-entropy, CUDA); auto = liger where installed, else chunked.")
     storage: Storage = Storage()
     orchestration: Orchestration = Orchestration()
     checkpoints: Checkpoints = Checkpoints()

@@ -59,7 +59,7 @@ def _generate(model: Any, tokenizer: Any, conversations: list[list[dict[str, str
     for start in range(0, len(conversations), batch_size):
         chunk = conversations[start:start + batch_size]
         prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chunk]
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         if seed is not None:
             torch.manual_seed(seed + start)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=seed is not None, use_cache=True,

@@ -17,6 +17,7 @@ from compass.specs.base import Issue
 from compass.specs.evaluation import EvalTask, Evaluation
 from compass.specs.spec import TrainingSpec
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.devices import Placement, placement
 from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import tokens_of
 from compass.tasks.tokenizer import STEP_ID as TOKENIZER
@@ -124,7 +125,8 @@ def custom_tasks_module(tasks: list[EvalTask], scratch: Path) -> tuple[Path, lis
     return module, provenance
 
 
-def run_lighteval(model_dir: Path, tasks: list[EvalTask], scratch: Path) -> tuple[dict, list[dict]]:
+def run_lighteval(model_dir: Path, tasks: list[EvalTask], scratch: Path,
+                  where: Placement | None = None) -> tuple[dict, list[dict]]:
     """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance)."""
     from compass.infra.lighteval_compat import install
 
@@ -139,7 +141,9 @@ def run_lighteval(model_dir: Path, tasks: list[EvalTask], scratch: Path) -> tupl
         params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module),
                                     max_samples=t.limit)
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
-        config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype="float32", device="cpu")
+        where = where or Placement("cpu", bf16=False)
+        config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype=where.dtype,
+                                         device=where.device)
         pipeline = Pipeline(tasks=_pipeline_task(t), pipeline_parameters=params,
                             evaluation_tracker=tracker, model_config=config)
         try:
@@ -167,8 +171,8 @@ def trained_length(config: Any) -> int:
 
 
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
-                   retrieval: Retrieval | None = None,
-                   haystack: Path | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
+                   retrieval: Retrieval | None = None, haystack: Path | None = None,
+                   where: Placement | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
     """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
     import numpy as np
     import torch
@@ -181,7 +185,7 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
     rows: list[dict] = []
     provenance: list[dict] = []
     if suite.tasks:
-        results, provenance = run_lighteval(model_dir, suite.tasks, scratch)
+        results, provenance = run_lighteval(model_dir, suite.tasks, scratch, where)
         for name, values in results.items():
             for metric, value in values.items():
                 if not metric.endswith("_stderr"):
@@ -189,9 +193,16 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
                     rows.append({"task": name, "metric": metric, "value": round(value, 4),
                                  "stderr": round(values.get(f"{metric}_stderr", float("nan")), 4)})
     if sources:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        from compass.model.attention import DOCUMENT_SDPA, register
+
+        register()
+
+        device = torch.device(where.device if where else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=DOCUMENT_SDPA,
+                                                     dtype=getattr(torch, where.dtype if where else "float32"))
+        model.to(device)
         losses = heldout_losses(model, sources, trained_length(model.config), masking=True,
-                                device=torch.device("cpu"))
+                                device=device)
         for name, loss in losses.items():
             metrics[f"val_loss:{name}"] = loss
             metrics[f"val_ppl:{name}"] = math.exp(loss)
@@ -224,13 +235,14 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     sources = ctx.local_inputs("tokens:")
     retrieval = ctx.config.retrieval
     haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
+    where = placement(ctx.runtime.how)
     final_metrics, rows, provenance = evaluate_model(model_folder / "final", suite, sources, ctx.scratch / "final",
-                                                     retrieval, haystack)
+                                                     retrieval, haystack, where)
     curve = []
     if ctx.config.every_checkpoint:
         checkpoints = kept_checkpoints(model_folder)
         for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
-            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack)
+            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where)
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
         curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})
@@ -248,6 +260,7 @@ def _shown(values: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in values.items() if isinstance(v, float))
 
 
-KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="2", uses_accelerator=True,
+# 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
+KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", uses_accelerator=True,
                 tags=("evaluation",), preflight=preflight)
 STEP_KINDS = (KIND,)

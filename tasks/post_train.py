@@ -18,6 +18,7 @@ from compass.model.history import tokens_seen
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.chat import generate, load_chat_model
+from compass.tasks.devices import placement
 from compass.tasks.post_data import (
     arithmetic_problems,
     arithmetic_reward,
@@ -93,8 +94,10 @@ MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many char
 
 def _common_args(ctx: StepContext[TrlConfig], tokens: bool = True) -> dict[str, Any]:
     cfg = ctx.config
+    where = placement(ctx.runtime.how)
     args = dict(output_dir=str(ctx.scratch / "trainer"), learning_rate=cfg.lr, num_train_epochs=cfg.epochs,
-                per_device_train_batch_size=cfg.batch_size, use_cpu=True, bf16=False, report_to="none",
+                per_device_train_batch_size=cfg.batch_size, use_cpu=where.device == "cpu", bf16=where.bf16,
+                report_to="none",
                 save_strategy="no", logging_steps=1, seed=cfg.seed, disable_tqdm=True,
                 lr_scheduler_type="linear", warmup_steps=0)
     if tokens:
@@ -361,6 +364,6 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
     return text
 
 
-KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="1", uses_accelerator=True,
+KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2", uses_accelerator=True,
                 produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

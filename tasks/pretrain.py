@@ -34,6 +34,7 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
     return train_and_export(ctx, build_job(ctx, ctx.config), "pretrain")
 
 
-KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="1", uses_accelerator=True,
+# 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
+KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", uses_accelerator=True,
                 produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

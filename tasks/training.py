@@ -39,7 +39,8 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
         special_ids=SpecialIds(eos=ids.eos, pad=ids.pad), sources=ctx.local_inputs("tokens:"),
         init_from=previous.local() / "state" if previous else None, whole_from=whole_from,
         tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
-        parallelism=how.parallelism, precision=how.precision, hardware=how.hardware, checkpoints=how.checkpoints)
+        parallelism=how.parallelism, precision=how.precision, hardware=how.hardware, checkpoints=how.checkpoints,
+        attention=how.attention, compile=how.compile, loss=how.loss)
 
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

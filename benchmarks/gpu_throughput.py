@@ -1,0 +1,215 @@
+"""GPU training throughput and MFU of a SmolLM3-shaped 1.7B model at 4096 tokens per row, bf16, with the best
+attention kernel installed (flash-attn varlen, else compass's per-document SDPA), torch.compile and the fused
+loss (Liger when installed, else compass's chunked loss): compass's trainer against a bare torch loop with the
+same model code and against Hugging Face's Trainer (bf16, its own attention and loss, compiled). One GPU.
+
+    pip install 'compass-lifecycle[gpu]'   # flash-attn, liger-kernel, nvidia-ml-py
+    python benchmarks/gpu_throughput.py [--steps 30] [--warmup 10] [--rounds 3] [--micro 1]
+
+Without a CUDA device it prints "no CUDA device: skipped" and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from harness import Run, child, interleave, peak_rss_mib, pin_threads, report, write_result
+
+SEQ = 4096
+VOCAB = 128256
+DOCUMENT_MEAN = 1500  # tokens: documents of a web mixture, several per 4096-token row
+
+
+def architecture():
+    from compass.specs.architecture import Architecture
+
+    return Architecture(num_layers=24, hidden_size=2048, ffn_size=8192, num_heads=16, num_kv_heads=4,
+                        positions={"kind": "rnope", "rope_theta": 50000, "nope_every": 4}, tied_embeddings=True,
+                        vocab_size=VOCAB)
+
+
+def synthetic_source(folder: Path, documents: int = 4000) -> Path:
+    """Random tokens in compass's token-file format, documents of random lengths (throughput only)."""
+    import numpy as np
+
+    from compass.model.token_files import token_dtype, write_meta, write_split
+
+    rng = np.random.default_rng(0)
+    dtype = token_dtype(VOCAB)
+    folder.mkdir(parents=True, exist_ok=True)
+    lengths = rng.exponential(DOCUMENT_MEAN, documents).astype(int) + 32
+    write_split(folder, "train", (rng.integers(2, VOCAB, n).tolist() for n in lengths), 0, dtype)
+    write_split(folder, "heldout", (rng.integers(2, VOCAB, n).tolist() for n in lengths[:8]), 0, dtype)
+    write_meta(folder, dtype, 0, VOCAB)
+    return folder
+
+
+def job(work: Path, steps: int, micro: int):
+    from compass.model.job import SpecialIds, StageRecipe, TrainJob
+    from compass.specs.how import Checkpoints, Hardware, Parallelism
+    from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+
+    stage = PretrainStage(name="bench", tokens=steps * micro * SEQ, sequence_length=SEQ, global_batch_size=micro,
+                          mixture={"web": 1.0})
+    recipe = StageRecipe(architecture=architecture(), optimizer=Optimizer(), schedule=Schedule(kind="constant"),
+                         stages=[stage], stage="bench", seed=0, intra_document_masking=True,
+                         monitors=Monitors(throughput=None, spike=None, slow_rise=None, plateau=None))
+    (work / "tokenizer").mkdir(exist_ok=True)
+    return TrainJob(recipe=recipe, workdir=work / "run", tokenizer_dir=work / "tokenizer", vocab_size=VOCAB,
+                    special_ids=SpecialIds(eos=0, pad=0), sources={"web": synthetic_source(work / "web")},
+                    micro_batch_size=micro, parallelism=Parallelism(deepspeed=False, micro_batch_size=micro),
+                    precision="bf16", hardware=Hardware(accelerator="h100"),
+                    checkpoints=Checkpoints(every_steps=10**9, keep_last=1), attention="auto", compile=True,
+                    loss="auto")
+
+
+def flops_per_step(job) -> float:
+    from compass.specs.costs import flops_per_token
+
+    return flops_per_token(job.recipe.architecture, VOCAB, SEQ) * job.micro_batch_size * SEQ
+
+
+def run_compass(job, warmup: int) -> float:
+    from compass.model.callbacks import Callback
+    from compass.model.trainer import train_stage
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29551", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    stamps: list[float] = []
+
+    class Clock(Callback):
+        def post_step(self, trainer, record):
+            import torch
+
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    train_stage(job, callbacks=[Clock()])
+    return (len(stamps) - 1 - warmup) / (stamps[-2] - stamps[warmup - 1])
+
+
+def batches(job, n: int):
+    from compass.model.packing import RowPacker
+    from compass.model.token_files import TokenizedSource
+
+    packer = RowPacker({"web": TokenizedSource(job.sources["web"])}, {"web": 1.0}, SEQ, seed=0,
+                       rows=job.micro_batch_size)
+    return [packer.next_batch() for _ in range(n)]
+
+
+def hf_model(job, attention: str):
+    from compass.model.architecture import build_model, hf_config
+
+    special = {"bos": 0, "eos": 0, "pad": 0}
+    return build_model(hf_config(job.recipe.architecture, VOCAB, special, SEQ), 0, attention)
+
+
+def run_bare(job, warmup: int) -> float:
+    import torch
+
+    from compass.model.attention import implementation
+    from compass.model.lm import CausalLMWithLoss
+    from compass.model.loss import resolve
+
+    lm = CausalLMWithLoss(hf_model(job, implementation("auto", cuda=True)), loss=resolve("auto")).cuda()
+    lm.compile()
+    opt = torch.optim.AdamW(lm.parameters(), lr=2e-4, betas=(0.9, 0.95), fused=True)
+    data = batches(job, int(job.recipe.current.tokens // (job.micro_batch_size * SEQ)))
+    for i, b in enumerate(data):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = lm(**b.inputs(torch.device("cuda")))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return (len(data) - warmup) / (time.perf_counter() - start)
+
+
+def run_hf_trainer(job, warmup: int) -> float:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from compass.model.attention import flash_kernel
+
+    data = batches(job, int(job.recipe.current.tokens // (job.micro_batch_size * SEQ)))
+    rows = [{"input_ids": b.input_ids[i], "position_ids": b.position_ids[i], "labels": b.labels[i]}
+            for b in data for i in range(len(b))]
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == warmup:
+                torch.cuda.synchronize()
+                self.start = time.perf_counter()
+
+    clock = Clock()
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=job.micro_batch_size, max_steps=len(data),
+        learning_rate=2e-4, bf16=True, report_to="none", save_strategy="no", logging_strategy="no",
+        max_grad_norm=1.0, lr_scheduler_type="constant", remove_unused_columns=False, torch_compile=True,
+        use_liger_kernel=__import__("importlib.util").util.find_spec("liger_kernel") is not None)
+    trainer = Trainer(model=hf_model(job, flash_kernel() or "sdpa"), args=args, train_dataset=rows, callbacks=[clock],
+                      data_collator=lambda items: {k: torch.stack([it[k] for it in items]) for k in items[0]})
+    trainer.train()
+    torch.cuda.synchronize()
+    return (len(data) - warmup) / (time.perf_counter() - clock.start)
+
+
+VARIANTS = {"bare torch loop": run_bare, "compass trainer": run_compass, "HF Trainer": run_hf_trainer}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=1)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipped")
+        return
+    if args.child:
+        from compass.model.job import TrainJob
+
+        pin_threads()
+        name, job_path, warmup, out = args.child
+        steps_per_s = VARIANTS[name](TrainJob.read(Path(job_path)), int(warmup))
+        write_result(out, steps_per_s, peak_mib=peak_rss_mib(), gpu_mib=torch.cuda.max_memory_allocated() / 2**20)
+        return
+    work = Path(tempfile.mkdtemp(prefix="compass-gpu-bench-"))
+    bench_job = job(work, args.steps, args.micro)
+
+    def variant(name: str):
+        def go() -> Run:
+            run_dir = Path(tempfile.mkdtemp(dir=work))
+            bench_job.model_copy(update={"workdir": run_dir}).write(run_dir / "job.json")
+            return child(__file__, [name, str(run_dir / "job.json"), str(args.warmup)])
+        return go
+
+    results = interleave({name: variant(name) for name in VARIANTS}, args.rounds)
+    tokens = args.micro * SEQ
+    peak = 989e12  # H100 SXM dense bf16
+    for runs in results.values():
+        for r in runs:
+            r.details["mfu"] = r.value * flops_per_step(bench_job) / peak
+            r.value *= tokens
+    n = sum(p.numel() for p in hf_model(bench_job, "sdpa").parameters())
+    report(f"GPU throughput: SmolLM3-shaped {n / 1e9:.2f}B, {SEQ} tokens/row, micro-batch {args.micro}, bf16, compile, "
+           f"{torch.cuda.get_device_name()}", results, "bare torch loop", "tokens/s",
+           notes=["MFU (median): " + ", ".join(f"{k} {sorted(r.details['mfu'] for r in v)[len(v) // 2]:.1%}"
+                                                for k, v in results.items()),
+                  "GPU memory (median MiB): " + ", ".join(
+                      f"{k} {sorted(r.details['gpu_mib'] for r in v)[len(v) // 2]:,.0f}" for k, v in results.items())])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The method every benchmark here follows.
+
+- Each variant runs in its own process (`child`), so its peak memory is its own (max RSS of the process and what
+  it waited for) and no variant warms a cache for the next.
+- Variants are interleaved over rounds (A B C A B C ...), never run back to back, so a change in the machine's
+  load over time spreads over all variants instead of favouring one.
+- Every process pins its thread count (`THREADS`, default 2): torch, OpenMP and BLAS use the same number of
+  threads in every variant.
+- The report gives each variant's median and spread (min to max over rounds) and its ratio to the baseline
+  measured in the same run, with peak memory. One pass says little on a shared 2-core machine: read the spread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+THREADS = int(os.environ.get("COMPASS_BENCH_THREADS", "2"))
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def pin_threads() -> None:
+    """In a child: the same thread count for torch's intra-op pool and every native library."""
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(THREADS)
+    import torch
+
+    torch.set_num_threads(THREADS)
+
+
+@dataclass
+class Run:
+    value: float  # the measured quantity (throughput, seconds, bytes...)
+    peak_mib: float
+    details: dict = field(default_factory=dict)
+
+
+def child(script: str, args: Sequence[str], cwd: Path | None = None, timeout: float = 3600) -> Run:
+    """Run `script --child ARGS OUT` in a fresh process; it writes {"value": ..., ...} to OUT. Peak memory is the
+    max RSS of that process (or of the largest process it waited for)."""
+    with tempfile.TemporaryDirectory(prefix="compass-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, **{name: str(THREADS) for name in THREAD_VARIABLES}}
+        log = Path(tmp) / "child.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, script, "--child", *args, str(out)], cwd=cwd, env=env,
+                                    stdout=f, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)
+        if status != 0:
+            raise SystemExit(f"{Path(script).name} --child {' '.join(args)} failed:\n{log.read_text()[-3000:]}")
+        result = json.loads(out.read_text())
+    return Run(result.pop("value"), result.pop("peak_mib", usage.ru_maxrss / 1024), result)
+
+
+def interleave(variants: dict[str, Callable[[], Run]], rounds: int) -> dict[str, list[Run]]:
+    """Run every variant once per round, in the same order each round: A B C A B C ..."""
+    results: dict[str, list[Run]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            results[name].append(run())
+    return results
+
+
+def report(title: str, results: dict[str, list[Run]], baseline: str, unit: str, higher_is_better: bool = True,
+           notes: Sequence[str] = ()) -> dict[str, float]:
+    """Print median (spread) and the ratio of medians to the baseline, with peak memory; returns the ratios."""
+    base = statistics.median(r.value for r in results[baseline])
+    base_mem = statistics.median(r.peak_mib for r in results[baseline])
+    rounds = len(results[baseline])
+    print(f"{title} — {rounds} round(s) interleaved, {THREADS} threads; median (min-max); ratio of medians vs "
+          f"{baseline}" + ("" if higher_is_better else " (lower is better)"))
+    ratios = {}
+    for name, runs in results.items():
+        values = [r.value for r in runs]
+        median = statistics.median(values)
+        mem = statistics.median(r.peak_mib for r in runs)
+        ratios[name] = median / base if base else float("nan")
+        print(f"  {name:28s} {median:12,.2f} {unit} ({min(values):,.2f}-{max(values):,.2f})  "
+              f"ratio {ratios[name]:6.3f}  peak RSS {mem:8,.0f} MiB  memory ratio {mem / base_mem:5.2f}")
+    for note in notes:
+        print(f"  {note}")
+    return ratios
+
+
+def write_result(out: str | Path, value: float, **details: object) -> None:
+    """In a child: what the parent's `child()` reads back."""
+    Path(out).write_text(json.dumps({"value": value, **details}))
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def fixture_job(work: Path, *, steps: int, seq: int, batch: int, micro: int, architecture: dict, parallelism: dict,
+                checkpoints: dict):
+    """A pretraining job on the test fixtures' corpus (the minimal spec's data steps run for real, once per
+    `work` folder), with the given architecture fields, steps, sequence length and `how` changes."""
+    import logging
+
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import run_in_process
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import InputArtifact, Runtime, StepContext
+    from compass.tasks.training import build_job
+
+    repo = Path(__file__).resolve().parent.parent
+    loaded = load_spec(repo / "tests" / "specs" / "minimal.yaml")
+    plan = compile_spec(loaded.spec)
+    store = Store(str(work / "store"))
+    run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), store, loaded.spec_hash,
+                   Runtime(how=loaded.spec.how, base_dir=loaded.base_dir), logging.getLogger("bench"))
+    step = plan.step("pretrain:stage1")
+    inputs = {}
+    for role, dep in step.inputs.items():
+        uri = store.uri(*dep.split(":"), plan.fingerprints[dep])
+        inputs[role] = InputArtifact(role, dep, uri, store.read_manifest(uri), store)
+    how = loaded.spec.how
+    how = how.model_copy(update={
+        "parallelism": how.parallelism.model_copy(update={"micro_batch_size": micro, **parallelism}),
+        "checkpoints": how.checkpoints.model_copy(update=checkpoints)})
+    config = step.config
+    stage = config.stages[0].model_copy(update={"tokens": steps * seq * batch, "sequence_length": seq,
+                                                "global_batch_size": batch})
+    recipe = config.model_copy(update={"architecture": config.architecture.model_copy(update=architecture),
+                                       "stages": [stage],
+                                       "monitors": config.monitors.model_copy(update={"throughput": None})})
+    return build_job(StepContext("pretrain", "stage1", recipe, inputs, work, work, work / "job", Runtime(how=how),
+                                 logging.getLogger("bench")), recipe)

@@ -1,0 +1,85 @@
+"""Peak memory of one training step (forward, backward, optimizer) of a small SmolLM3-shaped model at 1k, 2k, 4k
+and 8k tokens per row, every row packed with documents of ~300 tokens: compass's training core (per-document
+SDPA, chunked loss) against the previous one (a dense fp32 [B, 1, L, L] block-diagonal mask handed to SDPA, and
+the loss on full fp32 logits). Memory should grow linearly with the row (8x from 1k to 8k); the dense mask grows
+with its square. Each point is a fresh process; the step's peak is its max RSS minus the RSS before the step.
+
+    python benchmarks/long_sequence_memory.py [--lengths 1024,2048,4096,8192] [--rows 2] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from harness import Run, child, current_rss_mib, interleave, peak_rss_mib, pin_threads, write_result
+
+VOCAB = 8192
+DOCUMENT = 300
+
+
+def step_memory(variant: str, length: int, rows: int) -> float:
+    import numpy as np
+    import torch
+
+    from compass.model.architecture import build_model, hf_config
+    from compass.model.attention import DOCUMENT_SDPA
+    from compass.model.lm import CausalLMWithLoss
+    from compass.model.loss import lm_loss
+    from compass.model.packing import make_batch
+    from compass.specs.architecture import Architecture
+
+    arch = Architecture(num_layers=4, hidden_size=256, ffn_size=768, num_heads=8, num_kv_heads=2,
+                        positions={"kind": "rnope", "nope_every": 4}, vocab_size=VOCAB)
+    special = {"bos": 0, "eos": 0, "pad": 1}
+    model = build_model(hf_config(arch, VOCAB, special, length), 0, DOCUMENT_SDPA if variant == "compass" else "sdpa")
+    lm = CausalLMWithLoss(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(2, VOCAB, (rows, length))
+    segments = np.tile(np.arange(length) // DOCUMENT, (rows, 1))
+    batch = make_batch(tokens, segments)
+    before = current_rss_mib()
+    if variant == "compass":
+        loss, _ = lm(**batch.inputs(torch.device("cpu")))
+    else:  # the dense additive mask the previous core built, and full fp32 logits
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.dense_mask(),
+                       use_cache=False).logits
+        loss, _ = lm_loss(logits, batch.labels, 0.0)
+    loss.backward()
+    opt.step()
+    return peak_rss_mib() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        pin_threads()
+        variant, length, rows, out = args.child
+        write_result(out, step_memory(variant, int(length), int(rows)), peak_mib=peak_rss_mib())
+        return
+    lengths = [int(x) for x in args.lengths.split(",")]
+    variants = {f"{v} @ {n}": (lambda v=v, n=n: child(__file__, [v, str(n), str(args.rows)]))
+                for n in lengths for v in ("compass", "dense mask")}
+    results: dict[str, list[Run]] = interleave(variants, args.rounds)
+    print(f"peak memory of one training step: 4 layers, hidden 256, vocab {VOCAB}, {args.rows} rows of documents of "
+          f"{DOCUMENT} tokens, fp32 CPU — median of {args.rounds} round(s), MiB above the process before the step")
+    medians = {k: statistics.median(r.value for r in v) for k, v in results.items()}
+    print(f"  {'tokens/row':>10s} {'compass':>10s} {'dense mask':>11s} {'ratio':>7s}")
+    for n in lengths:
+        ours, dense = medians[f"compass @ {n}"], medians[f"dense mask @ {n}"]
+        print(f"  {n:10d} {ours:10.0f} {dense:11.0f} {dense / ours:7.2f}")
+    first, last = lengths[0], lengths[-1]
+    growth = medians[f"compass @ {last}"] / medians[f"compass @ {first}"]
+    dense_growth = medians[f"dense mask @ {last}"] / medians[f"dense mask @ {first}"]
+    print(f"  growth {first} -> {last} tokens ({last // first}x longer): compass {growth:.1f}x (goal <= "
+          f"{12 * last / first / 8:.1f}x), dense mask {dense_growth:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

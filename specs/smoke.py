@@ -1,0 +1,227 @@
+"""Smoke mode: the same DAG as a spec, every size shrunk so the whole lifecycle runs on a laptop CPU in minutes.
+
+What it keeps: every step (sources, curation, tokenizer candidates, ablation variants, pretraining stages,
+long-context stages, post-training methods, evaluation suite), the architecture's features at tiny width and
+depth (GQA ratio, the NoPE layer pattern, tied embeddings, MoE with fewer experts, z-loss, document masking), the
+schedule's shape, and the parallelism's kind (DeepSpeed or torch, the ZeRO stage, the tensor-parallel degree up
+to 2, on CPU processes with gloo). What it cannot keep on a CPU it says: GPUs become CPU processes, bf16 becomes
+fp32, data parallelism becomes one rank, several nodes become one, Ray becomes the local runner. It writes to its
+own store, next to the spec's (`<root>-smoke`), never among real artifacts.
+
+Pure: a TrainingSpec in, a TrainingSpec and the list of what changed out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from compass.specs.spec import TrainingSpec
+
+STEPS = 4  # optimizer steps per training stage
+SEQUENCE = 64  # the shortest trained length; longer ones double it, in order
+HEAD_DIM = 16
+SAMPLES = 8  # post-training examples, evaluation samples
+DOCUMENTS = 200  # documents read per source
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """One change smoke mode made: where (a spec section), what, from which value to which."""
+
+    section: str
+    field: str
+    real: Any
+    smoke: Any
+
+    def __str__(self) -> str:
+        return f"{self.field} {_short(self.real)} -> {_short(self.smoke)}"
+
+
+def _short(value: Any) -> str:
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Shrinker:
+    def __init__(self, spec: TrainingSpec):
+        self.spec = spec
+        self.data: dict[str, Any] = spec.model_dump(mode="json")
+        self.changes: list[Shrink] = []
+        how = spec.how
+        self.tp = min(how.parallelism.tensor_parallel, 2)
+        lengths = sorted({s.sequence_length for s in spec.what.pretraining.stages}
+                         | {s.sequence_length for s in spec.what.long_context.stages})
+        self.lengths = {n: SEQUENCE * 2**i for i, n in enumerate(lengths)}
+        self.batch = 2  # two micro-batches of one row: gradient accumulation is exercised
+
+    def set(self, section: str, node: dict[str, Any], key: str, value: Any, label: str | None = None) -> None:
+        if node.get(key) != value:
+            self.changes.append(Shrink(section, label or key, node.get(key), value))
+            node[key] = value
+
+    # --- the model ----------------------------------------------------------------------------------------
+    def architecture(self, arch: dict[str, Any], section: str) -> None:
+        positions = arch["positions"]
+        period = positions.get("nope_every") or 2
+        self.set(section, arch, "num_layers", max(2, period) if positions["kind"] == "rnope" else 2)
+        heads, kv = arch["num_heads"], arch["num_kv_heads"]
+        ratio = heads // kv
+        small_kv = min(kv, max(2, self.tp))
+        small_heads = small_kv * min(ratio, max(1, 8 // small_kv))
+        self.set(section, arch, "num_kv_heads", small_kv)
+        self.set(section, arch, "num_heads", small_heads)
+        self.set(section, arch, "head_dim", HEAD_DIM)
+        hidden = small_heads * HEAD_DIM
+        ffn_ratio = arch["ffn_size"] / arch["hidden_size"]
+        self.set(section, arch, "hidden_size", hidden)
+        self.set(section, arch, "ffn_size", int(round(hidden * ffn_ratio / 16)) * 16)
+        if arch.get("moe"):
+            moe = arch["moe"]
+            self.set(section, moe, "num_experts", min(moe["num_experts"], 4), "moe.num_experts")
+            self.set(section, moe, "experts_per_token", min(moe["experts_per_token"], 2), "moe.experts_per_token")
+            self.set(section, moe, "expert_ffn_size", 2 * hidden, "moe.expert_ffn_size")
+
+    def scaled(self, field: str, value: Any, arch: dict[str, Any], real: dict[str, Any]) -> Any:
+        """An ablation's architecture change at smoke size (the same relation to the shrunk model)."""
+        if field == "num_kv_heads" and isinstance(value, int):
+            return arch["num_heads"] if value == real["num_heads"] else max(1, min(value, arch["num_kv_heads"]))
+        if field in ("num_heads", "hidden_size", "ffn_size", "num_layers", "head_dim") and isinstance(value, int):
+            return max(1, round(value * arch[field] / real[field]))
+        return value
+
+    # --- phases -------------------------------------------------------------------------------------------
+    def stage(self, stage: dict[str, Any], section: str, batch_field: str = "global_batch_size") -> None:
+        seq = self.lengths[stage["sequence_length"]]
+        self.set(section, stage, "sequence_length", seq)
+        self.set(section, stage, batch_field, self.batch)
+        self.set(section, stage, "tokens", float(STEPS * self.batch * seq))
+
+    def run(self) -> tuple[dict[str, Any], list[Shrink]]:
+        d = self.data
+        self.set("spec", d, "name", f"{self.spec.name}-smoke")
+        what, how = d["what"], d["how"]
+        real_arch = dict(what["architecture"])
+        self.architecture(what["architecture"], "what.architecture")
+        tok = what["tokenizer"]
+        self.set("what.tokenizer", tok, "train_chars", min(tok["train_chars"], 300_000))
+        self.set("what.tokenizer", tok, "eval_chars", min(tok["eval_chars"], 50_000))
+        for src in what["data"]["sources"]:
+            self.set(f"what.data.sources.{src['name']}", src, "max_documents",
+                     min(src.get("max_documents") or DOCUMENTS, DOCUMENTS))
+        pt = what["pretraining"]
+        for stage in pt["stages"]:
+            self.stage(stage, f"what.pretraining.stages.{stage['name']}")
+        schedule = pt["schedule"]
+        self.set("what.pretraining.schedule", schedule, "warmup_steps", min(schedule["warmup_steps"], 1))
+        lc = what["long_context"]
+        for stage in lc["stages"]:
+            self.stage(stage, f"what.long_context.stages.{stage['name']}")
+            self.set(f"what.long_context.stages.{stage['name']}", stage, "micro_batch_size", 1)
+            self.set(f"what.long_context.stages.{stage['name']}", stage, "warmup_steps", 0)
+        if lc["stages"]:
+            self.set("what.long_context", lc, "retrieval_samples", min(lc["retrieval_samples"], 2))
+        for step in what["post_training"]:
+            self.post_step(step)
+        for task in what["evaluation"]["tasks"]:
+            self.set(f"what.evaluation.tasks.{task['name']}", task, "limit", min(task.get("limit") or SAMPLES,
+                                                                                 SAMPLES))
+        if what.get("ablations"):
+            self.ablations(what["ablations"], real_arch)
+        self.how(how)
+        return d, self.changes
+
+    def post_step(self, step: dict[str, Any]) -> None:
+        section = f"what.post_training.{step['name']}"
+        if step["method"] == "mid_training":
+            self.set(section, step, "batch_size", self.batch)
+            self.set(section, step, "tokens", float(STEPS * self.batch * self.lengths[max(self.lengths)]))
+            return
+        self.set(section, step, "max_samples", min(step.get("max_samples") or SAMPLES, SAMPLES))
+        self.set(section, step, "max_length", min(step["max_length"], 256))
+        self.set(section, step, "epochs", 1.0)
+        self.set(section, step, "batch_size", min(step["batch_size"], 4))
+        if step["method"] == "grpo":
+            self.set(section, step, "num_generations", min(step["num_generations"], 2))
+            self.set(section, step, "max_completion_length", min(step["max_completion_length"], 16))
+            self.set(section, step, "batch_size", 2 * step["num_generations"])
+        if (step.get("pairs") or {}).get("kind") == "verifier":
+            pairs = step["pairs"]
+            self.set(section, pairs, "samples_per_prompt", min(pairs["samples_per_prompt"], 4),
+                     "pairs.samples_per_prompt")
+        if step["method"] == "distill" and step.get("student_layers"):
+            layers = self.data["what"]["architecture"]["num_layers"]
+            self.set(section, step, "student_layers", max(1, min(step["student_layers"], layers - 1)))
+
+    def ablations(self, abl: dict[str, Any], real_arch: dict[str, Any]) -> None:
+        base = abl["baseline"]
+        proxy_real = {**real_arch, **base["architecture"]}
+        proxy = dict(proxy_real)
+        self.architecture(proxy, "what.ablations.baseline.architecture")
+        self.set("what.ablations.baseline", base, "architecture",
+                 {k: v for k, v in proxy.items() if k in base["architecture"] or proxy[k] != real_arch.get(k)})
+        seq = self.lengths.get(base["sequence_length"], SEQUENCE)
+        self.set("what.ablations.baseline", base, "sequence_length", seq)
+        self.set("what.ablations.baseline", base, "global_batch_size", self.batch)
+        self.set("what.ablations.baseline", base, "tokens", float(STEPS * self.batch * seq))
+        for variant in abl["variants"]:
+            (path, value), = variant["change"].items()
+            if path.startswith("architecture."):
+                field = path.split(".", 1)[1]
+                small = self.scaled(field, value, proxy, proxy_real)
+                if small != value:
+                    self.changes.append(Shrink(f"what.ablations.variants.{variant['name']}", path, value, small))
+                    variant["change"] = {path: small}
+
+    def how(self, how: dict[str, Any]) -> None:
+        hw, par = how["hardware"], how["parallelism"]
+        self.set("how.hardware", hw, "accelerator", "cpu")
+        self.set("how.hardware", hw, "nodes", 1)
+        self.set("how.hardware", hw, "hosts", [])
+        self.set("how.hardware", hw, "launcher", "torchrun")
+        self.set("how.hardware", hw, "devices_per_node", self.tp)
+        self.set("how.hardware", hw, "peak_tflops", None)
+        self.set("how.parallelism", par, "data_parallel", 1)
+        self.set("how.parallelism", par, "tensor_parallel", self.tp)
+        self.set("how.parallelism", par, "micro_batch_size", 1)
+        self.set("how", how, "precision", "fp32")
+        self.set("how", how, "attention", "auto")
+        self.set("how", how, "loss", "auto")
+        self.set("how", how, "compile", False)
+        orch = how["orchestration"]
+        self.set("how.orchestration", orch, "task_runner", "local")
+        self.set("how.orchestration", orch, "ray_address", None)
+        self.set("how.orchestration", orch, "ray_num_cpus", None)
+        self.set("how.orchestration", orch, "retries", 0)
+        self.set("how.checkpoints", how["checkpoints"], "every_steps", 2)
+        storage = how["storage"]
+        self.set("how.storage", storage, "root", storage["root"].rstrip("/") + "-smoke")
+
+
+def smoke_spec(spec: TrainingSpec) -> tuple[TrainingSpec, list[Shrink]]:
+    """The spec at smoke size, and every change made to get there."""
+    data, changes = _Shrinker(spec).run()
+    return TrainingSpec.model_validate(_without_unset_defaults(data, spec)), changes
+
+
+def _without_unset_defaults(data: dict[str, Any], spec: TrainingSpec) -> dict[str, Any]:
+    """A dump holds every field; the checks that refuse fields without effect look at the fields set. Keep only
+    the fields the spec set, or smoke mode changed."""
+    def prune(node: Any, model: Any) -> Any:
+        if isinstance(node, dict) and hasattr(model, "model_fields_set"):
+            keep = model.model_fields_set | {"method", "kind", "name", "reason"}
+            return {k: prune(v, getattr(model, k, None)) for k, v in node.items()
+                    if k in keep or v != _default(model, k)}
+        if isinstance(node, list) and isinstance(model, list):
+            return [prune(v, m) for v, m in zip(node, model, strict=False)] + node[len(model):]
+        return node
+
+    return prune(data, spec)
+
+
+def _default(model: Any, key: str) -> Any:
+    field = type(model).model_fields.get(key)
+    if field is None:
+        return object()
+    value = field.get_default(call_default_factory=True)
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value

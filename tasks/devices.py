@@ -1,0 +1,25 @@
+"""Where post-training and evaluation run, from `how`: the GPU with bf16 autocast when the spec asks for a GPU
+and bf16 and CUDA is here; otherwise the CPU in fp32 (bf16 on CPU is slower than fp32, and is refused there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compass.specs.how import How
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # "cuda" or "cpu"
+    bf16: bool
+
+    @property
+    def dtype(self) -> str:
+        return "bfloat16" if self.bf16 else "float32"
+
+
+def placement(how: How) -> Placement:
+    import torch
+
+    cuda = how.hardware.accelerator != "cpu" and torch.cuda.is_available()
+    return Placement("cuda" if cuda else "cpu", cuda and how.precision == "bf16")
