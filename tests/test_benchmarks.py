@@ -49,9 +49,9 @@ def test_gpu_throughput_skips_without_cuda():
 
 
 @pytest.mark.slow
-def test_pretrain_throughput():
+def test_pretrain_throughput():  # the compiled variants' code path is tested in test_training_core
     out = bench("pretrain_throughput.py", "--steps", "6", "--warmup", "2", "--seq", "64", "--batch", "4",
-                "--rounds", "1", "--variants", "bare torch loop,compass trainer,HF Trainer")  # compile: test_training_core
+                "--rounds", "1", "--variants", "bare torch loop,compass trainer,HF Trainer")
     assert "compass trainer vs HF Trainer" in out
 
 
