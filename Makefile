@@ -11,7 +11,7 @@ demo: setup
 	.venv/bin/compass run specs/examples/tiny.yaml
 
 test: setup
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q --durations=30 tests
 
 # Everything not marked slow (no end-to-end flows): a few minutes, for iterating.
 test-fast: setup

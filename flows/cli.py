@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.tree import Tree
 
-from compass.flows.cli_common import EXIT_BAD_INPUT, SpecArg, err, load, out, store_root
+from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, SpecArg, err, load, out, store_root
 from compass.flows.cli_ops import ops
 from compass.infra.environment import prepare_environment
 
@@ -24,9 +24,9 @@ app.add_typer(ops)  # server, worker, deploy, submit, status
 
 
 @app.command()
-def validate(spec: SpecArg) -> None:
+def validate(spec: SpecArg, smoke: SmokeOption = False) -> None:
     """Check a spec: schema, cross-field rules and preflight; every problem with its file:line."""
-    checked = load(spec)
+    checked = load(spec, smoke=smoke)
     s = checked.spec
     out.print(f"[green]ok[/green] {spec}: '{s.name}' ({s.why.reason}), {len(s.what.data.sources)} sources, "
               f"{len(s.what.pretraining.stages)} pretraining stages, {len(checked.plan.steps)} steps, spec hash "
@@ -36,9 +36,13 @@ def validate(spec: SpecArg) -> None:
 @app.command()
 def plan(spec: SpecArg,
          store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
-         as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+         as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+         smoke: SmokeOption = False,
+         machine_checks: Annotated[bool, typer.Option(
+             help="Check this machine (GPUs, GPU extras, memory per device, S3 credentials); --no-machine-checks "
+                  "plans a run for another machine, e.g. a cluster, from a laptop.")] = True) -> None:
     """Print the DAG (fingerprints, outputs, what would run and why) and the cost estimate."""
-    checked = load(spec)
+    checked = load(spec, smoke=smoke, machine=machine_checks)
     loaded = checked.loaded
     from compass.flows.plan_report import cost_sections, dag_section, print_sections
     from compass.flows.plan_status import plan_status
@@ -62,9 +66,10 @@ def run(spec: SpecArg,
         until: Annotated[list[str] | None, typer.Option(
             help="Run only these steps (a kind such as pretrain, or a step id such as pretrain:stage1) and the "
                  "steps they need (repeatable).")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON.")] = False) -> None:
+        as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON.")] = False,
+        smoke: SmokeOption = False) -> None:
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
-    checked = load(spec, until)
+    checked = load(spec, until, smoke=smoke)
     loaded = checked.loaded
     prepare_environment()
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
@@ -80,7 +85,7 @@ def run(spec: SpecArg,
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
     with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
         summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
-                       store_root=store_root(checked, store), until=until)
+                       store_root=store_root(checked, store), until=until, smoke=smoke)
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -93,6 +98,14 @@ def run(spec: SpecArg,
         table.add_row(r["step"], "[green]ran[/green]" if r["executed"] else "cached",
                       str(r["seconds"]) if r["executed"] else "-", r["uri"])
     out.print(table)
+    if summary.get("smoke"):
+        smoke_table = Table(title=f"smoke run of {spec}: what each step exercised and what was shrunk",
+                            title_justify="left", show_lines=True)
+        for col in ("step", "exercised", "shrunk"):
+            smoke_table.add_column(col, overflow="fold")
+        for row in summary["smoke"]:
+            smoke_table.add_row(row["step"], row["exercised"], row["shrunk"])
+        out.print(smoke_table)
     ran = sum(r["executed"] for r in summary["steps"])
     left_out = f", {len(summary['left_out'])} left out by --until" if summary["left_out"] else ""
     out.print(f"{ran} ran, {len(summary['steps']) - ran} cached{left_out}; {time.time() - started:.0f}s. "

@@ -16,17 +16,21 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)]
+SmokeOption = Annotated[bool, typer.Option(
+    "--smoke", help="The same DAG with every size shrunk to run on this CPU in minutes, in its own store "
+                    "(<root>-smoke); ends with what each step exercised and what was shrunk.")]
 EXIT_BAD_INPUT = 2
 
 
-def load(path: Path, until: list[str] | None = None) -> CheckedSpec:
-    """The checked spec and its plan, or exit 2 with every problem; `until` names must match steps of the plan."""
+def load(path: Path, until: list[str] | None = None, smoke: bool = False, machine: bool = True) -> CheckedSpec:
+    """The checked spec and its plan, or exit 2 with every problem; `until` names must match steps of the plan.
+    `smoke`: at smoke size; `machine=False`: without the checks of this machine (planning for another one)."""
     from compass.flows.compiler import UnknownTarget
     from compass.flows.preflight import load_checked
     from compass.specs.loader import SpecError
 
     try:
-        checked = load_checked(path)
+        checked = load_checked(path, machine=machine, smoke=smoke)
     except SpecError as exc:
         for problem in exc.problems:
             err.print(str(problem), markup=False, highlight=False)
@@ -43,7 +47,10 @@ def load(path: Path, until: list[str] | None = None) -> CheckedSpec:
 
 
 def store_root(checked: CheckedSpec, store: str | None) -> str:
-    """`--store` if given, else the spec's `how.storage.root` (relative to the working directory)."""
+    """`--store` if given, else the spec's `how.storage.root` (relative to the working directory); a smoke run
+    writes beside it, to `<root>-smoke`, never among real artifacts."""
     from compass.flows.lifecycle import resolve_root
 
+    if store and checked.loaded.smoke_changes:
+        store = store.rstrip("/") + "-smoke"
     return store or resolve_root(checked.spec.how.storage.root)

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from compass.flows.cli_common import EXIT_BAD_INPUT, err, load, out, store_root
+from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, err, load, out, store_root
 
 ops = typer.Typer()
 LOOPBACK_NAMES = {"localhost"}
@@ -111,9 +111,11 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
            until: Annotated[list[str] | None, typer.Option(
                help="Run only these steps (kind or step id) and the steps they need (repeatable).")] = None,
            watch: Annotated[bool, typer.Option(help="Follow state and logs until the run ends.")] = False,
-           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment."""
-    checked = load(spec, until)
+           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+           smoke: SmokeOption = False) -> None:
+    """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment (the
+    worker checks its own machine: GPUs, extras, memory, credentials)."""
+    checked = load(spec, until, smoke=smoke, machine=False)
     need_server("compass submit")
     from prefect.exceptions import ObjectNotFound
 

@@ -20,12 +20,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from compass.flows.compiler import Plan
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
-from compass.flows.preflight import load_checked_text
+from compass.flows.preflight import check, smoke_of
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.interrupt import stop_run
 from compass.infra.store import Store
 from compass.specs.how import Orchestration
+from compass.specs.loader import load_spec_text
 from compass.tasks import registry
 from compass.tasks.base import Runtime
 from compass.tasks.steps import GPU_TAG, Step
@@ -121,6 +122,8 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str,
 
 
 def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
+    for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in plan.steps}.values():
+        kind.import_names()  # before any step's thread asks for them (see StepKind.imports)
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}
@@ -158,23 +161,25 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
       persist_result=False)
 def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None = None,
               store_root: str | None = None, until: list[str] | None = None,
-              spec_hash: str | None = None) -> dict[str, Any]:
+              spec_hash: str | None = None, smoke: bool = False) -> dict[str, Any]:
     """Validate the spec, compile it, publish the plan, then run every step compass can execute.
 
     `spec_hash`, when given (`compass submit` gives it), must be the hash of `spec_yaml`: a run never trains
-    a spec other than the one its submitter validated."""
+    a spec other than the one its submitter validated. `smoke` runs the spec at smoke size (compass.specs.smoke)."""
     logger = get_run_logger()
     base = Path(base_dir) if base_dir else Path.cwd()
-    checked = load_checked_text(spec_yaml, spec_path, base_dir=base)
-    loaded, spec = checked.loaded, checked.spec
-    if spec_hash and spec_hash != loaded.spec_hash:
+    original = load_spec_text(spec_yaml, spec_path, base_dir=base)
+    if spec_hash and spec_hash != original.spec_hash:
         raise ValueError(f"{spec_path}: spec_hash {spec_hash[:12]} does not match the spec text "
-                         f"({loaded.spec_hash[:12]}); submit the spec again")
+                         f"({original.spec_hash[:12]}); submit the spec again")
+    checked = check(smoke_of(original) if smoke else original)
+    loaded, spec = checked.loaded, checked.spec
     if apply_credentials_block(spec.how.storage.credentials_block):
         logger.info("store credentials from Prefect Secret block '%s'", spec.how.storage.credentials_block)
     if _needs_ray_runner(spec.how.orchestration):  # a deployment starts this flow with its default runner
         return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
-            spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until)
+            spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until,
+            smoke=smoke)
     full = checked.plan
     plan = full.up_to(until) if until else full
     store = Store(store_root or resolve_root(spec.how.storage.root))
@@ -193,8 +198,15 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     results = run_plan(plan, ctx, orch)
     ran = [r["step"] for r in results if r["executed"]]
     logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
-    return {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
-            "flow_pid": os.getpid()}
+    summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
+               "flow_pid": os.getpid()}
+    if smoke:
+        from compass.flows.smoke_report import smoke_table
+
+        summary["smoke"] = smoke_table(plan, spec, loaded.smoke_changes)
+        create_table_artifact(key=artifact_key(spec.name, "smoke"), table=summary["smoke"],
+                              description=f"smoke run of {original.spec.name}: what each step exercised and shrank")
+    return summary
 
 
 def task_runner_for(orch: Orchestration) -> Any:

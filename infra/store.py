@@ -81,12 +81,16 @@ class Store:
             return Path(self._path(uri))
         manifest = self.read_manifest(uri)
         prefix = only.strip("/") + "/" if only else ""
-        name = manifest.fingerprint + (f"-{hashlib.sha256(prefix.encode()).hexdigest()[:8]}" if prefix else "")
+        files = [e for e in manifest.files if e.path.startswith(prefix)]
+        # keyed by the files' checksums too: a store rebuilt under the same fingerprints (its sources changed
+        # underneath) must not be served from an older download
+        content = hashlib.sha256("".join(f"{e.path}\0{e.sha256}\0" for e in files).encode()).hexdigest()[:12]
+        name = f"{manifest.fingerprint}-{content}"
         cache = (cache_dir or Path(tempfile.gettempdir()) / "compass-cache") / name
         done = cache / MANIFEST
         if not done.exists():
             partial = cache.with_name(cache.name + f".part-{uuid.uuid4().hex[:8]}")
-            for entry in (e for e in manifest.files if e.path.startswith(prefix)):
+            for entry in files:
                 target = partial / entry.path
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(f"{self._path(uri)}/{entry.path}", str(target))

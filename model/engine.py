@@ -141,16 +141,15 @@ class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int,
-                 micro_batch: int, zero_stage: int, precision: str):
+                 micro_batch: int, zero_stage: int, precision: str, tensor_parallel: int = 1):
         import deepspeed
 
         _keep_deepspeed_off_the_cpu_shm_op()
         _, world, _ = dist_env()
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
-        config = {
+        config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": accumulation,
-            "train_batch_size": micro_batch * accumulation * world,
             "gradient_clipping": opt.grad_clip,
             "zero_optimization": {"stage": zero_stage},
             "bf16": {"enabled": precision == "bf16"},
@@ -158,11 +157,16 @@ class DeepSpeedEngine:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
+        if tensor_parallel == 1:  # DeepSpeed's check counts every rank as a data-parallel one, TP peers too
+            config["train_batch_size"] = micro_batch * accumulation * world
+        if tensor_parallel > 1:  # AutoTP shards the layers by the model's tp_plan (transformers' base_model_tp_plan)
+            config["tensor_parallel"] = {"autotp_size": tensor_parallel}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                                  dist_init_required=True)
         self.engine.checkpoint_engine = self.capture = _capturing_checkpoint_engine(self.engine._config)
         self.module = self.engine.module
         self.zero_stage = zero_stage
+        self.tensor_parallel = tensor_parallel
 
     def __call__(self, **inputs):
         return self.engine(**inputs)
@@ -173,7 +177,8 @@ class DeepSpeedEngine:
     def grad_norm(self) -> torch.Tensor:
         """Before the step (ZeRO-0/1 keep full gradients); ZeRO-2/3 partition them, so 0 = not checked here."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads) if grads and self.zero_stage < 2 else torch.zeros(())
+        local = self.zero_stage >= 2 or self.tensor_parallel > 1  # each rank holds a part of the gradients
+        return torch.nn.utils.get_total_norm(grads) if grads and not local else torch.zeros(())
 
     def step(self, lr: float, norm: torch.Tensor) -> None:
         for group in self.optimizer.param_groups:
@@ -207,6 +212,8 @@ class DeepSpeedEngine:
         return (client or {}).get("extra", {})
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.zero_stage == 3:
-            return hf_state(self.engine._zero3_consolidated_16bit_state_dict())
+        """The whole model's weights (gathered from every shard at ZeRO-3 or with tensor parallelism: every rank
+        takes part; rank 0 receives them)."""
+        if self.zero_stage == 3 or self.tensor_parallel > 1:
+            return hf_state(self.engine._consolidated_16bit_state_dict() or {})
         return hf_state(self.module.state_dict())

@@ -15,6 +15,7 @@ class CausalLMWithLoss(torch.nn.Module):
     def __init__(self, hf: torch.nn.Module, z_loss: float = 0.0, moe_coef: float = 0.0, loss: str = "chunked"):
         super().__init__()
         self.hf = hf
+        self.config = hf.config  # what DeepSpeed's AutoTP reads the tensor-parallel plan from
         self.z_loss = z_loss
         self.moe_coef = moe_coef
         self.loss = loss

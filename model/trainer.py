@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from compass.model import attention
 from compass.model import checkpoint as ckpt
@@ -93,11 +94,14 @@ class Trainer:
         names = [s.name for s in self.shape.stages]
         self.offset = sum(s.steps for s in self.shape.stages[: names.index(self.stage.name)])
         self.stage_steps = self.shape.stages[names.index(self.stage.name)].steps
+        self.tp = job.parallelism.tensor_parallel
+        self.resumed: Path | None = None
+        self.dp, self.dp_rank, self.tp_rank = self.world // self.tp, self.rank // self.tp, self.rank % self.tp
         gbs = self.stage.global_batch_size
-        if gbs % (job.micro_batch_size * self.world):
-            raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {job.micro_batch_size} x world "
-                             f"{self.world}")
-        self.accumulation = gbs // (job.micro_batch_size * self.world)
+        if gbs % (job.micro_batch_size * self.dp):
+            raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {job.micro_batch_size} x data "
+                             f"parallel {self.dp}")
+        self.accumulation = gbs // (job.micro_batch_size * self.dp)
         self.checkpoint_root = job.workdir / "checkpoints"
         job.workdir.mkdir(parents=True, exist_ok=True)
         self.device = training_device(job.hardware.accelerator)
@@ -111,7 +115,7 @@ class Trainer:
         self.lm = self._model()
         self.engine = self._engine(self.lm)
         self.setup["engine"] = self.engine.name
-        rows = range(self.rank * gbs // self.world, (self.rank + 1) * gbs // self.world)
+        rows = range(self.dp_rank * gbs // self.dp, (self.dp_rank + 1) * gbs // self.dp)  # TP peers: the same rows
         self.packer = RowPacker({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
                                 self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
                                 owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
@@ -134,6 +138,7 @@ class Trainer:
                          self.setup["attention"])
         if job.parallelism.activation_checkpointing:  # recompute each layer's activations in the backward pass
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.initial = state_digests(hf.state_dict()) if self.tp > 1 else {}
         lm = CausalLMWithLoss(hf, arch.z_loss, arch.moe.load_balancing_coef if arch.moe else 0.0, self.setup["loss"])
         if job.compile:
             lm.compile()  # in place: parameter names (and so checkpoints) stay those of the eager model
@@ -147,7 +152,7 @@ class Trainer:
             if self.device.type == "cpu":
                 init_distributed("gloo")  # on GPUs DeepSpeed initialises NCCL itself
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
-                                   par.zero_stage, job.precision)
+                                   par.zero_stage, job.precision, par.tensor_parallel)
         init_distributed("gloo" if self.device.type == "cpu" else "nccl")
         return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
 
@@ -168,7 +173,7 @@ class Trainer:
 
     # --- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> StageResult:
-        resumed = self._resume()
+        resumed = self.resumed = self._resume()
         self.data_state = self.packer.state_dict()
         batches = Prefetcher(self.packer, self.job.prefetch) if self.job.prefetch else None
         log.info("%s: attention %s, loss %s, compile %s, %s, engine %s, prefetch %d, %s checkpoints",
@@ -186,7 +191,7 @@ class Trainer:
                 self._dispatch("pre_step")
                 local, wait = self._next_batch(batches)
                 if self.world > 1 and first:
-                    rank_check = check_ranks(self.engine.module, local)
+                    rank_check = self._check_ranks(local)
                 first = False
                 t0 = time.perf_counter()
                 loss_t, norm_t = self._accumulate(local), self.engine.grad_norm()
@@ -216,7 +221,9 @@ class Trainer:
         self._dispatch("on_end")
         seq, gbs = self.stage.sequence_length, self.stage.global_batch_size
         masking = self.job.recipe.intra_document_masking
-        val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device) if self.rank == 0 else {}
+        scored = self.rank == 0 or self.tp > 1  # tensor-parallel ranks compute every forward together
+        val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device) if scored else {}
+        val = val if self.rank == 0 else {}
         return StageResult(self.stage_steps, self.stage_steps * gbs * seq, self.last_loss, val,
                            int(resumed.name.split("-")[1]) if resumed else None, rank_check, self.events,
                            dict(self.setup))
@@ -347,6 +354,42 @@ class Trainer:
         log.warning("rolled back to %s; skipping the batches since then", good.name)
         self._dispatch("post_restore", self.step)
 
+    def _check_ranks(self, local: PackedBatch) -> str:
+        """Before the first step: every rank's weights and batch against the others' (check_ranks) and, with
+        tensor parallelism, the shards gathered against the initialisation every rank built whole."""
+        mine = torch.tensor([self.dp_rank, self.tp_rank, _digest(self.engine.module.state_dict().values()),
+                             _digest([local.input_ids])], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
+        torch.distributed.all_gather(everyone, mine)
+        summary = check_ranks([tuple(int(x) for x in t) for t in everyone])
+        if self.tp > 1:
+            gathered = self.engine.export_state_dict()  # collective: rank 0 receives the whole model
+            reference, what = self._reference() if self.rank == 0 else ({}, "")
+            bad = torch.tensor([len(gathered_mismatch(reference, gathered)) if self.rank == 0 else 0])
+            torch.distributed.broadcast(bad, 0)
+            if int(bad):
+                raise RuntimeError(f"{int(bad)} tensors' tensor-parallel shards, gathered, differ from {what}: the "
+                                   "model was not sharded from one set of weights")
+            summary += f"; shards gathered equal {what}" if self.rank == 0 else ""
+        return summary
+
+    def _reference(self) -> tuple[dict[str, int], str]:
+        """What the gathered shards must equal: the weights every rank built whole, or the Hugging Face export of
+        what the stage continues from (the checkpoint it resumed, or the previous stage's `final/`, which its
+        artifact keeps beside the `state/` the job names)."""
+        if self.resumed is not None:
+            folder, what = self.resumed / "hf", f"the export of {self.resumed.name}"
+        elif self.job.init_from is not None:
+            folder, what = self.job.init_from.parent / "final", "the previous stage's exported model"
+        else:
+            return self.initial, "the initial weights"
+        state: dict[str, torch.Tensor] = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            state |= load_file(str(path))
+        if not state:
+            raise RuntimeError(f"no safetensors under {folder} to check the tensor-parallel shards against")
+        return state_digests(state), what
+
     def _barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
@@ -365,20 +408,36 @@ def _digest(tensors) -> int:
     return int(h.hexdigest()[:12], 16)
 
 
-def check_ranks(model: torch.nn.Module, local: PackedBatch) -> str:
-    """Data-parallel ranks must hold identical weights and see different data. SmolLM3 lost 1T tokens to
-    ranks that were seeded alike where they should not have been; this check fails fast instead."""
-    world = torch.distributed.get_world_size()
-    mine = torch.tensor([_digest(model.state_dict().values()), _digest([local.input_ids])], dtype=torch.int64)
-    everyone = [torch.zeros_like(mine) for _ in range(world)]
-    torch.distributed.all_gather(everyone, mine)
-    weights = {int(t[0]) for t in everyone}
-    data = [int(t[1]) for t in everyone]
-    if len(weights) != 1:
+def state_digests(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {k: _digest([v]) for k, v in state.items()}
+
+
+def check_ranks(ranks: list[tuple[int, int, int, int]]) -> str:
+    """From every rank's (data-parallel rank, tensor-parallel rank, weights digest, batch digest): replicas of one
+    shard hold identical weights, the shards of a tensor differ (SmolLM3 lost a 1T-token run to tensor-parallel
+    ranks seeded alike), tensor-parallel peers see the same batch and data-parallel ranks different ones."""
+    by_shard: dict[int, set[int]] = {}
+    by_replica: dict[int, set[int]] = {}
+    for dp_rank, tp_rank, weights, data in ranks:
+        by_shard.setdefault(tp_rank, set()).add(weights)
+        by_replica.setdefault(dp_rank, set()).add(data)
+    if any(len(w) > 1 for w in by_shard.values()):
         raise RuntimeError("data-parallel ranks start from different weights: check seeding and broadcasting")
-    if len(set(data)) != world:
+    if len(by_shard) > 1 and len({next(iter(w)) for w in by_shard.values()}) != len(by_shard):
+        raise RuntimeError("tensor-parallel ranks hold identical shards: their shards must be different slices of "
+                           "one initialisation (SmolLM3 lost 1T tokens to tensor-parallel ranks seeded alike)")
+    if any(len(d) > 1 for d in by_replica.values()):
+        raise RuntimeError("tensor-parallel peers received different batches: they must share one")
+    if len({next(iter(d)) for d in by_replica.values()}) != len(by_replica):
         raise RuntimeError("data-parallel ranks received identical batches: check the data sharding")
-    return f"{world} ranks: identical weights, distinct data"
+    dp, tp = len(by_replica), len(by_shard)
+    return (f"{len(ranks)} ranks ({dp} data-parallel x {tp} tensor-parallel): identical replicas"
+            + (", distinct data" if dp > 1 else "") + (", distinct shards" if tp > 1 else ""))
+
+
+def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors whose tensor-parallel shards, gathered, differ from the single-process initialisation."""
+    return sorted(k for k, digest in initial.items() if k not in gathered or _digest([gathered[k]]) != digest)
 
 
 def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> None:

@@ -7,10 +7,14 @@ compass.flows.preflight, before anything runs.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
 
+from pydantic import ValidationError
+
+from compass.specs.architecture import Architecture
 from compass.specs.base import Issue, Loc
 from compass.specs.sources import SourceUriError, parse_source_uri
 from compass.specs.spec import TrainingSpec
@@ -30,8 +34,11 @@ def _unused(model: Any, field: str, loc: Loc, applies: bool, why: str) -> Iterat
 
 
 def _architecture(spec: TrainingSpec) -> Iterator[Issue]:
-    a = spec.what.architecture
-    at = ("what", "architecture")
+    yield from architecture_rules(spec.what.architecture, ("what", "architecture"))
+
+
+def architecture_rules(a: Architecture, at: Loc) -> Iterator[Issue]:
+    """What makes an architecture buildable and sound (the main model's, or an ablation variant's proxy)."""
     if a.num_kv_heads > a.num_heads or a.num_heads % a.num_kv_heads:
         divisors = [d for d in range(1, a.num_heads + 1) if a.num_heads % d == 0]
         yield Issue((*at, "num_kv_heads"), f"num_kv_heads={a.num_kv_heads} must divide num_heads={a.num_heads}",
@@ -268,9 +275,15 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if par.pipeline_parallel > 1:
         yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
                     "use data and tensor parallelism (with ZeRO) instead")
-    if how.hardware.accelerator == "cpu" and par.tensor_parallel > 1:
-        yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism needs GPUs",
-                    "use data_parallel on CPU")
+    if par.tensor_parallel > 1 and not par.deepspeed:
+        yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism runs on DeepSpeed's AutoTP",
+                    "set parallelism.deepspeed: true, or tensor_parallel: 1")
+    if par.tensor_parallel > 1 and par.deepspeed and par.zero_stage == 3:
+        yield Issue(("how", "parallelism", "zero_stage"), "DeepSpeed's AutoTP trains with ZeRO stages 0-2, not 3",
+                    "use zero_stage: 1 or 2 with tensor parallelism (ZeRO-3 alone shards the weights too)")
+    if par.tensor_parallel > 1 and spec.what.architecture.family == "moe":
+        yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism of MoE layers is not supported",
+                    "use data parallelism with ZeRO for MoE models")
     if not par.deepspeed and par.zero_stage:
         yield Issue(("how", "parallelism", "zero_stage"), "ZeRO needs deepspeed: true",
                     "set deepspeed: true or zero_stage: 0")
@@ -358,10 +371,29 @@ def _ablations(spec: TrainingSpec) -> Iterator[Issue]:
         elif current == value:
             yield Issue((*at, path), f"variant '{variant.name}' sets {path} to its baseline value {value!r}",
                         "a variant must differ from the baseline")
+        elif path.startswith("architecture."):
+            yield from _variant_architecture(variant.name, base["architecture"], path, value, (*at, path))
     for i, metric in enumerate(abl.metrics):
         if metric != "val_loss":
             yield Issue(("what", "ablations", "metrics", i), f"ablation runs do not measure '{metric}'",
                         "compare val_loss (the validation loss averaged over the mixture's sources)")
+
+
+def _variant_architecture(name: str, proxy: dict[str, Any], path: str, value: Any, at: Loc) -> Iterator[Issue]:
+    """The proxy model with the variant's change must itself be a model compass can build."""
+    changed = json.loads(json.dumps(proxy))
+    node, (*parents, leaf) = changed, path.split(".")[1:]
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    try:
+        arch = Architecture.model_validate(changed)
+    except ValidationError as exc:
+        yield Issue(at, f"variant '{name}' makes the proxy architecture invalid: {exc.errors()[0]['msg']}",
+                    "change a field to a value what.architecture accepts")
+        return
+    for issue in architecture_rules(arch, at):
+        yield Issue(at, f"variant '{name}' makes a model compass cannot build: {issue.message}", issue.hint)
 
 
 _MISSING = object()

@@ -146,8 +146,10 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer + self.activations + self.logits
 
 
-def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = None) -> MemoryEstimate:
-    """Bytes per GPU for one training micro-step at `seq_len` (default: the longest pretraining stage)."""
+def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = None,
+                   micro_batch: int | None = None) -> MemoryEstimate:
+    """Bytes per GPU for one training micro-step at `seq_len` (default: the longest pretraining stage) and
+    `micro_batch` sequences (default: how.parallelism.micro_batch_size)."""
     arch, how = spec.what.architecture, spec.how
     par = how.parallelism
     vocab = planning_vocab(spec)
@@ -158,7 +160,7 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
     grads = n * g_bytes / tp / (dp if zero_stage >= 2 else 1)
     optim = n * o_bytes / tp / (dp if zero_stage >= 1 else 1)
     seq = seq_len or max(s.sequence_length for s in spec.what.pretraining.stages)
-    b, d, L = par.micro_batch_size, arch.hidden_size, arch.num_layers
+    b, d, L = micro_batch or par.micro_batch_size, arch.hidden_size, arch.num_layers
     act_scale = 2 if how.precision == "fp32" else 1
     if par.activation_checkpointing:
         acts = (L * 2 * seq * b * d + 34 * seq * b * d) * act_scale / tp
@@ -170,6 +172,19 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
 
 def device_memory_bytes(how: How) -> float:
     return MEMORY_GIB[how.hardware.accelerator] * GIB
+
+
+def training_memory(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], int, MemoryEstimate]]:
+    """(spec location, sequence length, memory per GPU) of every training stage at the spec's ZeRO stage, with the
+    micro-batch each stage trains with."""
+    par = spec.how.parallelism
+    out = [(("what", "pretraining", "stages", i, "sequence_length"), s.sequence_length,
+            memory_per_gpu(spec, par.zero_stage, s.sequence_length))
+           for i, s in enumerate(spec.what.pretraining.stages)]
+    out += [(("what", "long_context", "stages", i, "sequence_length"), s.sequence_length,
+             memory_per_gpu(spec, par.zero_stage, s.sequence_length, s.micro_batch_size))
+            for i, s in enumerate(spec.what.long_context.stages)]
+    return out
 
 
 @dataclass(frozen=True)

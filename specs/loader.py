@@ -54,6 +54,7 @@ class LoadedSpec:
     text: str
     lines: _LineIndex = field(repr=False, compare=False)
     data: Any = field(repr=False, compare=False)
+    smoke_changes: tuple[Any, ...] = ()  # set when the spec was shrunk to smoke size (compass.specs.smoke)
 
     @property
     def spec_hash(self) -> str:

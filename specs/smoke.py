@@ -19,10 +19,11 @@ from typing import Any
 from compass.specs.spec import TrainingSpec
 
 STEPS = 4  # optimizer steps per training stage
-SEQUENCE = 64  # the shortest trained length; longer ones double it, in order
+SEQUENCE = 256  # the shortest trained length (benchmark prompts fit it); longer ones double it, in order
 HEAD_DIM = 16
 SAMPLES = 8  # post-training examples, evaluation samples
 DOCUMENTS = 200  # documents read per source
+HELDOUT = 0.2  # held-out share of those, so every source keeps some for perplexity
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class _Shrinker:
         ffn_ratio = arch["ffn_size"] / arch["hidden_size"]
         self.set(section, arch, "hidden_size", hidden)
         self.set(section, arch, "ffn_size", int(round(hidden * ffn_ratio / 16)) * 16)
+        if arch.get("vocab_size") is not None:  # the chosen tokenizer's: the same for a hub tokenizer, smaller for BPE
+            self.changes.append(Shrink(section, "vocab_size", arch["vocab_size"], "the chosen tokenizer's"))
+            arch["vocab_size"] = None
         if arch.get("moe"):
             moe = arch["moe"]
             self.set(section, moe, "num_experts", min(moe["num_experts"], 4), "moe.num_experts")
@@ -109,6 +113,10 @@ class _Shrinker:
         for src in what["data"]["sources"]:
             self.set(f"what.data.sources.{src['name']}", src, "max_documents",
                      min(src.get("max_documents") or DOCUMENTS, DOCUMENTS))
+            curation = src["curation"]
+            if 0 < curation["heldout_fraction"] < HELDOUT:  # a few % of 200 documents can be none at all
+                self.set(f"what.data.sources.{src['name']}", curation, "heldout_fraction", HELDOUT,
+                         "curation.heldout_fraction")
         pt = what["pretraining"]
         for stage in pt["stages"]:
             self.stage(stage, f"what.pretraining.stages.{stage['name']}")
@@ -138,7 +146,7 @@ class _Shrinker:
             self.set(section, step, "tokens", float(STEPS * self.batch * self.lengths[max(self.lengths)]))
             return
         self.set(section, step, "max_samples", min(step.get("max_samples") or SAMPLES, SAMPLES))
-        self.set(section, step, "max_length", min(step["max_length"], 256))
+        self.set(section, step, "max_length", min(step["max_length"], 2 * SEQUENCE))
         self.set(section, step, "epochs", 1.0)
         self.set(section, step, "batch_size", min(step["batch_size"], 4))
         if step["method"] == "grpo":
@@ -193,7 +201,7 @@ class _Shrinker:
         self.set("how.orchestration", orch, "ray_address", None)
         self.set("how.orchestration", orch, "ray_num_cpus", None)
         self.set("how.orchestration", orch, "retries", 0)
-        self.set("how.checkpoints", how["checkpoints"], "every_steps", 2)
+        self.set("how.checkpoints", how["checkpoints"], "every_steps", STEPS)  # one checkpoint a stage
         storage = how["storage"]
         self.set("how.storage", storage, "root", storage["root"].rstrip("/") + "-smoke")
 

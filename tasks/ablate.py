@@ -12,7 +12,7 @@ from compass.specs.ablation import AblationBaseline
 from compass.specs.architecture import Architecture
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
 from compass.tasks.base import StepContext, StepResult
-from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import data_inputs
 from compass.tasks.training import build_job, run_training
 
@@ -147,7 +147,7 @@ def _plot(rows: list[dict], metric: str, out) -> None:
 
 
 ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="2", uses_accelerator=True,
-                  deployment="ablations", tags=("ablation",))
+                  imports=TRANSFORMERS, deployment="ablations", tags=("ablation",))
 COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="1", deployment="ablations",
                    tags=("ablation",))
 STEP_KINDS = (ABLATE, COMPARE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from compass.specs.evaluation import EvalTask, Evaluation
 from compass.specs.spec import TrainingSpec
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.devices import Placement, placement
-from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import tokens_of
 from compass.tasks.tokenizer import STEP_ID as TOKENIZER
 
@@ -136,28 +137,44 @@ def run_lighteval(model_dir: Path, tasks: list[EvalTask], scratch: Path,
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
 
     module, provenance = custom_tasks_module(tasks, scratch)
+    where = where or Placement("cpu", bf16=False)
+    by_limit: dict[int | None, list[EvalTask]] = {}
+    for t in tasks:  # one pipeline (one model load) per sample limit
+        by_limit.setdefault(t.limit, []).append(t)
     results = {}
-    for t in tasks:  # one pipeline per task: each has its own sample limit
+    for limit, group in by_limit.items():
         params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module),
-                                    max_samples=t.limit)
+                                    max_samples=limit)
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
-        where = where or Placement("cpu", bf16=False)
         config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype=where.dtype,
                                          device=where.device)
-        pipeline = Pipeline(tasks=_pipeline_task(t), pipeline_parameters=params,
-                            evaluation_tracker=tracker, model_config=config)
+        names = {_pipeline_task(t): t.key for t in group}
+        pipeline = Pipeline(tasks=",".join(names), pipeline_parameters=params, evaluation_tracker=tracker,
+                            model_config=config)
         try:
             pipeline.evaluate()
         except RuntimeError as exc:
             if "must match the size of tensor" not in str(exc):
                 raise
-            raise RuntimeError(f"{t.key} on {model_dir}: lighteval cannot score an answer longer than the "
-                               f"model's context ({_context_length(model_dir)} tokens): evaluate this benchmark "
-                               "on a model with a longer context, or in multiple-choice form (mcf)") from exc
+            raise RuntimeError(f"{', '.join(names.values())} on {model_dir}: lighteval cannot score an answer longer "
+                               f"than the model's context ({_context_length(model_dir)} tokens): evaluate these "
+                               "benchmarks on a model with a longer context, or in multiple-choice form (mcf)") from exc
+        by_task = {_task_and_shots(k): v for k, v in names.items()}
         for key, metrics in pipeline.get_results()["results"].items():
-            if key != "all":
-                results[t.key] = metrics
+            if key == "all":
+                continue
+            if _task_and_shots(key) not in by_task:
+                raise RuntimeError(f"lighteval returned results for '{key}', none of the tasks asked for: "
+                                   f"{', '.join(names)}")
+            results[by_task[_task_and_shots(key)]] = metrics
     return results, provenance
+
+
+def _task_and_shots(key: str) -> tuple[str, str]:
+    """(task, few-shot count) of a lighteval task key, in any of the spellings lighteval uses for it:
+    `task|5`, `suite|task|5`, `task:5` (its results)."""
+    match = re.fullmatch(r"(?:.*\|)?(.+?)[|:](\d+)", key)
+    return (match.group(1), match.group(2)) if match else (key, "")
 
 
 def _context_length(model_dir: Path) -> int | None:
@@ -262,5 +279,5 @@ def _shown(values: dict[str, Any]) -> str:
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
 KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", uses_accelerator=True,
-                tags=("evaluation",), preflight=preflight)
+                imports=TRANSFORMERS, tags=("evaluation",), preflight=preflight)
 STEP_KINDS = (KIND,)

@@ -82,8 +82,9 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
         provenance = {"kind": "local", "path": str(path)}
     files = _select(fs, base.rstrip("/"), cfg.include, cfg.exclude)
     if not files:
-        raise ValueError(f"source {ctx.name}: no files under {base} match include={cfg.include} "
-                         f"exclude={cfg.exclude}")
+        where = cfg.uri if uri.scheme == "s3" else base
+        raise ValueError(f"source {ctx.name}: no files under {where} match include={cfg.include} "
+                         f"exclude={cfg.exclude} (check the URI and the include patterns)")
     ctx.log.info("ingest %s: %d files under %s", ctx.name, len(files), base)
     docs_dir = ctx.out / "documents"
     docs_dir.mkdir()

@@ -14,7 +14,7 @@ from compass.model.job import StageRecipe
 from compass.specs.architecture import Architecture
 from compass.specs.training import LongContextStage, Monitors, Optimizer, PretrainStage, Schedule, Yarn
 from compass.tasks.base import StepContext, StepResult
-from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import data_inputs
 from compass.tasks.training import build_job, train_and_export
 
@@ -97,5 +97,5 @@ def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
 
 # 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2); 3: the training core of pretrain 2
 KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="3", uses_accelerator=True,
-                produces_model=True, tags=("training",))
+                imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

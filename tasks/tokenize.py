@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from compass.tasks.base import StepContext, StepResult
-from compass.tasks.steps import EmptyConfig, PlanBuilder, StepKind
+from compass.tasks.steps import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
 from compass.tasks.tokenizer import STEP_ID as TOKENIZER
 from compass.tasks.tokenizer import tokenizer_ids
 
@@ -70,5 +70,6 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     return StepResult(metrics=metrics, summary=summary)
 
 
-KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="1", tags=("data",))
+KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="1", tags=("data",),
+                imports=TRANSFORMERS)
 STEP_KINDS = (KIND,)

@@ -17,7 +17,7 @@ from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
 from compass.specs.tokenizer import HubCandidate, Tokenizer
 from compass.tasks.base import StepContext, StepResult
-from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 
 STEP_ID = "tokenizer:select"
 _CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
@@ -264,5 +264,5 @@ def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
 
 
 KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="1", tags=("tokenizer",),
-                preflight=preflight)
+                imports=TRANSFORMERS, preflight=preflight)
 STEP_KINDS = (KIND,)

@@ -69,10 +69,6 @@ def _single_rank_env(fresh_port: bool) -> Iterator[None]:
 
 def run_training(job: TrainJob, log) -> dict[str, Any]:
     """Run the trainer on the job: in-process for one rank, launched (torchrun or DeepSpeed) for several."""
-    par = job.parallelism
-    if par.tensor_parallel > 1:
-        raise NotImplementedError("tensor parallel training is planned and costed but not executed by this "
-                                  "version; use data parallelism (with ZeRO) for now")
     workdir = job.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = workdir / "job.json"
@@ -188,7 +184,8 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
     metrics = {"steps": result["steps"], "tokens": result["tokens"], "first_loss": first, "final_loss": last,
                "val_loss": result["val_loss"], "tokens_per_s": mean_tps,
                "mfu": sum(r["mfu"] for r in rows) / len(rows), "resumed_from": result["resumed_from"],
-               "checkpoints": [p.name for p in kept], "monitor_events": result.get("events", [])}
+               "checkpoints": [p.name for p in kept], "monitor_events": result.get("events", []),
+               "parallel": result.get("rank_check", ""), "setup": result.get("setup", {})}
     val = ", ".join(f"{k} {v:.3f}" for k, v in result["val_loss"].items())
     summary = (f"### {label} `{ctx.name}`\n\n{result['steps']} steps, {result['tokens']:,} tokens; "
                f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s")

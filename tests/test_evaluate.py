@@ -124,11 +124,12 @@ def test_new_benchmarks_run_through_lighteval(evaluated, tmp_path: Path):
     forms = ["cf", "mcf", "cf", "mcf", "cf", "mcf", "cf"]  # one each: both forms are checked above without a model
     suite = {"tasks": [{"name": n, "formulation": f, "fewshot": 0, "limit": 8}
                        for n, f in zip(names, forms, strict=True)]}
+    suite["tasks"].append({"name": "mmlu", "formulation": "mcf", "fewshot": 5, "limit": 4})  # lighteval: "mmlu_mcf:5"
     model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
     metrics, rows, provenance = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
-    assert set(metrics) == {f"{n}:{f}/acc" for n, f in zip(names, forms, strict=True)}
+    assert set(metrics) == {f"{n}:{f}/acc" for n, f in zip([*names, "mmlu"], [*forms, "mcf"], strict=True)}
     assert all(0 <= v <= 1 for v in metrics.values())
-    assert [p["benchmark"] for p in provenance] == names
+    assert [p["benchmark"] for p in provenance] == [*names, "mmlu"]
 
 
 def _longer_context_copy(model_dir: Path, target: Path, positions: int = 1024) -> Path:
