@@ -15,6 +15,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
+from compass.specs import yaml_limits
 from compass.specs.base import Issue, Loc
 from compass.specs.spec import TrainingSpec
 
@@ -74,6 +75,9 @@ def spec_hash(spec: TrainingSpec) -> str:
 def load_spec(path: str | Path) -> LoadedSpec:
     p = Path(path)
     try:
+        too_big = yaml_limits.size_problem(p.stat().st_size)
+        if too_big:
+            raise SpecError([SpecProblem(str(path), 1, "<spec>", too_big.message, too_big.hint)])
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecError([SpecProblem(str(path), 1, "", "file not found", "check the path")]) from None
@@ -102,6 +106,9 @@ def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = 
 
 
 def _parse_yaml(text: str, filename: str) -> Any:
+    problem = yaml_limits.size_problem(len(text.encode("utf-8", errors="replace"))) or yaml_limits.scan(text)
+    if problem:
+        raise SpecError([SpecProblem(filename, problem.line + 1, "<yaml>", problem.message, problem.hint)])
     yaml = YAML(typ="rt")
     yaml.allow_duplicate_keys = False
     try:
