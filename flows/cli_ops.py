@@ -7,6 +7,7 @@ import ipaddress
 import json
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +18,7 @@ from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, err, load, out
 
 ops = typer.Typer()
 LOOPBACK_NAMES = {"localhost"}
+MIN_PASSWORD = 12  # basic auth is all that guards an exposed server
 
 
 def _is_loopback(host: str) -> bool:
@@ -49,14 +51,29 @@ def server(host: Annotated[str, typer.Option(help="Address to listen on.")] = "1
                   "PREFECT_SERVER_API_AUTH_STRING='user:password' here and PREFECT_API_AUTH_STRING to the "
                   "same value on every client and worker", markup=False)
         raise typer.Exit(EXIT_BAD_INPUT)
+    weak = _weak_auth(env.get("PREFECT_SERVER_API_AUTH_STRING", ""))
+    if not _is_loopback(host) and weak:
+        err.print(f"refusing to listen on {host}: PREFECT_SERVER_API_AUTH_STRING {weak}", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    env.setdefault("PREFECT_SERVER_UI_API_URL", f"http://{host}:{port}/api")  # the UI calls the API here
+    reachable = socket.getfqdn() if host in ("0.0.0.0", "::") else host  # a browser elsewhere cannot call 0.0.0.0
+    env.setdefault("PREFECT_SERVER_UI_API_URL", f"http://{reachable}:{port}/api")  # the UI calls the API here
     env.setdefault("DO_NOT_TRACK", "1")
     out.print(f"Prefect server on http://{host}:{port} (UI); clients: "
               f"export PREFECT_API_URL=http://{host}:{port}/api")
     sys.stdout.flush()
     prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
     os.execvpe(prefect, [prefect, "server", "start", "--host", host, "--port", str(port)], env)
+
+def _weak_auth(auth: str) -> str:
+    """Why a basic-auth string guards an exposed server badly ('' when it is fine)."""
+    user, _, password = auth.partition(":")
+    if not user or not password:
+        return "must be 'user:password'"
+    if len(password) < MIN_PASSWORD:
+        return f"has a password of {len(password)} characters: use at least {MIN_PASSWORD}"
+    return ""
+
 
 @ops.command()
 def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")] = "compass") -> None:

@@ -21,7 +21,11 @@ def prepare_environment(home: Path | None = None) -> None:
     for key, value in OFFLINE.items():
         os.environ.setdefault(key, value)
     base = home or Path.cwd() / ".compass"
-    os.environ.setdefault("PREFECT_HOME", str(base / "prefect"))
+    if "PREFECT_HOME" not in os.environ:  # its database holds every spec's text: readable by this user only
+        private = base / "prefect"
+        private.mkdir(parents=True, exist_ok=True)
+        private.chmod(0o700)
+        os.environ["PREFECT_HOME"] = str(private)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

@@ -45,7 +45,7 @@ class Store:
 
     def _path(self, uri: str) -> str:
         """fsspec path (no protocol) of a URI inside this store."""
-        if not uri.startswith(self.root):
+        if uri != self.root and not uri.startswith(self.root.rstrip("/") + "/"):  # /store-old is not in /store
             raise ValueError(f"{uri} is not inside the store {self.root}")
         return self.root_path + uri[len(self.root):]
 

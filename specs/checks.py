@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from compass.specs.architecture import Architecture
 from compass.specs.base import Issue, Loc
 from compass.specs.sources import SourceUriError, parse_source_uri
 from compass.specs.spec import TrainingSpec
+
+HOST = re.compile(r"[A-Za-z0-9_[][A-Za-z0-9._@:\[\]-]{0,252}")
 
 
 def check_spec(spec: TrainingSpec) -> list[Issue]:
@@ -102,6 +105,16 @@ def _sources(spec: TrainingSpec) -> Iterator[Issue]:
         yield from _unused(src, "text_key", at, src.format in ("jsonl", "parquet"),
                            "only jsonl and parquet records have keys")
         yield from _unused(src, "section_chars", at, src.split == "sections", "only split: sections cuts sections")
+        for field in ("include", "exclude"):
+            for j, pattern in enumerate(getattr(src, field)):
+                if _escapes(pattern):
+                    yield Issue((*at, field, j), f"pattern '{pattern}' reaches outside the source's folder",
+                                "patterns are relative to the source: no leading '/', no '..' segments")
+
+
+def _escapes(path: str) -> bool:
+    """Whether a path relative to a root could leave it (absolute, or a '..' segment)."""
+    return path.startswith(("/", "\\", "~")) or ".." in path.replace("\\", "/").split("/")
 
 
 def _mixture(mixture: dict[str, float], loc: Loc, source_names: set[str]) -> Iterator[Issue]:
@@ -288,6 +301,11 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
         yield Issue(("how", "parallelism", "zero_stage"), "ZeRO needs deepspeed: true",
                     "set deepspeed: true or zero_stage: 0")
     hw = how.hardware
+    for i, host in enumerate(hw.hosts):
+        if not HOST.fullmatch(host):
+            yield Issue(("how", "hardware", "hosts", i), f"{host!r} is not a host name or address",
+                        "letters, digits and . - _ : @ (user@host), not starting with '-': it reaches ssh's command "
+                        "line and DeepSpeed's hostfile")
     if hw.hosts and len(hw.hosts) != hw.nodes:
         yield Issue(("how", "hardware", "hosts"), f"{len(hw.hosts)} hosts for nodes={hw.nodes}",
                     "list one address per node, the rendezvous host first")

@@ -48,7 +48,11 @@ def parse_source_uri(uri: str) -> SourceUri:
             raise SourceUriError(f"'{uri}' does not pin a version", f"write {uri}==VERSION so the data cannot drift")
         return SourceUri("pypi", package=m["pkg"], version=m["ver"])
     if uri.startswith("stdlib://"):
-        return SourceUri("stdlib", path=uri.removeprefix("stdlib://"))
+        path = uri.removeprefix("stdlib://")
+        if path.startswith("/") or ".." in path.split("/"):
+            raise SourceUriError(f"'{uri}' reaches outside the standard library",
+                                 "name a folder inside it, e.g. stdlib://json (no '..', no leading '/')")
+        return SourceUri("stdlib", path=path)
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
         raise SourceUriError(f"unsupported scheme '{scheme}://'", "use a local path, s3://, deb://, pypi:// or stdlib://")

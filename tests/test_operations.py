@@ -41,6 +41,21 @@ def test_server_refuses_to_listen_beyond_loopback_without_auth(tmp_path: Path):
     cli = Cli(tmp_path, base_env(tmp_path / "home"))
     done = cli("server", "--host", "0.0.0.0", check=False)
     assert done.returncode == 2 and "PREFECT_SERVER_API_AUTH_STRING" in done.stderr
+    for weak, why in (("x", "must be 'user:password'"), ("admin:secret", "password of 6 characters")):
+        cli = Cli(tmp_path, base_env(tmp_path / "home") | {"PREFECT_SERVER_API_AUTH_STRING": weak})
+        done = cli("server", "--host", "0.0.0.0", check=False)
+        assert done.returncode == 2 and why in done.stderr, done.stderr
+
+
+def test_the_prefect_home_compass_creates_is_private(tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
+    subprocess.run([sys.executable, "-c", "from compass.infra.environment import prepare_environment as p; p()"],
+                   cwd=tmp_path, env=env, check=True)
+    assert (tmp_path / ".compass" / "prefect").stat().st_mode & 0o777 == 0o700  # its database holds spec texts
 
 
 def test_server_with_basic_auth_refuses_clients_without_it(tmp_path: Path):

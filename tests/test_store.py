@@ -133,3 +133,10 @@ def test_lineage_walks_manifests_to_the_source(tmp_path: Path):
     assert tree["inputs"][0]["provenance"] == [{"kind": "pypi", "package": "p"}]
     with pytest.raises(LineageError):
         lineage(str(tmp_path / "nowhere"))
+
+
+def test_a_sibling_folder_with_the_store_as_prefix_is_not_inside_it(tmp_path: Path):
+    store = Store(str(tmp_path / "store"))
+    assert store.is_committed(store.uri("curate", "web", "a" * 64)) is False
+    with pytest.raises(ValueError, match="is not inside the store"):
+        store.is_committed(str(tmp_path / "store-old" / "curate" / "web-aaaa"))
