@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compass.flows.compiler import Plan
+from compass.infra import verify
 from compass.infra.locks import step_lock
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, artifact_folder
@@ -60,8 +61,13 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
     store = ctx.store
     uri = step_uri(ctx, step)
     if store.is_committed(uri):
-        log.info("%s is cached at %s", step.id, uri)
-        return StepOutcome(step.id, uri, False, store.read_manifest(uri))
+        damaged = verify.damage(store, uri)
+        if not damaged:
+            log.info("%s is cached at %s", step.id, uri)
+            return StepOutcome(step.id, uri, False, store.read_manifest(uri))
+        where = verify.set_aside(store, uri)
+        log.warning("%s at %s was altered after its commit (%s%s): set aside at %s; running it again", step.id,
+                    uri, "; ".join(damaged[:3]), f"; {len(damaged) - 3} more" if len(damaged) > 3 else "", where)
     key = artifact_folder(step.kind, step.name, ctx.plan.fingerprints[step.id])
     kind = registry.kind(step.kind)
     with step_lock(store, key, should_stop=lambda: store.is_committed(uri)) as held:
@@ -96,6 +102,7 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
                 provenance=result.provenance,
             )
             manifest = store.commit(out, manifest)
+            verify.stamp(store, manifest)
         shutil.rmtree(workdir, ignore_errors=True)  # committed: checkpoints of the attempt are no longer needed
         if store.is_remote:
             from compass.infra.checkpoint_mirror import CheckpointMirror

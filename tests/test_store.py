@@ -140,3 +140,67 @@ def test_a_sibling_folder_with_the_store_as_prefix_is_not_inside_it(tmp_path: Pa
     assert store.is_committed(store.uri("curate", "web", "a" * 64)) is False
     with pytest.raises(ValueError, match="is not inside the store"):
         store.is_committed(str(tmp_path / "store-old" / "curate" / "web-aaaa"))
+
+
+def _commit(store: Store, name: str, files: dict[str, str]) -> Manifest:
+    from compass.infra import verify
+
+    with store.staging() as out:
+        for rel, text in files.items():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_text(text)
+        manifest = store.commit(out, manifest_for(store, "tokenize", name, name[0] * 64))
+    verify.stamp(store, manifest)
+    return manifest
+
+
+@pytest.mark.parametrize("how", ["flip a byte", "truncate", "replace with other data", "add a shard", "delete"])
+def test_an_altered_artifact_is_damaged_and_set_aside(tmp_path: Path, how: str):
+    import os
+
+    from compass.infra import verify
+
+    store = Store(str(tmp_path / "store"))
+    m = _commit(store, "web", {"train/0.tokens": "abcdef" * 100, "train/1.tokens": "ghijkl" * 100})
+    assert verify.damage(store, m.uri) == []
+    shard = Path(m.uri) / "train" / "0.tokens"
+    if how == "flip a byte":  # same size; the mtime moves on as any write moves it (here at least by 1 ns)
+        data = bytearray(shard.read_bytes())
+        data[10] ^= 1
+        stat = shard.stat()
+        shard.write_bytes(bytes(data))
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    elif how == "truncate":
+        shard.write_text("abc")
+    elif how == "replace with other data":
+        shard.write_text("zyxwvu" * 100)
+    elif how == "add a shard":
+        (shard.parent / "2.tokens").write_text("more")
+    else:
+        shard.unlink()
+    problems = verify.damage(store, m.uri)
+    why = {"flip a byte": "contents changed", "truncate": "3 bytes, committed with 600", "delete": "missing",
+           "replace with other data": "contents changed", "add a shard": "2.tokens: not part of the committed"}[how]
+    assert len(problems) == 1 and why in problems[0], problems
+    where = Path(verify.set_aside(store, m.uri))
+    assert not store.is_committed(m.uri) and (where / "train").is_dir()  # kept for inspection, no longer cached
+
+
+def test_a_damaged_cached_step_runs_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    calls = []
+
+    def step_fn(ctx):
+        calls.append(ctx.name)
+        (ctx.out / "result.txt").write_text("done")
+        return StepResult(metrics={"n": 1})
+
+    monkeypatch.setattr(registry, "_registered", [StepKind("slow", SlowConfig, step_fn, None, version="1")])
+    step = Step("slow", "web", SlowConfig(label="x"))
+    plan = Plan("t", [step], {step.id: fingerprint("slow", step.config.identity(), {}, "1")})
+    ctx = runner.RunContext(plan, Store(str(tmp_path / "store")), "hash", Runtime())
+    first = runner.run_step(ctx, step, logging.getLogger())
+    assert not runner.run_step(ctx, step, logging.getLogger()).executed  # intact: cached, nothing hashed again
+    (Path(first.uri) / "result.txt").write_text("tampered")
+    again = runner.run_step(ctx, step, logging.getLogger())
+    assert again.executed and calls == ["web", "web"]
+    assert (Path(again.uri) / "result.txt").read_text() == "done"

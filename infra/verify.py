@@ -1,0 +1,123 @@
+"""Committed artifacts stay what their manifests say, or they are not reused.
+
+A cached step is only as good as its files: a shard truncated by a full disk, bytes flipped by hand or by a
+bad sector, a shard replaced with other valid data. Before a committed artifact counts as cached, its files are
+compared with the manifest: missing, resized, extra or changed files make it damaged; a damaged artifact is set
+aside (kept for inspection, no longer committed) and its step runs again. Hashing every file every time would
+cost minutes on tens of gigabytes, so each local file's hash is trusted while its (size, mtime, inode) stays the
+one recorded when it was last hashed or committed, as git's index does. On S3 the listing's sizes are checked
+(downloads are hashed anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+from compass.infra.fingerprint import sha256_file
+from compass.infra.manifest import MANIFEST, Manifest
+from compass.infra.store import Store, artifact_folder
+
+STAMPS = ".verified"  # under a local store's root: one JSON per artifact, {path: [size, mtime_ns, inode]}
+SET_ASIDE = ".damaged"
+
+
+def damage(store: Store, uri: str) -> list[str]:
+    """What differs between a committed artifact's files and its manifest (empty: intact)."""
+    manifest = store.read_manifest(uri)
+    if store.is_remote:
+        return _remote_damage(store, uri, manifest)
+    folder = store.local_path(uri)
+    stamps_file = _stamps_file(store, manifest)
+    stamps = _read_stamps(stamps_file)
+    problems: list[str] = []
+    fresh: dict[str, list[int]] = {}
+    for entry in manifest.files:
+        path = folder / entry.path
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            problems.append(f"{entry.path}: missing")
+            continue
+        if st.st_size != entry.size:
+            problems.append(f"{entry.path}: {st.st_size:,} bytes, committed with {entry.size:,}")
+            continue
+        key = [st.st_size, st.st_mtime_ns, st.st_ino]
+        if stamps.get(entry.path) != key and sha256_file(str(path)) != entry.sha256:
+            problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
+            continue
+        fresh[entry.path] = key
+    listed = {e.path for e in manifest.files}
+    problems += [f"{rel}: not part of the committed artifact" for rel in _files(folder) if rel not in listed]
+    if not problems and fresh != stamps:
+        _write_stamps(stamps_file, fresh)
+    return problems
+
+
+def stamp(store: Store, manifest: Manifest) -> None:
+    """Record the files just committed (their hashes were computed for the manifest): later checks only stat."""
+    if store.is_remote:
+        return
+    folder = store.local_path(manifest.uri)
+    stamps = {}
+    for entry in manifest.files:
+        st = (folder / entry.path).stat()
+        stamps[entry.path] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    _write_stamps(_stamps_file(store, manifest), stamps)
+
+
+def set_aside(store: Store, uri: str) -> str:
+    """Make a damaged artifact uncommitted, keeping its files for inspection; returns where they went."""
+    manifest = store.read_manifest(uri)
+    folder = artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)
+    suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    if store.is_remote:  # the files stay and are overwritten by the next commit; the manifest marks the damage
+        target = f"{store.root}/{folder}/{MANIFEST}.damaged-{suffix}"
+        store.fs.mv(f"{store.root_path}/{folder}/{MANIFEST}", target.removeprefix("s3://"))
+        return target
+    target = Path(store.root_path) / SET_ASIDE / f"{folder}-{suffix}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    store.local_path(uri).rename(target)
+    _stamps_file(store, manifest).unlink(missing_ok=True)
+    return str(target)
+
+
+def _remote_damage(store: Store, uri: str, manifest: Manifest) -> list[str]:
+    root = f"{store.root_path}/{artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)}"
+    found = {p[len(root) + 1:]: info.get("size") for p, info in store.fs.find(root, detail=True).items()}
+    problems = []
+    for entry in manifest.files:
+        if entry.path not in found:
+            problems.append(f"{entry.path}: missing")
+        elif found[entry.path] != entry.size:
+            problems.append(f"{entry.path}: {found[entry.path]:,} bytes, committed with {entry.size:,}")
+    listed = {e.path for e in manifest.files} | {MANIFEST}
+    problems += [f"{rel}: not part of the committed artifact" for rel in sorted(found)
+                 if rel not in listed and not rel.startswith(f"{MANIFEST}.damaged-")]
+    return problems
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _stamps_file(store: Store, manifest: Manifest) -> Path:
+    folder = artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)
+    return Path(store.root_path) / STAMPS / f"{folder}.json"
+
+
+def _read_stamps(path: Path) -> dict[str, list[int]]:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _write_stamps(path: Path, stamps: dict[str, list[int]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}")
+    partial.write_text(json.dumps(stamps))
+    partial.replace(path)  # atomic: two runs checking the same artifact never read half a file
