@@ -89,6 +89,14 @@ def test_lock_excludes_a_second_holder_and_stale_locks_are_taken_over(tmp_path: 
     third.release()
 
 
+def one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fn) -> tuple[runner.RunContext, Step]:
+    """A plan of one step of a kind registered for the test, and a run context on a local store."""
+    monkeypatch.setattr(registry, "_registered", [StepKind("slow", SlowConfig, fn, None, version="1")])
+    step = Step("slow", "web", SlowConfig(label="x"))
+    plan = Plan("t", [step], {step.id: fingerprint("slow", step.config.identity(), {}, "1")})
+    return runner.RunContext(plan, Store(str(tmp_path / "store")), "hash", Runtime()), step
+
+
 def test_two_runs_compute_one_step_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     calls = []
 
@@ -98,10 +106,7 @@ def test_two_runs_compute_one_step_once(tmp_path: Path, monkeypatch: pytest.Monk
         (ctx.out / "result.txt").write_text("done")
         return StepResult(metrics={"n": 1})
 
-    monkeypatch.setattr(registry, "_registered", [StepKind("slow", SlowConfig, slow_step, None, version="1")])
-    step = Step("slow", "web", SlowConfig(label="x"))
-    plan = Plan("t", [step], {step.id: fingerprint("slow", step.config.identity(), {}, "1")})
-    ctx = runner.RunContext(plan, Store(str(tmp_path / "store")), "hash", Runtime())
+    ctx, step = one_step(tmp_path, monkeypatch, slow_step)
     outcomes = []
     threads = [threading.Thread(target=lambda: outcomes.append(runner.run_step(ctx, step, logging.getLogger())))
                for _ in range(2)]
@@ -194,10 +199,7 @@ def test_a_damaged_cached_step_runs_again(tmp_path: Path, monkeypatch: pytest.Mo
         (ctx.out / "result.txt").write_text("done")
         return StepResult(metrics={"n": 1})
 
-    monkeypatch.setattr(registry, "_registered", [StepKind("slow", SlowConfig, step_fn, None, version="1")])
-    step = Step("slow", "web", SlowConfig(label="x"))
-    plan = Plan("t", [step], {step.id: fingerprint("slow", step.config.identity(), {}, "1")})
-    ctx = runner.RunContext(plan, Store(str(tmp_path / "store")), "hash", Runtime())
+    ctx, step = one_step(tmp_path, monkeypatch, step_fn)
     first = runner.run_step(ctx, step, logging.getLogger())
     assert not runner.run_step(ctx, step, logging.getLogger()).executed  # intact: cached, nothing hashed again
     (Path(first.uri) / "result.txt").write_text("tampered")
