@@ -70,7 +70,11 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
                     uri, "; ".join(damaged[:3]), f"; {len(damaged) - 3} more" if len(damaged) > 3 else "", where)
     key = artifact_folder(step.kind, step.name, ctx.plan.fingerprints[step.id])
     kind = registry.kind(step.kind)
-    with step_lock(store, key, should_stop=lambda: store.is_committed(uri)) as held:
+    def waiting(holder: dict) -> None:
+        log.info("%s is being computed by another run (%s pid %s): waiting for it", step.id, holder.get("host"),
+                 holder.get("pid"))
+
+    with step_lock(store, key, should_stop=lambda: store.is_committed(uri), on_wait=waiting) as held:
         if not held or store.is_committed(uri):  # another run committed it while we waited
             log.info("%s was committed by another run", step.id)
             return StepOutcome(step.id, uri, False, store.read_manifest(uri))

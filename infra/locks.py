@@ -22,8 +22,10 @@ class StepLock:
     """Held while a step computes. The holder rewrites the lock file every `heartbeat_s`; a lock whose
     heartbeat is older than `stale_after_s` belongs to a dead process and is taken over."""
 
-    def __init__(self, store: Store, key: str, heartbeat_s: float = 5.0, stale_after_s: float = 60.0):
+    def __init__(self, store: Store, key: str, heartbeat_s: float = 5.0, stale_after_s: float = 60.0,
+                 on_wait: Callable[[dict], None] = lambda holder: None):
         self.store = store
+        self.on_wait = on_wait  # told once, when the lock is found held by a live process
         self.path = f"{store.root_path}/.locks/{key}.lock"
         self.token = uuid.uuid4().hex
         self.heartbeat_s = heartbeat_s
@@ -33,7 +35,7 @@ class StepLock:
 
     def _body(self) -> str:
         return json.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                           "heartbeat": time.time()})
+                           "started": _process_start(os.getpid()), "heartbeat": time.time()})
 
     def _read(self) -> dict | None:
         try:
@@ -75,6 +77,7 @@ class StepLock:
     def acquire(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Take the lock; returns False if `should_stop()` turned true while waiting (e.g. step committed)."""
         deadline = time.monotonic() + timeout_s
+        waited = False
         while True:
             if self._try_create():
                 self._start_heartbeat()
@@ -88,9 +91,12 @@ class StepLock:
                 else:
                     time.sleep(0.05)
                 continue
-            if time.time() - holder.get("heartbeat", 0) > self.stale_after_s:
-                self._break_stale(holder)
+            if time.time() - holder.get("heartbeat", 0) > self.stale_after_s or _dead_here(holder):
+                self._break_stale(holder)  # a dead holder on this machine is known at once: no heartbeat wait
                 continue
+            if not waited:
+                waited = True
+                self.on_wait(holder)
             if time.monotonic() > deadline:
                 raise LockTimeout(f"{self.path} is held by {holder.get('host')} pid {holder.get('pid')}")
             time.sleep(min(1.0, self.heartbeat_s))
@@ -128,11 +134,29 @@ class StepLock:
             self.store.fs.rm(self.path)
 
 
+def _process_start(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _dead_here(holder: dict) -> bool:
+    """Whether the holder ran on this machine and its process is gone (a reused PID has another start time)."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    started = _process_start(holder["pid"])
+    return started is None or (holder.get("started") is not None and abs(started - holder["started"]) > 1e-3)
+
+
 @contextmanager
 def step_lock(store: Store, key: str, timeout_s: float = 24 * 3600,
-              should_stop: Callable[[], bool] = lambda: False) -> Iterator[bool]:
+              should_stop: Callable[[], bool] = lambda: False,
+              on_wait: Callable[[dict], None] = lambda holder: None) -> Iterator[bool]:
     """Yields True when this process holds the lock, False when `should_stop` made waiting pointless."""
-    lock = StepLock(store, key)
+    lock = StepLock(store, key, on_wait=on_wait)
     held = lock.acquire(timeout_s, should_stop)
     try:
         yield held

@@ -89,6 +89,33 @@ def test_lock_excludes_a_second_holder_and_stale_locks_are_taken_over(tmp_path: 
     third.release()
 
 
+def test_a_lock_of_a_killed_process_on_this_machine_is_taken_at_once(tmp_path: Path):
+    """kill -9 leaves a lock with a fresh heartbeat: the next run must not sit out the stale timeout."""
+    import subprocess
+    import sys
+
+    store = Store(str(tmp_path / "store"))
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from compass.infra.locks import StepLock
+from compass.infra.store import Store
+assert StepLock(Store({str(tmp_path / 'store')!r}), "curate/web-3").acquire(timeout_s=5)
+print("held", flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    waits: list[dict] = []
+    alive = StepLock(store, "curate/web-3", stale_after_s=600, on_wait=waits.append)
+    with pytest.raises(TimeoutError):
+        alive.acquire(timeout_s=0.5)  # a live holder is waited for, and said so
+    assert waits and waits[0]["pid"] == holder.pid
+    holder.kill()
+    holder.wait()
+    fresh = StepLock(store, "curate/web-3", stale_after_s=600)
+    assert fresh.acquire(timeout_s=2)  # the heartbeat is seconds old, but its process is gone
+    fresh.release()
+
+
 def one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fn) -> tuple[runner.RunContext, Step]:
     """A plan of one step of a kind registered for the test, and a run context on a local store."""
     monkeypatch.setattr(registry, "_registered", [StepKind("slow", SlowConfig, fn, None, version="1")])
