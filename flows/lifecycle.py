@@ -23,10 +23,11 @@ from compass.flows.plan_status import plan_status
 from compass.flows.preflight import check, smoke_of
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
 from compass.infra.credentials import apply_credentials_block
+from compass.infra.errors import DataError
 from compass.infra.interrupt import stop_run
 from compass.infra.store import Store
 from compass.specs.how import Orchestration
-from compass.specs.loader import load_spec_text
+from compass.specs.loader import SpecError, load_spec_text
 from compass.tasks import registry
 from compass.tasks.base import Runtime
 from compass.tasks.steps import GPU_TAG, Step
@@ -87,9 +88,15 @@ def _with_options(step: Step, orch: Orchestration, spec_name: str):
     timeout = orch.step_timeouts.get(step.kind, orch.timeout_seconds)
     return execute_step.with_options(
         name=f"{step.kind}", task_run_name=step.id, retries=orch.retries,
-        retry_delay_seconds=orch.retry_delay_seconds, timeout_seconds=timeout,
+        retry_delay_seconds=orch.retry_delay_seconds, timeout_seconds=timeout, retry_condition_fn=worth_retrying,
         tags=[f"compass:{step.kind}", *step.tags, f"spec:{spec_name}"],
     )
+
+
+def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """Retries are for faults (a killed process, a server that went away), not for wrong data or a wrong spec,
+    which fail the same way every time: those end the step at once, with their message."""
+    return not isinstance(state.data, (DataError, SpecError))
 
 
 def _placement(runtime: Runtime, step: Step):

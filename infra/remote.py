@@ -15,8 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from compass.infra.errors import DataError
 
-class RemoteMissing(FileNotFoundError):
+
+class RemoteMissing(FileNotFoundError, DataError):
     """A URI with nothing under it."""
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from compass.infra.errors import DataError, MalformedData
 from compass.infra.packages import fetch_package
 from compass.specs.base import Issue
 from compass.specs.sources import parse_source_uri
@@ -83,7 +84,7 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     files = _select(fs, base.rstrip("/"), cfg.include, cfg.exclude)
     if not files:
         where = cfg.uri if uri.scheme == "s3" else base
-        raise ValueError(f"source {ctx.name}: no files under {where} match include={cfg.include} "
+        raise DataError(f"source {ctx.name}: no files under {where} match include={cfg.include} "
                          f"exclude={cfg.exclude} (check the URI and the include patterns)")
     ctx.log.info("ingest %s: %d files under %s", ctx.name, len(files), base)
     docs_dir = ctx.out / "documents"
@@ -92,7 +93,8 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     shard: list[str] = []
     shard_id = 0
     limit = cfg.max_documents
-    for doc in _documents(fs, base, files, cfg, ctx.name):
+    skipped: dict[str, str] = {}
+    for doc in _documents(fs, base, files, cfg, ctx.name, skipped):
         shard.append(json.dumps(doc, ensure_ascii=False))
         n_docs += 1
         n_chars += len(doc["text"])
@@ -103,10 +105,15 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
             break
     if shard:
         _write_shard(docs_dir, shard_id, shard)
+    if skipped:
+        ctx.log.warning("ingest %s: skipped %d of %d files that are not text: %s", ctx.name, len(skipped),
+                        len(files), "; ".join(f"{k} ({v})" for k, v in list(skipped.items())[:5]))
     if n_docs == 0:
-        raise ValueError(f"source {ctx.name}: {len(files)} files matched but none held text")
+        raise DataError(f"source {ctx.name}: {len(files)} files matched but none held text"
+                        + (f" ({len(skipped)} skipped as binary or not UTF-8)" if skipped else ""))
     provenance |= {"files": len(files)}
-    metrics = {"files": len(files), "documents": n_docs, "characters": n_chars, "shards": shard_id + bool(shard)}
+    metrics = {"files": len(files), "documents": n_docs, "characters": n_chars, "shards": shard_id + bool(shard),
+               "skipped_files": len(skipped), "skipped": dict(list(skipped.items())[:20])}
     summary = (f"### ingest `{ctx.name}`\n\n{cfg.uri} -> {n_docs:,} documents, {n_chars:,} characters "
                f"from {len(files):,} files\n\nprovenance: `{json.dumps(provenance)}`")
     return StepResult(metrics=metrics, summary=summary, provenance=[provenance])
@@ -133,7 +140,10 @@ def _write_shard(folder: Path, shard_id: int, lines: list[str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def _documents(fs, base: str, files: list[str], cfg: IngestConfig, source: str) -> Iterator[dict]:
+def _documents(fs, base: str, files: list[str], cfg: IngestConfig, source: str,
+               skipped: dict[str, str]) -> Iterator[dict]:
+    """Documents of every file; a binary or non-UTF-8 file of a text format is skipped (noted in `skipped`), a
+    record file that breaks its format is a MalformedData error naming the file and line."""
     meta = {"source": source, "domain": cfg.domain}
     if cfg.language:
         meta["language"] = cfg.language
@@ -144,31 +154,64 @@ def _documents(fs, base: str, files: list[str], cfg: IngestConfig, source: str) 
             raw = gzip.decompress(raw)
         fmt = cfg.format
         if fmt in ("jsonl", "parquet"):
-            for i, text in enumerate(_records(raw, fmt, cfg.text_key)):
+            for i, text in enumerate(_records(raw, fmt, cfg.text_key, f"{cfg.uri.rstrip('/')}/{rel}")):
                 if text.strip():
                     yield {"id": f"{source}/{rel}#{i}", "text": text, "metadata": {**meta, "path": rel}}
+            continue
+        why = _not_text(raw, strict=fmt != "html")  # lxml decodes HTML by its declared charset
+        if why:
+            skipped[rel] = why
             continue
         if fmt == "html":
             parts = _html_sections(raw) if cfg.split == "sections" else [_html_text(raw)]
         elif fmt == "text" and cfg.split == "sections":
-            parts = re.split(r"\n\s*\n", raw.decode("utf-8", errors="replace"))
+            parts = re.split(r"\n\s*\n", raw.decode("utf-8"))
         else:
-            parts = [raw.decode("utf-8", errors="replace")]
+            parts = [raw.decode("utf-8")]
         if cfg.split == "sections":
             parts = _group(parts, cfg.section_chars)
         for i, part in enumerate(p for p in parts if p.strip()):
             yield {"id": f"{source}/{rel}#{i}", "text": part.strip(), "metadata": {**meta, "path": rel}}
 
 
-def _records(raw: bytes, fmt: str, key: str) -> Iterator[str]:
+def _not_text(raw: bytes, strict: bool) -> str:
+    """Why these bytes are not a text document ('' when they are): NUL bytes mean a binary file; a strict
+    format must also be valid UTF-8 (replacing what does not decode turned a binary into 8,000 U+FFFD)."""
+    if b"\0" in raw[:8192]:
+        return "binary: NUL bytes"
+    if strict:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+    return ""
+
+
+def _records(raw: bytes, fmt: str, key: str, where: str) -> Iterator[str]:
     if fmt == "jsonl":
-        for line in raw.decode("utf-8").splitlines():
-            if line.strip():
-                yield str(json.loads(line).get(key, ""))
+        for number, line in enumerate(raw.split(b"\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise MalformedData(f"{where}:{number}: not UTF-8 (byte 0x{line[exc.start]:02x} at column "
+                                    f"{exc.start + 1})") from None
+            except json.JSONDecodeError as exc:
+                raise MalformedData(f"{where}:{number}: not a JSON record: {exc.msg} at column {exc.colno}") from None
+            if not isinstance(record, dict):
+                raise MalformedData(f"{where}:{number}: a JSON {type(record).__name__}, not an object with "
+                                    f"'{key}'")
+            yield str(record.get(key, ""))
     else:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        yield from (str(v) for v in pq.read_table(io.BytesIO(raw), columns=[key]).column(key).to_pylist())
+        try:
+            table = pq.read_table(io.BytesIO(raw), columns=[key])
+        except (pa.ArrowInvalid, KeyError) as exc:
+            raise MalformedData(f"{where}: not a parquet file with a '{key}' column ({exc})") from None
+        yield from (str(v) for v in table.column(key).to_pylist())
 
 
 def _html_tree(raw: bytes):
@@ -216,5 +259,6 @@ def _group(parts: list[str], target: int) -> list[str]:
     return out
 
 
-KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="1", tags=("data",), preflight=preflight)
+# 2: binary and non-UTF-8 files are skipped (they were decoded with U+FFFD replacements)
+KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="2", tags=("data",), preflight=preflight)
 STEP_KINDS = (KIND,)

@@ -67,7 +67,9 @@ def test_an_s3_source_with_no_matching_files_names_its_uri(s3: RestartableS3, tm
                           split="file", section_chars=0, language=None, domain="web", max_documents=None)
     ctx = StepContext("ingest", "web", config, {}, tmp_path / "out", tmp_path, tmp_path,
                       Runtime(how=How()), logging.getLogger("test"))
-    with pytest.raises(ValueError, match=r"no files under s3://data/web match include=\['\*\.parquet'\]"):
+    from compass.infra.errors import DataError
+
+    with pytest.raises(DataError, match=r"no files under s3://data/web match include=\['\*\.parquet'\]"):
         run_ingest(ctx)
 
 

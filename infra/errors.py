@@ -1,0 +1,16 @@
+"""Errors that say the input is wrong, not that something failed on the way.
+
+A retry helps a killed process or a server that went away; it cannot help a malformed JSONL line, a binary
+file where text was promised, or a URI with nothing under it: those fail the same way every time. Such errors
+derive from DataError, and the flow does not spend its retry budget (and the retry delay) on them.
+"""
+
+from __future__ import annotations
+
+
+class DataError(Exception):
+    """The data (or where the spec says it is) is wrong; running again will not change that."""
+
+
+class MalformedData(DataError, ValueError):
+    """A file that is not what its format says, located as precisely as the format allows (file:line)."""

@@ -1,0 +1,82 @@
+"""Bad data is named, not smoothed over or retried: binary and non-UTF-8 files are skipped and counted, a broken
+JSONL line or parquet file is an error with file and line, and such errors do not use the retry budget."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from compass.infra.errors import DataError, MalformedData
+from compass.specs.how import How
+from compass.tasks.base import Runtime, StepContext
+from compass.tasks.ingest import IngestConfig, run_ingest
+
+
+def ingest(folder: Path, tmp_path: Path, fmt: str, include: list[str]):
+    config = IngestConfig(uri=str(folder), include=include, exclude=[], format=fmt, text_key="text", split="file",
+                          section_chars=4000, language=None, domain="web", max_documents=None)
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StepContext("ingest", "web", config, {}, out, tmp_path, tmp_path, Runtime(how=How(), base_dir=tmp_path),
+                      logging.getLogger("test"))
+    return run_ingest(ctx)
+
+
+def test_binary_and_non_utf8_files_are_skipped_and_counted(tmp_path: Path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("A real document about tokenizers, long enough to keep. " * 5)
+    (data / "b.txt").write_bytes(bytes(range(256)) * 40)  # a binary that matched *.txt
+    (data / "c.txt").write_bytes("caf\xe9 au lait, in Latin-1".encode("latin-1"))
+    result = ingest(data, tmp_path, "text", ["*.txt"])
+    assert result.metrics["documents"] == 1 and result.metrics["skipped_files"] == 2
+    assert result.metrics["skipped"] == {"b.txt": "binary: NUL bytes", "c.txt": "not UTF-8: byte 0xe9 at offset 3"}
+    texts = [json.loads(line)["text"] for s in (tmp_path / "out" / "documents").glob("*.jsonl.gz")
+             for line in gzip.decompress(s.read_bytes()).decode().splitlines()]
+    assert not any("\ufffd" in t for t in texts)
+
+
+def test_only_binary_files_is_a_data_error(tmp_path: Path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "b.txt").write_bytes(b"\0\1\2" * 100)
+    with pytest.raises(DataError, match=r"1 files matched but none held text \(1 skipped as binary or not UTF-8\)"):
+        ingest(data, tmp_path, "text", ["*.txt"])
+
+
+@pytest.mark.parametrize(("line", "why"), [
+    ('{"text": "fine"}\n{"text": "broken\n', r"docs.jsonl:2: not a JSON record: Unterminated string"),
+    ('{"text": "fine"}\n["a list"]\n', r"docs.jsonl:2: a JSON list, not an object with 'text'"),
+    (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"docs.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\)"),
+])
+def test_a_malformed_jsonl_line_is_named_with_file_and_line(tmp_path: Path, line, why: str):
+    data = tmp_path / "data"
+    data.mkdir()
+    path = data / "docs.jsonl"
+    path.write_bytes(line if isinstance(line, bytes) else line.encode())
+    with pytest.raises(MalformedData, match=why):
+        ingest(data, tmp_path, "jsonl", ["*.jsonl"])
+
+
+def test_a_file_that_is_not_parquet_is_named(tmp_path: Path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part-0.parquet").write_text("not parquet at all")
+    with pytest.raises(MalformedData, match=r"part-0.parquet: not a parquet file with a 'text' column"):
+        ingest(data, tmp_path, "parquet", ["*.parquet"])
+
+
+def test_data_errors_do_not_use_the_retry_budget():
+    from prefect.states import Failed
+
+    from compass.flows.lifecycle import worth_retrying
+    from compass.infra.remote import RemoteMissing
+
+    assert worth_retrying(None, None, Failed(data=ConnectionResetError("the server went away")))
+    assert worth_retrying(None, None, Failed(data=RuntimeError("training failed on 127.0.0.1 (-9)")))
+    assert not worth_retrying(None, None, Failed(data=MalformedData("docs.jsonl:2: not a JSON record")))
+    assert not worth_retrying(None, None, Failed(data=RemoteMissing("s3://b/x: no objects there")))
