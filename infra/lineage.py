@@ -6,7 +6,7 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from compass.infra.manifest import MANIFEST, Manifest
+from compass.infra.manifest import MANIFEST, Manifest, relocated
 
 
 class LineageError(LookupError):
@@ -23,9 +23,9 @@ def find_manifest(uri: str) -> tuple[str, Manifest]:
     candidate = path
     while candidate and candidate not in ("/", "."):
         if fs.exists(f"{candidate}/{MANIFEST}"):
+            where = protocol + candidate if protocol else candidate
             with fs.open(f"{candidate}/{MANIFEST}", "r") as f:
-                manifest = Manifest.model_validate_json(f.read())
-            return protocol + candidate if protocol else candidate, manifest
+                return where, relocated(Manifest.model_validate_json(f.read()), where)
         if "/" not in candidate.strip("/"):
             break
         candidate = candidate.rsplit("/", 1)[0]

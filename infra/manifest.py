@@ -102,3 +102,15 @@ def code_version() -> str:
 
 def host_facts() -> dict[str, str]:
     return {"host": socket.gethostname(), "python": platform.python_version()}
+
+
+def relocated(manifest: Manifest, where: str) -> Manifest:
+    """The manifest of an artifact found at `where`: a store copied or moved elsewhere (another folder, another
+    bucket) keeps working, with its own URI and its inputs' URIs moved by the same prefix."""
+    if manifest.uri == where:
+        return manifest
+    depth = 2  # <root>/<kind>/<name>-<fp>
+    old_root, new_root = manifest.uri.rsplit("/", depth)[0], where.rstrip("/").rsplit("/", depth)[0]
+    inputs = [ref.model_copy(update={"uri": new_root + ref.uri[len(old_root):]})
+              if ref.uri.startswith(old_root + "/") else ref for ref in manifest.inputs]
+    return manifest.model_copy(update={"uri": where.rstrip("/"), "inputs": inputs})

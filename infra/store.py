@@ -19,7 +19,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from compass.infra.fingerprint import sha256_file
-from compass.infra.manifest import MANIFEST, FileEntry, Manifest
+from compass.infra.manifest import MANIFEST, FileEntry, Manifest, relocated
 
 
 def artifact_folder(kind: str, name: str, fingerprint: str) -> str:
@@ -55,7 +55,7 @@ class Store:
 
     def read_manifest(self, uri: str) -> Manifest:
         with self.fs.open(f"{self._path(uri)}/{MANIFEST}", "r") as f:
-            return Manifest.model_validate_json(f.read())
+            return relocated(Manifest.model_validate_json(f.read()), uri)
 
     def committed_versions(self, kind: str, name: str) -> list[Manifest]:
         """Committed artifacts of one step name (any fingerprint), newest first."""
@@ -66,7 +66,8 @@ class Store:
             if folder[: -13] != name:  # 'name-<12 hex>': reject names that merely start alike
                 continue
             with self.fs.open(path, "r") as f:
-                manifests.append(Manifest.model_validate_json(f.read()))
+                where = self.root + path[len(self.root_path):].removesuffix(f"/{MANIFEST}")
+                manifests.append(relocated(Manifest.model_validate_json(f.read()), where))
         return sorted(manifests, key=lambda m: m.finished_at, reverse=True)
 
     def read_bytes(self, uri: str, relative: str) -> bytes:

@@ -166,6 +166,16 @@ def test_lineage_walks_manifests_to_the_source(tmp_path: Path):
     with pytest.raises(LineageError):
         lineage(str(tmp_path / "nowhere"))
 
+    moved = tmp_path / "elsewhere" / "store"  # a store copied to another path keeps its lineage and its cache
+    moved.parent.mkdir()
+    (tmp_path / "store").rename(moved)
+    there = Store(str(moved))
+    uri = there.uri("curate", "web", "f" * 64)
+    tree = lineage(f"{uri}/train/0.jsonl")
+    assert tree["uri"] == uri and tree["inputs"][0]["uri"] == there.uri("ingest", "web", "e" * 64)
+    assert there.read_manifest(uri).inputs[0].uri.startswith(str(moved))
+    assert there.committed_versions("curate", "web")[0].uri == uri
+
 
 def test_a_sibling_folder_with_the_store_as_prefix_is_not_inside_it(tmp_path: Path):
     store = Store(str(tmp_path / "store"))
