@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -24,6 +26,21 @@ from compass.infra.manifest import MANIFEST, FileEntry, Manifest, relocated
 
 def artifact_folder(kind: str, name: str, fingerprint: str) -> str:
     return f"{kind}/{name}-{fingerprint[:12]}"
+
+
+_STAGED = re.compile(r"step-(?P<pid>\d+)@(?P<host>.*)-[A-Za-z0-9_]+(\.moving)?")
+
+
+def _sweep_staging(base: Path) -> None:
+    """Remove what killed processes of this machine left half-written (their staging folders); a live
+    process's folder, or another machine's, is never touched."""
+    import psutil
+
+    host = socket.gethostname()
+    for folder in base.iterdir():
+        match = _STAGED.fullmatch(folder.name)
+        if match and match["host"] == host and not psutil.pid_exists(int(match["pid"])):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class Store:
@@ -118,7 +135,8 @@ class Store:
         """A fresh local folder to write an artifact into; removed afterwards unless committed (moved)."""
         base = Path(tempfile.gettempdir()) / "compass-staging" if self.is_remote else Path(self.root) / ".staging"
         base.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="step-", dir=base))
+        _sweep_staging(base)
+        folder = Path(tempfile.mkdtemp(prefix=f"step-{os.getpid()}@{socket.gethostname()}-", dir=base))
         try:
             yield folder
         finally:

@@ -243,3 +243,23 @@ def test_a_damaged_cached_step_runs_again(tmp_path: Path, monkeypatch: pytest.Mo
     again = runner.run_step(ctx, step, logging.getLogger())
     assert again.executed and calls == ["web", "web"]
     assert (Path(again.uri) / "result.txt").read_text() == "done"
+
+
+def test_staging_left_by_a_killed_process_is_swept(tmp_path: Path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    store = Store(str(tmp_path / "store"))
+    staging = tmp_path / "store" / ".staging"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    left = staging / f"step-{dead.stdout.strip()}@{host}-abc123"
+    mine = staging / f"step-{os.getpid()}@{host}-def456"  # this process: alive
+    other = staging / f"step-{dead.stdout.strip()}@another-node-ghi789"  # another machine's: not ours to judge
+    for folder in (left, mine, other):
+        (folder / "train").mkdir(parents=True)
+    with store.staging() as out:
+        assert out.parent == staging
+    assert not left.exists() and mine.exists() and other.exists()
