@@ -21,6 +21,9 @@ from compass.tasks.base import StepContext, StepResult
 from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
 
 DOCS_PER_SHARD = 500
+# a document is a page, a file, a book: ~1 MB of text at most. A 100 MB single-line "document" (a dump, a
+# minified bundle) took 8 GB through curation and is no training document; it is skipped and counted.
+MAX_DOCUMENT_CHARS = 2_000_000
 _BLOCKS = {"p", "div", "pre", "li", "tr", "br", "dt", "dd", "table", "h1", "h2", "h3", "h4", "h5", "h6",
            "blockquote", "section", "title"}
 _DROP = ("//script|//style|//nav|//*[contains(@class,'navheader')]|//*[contains(@class,'navfooter')]"
@@ -94,7 +97,11 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     shard_id = 0
     limit = cfg.max_documents
     skipped: dict[str, str] = {}
+    too_long = 0
     for doc in _documents(fs, base, files, cfg, ctx.name, skipped):
+        if len(doc["text"]) > MAX_DOCUMENT_CHARS:
+            too_long += 1
+            continue
         shard.append(json.dumps(doc, ensure_ascii=False))
         n_docs += 1
         n_chars += len(doc["text"])
@@ -105,6 +112,9 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
             break
     if shard:
         _write_shard(docs_dir, shard_id, shard)
+    if too_long:
+        ctx.log.warning("ingest %s: skipped %d documents longer than %d characters", ctx.name, too_long,
+                        MAX_DOCUMENT_CHARS)
     if skipped:
         ctx.log.warning("ingest %s: skipped %d of %d files that are not text: %s", ctx.name, len(skipped),
                         len(files), "; ".join(f"{k} ({v})" for k, v in list(skipped.items())[:5]))
@@ -113,7 +123,8 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
                         + (f" ({len(skipped)} skipped as binary or not UTF-8)" if skipped else ""))
     provenance |= {"files": len(files)}
     metrics = {"files": len(files), "documents": n_docs, "characters": n_chars, "shards": shard_id + bool(shard),
-               "skipped_files": len(skipped), "skipped": dict(list(skipped.items())[:20])}
+               "skipped_files": len(skipped), "skipped": dict(list(skipped.items())[:20]),
+               "skipped_too_long": too_long}
     summary = (f"### ingest `{ctx.name}`\n\n{cfg.uri} -> {n_docs:,} documents, {n_chars:,} characters "
                f"from {len(files):,} files\n\nprovenance: `{json.dumps(provenance)}`")
     return StepResult(metrics=metrics, summary=summary, provenance=[provenance])

@@ -80,3 +80,14 @@ def test_data_errors_do_not_use_the_retry_budget():
     assert worth_retrying(None, None, Failed(data=RuntimeError("training failed on 127.0.0.1 (-9)")))
     assert not worth_retrying(None, None, Failed(data=MalformedData("docs.jsonl:2: not a JSON record")))
     assert not worth_retrying(None, None, Failed(data=RemoteMissing("s3://b/x: no objects there")))
+
+
+def test_a_giant_single_line_document_is_skipped_and_counted(tmp_path: Path):
+    from compass.tasks.ingest import MAX_DOCUMENT_CHARS
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "page.txt").write_text("An ordinary page of text. " * 20)
+    (data / "dump.txt").write_text("x" * (MAX_DOCUMENT_CHARS + 1))
+    result = ingest(data, tmp_path, "text", ["*.txt"])
+    assert result.metrics["documents"] == 1 and result.metrics["skipped_too_long"] == 1
