@@ -149,6 +149,31 @@ def lineage(uri: Annotated[str, typer.Argument(help="Artifact folder, file or ma
     out.print(root)
 
 
+@app.command()
+def verify(store: Annotated[str, typer.Argument(help="Store root (local folder or s3://bucket/prefix).")],
+           set_aside: Annotated[bool, typer.Option("--set-aside", help="Move damaged artifacts aside so their "
+                                                   "steps run again.")] = False,
+           as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Check every committed artifact's files against its manifest; exit 1 when any is damaged."""
+    from compass.infra import verify as check
+    from compass.infra.store import Store
+
+    target = Store(store)
+    report = {uri: check.damage(target, uri) for uri in check.committed(target)}
+    damaged = {uri: problems for uri, problems in report.items() if problems}
+    moved = {uri: check.set_aside(target, uri) for uri in damaged} if set_aside else {}
+    if as_json:
+        print(json.dumps({"checked": len(report), "damaged": damaged, "set_aside": moved}, indent=2))
+    else:
+        for uri, problems in damaged.items():
+            out.print(f"[red]damaged[/red] {uri}" + (f" -> set aside at {moved[uri]}" if uri in moved else ""))
+            for problem in problems:
+                out.print(f"  {problem}", markup=False)
+        out.print(f"{len(report)} artifacts checked, {len(damaged)} damaged")
+    if damaged:
+        raise typer.Exit(1)
+
+
 def _label(node: dict) -> str:
     label = f"[bold]{node['step']}[/bold] [dim]{node['fingerprint'][:12]}[/dim] {node['uri']}"
     for p in node.get("provenance", []):

@@ -58,7 +58,8 @@ class StepLock:
     def _try_create(self) -> bool:
         fs = self.store.fs
         if not self.store.is_remote:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            locks = os.path.dirname(self.path)
+            os.makedirs(locks, mode=0o700, exist_ok=True)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:

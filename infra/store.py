@@ -134,7 +134,7 @@ class Store:
     def staging(self) -> Iterator[Path]:
         """A fresh local folder to write an artifact into; removed afterwards unless committed (moved)."""
         base = Path(tempfile.gettempdir()) / "compass-staging" if self.is_remote else Path(self.root) / ".staging"
-        base.mkdir(parents=True, exist_ok=True)
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)  # half-written artifacts: this user's only
         _sweep_staging(base)
         folder = Path(tempfile.mkdtemp(prefix=f"step-{os.getpid()}@{socket.gethostname()}-", dir=base))
         try:

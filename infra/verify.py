@@ -57,6 +57,16 @@ def damage(store: Store, uri: str) -> list[str]:
     return problems
 
 
+def committed(store: Store) -> list[str]:
+    """Every committed artifact's URI in the store (its <kind>/<name>-<fp> folders holding a manifest)."""
+    uris = []
+    for path in store.fs.glob(f"{store.root_path}/*/*/{MANIFEST}"):
+        relative = path[len(store.root_path):].strip("/").removesuffix(f"/{MANIFEST}")
+        if not any(part.startswith(".") for part in relative.split("/")):  # staging, locks, set aside
+            uris.append(f"{store.root.rstrip('/')}/{relative}")
+    return sorted(uris)
+
+
 def stamp(store: Store, manifest: Manifest) -> None:
     """Record the files just committed (their hashes were computed for the manifest): later checks only stat."""
     if store.is_remote:

@@ -263,3 +263,21 @@ def test_staging_left_by_a_killed_process_is_swept(tmp_path: Path):
     with store.staging() as out:
         assert out.parent == staging
     assert not left.exists() and mine.exists() and other.exists()
+
+
+def test_compass_verify_checks_a_whole_store(tmp_path: Path):
+    import subprocess
+    import sys
+
+    store = Store(str(tmp_path / "store"))
+    good = _commit(store, "web", {"train/0.tokens": "abc" * 10})
+    bad = _commit(store, "code", {"train/0.tokens": "def" * 10})
+    assert good.uri != bad.uri
+    (Path(bad.uri) / "train" / "0.tokens").write_text("truncated")
+    command = [sys.executable, "-m", "compass.flows.cli", "verify", str(tmp_path / "store"), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout)
+    assert done.returncode == 1 and report["checked"] == 2 and list(report["damaged"]) == [bad.uri]
+    done = subprocess.run([*command, "--set-aside"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and not store.is_committed(bad.uri) and store.is_committed(good.uri)
+    assert subprocess.run(command, capture_output=True, timeout=120).returncode == 0  # what is left is intact
