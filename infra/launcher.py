@@ -71,4 +71,4 @@ def _on(host: str, argv: list[str], cwd: Path) -> list[str]:
     (the nodes share the code and the step's work folder at the same paths)."""
     if is_local(host):
         return argv
-    return ["ssh", "-o", "BatchMode=yes", host, f"cd {shlex.quote(str(cwd))} && {shlex.join(argv)}"]
+    return ["ssh", "-o", "BatchMode=yes", "--", host, f"cd {shlex.quote(str(cwd))} && {shlex.join(argv)}"]

@@ -22,8 +22,8 @@ def test_torchrun_gets_one_launcher_per_node_over_ssh(tmp_path: Path):
                        launcher="torchrun", port=29500, python="/venv/bin/python", cwd=Path("/srv/compass"))
     assert plan.hostfile is None and [c.host for c in plan.commands] == ["10.0.0.1", "10.0.0.2"]
     for rank, command in enumerate(plan.commands):
-        ssh, options, batch, host, remote = command.argv
-        assert (ssh, options, batch, host) == ("ssh", "-o", "BatchMode=yes", f"10.0.0.{rank + 1}")
+        ssh, options, batch, end, host, remote = command.argv  # "--": a host can never be read as an option
+        assert (ssh, options, batch, end, host) == ("ssh", "-o", "BatchMode=yes", "--", f"10.0.0.{rank + 1}")
         cd, folder, conj, *argv = shlex.split(remote)
         assert (cd, folder, conj) == ("cd", "/srv/compass", "&&")
         assert argv == ["/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
