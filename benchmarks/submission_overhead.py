@@ -98,7 +98,8 @@ def main() -> None:
         client = env_for(work / "client", api)
         subprocess.run([compass, "deploy"], env=client, cwd=work, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-        worker = subprocess.Popen([compass, "worker"], env=client, cwd=work, stdout=subprocess.DEVNULL,
+        allowed = client | {"COMPASS_ALLOWED_ROOTS": f"{REPO}/tests/fixtures"}  # the spec's local sources
+        worker = subprocess.Popen([compass, "worker"], env=allowed, cwd=work, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(5)  # the worker polls its pool
         for i in range(args.rounds):  # interleaved: baseline, server, submitted, baseline, ...

@@ -15,9 +15,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, as_completed
+from prefect.runtime import deployment
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from compass.flows.compiler import Plan
+from compass.flows.confinement import allowed_roots, outside_roots
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
 from compass.flows.preflight import check, smoke_of
@@ -190,6 +192,10 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     full = checked.plan
     plan = full.up_to(until) if until else full
     store = Store(store_root or resolve_root(spec.how.storage.root))
+    if deployment.id:  # submitted to a shared worker: read local files only under its allowed roots
+        outside = list(outside_roots(spec, base, allowed_roots(base, store.root)))
+        if outside:
+            raise SpecError(loaded.problems(outside))
     statuses = plan_status(full, store)
     create_markdown_artifact(
         key=artifact_key(spec.name, "plan"),
