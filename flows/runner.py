@@ -5,6 +5,7 @@ Plain Python (no Prefect), so the Prefect task stays a thin wrapper and the logi
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from compass.flows.compiler import Plan
 from compass.infra import verify
+from compass.infra.errors import DiskFull
 from compass.infra.locks import step_lock
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, artifact_folder
@@ -51,6 +53,21 @@ def _default_grad_mode() -> Iterator[None]:
 
     with torch.enable_grad():
         yield
+
+
+@contextmanager
+def _disk_full_named(step_id: str, where: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        path = Path(exc.filename) if exc.filename else where
+        probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+        free = shutil.disk_usage(probe).free
+        raise DiskFull(errno.ENOSPC, f"{step_id}: no space left on the device of {path} ({free / 2**20:,.0f} MiB "
+                       "free there): free space, or move how.storage.root (and TMPDIR for S3 stores) to a larger "
+                       "disk; the step resumes from its last checkpoint") from None
 
 
 def step_uri(ctx: RunContext, step: Step) -> str:
@@ -91,7 +108,7 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             workdir = store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
             sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,
                                log, store=store, work_key=key)
-            with _default_grad_mode():
+            with _default_grad_mode(), _disk_full_named(step.id, out):
                 result = kind.run(sctx)
             if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
                 (out / SUMMARY_FILE).write_text(result.summary)
@@ -105,7 +122,8 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
                 started_at=started, finished_at=time.time(), metrics=result.metrics,
                 provenance=result.provenance,
             )
-            manifest = store.commit(out, manifest)
+            with _disk_full_named(step.id, Path(store.root_path) if not store.is_remote else out):
+                manifest = store.commit(out, manifest)
             verify.stamp(store, manifest)
         shutil.rmtree(workdir, ignore_errors=True)  # committed: checkpoints of the attempt are no longer needed
         if store.is_remote:

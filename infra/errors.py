@@ -14,3 +14,8 @@ class DataError(Exception):
 
 class MalformedData(DataError, ValueError):
     """A file that is not what its format says, located as precisely as the format allows (file:line)."""
+
+
+class DiskFull(OSError, DataError):
+    """No space left where a step writes: one message with the path and what is free, instead of a traceback
+    from every layer the write went through. Retrying at once would fail the same way."""

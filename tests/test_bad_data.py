@@ -91,3 +91,24 @@ def test_a_giant_single_line_document_is_skipped_and_counted(tmp_path: Path):
     (data / "dump.txt").write_text("x" * (MAX_DOCUMENT_CHARS + 1))
     result = ingest(data, tmp_path, "text", ["*.txt"])
     assert result.metrics["documents"] == 1 and result.metrics["skipped_too_long"] == 1
+
+
+def test_a_full_disk_is_one_message_with_the_path_and_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import errno
+
+    from prefect.states import Failed
+
+    from compass.flows import runner
+    from compass.flows.lifecycle import worth_retrying
+    from compass.infra.errors import DiskFull
+    from compass.tasks.base import StepResult
+    from tests.test_store import one_step
+
+    def fills_the_disk(ctx) -> StepResult:
+        raise OSError(errno.ENOSPC, "No space left on device", str(ctx.out / "train" / "00001.tokens"))
+
+    ctx, step = one_step(tmp_path, monkeypatch, fills_the_disk)
+    with pytest.raises(DiskFull, match=r"slow:web: no space left on the device of .*00001.tokens \([\d,]+ MiB free"):
+        runner.run_step(ctx, step, logging.getLogger("test"))
+    assert not worth_retrying(None, None, Failed(data=DiskFull(errno.ENOSPC, "full")))
+    assert not ctx.store.is_committed(runner.step_uri(ctx, step))
