@@ -20,7 +20,7 @@ from compass.infra import verify
 from compass.infra.errors import DiskFull
 from compass.infra.locks import step_lock
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
-from compass.infra.store import Store, artifact_folder
+from compass.infra.store import Store, artifact_folder, owned_prefix
 from compass.tasks import registry
 from compass.tasks.base import InputArtifact, Runtime, StepContext, StepResult
 from compass.tasks.steps import Step
@@ -91,7 +91,12 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
         log.info("%s is being computed by another run (%s pid %s): waiting for it", step.id, holder.get("host"),
                  holder.get("pid"))
 
-    with step_lock(store, key, should_stop=lambda: store.is_committed(uri), on_wait=waiting) as held:
+    def taken_over(holder: dict | None) -> None:
+        who = f"{holder.get('host')} pid {holder.get('pid')}" if holder else "a crashed run"
+        log.info("%s: took over the lock of %s (its process is gone)", step.id, who)
+
+    with step_lock(store, key, should_stop=lambda: store.is_committed(uri), on_wait=waiting,
+                   on_take_over=taken_over) as held:
         if not held or store.is_committed(uri):  # another run committed it while we waited
             log.info("%s was committed by another run", step.id)
             return StepOutcome(step.id, uri, False, store.read_manifest(uri))
@@ -104,7 +109,8 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             inputs[role] = InputArtifact(role, dep_id, dep_uri, store.read_manifest(dep_uri), store)
         started = time.time()
         log.info("%s running; commits to %s", step.id, uri)
-        with store.staging() as out, tempfile.TemporaryDirectory(prefix="scratch-", dir=out.parent) as scratch:
+        with store.staging() as out, \
+                tempfile.TemporaryDirectory(prefix=owned_prefix("scratch"), dir=out.parent) as scratch:
             workdir = store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
             sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,
                                log, store=store, work_key=key)

@@ -23,9 +23,11 @@ class StepLock:
     heartbeat is older than `stale_after_s` belongs to a dead process and is taken over."""
 
     def __init__(self, store: Store, key: str, heartbeat_s: float = 5.0, stale_after_s: float = 60.0,
-                 on_wait: Callable[[dict], None] = lambda holder: None):
+                 on_wait: Callable[[dict], None] = lambda holder: None,
+                 on_take_over: Callable[[dict | None], None] = lambda holder: None):
         self.store = store
         self.on_wait = on_wait  # told once, when the lock is found held by a live process
+        self.on_take_over = on_take_over  # told when a dead holder's lock is removed
         self.path = f"{store.root_path}/.locks/{key}.lock"
         self.token = uuid.uuid4().hex
         self.heartbeat_s = heartbeat_s
@@ -93,7 +95,8 @@ class StepLock:
                     time.sleep(0.05)
                 continue
             if time.time() - holder.get("heartbeat", 0) > self.stale_after_s or _dead_here(holder):
-                self._break_stale(holder)  # a dead holder on this machine is known at once: no heartbeat wait
+                if self._break_stale(holder):  # a dead holder on this machine is known at once: no heartbeat wait
+                    self.on_take_over(holder)
                 continue
             if not waited:
                 waited = True
@@ -109,11 +112,13 @@ class StepLock:
             return 0.0
         return time.time() - modified.timestamp()
 
-    def _break_stale(self, holder: dict | None) -> None:
+    def _break_stale(self, holder: dict | None) -> bool:
         again = self._read()
         if again == holder:  # unchanged since we judged it stale
             with suppress(FileNotFoundError):
                 self.store.fs.rm(self.path)
+            return True
+        return False
 
     def _start_heartbeat(self) -> None:
         def beat() -> None:
@@ -155,9 +160,10 @@ def _dead_here(holder: dict) -> bool:
 @contextmanager
 def step_lock(store: Store, key: str, timeout_s: float = 24 * 3600,
               should_stop: Callable[[], bool] = lambda: False,
-              on_wait: Callable[[dict], None] = lambda holder: None) -> Iterator[bool]:
+              on_wait: Callable[[dict], None] = lambda holder: None,
+              on_take_over: Callable[[dict | None], None] = lambda holder: None) -> Iterator[bool]:
     """Yields True when this process holds the lock, False when `should_stop` made waiting pointless."""
-    lock = StepLock(store, key, on_wait=on_wait)
+    lock = StepLock(store, key, on_wait=on_wait, on_take_over=on_take_over)
     held = lock.acquire(timeout_s, should_stop)
     try:
         yield held

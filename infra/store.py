@@ -28,7 +28,12 @@ def artifact_folder(kind: str, name: str, fingerprint: str) -> str:
     return f"{kind}/{name}-{fingerprint[:12]}"
 
 
-_STAGED = re.compile(r"step-(?P<pid>\d+)@(?P<host>.*)-[A-Za-z0-9_]+(\.moving)?")
+_STAGED = re.compile(r"(step|scratch)-(?P<pid>\d+)@(?P<host>.*)-[A-Za-z0-9_]+(\.moving)?")
+
+
+def owned_prefix(label: str) -> str:
+    """Prefix of a temporary folder that names its process and host, so a sweep can tell a dead owner's."""
+    return f"{label}-{os.getpid()}@{socket.gethostname()}-"
 
 
 def _sweep_staging(base: Path) -> None:
@@ -136,7 +141,7 @@ class Store:
         base = Path(tempfile.gettempdir()) / "compass-staging" if self.is_remote else Path(self.root) / ".staging"
         base.mkdir(parents=True, exist_ok=True, mode=0o700)  # half-written artifacts: this user's only
         _sweep_staging(base)
-        folder = Path(tempfile.mkdtemp(prefix=f"step-{os.getpid()}@{socket.gethostname()}-", dir=base))
+        folder = Path(tempfile.mkdtemp(prefix=owned_prefix("step"), dir=base))
         try:
             yield folder
         finally:

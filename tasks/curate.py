@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from compass.infra.die_with_parent import children_die_with_this_thread
 from compass.specs.base import Issue
 from compass.specs.data import Curation
 from compass.specs.spec import TrainingSpec
@@ -155,11 +156,14 @@ def _run(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int) -
         executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=orch.workers,
                                        logging_dir=str(logging_dir), skip_completed=False)
     else:
+        import multiprocess
         from datatrove.executor import LocalPipelineExecutor
 
+        multiprocess.set_forkserver_preload(["compass.infra.forkserver_preload"])  # its workers die with this run
         executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, orch.workers),
                                          logging_dir=str(logging_dir), skip_completed=False)
-    executor.run()
+    with children_die_with_this_thread():  # datatrove's Manager process too
+        executor.run()
     stats_file = logging_dir / "stats.json"
     blocks = json.loads(stats_file.read_text()) if stats_file.exists() else []
     return {"stage": stage, "blocks": [{"name": b.get("name"), "stats": _plain_stats(b.get("stats", {}))}
