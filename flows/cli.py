@@ -17,6 +17,7 @@ from rich.tree import Tree
 from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, SpecArg, err, load, out, store_root
 from compass.flows.cli_ops import ops
 from compass.infra.environment import prepare_environment
+from compass.infra.temporary_server import start_tied_temporary_server
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -67,11 +68,16 @@ def run(spec: SpecArg,
             help="Run only these steps (a kind such as pretrain, or a step id such as pretrain:stage1) and the "
                  "steps they need (repeatable).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON.")] = False,
-        smoke: SmokeOption = False) -> None:
+        smoke: SmokeOption = False,
+        no_recompute: Annotated[bool, typer.Option(
+            "--no-recompute", help="Stop at a cached artifact whose files changed since its commit, instead of "
+                                   "setting it aside and recomputing it (how.storage.on_damage: stop).")] = False
+        ) -> None:
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
     checked = load(spec, until, smoke=smoke)
     loaded = checked.loaded
     prepare_environment()
+    start_tied_temporary_server()
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
     from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 
@@ -85,7 +91,7 @@ def run(spec: SpecArg,
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
     with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
         summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
-                       store_root=store_root(checked, store), until=until, smoke=smoke)
+                       store_root=store_root(checked, store), until=until, smoke=smoke, no_recompute=no_recompute)
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -153,13 +159,15 @@ def lineage(uri: Annotated[str, typer.Argument(help="Artifact folder, file or ma
 def verify(store: Annotated[str, typer.Argument(help="Store root (local folder or s3://bucket/prefix).")],
            set_aside: Annotated[bool, typer.Option("--set-aside", help="Move damaged artifacts aside so their "
                                                    "steps run again.")] = False,
+           full: Annotated[bool, typer.Option("--full", help="Hash every file, even those whose size, mtime and "
+                                              "inode are unchanged since they were last hashed.")] = False,
            as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Check every committed artifact's files against its manifest; exit 1 when any is damaged."""
     from compass.infra import verify as check
     from compass.infra.store import Store
 
     target = Store(store)
-    report = {uri: check.damage(target, uri) for uri in check.committed(target)}
+    report = {uri: check.damage(target, uri, "full" if full else "stamped") for uri in check.committed(target)}
     damaged = {uri: problems for uri, problems in report.items() if problems}
     moved = {uri: check.set_aside(target, uri) for uri in damaged} if set_aside else {}
     if as_json:
@@ -201,6 +209,8 @@ def evaluate_schedule(
     checked = load(spec)
     loaded = checked.loaded
     prepare_environment()
+    if once:
+        start_tied_temporary_server()
     from compass.flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
 
     tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]

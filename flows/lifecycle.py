@@ -170,11 +170,12 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
       persist_result=False)
 def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None = None,
               store_root: str | None = None, until: list[str] | None = None,
-              spec_hash: str | None = None, smoke: bool = False) -> dict[str, Any]:
+              spec_hash: str | None = None, smoke: bool = False, no_recompute: bool = False) -> dict[str, Any]:
     """Validate the spec, compile it, publish the plan, then run every step compass can execute.
 
     `spec_hash`, when given (`compass submit` gives it), must be the hash of `spec_yaml`: a run never trains
-    a spec other than the one its submitter validated. `smoke` runs the spec at smoke size (compass.specs.smoke)."""
+    a spec other than the one its submitter validated. `smoke` runs the spec at smoke size (compass.specs.smoke);
+    `no_recompute` stops at a damaged cached artifact (how.storage.on_damage: stop)."""
     logger = get_run_logger()
     base = Path(base_dir) if base_dir else Path.cwd()
     original = load_spec_text(spec_yaml, spec_path, base_dir=base)
@@ -188,7 +189,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     if _needs_ray_runner(spec.how.orchestration):  # a deployment starts this flow with its default runner
         return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
             spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until,
-            smoke=smoke)
+            smoke=smoke, no_recompute=no_recompute)
     full = checked.plan
     plan = full.up_to(until) if until else full
     store = Store(store_root or resolve_root(spec.how.storage.root))
@@ -206,7 +207,10 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     if left_out:
         logger.info("left out (--until %s): %s", " ".join(until or []), ", ".join(left_out))
     orch = spec.how.orchestration
-    runtime = Runtime(how=spec.how, base_dir=base)
+    how = spec.how
+    if no_recompute:
+        how = how.model_copy(update={"storage": how.storage.model_copy(update={"on_damage": "stop"})})
+    runtime = Runtime(how=how, base_dir=base)
     ctx = RunContext(plan, store, loaded.spec_hash, runtime)
     results = run_plan(plan, ctx, orch)
     ran = [r["step"] for r in results if r["executed"]]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from compass.flows.compiler import Plan
 from compass.infra import verify
-from compass.infra.errors import DiskFull
+from compass.infra.errors import DamagedArtifact, DiskFull
 from compass.infra.locks import step_lock
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, artifact_folder, owned_prefix
@@ -77,14 +77,20 @@ def step_uri(ctx: RunContext, step: Step) -> str:
 def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAdapter) -> StepOutcome:
     store = ctx.store
     uri = step_uri(ctx, step)
+    storage = ctx.runtime.how.storage
     if store.is_committed(uri):
-        damaged = verify.damage(store, uri)
+        damaged = verify.damage(store, uri, storage.verify)
         if not damaged:
             log.info("%s is cached at %s", step.id, uri)
             return StepOutcome(step.id, uri, False, store.read_manifest(uri))
+        if storage.on_damage == "stop":
+            raise DamagedArtifact(
+                f"{step.id}: {uri} was altered after its commit ({verify.describe(damaged)}); left in place for "
+                "inspection. `compass verify STORE --set-aside` moves it aside, or run without --no-recompute "
+                "to recompute it")
         where = verify.set_aside(store, uri)
-        log.warning("%s at %s was altered after its commit (%s%s): set aside at %s; running it again", step.id,
-                    uri, "; ".join(damaged[:3]), f"; {len(damaged) - 3} more" if len(damaged) > 3 else "", where)
+        log.warning("%s at %s was altered after its commit (%s): set aside at %s; running it again", step.id,
+                    uri, verify.describe(damaged), where)
     key = artifact_folder(step.kind, step.name, ctx.plan.fingerprints[step.id])
     kind = registry.kind(step.kind)
     def waiting(holder: dict) -> None:
@@ -106,6 +112,12 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             dep_uri = step_uri(ctx, dep)
             if not store.is_committed(dep_uri):
                 raise RuntimeError(f"{step.id} needs {dep_id}, which is not committed at {dep_uri}")
+            damaged = verify.damage(store, dep_uri, storage.verify)  # stat only, unless files changed
+            if damaged:
+                where = "" if storage.on_damage == "stop" else f"; set aside at {verify.set_aside(store, dep_uri)}"
+                raise DamagedArtifact(
+                    f"{step.id}: its input {dep_id} at {dep_uri} was altered after its commit "
+                    f"({verify.describe(damaged)}){where}; run again to recompute it")
             inputs[role] = InputArtifact(role, dep_id, dep_uri, store.read_manifest(dep_uri), store)
         started = time.time()
         log.info("%s running; commits to %s", step.id, uri)

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 PR_SET_PDEATHSIG = 1
@@ -35,6 +35,24 @@ def die_with_parent() -> None:
         return
     if os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(1)
+
+
+def parent_death_preexec() -> Callable[[], None]:
+    """A subprocess preexec_fn that ties the child to the calling thread. libc's prctl is looked up here, in
+    the parent, so the child (forked from a process with threads) only makes one foreign call before exec."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    sig = int(signal.SIGKILL)
+    parent = os.getpid()
+
+    def tie() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return tie
 
 
 def _before_fork() -> None:

@@ -19,3 +19,8 @@ class MalformedData(DataError, ValueError):
 class DiskFull(OSError, DataError):
     """No space left where a step writes: one message with the path and what is free, instead of a traceback
     from every layer the write went through. Retrying at once would fail the same way."""
+
+
+class DamagedArtifact(DataError):
+    """A committed artifact's files differ from its manifest: a retry of the same step would meet the same files;
+    the next run sets it aside and recomputes it (or stops again, with --no-recompute)."""

@@ -5,8 +5,9 @@ bad sector, a shard replaced with other valid data. Before a committed artifact 
 compared with the manifest: missing, resized, extra or changed files make it damaged; a damaged artifact is set
 aside (kept for inspection, no longer committed) and its step runs again. Hashing every file every time would
 cost minutes on tens of gigabytes, so each local file's hash is trusted while its (size, mtime, inode) stays the
-one recorded when it was last hashed or committed, as git's index does. On S3 the listing's sizes are checked
-(downloads are hashed anyway).
+one recorded when it was last hashed or committed, as git's index does (`how.storage.verify: stamped`);
+`full` hashes every file every time, `sizes` only compares the listing and sizes (a huge store on a slow disk).
+On S3 the listing's sizes are checked (downloads are hashed anyway).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, Manifest
@@ -23,9 +25,10 @@ from compass.infra.store import Store, artifact_folder
 
 STAMPS = ".verified"  # under a local store's root: one JSON per artifact, {path: [size, mtime_ns, inode]}
 SET_ASIDE = ".damaged"
+Depth = Literal["sizes", "stamped", "full"]
 
 
-def damage(store: Store, uri: str) -> list[str]:
+def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
     """What differs between a committed artifact's files and its manifest (empty: intact)."""
     manifest = store.read_manifest(uri)
     if store.is_remote:
@@ -46,15 +49,22 @@ def damage(store: Store, uri: str) -> list[str]:
             problems.append(f"{entry.path}: {st.st_size:,} bytes, committed with {entry.size:,}")
             continue
         key = [st.st_size, st.st_mtime_ns, st.st_ino]
-        if stamps.get(entry.path) != key and sha256_file(str(path)) != entry.sha256:
+        hash_it = depth == "full" or (depth == "stamped" and stamps.get(entry.path) != key)
+        if hash_it and sha256_file(str(path)) != entry.sha256:
             problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
             continue
         fresh[entry.path] = key
     listed = {e.path for e in manifest.files}
     problems += [f"{rel}: not part of the committed artifact" for rel in _files(folder) if rel not in listed]
-    if not problems and fresh != stamps:
+    if not problems and fresh != stamps and depth != "sizes":
         _write_stamps(stamps_file, fresh)
     return problems
+
+
+def describe(problems: list[str]) -> str:
+    """The first few problems of a damaged artifact, for one log line or error."""
+    more = f"; {len(problems) - 3} more" if len(problems) > 3 else ""
+    return "; ".join(problems[:3]) + more
 
 
 def committed(store: Store) -> list[str]:

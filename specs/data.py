@@ -64,6 +64,10 @@ class DataSource(SpecModel):
     language: str | None = Field(default=None, description="ISO 639-1 code, if the whole source is one language.")
     domain: str = Field(default="web", description="Domain tag: web, code, docs, books, math, ...")
     max_documents: PositiveInt | None = Field(default=None, description="Cap, taken in a stable order.")
+    max_document_chars: PositiveInt = Field(
+        default=2_000_000, le=100_000_000,
+        description="Longer documents are dropped and counted (a dump or a minified bundle is no training text); "
+                    "files and JSONL lines are read with a matching byte cap, so memory follows this cap.")
     curation: Curation = Curation()
 
 

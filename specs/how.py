@@ -51,6 +51,15 @@ class Storage(SpecModel):
     credentials_block: str | None = Field(
         default=None, description="Prefect Secret block holding {aws_access_key_id, aws_secret_access_key, "
                                   "endpoint_url, region_name, aws_session_token}; otherwise the environment's.")
+    verify: Literal["sizes", "stamped", "full"] = Field(
+        default="stamped",
+        description="How a cached artifact or a step's input is checked against its manifest before use: "
+                    "'stamped' hashes a file again only when its size, mtime or inode changed since it was last "
+                    "hashed; 'full' hashes every file every time; 'sizes' compares the file list and sizes only.")
+    on_damage: Literal["recompute", "stop"] = Field(
+        default="recompute",
+        description="A cached artifact altered after its commit is set aside and recomputed, or stops the run "
+                    "(`compass run --no-recompute`) so it can be inspected first.")
 
 
 class Orchestration(SpecModel):

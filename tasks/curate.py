@@ -126,7 +126,8 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     after = {split: _measure(ctx.out / split) for split in ("train", "heldout")}
     kept = {k: after["train"][k] + after["heldout"][k] for k in before}
     reasons = _removal_reasons(stages)
-    stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons, "stages": stages}
+    stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons, "stages": stages,
+             "dropped_at_ingest": ctx.inputs["raw"].manifest.metrics.get("dropped", {})}
     (ctx.out / "stats.json").write_text(json.dumps(stats, indent=2))
     if kept["documents"] == 0:
         raise ValueError(f"curation of {ctx.name} removed every document ({reasons}); loosen its filters")

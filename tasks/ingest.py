@@ -8,7 +8,9 @@ import io
 import json
 import platform
 import re
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Literal
 
@@ -22,8 +24,16 @@ from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
 
 DOCS_PER_SHARD = 500
 # a document is a page, a file, a book: ~1 MB of text at most. A 100 MB single-line "document" (a dump, a
-# minified bundle) took 8 GB through curation and is no training document; it is skipped and counted.
+# minified bundle) took 8 GB through curation and is no training document; it is skipped and counted. Files
+# and JSONL lines are read with a byte cap derived from the character cap, so memory follows the cap, not the
+# input: a longer line or file is skipped without being held whole.
 MAX_DOCUMENT_CHARS = 2_000_000
+BYTES_PER_CHAR = 8  # UTF-8 takes up to 4 bytes a character, JSON escapes up to 6, HTML markup more
+SECTIONED_FILE_FACTOR = 32  # split: sections keeps a whole file in memory to cut it: up to 32 documents' worth
+# undecodable bytes replaced by U+FFFD upstream (a mis-declared charset, a binary read as text): above this
+# share of a document's characters it is noise, not text
+MAX_REPLACEMENT_SHARE = 0.01
+MIN_REPLACEMENTS = 4
 _BLOCKS = {"p", "div", "pre", "li", "tr", "br", "dt", "dd", "table", "h1", "h2", "h3", "h4", "h5", "h6",
            "blockquote", "section", "title"}
 _DROP = ("//script|//style|//nav|//*[contains(@class,'navheader')]|//*[contains(@class,'navfooter')]"
@@ -46,6 +56,7 @@ class IngestConfig(StepConfig):
     language: str | None
     domain: str
     max_documents: int | None
+    max_document_chars: int = MAX_DOCUMENT_CHARS
     python: str | None = None  # stdlib:// sources: the standard library differs between Python versions
 
 
@@ -97,10 +108,11 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     shard_id = 0
     limit = cfg.max_documents
     skipped: dict[str, str] = {}
-    too_long = 0
-    for doc in _documents(fs, base, files, cfg, ctx.name, skipped):
-        if len(doc["text"]) > MAX_DOCUMENT_CHARS:
-            too_long += 1
+    dropped: Counter[str] = Counter()
+    for doc in _documents(fs, base, files, cfg, ctx.name, skipped, dropped):
+        reason = _drop_reason(doc["text"], cfg.max_document_chars)
+        if reason:
+            dropped[reason] += 1
             continue
         shard.append(json.dumps(doc, ensure_ascii=False))
         n_docs += 1
@@ -112,19 +124,24 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
             break
     if shard:
         _write_shard(docs_dir, shard_id, shard)
-    if too_long:
-        ctx.log.warning("ingest %s: skipped %d documents longer than %d characters", ctx.name, too_long,
-                        MAX_DOCUMENT_CHARS)
+    if dropped:
+        ctx.log.warning("ingest %s: dropped %s documents (%s characters at most, no NUL, at most %.0f%% U+FFFD)",
+                        ctx.name, dict(dropped), f"{cfg.max_document_chars:,}", 100 * MAX_REPLACEMENT_SHARE)
     if skipped:
         ctx.log.warning("ingest %s: skipped %d of %d files that are not text: %s", ctx.name, len(skipped),
                         len(files), "; ".join(f"{k} ({v})" for k, v in list(skipped.items())[:5]))
     if n_docs == 0:
         raise DataError(f"source {ctx.name}: {len(files)} files matched but none held text"
-                        + (f" ({len(skipped)} skipped as binary or not UTF-8)" if skipped else ""))
+                        + (f" ({len(skipped)} skipped as binary or not UTF-8)" if skipped else "")
+                        + (f"; documents dropped: {dict(dropped)} (max_document_chars is {cfg.max_document_chars:,})"
+                           if dropped else ""))
     provenance |= {"files": len(files)}
+    stats = {"files": len(files), "documents": n_docs, "characters": n_chars, "dropped_documents": dict(dropped),
+             "skipped_files": skipped}
+    (ctx.out / "stats.json").write_text(json.dumps(stats, indent=2))
     metrics = {"files": len(files), "documents": n_docs, "characters": n_chars, "shards": shard_id + bool(shard),
                "skipped_files": len(skipped), "skipped": dict(list(skipped.items())[:20]),
-               "skipped_too_long": too_long}
+               "dropped": dict(dropped), "skipped_too_long": dropped["too_long"]}
     summary = (f"### ingest `{ctx.name}`\n\n{cfg.uri} -> {n_docs:,} documents, {n_chars:,} characters "
                f"from {len(files):,} files\n\nprovenance: `{json.dumps(provenance)}`")
     return StepResult(metrics=metrics, summary=summary, provenance=[provenance])
@@ -152,22 +169,32 @@ def _write_shard(folder: Path, shard_id: int, lines: list[str]) -> None:
 
 
 def _documents(fs, base: str, files: list[str], cfg: IngestConfig, source: str,
-               skipped: dict[str, str]) -> Iterator[dict]:
-    """Documents of every file; a binary or non-UTF-8 file of a text format is skipped (noted in `skipped`), a
-    record file that breaks its format is a MalformedData error naming the file and line."""
+               skipped: dict[str, str], dropped: Counter[str]) -> Iterator[dict]:
+    """Documents of every file, read as streams with a byte cap; a binary or non-UTF-8 file of a text format is
+    skipped (noted in `skipped`), a record file that breaks its format is a MalformedData error naming the file
+    and line, a record or file over the cap is dropped unread (counted in `dropped`)."""
     meta = {"source": source, "domain": cfg.domain}
     if cfg.language:
         meta["language"] = cfg.language
+    max_bytes = cfg.max_document_chars * BYTES_PER_CHAR
     for rel in files:
-        with fs.open(f"{base}/{rel}", "rb") as f:
-            raw = f.read()
-        if rel.endswith(".gz"):
-            raw = gzip.decompress(raw)
-        fmt = cfg.format
-        if fmt in ("jsonl", "parquet"):
-            for i, text in enumerate(_records(raw, fmt, cfg.text_key, f"{cfg.uri.rstrip('/')}/{rel}")):
-                if text.strip():
-                    yield {"id": f"{source}/{rel}#{i}", "text": text, "metadata": {**meta, "path": rel}}
+        with ExitStack() as stack:
+            stream = stack.enter_context(fs.open(f"{base}/{rel}", "rb"))
+            if rel.endswith(".gz"):
+                stream = stack.enter_context(gzip.GzipFile(fileobj=stream))
+            fmt = cfg.format
+            if fmt in ("jsonl", "parquet"):
+                where = f"{cfg.uri.rstrip('/')}/{rel}"
+                records = (_jsonl_records(stream, cfg.text_key, where, max_bytes, dropped) if fmt == "jsonl"
+                           else _parquet_records(stream, cfg.text_key, where))
+                for i, text in enumerate(records):
+                    if text.strip():
+                        yield {"id": f"{source}/{rel}#{i}", "text": text, "metadata": {**meta, "path": rel}}
+                continue
+            cap = max_bytes * (SECTIONED_FILE_FACTOR if cfg.split == "sections" else 1)
+            raw = stream.read(cap + 1)
+        if len(raw) > cap:
+            dropped["too_long"] += 1
             continue
         why = _not_text(raw, strict=fmt != "html")  # lxml decodes HTML by its declared charset
         if why:
@@ -185,6 +212,18 @@ def _documents(fs, base: str, files: list[str], cfg: IngestConfig, source: str,
             yield {"id": f"{source}/{rel}#{i}", "text": part.strip(), "metadata": {**meta, "path": rel}}
 
 
+def _drop_reason(text: str, max_chars: int) -> str:
+    """Why a decoded document is no training text ('' when it is)."""
+    if len(text) > max_chars:
+        return "too_long"
+    if "\0" in text:
+        return "nul_bytes"
+    replaced = text.count("\ufffd")
+    if replaced >= MIN_REPLACEMENTS and replaced > MAX_REPLACEMENT_SHARE * len(text):
+        return "replacement_characters"
+    return ""
+
+
 def _not_text(raw: bytes, strict: bool) -> str:
     """Why these bytes are not a text document ('' when they are): NUL bytes mean a binary file; a strict
     format must also be valid UTF-8 (replacing what does not decode turned a binary into 8,000 U+FFFD)."""
@@ -198,31 +237,53 @@ def _not_text(raw: bytes, strict: bool) -> str:
     return ""
 
 
-def _records(raw: bytes, fmt: str, key: str, where: str) -> Iterator[str]:
-    if fmt == "jsonl":
-        for number, line in enumerate(raw.split(b"\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise MalformedData(f"{where}:{number}: not UTF-8 (byte 0x{line[exc.start]:02x} at column "
-                                    f"{exc.start + 1})") from None
-            except json.JSONDecodeError as exc:
-                raise MalformedData(f"{where}:{number}: not a JSON record: {exc.msg} at column {exc.colno}") from None
-            if not isinstance(record, dict):
-                raise MalformedData(f"{where}:{number}: a JSON {type(record).__name__}, not an object with "
-                                    f"'{key}'")
-            yield str(record.get(key, ""))
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+def _bounded_lines(stream, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of a byte stream; a line longer than `max_bytes` comes as None, read past in 1 MiB
+    pieces and never held whole."""
+    number = 0
+    while line := stream.readline(max_bytes + 1):
+        number += 1
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            while (rest := stream.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield number, None
+            continue
+        yield number, line
 
+
+def _jsonl_records(stream, key: str, where: str, max_bytes: int, dropped: Counter[str]) -> Iterator[str]:
+    for number, line in _bounded_lines(stream, max_bytes):
+        if line is None:
+            dropped["too_long"] += 1
+            continue
+        line = line.rstrip(b"\r\n")
+        if not line.strip():
+            continue
         try:
-            table = pq.read_table(io.BytesIO(raw), columns=[key])
-        except (pa.ArrowInvalid, KeyError) as exc:
-            raise MalformedData(f"{where}: not a parquet file with a '{key}' column ({exc})") from None
-        yield from (str(v) for v in table.column(key).to_pylist())
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise MalformedData(f"{where}:{number}: not UTF-8 (byte 0x{line[exc.start]:02x} at column "
+                                f"{exc.start + 1})") from None
+        except json.JSONDecodeError as exc:
+            raise MalformedData(f"{where}:{number}: not a JSON record: {exc.msg} at column {exc.colno}") from None
+        if not isinstance(record, dict):
+            raise MalformedData(f"{where}:{number}: a JSON {type(record).__name__}, not an object with '{key}'")
+        yield str(record.get(key, ""))
+
+
+def _parquet_records(stream, key: str, where: str) -> Iterator[str]:
+    """Row group by row group: memory follows the file's row groups, not its size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if not stream.seekable():  # a .parquet.gz
+            stream = io.BytesIO(stream.read())
+        batches = pq.ParquetFile(stream).iter_batches(columns=[key], batch_size=1024)
+        for batch in batches:
+            yield from (str(v) for v in batch.column(0).to_pylist())
+    except (pa.ArrowInvalid, KeyError, ValueError) as exc:
+        raise MalformedData(f"{where}: not a parquet file with a '{key}' column ({exc})") from None
 
 
 def _html_tree(raw: bytes):
@@ -271,5 +332,6 @@ def _group(parts: list[str], target: int) -> list[str]:
 
 
 # 2: binary and non-UTF-8 files are skipped (they were decoded with U+FFFD replacements)
-KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="2", tags=("data",), preflight=preflight)
+# 3: records with NUL bytes or mostly U+FFFD are dropped; files and lines are read with a byte cap
+KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="3", tags=("data",), preflight=preflight)
 STEP_KINDS = (KIND,)

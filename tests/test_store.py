@@ -281,3 +281,62 @@ def test_compass_verify_checks_a_whole_store(tmp_path: Path):
     done = subprocess.run([*command, "--set-aside"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and not store.is_committed(bad.uri) and store.is_committed(good.uri)
     assert subprocess.run(command, capture_output=True, timeout=120).returncode == 0  # what is left is intact
+
+
+def test_verification_depth_decides_what_is_hashed(tmp_path: Path):
+    """A same-size edit that restores the mtime escapes the stamped check (as it escapes git's index) and is
+    caught by a full check; a sizes-only check catches a truncation but not a same-size edit."""
+    import os
+
+    from compass.infra import verify
+
+    store = Store(str(tmp_path / "store"))
+    m = _commit(store, "web", {"train/0.tokens": "abcdef" * 100})
+    shard = Path(m.uri) / "train" / "0.tokens"
+    stat = shard.stat()
+    shard.write_text("ABCDEF" * 100)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert verify.damage(store, m.uri, "stamped") == [] and verify.damage(store, m.uri, "sizes") == []
+    assert "contents changed" in verify.damage(store, m.uri, "full")[0]
+    shard.write_text("abc")
+    assert "3 bytes, committed with 600" in verify.damage(store, m.uri, "sizes")[0]
+
+
+def test_no_recompute_stops_at_a_damaged_cache_and_leaves_it_in_place(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    from compass.infra.errors import DamagedArtifact
+    from compass.specs.how import How, Storage
+
+    def step_fn(ctx):
+        (ctx.out / "result.txt").write_text("done")
+        return StepResult(metrics={"n": 1})
+
+    ctx, step = one_step(tmp_path, monkeypatch, step_fn)
+    first = runner.run_step(ctx, step, logging.getLogger())
+    (Path(first.uri) / "result.txt").write_text("tampered")
+    stop = runner.RunContext(ctx.plan, ctx.store, ctx.spec_hash,
+                             Runtime(how=How(storage=Storage(on_damage="stop"))))
+    with pytest.raises(DamagedArtifact, match=r"result.txt: 8 bytes, committed with 4.*--no-recompute"):
+        runner.run_step(stop, step, logging.getLogger())
+    assert ctx.store.is_committed(first.uri)  # nothing moved: the user inspects it first
+
+
+def test_a_step_whose_input_was_altered_fails_naming_it_and_the_input_is_set_aside(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from compass.infra.errors import DamagedArtifact
+
+    def step_fn(ctx):
+        (ctx.out / "result.txt").write_text(f"made from {sorted(ctx.inputs)}")
+        return StepResult(metrics={"n": 1})
+
+    ctx, first = one_step(tmp_path, monkeypatch, step_fn)
+    second = Step("slow", "code", SlowConfig(label="y"), inputs={"raw": first.id})
+    fingerprints = {**ctx.plan.fingerprints,
+                    second.id: fingerprint("slow", second.config.identity(), {"raw": ctx.plan.fingerprints[first.id]},
+                                           "1")}
+    two = runner.RunContext(Plan("t", [first, second], fingerprints), ctx.store, "hash", Runtime())
+    made = runner.run_step(two, first, logging.getLogger())
+    (Path(made.uri) / "result.txt").write_text("swapped")
+    with pytest.raises(DamagedArtifact, match=r"its input slow:web at .* was altered.*set aside at"):
+        runner.run_step(two, second, logging.getLogger())
+    assert not ctx.store.is_committed(made.uri)  # the next run recomputes it

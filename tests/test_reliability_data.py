@@ -16,9 +16,10 @@ from compass.tasks.base import Runtime, StepContext
 from compass.tasks.ingest import IngestConfig, run_ingest
 
 
-def ingest(folder: Path, tmp_path: Path, fmt: str, include: list[str]):
+def ingest(folder: Path, tmp_path: Path, fmt: str, include: list[str], max_document_chars: int = 2_000_000):
     config = IngestConfig(uri=str(folder), include=include, exclude=[], format=fmt, text_key="text", split="file",
-                          section_chars=4000, language=None, domain="web", max_documents=None)
+                          section_chars=4000, language=None, domain="web", max_documents=None,
+                          max_document_chars=max_document_chars)
     out = tmp_path / "out"
     out.mkdir()
     ctx = StepContext("ingest", "web", config, {}, out, tmp_path, tmp_path, Runtime(how=How(), base_dir=tmp_path),
@@ -112,3 +113,67 @@ def test_a_full_disk_is_one_message_with_the_path_and_not_retried(tmp_path: Path
         runner.run_step(ctx, step, logging.getLogger("test"))
     assert not worth_retrying(None, None, Failed(data=DiskFull(errno.ENOSPC, "full")))
     assert not ctx.store.is_committed(runner.step_uri(ctx, step))
+
+
+def _jsonl(path: Path, texts: list[str]) -> None:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def test_records_with_nul_bytes_or_mostly_replacement_characters_are_dropped_by_reason(tmp_path: Path):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = "A paragraph about attention heads and their key-value groups. " * 4
+    stray = good + "one stray \ufffd from a copy and paste"  # one replacement character is not noise
+    _jsonl(data / "a.jsonl", [good, "header\0\0\0binary tail" + good, "\ufffd" * 30 + good[:200], stray,
+                              "x" * 900])
+    result = ingest(data, tmp_path, "jsonl", ["*.jsonl"], max_document_chars=800)
+    assert result.metrics["documents"] == 2
+    assert result.metrics["dropped"] == {"nul_bytes": 1, "replacement_characters": 1, "too_long": 1}
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["dropped_documents"] == result.metrics["dropped"]
+    with gzip.open(tmp_path / "out" / "documents" / "00000.jsonl.gz", "rt") as f:
+        kept = [json.loads(line)["text"] for line in f]
+    assert kept == [good, stray]
+
+
+def test_a_giant_line_is_read_past_with_memory_bounded_by_the_cap(tmp_path: Path):
+    """A 48 MB one-line record with a 10,000-character cap: Python never holds more than a few cap-sized
+    pieces (tracemalloc counts every bytes and str object), and the records after it are still read."""
+    import tracemalloc
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with (data / "dump.jsonl").open("w") as f:
+        f.write(json.dumps({"text": "first record, small and fine"}) + "\n")
+        f.write('{"text": "' + "y" * (48 << 20) + '"}\n')
+        f.write(json.dumps({"text": "last record, after the giant"}) + "\n")
+    with gzip.open(data / "bundle.txt.gz", "wt") as f:  # a compressed file that inflates past the cap
+        f.write("z" * (8 << 20))
+    (data / "page.txt").write_text("An ordinary page that fits well within the cap. " * 10)
+    tracemalloc.start()
+    try:
+        lines = ingest(data, tmp_path, "jsonl", ["*.jsonl"], max_document_chars=10_000)
+        _, peak_jsonl = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        (tmp_path / "out").rename(tmp_path / "out-jsonl")
+        text = ingest(data, tmp_path, "text", ["*.gz", "*.jsonl", "*.txt"], max_document_chars=10_000)
+        _, peak_text = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert lines.metrics["documents"] == 2 and lines.metrics["dropped"] == {"too_long": 1}
+    # as text: the gz file and the jsonl file are each one document over the cap
+    assert text.metrics["documents"] == 1 and text.metrics["dropped"]["too_long"] == 2
+    assert peak_jsonl < 8 << 20, f"peak {peak_jsonl / 2**20:.1f} MiB for a 48 MiB line"
+    assert peak_text < 8 << 20, f"peak {peak_text / 2**20:.1f} MiB for an 8 MiB compressed text"
+
+
+def test_parquet_records_are_read_by_row_group_and_checked(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    data.mkdir()
+    texts = [f"document number {i} about learning rate warmup and decay" for i in range(3000)] + ["bad\0record"]
+    pq.write_table(pa.table({"text": texts}), data / "part-0.parquet", row_group_size=500)
+    result = ingest(data, tmp_path, "parquet", ["*.parquet"])
+    assert result.metrics["documents"] == 3000 and result.metrics["dropped"] == {"nul_bytes": 1}
