@@ -15,9 +15,35 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 log = logging.getLogger("compass")
+_on_stop: dict[int, Callable[[], None]] = {}  # work started outside this process (Slurm jobs) to end with the run
+_lock = threading.Lock()
+
+
+def on_stop(action: Callable[[], None]) -> int:
+    """Run `action` when the run is stopped (SIGTERM, Ctrl-C, a cancellation); returns a handle to remove it."""
+    with _lock:
+        handle = id(action)
+        _on_stop[handle] = action
+        return handle
+
+
+def remove_on_stop(handle: int) -> None:
+    with _lock:
+        _on_stop.pop(handle, None)
+
+
+def _run_on_stop() -> None:
+    with _lock:
+        actions = list(_on_stop.values())
+        _on_stop.clear()
+    for action in actions:
+        with contextlib.suppress(Exception):
+            action()
 
 
 def exit_code(exc: BaseException) -> int:
@@ -29,6 +55,7 @@ def stop_run(exc: BaseException) -> NoReturn:
     reason = (f"interrupted ({type(exc).__name__}): committed steps are kept; the step in flight commits "
               "nothing and resumes from its last checkpoint on the next run")
     log.warning(reason)
+    _run_on_stop()
     with contextlib.suppress(Exception):
         record_final_states(reason)
     with contextlib.suppress(Exception):

@@ -6,12 +6,16 @@ huggingface_hub 2.x. None of them can run without the network anyway, so before 
 empty stand-ins (no tasks) under their module names. Loading the registry also imports the ifeval task, which
 calls `nltk.download` at import time: offline that only tries the network and prints errors, so nltk's
 downloader answers "not available" without a connection (a task that needs the resource still fails with
-nltk's own LookupError). Every other lighteval task, metric and model loader is untouched. Tested by
+nltk's own LookupError). lighteval's sample cache lives at `cache_dir / model_name`, and with a model given
+by absolute path that join *is* the model's folder: lighteval wrote its predictions into the checkpoint being
+evaluated, a committed artifact (compass's input verification caught it). The cache is given a relative name
+under its cache_dir instead. Every other lighteval task, metric and model loader is untouched. Tested by
 tests/test_evaluate.py, which runs lighteval's own Pipeline offline.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -32,6 +36,24 @@ def install() -> None:
     import nltk
 
     nltk.download = _offline_download
+    _cache_beside_not_inside_the_model()
+
+
+def _cache_beside_not_inside_the_model() -> None:
+    from lighteval.utils.cache_management import SampleCache
+
+    if getattr(SampleCache.__init__, "_compass", False):
+        return
+    original = SampleCache.__init__
+
+    def init(self, model_config) -> None:  # noqa: ANN001 - lighteval's ModelConfig
+        name = model_config.model_name
+        if os.path.isabs(name):
+            model_config = model_config.model_copy(update={"model_name": name.lstrip("/")})
+        original(self, model_config)
+
+    init._compass = True  # type: ignore[attr-defined]
+    SampleCache.__init__ = init
 
 
 def _offline_download(*_: object, **__: object) -> bool:

@@ -42,8 +42,17 @@ if command -v apt-get >/dev/null 2>&1; then
       echo "compass: run 'apt-get install chromium chromium-driver' as root for the web-UI test" >&2
     fi
   fi
+  # Slurm and munge, for the Slurm tests (tests/slurm_cluster.py starts a one-node cluster on loopback).
+  if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null \
+        || echo "compass: could not install slurm-wlm and munge; the Slurm tests will be skipped" >&2
+    else
+      echo "compass: run 'apt-get install slurm-wlm munge' as root for the Slurm tests" >&2
+    fi
+  fi
 else
-  echo "compass: apt-get not found: deb:// sources and the web-UI test's browser are unavailable" >&2
+  echo "compass: apt-get not found: deb:// sources, the web-UI test's browser and Slurm are unavailable" >&2
 fi
 rm -f .venv/.compass-setup-*
 touch "$stamp"

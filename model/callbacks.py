@@ -158,6 +158,43 @@ class Checkpointing(Callback):
             ckpt.prune(folder.parent, self.keep_last, keep={trainer.stage_steps})
 
 
+class StopRequested(Exception):
+    """The scheduler asked the trainer to stop (a time limit near): the state is checkpointed at `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step} on request; the checkpoint of step {step} is written")
+        self.step = step
+
+
+class StopWhenAsked(Callback):
+    """A job near its time limit asks to stop (the batch shell touches `stop_file`, or the process gets SIGUSR1):
+    after the current step every rank agrees (one all-reduce of a flag), a checkpoint of that step is written
+    unless one just was, and the trainer stops; the requeued job resumes from it."""
+
+    signalled = False  # set by the SIGUSR1 handler of `compass.model.trainer.main`
+
+    def __init__(self, stop_file: Path):
+        self.stop_file = stop_file
+
+    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        asked = StopWhenAsked.signalled or self.stop_file.exists()
+        if trainer.world > 1:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(asked)], device=trainer.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            asked = bool(flag.item())
+        if not asked or trainer.step == trainer.stage_steps:  # the stage's end is checkpointed anyway
+            return
+        if trainer.written is None or trainer.written != ckpt.step_dir(trainer.checkpoint_root, trainer.step):
+            trainer.save_checkpoint()
+        trainer.checkpoint_blocked_s += trainer.writer.wait()
+        trainer._barrier()
+        trainer._announce_written()
+        raise StopRequested(trainer.step)
+
+
 def truncate_metrics(path: Path, keep_through_step: int) -> None:
     """Drop metric lines written after `keep_through_step` (they will be written again)."""
     if not path.exists():

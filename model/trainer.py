@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import resource
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,16 @@ from safetensors.torch import load_file
 from compass.model import attention
 from compass.model import checkpoint as ckpt
 from compass.model.architecture import build_model, hf_config, parameter_groups
-from compass.model.callbacks import Callback, Checkpointing, MetricsFile, Monitoring, Progress, Rollback
+from compass.model.callbacks import (
+    Callback,
+    Checkpointing,
+    MetricsFile,
+    Monitoring,
+    Progress,
+    Rollback,
+    StopRequested,
+    StopWhenAsked,
+)
 from compass.model.engine import DeepSpeedEngine, Engine, TorchEngine, dist_env, init_distributed
 from compass.model.job import TrainJob
 from compass.model.lm import CausalLMWithLoss
@@ -77,8 +88,11 @@ def training_device(accelerator: str) -> torch.device:
 
 def default_callbacks(job: TrainJob) -> list[Callback]:
     """Monitors first (they may veto the step), then the metrics line, progress, and checkpoints last."""
-    return [Monitoring(job.recipe.monitors), MetricsFile(job.workdir / "metrics.jsonl"), Progress(),
-            Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
+    callbacks = [Monitoring(job.recipe.monitors), MetricsFile(job.workdir / "metrics.jsonl"), Progress(),
+                 Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
+    if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)
+        callbacks.append(StopWhenAsked(Path(os.environ["COMPASS_STOP_FILE"])))
+    return callbacks
 
 
 class Trainer:
@@ -448,14 +462,23 @@ def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_
             shutil.copy(tokenizer_dir / name, out / name)
 
 
+def _stop_requested(signum: int, frame: Any) -> None:
+    StopWhenAsked.signalled = True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point for launchers: `python -m compass.model.trainer JOB.json` (torchrun / deepspeed run it per
     rank); rank 0 writes `result.json` beside the job."""
     args = argv if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job_path = Path(args[0])
-    result = train_stage(TrainJob.read(job_path))
+    signal.signal(signal.SIGUSR1, _stop_requested)
     rank, _, _ = dist_env()
+    try:
+        result = train_stage(TrainJob.read(job_path))
+    except StopRequested as stopped:
+        log.warning("%s", stopped)
+        return 0  # no result.json: the job is requeued and resumes from the checkpoint
     if rank == 0:
         (job_path.parent / "result.json").write_text(json.dumps(result.__dict__))
     return 0

@@ -309,6 +309,12 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if hw.hosts and len(hw.hosts) != hw.nodes:
         yield Issue(("how", "hardware", "hosts"), f"{len(hw.hosts)} hosts for nodes={hw.nodes}",
                     "list one address per node, the rendezvous host first")
+    if how.orchestration.cluster is not None and hw.hosts:
+        yield Issue(("how", "hardware", "hosts"), "Slurm chooses the nodes of each job: hosts are not used with "
+                    "orchestration.cluster", "remove how.hardware.hosts (use cluster.exclude to avoid nodes)")
+    if how.orchestration.cluster is not None and how.orchestration.task_runner == "ray":
+        yield Issue(("how", "orchestration", "cluster"), "training runs either as Slurm jobs or as Ray tasks",
+                    "use task_runner: local with a Slurm cluster (the jobs spread over the nodes themselves)")
     if hw.launcher == "deepspeed" and not par.deepspeed:
         yield Issue(("how", "hardware", "launcher"), "the deepspeed launcher needs parallelism.deepspeed: true",
                     "use launcher: torchrun, or set deepspeed: true")

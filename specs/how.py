@@ -1,8 +1,9 @@
 """`how`: hardware, parallelism, precision, storage, orchestration and cadences."""
 
+import re
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 
 from compass.specs.base import SpecModel
 
@@ -62,6 +63,37 @@ class Storage(SpecModel):
                     "(`compass run --no-recompute`) so it can be inspected first.")
 
 
+SLURM_WORD = r"^[A-Za-z0-9_][A-Za-z0-9_.,:@%+=\[\]-]{0,200}$"  # one sbatch value: no spaces, no leading '-'
+
+
+class SlurmCluster(SpecModel):
+    """The heavy steps' trainers run as Slurm jobs (one srun task per node starting its ranks); the node and
+    device counts are `how.hardware`'s. With `requeue`, a job is submitted with --requeue and a signal
+    `signal_before_s` before its time limit: the trainer checkpoints and the job requeues itself; a requeued or
+    node-failed job resumes from its newest checkpoint, and the step follows the same job id."""
+
+    kind: Literal["slurm"] = "slurm"
+    partition: str | None = Field(default=None, pattern=SLURM_WORD)
+    account: str | None = Field(default=None, pattern=SLURM_WORD)
+    qos: str | None = Field(default=None, pattern=SLURM_WORD)
+    constraint: str | None = Field(default=None, pattern=SLURM_WORD, description="Node features, e.g. h100.")
+    exclude: list[str] = Field(default_factory=list, description="Nodes to avoid (compass preflight names them).")
+    cpus_per_task: PositiveInt | None = Field(default=None, description="CPUs of each node's task.")
+    time_limit: str | None = Field(default=None, pattern=r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$",
+                                   description="Slurm's --time: minutes, H:MM:SS or D-HH:MM:SS.")
+    requeue: bool = True
+    signal_before_s: PositiveInt = Field(default=120, le=3600, description="USR1 this long before the time limit.")
+    poll_seconds: PositiveFloat = Field(default=5, le=300, description="How often the step reads the job's state.")
+
+    @field_validator("exclude")
+    @classmethod
+    def _node_names(cls, nodes: list[str]) -> list[str]:
+        bad = [n for n in nodes if not re.fullmatch(SLURM_WORD, n)]
+        if bad:
+            raise ValueError(f"not node names: {bad} (letters, digits and ._-[], no spaces, no leading '-')")
+        return nodes
+
+
 class Orchestration(SpecModel):
     retries: int = Field(default=1, ge=0)
     retry_delay_seconds: float = Field(default=10, ge=0)
@@ -74,6 +106,9 @@ class Orchestration(SpecModel):
     ray_num_cpus: PositiveInt | None = Field(default=None, description="CPUs of a locally started Ray (None = all).")
     workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
     max_parallel_steps: PositiveInt = 2
+    cluster: SlurmCluster | None = Field(
+        default=None, description="Run training jobs on a Slurm cluster (None: in this process, or launched "
+                                  "with torchrun/deepspeed per how.hardware).")
     max_parallel_gpu_steps: PositiveInt = Field(
         default=1, description="Steps that use the accelerator (training, evaluation) running at once in one "
                                "process: they would compete for one device."

@@ -17,6 +17,7 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from compass.specs import yaml_limits
 from compass.specs.base import Issue, Loc
+from compass.specs.how import SLURM_WORD
 from compass.specs.spec import TrainingSpec
 
 
@@ -268,6 +269,8 @@ def _problems_from_validation(exc: ValidationError, data: Any, lines: _LineIndex
                 hint = "it belongs to other sections, not this one: remove it (`compass schema` lists the fields)"
             else:
                 hint = f"did you mean '{close[0]}'?" if close else "remove it; `compass schema` lists the fields"
+        elif kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == SLURM_WORD:
+            hint = "one word: letters, digits and ._-:@%+=[], without spaces or newlines, not starting with '-'"
         elif kind == "missing" and loc:
             parent = _dotted(loc[:-1]) or "the top level"
             hint = f"add '{loc[-1]}:' under {parent}"

@@ -77,7 +77,7 @@ def apply_change(baseline: dict[str, Any], change: dict[str, Any]) -> dict[str, 
 
 
 def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
-    result = run_training(build_job(ctx, ctx.config.recipe()), ctx.log)
+    result = run_training(build_job(ctx, ctx.config.recipe()), ctx.log, ctx.runtime.how.orchestration.cluster)
     val = result["val_loss"]
     metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,
                "final_loss": result["final_loss"], "tokens": result["tokens"], "seed": ctx.config.seed,

@@ -147,7 +147,7 @@ def run_lighteval(model_dir: Path, tasks: list[EvalTask], scratch: Path,
                                     max_samples=limit)
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
         config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype=where.dtype,
-                                         device=where.device)
+                                         device=where.device, cache_dir=str(scratch / "lighteval-cache"))
         names = {_pipeline_task(t): t.key for t in group}
         pipeline = Pipeline(tasks=",".join(names), pipeline_parameters=params, evaluation_tracker=tracker,
                             model_config=config)

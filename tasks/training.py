@@ -22,6 +22,7 @@ from typing import Any
 from compass.infra.launcher import LaunchPlan, plan_launch
 from compass.infra.net import free_port
 from compass.model.job import SpecialIds, StageRecipe, TrainJob
+from compass.specs.how import SlurmCluster
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.tokenizer import tokenizer_ids
 
@@ -67,13 +68,19 @@ def _single_rank_env(fresh_port: bool) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def run_training(job: TrainJob, log) -> dict[str, Any]:
-    """Run the trainer on the job: in-process for one rank, launched (torchrun or DeepSpeed) for several."""
+def run_training(job: TrainJob, log, cluster: SlurmCluster | None = None) -> dict[str, Any]:
+    """Run the trainer on the job: as a Slurm job when `how.orchestration.cluster` says so, else in-process for
+    one rank, launched (torchrun or DeepSpeed) for several."""
     workdir = job.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = workdir / "job.json"
     job.write(job_path)
     nodes = job.hardware.nodes
+    if cluster is not None:
+        from compass.infra.slurm import run_on_slurm
+
+        return run_on_slurm(job, job_path, cluster, sys.executable, label=f"{workdir.parent.name}-{workdir.name[:24]}",
+                            port=job.hardware.rendezvous_port if job.world_size > 1 else free_port(), log=log)
     if job.world_size == 1:
         import torch.distributed as dist
 
@@ -159,7 +166,7 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
             ctx.log.info("resuming from %s, recovered from the store", restored)
         mirror.start()
     try:
-        result = run_training(job, ctx.log)
+        result = run_training(job, ctx.log, ctx.runtime.how.orchestration.cluster)
     finally:
         if mirror:
             mirror.stop()

@@ -48,11 +48,16 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
+    from compass.infra import verify
+    from compass.infra.store import Store
     from compass.tasks.offline_benchmarks import prepare
 
     outcome = evaluated["evaluate:pretrain-stage2"]
     ours = json.loads((Path(outcome.uri) / "results.json").read_text())
     model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"
+    model_uri = evaluated["pretrain:stage2"].uri  # lighteval once wrote its sample cache into the model's folder
+    assert verify.damage(Store(str(Path(model_uri).parents[1])), model_uri, "full") == [], \
+        "evaluation wrote into the model it evaluated"
     folder, _ = prepare("arc_easy")
     direct = _accuracy_from_lighteval_directly(model_dir, "compass.tasks.offline_benchmarks", "cf_prompt", folder, 40,
                                                tmp_path)
