@@ -25,7 +25,6 @@ from pathlib import Path
 
 from compass.infra import interrupt
 from compass.infra.launcher import TRAINER_MODULE
-from compass.model.job import TrainJob
 from compass.specs.how import SlurmCluster
 
 STOP_FILE = "stop-requested"  # the batch shell asks the trainer to checkpoint and stop (model/callbacks.py)
@@ -37,6 +36,21 @@ SETTLE_S = 15.0  # a failed state that lasts this long is final (a requeued job 
 
 class SlurmJobFailed(RuntimeError):
     """The job ended in a state other than COMPLETED; the message ends with its last log lines."""
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What the batch script needs of a training job: where it lives and how many ranks on how many nodes."""
+
+    workdir: Path
+    job_path: Path
+    nodes: int
+    ranks_per_node: int
+    gpus_per_node: int | None  # None on CPU
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -53,15 +67,13 @@ class JobState:
                    fields.get("Reason", ""), fields.get("NodeList", ""))
 
 
-def sbatch_script(job: TrainJob, job_path: Path, cluster: SlurmCluster, python: str, label: str, port: int) -> str:
+def sbatch_script(job: JobShape, cluster: SlurmCluster, python: str, label: str, port: int) -> str:
     """The batch script of one training job (written beside the job, readable and re-runnable by hand)."""
-    hw = job.hardware
-    per_node = job.world_size // hw.nodes
-    workdir = job.workdir
-    options = [f"--job-name=compass-{label}", f"--nodes={hw.nodes}", "--ntasks-per-node=1",
+    workdir, job_path = job.workdir, job.job_path
+    options = [f"--job-name=compass-{label}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
                f"--output={workdir / 'slurm.log'}", "--open-mode=append", f"--chdir={workdir}"]
-    if hw.accelerator != "cpu":
-        options.append(f"--gpus-per-node={hw.devices_per_node}")
+    if job.gpus_per_node:
+        options.append(f"--gpus-per-node={job.gpus_per_node}")
     for flag, value in (("partition", cluster.partition), ("account", cluster.account), ("qos", cluster.qos),
                         ("constraint", cluster.constraint), ("cpus-per-task", cluster.cpus_per_task),
                         ("time", cluster.time_limit)):
@@ -77,9 +89,9 @@ def sbatch_script(job: TrainJob, job_path: Path, cluster: SlurmCluster, python: 
         node = ("RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + str(port) + " "
                 + shlex.join([python, "-m", TRAINER_MODULE, str(job_path)]))
     else:
-        node = (shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(hw.nodes)])
+        node = (shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes)])
                 + ' --node-rank "$SLURM_NODEID" '
-                + shlex.join(["--nproc-per-node", str(per_node), "--master-port", str(port)])
+                + shlex.join(["--nproc-per-node", str(job.ranks_per_node), "--master-port", str(port)])
                 + ' --master-addr "$COMPASS_HEAD" ' + shlex.join(["-m", TRAINER_MODULE, str(job_path)]))
     stop = shlex.quote(str(workdir / STOP_FILE))
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options), "",
@@ -143,13 +155,13 @@ class LogFollower:
         return "\n".join(self.path.read_text(errors="replace").splitlines()[-n:]) if self.path.exists() else ""
 
 
-def run_on_slurm(job: TrainJob, job_path: Path, cluster: SlurmCluster, python: str, label: str, port: int,
+def run_on_slurm(job: JobShape, cluster: SlurmCluster, python: str, label: str, port: int,
                  log: logging.Logger | logging.LoggerAdapter) -> dict:
     """Submit (or, after a crash of this process, follow again) the job of this work folder until it completes;
     returns the trainer's result. The job is cancelled if this step fails or the run is stopped."""
     workdir = job.workdir
     script = workdir / "job.sbatch"
-    script.write_text(sbatch_script(job, job_path, cluster, python, label, port))
+    script.write_text(sbatch_script(job, cluster, python, label, port))
     record = workdir / JOB_FILE
     job_id = _live_job(record)
     if job_id:

@@ -79,7 +79,8 @@ def run_training(job: TrainJob, log, cluster: SlurmCluster | None = None) -> dic
     if cluster is not None:
         from compass.infra.slurm import run_on_slurm
 
-        return run_on_slurm(job, job_path, cluster, sys.executable, label=f"{workdir.parent.name}-{workdir.name[:24]}",
+        return run_on_slurm(slurm_shape(job, job_path), cluster, sys.executable,
+                            label=f"{workdir.parent.name}-{workdir.name[:24]}",
                             port=job.hardware.rendezvous_port if job.world_size > 1 else free_port(), log=log)
     if job.world_size == 1:
         import torch.distributed as dist
@@ -103,6 +104,15 @@ def run_training(job: TrainJob, log, cluster: SlurmCluster | None = None) -> dic
         log.info("launching on %s: %s", command.host, command)
     _run_all(plan, workdir)
     return json.loads((workdir / "result.json").read_text())
+
+
+def slurm_shape(job: TrainJob, job_path: Path):
+    """The job as the Slurm executor sees it (ranks over nodes, GPUs per node)."""
+    from compass.infra.slurm import JobShape
+
+    hw = job.hardware
+    return JobShape(job.workdir, job_path, hw.nodes, job.world_size // hw.nodes,
+                    hw.devices_per_node if hw.accelerator != "cpu" else None)
 
 
 def _run_all(plan: LaunchPlan, workdir: Path) -> None:

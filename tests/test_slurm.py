@@ -94,20 +94,24 @@ def in_thread(fn) -> tuple[threading.Thread, dict]:
 
 
 def test_the_batch_script_says_what_the_spec_says(tmp_path: Path, stage1_job):
+    from compass.tasks.training import slurm_shape
+
     job = stage1_job(tmp_path / "w")
     spec = SlurmCluster(partition="gpu", account="lm", qos="high", constraint="h100", exclude=["node[07-08]"],
                         cpus_per_task=16, time_limit="2-00:00:00", signal_before_s=300)
     two_nodes = job.model_copy(update={"hardware": job.hardware.model_copy(update={
         "nodes": 2, "devices_per_node": 8, "accelerator": "h100"}), "parallelism": job.parallelism.model_copy(
         update={"data_parallel": 16})})
-    script = slurm.sbatch_script(two_nodes, tmp_path / "job.json", spec, "/venv/python", "pretrain-stage1", 29500)
+    script = slurm.sbatch_script(slurm_shape(two_nodes, tmp_path / "job.json"), spec, "/venv/python",
+                                 "pretrain-stage1", 29500)
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=lm",
                  "#SBATCH --qos=high", "#SBATCH --constraint=h100", "#SBATCH --exclude=node[07-08]",
                  "#SBATCH --cpus-per-task=16", "#SBATCH --time=2-00:00:00", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR1@300", "trap on_time_limit USR1"):
         assert line in script.splitlines(), line
     assert '--node-rank "$SLURM_NODEID"' in script and "--nproc-per-node 8" in script
-    single = slurm.sbatch_script(job, tmp_path / "job.json", SlurmCluster(requeue=False), "/venv/python", "x", 1)
+    single = slurm.sbatch_script(slurm_shape(job, tmp_path / "job.json"), SlurmCluster(requeue=False), "/venv/python",
+                                 "x", 1)
     assert "#SBATCH --no-requeue" in single and "torch.distributed.run" not in single
 
 
