@@ -16,12 +16,14 @@ from rich.tree import Tree
 
 from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, SpecArg, err, load, out, store_root
 from compass.flows.cli_ops import ops
+from compass.flows.cli_preflight import preflight
 from compass.infra.environment import prepare_environment
 from compass.infra.temporary_server import start_tied_temporary_server
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.add_typer(ops)  # server, worker, deploy, submit, status
+app.command()(preflight)
 
 
 @app.command()
