@@ -102,15 +102,30 @@ class Store:
         (`only`: just the files under that sub-folder, e.g. one checkpoint of a model artifact)."""
         if not self.is_remote:
             return Path(self._path(uri))
+        return self.copy_verified(uri, cache_dir or Path(tempfile.gettempdir()) / "compass-cache", only)
+
+    def staged_path(self, uri: str, cache_dir: Path, only: str | None = None) -> Path:
+        """Where `copy_verified` puts (or has put) the artifact under `cache_dir`."""
         manifest = self.read_manifest(uri)
         prefix = only.strip("/") + "/" if only else ""
         files = [e for e in manifest.files if e.path.startswith(prefix)]
         # keyed by the files' checksums too: a store rebuilt under the same fingerprints (its sources changed
-        # underneath) must not be served from an older download
+        # underneath) must not be served from an older copy
         content = hashlib.sha256("".join(f"{e.path}\0{e.sha256}\0" for e in files).encode()).hexdigest()[:12]
-        name = f"{manifest.fingerprint}-{content}"
-        cache = (cache_dir or Path(tempfile.gettempdir()) / "compass-cache") / name
+        return cache_dir / f"{manifest.fingerprint}-{content}"
+
+    def copy_verified(self, uri: str, cache_dir: Path, only: str | None = None) -> Path:
+        """The artifact's files copied under `cache_dir` (a download from S3, or node-local staging from any
+        store), each checked against the manifest's sha256 as it arrives; a complete copy (its manifest written
+        last) whose file sizes still match is reused."""
+        manifest = self.read_manifest(uri)
+        prefix = only.strip("/") + "/" if only else ""
+        files = [e for e in manifest.files if e.path.startswith(prefix)]
+        cache = self.staged_path(uri, cache_dir, only)
         done = cache / MANIFEST
+        if done.exists() and any(not (cache / e.path).is_file() or (cache / e.path).stat().st_size != e.size
+                                 for e in files):
+            shutil.rmtree(cache, ignore_errors=True)  # a copy altered since: copy again
         if not done.exists():
             partial = cache.with_name(cache.name + f".part-{uuid.uuid4().hex[:8]}")
             for entry in files:
@@ -118,11 +133,13 @@ class Store:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(f"{self._path(uri)}/{entry.path}", str(target))
                 if sha256_file(str(target)) != entry.sha256:
-                    raise OSError(f"checksum mismatch for {uri}/{entry.path}")
+                    shutil.rmtree(partial, ignore_errors=True)
+                    raise OSError(f"checksum mismatch for {uri}/{entry.path}: the store's file differs from its "
+                                  "manifest (`compass verify` the store)")
             (partial / MANIFEST).write_text(manifest.model_dump_json(indent=2))
             try:
                 partial.rename(cache)
-            except OSError:  # another process finished the same download first
+            except OSError:  # another process finished the same copy first
                 shutil.rmtree(partial, ignore_errors=True)
         return cache
 

@@ -44,6 +44,17 @@ class SpecialIds(BaseModel):
     pad: int
 
 
+class Staging(BaseModel):
+    """Node-local copies of the sources: each node's first rank copies `uris` from the store into `cache`
+    (verified against the manifests) before any rank reads; `sources` already name those copies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store_root: str
+    cache: Path
+    uris: dict[str, str]
+
+
 class TrainJob(BaseModel):
     """A recipe bound to files and hardware. `init_from` continues a previous stage's full state; `whole_from`
     keeps documents longer than that length whole (long context); `tokens_before` continues the token count."""
@@ -56,6 +67,7 @@ class TrainJob(BaseModel):
     vocab_size: PositiveInt
     special_ids: SpecialIds
     sources: dict[str, Path]
+    staging: Staging | None = None
     init_from: Path | None = None
     whole_from: int | None = None
     tokens_before: int = 0

@@ -48,6 +48,7 @@ from compass.model.loss import resolve as resolve_loss
 from compass.model.monitors import Event, TrainingStopped
 from compass.model.packing import PackedBatch, Prefetcher, RowPacker, merge_states
 from compass.model.schedules import schedule_shape
+from compass.model.staging import stage_sources
 from compass.model.token_files import TokenizedSource
 from compass.model.validation import heldout_losses
 from compass.specs.costs import flops_per_token
@@ -100,6 +101,8 @@ class Trainer:
     starts from `init_from`), trains to the stage's last step and returns the stage's result."""
 
     def __init__(self, job: TrainJob, callbacks: list[Callback] | None = None):
+        if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
+            job = job.model_copy(update={"sources": stage_sources(job.staging, dist_env()[2])})
         self.job = job
         self.rank, self.world, _ = dist_env()
         recipe = job.recipe
@@ -125,7 +128,8 @@ class Trainer:
             loss = "recomputed"  # the head's weight is whole only inside its own forward at ZeRO-3
         self.setup = {"attention": attention.implementation(job.attention, cuda), "loss": loss,
                       "compile": job.compile, "precision": job.precision, "engine": "", "prefetch": job.prefetch,
-                      "async_checkpoints": job.checkpoints.asynchronous}
+                      "async_checkpoints": job.checkpoints.asynchronous,
+                      "data_from": str(job.staging.cache) if job.staging else "store"}
         self.lm = self._model()
         self.engine = self._engine(self.lm)
         self.setup["engine"] = self.engine.name

@@ -52,6 +52,11 @@ class Storage(SpecModel):
     credentials_block: str | None = Field(
         default=None, description="Prefect Secret block holding {aws_access_key_id, aws_secret_access_key, "
                                   "endpoint_url, region_name, aws_session_token}; otherwise the environment's.")
+    local_cache: str | None = Field(
+        default=None, description="A node-local folder (NVMe, /scratch): before training, each node copies the "
+                                  "tokenized sources it reads there, verified against their manifests, and the "
+                                  "trainer reads only from there (a shared file system evicting shards cannot "
+                                  "stall it); a verified copy is reused.")
     verify: Literal["sizes", "stamped", "full"] = Field(
         default="stamped",
         description="How a cached artifact or a step's input is checked against its manifest before use: "

@@ -21,7 +21,7 @@ from typing import Any
 
 from compass.infra.launcher import LaunchPlan, plan_launch
 from compass.infra.net import free_port
-from compass.model.job import SpecialIds, StageRecipe, TrainJob
+from compass.model.job import SpecialIds, StageRecipe, Staging, TrainJob
 from compass.specs.how import SlurmCluster
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.tokenizer import tokenizer_ids
@@ -34,10 +34,17 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     tok_dir = ctx.inputs["tokenizer"].local() / "chosen"
     ids = tokenizer_ids(tok_dir)
     previous = ctx.inputs.get("previous")
+    if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/staging.py) first
+        cache = Path(how.storage.local_cache).expanduser()
+        tokens = ctx.inputs_with_prefix("tokens:")
+        sources = {name: ctx.store.staged_path(art.uri, cache) for name, art in tokens.items()}
+        staging = Staging(store_root=ctx.store.root, cache=cache, uris={n: a.uri for n, a in tokens.items()})
+    else:
+        sources, staging = ctx.local_inputs("tokens:"), None
     return TrainJob(
         recipe=recipe, workdir=ctx.workdir, tokenizer_dir=tok_dir,
         vocab_size=recipe.architecture.vocab_size or ids.vocab_size,
-        special_ids=SpecialIds(eos=ids.eos, pad=ids.pad), sources=ctx.local_inputs("tokens:"),
+        special_ids=SpecialIds(eos=ids.eos, pad=ids.pad), sources=sources, staging=staging,
         init_from=previous.local() / "state" if previous else None, whole_from=whole_from,
         tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
         parallelism=how.parallelism, precision=how.precision, hardware=how.hardware, checkpoints=how.checkpoints,

@@ -121,16 +121,18 @@ def stage1_job(tmp_path_factory: pytest.TempPathFactory):
                    runtime)
     step = plan.step("pretrain:stage1")
 
-    def make(workdir: Path, **parallelism) -> TrainJob:
+    def make(workdir: Path, local_cache: Path | None = None, **parallelism) -> TrainJob:
         inputs = {}
         for role, dep in step.inputs.items():
             uri = store.uri(dep.split(":")[0], dep.split(":")[1], plan.fingerprints[dep])
             inputs[role] = InputArtifact(role, dep, uri, store.read_manifest(uri), store)
         how = loaded.spec.how.model_copy(update={
             "parallelism": loaded.spec.how.parallelism.model_copy(update=parallelism),
-            "checkpoints": Checkpoints(every_steps=10, keep_last=2)})
+            "checkpoints": Checkpoints(every_steps=10, keep_last=2),
+            "storage": loaded.spec.how.storage.model_copy(update={"local_cache": str(local_cache) if local_cache
+                                                                   else None})})
         sctx = StepContext("pretrain", "stage1", step.config, inputs, workdir, workdir, workdir, Runtime(how=how),
-                           logging.getLogger("test"))
+                           logging.getLogger("test"), store=store)
         return build_job(sctx, step.config)
 
     return make
