@@ -57,3 +57,50 @@ def test_expected_figures_and_slow_storage_are_flagged_even_when_every_rank_agre
     assert set(verdict.flagged) == {"a", "b", "c"}  # 200 TFLOPS everywhere is far below 593 expected
     assert any("store writes 100 MB/s" in why for why in verdict.flagged["b"])
     assert judge(rows[:1], tolerance=0.15).flagged == {}  # one rank, no expectation: nothing to compare with
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_is_flagged_with_its_node_for_exclusion(tmp_path: Path):
+    """Two ranks, each pinned to its own core, and a busy process sharing rank 1's core (what a throttling or
+    oversubscribed device looks like): rank 1's matmul throughput falls far below its peer's and preflight
+    exits 1 naming the node."""
+    import os
+    import time
+
+    import psutil
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    spec = write_minimal_spec(tmp_path, **{"how:\n": f"how:\n  storage: {{root: {tmp_path / 'store'}}}\n"})
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cores[1]}}})\n"
+                            "while True: pass"])
+    run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli", "preflight", str(spec), "--ranks", "2",
+                            "--duration", "4", "--megabytes", "4", "--tolerance", "0.3", "--json"], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pinned: set[int] = set()
+        deadline = time.monotonic() + 120
+        while len(pinned) < 2 and time.monotonic() < deadline and run.poll() is None:
+            for child in psutil.Process(run.pid).children(recursive=True):
+                try:
+                    rank = child.environ().get("RANK") if "compass.model.preflight" in child.cmdline() else None
+                    if rank is not None and child.pid not in pinned:
+                        child.cpu_affinity([cores[int(rank)]])
+                        pinned.add(child.pid)
+                except psutil.Error:
+                    pass
+            time.sleep(0.01)
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        hog.kill()
+        hog.wait()
+        if run.poll() is None:
+            run.kill()
+    assert len(pinned) == 2, stderr[-2000:]
+    report = json.loads(stdout)
+    assert run.returncode == 1, report
+    rows = {r["rank"]: r for r in report["rows"]}
+    assert rows[1]["matmul_tflops"] < 0.7 * rows[0]["matmul_tflops"]
+    (node,) = report["flagged"]
+    assert "rank 1 matmul_tflops" in report["flagged"][node][0] and report["exclude"] == f"--exclude={node}"
