@@ -43,17 +43,30 @@ def plan(spec: SpecArg,
          smoke: SmokeOption = False,
          machine_checks: Annotated[bool, typer.Option(
              help="Check this machine (GPUs, GPU extras, memory per device, S3 credentials); --no-machine-checks "
-                  "plans a run for another machine, e.g. a cluster, from a laptop.")] = True) -> None:
+                  "plans a run for another machine, e.g. a cluster, from a laptop.")] = True,
+         preflight: Annotated[Path | None, typer.Option(
+             help="A `compass preflight --json` report: plan GPUs from its measured throughput instead of the "
+                  "assumed MFU.")] = None) -> None:
     """Print the DAG (fingerprints, outputs, what would run and why) and the cost estimate."""
     checked = load(spec, smoke=smoke, machine=machine_checks)
     loaded = checked.loaded
+    tflops = None
+    if preflight is not None:
+        from compass.specs.scaling import throughput_from_preflight
+
+        try:
+            tflops = throughput_from_preflight(json.loads(preflight.read_text()),
+                                               loaded.spec.how.hardware.assumed_mfu)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            err.print(f"{preflight}: not a readable `compass preflight --json` report ({exc})", markup=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
     from compass.flows.plan_report import cost_sections, dag_section, print_sections
     from compass.flows.plan_status import plan_status
     from compass.infra.store import Store
 
     target = Store(store_root(checked, store))
     statuses = plan_status(checked.plan, target)
-    sections = [dag_section(checked.plan, statuses, target.root), *cost_sections(loaded.spec)]
+    sections = [dag_section(checked.plan, statuses, target.root), *cost_sections(loaded.spec, tflops)]
     if as_json:
         print(json.dumps({"spec": loaded.spec.name, "spec_hash": loaded.spec_hash,
                           "sections": [{"title": s.title, "columns": s.columns, "rows": s.rows, "notes": s.notes}

@@ -13,8 +13,7 @@ from typing import Annotated
 import typer
 
 from compass.flows.cli_common import SpecArg, err, load, out, store_root
-
-ACHIEVABLE = 0.6  # of the data sheet's dense peak: what a healthy GPU reaches on a large bf16 matmul
+from compass.specs.scaling import MATMUL_SHARE_OF_PEAK as ACHIEVABLE
 
 
 def preflight(spec: SpecArg,

@@ -51,7 +51,34 @@ def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str) -> Sect
     return Section("DAG", ["step", "depends on", "fingerprint", "state", "why", "output"], rows, [note])
 
 
-def cost_sections(spec: TrainingSpec) -> list[Section]:
+def scaling_section(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> Section:
+    """Wall time by GPU count, the GPUs the target needs, and where adding GPUs stops helping."""
+    from compass.specs import scaling
+
+    hw = spec.how.hardware
+    points = scaling.scaling(spec, tflops_per_gpu)
+    rows = [[p.gpus, f"{p.wall_days:.3g}", f"{p.exposed_comm_share:.0%}", f"{p.efficiency:.0%}",
+             "global batch exhausted" if p.capped else ""] for p in points]
+    per_gpu = tflops_per_gpu or hw.peak * hw.assumed_mfu
+    notes = [f"{per_gpu:,.0f} TFLOP/s per GPU ({'measured by preflight' if tflops_per_gpu else 'peak x assumed MFU'}"
+             f"), gradients all-reduced in bf16 each step over {scaling.INTRANODE_BUSBW_GBPS[hw.accelerator]:g} GB/s "
+             f"within a node and {hw.internode_busbw_gbps:g} GB/s across nodes, hidden behind the backward pass up "
+             "to its length"]
+    knee = scaling.stops_helping(points)
+    if knee:
+        notes.append(f"adding GPUs stops helping at about {knee.gpus}: "
+                     + ("every GPU already holds a single micro-batch of the global batch" if knee.capped else
+                        f"parallel efficiency {knee.efficiency:.0%}, exposed communication "
+                        f"{knee.exposed_comm_share:.0%} of the time"))
+    if hw.target_days:
+        need = scaling.gpus_for(spec, hw.target_days, tflops_per_gpu)
+        notes.append(f"target {hw.target_days:g} days: " + (f"{need} GPUs ({need // hw.devices_per_node} nodes of "
+                     f"{hw.devices_per_node})" if need else "no GPU count reaches it (the global batch or the "
+                     "communication caps the speed-up): shorten the run or raise the batch"))
+    return Section("GPUs and wall time", ["GPUs", "days", "exposed comm", "efficiency", ""], rows, notes)
+
+
+def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> list[Section]:
     arch, how = spec.what.architecture, spec.how
     vocab = costs.planning_vocab(spec)
     p = costs.count_parameters(arch, vocab)
@@ -75,6 +102,8 @@ def cost_sections(spec: TrainingSpec) -> list[Section]:
                       [f"6·N·D + attention (PaLM); {hw.total_devices} x {hw.accelerator} at {hw.peak:g} TFLOP/s, "
                        f"assumed MFU {hw.assumed_mfu:.0%}"])
     sections = [params, compute, training_core_section(spec)]
+    if hw.accelerator != "cpu" or hw.target_days:
+        sections.append(scaling_section(spec, tflops_per_gpu))
     abl = costs.ablation_cost(spec)
     if abl:
         sections.append(Section("Ablations", ["runs", "proxy params", "tokens/run", "FLOPs", "GPU-hours",

@@ -27,6 +27,11 @@ class Hardware(SpecModel):
         default="torchrun", description="torchrun: compass starts one launcher per node (over ssh when remote); "
                                         "deepspeed: DeepSpeed's launcher on the first host with a hostfile (pdsh).")
     rendezvous_port: int = Field(default=29500, ge=1024, le=65535)
+    internode_busbw_gbps: PositiveFloat = Field(
+        default=100.0, description="All-reduce bus bandwidth across nodes, GB/s (compass preflight measures it; "
+                                   "~100 on 8x400 Gb/s InfiniBand or EFA): the planner's communication estimate.")
+    target_days: PositiveFloat | None = Field(
+        default=None, description="Wall time the run must fit in: `compass plan` says how many GPUs that takes.")
 
     @property
     def total_devices(self) -> int:

@@ -1,0 +1,72 @@
+"""The GPU planner (specs/scaling.py) against the SmolLM3 figures: 384 H100s (48 nodes, TP 2 x DP 192), about
+24 days; the global batch caps data parallelism; a slow interconnect makes adding GPUs stop helping (Amdahl)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compass.specs import load_spec, scaling
+from tests.conftest import REPO
+
+EXAMPLES = REPO / "specs" / "examples"
+
+
+@pytest.fixture(scope="module")
+def smollm3():
+    return load_spec(EXAMPLES / "smollm3-3b.yaml").spec
+
+
+def test_smollm3_on_384_h100s_takes_about_24_days(smollm3):
+    days, exposed, capped = scaling.wall_days(smollm3, 384)
+    assert days == pytest.approx(24, rel=0.10) and not capped
+    assert exposed < 0.05  # 6 GB of gradients per replica hide behind the backward pass on 100 GB/s
+    assert scaling.gpus_for(smollm3, 26) == 384  # 48 nodes of 8
+    assert scaling.gpus_for(smollm3, 40) == 248  # 31 nodes
+    assert scaling.gpus_for(smollm3, 20) is None  # 576 x 4k sequences per step: no more than 192 replicas
+
+
+def test_the_global_batch_caps_data_parallelism(smollm3):
+    points = scaling.scaling(smollm3)
+    assert 384 in [p.gpus for p in points]
+    knee = scaling.stops_helping(points)
+    assert knee is not None and knee.capped and knee.gpus == 512
+
+
+def test_a_slow_interconnect_makes_more_gpus_stop_helping(smollm3):
+    hw = smollm3.how.hardware.model_copy(update={"internode_busbw_gbps": 2.0})
+    slow = smollm3.model_copy(update={"how": smollm3.how.model_copy(update={"hardware": hw})})
+    points = {p.gpus: p for p in scaling.scaling(slow)}
+    assert points[8].exposed_comm_share == 0.0  # NVLink within one node
+    assert points[256].exposed_comm_share > 0.3 and points[256].efficiency < 0.7
+    knee = scaling.stops_helping(list(points.values()))
+    assert knee is not None and not knee.capped and knee.gpus < 512
+    fast, _, _ = scaling.wall_days(smollm3, 256)
+    assert scaling.wall_days(slow, 256)[0] > 1.3 * fast
+
+
+def test_plan_uses_measured_throughput_from_a_preflight_report(tmp_path: Path):
+    spec = tmp_path / "spec.yaml"
+    text = (EXAMPLES / "smollm3-3b.yaml").read_text()
+    hub = "{kind: hub, repo: meta-llama/Llama-3.2-1B, vocab_size: 128256}"  # not in this machine's HF cache
+    spec.write_text(text.replace("assumed_mfu: 0.3}", "assumed_mfu: 0.3, target_days: 26}")
+                    .replace(hub, "{kind: bpe, vocab_size: 128256}"))
+    report = tmp_path / "preflight.json"
+    rows = [{"node": f"n{i}", "rank": i, "matmul_tflops": 296.7, "allreduce_busbw_gbps": 90.0} for i in range(8)]
+    report.write_text(json.dumps({"rows": rows}))  # matmuls at half of a healthy H100's: training at half speed
+    command = [sys.executable, "-m", "compass.flows.cli", "plan", str(spec), "--no-machine-checks", "--json"]
+    assumed = json.loads(subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=True).stdout)
+    measured = json.loads(subprocess.run([*command, "--preflight", str(report)], capture_output=True, text=True,
+                                         cwd=REPO, check=True).stdout)
+
+    def section(plan: dict) -> dict:
+        return next(s for s in plan["sections"] if s["title"] == "GPUs and wall time")
+
+    a, m = section(assumed), section(measured)
+    assert any("target 26 days: 384 GPUs (48 nodes of 8)" in n for n in a["notes"])
+    assert any("target 26 days: no GPU count reaches it" in n for n in m["notes"])
+    assert "measured by preflight" in m["notes"][0] and "148 TFLOP/s" in m["notes"][0]
