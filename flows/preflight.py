@@ -76,6 +76,28 @@ def smoke_of(loaded: LoadedSpec) -> LoadedSpec:
     return smoked
 
 
+def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
+    """The Slurm controller answers, and knows the partition the spec names."""
+    import subprocess
+
+    command = ["sinfo", "-h", "-o", "%P"] + (["-p", partition] if partition else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = subprocess.CompletedProcess(command, 1, "", str(exc))
+    if done.returncode:
+        yield Issue(("how", "orchestration", "cluster"), "the spec runs training as Slurm jobs and this machine's "
+                    f"Slurm controller does not answer ({_first_line(done.stderr or done.stdout)})",
+                    f"run compass on a Slurm login node (or set SLURM_CONF), {smoke_hint}")
+    elif partition and not done.stdout.strip():
+        yield Issue(("how", "orchestration", "cluster", "partition"), f"Slurm has no partition '{partition}'",
+                    "name one that `sinfo` lists")
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "no output")[:160]
+
+
 def _machine(spec: TrainingSpec) -> Iterator[Issue]:
     """What the spec's `how` needs from the machine it runs on: CUDA for GPUs, the GPU extras for the kernels it
     names, memory per device for every training stage, credentials for S3."""
@@ -86,7 +108,17 @@ def _machine(spec: TrainingSpec) -> Iterator[Issue]:
     how = spec.how
     accelerator = how.hardware.accelerator
     smoke_hint = "or exercise the spec on this CPU first: compass run SPEC --smoke"
-    if accelerator != "cpu":
+    if how.orchestration.cluster is not None:  # training runs on the cluster's nodes, not on this machine
+        import shutil
+
+        missing = [c for c in ("sbatch", "scontrol", "scancel") if shutil.which(c) is None]
+        if missing:
+            yield Issue(("how", "orchestration", "cluster"), f"the spec runs training as Slurm jobs and "
+                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on this machine's PATH",
+                        f"run compass on a Slurm login node, {smoke_hint}")
+        else:
+            yield from _slurm_partition(how.orchestration.cluster.partition, smoke_hint)
+    elif accelerator != "cpu":
         import torch
 
         if not torch.cuda.is_available():

@@ -5,7 +5,7 @@ long-context stages, post-training methods, evaluation suite), the architecture'
 depth (GQA ratio, the NoPE layer pattern, tied embeddings, MoE with fewer experts, z-loss, document masking), the
 schedule's shape, and the parallelism's kind (DeepSpeed or torch, the ZeRO stage, the tensor-parallel degree up
 to 2, on CPU processes with gloo). What it cannot keep on a CPU it says: GPUs become CPU processes, bf16 becomes
-fp32, data parallelism becomes one rank, several nodes become one, Ray becomes the local runner. It writes to its
+fp32, data parallelism becomes one rank, several nodes become one, Ray and Slurm become this process. It writes to its
 own store, next to the spec's (`<root>-smoke`), never among real artifacts.
 
 Pure: a TrainingSpec in, a TrainingSpec and the list of what changed out.
@@ -200,10 +200,12 @@ class _Shrinker:
         self.set("how.orchestration", orch, "task_runner", "local")
         self.set("how.orchestration", orch, "ray_address", None)
         self.set("how.orchestration", orch, "ray_num_cpus", None)
+        self.set("how.orchestration", orch, "cluster", None, "cluster (Slurm jobs -> this process)")
         self.set("how.orchestration", orch, "retries", 0)
         self.set("how.checkpoints", how["checkpoints"], "every_steps", STEPS)  # one checkpoint a stage
         storage = how["storage"]
         self.set("how.storage", storage, "root", storage["root"].rstrip("/") + "-smoke")
+        self.set("how.storage", storage, "local_cache", None)  # a cluster's /scratch is not on this machine
 
 
 def smoke_spec(spec: TrainingSpec) -> tuple[TrainingSpec, list[Shrink]]:

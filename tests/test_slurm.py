@@ -185,3 +185,11 @@ def test_stopping_the_run_cancels_its_slurm_job(cluster, tmp_path: Path):
     run.send_signal(signal.SIGTERM)  # what a cancellation from the UI, or Ctrl-C, does to the flow's process
     assert run.wait(120) != 0
     wait_for(lambda: slurm.state_of(job).state == "CANCELLED", "the job to be cancelled", timeout=60)
+
+
+def test_plan_checks_the_controller_and_the_partition(cluster):
+    from compass.flows.preflight import _slurm_partition
+
+    assert list(_slurm_partition("debug", "")) == []
+    (issue,) = _slurm_partition("hopper-prod", "")
+    assert "no partition 'hopper-prod'" in issue.message
