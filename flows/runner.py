@@ -23,7 +23,7 @@ from compass.infra.manifest import InputRef, Manifest, code_version, host_facts,
 from compass.infra.store import Store, artifact_folder, owned_prefix
 from compass.tasks import registry
 from compass.tasks.base import InputArtifact, Runtime, StepContext, StepResult
-from compass.tasks.steps import Step
+from compass.tasks.steps import Step, StepKind
 
 SUMMARY_FILE = "summary.md"
 
@@ -68,6 +68,16 @@ def _disk_full_named(step_id: str, where: Path) -> Iterator[None]:
         raise DiskFull(errno.ENOSPC, f"{step_id}: no space left on the device of {path} ({free / 2**20:,.0f} MiB "
                        "free there): free space, or move how.storage.root (and TMPDIR for S3 stores) to a larger "
                        "disk; the step resumes from its last checkpoint") from None
+
+
+def _run_kind(kind: StepKind, sctx: StepContext) -> StepResult:
+    """The kind's work, here or, for kinds that ask for it on a Slurm cluster, as a one-node job."""
+    cluster = sctx.runtime.how.orchestration.cluster
+    if cluster is not None and kind.whole_step_on_cluster:
+        from compass.tasks.step_job import run_on_cluster
+
+        return run_on_cluster(sctx, cluster)
+    return kind.run(sctx)
 
 
 def step_uri(ctx: RunContext, step: Step) -> str:
@@ -127,7 +137,7 @@ def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAd
             sctx = StepContext(step.kind, step.name, step.config, inputs, out, Path(scratch), workdir, ctx.runtime,
                                log, store=store, work_key=key)
             with _default_grad_mode(), _disk_full_named(step.id, out):
-                result = kind.run(sctx)
+                result = _run_kind(kind, sctx)
             if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
                 (out / SUMMARY_FILE).write_text(result.summary)
             manifest = Manifest(

@@ -47,6 +47,7 @@ class JobShape:
     nodes: int
     ranks_per_node: int
     gpus_per_node: int | None  # None on CPU
+    module: str = TRAINER_MODULE  # what each rank runs: `python -m MODULE JOB.json`
 
     @property
     def world_size(self) -> int:
@@ -87,12 +88,12 @@ def sbatch_script(job: JobShape, cluster: SlurmCluster, python: str, label: str,
         options.append("--no-requeue")
     if job.world_size == 1:  # the rank's rendezvous, or DeepSpeed sees Slurm's variables and looks for MPI
         node = ("RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + str(port) + " "
-                + shlex.join([python, "-m", TRAINER_MODULE, str(job_path)]))
+                + shlex.join([python, "-m", job.module, str(job_path)]))
     else:
         node = (shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes)])
                 + ' --node-rank "$SLURM_NODEID" '
                 + shlex.join(["--nproc-per-node", str(job.ranks_per_node), "--master-port", str(port)])
-                + ' --master-addr "$COMPASS_HEAD" ' + shlex.join(["-m", TRAINER_MODULE, str(job_path)]))
+                + ' --master-addr "$COMPASS_HEAD" ' + shlex.join(["-m", job.module, str(job_path)]))
     stop = shlex.quote(str(workdir / STOP_FILE))
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options), "",
              f"export COMPASS_STOP_FILE={stop}",

@@ -279,5 +279,6 @@ def _shown(values: dict[str, Any]) -> str:
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
 KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", uses_accelerator=True,
+                whole_step_on_cluster=True,
                 imports=TRANSFORMERS, tags=("evaluation",), preflight=preflight)
 STEP_KINDS = (KIND,)

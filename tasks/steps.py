@@ -77,6 +77,9 @@ class StepKind:
     build: Callable[[PlanBuilder], None] | None  # adds this kind's steps; None: other kinds add them on demand
     version: str  # bump when the code changes what the kind produces: its steps then run again
     uses_accelerator: bool = False  # one device per step; serialised by max_parallel_gpu_steps and the gpu tag
+    # with how.orchestration.cluster, the runner sends the whole step to a one-node job (kinds whose training or
+    # evaluation is not compass's trainer, which submits its own multi-node jobs)
+    whole_step_on_cluster: bool = False
     produces_model: bool = False  # its artifact holds a Hugging Face model: evaluated, named by criteria
     spreads_itself: bool = False  # fans its own work out (datatrove on Ray): its driver takes no CPU slot
     deployment: str | None = None  # "ablations": part of the ablation-only deployment

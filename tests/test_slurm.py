@@ -193,3 +193,45 @@ def test_plan_checks_the_controller_and_the_partition(cluster):
     assert list(_slurm_partition("debug", "")) == []
     (issue,) = _slurm_partition("hopper-prod", "")
     assert "no partition 'hopper-prod'" in issue.message
+
+
+SFT = """  post_training:
+    - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 16, max_length: 128,
+       batch_size: 8}
+  evaluation:
+    perplexity_sources: [notes]
+  pretraining:"""
+
+
+def test_post_training_and_evaluation_run_as_one_node_jobs(cluster, tmp_path: Path):
+    """TRL and lighteval do not use compass's trainer: the whole step runs in a job (tasks/step_job.py), and
+    what it wrote is committed as the step's artifact."""
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import run_in_process
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
+
+    spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT, "  parallelism: {micro_batch_size: 2}": (
+        "  parallelism: {micro_batch_size: 2}\n  orchestration: {cluster: {kind: slurm, poll_seconds: 0.5}}")})
+    loaded = load_spec(spec)
+    plan = compile_spec(loaded.spec).up_to(["post_train:sft", "evaluate:post_train-sft"])
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("test.slurm.steps")
+    log.addHandler(Keep())
+    log.setLevel(logging.INFO)
+    outcomes = run_in_process(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
+                              Runtime(how=loaded.spec.how, base_dir=loaded.base_dir), log)
+    sft, evaluated = outcomes["post_train:sft"], outcomes["evaluate:post_train-sft"]
+    assert sft.executed and sft.manifest.metrics["method"] == "sft" and sft.manifest.metrics["steps"] > 0
+    assert (Path(sft.uri) / "final" / "model.safetensors").exists()
+    assert evaluated.manifest.metrics["val_ppl:notes"] > 1
+    submitted = [line for line in lines if line.startswith("submitted Slurm job")]
+    assert any("post_train/sft-" in line for line in submitted), submitted
+    assert any("evaluate/post_train-sft-" in line for line in submitted), submitted
+    assert any("pretrain/stage1-" in line for line in submitted), submitted  # the trainer's own job
