@@ -72,6 +72,19 @@ def allreduce_busbw_gbps(device: Any, megabytes: int, seconds: float) -> float |
             return tensor.numel() * 4 * 2 * (world - 1) / world * done / elapsed / 1e9
 
 
+def everyone_agrees(done: bool, device: Any) -> bool:
+    """True on every rank once any rank is done: each rank's own clock would end the burn-in after a different
+    number of rounds, and a rank in the next all-reduce while its peer waits at the barrier aborts both."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return done
+    flag = torch.tensor([float(done)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def io_throughput(folder: Path, megabytes: int) -> dict[str, float]:
     """Sequential write (with fsync) then read of one file in `folder`, in MB/s. The read may come from the page
     cache: it bounds what the trainer can get, the write is the honest figure for a network file system."""
@@ -138,7 +151,7 @@ def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s
     while True:
         rounds.append({"matmul_tflops": matmul_tflops(device, 1.0),
                        "allreduce_busbw_gbps": allreduce_busbw_gbps(device, megabytes, 1.0)})
-        if time.monotonic() >= deadline:
+        if everyone_agrees(time.monotonic() >= deadline, device):
             break
     for key in MEASURED:
         values = [r[key] for r in rounds if r[key] is not None]
@@ -153,6 +166,7 @@ def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s
     (out / f"rank-{rank}.json").write_text(json.dumps(row))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # gloo's threads left running abort the process at exit
     return row
 
 
@@ -167,37 +181,38 @@ class Verdict:
         return f"--exclude={','.join(sorted(self.flagged))}" if self.flagged else ""
 
 
+def _peer_median(values: list[float | None], index: int) -> float | None:
+    peers = [v for j, v in enumerate(values) if j != index and v is not None]
+    return statistics.median(peers) if peers else None
+
+
 def judge(rows: list[dict], tolerance: float, expected: dict[str, float] | None = None) -> Verdict:
-    """Flag ranks more than `tolerance` below the median of their peers (a straggler) or below the expected
-    figure, nodes whose storage is that much slower than the other nodes', and GPUs that throttle or report
-    uncorrected ECC errors."""
+    """Flag ranks more than `tolerance` below the median of their peers (itself left out, so that with two ranks
+    the slow one is compared with the other) or below the expected figure, nodes whose storage is that much slower
+    than the other nodes', and GPUs that throttle or report uncorrected ECC errors."""
     flagged: dict[str, list[str]] = {}
 
     def flag(node: str, why: str) -> None:
         flagged.setdefault(node, []).append(why)
 
     for key in MEASURED:
-        values = [r[key] for r in rows if r.get(key) is not None]
-        if not values:
-            continue
-        median = statistics.median(values)
         floor = (expected or {}).get(key)
-        for r in rows:
+        for i, r in enumerate(rows):
             value = r.get(key)
             if value is None:
                 continue
-            if len(values) > 1 and value < (1 - tolerance) * median:
+            median = _peer_median([p.get(key) for p in rows], i)
+            if median is not None and value < (1 - tolerance) * median:
                 flag(r["node"], f"rank {r['rank']} {key} {value:.3g} is {1 - value / median:.0%} below the "
                                 f"median {median:.3g}")
             if floor is not None and value < (1 - tolerance) * floor:
                 flag(r["node"], f"rank {r['rank']} {key} {value:.3g} is below the expected {floor:.3g}")
     for name in ("store", "staging"):
         per_node = {r["node"]: r[name]["write_mbps"] for r in rows if name in r}
-        if len(per_node) > 1:
-            median = statistics.median(per_node.values())
-            for node, value in per_node.items():
-                if value < (1 - tolerance) * median:
-                    flag(node, f"{name} writes {value:.0f} MB/s, {1 - value / median:.0%} below the median")
+        for i, (node, value) in enumerate(per_node.items()):
+            median = _peer_median(list(per_node.values()), i)
+            if median is not None and value < (1 - tolerance) * median:
+                flag(node, f"{name} writes {value:.0f} MB/s, {1 - value / median:.0%} below the median")
     for r in rows:
         gpu = r.get("gpu") or {}
         if gpu.get("throttling"):

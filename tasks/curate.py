@@ -165,10 +165,27 @@ def _run(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int) -
                                          logging_dir=str(logging_dir), skip_completed=False)
     with children_die_with_this_thread():  # datatrove's Manager process too
         executor.run()
-    stats_file = logging_dir / "stats.json"
-    blocks = json.loads(stats_file.read_text()) if stats_file.exists() else []
+    missing = executor.get_incomplete_ranks(range(tasks), skip_completed=True)
+    if missing:  # Ray's executor logs a lost task group and returns: an incomplete stage must not be committed
+        raise RuntimeError(f"datatrove stage {stage} finished without ranks {missing} of {tasks}; "
+                           f"see {logging_dir / 'logs'}")
+    blocks = _merged_block_stats(logging_dir, tasks)
     return {"stage": stage, "blocks": [{"name": b.get("name"), "stats": _plain_stats(b.get("stats", {}))}
                                        for b in blocks]}
+
+
+def _merged_block_stats(logging_dir: Path, tasks: int) -> list[dict[str, Any]]:
+    """The stage's statistics, merged from every rank's file: Ray's executor skips the merged stats.json when it
+    counted a resubmitted task as failed, though every rank completed."""
+    from datatrove.utils.stats import PipelineStats
+
+    merged = logging_dir / "stats.json"
+    if merged.exists():
+        return json.loads(merged.read_text())
+    total = PipelineStats()
+    for rank in range(tasks):
+        total += PipelineStats.from_json(json.loads((logging_dir / "stats" / f"{rank:05d}.json").read_text()))
+    return json.loads(total.to_json())
 
 
 def _plain_stats(stats: dict[str, Any]) -> dict[str, Any]:

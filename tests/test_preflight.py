@@ -99,6 +99,7 @@ def test_a_slowed_rank_is_flagged_with_its_node_for_exclusion(tmp_path: Path):
         if run.poll() is None:
             run.kill()
     assert len(pinned) == 2, stderr[-2000:]
+    assert stdout.strip(), stderr[-3000:]
     report = json.loads(stdout)
     assert run.returncode == 1, [(r["rank"], r["matmul_tflops"], r["rounds"]) for r in report["rows"]]
     rows = {r["rank"]: r for r in report["rows"]}
