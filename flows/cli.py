@@ -15,6 +15,7 @@ import typer
 from rich.tree import Tree
 
 from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, SpecArg, err, load, out, store_root
+from compass.flows.cli_monitor import monitor
 from compass.flows.cli_ops import ops
 from compass.flows.cli_preflight import preflight
 from compass.infra.environment import prepare_environment
@@ -24,6 +25,7 @@ app = typer.Typer(help="compass: a declarative workflow DAG for training a small
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.add_typer(ops)  # server, worker, deploy, submit, status
 app.command()(preflight)
+app.command()(monitor)
 
 
 @app.command()

@@ -109,8 +109,15 @@ def deploy(spec: Annotated[Path | None, typer.Argument(
                           "cron": None if ev.schedule_interval_seconds else ev.schedule_cron,
                           "parameters": {"checkpoint_root": store_root(loaded, None), "tasks": tasks,
                                          "credentials_block": loaded.spec.how.storage.credentials_block}}
+    on_checkpoint = None
+    if loaded is not None:
+        how, tasks = loaded.spec.how, [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
+        if tasks and how.evaluation.every_checkpoint and how.monitoring.checkpoint_events:
+            on_checkpoint = {"spec": loaded.spec.name,
+                             "parameters": {"tasks": tasks, "store_root": store_root(loaded, None),
+                                            "credentials_block": how.storage.credentials_block}}
     slots = gpu_slots or (loaded.spec.how.orchestration.max_parallel_gpu_steps if loaded else 1)
-    made = deploy_all(pool, evaluation)
+    made = deploy_all(pool, evaluation, on_checkpoint)
     ensure_gpu_limit(slots)
     if as_json:
         print(json.dumps({"pool": pool, "pool_created": created, "gpu_slots": slots,

@@ -20,6 +20,7 @@ from compass.tasks.steps import GPU_TAG
 LIFECYCLE = "compass-lifecycle/lifecycle"
 ABLATIONS = "compass-lifecycle/ablations"
 EVALUATION_FLOW = "compass-scheduled-evaluation"
+CHECKPOINT_EVALUATION_FLOW = "compass-checkpoint-evaluation"
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,11 @@ def ensure_gpu_limit(slots: int) -> None:
         client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=slots)
 
 
-def deploy_all(pool: str, evaluation: dict[str, Any] | None = None) -> list[Deployed]:
-    """Create or update the lifecycle and ablation deployments, and the scheduled evaluation when given
-    (`evaluation`: name, parameters, interval or cron)."""
+def deploy_all(pool: str, evaluation: dict[str, Any] | None = None,
+               on_checkpoint: dict[str, Any] | None = None) -> list[Deployed]:
+    """Create or update the lifecycle and ablation deployments, the scheduled evaluation when given
+    (`evaluation`: name, parameters, interval or cron), and the evaluation of each committed checkpoint with its
+    automation (`on_checkpoint`: spec name, parameters)."""
     from prefect import deploy
 
     from compass.flows.lifecycle import lifecycle
@@ -78,6 +81,43 @@ def deploy_all(pool: str, evaluation: dict[str, Any] | None = None) -> list[Depl
             description="Evaluates checkpoints that have no result for the suite yet."))
         when = f"every {evaluation['interval']}s" if evaluation.get("interval") else evaluation.get("cron")
         made.append(Deployed(f"{EVALUATION_FLOW}/{evaluation['name']}", when))
+    if on_checkpoint:
+        from compass.flows.scheduled_eval import ONE_EVALUATION_AT_A_TIME, evaluate_committed_checkpoint
+
+        name = f"on-checkpoint-{on_checkpoint['spec']}"
+        deployments.append(evaluate_committed_checkpoint.to_deployment(
+            name=name, entrypoint_type=EntrypointType.MODULE_PATH, parameters=on_checkpoint["parameters"],
+            concurrency_limit=ONE_EVALUATION_AT_A_TIME, tags=["compass"],
+            description="Evaluates the checkpoint a compass.checkpoint.committed event names (run by an automation)."))
+        made.append(Deployed(f"{CHECKPOINT_EVALUATION_FLOW}/{name}", "on each committed checkpoint"))
     with contextlib.redirect_stdout(sys.stderr):  # Prefect prints its own table: keep stdout for compass
         deploy(*deployments, work_pool_name=pool, print_next_steps_message=False)
+    if on_checkpoint:
+        ensure_checkpoint_automation(on_checkpoint["spec"], f"{CHECKPOINT_EVALUATION_FLOW}/{name}")
     return made
+
+
+def ensure_checkpoint_automation(spec_name: str, deployment: str) -> str:
+    """An automation that runs `deployment` once for every `compass.checkpoint.committed` event of this spec's
+    runs, with the event's checkpoint as the flow's parameter (replacing an automation of the same name)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation, EventTrigger, Posture, RunDeployment
+    from prefect.client.orchestration import get_client
+
+    from compass.flows.live import CHECKPOINT_EVENT
+
+    name = f"compass-evaluate-checkpoints-{spec_name}"
+    with get_client(sync_client=True) as client:
+        target = client.read_deployment_by_name(deployment)
+        for existing in client.read_automations_by_name(name):
+            client.delete_automation(existing.id)
+    automation = Automation(
+        name=name, description=f"Evaluate each checkpoint committed by a run of {spec_name}",
+        trigger=EventTrigger(expect={CHECKPOINT_EVENT},
+                             match={"prefect.resource.id": "compass.checkpoint.*", "compass.run": spec_name},
+                             posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+        actions=[RunDeployment(source="selected", deployment_id=target.id,
+                               parameters={"checkpoint": "{{ event.payload.checkpoint }}"})],
+    ).create()
+    return str(automation.id)

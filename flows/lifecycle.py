@@ -43,10 +43,23 @@ def artifact_key(*parts: str) -> str:
 @task(cache_policy=NO_CACHE, persist_result=False)
 def execute_step(ctx: RunContext, step: Step) -> dict[str, Any]:
     log = get_run_logger()
-    outcome = run_step(ctx, step, log)
+    with _followed_live(ctx, step, log):
+        outcome = run_step(ctx, step, log)
     _publish(ctx, step, outcome)
     return {"step": step.id, "uri": outcome.uri, "executed": outcome.executed,
             "seconds": round(outcome.manifest.duration_s, 2), "pid": os.getpid()}
+
+
+def _followed_live(ctx: RunContext, step: Step, log: Any):
+    """A training step's progress, loss plot and checkpoint events while it runs (flows/live.py)."""
+    if not registry.kind(step.kind).trains:
+        return nullcontext()
+    from compass.flows.live import LiveTraining
+
+    mon = ctx.runtime.how.monitoring
+    workdir = ctx.store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
+    return LiveTraining(step, workdir, ctx.plan.spec_name, ctx.store.root, mon.progress_every_s,
+                        mon.checkpoint_events, log, artifact_key(ctx.plan.spec_name, step.kind, step.name))
 
 
 def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
@@ -210,7 +223,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     how = spec.how
     if no_recompute:
         how = how.model_copy(update={"storage": how.storage.model_copy(update={"on_damage": "stop"})})
-    runtime = Runtime(how=how, base_dir=base)
+    runtime = Runtime(how=how, base_dir=base, run=spec.name)
     ctx = RunContext(plan, store, loaded.spec_hash, runtime)
     results = run_plan(plan, ctx, orch)
     ran = [r["step"] for r in results if r["executed"]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -21,13 +22,15 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
-from compass.infra.fingerprint import canonical_json
+from compass.infra.fingerprint import canonical_json, sha256_file
 from compass.infra.locks import step_lock
 from compass.infra.manifest import Manifest
 from compass.infra.store import Store
 from compass.specs.evaluation import EvalTask
 from compass.tasks import registry
 
+# Evaluations started by checkpoint events wait their turn: each holds a device while it runs.
+ONE_EVALUATION_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
 # A scan still running when the schedule fires again makes the new run cancel itself: overlapping scans would
 # only wait on each other's locks, and one run per tick that finds nothing new is the expected rhythm.
 SCAN_ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
@@ -75,8 +78,14 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, An
               target: str) -> dict[str, Any]:
     from compass.tasks.evaluate import run_lighteval
 
-    local = store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
+        if checkpoint.get("copy"):  # a training step's work folder: copied, as its step removes it on commit
+            local = Path(scratch) / "model"
+            shutil.copytree(checkpoint["copy"], local)
+            if sha256_file(str(local / "model.safetensors")) != checkpoint["weights_sha256"]:
+                raise RuntimeError(f"{checkpoint['copy']} changed while it was copied; evaluate it again")
+        else:
+            local = store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
         started = time.time()
         results, provenance = run_lighteval(local, [EvalTask.model_validate(t) for t in tasks], Path(scratch))
     metrics = {f"{name}/{m}": float(v) for name, values in results.items() for m, v in values.items()
@@ -122,3 +131,46 @@ def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]],
     with store.fs.open(f"{runs}/{int(time.time() * 1000)}.json", "w") as f:
         f.write(json.dumps(summary))
     return summary
+
+
+def locate(store: Store, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """Where to read a checkpoint an event named: its work folder while the training step runs, else the committed
+    artifact holding the same weights (the step removes its work folder once it commits); None once pruned."""
+    path = Path(checkpoint.get("path") or "")
+    if path.is_dir() and (path / "model.safetensors").exists():
+        return {**checkpoint, "copy": str(path)}
+    return next((c | {"tokens": c.get("tokens") or checkpoint.get("tokens")} for c in discover(store)
+                 if c["weights_sha256"] == checkpoint["weights_sha256"]), None)
+
+
+@flow(name="compass-checkpoint-evaluation", persist_result=False)
+def evaluate_committed_checkpoint(checkpoint: dict[str, Any], tasks: list[dict[str, Any]], store_root: str,
+                                  credentials_block: str | None = None) -> dict[str, Any]:
+    """Evaluate the checkpoint a `compass.checkpoint.committed` event names (compass deploy's automation runs this
+    for each one). Results go where the scheduled evaluation keeps them, keyed by the weights: neither this flow
+    nor the schedule evaluates the same weights twice for one suite."""
+    from compass.infra.credentials import apply_credentials_block
+    from compass.infra.environment import prepare_environment
+
+    prepare_environment()
+    apply_credentials_block(credentials_block)
+    logger = get_run_logger()
+    store = Store(store_root)
+    suite = suite_hash(tasks)
+    name = f"{checkpoint.get('step')} {checkpoint.get('folder')}"
+    if store.fs.exists(result_path(store, suite, checkpoint)):
+        logger.info("%s: already evaluated for suite %s", name, suite[:12])
+        return {"suite": suite, "evaluated": None, "checkpoint": checkpoint}
+    located = locate(store, checkpoint)
+    if located is None:
+        logger.warning("%s: its weights are no longer in the work folder or any committed artifact (pruned by "
+                       "how.checkpoints.keep_last); nothing to evaluate", name)
+        return {"suite": suite, "evaluated": None, "checkpoint": checkpoint}
+    record = evaluate_checkpoint(store_root, located, tasks, suite)
+    if record is not None:
+        create_table_artifact(key=f"checkpoint-evaluation-{checkpoint['weights_sha256'][:12]}",
+                              description=f"{name}, suite {suite[:12]}",
+                              table=[{"step": checkpoint.get("step"), "checkpoint": checkpoint.get("folder"),
+                                      "tokens": checkpoint.get("tokens"),
+                                      **{k: round(v, 4) for k, v in record["metrics"].items()}}])
+    return {"suite": suite, "evaluated": record["checkpoint"] if record else None, "checkpoint": checkpoint}

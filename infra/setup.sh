@@ -51,6 +51,15 @@ if command -v apt-get >/dev/null 2>&1; then
       echo "compass: run 'apt-get install slurm-wlm munge' as root for the Slurm tests" >&2
     fi
   fi
+  # Prometheus and promtool, for `compass monitor` and the observability tests (Prometheus on loopback).
+  if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+        || echo "compass: could not install prometheus; compass monitor and its tests will not work" >&2
+    else
+      echo "compass: run 'apt-get install prometheus' as root for compass monitor and its tests" >&2
+    fi
+  fi
 else
   echo "compass: apt-get not found: deb:// sources, the web-UI test's browser and Slurm are unavailable" >&2
 fi

@@ -151,6 +151,12 @@ class Store:
             base = Path(self.root) / ".work"
         return base / artifact_folder(kind, name, fingerprint)
 
+    def monitoring_dir(self, run: str) -> Path:
+        """A run's live telemetry (Prometheus targets, TensorBoard runs): beside a local store, else in the cache."""
+        if self.is_remote:
+            return Path(os.environ.get("COMPASS_CACHE", Path.home() / ".cache" / "compass")) / "monitoring" / run
+        return Path(self.root) / "monitoring" / run
+
     # --- writing ----------------------------------------------------------------------------------------
     @contextmanager
     def staging(self) -> Iterator[Path]:

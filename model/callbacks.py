@@ -76,7 +76,9 @@ class Monitoring(Callback):
             raise Rollback(event)
 
     def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        for event in self.monitor.record(record["step"], record["loss"], record["tokens_per_s"]):
+        phases = {k.removesuffix("_s"): v for k, v in record.items()
+                  if k.endswith("_s") and k != "tokens_per_s" and isinstance(v, float | int)}
+        for event in self.monitor.record(record["step"], record["loss"], record["tokens_per_s"], phases):
             trainer.report(event)
             if event.action == "stop":
                 raise TrainingStopped(event)

@@ -55,6 +55,21 @@ class Staging(BaseModel):
     uris: dict[str, str]
 
 
+class Telemetry(BaseModel):
+    """Where and how a training job reports live (how.monitoring): labels, the run's monitoring folder (Prometheus
+    service-discovery targets, TensorBoard runs) and each rank's endpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str
+    step: str
+    folder: Path
+    prometheus: bool = True
+    listen: str = "127.0.0.1"
+    port: int | None = None
+    tensorboard: bool = True
+
+
 class TrainJob(BaseModel):
     """A recipe bound to files and hardware. `init_from` continues a previous stage's full state; `whole_from`
     keeps documents longer than that length whole (long context); `tokens_before` continues the token count."""
@@ -78,6 +93,7 @@ class TrainJob(BaseModel):
     checkpoints: Checkpoints
     attention: AttentionBackend = "auto"
     compile: bool = False
+    telemetry: Telemetry | None = None
     loss: LossKernel = "auto"
     prefetch: int = 2  # batches packed ahead on a background thread (0: pack in the training thread)
 

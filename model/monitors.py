@@ -26,27 +26,47 @@ CAUSES = {
 }
 
 
+# A throughput drop diagnosed from where the step's time went, in the playbook's order: data loader, network, kernels
+PHASE_CAUSES = {
+    "data_wait": ("the data loader or storage: waiting for batches grew",
+                  "check the loader's prefetch and workers and the storage's read speed (evictions on a shared file "
+                  "system: stage the data on local NVMe with how.storage.local_cache)"),
+    "sync": ("the network or a slower rank: waiting on the other ranks grew",
+             "check the interconnect and look for a straggler (compass preflight measures all-reduce bandwidth and "
+             "flags slow nodes to exclude)"),
+    "forward_backward": ("compute: the forward and backward pass got slower (kernels or throttling)",
+                         "check GPU clocks, temperature and throttle reasons (compass_gpu_* metrics), and any change "
+                         "of kernels or sequence shapes"),
+    "optimizer": ("compute: the optimizer step got slower (kernels or throttling)",
+                  "check GPU clocks and throttle reasons, and memory pressure on the host (offloaded states)"),
+    "checkpoint": ("checkpoint writes are blocking training",
+                   "write checkpoints asynchronously (how.checkpoints.asynchronous) or to faster storage"),
+}
+PHASE_ORDER = ("data_wait", "sync", "forward_backward", "optimizer", "checkpoint")
+
+
 @dataclass(frozen=True)
 class Event:
     kind: str
     step: int
     action: str
     detail: str
+    phase: str | None = None  # for a throughput drop: the part of the step that grew most
 
     @property
     def cause(self) -> str:
-        return CAUSES[self.kind][0]
+        return PHASE_CAUSES[self.phase][0] if self.phase else CAUSES[self.kind][0]
 
     @property
     def remedy(self) -> str:
-        return CAUSES[self.kind][1]
+        return PHASE_CAUSES[self.phase][1] if self.phase else CAUSES[self.kind][1]
 
     def describe(self) -> str:
         return f"step {self.step}: {self.kind} ({self.detail}). Likely cause: {self.cause}. Remedy: {self.remedy}."
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "step": self.step, "action": self.action, "detail": self.detail,
-                "cause": self.cause, "remedy": self.remedy}
+                "cause": self.cause, "remedy": self.remedy, **({"phase": self.phase} if self.phase else {})}
 
 
 class TrainingMonitor:
@@ -58,6 +78,7 @@ class TrainingMonitor:
         trend_windows = [m.window for m in (config.slow_rise, config.plateau) if m]
         self.history: deque[float] = deque(maxlen=max(trend_windows + [1]))
         self.speeds: list[float] = []
+        self.phases: list[dict[str, float]] = []
         self.warned: set[str] = set()
 
     def check_before_step(self, step: int, loss: float, grad_norm: float) -> Event | None:
@@ -73,11 +94,14 @@ class TrainingMonitor:
                              f"loss {loss:.4f} vs recent mean {mean:.4f} ± {std:.4f}")
         return None
 
-    def record(self, step: int, loss: float, tokens_per_s: float) -> list[Event]:
-        """After a good step: update the windows and report trends (each kind is reported once)."""
+    def record(self, step: int, loss: float, tokens_per_s: float,
+               phases: dict[str, float] | None = None) -> list[Event]:
+        """After a good step: update the windows and report trends (each kind is reported once). `phases` is
+        where the step's time went (seconds per phase): a throughput drop names the phase that grew."""
         self.losses.append(loss)
         self.history.append(loss)
         self.speeds.append(tokens_per_s)
+        self.phases.append(phases or {})
         events = []
         for kind, cfg in (("slow_rise", self.cfg.slow_rise), ("plateau", self.cfg.plateau)):
             if not cfg or kind in self.warned or len(self.history) < cfg.window:
@@ -96,10 +120,28 @@ class TrainingMonitor:
             median = statistics.median(self.speeds[:-1])
             recent = statistics.fmean(self.speeds[-min(5, tp.window):])
             if recent < tp.ratio * median:
+                phase, growth = self._phase_that_grew(min(5, tp.window))
                 events.append(Event("throughput", step, tp.action,
-                                    f"{recent:,.0f} tokens/s vs median {median:,.0f}"))
+                                    f"{recent:,.0f} tokens/s vs median {median:,.0f}{growth}", phase))
         self.warned |= {e.kind for e in events}
         return events
+
+    def _phase_that_grew(self, recent: int) -> tuple[str | None, str]:
+        """The phase whose time per step grew most (recent steps' mean against the earlier median), looked at in
+        the playbook's order so that a tie names the data loader before the network before the kernels."""
+        grown: list[tuple[float, str, float, float]] = []
+        for phase in PHASE_ORDER:
+            before = [p[phase] for p in self.phases[:-recent] if phase in p]
+            after = [p[phase] for p in self.phases[-recent:] if phase in p]
+            if before and after:
+                was, now = statistics.median(before), statistics.fmean(after)
+                grown.append((now - was, phase, was, now))
+        if not grown:
+            return None, ""
+        delta, phase, was, now = max(grown, key=lambda g: (g[0], -PHASE_ORDER.index(g[1])))
+        if delta <= 0:
+            return None, ""
+        return phase, f"; {phase.replace('_', ' ')} grew from {was * 1000:.0f} to {now * 1000:.0f} ms per step"
 
     def forget_since_rollback(self) -> None:
         """After a rollback the windows restart from the restored model's behaviour."""

@@ -49,6 +49,7 @@ from compass.model.monitors import Event, TrainingStopped
 from compass.model.packing import PackedBatch, Prefetcher, RowPacker, merge_states
 from compass.model.schedules import schedule_shape
 from compass.model.staging import stage_sources
+from compass.model.telemetry import telemetry_callbacks
 from compass.model.token_files import TokenizedSource
 from compass.model.validation import heldout_losses
 from compass.specs.costs import flops_per_token
@@ -91,6 +92,7 @@ def default_callbacks(job: TrainJob) -> list[Callback]:
     """Monitors first (they may veto the step), then the metrics line, progress, and checkpoints last."""
     callbacks = [Monitoring(job.recipe.monitors), MetricsFile(job.workdir / "metrics.jsonl"), Progress(),
                  Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
+    callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
     if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)
         callbacks.append(StopWhenAsked(Path(os.environ["COMPASS_STOP_FILE"])))
     return callbacks
@@ -175,6 +177,10 @@ class Trainer:
         return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
 
     @property
+    def tokens_per_step(self) -> int:
+        return self.stage.global_batch_size * self.stage.sequence_length
+
+    @property
     def global_step(self) -> int:
         """Optimizer steps over every stage of the schedule, this one included."""
         return self.offset + self.step
@@ -213,6 +219,9 @@ class Trainer:
                 first = False
                 t0 = time.perf_counter()
                 loss_t, norm_t = self._accumulate(local), self.engine.grad_norm()
+                if self.device.type == "cuda":  # the kernels' time is compute, not waiting on other ranks
+                    torch.cuda.synchronize(self.device)
+                ta = time.perf_counter()
                 loss, grad_norm = self._read(loss_t, norm_t)  # the step's one host sync
                 t1 = time.perf_counter()
                 try:
@@ -225,7 +234,7 @@ class Trainer:
                 t2 = time.perf_counter()
                 self.step += 1
                 self.last_loss = loss
-                times = {"data_wait_s": wait, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1}
+                times = {"data_wait_s": wait, "forward_backward_s": ta - t0, "sync_s": t1 - ta, "optimizer_s": t2 - t1}
                 self._dispatch("post_step", self._record(loss, grad_norm, lr, times, flops_tok, peak))
             self.checkpoint_blocked_s += self.writer.wait()
             self._barrier()
@@ -288,7 +297,8 @@ class Trainer:
                 peak: float) -> dict[str, Any]:
         tokens = self.stage.global_batch_size * self.stage.sequence_length
         elapsed = sum(times.values())
-        record = {"step": self.global_step, "stage": self.stage.name, "stage_step": self.step, "loss": loss,
+        record = {"step": self.global_step, "stage": self.stage.name, "stage_step": self.step,
+                  "stage_steps": self.stage_steps, "loss": loss,
                   "grad_norm": grad_norm, "lr": lr, "tokens": self.job.tokens_before + self.global_step * tokens,
                   "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
                   **{k: round(v, 6) for k, v in times.items()},

@@ -138,6 +138,27 @@ class EvaluationCadence(SpecModel):
     schedule_interval_seconds: PositiveInt | None = None
 
 
+class Monitoring(SpecModel):
+    """Watching a run while it trains: a Prometheus endpoint on every training rank (registered for Prometheus's
+    file service discovery), TensorBoard event files per training step, and the Prefect UI's live progress and
+    loss plot. `compass monitor SPEC` starts a Prometheus that reads the endpoints and the shipped alert rules."""
+
+    prometheus: bool = True
+    listen: str = Field(default="127.0.0.1", pattern=r"^[0-9a-fA-F.:]+$",
+                        description="Address the ranks' endpoints bind (an IP; loopback unless set).")
+    port: int | None = Field(default=None, ge=1024, le=65000,
+                             description="Port of each node's first rank; rank r of a node uses port + r. None: a "
+                                         "free port per rank (the service-discovery files say which).")
+    tensorboard: bool = True
+    progress_every_s: PositiveFloat = Field(default=10, le=3600, description="How often a running training "
+                                            "step updates its Prefect progress artifact and loss plot.")
+    checkpoint_events: bool = Field(default=True, description="Emit a Prefect event for each committed "
+                                    "checkpoint (compass deploy's automation evaluates it).")
+    folder: str | None = Field(default=None, description="Where targets/, tensorboard/ and Prometheus's data "
+                               "live (default: monitoring/<spec name> beside a local store, else under "
+                               "~/.cache/compass).")
+
+
 AttentionBackend = Literal["auto", "flash", "flex", "sdpa", "eager"]
 LossKernel = Literal["auto", "chunked", "liger"]
 
@@ -158,3 +179,4 @@ class How(SpecModel):
     orchestration: Orchestration = Orchestration()
     checkpoints: Checkpoints = Checkpoints()
     evaluation: EvaluationCadence = EvaluationCadence()
+    monitoring: Monitoring = Monitoring()

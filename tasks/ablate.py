@@ -146,7 +146,7 @@ def _plot(rows: list[dict], metric: str, out) -> None:
     plt.close(fig)
 
 
-ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="2", uses_accelerator=True,
+ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="2", uses_accelerator=True, trains=True,
                   imports=TRANSFORMERS, deployment="ablations", tags=("ablation",))
 COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="1", deployment="ablations",
                    tags=("ablation",))

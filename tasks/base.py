@@ -22,6 +22,14 @@ class Runtime:
 
     how: How = field(default_factory=How)
     base_dir: Path = field(default_factory=Path.cwd)
+    run: str = "compass"  # the spec's name: labels metrics, names the monitoring folder
+
+    def monitoring_dir(self, store: Store | None, workdir: Path) -> Path:
+        """Where a run's live telemetry goes: targets for Prometheus, TensorBoard runs (how.monitoring.folder)."""
+        folder = self.how.monitoring.folder
+        if folder:
+            return (self.base_dir / Path(folder).expanduser()).resolve()
+        return store.monitoring_dir(self.run) if store is not None else workdir / "monitoring"
 
 
 @dataclass

@@ -38,6 +38,26 @@ def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
     return {m: {r: sorted(p) for r, p in runs.items()} for m, runs in sorted(out.items())}
 
 
+UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def token_axis(n: float) -> str:
+    """A token count people read at a glance: 200k, 1.2M, 3.4T (tick labels that never run into each other)."""
+    for unit, suffix in UNITS:
+        if abs(n) >= unit:
+            return f"{n / unit:.3g}{suffix}"
+    return f"{n:.3g}"
+
+
+def use_token_axis(ax: Any) -> None:
+    """x ticks in token units (at most 6 of them)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: token_axis(x)))
+
+
 def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path, title: str) -> None:
     import matplotlib
 
@@ -48,11 +68,20 @@ def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path
     cols = min(3, n)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    from matplotlib.transforms import offset_copy
+
+    order = list(dict.fromkeys(run for runs in points.values() for run in runs))
     for ax, (metric, runs) in zip(axes.flat, points.items(), strict=False):
         for run, pts in runs.items():
-            ax.plot([t for t, _ in pts], [v for _, v in pts], marker="o", label=run)
+            i = order.index(run)
+            # steps evaluated at the same token count (post-training methods) would hide each other: each run has
+            # its own marker and is shifted a few points sideways
+            shift = offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(order) - 1) / 2), units="points")
+            ax.plot([t for t, _ in pts], [v for _, v in pts], marker=MARKERS[i % len(MARKERS)], markersize=5,
+                    fillstyle="full" if i % 2 == 0 else "none", label=run, transform=shift)
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel("tokens seen")
+        use_token_axis(ax)
         if "ppl" in metric:
             ax.set_yscale("log")
     for ax in list(axes.flat)[len(points):]:

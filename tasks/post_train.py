@@ -364,7 +364,7 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
     return text
 
 
-KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2", uses_accelerator=True,
+KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2", uses_accelerator=True, trains=True,
                 whole_step_on_cluster=True,
                 imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

@@ -35,6 +35,6 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 
 
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
-KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", uses_accelerator=True,
+KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", uses_accelerator=True, trains=True,
                 imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

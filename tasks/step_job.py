@@ -50,6 +50,7 @@ class StepJob(BaseModel):
     base_dir: Path
     store_root: str
     work_key: str
+    run: str = "compass"
 
 
 def run_on_cluster(ctx: StepContext, cluster: SlurmCluster) -> StepResult:
@@ -62,7 +63,8 @@ def run_on_cluster(ctx: StepContext, cluster: SlurmCluster) -> StepResult:
                   inputs={role: JobInput(step_id=a.step_id, uri=a.uri) for role, a in ctx.inputs.items()},
                   out=ctx.out, scratch=ctx.scratch, workdir=ctx.workdir,
                   how=how.model_copy(update={"orchestration": how.orchestration.model_copy(update={"cluster": None})}),
-                  base_dir=ctx.runtime.base_dir, store_root=ctx.store.root, work_key=ctx.work_key)
+                  base_dir=ctx.runtime.base_dir, store_root=ctx.store.root, work_key=ctx.work_key,
+                  run=ctx.runtime.run)
     ctx.workdir.mkdir(parents=True, exist_ok=True)
     path = ctx.workdir / "step-job.json"
     path.write_text(job.model_dump_json(indent=1))
@@ -83,7 +85,7 @@ def run_job(path: Path) -> StepResult:
     inputs = {role: InputArtifact(role, i.step_id, i.uri, store.read_manifest(i.uri), store)
               for role, i in job.inputs.items()}
     ctx = StepContext(job.kind, job.name, config_class.model_validate(job.config), inputs, job.out, job.scratch,
-                      job.workdir, Runtime(how=job.how, base_dir=job.base_dir), log, store=store,
+                      job.workdir, Runtime(how=job.how, base_dir=job.base_dir, run=job.run), log, store=store,
                       work_key=job.work_key)
     return kind.run(ctx)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from compass.infra.launcher import LaunchPlan, plan_launch
 from compass.infra.net import free_port
-from compass.model.job import SpecialIds, StageRecipe, Staging, TrainJob
+from compass.model.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
 from compass.specs.how import SlurmCluster
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.tokenizer import tokenizer_ids
@@ -48,7 +48,14 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
         init_from=previous.local() / "state" if previous else None, whole_from=whole_from,
         tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
         parallelism=how.parallelism, precision=how.precision, hardware=how.hardware, checkpoints=how.checkpoints,
-        attention=how.attention, compile=how.compile, loss=how.loss)
+        attention=how.attention, compile=how.compile, loss=how.loss, telemetry=telemetry_of(ctx))
+
+
+def telemetry_of(ctx: StepContext) -> Telemetry:
+    mon = ctx.runtime.how.monitoring
+    return Telemetry(run=ctx.runtime.run, step=f"{ctx.kind}:{ctx.name}",
+                     folder=ctx.runtime.monitoring_dir(ctx.store, ctx.workdir), prometheus=mon.prometheus,
+                     listen=mon.listen, port=mon.port, tensorboard=mon.tensorboard)
 
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -159,6 +166,9 @@ def plot_loss(metrics: Path, out: Path, title: str) -> None:
     for stage in dict.fromkeys(r["stage"] for r in rows):
         xs = [r["tokens"] for r in rows if r["stage"] == stage]
         ax.plot(xs, [r["loss"] for r in rows if r["stage"] == stage], label=stage)
+    from compass.tasks.curves import use_token_axis
+
+    use_token_axis(ax)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("training loss")
     ax.set_title(title)

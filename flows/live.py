@@ -1,0 +1,151 @@
+"""A training step seen while it runs, whatever runs it (in this process, torchrun, DeepSpeed or a Slurm job): a
+thread beside the step reads what rank 0 writes in the step's work folder and
+- updates the step's Prefect progress artifact and a markdown artifact with the loss plot every few seconds;
+- emits a Prefect event for each checkpoint the trainer commits (`compass.checkpoint.committed`, resource
+  `compass.checkpoint.<sha256 of the weights>`), which `compass deploy`'s automation turns into an evaluation.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextvars
+import io
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from compass.model import checkpoint as ckpt
+from compass.tasks.curves import token_axis
+from compass.tasks.steps import Step
+
+CHECKPOINT_EVENT = "compass.checkpoint.committed"
+WEIGHTS = "hf/model.safetensors"
+
+
+class LiveTraining:
+    """Context manager around a training step's execution (see the module docstring)."""
+
+    def __init__(self, step: Step, workdir: Path, run: str, store_root: str, every_s: float, events: bool,
+                 log: logging.Logger | logging.LoggerAdapter, key: str):
+        self.step, self.workdir, self.run, self.store_root = step, workdir, run, store_root
+        self.every_s, self.events, self.log, self.key = every_s, events, log, key
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.progress_id: Any = None
+        self.seen: set[Path] = set()
+        self.rows_shown = 0
+
+    def __enter__(self) -> LiveTraining:
+        self.seen = set(self._complete_checkpoints())  # committed by an earlier attempt: evaluated then
+        context = contextvars.copy_context()  # the task run's context: artifacts link to it
+        self.thread = threading.Thread(target=context.run, args=(self._loop,), name=f"live-{self.step.id}",
+                                       daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+        if exc[0] is None:
+            self._tick()  # the stage's last checkpoint, and the final progress
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every_s):
+            try:
+                self._tick()
+            except Exception as exc:  # a display must never fail the step
+                self.log.warning("live progress of %s: %s", self.step.id, exc)
+
+    def _tick(self) -> None:
+        rows = self._metrics()
+        if rows and len(rows) != self.rows_shown:
+            self.rows_shown = len(rows)
+            self._publish(rows)
+        if self.events:
+            for folder in self._complete_checkpoints():
+                if folder not in self.seen:
+                    self.seen.add(folder)
+                    self._emit(folder)
+
+    def _metrics(self) -> list[dict[str, Any]]:
+        files = [self.workdir / "metrics.jsonl", *self.workdir.glob("*/metrics.jsonl")]
+        existing = [f for f in files if f.exists()]
+        if not existing:
+            return []
+        newest = max(existing, key=lambda f: f.stat().st_mtime)
+        rows = []
+        for line in newest.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # the line being written
+                break
+        return rows
+
+    def _publish(self, rows: list[dict[str, Any]]) -> None:
+        from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+        last = rows[-1]
+        total = last.get("stage_steps") or last["stage_step"]
+        percent = round(100.0 * last["stage_step"] / max(1, total), 1)
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(progress=percent, key=f"{self.key}-progress",
+                                                        description=f"{self.step.id}: training progress")
+        else:
+            update_progress_artifact(self.progress_id, percent)
+        png = base64.b64encode(loss_plot(rows, f"{self.step.id} (live)")).decode()
+        create_markdown_artifact(
+            key=f"{self.key}-live",
+            markdown=(f"### {self.step.id}: training, live\n\nstage `{last['stage']}` step {last['stage_step']} of "
+                      f"{total} ({percent}%), loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tokens/s, "
+                      f"{token_axis(last['tokens'])} tokens seen\n\n![loss](data:image/png;base64,{png})\n"),
+            description=f"{self.step.id}: live training progress")
+
+    def _complete_checkpoints(self) -> list[Path]:
+        roots = [self.workdir / "checkpoints", *self.workdir.glob("*/checkpoints")]
+        return [folder for root in roots if root.is_dir() for folder in ckpt.complete_checkpoints(root)]
+
+    def _emit(self, folder: Path) -> None:
+        from prefect.events import emit_event
+
+        sums = json.loads((folder / ckpt.CHECKSUMS).read_text())
+        sha = sums.get(WEIGHTS)
+        if sha is None:
+            return
+        stage_step = int(folder.name.split("-")[1])
+        tokens = next((r["tokens"] for r in self._metrics() if r.get("stage_step") == stage_step), None)
+        checkpoint = {"path": str(folder / "hf"), "step": self.step.id, "folder": folder.name,
+                      "weights_sha256": sha, "tokens": tokens}
+        emit_event(event=CHECKPOINT_EVENT,
+                   resource={"prefect.resource.id": f"compass.checkpoint.{sha[:20]}",
+                             "prefect.resource.name": f"{self.step.id} {folder.name}",
+                             "compass.uri": (folder / "hf").as_uri(), "compass.run": self.run,
+                             "compass.step": self.step.id},
+                   payload={"checkpoint": checkpoint, "store_root": self.store_root})
+        self.log.info("checkpoint %s of %s committed: event %s emitted", folder.name, self.step.id, CHECKPOINT_EVENT)
+
+
+def loss_plot(rows: list[dict[str, Any]], title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from compass.tasks.curves import use_token_axis
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for stage in dict.fromkeys(r["stage"] for r in rows):
+        ax.plot([r["tokens"] for r in rows if r["stage"] == stage], [r["loss"] for r in rows if r["stage"] == stage],
+                label=stage)
+    use_token_axis(ax)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80)
+    plt.close(fig)
+    return buffer.getvalue()

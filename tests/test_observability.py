@@ -1,0 +1,213 @@
+"""Observability: the alert rules under promtool, the Grafana dashboard against what the exporter really serves, a
+throughput drop diagnosed from where step time went, token axes people can read, and a real Prometheus on
+loopback reading every rank of a two-rank training while it runs (with TensorBoard event files afterwards)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+RULES = REPO / "infra" / "observability" / "compass-alerts.rules.yml"
+RULE_TESTS = REPO / "tests" / "prometheus" / "compass-alerts.test.yml"
+needs_prometheus = pytest.mark.skipif(not shutil.which("promtool") or not shutil.which("prometheus"),
+                                      reason="Debian's prometheus is not installed (make setup installs it as root)")
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bcompass_[a-z_]+", expr))
+
+
+@needs_prometheus
+def test_alert_rules_check_and_pass_their_unit_tests(tmp_path: Path):
+    check = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
+    tested = subprocess.run(["promtool", "test", "rules", str(RULE_TESTS)], capture_output=True, text=True)
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+    # the unit tests can fail: a GPU threshold moved from 85 to 95 C no longer alerts at 88 C
+    moved = tmp_path / "infra" / "observability" / RULES.name
+    moved.parent.mkdir(parents=True)
+    moved.write_text(RULES.read_text().replace("compass_gpu_temperature_celsius > 85",
+                                               "compass_gpu_temperature_celsius > 95"))
+    (tmp_path / "tests" / "prometheus").mkdir(parents=True)
+    shutil.copy(RULE_TESTS, tmp_path / "tests" / "prometheus" / RULE_TESTS.name)
+    broken = subprocess.run(["promtool", "test", "rules", str(tmp_path / "tests" / "prometheus" / RULE_TESTS.name)],
+                            capture_output=True, text=True)
+    assert broken.returncode != 0 and "CompassGpuHot" in broken.stdout + broken.stderr
+
+
+def test_every_rule_and_panel_names_metrics_the_exporter_declares():
+    from ruamel.yaml import YAML
+
+    from compass.infra.observability.dashboard import OUT, render
+    from compass.model.telemetry import EXPOSED
+
+    assert OUT.read_text() == render(), "stale: python -m compass.infra.observability.dashboard"
+    rules = YAML(typ="safe").load(RULES.read_text())["groups"][0]["rules"]
+    for rule in rules:
+        assert metric_names(rule["expr"]) <= set(EXPOSED), rule["alert"]
+    board = json.loads(OUT.read_text())
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    shown: set[str] = set()
+    for p in panels:
+        names = set().union(*(metric_names(t["expr"]) for t in p["targets"]))
+        assert names and names <= set(EXPOSED), p["title"]
+        shown |= names
+    assert shown == set(EXPOSED), sorted(set(EXPOSED) - shown)  # every metric has a panel
+    # the alert thresholds are drawn where an alert compares one metric with a number
+    drawn = {next(iter(metric_names(t["expr"]))): s["value"] for p in panels for t in p["targets"]
+             for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["value"] is not None
+             and len(metric_names(t["expr"])) == 1}
+    for rule in rules:
+        if m := re.fullmatch(r"(compass_[a-z_]+) > ([0-9.]+)", rule["expr"].strip()):
+            assert drawn.get(m.group(1)) == float(m.group(2)), rule["alert"]
+
+
+def _phases(data: float = 0.01, sync: float = 0.01, compute: float = 0.1) -> dict[str, float]:
+    return {"data_wait": data, "sync": sync, "forward_backward": compute, "optimizer": 0.02, "checkpoint": 0.0}
+
+
+@pytest.mark.parametrize(("grown", "cause"), [
+    ({"data": 0.3}, "data loader or storage"),
+    ({"sync": 0.3}, "network or a slower rank"),
+    ({"compute": 0.4}, "kernels or throttling"),
+])
+def test_a_throughput_drop_names_the_part_of_the_step_that_grew(grown: dict[str, float], cause: str):
+    from compass.model.monitors import TrainingMonitor
+    from compass.specs.training import Monitors
+
+    monitor = TrainingMonitor(Monitors.model_validate({"throughput": {"ratio": 0.7, "window": 20,
+                                                                      "action": "warn"}}))
+    events = []
+    for step in range(40):
+        phases = _phases(**grown) if step >= 30 else _phases()
+        speed = 1000 * 0.15 / sum(phases.values())
+        events += monitor.record(step, 3.0, speed, phases)
+    (event,) = [e for e in events if e.kind == "throughput"]
+    assert cause in event.cause and event.phase is not None
+    assert event.phase.replace("_", " ") in event.detail and "grew from" in event.detail
+    assert event.as_dict()["phase"] == event.phase
+
+
+def test_token_axes_read_at_a_glance(tmp_path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from compass.tasks.curves import plot_curves, token_axis, use_token_axis
+
+    assert [token_axis(n) for n in (0, 950, 200_000, 1_200_000, 3.4e12, 11e9)] == \
+        ["0", "950", "200k", "1.2M", "3.4T", "11B"]
+    fig, ax = plt.subplots()
+    ax.plot([200_000, 3_400_000], [1, 2])
+    use_token_axis(ax)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and all(len(label) <= 5 for label in labels) and len(set(labels)) == len(labels), labels
+    plt.close(fig)
+    # two post-training steps evaluated at the same tokens: both visible (different markers, shifted)
+    points = {"acc": {"post_train:apo": [(1_000_000, 0.5)], "post_train:grpo": [(1_000_000, 0.5)]}}
+    plot_curves(points, tmp_path / "curves.png", "t")
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+@pytest.mark.slow
+@needs_prometheus
+def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: Path):
+    """Two ranks (torchrun, gloo) each serve their metrics and register them; a real Prometheus on loopback
+    discovers both and answers for the step and the loss of each through its HTTP API while the stage trains.
+    Afterwards the endpoints are gone from service discovery and TensorBoard holds every step against tokens."""
+    import logging
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from compass.infra import prometheus
+    from compass.infra.net import free_port
+    from compass.model.job import Telemetry
+    from compass.model.telemetry import GPU_METRICS, tensorboard_run
+    from compass.specs.how import Checkpoints
+    from compass.tasks.training import run_training
+
+    folder = tmp_path / "monitoring"
+    job = stage1_job(tmp_path / "work", data_parallel=2)
+    stages = [s.model_copy(update={"tokens": 512_000}) if s.name == "stage1" else s for s in job.recipe.stages]
+    job = job.model_copy(update={"recipe": job.recipe.model_copy(update={"stages": stages}),
+                                 "checkpoints": Checkpoints(every_steps=100_000, keep_last=1),
+                                 "telemetry": Telemetry(run="minimal", step="pretrain:stage1", folder=folder)})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = prometheus.start(folder, port, scrape_interval_s=1)
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = run_training(job, logging.getLogger("test"))
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    trainer = threading.Thread(target=train)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(f"{url}/-/ready")
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (folder / "prometheus.log").read_text()
+                time.sleep(0.3)
+        trainer.start()
+        exposed: set[str] = set()
+        steps: dict[str, float] = {}
+        losses: dict[str, float] = {}
+        while trainer.is_alive() and not (len(steps) == 2 and len(losses) == 2 and exposed):
+            targets = list((folder / "targets").glob("*.json"))
+            if targets and not exposed:  # one rank's endpoint scraped directly
+                address = json.loads(targets[0].read_text())[0]["targets"][0]
+                exposed = {f.name for f in text_string_to_metric_families(_get(f"http://{address}/metrics"))}
+            steps = {r["metric"]["rank"]: float(r["value"][1])
+                     for r in prometheus.query(url, 'compass_train_step{run="minimal"}')}
+            losses = {r["metric"]["rank"]: float(r["value"][1])
+                      for r in prometheus.query(url, 'compass_train_loss{stage="stage1"}')}
+            time.sleep(0.5)
+        assert trainer.is_alive(), f"the stage ended before Prometheus saw both ranks: {steps} {losses} {outcome}"
+        assert set(steps) == {"0", "1"} and all(v >= 1 for v in steps.values()), steps
+        assert set(losses) == {"0", "1"} and all(0 < v < 20 for v in losses.values()), losses
+        series = prometheus.query(url, "compass_train_phase_seconds")
+        assert {r["metric"]["phase"] for r in series} >= {"data_wait", "forward_backward", "sync", "optimizer"}
+        assert {r["metric"]["node"] for r in series} and all(r["metric"]["run"] == "minimal" for r in series)
+        from compass.model.telemetry import EXPOSED
+
+        assert set(EXPOSED) - set(GPU_METRICS) <= exposed, sorted(set(EXPOSED) - set(GPU_METRICS) - exposed)
+        trainer.join(timeout=600)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        trainer.join(timeout=600)
+    assert "error" not in outcome, outcome.get("error")
+    assert not list((folder / "targets").glob("*.json"))  # each rank removed its endpoint when it ended
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_run(folder, "pretrain:stage1")))
+    events.Reload()
+    losses_tb = events.Scalars("train/loss")
+    per_step = stages[0].global_batch_size * stages[0].sequence_length
+    assert len(losses_tb) == outcome["result"]["steps"]
+    assert [e.step for e in losses_tb] == [per_step * (i + 1) for i in range(len(losses_tb))]  # tokens seen
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "time/data_wait_s"} <= set(events.Tags()["scalars"])
