@@ -138,7 +138,7 @@ def loss_plot(rows: list[dict[str, Any]], title: str) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for stage in dict.fromkeys(r["stage"] for r in rows):
         ax.plot([r["tokens"] for r in rows if r["stage"] == stage], [r["loss"] for r in rows if r["stage"] == stage],
-                label=stage)
+                label=stage, marker="o" if len(rows) < 30 else None, markersize=3)
     use_token_axis(ax)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("training loss")

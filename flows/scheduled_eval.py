@@ -79,13 +79,7 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, An
     from compass.tasks.evaluate import run_lighteval
 
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
-        if checkpoint.get("copy"):  # a training step's work folder: copied, as its step removes it on commit
-            local = Path(scratch) / "model"
-            shutil.copytree(checkpoint["copy"], local)
-            if sha256_file(str(local / "model.safetensors")) != checkpoint["weights_sha256"]:
-                raise RuntimeError(f"{checkpoint['copy']} changed while it was copied; evaluate it again")
-        else:
-            local = store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
+        local = _local_copy(store, checkpoint, Path(scratch))
         started = time.time()
         results, provenance = run_lighteval(local, [EvalTask.model_validate(t) for t in tasks], Path(scratch))
     metrics = {f"{name}/{m}": float(v) for name, values in results.items() for m, v in values.items()
@@ -101,6 +95,25 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, An
         tmp.write_text(json.dumps(record, indent=2))
         tmp.rename(target)
     return record
+
+
+def _local_copy(store: Store, checkpoint: dict[str, Any], scratch: Path) -> Path:
+    """The checkpoint's Hugging Face folder on local disk. One in a training step's work folder is copied and
+    checked against the weights' sha256, since the step removes the folder once it commits; when it went away
+    meanwhile, the committed artifact holding the same weights is read instead."""
+    if checkpoint.get("copy"):
+        local = scratch / "model"
+        try:
+            shutil.copytree(checkpoint["copy"], local)
+            if sha256_file(str(local / "model.safetensors")) == checkpoint["weights_sha256"]:
+                return local
+        except (OSError, shutil.Error):
+            pass
+        committed = next((c for c in discover(store) if c["weights_sha256"] == checkpoint["weights_sha256"]), None)
+        if committed is None:
+            raise FileNotFoundError(f"{checkpoint['copy']} went away and no committed artifact holds its weights")
+        checkpoint = committed
+    return store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
 
 
 @flow(name="compass-scheduled-evaluation", persist_result=False)
