@@ -105,6 +105,19 @@ def _common_args(ctx: StepContext[TrlConfig], tokens: bool = True) -> dict[str, 
     return args
 
 
+def _tensorboard(ctx: StepContext[TrlConfig]) -> list[Any]:
+    """A TensorBoard run per post-training step, beside the pretraining ones (how.monitoring.tensorboard)."""
+    if not ctx.runtime.how.monitoring.tensorboard:
+        return []
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    from compass.model.telemetry import tensorboard_run
+
+    folder = ctx.runtime.monitoring_dir(ctx.store, ctx.workdir)
+    return [TensorBoardCallback(SummaryWriter(str(tensorboard_run(folder, f"{ctx.kind}:{ctx.name}"))))]
+
+
 def _system_prompt(cfg: PostTrainConfig) -> str | None:
     return cfg.system_prompt if isinstance(cfg, SftConfig) else None
 
@@ -123,7 +136,8 @@ def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[st
     data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=0, limit=cfg.max_samples)])
     args = SFTConfig(**_common_args(ctx), max_length=cfg.max_length, packing=cfg.packing,
                      assistant_only_loss=cfg.assistant_only_loss, dataset_num_proc=None)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                         callbacks=_tensorboard(ctx))
     trainer.train()
     return trainer, {"examples": len(data)}
 
@@ -201,14 +215,14 @@ def run_preference(ctx: StepContext[PreferenceConfig], model, tokenizer) -> tupl
 
         args = DPOConfig(**common, loss_type=cfg.loss_type, beta=cfg.beta, max_length=cfg.max_length)
         trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
-                             processing_class=tokenizer)
+                             processing_class=tokenizer, callbacks=_tensorboard(ctx))
     elif cfg.method == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
         args = ORPOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
         trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
-                              processing_class=tokenizer)
+                              processing_class=tokenizer, callbacks=_tensorboard(ctx))
     else:  # kto: unpaired, chosen answers desirable and rejected ones not
         from trl import KTOConfig, KTOTrainer
 
@@ -216,7 +230,7 @@ def run_preference(ctx: StepContext[PreferenceConfig], model, tokenizer) -> tupl
                 for p in pairs for side in ("chosen", "rejected")]
         args = KTOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
         trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=tokenizer)
+                             processing_class=tokenizer, callbacks=_tensorboard(ctx))
     trainer.train()
     return trainer, {"pairs": len(pairs)}
 
@@ -258,7 +272,7 @@ def run_grpo(ctx: StepContext[GrpoConfig], model, tokenizer) -> tuple[Any, dict[
                       log_completions=False)
     rewards = reward_functions(cfg.verifier, tokenizer, cfg.length_penalty, cfg.target_length)
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=data,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, callbacks=_tensorboard(ctx))
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]
     return trainer, {"problems": len(problems), "first_reward": history[0]["reward"] if history else None,
@@ -279,7 +293,7 @@ def run_distill(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[Any,
     data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg.max_samples)])
     args = GKDConfig(**_common_args(ctx), lmbda=cfg.lmbda, max_length=cfg.max_length, dataset_num_proc=None)
     trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data,
-                         processing_class=tokenizer)
+                         processing_class=tokenizer, callbacks=_tensorboard(ctx))
     trainer.train()
     return trainer, {"examples": len(data), "teacher_layers": teacher.config.num_hidden_layers,
                      "student_layers": model.config.num_hidden_layers,

@@ -95,6 +95,22 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
+def test_every_training_step_has_a_tensorboard_run(post_trained):
+    """Pretraining stages (compass's trainer) and every TRL method write TensorBoard runs side by side."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (uri,) = [o.uri for sid, o in post_trained.items() if sid == "pretrain:stage1"]
+    runs = Path(uri).parents[1] / "monitoring" / "compass" / "tensorboard"
+    trained = {sid for sid in post_trained if sid.split(":")[0] in ("pretrain", "post_train")}
+    assert {f"{kind}.{name}" for kind, name in (s.split(":") for s in trained)} <= {p.name for p in runs.iterdir()}
+    for sid in trained:
+        events = EventAccumulator(str(runs / sid.replace(":", ".")))
+        events.Reload()
+        scalars = events.Tags()["scalars"]
+        assert "train/loss" in scalars or "train/reward" in scalars, (sid, scalars)
+
+
+@pytest.mark.slow
 def test_sft_masks_everything_but_assistant_tokens(post_trained):
     from compass.tasks.chat import IM_END, load_chat_model
 
