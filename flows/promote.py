@@ -31,7 +31,10 @@ def winning_variant(checked: CheckedSpec, store: Store) -> str:
     if not better:
         verdicts = ", ".join(f"{r['variant']}: {r['verdict']}" for r in comparison["rows"][1:])
         raise PromoteError(f"no variant beat the baseline beyond the seed noise ({verdicts}); nothing to promote")
-    gain = -1 if any(word in comparison["metric"] for word in ("loss", "ppl")) else 1  # lower loss is better
+    lower = comparison.get("better_is", {}).get(comparison["metric"],
+                                                "lower" if any(w in comparison["metric"] for w in ("loss", "ppl"))
+                                                else "higher") == "lower"
+    gain = -1 if lower else 1
     return max(better, key=lambda r: gain * r["delta"])["variant"]
 
 

@@ -32,5 +32,16 @@ class Ablations(SpecModel):
     variants: list[AblationVariant] = Field(min_length=1)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     metrics: list[str] = Field(
-        default_factory=lambda: ["val_loss"], description="Metrics compared; the first decides the verdict."
-    )
+        default_factory=lambda: ["val_loss"], min_length=1,
+        description="Metrics compared; the first decides the verdict: val_loss, val_loss:<source>, or a benchmark "
+                    "metric of what.evaluation.tasks as `<task key>/<metric>` (e.g. arc_easy:cf/acc).")
+    higher_is_better: dict[str, bool] = Field(
+        default_factory=dict, description="Direction per metric where the default is wrong (losses and perplexities "
+                                          "lower, everything else higher).")
+    probes: int = Field(default=0, ge=0, le=10, description="Benchmark evaluations at evenly spaced points of each "
+                        "run besides its end: whether a change helps shows before the loss says so.")
+
+    def lower_is_better(self, metric: str) -> bool:
+        if metric in self.higher_is_better:
+            return not self.higher_is_better[metric]
+        return "loss" in metric or "ppl" in metric

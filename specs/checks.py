@@ -358,6 +358,10 @@ def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
             yield Issue((*at, "length_penalty" if step.length_penalty else "target_length"),
                         "length_penalty and target_length work together: the penalty is per token beyond the target",
                         "set both, or neither")
+        peft = getattr(step, "peft", None)
+        if peft is not None and peft.kind == "qlora" and spec.how.hardware.accelerator == "cpu":
+            yield Issue((*at, "peft", "kind"), "qlora trains on a 4-bit copy of the model made by bitsandbytes, "
+                        "which needs CUDA; how.hardware.accelerator is cpu", "use kind: lora on CPU")
         if step.method == "distill":
             layers = spec.what.architecture.num_layers
             if step.student_layers is not None and step.student_layers >= layers:
@@ -377,6 +381,17 @@ def _ablations(spec: TrainingSpec) -> Iterator[Issue]:
                         "proxy overrides use what.architecture's field names")
     base = abl.baseline.model_dump()
     base["architecture"] = {**spec.what.architecture.model_dump(), **abl.baseline.architecture}
+    tasks = {t.key for t in spec.what.evaluation.tasks}
+    sources = set(abl.baseline.mixture)
+    for i, metric in enumerate(abl.metrics):
+        task, _, name = metric.partition("/")
+        known = (metric == "val_loss" or (metric.startswith("val_loss:") and metric.split(":", 1)[1] in sources)
+                 or (task in tasks and name))
+        if not known:
+            yield Issue(("what", "ablations", "metrics", i),
+                        f"'{metric}' is not a metric the ablation runs produce",
+                        "use val_loss, val_loss:<source of the baseline mixture> or <task key>/<metric> of "
+                        f"what.evaluation.tasks ({', '.join(sorted(tasks)) or 'none listed: add one'})")
     for i, dup in _repeats([v.name for v in abl.variants]):
         yield Issue(("what", "ablations", "variants", i, "name"),
                     f"variant '{dup}' is named twice", "name every variant differently")
@@ -397,10 +412,6 @@ def _ablations(spec: TrainingSpec) -> Iterator[Issue]:
                         "a variant must differ from the baseline")
         elif path.startswith("architecture."):
             yield from _variant_architecture(variant.name, base["architecture"], path, value, (*at, path))
-    for i, metric in enumerate(abl.metrics):
-        if metric != "val_loss":
-            yield Issue(("what", "ablations", "metrics", i), f"ablation runs do not measure '{metric}'",
-                        "compare val_loss (the validation loss averaged over the mixture's sources)")
 
 
 def _variant_architecture(name: str, proxy: dict[str, Any], path: str, value: Any, at: Loc) -> Iterator[Issue]:

@@ -14,12 +14,26 @@ class _PostStep(SpecModel):
     batch_size: PositiveInt = 8
 
 
+class Lora(SpecModel):
+    """Low-rank adapters (peft) instead of training every weight: `lora` on the model as it is, `qlora` on a 4-bit
+    quantised copy (bitsandbytes, CUDA only). The exported model has the adapter merged into full weights; the
+    adapter is kept beside it (`adapter/`)."""
+
+    kind: Literal["lora", "qlora"] = "lora"
+    r: PositiveInt = 16
+    alpha: PositiveInt = 32
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default="all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or all-linear.")
+
+
 class _TrlStep(_PostStep):
     """A step trained by a TRL trainer: epochs over a dataset of conversations, prompts or pairs."""
 
     epochs: PositiveFloat = 1.0
     max_length: PositiveInt = 1024
     max_samples: PositiveInt | None = None
+    peft: Lora | None = Field(default=None, description="Train adapters (LoRA/QLoRA) instead of full weights.")
 
 
 class MidTraining(_PostStep):

@@ -334,14 +334,31 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     method = cfg.method
     previous = ctx.inputs["previous"].local()
     model, tokenizer = load_chat_model(previous / "final")
+    lora = getattr(cfg, "peft", None)
+    adapters: dict[str, Any] = {}
+    if lora is not None:
+        from compass.tasks.adapters import with_adapters
+
+        vocab = json.loads((previous / "final" / "config.json").read_text())["vocab_size"]
+        model = with_adapters(model, tokenizer, lora, ctx.scratch / "base", placement(ctx.runtime.how),
+                              [i for i in range(vocab, len(tokenizer))])
+        trainable, total = model.get_nb_trainable_parameters()
+        adapters = {"peft": lora.kind, "trainable_parameters": trainable, "total_parameters": total}
     trainer, facts = METHODS[method](ctx, model, tokenizer)
+    facts |= adapters
     broken = [n for n, p in trainer.model.named_parameters() if not p.detach().isfinite().all()]
     if broken:
         raise FloatingPointError(f"post_training {ctx.name}: {method} left non-finite weights ({broken[0]} and "
                                  f"{len(broken) - 1} more); lower lr or check the data; nothing was committed")
     final = ctx.out / "final"
-    trainer.model.config.use_cache = False
-    trainer.model.save_pretrained(str(final), safe_serialization=True)
+    if lora is not None:  # full weights with the adapter merged, the adapter beside them
+        from compass.tasks.adapters import export_merged
+
+        exported = export_merged(trainer.model, ctx.scratch / "base", final, ctx.out / "adapter")
+    else:
+        exported = trainer.model
+        exported.config.use_cache = False
+        exported.save_pretrained(str(final), safe_serialization=True)
     tokenizer.save_pretrained(str(final))
     before = tokens_seen(previous) or 0
     history = (previous / "metrics.jsonl").read_text() if (previous / "metrics.jsonl").exists() else ""
@@ -350,7 +367,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
              "tokens": before + int(h.get("num_input_tokens_seen", 0)), "method": method}
             for i, h in enumerate(logs)]
     (ctx.out / "metrics.jsonl").write_text(history + "".join(json.dumps(r) + "\n" for r in rows))
-    vibe = _vibe_check(ctx, trainer.model, tokenizer)
+    vibe = _vibe_check(ctx, exported, tokenizer)
     shutil.rmtree(ctx.scratch / "trainer", ignore_errors=True)
     metrics = {"method": method, "steps": trainer.state.global_step, "first_loss": logs[0]["loss"] if logs else None,
                "final_loss": logs[-1]["loss"] if logs else None, "tokens": rows[-1]["tokens"] - before if rows else 0,

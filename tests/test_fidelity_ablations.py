@@ -1,0 +1,76 @@
+"""Ablations judged on a benchmark, not only on the loss: each run's checkpoints are evaluated at probe points
+during the short run, the comparison takes the metric's direction (accuracy: higher is better) and the seed spread,
+and a metric no run can produce is refused when the spec is checked."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_minimal_spec
+
+ABLATIONS = """  ablations:
+    baseline: {tokens: 4096, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
+    variants:
+      - {name: untied, change: {architecture.tied_embeddings: false}}
+    seeds: [0, 1]
+    metrics: ["arc_easy:cf/acc", "val_loss:notes"]
+    probes: 1
+  evaluation:
+    tasks:
+      - {name: arc_easy, formulation: cf, limit: 8}
+    perplexity_sources: [notes]
+  pretraining:"""
+
+
+@pytest.mark.slow
+def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(tmp_path: Path):
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
+
+    spec = write_minimal_spec(tmp_path, **{"  pretraining:": ABLATIONS})
+    loaded = load_spec(spec)
+    plan = compile_spec(loaded.spec).up_to(["compare:ablations"])
+    ctx = RunContext(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+    outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
+
+    runs = {sid: o.manifest.metrics for sid, o in outcomes.items() if sid.startswith("ablate:")}
+    assert len(runs) == 4
+    for sid, metrics in runs.items():
+        probes = metrics["probes"]
+        assert len(probes) == 2 and probes[0]["tokens"] < probes[1]["tokens"] == metrics["tokens"], sid
+        assert all(0.0 <= p["arc_easy:cf/acc"] <= 1.0 for p in probes)
+        assert metrics["arc_easy:cf/acc"] == probes[-1]["arc_easy:cf/acc"]
+        assert metrics["val_loss:notes"] == metrics["val_loss_by_source"]["notes"]
+
+    out = Path(outcomes["compare:ablations"].uri)
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert comparison["metric"] == "arc_easy:cf/acc"
+    assert comparison["better_is"] == {"arc_easy:cf/acc": "higher", "val_loss:notes": "lower"}
+    (row,) = comparison["rows"][1:]
+    accs = {v: [runs[f"ablate:{v}-s{s}"]["arc_easy:cf/acc"] for s in (0, 1)] for v in ("baseline", "untied")}
+    delta = sum(accs["untied"]) / 2 - sum(accs["baseline"]) / 2
+    assert row["delta"] == round(delta, 4)
+    spread = max(abs(a - b) for a, b in (accs["baseline"], accs["untied"])) / 2 ** 0.5  # the std of two values
+    expected = "within noise" if abs(delta) <= 2 * spread else ("better" if delta > 0 else "worse")
+    assert row["verdict"] == expected
+    assert row["val_loss:notes verdict"] in ("better", "worse", "within noise")
+    assert (out / "probes.png").stat().st_size > 1000
+
+
+def test_a_metric_no_run_produces_is_refused_at_validation(tmp_path: Path):
+    from compass.flows.preflight import load_checked
+    from compass.specs.loader import SpecError
+
+    spec = write_minimal_spec(tmp_path, **{"  pretraining:": ABLATIONS.replace('"arc_easy:cf/acc"', '"mmlu:mc/acc"')})
+    with pytest.raises(SpecError) as raised:
+        load_checked(spec, machine=False)
+    (problem,) = [str(p) for p in raised.value.problems if "mmlu" in str(p)]
+    assert "what.ablations.metrics[0]" in problem and "arc_easy:cf" in problem
