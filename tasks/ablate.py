@@ -120,8 +120,9 @@ def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> 
     points = []
     folders = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")
     for folder in folders if ctx.config.probes else folders[-1:]:
-        results, _ = run_lighteval(folder / "hf", ctx.config.benchmarks, ctx.scratch / folder.name,
-                                   placement(ctx.runtime.how))
+        scratch = ctx.scratch / folder.name
+        scratch.mkdir(parents=True, exist_ok=True)
+        results, _ = run_lighteval(folder / "hf", ctx.config.benchmarks, scratch, placement(ctx.runtime.how))
         step = int(folder.name.split("-")[1])
         points.append({"tokens": step * tokens_per_step,
                        **{f"{task}/{m}": float(v) for task, values in results.items() for m, v in values.items()

@@ -13,10 +13,10 @@ from compass.specs.post_training import Lora
 from compass.tasks.devices import Placement
 
 
-def with_adapters(model: Any, tokenizer: Any, lora: Lora, base_dir: Path, where: Placement,
-                  new_token_ids: list[int]) -> Any:
+def with_adapters(model: Any, tokenizer: Any, lora: Lora, base_dir: Path, where: Placement) -> Any:
     """Save `model` to `base_dir` and return the model to train: adapters on it (lora), or on a 4-bit copy loaded
-    from `base_dir` (qlora). Tokens added for chat (`new_token_ids`) get trainable embeddings of their own."""
+    from `base_dir` (qlora). Embeddings are not adapted: chat tokens a base model lacked keep their initial rows
+    (the mean of the others), so adapt a model that has them, or fine-tune fully first."""
     from peft import LoraConfig, get_peft_model
 
     model.save_pretrained(str(base_dir), safe_serialization=True)
@@ -24,8 +24,7 @@ def with_adapters(model: Any, tokenizer: Any, lora: Lora, base_dir: Path, where:
     if lora.kind == "qlora":
         model = _four_bit(base_dir, where)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
-                        target_modules=lora.target_modules,
-                        trainable_token_indices=new_token_ids or None)
+                        target_modules=lora.target_modules)
     return get_peft_model(model, config)
 
 

@@ -28,7 +28,11 @@ def load_chat_model(folder: Path) -> tuple[Any, Any]:
     if IM_END not in tokenizer.get_vocab():
         tokenizer.add_tokens([IM_START, IM_END], special_tokens=True)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        import torch
+
+        with torch.random.fork_rng(devices=[]):  # the new rows are the same every time this base is loaded
+            torch.manual_seed(0)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.eos_token = IM_END
     model.config.eos_token_id = tokenizer.eos_token_id

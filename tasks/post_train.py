@@ -339,9 +339,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     if lora is not None:
         from compass.tasks.adapters import with_adapters
 
-        vocab = json.loads((previous / "final" / "config.json").read_text())["vocab_size"]
-        model = with_adapters(model, tokenizer, lora, ctx.scratch / "base", placement(ctx.runtime.how),
-                              [i for i in range(vocab, len(tokenizer))])
+        model = with_adapters(model, tokenizer, lora, ctx.scratch / "base", placement(ctx.runtime.how))
         trainable, total = model.get_nb_trainable_parameters()
         adapters = {"peft": lora.kind, "trainable_parameters": trainable, "total_parameters": total}
     trainer, facts = METHODS[method](ctx, model, tokenizer)
