@@ -106,9 +106,16 @@ def run(spec: SpecArg,
         raise typer.Exit(2) from None
     started = time.time()
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
-    with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
-        summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
-                       store_root=store_root(checked, store), until=until, smoke=smoke, no_recompute=no_recompute)
+    from compass.infra.errors import RunStopped
+
+    try:
+        with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
+            summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
+                           store_root=store_root(checked, store), until=until, smoke=smoke,
+                           no_recompute=no_recompute)
+    except RunStopped as stopped:  # the gate: an existing model already does the job
+        err.print(f"[yellow]stopped:[/yellow] {spec}: {stopped}", highlight=False)
+        raise typer.Exit(3) from None
     if as_json:
         print(json.dumps(summary, indent=2))
         return

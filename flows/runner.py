@@ -17,7 +17,7 @@ from pathlib import Path
 
 from compass.flows.compiler import Plan
 from compass.infra import verify
-from compass.infra.errors import DamagedArtifact, DiskFull
+from compass.infra.errors import DamagedArtifact, DiskFull, RunStopped
 from compass.infra.locks import step_lock
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, artifact_folder, owned_prefix
@@ -85,6 +85,16 @@ def step_uri(ctx: RunContext, step: Step) -> str:
 
 
 def run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAdapter) -> StepOutcome:
+    """Run one step (or find it committed); a kind that can stop the run (the gate) does so here, after its
+    artifact is committed, so nothing after it starts."""
+    outcome = _run_step(ctx, step, log)
+    stops = registry.kind(step.kind).stops_run
+    if stops is not None and (reason := stops(outcome.manifest.metrics)):
+        raise RunStopped(f"{step.id}: {reason}")
+    return outcome
+
+
+def _run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerAdapter) -> StepOutcome:
     store = ctx.store
     uri = step_uri(ctx, step)
     storage = ctx.runtime.how.storage

@@ -24,3 +24,8 @@ class DiskFull(OSError, DataError):
 class DamagedArtifact(DataError):
     """A committed artifact's files differ from its manifest: a retry of the same step would meet the same files;
     the next run sets it aside and recomputes it (or stops again, with --no-recompute)."""
+
+
+class RunStopped(DataError):
+    """A step decided that what follows must not run (the gate found an existing model that already meets the
+    success criteria). Its artifact is committed; running again stops the same way until the spec changes."""

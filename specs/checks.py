@@ -26,7 +26,7 @@ HOST = re.compile(r"[A-Za-z0-9_[][A-Za-z0-9._@:\[\]-]{0,252}")
 def check_spec(spec: TrainingSpec) -> list[Issue]:
     """Run every check and return all issues (empty when the spec is consistent)."""
     checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _tokenizer,
-              _post_training, _ablations, _orchestration, _evaluation)
+              _post_training, _ablations, _orchestration, _evaluation, _gate)
     return [issue for check in checks for issue in check(spec)]
 
 
@@ -368,6 +368,19 @@ def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
                 yield Issue((*at, "student_layers"),
                             f"a student of {step.student_layers} layers is not smaller than the model's {layers}",
                             f"use fewer than {layers} layers, or leave it out to distil into the model as is")
+
+
+def _gate(spec: TrainingSpec) -> Iterator[Issue]:
+    """The gate measures existing models on the suite's benchmarks: a production `why` needs a criterion on one."""
+    why = spec.why
+    if getattr(why, "reason", None) != "production":
+        return
+    keys = {t.key for t in spec.what.evaluation.tasks}
+    if not any(c.metric.partition("/")[0] in keys for c in why.success_criteria):
+        yield Issue(("why", "success_criteria"),
+                    "no criterion can be measured on the existing models: perplexities depend on each model's "
+                    "tokenizer", "add a criterion on a benchmark of what.evaluation.tasks (<task key>/<metric>, "
+                    f"e.g. {next(iter(sorted(keys)), 'arc_easy:cf')}/acc)")
 
 
 def _ablations(spec: TrainingSpec) -> Iterator[Issue]:

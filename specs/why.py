@@ -22,6 +22,10 @@ class _WhyBase(SpecModel):
     success_criteria: list[SuccessCriterion] = Field(
         min_length=1, description="What must be true at the end for the run to have achieved its goal."
     )
+    override: str | None = Field(
+        default=None, min_length=20, max_length=2000,
+        description="Why to train even though an existing model already meets the criteria (the gate then lets the "
+                    "run go on; the reason lands in the success report).")
 
 
 class ResearchWhy(_WhyBase):
@@ -33,12 +37,13 @@ class ResearchWhy(_WhyBase):
 
 
 class ExistingModelTried(SpecModel):
-    """An existing model that was measured on the production need and found wanting."""
+    """An existing model the production need could use instead: compass evaluates it on the spec's benchmarks
+    before any training (the gate). `metric`, `score` and `required` record what its authors measured."""
 
-    model: str = Field(min_length=1)
-    metric: str = Field(min_length=1)
-    score: float
-    required: float = Field(description="The score the production need requires.")
+    model: str = Field(min_length=1, description="Hub id (from the local Hugging Face cache), folder or s3:// URI.")
+    metric: str | None = None
+    score: float | None = None
+    required: float | None = Field(default=None, description="The score the production need requires.")
 
 
 class ProductionWhy(_WhyBase):
@@ -47,8 +52,7 @@ class ProductionWhy(_WhyBase):
     reason: Literal["production"]
     need: str = Field(min_length=10, description="Domain specificity or deployment constraint.")
     existing_models: list[ExistingModelTried] = Field(
-        min_length=1, description="Existing models tried, each with the measured gap."
-    )
+        min_length=1, description="Existing models that might already do: each is evaluated by the gate.")
 
 
 class OpenSourceWhy(_WhyBase):

@@ -15,6 +15,7 @@ from compass.specs.architecture import Architecture
 from compass.specs.evaluation import EvalTask
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.gate import gate_inputs
 from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import data_inputs
 from compass.tasks.training import build_job, run_training
@@ -68,7 +69,8 @@ def build(plan: PlanBuilder) -> None:
                                   optimizer=pt.optimizer, metrics=abl.metrics, schedule=pt.schedule,
                                   monitors=pt.monitors, intra_document_masking=pt.intra_document_masking,
                                   benchmarks=benchmarks, probes=abl.probes if benchmarks else 0)
-            step_id = plan.add(ABLATE, f"{variant}-s{seed}", config, data_inputs(plan, list(abl.baseline.mixture)))
+            step_id = plan.add(ABLATE, f"{variant}-s{seed}", config,
+                               data_inputs(plan, list(abl.baseline.mixture)) | gate_inputs(plan))
             runs[step_id.replace(":", "/")] = step_id
     directions = {m: abl.lower_is_better(m) for m in abl.metrics}
     plan.add(COMPARE, "ablations", CompareConfig(metrics=abl.metrics, seeds=abl.seeds, lower_is_better=directions),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from compass.model.job import StageRecipe
 from compass.tasks.base import StepContext, StepResult
+from compass.tasks.gate import gate_inputs
 from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import data_inputs
 from compass.tasks.training import build_job, train_and_export
@@ -27,6 +28,8 @@ def build(plan: PlanBuilder) -> None:
         inputs = data_inputs(plan, list(stage.mixture))
         if previous:
             inputs["previous"] = previous
+        else:  # the first stage waits for the gate's verdict
+            inputs |= gate_inputs(plan)
         previous = plan.add(KIND, stage.name, config, inputs)
 
 

@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from compass.tasks.steps import StepKind
 
 BUILTIN = (
+    "compass.tasks.gate",
     "compass.tasks.ingest",
     "compass.tasks.curate",
     "compass.tasks.tokenizer",

@@ -80,6 +80,7 @@ class StepKind:
     # with how.orchestration.cluster, the runner sends the whole step to a one-node job (kinds whose training or
     # evaluation is not compass's trainer, which submits its own multi-node jobs)
     whole_step_on_cluster: bool = False
+    stops_run: Callable[[dict[str, Any]], str | None] | None = None  # from the step's metrics: why to stop the run
     trains: bool = False  # runs compass's trainer: followed live (progress, loss plot, checkpoint events)
     produces_model: bool = False  # its artifact holds a Hugging Face model: evaluated, named by criteria
     spreads_itself: bool = False  # fans its own work out (datatrove on Ray): its driver takes no CPU slot

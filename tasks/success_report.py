@@ -16,6 +16,7 @@ OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 class ReportConfig(StepConfig):
     criteria: list[SuccessCriterion]
     final: str  # the model step 'final' stands for
+    override: str | None = None  # why the run trained although an existing model met the criteria
 
 
 def build(plan: PlanBuilder) -> None:
@@ -26,7 +27,8 @@ def build(plan: PlanBuilder) -> None:
     if not plan.of_kind("evaluate"):
         return  # nothing is evaluated: there is nothing to report on
     inputs = {f"eval:{m}": f"evaluate:{step_name(m)}" for m in sorted(n for n in named if n)}
-    plan.add(KIND, "success", ReportConfig(criteria=criteria, final=plan.model_steps[-1]), inputs)
+    plan.add(KIND, "success", ReportConfig(criteria=criteria, final=plan.model_steps[-1],
+                                           override=plan.spec.why.override), inputs)
 
 
 def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
@@ -46,11 +48,16 @@ def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
         rows.append({"criterion": f"{crit.metric} {crit.op} {crit.threshold}", "checkpoint": checkpoint,
                      "measured": value, "verdict": verdict, "note": note})
     passed = all(r["verdict"] == "pass" for r in rows)
-    (ctx.out / "report.json").write_text(json.dumps({"passed": passed, "criteria": rows}, indent=2))
+    override = ctx.config.override
+    (ctx.out / "report.json").write_text(json.dumps({"passed": passed, "criteria": rows, "override": override},
+                                                    indent=2))
     lines = [f"- **{r['verdict'].upper()}** {r['criterion']} at `{r['checkpoint']}`: measured {r['measured']}"
              + (f" ({r['note']})" if r["note"] else "") for r in rows]
     summary = f"### success criteria: {'MET' if passed else 'NOT MET'}\n\n" + "\n".join(lines)
-    return StepResult(metrics={"passed": passed, "criteria": rows}, summary=summary, tables={"success": rows})
+    if override:
+        summary += f"\n\n**trained despite the gate** (why.override): {override}"
+    return StepResult(metrics={"passed": passed, "criteria": rows, "override": override}, summary=summary,
+                      tables={"success": rows})
 
 
 KIND = StepKind("report", ReportConfig, run_success_report, build, version="1", tags=("report",))

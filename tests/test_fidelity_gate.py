@@ -1,0 +1,99 @@
+"""The gate, measured: an existing model (built here, placed in a Hugging Face cache as `hf download` leaves it) is
+evaluated on the spec's benchmark before any training. Meeting every criterion stops the run with a report
+(exit 3, nothing trained); falling short lets training start; `why.override` lets it go on with its reason kept."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN, base_env, write_minimal_spec
+from tests.hub_cache import COMMIT, seed_model
+
+pytestmark = pytest.mark.slow
+REPO_ID = "acme/tiny-chat"
+SUITE = "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 8}\n  pretraining:"
+
+
+def production_why(threshold: float, override: str | None = None) -> str:
+    return ("why:\n  reason: production\n  need: a support assistant that runs on one CPU core\n"
+            f"  existing_models:\n    - {{model: {REPO_ID}}}\n"
+            + (f"  override: {override}\n" if override else "")
+            + f'  success_criteria:\n    - {{metric: "arc_easy:cf/acc", op: ">=", threshold: {threshold}}}\nwhat:\n')
+
+
+def spec_with(folder: Path, threshold: float, override: str | None = None) -> Path:
+    path = write_minimal_spec(folder, **{"  pretraining:": SUITE})
+    path.write_text(re.sub(r"^why:\n.*?^what:\n", production_why(threshold, override), path.read_text(),
+                           flags=re.S | re.M))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Llama with its own BPE tokenizer, as the snapshot of acme/tiny-chat in a hub cache."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("hub")
+    texts = [p.read_text() for p in sorted((REPO / "tests" / "fixtures" / "corpus").rglob("*.txt"))]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        pad_token="</s>")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    files = root / "files"
+    model.save_pretrained(str(files), safe_serialization=True)
+    tokenizer.save_pretrained(str(files))
+    seed_model(root / "cache", REPO_ID, files)
+    return root / "cache"
+
+
+def test_an_existing_model_that_meets_the_criteria_stops_the_run(hub_cache: Path, tmp_path: Path):
+    spec = spec_with(tmp_path, threshold=0.0)  # any accuracy meets it
+    env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(hub_cache)}
+    done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--until", "pretrain:stage1", "--store",
+                           str(tmp_path / "store")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "training is not justified" in done.stderr and REPO_ID in done.stderr and "why.override" in done.stderr
+    assert not list((tmp_path / "store").glob("pretrain/*/manifest.json"))  # nothing trained
+    (gate,) = (tmp_path / "store").glob("gate/*/gate.json")
+    report = json.loads(gate.read_text())
+    assert report["verdict"] == "not justified" and report["revision"] == COMMIT
+    assert report["source"] == f"hf://{REPO_ID}" and len(report["weights_sha256"]) == 64
+    assert 0.0 <= report["scores"]["arc_easy:cf/acc"] <= 1.0 and report["criteria"][0]["met"]
+
+
+def test_falling_short_trains_and_an_override_goes_on_with_its_reason(hub_cache: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import run_in_process
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setitem(os.environ, "HF_HUB_OFFLINE", "1")
+    store = Store(str(tmp_path / "store"))
+    reason = "we need a model whose training data we can audit end to end"
+    for folder, threshold, override, verdict in ((tmp_path / "short", 1.01, None, "justified"),
+                                                  (tmp_path / "over", 0.0, reason, "overridden")):
+        folder.mkdir()
+        loaded = load_spec(spec_with(folder, threshold, override))
+        plan = compile_spec(loaded.spec)
+        assert plan.step("pretrain:stage1").inputs["gate:acme-tiny-chat"] == "gate:acme-tiny-chat"
+        assert plan.step("report:success").config.override == override
+        outcomes = run_in_process(plan.up_to(["pretrain:stage1"]), store, loaded.spec_hash,
+                                  Runtime(how=loaded.spec.how, base_dir=loaded.base_dir), logging.getLogger("test"))
+        assert outcomes["gate:acme-tiny-chat"].manifest.metrics["verdict"] == verdict
+        assert outcomes["pretrain:stage1"].manifest.kind == "pretrain"  # training went on past the gate
