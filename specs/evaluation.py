@@ -8,14 +8,18 @@ from compass.specs.base import SpecModel
 
 
 class EvalTask(SpecModel):
-    """One benchmark in one formulation: cloze (cf) gives early signal, multiple choice (mcf) later."""
+    """One benchmark in one formulation: cloze (cf) gives early signal, multiple choice (mcf) later, generative
+    (gen) for open answers."""
 
     name: str = Field(min_length=1, description="A compass offline benchmark (arc_easy, hellaswag, mmlu, ...) or, "
                                                 "with source: lighteval, a lighteval task (winogrande, arc:easy).")
     source: Literal["compass", "lighteval"] = Field(
         default="compass", description="compass: offline data, cf/mcf prompts; lighteval: lighteval's own task, "
                                        "prompt and metrics, on data this machine holds.")
-    formulation: Literal["cf", "mcf"] = "cf"
+    formulation: Literal["cf", "mcf", "gen"] = Field(
+        default="cf", description="cf: each answer scored as a continuation; mcf: lettered options; gen: the model "
+                                  "writes its answer (nq_open, trivia_qa: exact match and F1; arithmetic: the GRPO "
+                                  "verifier's accuracy on problems GRPO does not train on).")
     fewshot: int = Field(default=0, ge=0)
     limit: PositiveInt | None = Field(default=None, description="Evaluate the first N samples only.")
 

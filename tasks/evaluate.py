@@ -77,14 +77,19 @@ def preflight(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     """Every benchmark must be runnable on this machine before any work starts: compass's own from the offline
     data it knows, lighteval's from a dataset the machine holds."""
     from compass.tasks.lighteval_tasks import TaskDataMissing, locate
-    from compass.tasks.offline_benchmarks import BENCHMARKS
+    from compass.tasks.offline_benchmarks import BENCHMARKS, GENERATIVE, VERIFIED, formulations
 
+    offline = [*BENCHMARKS, *GENERATIVE, *VERIFIED]
     for i, task in enumerate(spec.what.evaluation.tasks):
         at = ("what", "evaluation", "tasks", i, "name")
-        if task.source == "compass" and task.name not in BENCHMARKS:
+        if task.source == "compass" and task.name not in offline:
             yield Issue(at, f"no offline data for benchmark '{task.name}' on this machine",
-                        f"available offline: {', '.join(BENCHMARKS)}; or set source: lighteval for a lighteval "
+                        f"available offline: {', '.join(offline)}; or set source: lighteval for a lighteval "
                         "task whose dataset this machine holds")
+        elif task.source == "compass" and task.formulation not in formulations(task.name):
+            yield Issue(("what", "evaluation", "tasks", i, "formulation"),
+                        f"{task.name} has no '{task.formulation}' formulation",
+                        f"use formulation: {' or '.join(formulations(task.name))}")
         if task.source == "lighteval":
             try:
                 locate(task.name, task.fewshot)

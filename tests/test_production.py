@@ -101,6 +101,7 @@ def test_submitted_demo_runs_every_phase_with_its_store_on_s3(production: Produc
     assert untied["runs"] == 2 and untied["verdict"] in ("better", "worse", "within noise")
     evaluation = p.one("evaluate/pretrain-stage2-*/results.json")
     assert 0 <= evaluation["arc_easy:cf/acc"] <= 1 and 0 <= evaluation["hellaswag:cf/acc"] <= 1
+    assert 0 <= evaluation["arithmetic:gen/verified_acc"] <= 1  # the generative path, in the demo
     assert evaluation["val_ppl:docs_en"] > 1
     for stage in ("stage1", "stage2"):
         metrics = p.one(f"pretrain/{stage}-*/manifest.json")["metrics"]
