@@ -273,9 +273,28 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
                "curve": curve}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
+    _to_tensorboard(ctx, model.step_id, curve)
     summary = (f"### evaluate `{model.step_id}`\n\n{_shown(final_metrics)}\n\n"
                f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}")
     return StepResult(metrics=metrics, summary=summary, tables={"evaluation": rows}, provenance=provenance)
+
+
+def _to_tensorboard(ctx: StepContext[EvaluateConfig], model_step: str, curve: list[dict[str, Any]]) -> None:
+    """Scores against tokens in the evaluated step's TensorBoard run, beside its training curves."""
+    if not ctx.runtime.how.monitoring.tensorboard:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    from compass.model.telemetry import tensorboard_run
+
+    folder = tensorboard_run(ctx.runtime.monitoring_dir(ctx.store, ctx.workdir), model_step)
+    with SummaryWriter(str(folder), filename_suffix=".eval") as writer:
+        for point in curve:
+            if point.get("tokens") is None:
+                continue
+            for metric, value in point.items():
+                if isinstance(value, float) and "/depth" not in metric:
+                    writer.add_scalar(f"eval/{metric}", value, int(point["tokens"]))
 
 
 def _shown(values: dict[str, Any]) -> str:

@@ -96,7 +96,8 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.slow
 def test_every_training_step_has_a_tensorboard_run(post_trained):
-    """Pretraining stages (compass's trainer) and every TRL method write TensorBoard runs side by side."""
+    """Pretraining stages (compass's trainer) and every TRL method write TensorBoard runs side by side, with the
+    evaluation scores of each step against tokens in its run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (uri,) = [o.uri for sid, o in post_trained.items() if sid == "pretrain:stage1"]
@@ -108,6 +109,11 @@ def test_every_training_step_has_a_tensorboard_run(post_trained):
         events.Reload()
         scalars = events.Tags()["scalars"]
         assert "train/loss" in scalars or "train/reward" in scalars, (sid, scalars)
+    events = EventAccumulator(str(runs / "pretrain.stage1"))
+    events.Reload()
+    ppl = events.Scalars("eval/val_ppl:notes")  # evaluation scores beside the training curves, against tokens
+    assert ppl and all(p.value > 1 for p in ppl) and ppl[-1].step == post_trained["pretrain:stage1"].manifest.metrics[
+        "tokens"]
 
 
 @pytest.mark.slow
