@@ -211,3 +211,40 @@ def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: 
     assert len(losses_tb) == outcome["result"]["steps"]
     assert [e.step for e in losses_tb] == [per_step * (i + 1) for i in range(len(losses_tb))]  # tokens seen
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "time/data_wait_s"} <= set(events.Tags()["scalars"])
+
+
+@needs_prometheus
+def test_compass_monitor_serves_prometheus_over_the_runs_targets(tmp_path: Path):
+    """`compass monitor SPEC` on loopback: ready, reading the spec's monitoring folder with the alert rules loaded;
+    SIGTERM stops it (and Prometheus with it)."""
+    import os
+    import signal
+
+    from compass.infra import prometheus
+    from compass.infra.net import free_port
+    from tests.conftest import VENV_BIN, base_env, write_minimal_spec
+
+    spec = write_minimal_spec(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([str(VENV_BIN / "compass"), "monitor", str(spec), "--port", str(port),
+                             "--scrape-interval", "1"], cwd=tmp_path, env=base_env(tmp_path / "prefect"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(f"{url}/-/ready")
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.3)
+        rules = json.loads(_get(f"{url}/api/v1/rules"))["data"]["groups"][0]["rules"]
+        assert {r["name"] for r in rules} >= {"CompassNoProgress", "CompassThroughputDrop", "CompassStraggler"}
+        config = _get(f"{url}/api/v1/status/config")
+        assert str(tmp_path / "store" / "monitoring" / "minimal" / "targets") in config
+        assert prometheus.query(url, "up") == []  # no rank trains: nothing to scrape yet
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and f"http://127.0.0.1:{port}" in out
