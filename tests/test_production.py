@@ -57,8 +57,9 @@ def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     env = base_env(home / "prefect-client") | s3.env | {"PREFECT_API_URL": prefect_server}
     cli = Cli(home, env)
     deployed = cli.json("deploy", str(DEMO))
-    assert {d["name"] for d in deployed["deployments"]} == {"compass-lifecycle/lifecycle",
-                                                             "compass-lifecycle/ablations"}
+    assert {d["name"] for d in deployed["deployments"]} == {  # the smoke run's events are not tiny-demo's
+        "compass-lifecycle/lifecycle", "compass-lifecycle/ablations",
+        "compass-checkpoint-evaluation/on-checkpoint-tiny-demo"}
     log = open(home / "worker.log", "w")  # noqa: SIM115 (closed in finally)
     worker = subprocess.Popen([str(VENV_BIN / "compass"), "worker"], cwd=home, env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
