@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,3 +147,18 @@ def prefect_client(api_url: str) -> Iterator:
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         yield client
+
+
+def run_up_to(spec_path: Path, target: str, store: Path) -> tuple[Any, dict[str, Any]]:
+    """Every step of the spec's plan up to `target`, in this process (no Prefect); (the plan, outcomes by id)."""
+    import logging
+
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.base import Runtime
+
+    loaded = load_spec(spec_path)
+    plan = compile_spec(loaded.spec).up_to([target])
+    ctx = RunContext(plan, Store(str(store)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+    return plan, {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}

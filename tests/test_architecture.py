@@ -79,7 +79,7 @@ def test_each_kind_is_declared_once_with_everything_the_runner_needs():
     kinds = registry.kinds()
     names = [k.name for k in kinds]
     assert len(names) == len(set(names))
-    assert {"ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain", "long_context",
+    assert {"gate", "ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain", "long_context",
             "post_train", "evaluate", "curves", "report"} == set(names)
     assert set(registry.model_kinds()) == {"pretrain", "long_context", "post_train"}
     assert registry.deployment_kinds("ablations") == ["ablate", "compare"]

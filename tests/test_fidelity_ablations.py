@@ -5,12 +5,11 @@ and a metric no run can produce is refused when the spec is checked."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_minimal_spec
+from tests.conftest import run_up_to, write_minimal_spec
 
 ABLATIONS = """  ablations:
     baseline: {tokens: 4096, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
@@ -28,18 +27,8 @@ ABLATIONS = """  ablations:
 
 @pytest.mark.slow
 def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(tmp_path: Path):
-    from compass.flows.compiler import compile_spec
-    from compass.flows.runner import RunContext, run_step
-    from compass.infra.store import Store
-    from compass.specs import load_spec
-    from compass.tasks.base import Runtime
-
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": ABLATIONS})
-    loaded = load_spec(spec)
-    plan = compile_spec(loaded.spec).up_to(["compare:ablations"])
-    ctx = RunContext(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
-                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
-    outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
+    _, outcomes = run_up_to(spec, "compare:ablations", tmp_path / "store")
 
     runs = {sid: o.manifest.metrics for sid, o in outcomes.items() if sid.startswith("ablate:")}
     assert len(runs) == 4

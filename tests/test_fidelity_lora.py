@@ -4,12 +4,11 @@ merged into the model the step started from. QLoRA is refused on CPU with a clea
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_minimal_spec
+from tests.conftest import run_up_to, write_minimal_spec
 
 SFT_LORA = """  post_training:
     - {method: sft, name: sft_lora, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 32,
@@ -23,19 +22,10 @@ def test_lora_sft_exports_merged_weights_and_its_adapter(tmp_path: Path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from compass.flows.compiler import compile_spec
-    from compass.flows.runner import RunContext, run_step
-    from compass.infra.store import Store
-    from compass.specs import load_spec
-    from compass.tasks.base import Runtime
     from compass.tasks.chat import load_chat_model
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT_LORA})
-    loaded = load_spec(spec)
-    plan = compile_spec(loaded.spec).up_to(["post_train:sft_lora"])
-    ctx = RunContext(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
-                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
-    outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
+    plan, outcomes = run_up_to(spec, "post_train:sft_lora", tmp_path / "store")
     lora = outcomes["post_train:sft_lora"]
     out = Path(lora.uri)
     metrics = lora.manifest.metrics

@@ -6,12 +6,11 @@ data and the tokens fails the step."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, write_minimal_spec
+from tests.conftest import REPO, run_up_to, write_minimal_spec
 
 CONVERSATION = [{"role": "user", "content": "What is 12 + 7 * 2?"},
                 {"role": "assistant", "content": "<think>\n7 * 2 = 14\n12 + 14 = 26\n</think>\n26"}]
@@ -92,18 +91,9 @@ SFT = """  post_training:
 def test_hybrid_sft_trains_both_modes_on_the_tokens_the_template_renders(tmp_path: Path):
     from transformers import AutoTokenizer
 
-    from compass.flows.compiler import compile_spec
-    from compass.flows.runner import RunContext, run_step
-    from compass.infra.store import Store
-    from compass.specs import load_spec
-    from compass.tasks.base import Runtime
-
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT})
-    loaded = load_spec(spec)
-    plan = compile_spec(loaded.spec).up_to(["post_train:hybrid"])
-    ctx = RunContext(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
-                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
-    outcome = [run_step(ctx, s, logging.getLogger("test")) for s in plan.steps][-1]
+    _, outcomes = run_up_to(spec, "post_train:hybrid", tmp_path / "store")
+    outcome = outcomes["post_train:hybrid"]
     out = Path(outcome.uri)
     assert outcome.manifest.metrics["think_examples"] == 20 and outcome.manifest.metrics["examples"] == 40
     exported = AutoTokenizer.from_pretrained(str(out / "final"))
