@@ -50,7 +50,11 @@ class LiveTraining:
         if self.thread is not None:
             self.thread.join(timeout=60)
         if exc[0] is None:
-            self._tick()  # the stage's last checkpoint, and the final progress
+            self._tick()  # the stage's last checkpoint, unless the step already removed its work folder
+            if self.progress_id is not None:  # committed: every step of it trained
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(self.progress_id, 100.0)
 
     def _loop(self) -> None:
         while not self.stop.wait(self.every_s):
