@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import contextvars
-import io
 import json
 import logging
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 from compass.model import checkpoint as ckpt
 from compass.tasks.curves import token_axis
 from compass.tasks.steps import Step
+from compass.tasks.training import loss_png
 
 CHECKPOINT_EVENT = "compass.checkpoint.committed"
 WEIGHTS = "hf/model.safetensors"
@@ -99,7 +99,7 @@ class LiveTraining:
                                                         description=f"{self.step.id}: training progress")
         else:
             update_progress_artifact(self.progress_id, percent)
-        png = base64.b64encode(loss_plot(rows, f"{self.step.id} (live)")).decode()
+        png = base64.b64encode(loss_png(rows, f"{self.step.id} (live)", dpi=80)).decode()
         create_markdown_artifact(
             key=f"{self.key}-live",
             markdown=(f"### {self.step.id}: training, live\n\nstage `{last['stage']}` step {last['stage_step']} of "
@@ -129,27 +129,3 @@ class LiveTraining:
                              "compass.step": self.step.id},
                    payload={"checkpoint": checkpoint, "store_root": self.store_root})
         self.log.info("checkpoint %s of %s committed: event %s emitted", folder.name, self.step.id, CHECKPOINT_EVENT)
-
-
-def loss_plot(rows: list[dict[str, Any]], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from compass.tasks.curves import use_token_axis
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for stage in dict.fromkeys(r["stage"] for r in rows):
-        ax.plot([r["tokens"] for r in rows if r["stage"] == stage], [r["loss"] for r in rows if r["stage"] == stage],
-                label=stage, marker="o" if len(rows) < 30 else None, markersize=3)
-    use_token_axis(ax)
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80)
-    plt.close(fig)
-    return buffer.getvalue()

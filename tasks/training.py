@@ -156,26 +156,35 @@ def _run_all(plan: LaunchPlan, workdir: Path) -> None:
 
 
 def plot_loss(metrics: Path, out: Path, title: str) -> None:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    out.write_bytes(loss_png(rows, title))
+
+
+def loss_png(rows: list[dict[str, Any]], title: str, dpi: int = 100) -> bytes:
+    """Training loss against tokens seen, one line per stage (points marked while there are few)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for stage in dict.fromkeys(r["stage"] for r in rows):
-        xs = [r["tokens"] for r in rows if r["stage"] == stage]
-        ax.plot(xs, [r["loss"] for r in rows if r["stage"] == stage], label=stage)
     from compass.tasks.curves import use_token_axis
 
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for stage in dict.fromkeys(r["stage"] for r in rows):
+        ax.plot([r["tokens"] for r in rows if r["stage"] == stage], [r["loss"] for r in rows if r["stage"] == stage],
+                label=stage, marker="o" if len(rows) < 30 else None, markersize=3)
     use_token_axis(ax)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("training loss")
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
     plt.close(fig)
+    return buffer.getvalue()
 
 
 def train_and_export(ctx: StepContext, job: TrainJob, label: str,

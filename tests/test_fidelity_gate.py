@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, base_env, write_minimal_spec
-from tests.hub_cache import COMMIT, seed_model
+from tests.conftest import VENV_BIN, base_env, write_minimal_spec
+from tests.hub_cache import COMMIT, seed_model, tiny_llama
 
 pytestmark = pytest.mark.slow
 REPO_ID = "acme/tiny-chat"
@@ -38,23 +38,8 @@ def spec_with(folder: Path, threshold: float, override: str | None = None) -> Pa
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small Llama with its own BPE tokenizer, as the snapshot of acme/tiny-chat in a hub cache."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("hub")
-    texts = [p.read_text() for p in sorted((REPO / "tests" / "fixtures" / "corpus").rglob("*.txt"))]
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                        pad_token="</s>")
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         bos_token_id=1, eos_token_id=2, pad_token_id=2))
-    files = root / "files"
-    model.save_pretrained(str(files), safe_serialization=True)
-    tokenizer.save_pretrained(str(files))
-    seed_model(root / "cache", REPO_ID, files)
+    seed_model(root / "cache", REPO_ID, tiny_llama(root / "files"))
     return root / "cache"
 
 

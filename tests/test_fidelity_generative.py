@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-
 
 def _doc(query: str, answers: list[str]):
     from compass.tasks.offline_benchmarks import gen_prompt
@@ -55,23 +53,11 @@ def test_held_out_arithmetic_never_meets_grpo_problems():
 def test_generative_benchmarks_run_through_lighteval(tmp_path: Path):
     """A small model built here answers 8 questions of each set: the generative path runs, batched, and every
     metric comes back in range."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from compass.specs.evaluation import EvalTask
     from compass.tasks.evaluate import run_lighteval
+    from tests.hub_cache import tiny_llama
 
-    texts = [p.read_text() for p in sorted((REPO / "tests" / "fixtures" / "corpus").rglob("*.txt"))]
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                        pad_token="</s>")
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         bos_token_id=1, eos_token_id=2, pad_token_id=2))
-    model.save_pretrained(str(tmp_path / "model"))
-    tokenizer.save_pretrained(str(tmp_path / "model"))
+    tiny_llama(tmp_path / "model")
     tasks = [EvalTask(name=n, formulation="gen", limit=8) for n in ("nq_open", "trivia_qa", "arithmetic")]
     (tmp_path / "scratch").mkdir()
     results, provenance = run_lighteval(tmp_path / "model", tasks, tmp_path / "scratch")
