@@ -43,8 +43,10 @@ def artifact_key(*parts: str) -> str:
 @task(cache_policy=NO_CACHE, persist_result=False)
 def execute_step(ctx: RunContext, step: Step) -> dict[str, Any]:
     log = get_run_logger()
-    with _followed_live(ctx, step, log):
+    with _followed_live(ctx, step, log) as live:
         outcome = run_step(ctx, step, log)
+        if live is not None and outcome.executed:
+            live.after_commit(outcome.uri, outcome.manifest)
     _publish(ctx, step, outcome)
     return {"step": step.id, "uri": outcome.uri, "executed": outcome.executed,
             "seconds": round(outcome.manifest.duration_s, 2), "pid": os.getpid()}

@@ -35,6 +35,7 @@ class LiveTraining:
         self.thread: threading.Thread | None = None
         self.progress_id: Any = None
         self.seen: set[Path] = set()
+        self.emitted: set[str] = set()  # weights announced by this step
         self.rows_shown = 0
 
     def __enter__(self) -> LiveTraining:
@@ -111,21 +112,36 @@ class LiveTraining:
         roots = [self.workdir / "checkpoints", *self.workdir.glob("*/checkpoints")]
         return [folder for root in roots if root.is_dir() for folder in ckpt.complete_checkpoints(root)]
 
-    def _emit(self, folder: Path) -> None:
-        from prefect.events import emit_event
+    def after_commit(self, uri: str, manifest: Any) -> None:
+        """Checkpoints the step committed that no event announced yet (the step removes its work folder as soon
+        as it commits, sometimes before this thread saw its last checkpoint)."""
+        if not self.events:
+            return
+        for entry in manifest.files:
+            parts = entry.path.split("/")
+            if len(parts) == 3 and parts[0] == "checkpoints" and parts[2] == "model.safetensors" \
+                    and entry.sha256 not in self.emitted:
+                self._announce(f"{uri}/checkpoints/{parts[1]}", parts[1], entry.sha256, None)
 
+    def _emit(self, folder: Path) -> None:
         sums = json.loads((folder / ckpt.CHECKSUMS).read_text())
         sha = sums.get(WEIGHTS)
         if sha is None:
             return
         stage_step = int(folder.name.split("-")[1])
         tokens = next((r["tokens"] for r in self._metrics() if r.get("stage_step") == stage_step), None)
-        checkpoint = {"path": str(folder / "hf"), "step": self.step.id, "folder": folder.name,
-                      "weights_sha256": sha, "tokens": tokens}
+        self._announce(str(folder / "hf"), folder.name, sha, tokens)
+
+    def _announce(self, path: str, name: str, sha: str, tokens: int | None) -> None:
+        from prefect.events import emit_event
+
+        self.emitted.add(sha)
+        checkpoint = {"path": path, "step": self.step.id, "folder": name, "weights_sha256": sha, "tokens": tokens}
+        folder = Path(path)
         emit_event(event=CHECKPOINT_EVENT,
                    resource={"prefect.resource.id": f"compass.checkpoint.{sha[:20]}",
-                             "prefect.resource.name": f"{self.step.id} {folder.name}",
-                             "compass.uri": (folder / "hf").as_uri(), "compass.run": self.run,
+                             "prefect.resource.name": f"{self.step.id} {name}",
+                             "compass.uri": path if "://" in path else folder.as_uri(), "compass.run": self.run,
                              "compass.step": self.step.id},
                    payload={"checkpoint": checkpoint, "store_root": self.store_root})
-        self.log.info("checkpoint %s of %s committed: event %s emitted", folder.name, self.step.id, CHECKPOINT_EVENT)
+        self.log.info("checkpoint %s of %s committed: event %s emitted", name, self.step.id, CHECKPOINT_EVENT)
