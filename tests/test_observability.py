@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,18 @@ def test_token_axes_read_at_a_glance(tmp_path: Path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
+def _wait_ready(url: str, process: subprocess.Popen, why: Callable[[], str]) -> None:
+    """Until Prometheus at `url` says it is ready (at most a minute, and only while its process lives)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _get(f"{url}/-/ready")
+            return
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, why()
+            time.sleep(0.3)
+
+
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.read().decode()
@@ -163,14 +176,7 @@ def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: 
 
     trainer = threading.Thread(target=train)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(f"{url}/-/ready")
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (folder / "prometheus.log").read_text()
-                time.sleep(0.3)
+        _wait_ready(url, server, lambda: (folder / "prometheus.log").read_text())
         trainer.start()
         exposed: set[str] = set()
         steps: dict[str, float] = {}
@@ -231,14 +237,7 @@ def test_compass_monitor_serves_prometheus_over_the_runs_targets(tmp_path: Path)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(f"{url}/-/ready")
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-                time.sleep(0.3)
+        _wait_ready(url, proc, lambda: proc.stderr.read())
         rules = json.loads(_get(f"{url}/api/v1/rules"))["data"]["groups"][0]["rules"]
         assert {r["name"] for r in rules} >= {"CompassNoProgress", "CompassThroughputDrop", "CompassStraggler"}
         config = _get(f"{url}/api/v1/status/config")
