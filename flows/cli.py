@@ -209,6 +209,10 @@ def verify(store: Annotated[str, typer.Argument(help="Store root (local folder o
 def _label(node: dict) -> str:
     label = f"[bold]{node['step']}[/bold] [dim]{node['fingerprint'][:12]}[/dim] {node['uri']}"
     for p in node.get("provenance", []):
+        if "weights_sha256" in p:  # a checkpoint from outside the run (starting point, gate)
+            label += (f"\n  checkpoint: {p.get('source')} revision {p.get('revision', '-')} "
+                      f"weights sha256 {p['weights_sha256'][:16]}")
+            continue
         what = p.get("package") or p.get("path") or p.get("uri") or p.get("kind")
         label += f"\n  source: {p.get('kind')} {what} {p.get('version', '')} " + (
             f"sha256 {p['archive_sha256'][:16]}" if "archive_sha256" in p else "")

@@ -90,6 +90,10 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
     params = Section("Parameters", ["part", "count", "~"], params_rows,
                      [f"vocabulary {vocab:,}" + ("" if arch.vocab_size else " (largest tokenizer candidate)")
                       + f"; tied embeddings: {arch.tied_embeddings}"])
+    start = spec.what.model
+    if start is not None and start.resolved is not None:
+        params.notes.append(f"from the checkpoint {start.init_from} ({start.resolved.model_type}, revision "
+                            f"{start.resolved.stamp}): architecture and tokenizer read from it")
 
     stages = costs.stage_costs(spec)
     hw = how.hardware

@@ -8,6 +8,7 @@ The parameter count equals the planner's `specs.costs.count_parameters` (tested)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +75,27 @@ def build_model(config: PretrainedConfig, seed: int, attn_implementation: str = 
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model.config.use_cache = False
     return model
+
+
+def load_pretrained(folder: Path, max_positions: int, rope_theta: float,
+                    attn_implementation: str = DOCUMENT_SDPA) -> PreTrainedModel:
+    """A starting checkpoint as the trainer trains it: its own model class and config in fp32, at least the
+    recipe's context, and the recipe's RoPE base (long context from a checkpoint raises it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from compass.model.attention import register
+
+    register()
+    config = AutoConfig.from_pretrained(str(folder))
+    config.max_position_embeddings = max(max_positions, config.max_position_embeddings)
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_theta") != rope_theta:
+        rope["rope_theta"] = rope_theta
+    if getattr(config, "rope_theta", None) not in (None, rope_theta):
+        config.rope_theta = rope_theta
+    config.use_cache = False
+    return AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                attn_implementation=attn_implementation)
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_embeddings: bool) -> list[dict[str, Any]]:

@@ -71,7 +71,8 @@ class Telemetry(BaseModel):
 
 
 class TrainJob(BaseModel):
-    """A recipe bound to files and hardware. `init_from` continues a previous stage's full state; `whole_from`
+    """A recipe bound to files and hardware. `init_from` continues a previous stage's full state, `init_weights`
+    starts from an exported Hugging Face model (a starting checkpoint: its weights, a fresh optimizer); `whole_from`
     keeps documents longer than that length whole (long context); `tokens_before` continues the token count."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -84,6 +85,7 @@ class TrainJob(BaseModel):
     sources: dict[str, Path]
     staging: Staging | None = None
     init_from: Path | None = None
+    init_weights: Path | None = None
     whole_from: int | None = None
     tokens_before: int = 0
     micro_batch_size: PositiveInt

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from compass.model import attention
 from compass.model import checkpoint as ckpt
-from compass.model.architecture import build_model, hf_config, parameter_groups
+from compass.model.architecture import build_model, hf_config, load_pretrained, parameter_groups
 from compass.model.callbacks import (
     Callback,
     Checkpointing,
@@ -153,9 +153,13 @@ class Trainer:
     def _model(self) -> CausalLMWithLoss:
         job, recipe = self.job, self.job.recipe
         arch = recipe.architecture
-        special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
-        hf = build_model(hf_config(arch, job.vocab_size, special, max_positions=recipe.max_positions), recipe.seed,
-                         self.setup["attention"])
+        if job.init_weights is not None:  # a starting checkpoint: its own class and config
+            hf = load_pretrained(job.init_weights, recipe.max_positions, arch.positions.rope_theta,
+                                 self.setup["attention"])
+        else:
+            special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
+            hf = build_model(hf_config(arch, job.vocab_size, special, max_positions=recipe.max_positions),
+                             recipe.seed, self.setup["attention"])
         if job.parallelism.activation_checkpointing:  # recompute each layer's activations in the backward pass
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.initial = state_digests(hf.state_dict()) if self.tp > 1 else {}
@@ -323,6 +327,8 @@ class Trainer:
         elif self.job.init_from:
             self.engine.load(self.job.init_from, load_optimizer=not self.stage.reset_optimizer)
             log.info("continuing from the previous stage's final state %s", self.job.init_from)
+        elif self.job.init_weights:
+            log.info("starting from the checkpoint %s (fresh optimizer)", self.job.init_weights)
         return resumed
 
     def save_checkpoint(self) -> Path:
@@ -409,6 +415,8 @@ class Trainer:
             folder, what = self.resumed / "hf", f"the export of {self.resumed.name}"
         elif self.job.init_from is not None:
             folder, what = self.job.init_from.parent / "final", "the previous stage's exported model"
+        elif self.job.init_weights is not None:
+            folder, what = self.job.init_weights, "the starting checkpoint"
         else:
             return self.initial, "the initial weights"
         state: dict[str, torch.Tensor] = {}

@@ -25,6 +25,9 @@ HOST = re.compile(r"[A-Za-z0-9_[][A-Za-z0-9._@:\[\]-]{0,252}")
 
 def check_spec(spec: TrainingSpec) -> list[Issue]:
     """Run every check and return all issues (empty when the spec is consistent)."""
+    start = list(_starting_point(spec))
+    if start:
+        return start  # the other checks read the architecture and the tokenizer
     checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _tokenizer,
               _post_training, _ablations, _orchestration, _evaluation, _gate)
     return [issue for check in checks for issue in check(spec)]
@@ -34,6 +37,27 @@ def _unused(model: Any, field: str, loc: Loc, applies: bool, why: str) -> Iterat
     """A field set where it has no effect is refused, never silently ignored."""
     if not applies and field in model.model_fields_set:
         yield Issue((*loc, field), f"{field} has no effect here: {why}", f"remove {field}")
+
+
+def _starting_point(spec: TrainingSpec) -> Iterator[Issue]:
+    """Random weights need an architecture, a tokenizer and pretraining; a checkpoint brings the first two."""
+    what = spec.what
+    if what.model is None:
+        if what.architecture is None:
+            yield Issue(("what", "architecture"), "missing: training from random weights needs an architecture",
+                        "add what.architecture, or start from a checkpoint with what.model.init_from")
+        if what.tokenizer is None:
+            yield Issue(("what", "tokenizer"), "missing: training from random weights needs tokenizer candidates",
+                        "add what.tokenizer, or start from a checkpoint with what.model.init_from")
+        if not what.pretraining.stages:
+            yield Issue(("what", "pretraining", "stages"), "no pretraining stage: random weights need pretraining",
+                        "add a stage, or fine-tune an existing checkpoint with what.model.init_from")
+        if not what.data.sources:
+            yield Issue(("what", "data", "sources"), "no data source to pretrain on or to train a tokenizer on",
+                        "add what.data.sources")
+    elif what.tokenizer is not None:
+        yield Issue(("what", "tokenizer"), "the tokenizer comes with what.model.init_from: the checkpoint's "
+                    "embeddings index its vocabulary", "remove what.tokenizer")
 
 
 def _architecture(spec: TrainingSpec) -> Iterator[Issue]:
@@ -159,7 +183,7 @@ def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
         return  # nothing is evaluated, so no success report is compiled
     keys = {t.key for t in ev.tasks}  # each gives <key>/<metric>
     if spec.what.long_context.stages:  # passkey@<length>, and per depth passkey@<length>/depth<d>
-        keys |= {f"passkey@{n}" for n in [spec.what.pretraining.stages[-1].sequence_length,
+        keys |= {f"passkey@{n}" for n in [spec.what.trained_length,
                                           *(s.sequence_length for s in spec.what.long_context.stages)]}
     plain = {f"val_{m}:{s}" for s in ev.perplexity_sources for m in ("loss", "ppl")}
     for i, crit in enumerate(spec.why.success_criteria):
@@ -188,7 +212,7 @@ def _stages(spec: TrainingSpec) -> Iterator[Issue]:
                         f"{stage.tokens:g} tokens is less than one optimizer step ({one_step} tokens)",
                         "raise tokens or lower global_batch_size")
     lc = spec.what.long_context.stages
-    previous = pre[-1].sequence_length if pre else 0
+    previous = spec.what.trained_length
     previous_theta = spec.what.architecture.positions.rope_theta
     for i, stage in enumerate(lc):
         at = ("what", "long_context", "stages", i)
@@ -236,7 +260,7 @@ def _schedule(spec: TrainingSpec) -> Iterator[Issue]:
             yield Issue(("what", "pretraining", "stages", first, "schedule_segment"),
                         "only the last stages may decay: a stable stage follows a decay stage",
                         "mark every stage after the first decay stage as decay")
-    if sched.warmup_steps >= total_steps:
+    if pt.stages and sched.warmup_steps >= total_steps:
         yield Issue(("what", "pretraining", "schedule", "warmup_steps"),
                     f"warmup_steps={sched.warmup_steps} covers the whole run ({total_steps} steps)",
                     "shorten the warmup (SmolLM3 warmed up for 2,000 steps)")
@@ -322,6 +346,8 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
 
 def _tokenizer(spec: TrainingSpec) -> Iterator[Issue]:
     tok = spec.what.tokenizer
+    if tok is None:  # the starting checkpoint's
+        return
     for i, dup in _repeats([c.key for c in tok.candidates]):
         yield Issue(("what", "tokenizer", "candidates", i), f"candidate '{dup}' is listed twice",
                     "list each candidate once")

@@ -159,7 +159,7 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
     weights = n * w_bytes / tp / (dp if zero_stage >= 3 else 1)
     grads = n * g_bytes / tp / (dp if zero_stage >= 2 else 1)
     optim = n * o_bytes / tp / (dp if zero_stage >= 1 else 1)
-    seq = seq_len or max(s.sequence_length for s in spec.what.pretraining.stages)
+    seq = seq_len or max((s.sequence_length for s in spec.what.pretraining.stages), default=spec.what.trained_length)
     b, d, L = micro_batch or par.micro_batch_size, arch.hidden_size, arch.num_layers
     act_scale = 2 if how.precision == "fp32" else 1
     if par.activation_checkpointing:
@@ -198,7 +198,7 @@ def kv_cache(spec: TrainingSpec, bytes_per_value: int = 2) -> list[KvCache]:
     """KV cache per sequence = 2 (K and V) * layers * kv_heads * head_dim * bytes * length."""
     arch = spec.what.architecture
     lengths = sorted({s.sequence_length for s in spec.what.pretraining.stages}
-                     | {s.sequence_length for s in spec.what.long_context.stages})
+                     | {s.sequence_length for s in spec.what.long_context.stages} | {spec.what.trained_length})
     per_token_gqa = 2 * arch.num_layers * arch.num_kv_heads * arch.resolved_head_dim * bytes_per_value
     per_token_mha = 2 * arch.num_layers * arch.num_heads * arch.resolved_head_dim * bytes_per_value
     return [KvCache(n, per_token_gqa * n, per_token_mha * n) for n in lengths]

@@ -72,4 +72,4 @@ class DataSource(SpecModel):
 
 
 class Data(SpecModel):
-    sources: list[DataSource] = Field(min_length=1)
+    sources: list[DataSource] = Field(default_factory=list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from compass.specs import yaml_limits
 from compass.specs.base import Issue, Loc
+from compass.specs.checkpoint_config import resolve_starting_model
 from compass.specs.how import SLURM_WORD
 from compass.specs.spec import TrainingSpec
 
@@ -100,6 +101,10 @@ def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = 
     except ValidationError as exc:
         raise SpecError(_problems_from_validation(exc, plain, lines, filename)) from None
     loaded = LoadedSpec(spec=spec, path=filename, base_dir=base, text=text, lines=lines, data=plain)
+    spec, issues = resolve_starting_model(spec, base)
+    if issues:
+        raise SpecError(loaded.problems(issues))
+    loaded = replace(loaded, spec=spec)
     issues = check_spec(spec)
     if issues:
         raise SpecError(loaded.problems(issues))

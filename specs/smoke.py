@@ -52,7 +52,7 @@ class _Shrinker:
         how = spec.how
         self.tp = min(how.parallelism.tensor_parallel, 2)
         lengths = sorted({s.sequence_length for s in spec.what.pretraining.stages}
-                         | {s.sequence_length for s in spec.what.long_context.stages})
+                         | {s.sequence_length for s in spec.what.long_context.stages} | {spec.what.trained_length})
         self.lengths = {n: SEQUENCE * 2**i for i, n in enumerate(lengths)}
         self.batch = 2  # two micro-batches of one row: gradient accumulation is exercised
 
@@ -106,10 +106,11 @@ class _Shrinker:
         self.set("spec", d, "name", f"{self.spec.name}-smoke")
         what, how = d["what"], d["how"]
         real_arch = dict(what["architecture"])
-        self.architecture(what["architecture"], "what.architecture")
-        tok = what["tokenizer"]
-        self.set("what.tokenizer", tok, "train_chars", min(tok["train_chars"], 300_000))
-        self.set("what.tokenizer", tok, "eval_chars", min(tok["eval_chars"], 50_000))
+        if what.get("model") is None:  # a starting checkpoint is what it is: its shape and tokenizer stay
+            self.architecture(what["architecture"], "what.architecture")
+            tok = what["tokenizer"]
+            self.set("what.tokenizer", tok, "train_chars", min(tok["train_chars"], 300_000))
+            self.set("what.tokenizer", tok, "eval_chars", min(tok["eval_chars"], 50_000))
         for src in what["data"]["sources"]:
             self.set(f"what.data.sources.{src['name']}", src, "max_documents",
                      min(src.get("max_documents") or DOCUMENTS, DOCUMENTS))

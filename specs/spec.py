@@ -9,22 +9,37 @@ from compass.specs.data import Data
 from compass.specs.evaluation import Evaluation
 from compass.specs.how import How
 from compass.specs.post_training import PostTrainStep
+from compass.specs.starting_model import StartingModel
 from compass.specs.tokenizer import Tokenizer
 from compass.specs.training import LongContext, Pretraining
 from compass.specs.why import Why
 
 
 class What(SpecModel):
-    """Everything that determines the trained model: architecture, tokenizer, data and the phases."""
+    """Everything that determines the trained model: architecture, tokenizer, data and the phases. Starting from
+    an existing checkpoint (`model.init_from`), the architecture and tokenizer come with it (compass fills
+    `architecture` in when the spec loads) and pretraining stages are optional."""
 
-    architecture: Architecture
-    tokenizer: Tokenizer
-    data: Data
+    model: StartingModel | None = None
+    architecture: Architecture | None = None
+    tokenizer: Tokenizer | None = None
+    data: Data = Data()
     ablations: Ablations | None = None
-    pretraining: Pretraining
+    pretraining: Pretraining = Pretraining()
     long_context: LongContext = LongContext()
     post_training: list[PostTrainStep] = Field(default_factory=list)
     evaluation: Evaluation = Evaluation()
+
+    @property
+    def trained_length(self) -> int:
+        """The context the model has been trained at before long context: the last pretraining stage's, else
+        the starting checkpoint's."""
+        if self.pretraining.stages:
+            return self.pretraining.stages[-1].sequence_length
+        if self.model is None or self.model.resolved is None:
+            raise ValueError("no pretraining stage and no resolved starting checkpoint: load the spec with "
+                             "compass.specs.loader, which reads what.model.init_from")
+        return self.model.resolved.context_length
 
 
 class TrainingSpec(SpecModel):

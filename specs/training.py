@@ -94,7 +94,8 @@ class Pretraining(SpecModel):
     optimizer: Optimizer = Optimizer()
     schedule: Schedule = Schedule()
     intra_document_masking: bool = True
-    stages: list[PretrainStage] = Field(min_length=1)
+    stages: list[PretrainStage] = Field(
+        default_factory=list, description="At least one from random weights; none to fine-tune what.model.init_from.")
 
 
 class Yarn(SpecModel):

@@ -21,7 +21,7 @@ from compass.tasks.base import StepContext, StepResult
 from compass.tasks.devices import Placement, placement
 from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.tokenize import tokens_of
-from compass.tasks.tokenizer import STEP_ID as TOKENIZER
+from compass.tasks.tokenizer import tokenizer_step
 
 
 class Retrieval(BaseModel):
@@ -49,7 +49,7 @@ def retrieval_of(spec: TrainingSpec) -> Retrieval | None:
     if not lc.stages:
         return None
     first = lc.stages[0].mixture
-    lengths = [spec.what.pretraining.stages[-1].sequence_length, *(s.sequence_length for s in lc.stages)]
+    lengths = [spec.what.trained_length, *(s.sequence_length for s in lc.stages)]
     return Retrieval(lengths=lengths, depths=lc.retrieval_depths, samples=lc.retrieval_samples,
                      source=lc.retrieval_source or max(sorted(first), key=lambda n: first[n]))
 
@@ -66,7 +66,7 @@ def build(plan: PlanBuilder) -> None:
     retrieval = retrieval_of(plan.spec)
     config = EvaluateConfig(suite=ev, every_checkpoint=plan.spec.how.evaluation.every_checkpoint, retrieval=retrieval)
     for model_step in plan.model_steps:
-        inputs = {"model": model_step, "tokenizer": TOKENIZER,
+        inputs = {"model": model_step, "tokenizer": tokenizer_step(plan),
                   **{f"tokens:{n}": tokens_of(plan, n) for n in ev.perplexity_sources}}
         if retrieval:
             inputs["haystack"] = tokens_of(plan, retrieval.source)

@@ -81,6 +81,11 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     cfg = ctx.config
     uri = parse_source_uri(cfg.uri)
     provenance: dict
+    if uri.scheme == "traces":  # generated: no files to select
+        from compass.tasks.reasoning import trace_documents
+
+        documents, provenance = trace_documents(uri.path, ctx.name, cfg.domain)
+        return _write_documents(ctx, documents, [], provenance, {}, Counter())
     if uri.is_package:
         root, provenance = fetch_package(uri)
         if uri.scheme == "stdlib" and uri.path:
@@ -101,15 +106,23 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
         raise DataError(f"source {ctx.name}: no files under {where} match include={cfg.include} "
                          f"exclude={cfg.exclude} (check the URI and the include patterns)")
     ctx.log.info("ingest %s: %d files under %s", ctx.name, len(files), base)
+    skipped: dict[str, str] = {}
+    dropped: Counter[str] = Counter()
+    documents = _documents(fs, base, files, cfg, ctx.name, skipped, dropped)
+    return _write_documents(ctx, documents, files, provenance, skipped, dropped)
+
+
+def _write_documents(ctx: StepContext[IngestConfig], documents: Iterator[dict], files: list[str], provenance: dict,
+                     skipped: dict[str, str], dropped: Counter[str]) -> StepResult:
+    """Shards of documents (up to max_documents, each under max_document_chars), stats and the step's result."""
+    cfg = ctx.config
     docs_dir = ctx.out / "documents"
     docs_dir.mkdir()
     n_docs = n_chars = 0
     shard: list[str] = []
     shard_id = 0
     limit = cfg.max_documents
-    skipped: dict[str, str] = {}
-    dropped: Counter[str] = Counter()
-    for doc in _documents(fs, base, files, cfg, ctx.name, skipped, dropped):
+    for doc in documents:
         reason = _drop_reason(doc["text"], cfg.max_document_chars)
         if reason:
             dropped[reason] += 1

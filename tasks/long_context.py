@@ -52,8 +52,11 @@ def continuation(architecture: Architecture, optimizer: Optimizer, seed: int, ma
 def build(plan: PlanBuilder) -> None:
     what = plan.spec.what
     pt, lc = what.pretraining, what.long_context
-    previous = plan.of_kind("pretrain")[-1].id
-    previous_length = pt.stages[-1].sequence_length
+    trained = plan.of_kind("pretrain") or plan.of_kind("base_model")
+    if not trained or not lc.stages:
+        return
+    previous = trained[-1].id
+    previous_length = what.trained_length
     for stage in lc.stages:
         config = LongContextConfig(stage=stage, inference_scaling=lc.inference_scaling,
                                    intra_document_masking=pt.intra_document_masking, architecture=what.architecture,

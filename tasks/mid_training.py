@@ -27,9 +27,10 @@ class MidTrainingConfig(MidTraining, PostTrainConfig):
 def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
     cfg = ctx.config
     previous = ctx.inputs["previous"].local()
-    if not (previous / "state").exists():
-        raise ValueError(f"mid-training {ctx.name} continues a training state, and {ctx.inputs['previous'].step_id} "
-                         "has none: put mid-training right after pretraining or long-context extension")
+    if not (previous / "state").exists() and ctx.inputs["previous"].step_id.split(":")[0] != "base_model":
+        raise ValueError(f"mid-training {ctx.name} continues a training state or a starting checkpoint, and "
+                         f"{ctx.inputs['previous'].step_id} is neither: put mid-training right after pretraining, "
+                         "long-context extension, or what.model.init_from")
     hf = json.loads((previous / "final" / "config.json").read_text())
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))

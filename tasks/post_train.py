@@ -28,7 +28,7 @@ from compass.tasks.post_data import (
     length_penalty,
 )
 from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
-from compass.tasks.tokenizer import STEP_ID as TOKENIZER
+from compass.tasks.tokenizer import tokenizer_step
 
 
 class PostTrainConfig(StepConfig):
@@ -68,7 +68,7 @@ def build(plan: PlanBuilder) -> None:
     common = {"seed": pt.seed, "vibe_prompts": what.evaluation.vibe_prompts}
     previous = plan.model_steps[-1]
     for i, post in enumerate(what.post_training):
-        inputs = {"tokenizer": TOKENIZER, "previous": previous}
+        inputs = {"tokenizer": tokenizer_step(plan), "previous": previous}
         if isinstance(post, MidTraining):  # the pretraining engine, on the tokenized source
             config: PostTrainConfig = MidTrainingConfig(
                 **dict(post), **common, architecture=what.architecture, optimizer=pt.optimizer,

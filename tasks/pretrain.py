@@ -19,7 +19,8 @@ class PretrainConfig(StageRecipe, StepConfig):
 def build(plan: PlanBuilder) -> None:
     pt = plan.spec.what.pretraining
     needs_total = pt.schedule.kind != "wsd" or all(s.schedule_segment == "auto" for s in pt.stages)
-    previous: str | None = None
+    base = plan.of_kind("base_model")
+    previous: str | None = base[0].id if base else None  # continued pretraining of a starting checkpoint
     for i, stage in enumerate(pt.stages):
         spanned = pt.stages if needs_total or stage.schedule_segment == "decay" else pt.stages[: i + 1]
         config = PretrainConfig(architecture=plan.spec.what.architecture, optimizer=pt.optimizer,
@@ -28,7 +29,7 @@ def build(plan: PlanBuilder) -> None:
         inputs = data_inputs(plan, list(stage.mixture))
         if previous:
             inputs["previous"] = previous
-        else:  # the first stage waits for the gate's verdict
+        else:  # the first stage waits for the gate's verdict (the starting checkpoint waits for it too)
             inputs |= gate_inputs(plan)
         previous = plan.add(KIND, stage.name, config, inputs)
 

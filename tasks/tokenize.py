@@ -13,8 +13,7 @@ from pathlib import Path
 
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.steps import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
-from compass.tasks.tokenizer import STEP_ID as TOKENIZER
-from compass.tasks.tokenizer import tokenizer_ids
+from compass.tasks.tokenizer import tokenizer_ids, tokenizer_step
 
 BATCH = 256
 
@@ -23,13 +22,13 @@ def tokens_of(plan: PlanBuilder, source: str) -> str:
     """The id of the step that tokenizes `source`, added the first time it is asked for."""
     step_id = f"tokenize:{source}"
     if not plan.has(step_id):
-        plan.add(KIND, source, EmptyConfig(), {"tokenizer": TOKENIZER, "curated": f"curate:{source}"})
+        plan.add(KIND, source, EmptyConfig(), {"tokenizer": tokenizer_step(plan), "curated": f"curate:{source}"})
     return step_id
 
 
 def data_inputs(plan: PlanBuilder, sources: list[str]) -> dict[str, str]:
     """Inputs of a step that trains on `sources`: the tokenizer, and each source's tokens as `tokens:<name>`."""
-    return {"tokenizer": TOKENIZER, **{f"tokens:{n}": tokens_of(plan, n) for n in sorted(sources)}}
+    return {"tokenizer": tokenizer_step(plan), **{f"tokens:{n}": tokens_of(plan, n) for n in sorted(sources)}}
 
 
 def _texts(folder: Path) -> Iterator[str]:

@@ -36,8 +36,16 @@ class Doc:
 
 
 def build(plan: PlanBuilder) -> None:
+    if plan.spec.what.tokenizer is None:  # the starting checkpoint's (tasks/base_model.py)
+        return
     curated = {f"curated:{s.name}": s.id for s in plan.of_kind("curate")}
     plan.add(KIND, "select", TokenizerConfig(**dict(plan.spec.what.tokenizer)), curated)
+
+
+def tokenizer_step(plan: PlanBuilder) -> str:
+    """The step whose artifact holds the tokenizer in `chosen/`: the selection, or the starting checkpoint."""
+    base = plan.of_kind("base_model")
+    return base[0].id if base else STEP_ID
 
 
 class HubTokenizerMissing(FileNotFoundError):
@@ -65,7 +73,7 @@ def preflight(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     """Local candidates must be folders with a tokenizer.json; hub candidates must be in the local cache."""
     from compass.infra.environment import hub_cache
 
-    for i, c in enumerate(spec.what.tokenizer.candidates):
+    for i, c in enumerate(spec.what.tokenizer.candidates if spec.what.tokenizer else []):
         at = ("what", "tokenizer", "candidates", i)
         if c.kind == "local" and not (base_dir / c.path / "tokenizer.json").expanduser().exists():
             yield Issue((*at, "path"), f"no tokenizer.json in '{c.path}' (relative to {base_dir})",

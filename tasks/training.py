@@ -34,6 +34,10 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     tok_dir = ctx.inputs["tokenizer"].local() / "chosen"
     ids = tokenizer_ids(tok_dir)
     previous = ctx.inputs.get("previous")
+    state = weights = None  # a previous stage's full training state, or a starting checkpoint's weights
+    if previous is not None:
+        folder = previous.local()
+        state, weights = ((folder / "state", None) if (folder / "state").exists() else (None, folder / "final"))
     if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/staging.py) first
         cache = Path(how.storage.local_cache).expanduser()
         tokens = ctx.inputs_with_prefix("tokens:")
@@ -45,7 +49,7 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
         recipe=recipe, workdir=ctx.workdir, tokenizer_dir=tok_dir,
         vocab_size=recipe.architecture.vocab_size or ids.vocab_size,
         special_ids=SpecialIds(eos=ids.eos, pad=ids.pad), sources=sources, staging=staging,
-        init_from=previous.local() / "state" if previous else None, whole_from=whole_from,
+        init_from=state, init_weights=weights, whole_from=whole_from,
         tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
         parallelism=how.parallelism, precision=how.precision, hardware=how.hardware, checkpoints=how.checkpoints,
         attention=how.attention, compile=how.compile, loss=how.loss, telemetry=telemetry_of(ctx))

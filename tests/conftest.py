@@ -149,7 +149,7 @@ def prefect_client(api_url: str) -> Iterator:
         yield client
 
 
-def run_up_to(spec_path: Path, target: str, store: Path) -> tuple[Any, dict[str, Any]]:
+def run_up_to(spec_path: Path, target: str | list[str], store: Path) -> tuple[Any, dict[str, Any]]:
     """Every step of the spec's plan up to `target`, in this process (no Prefect); (the plan, outcomes by id)."""
     import logging
 
@@ -159,6 +159,6 @@ def run_up_to(spec_path: Path, target: str, store: Path) -> tuple[Any, dict[str,
     from compass.tasks.base import Runtime
 
     loaded = load_spec(spec_path)
-    plan = compile_spec(loaded.spec).up_to([target])
+    plan = compile_spec(loaded.spec).up_to([target] if isinstance(target, str) else target)
     ctx = RunContext(plan, Store(str(store)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     return plan, {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}

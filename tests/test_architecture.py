@@ -79,9 +79,9 @@ def test_each_kind_is_declared_once_with_everything_the_runner_needs():
     kinds = registry.kinds()
     names = [k.name for k in kinds]
     assert len(names) == len(set(names))
-    assert {"gate", "ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain", "long_context",
-            "post_train", "evaluate", "curves", "report"} == set(names)
-    assert set(registry.model_kinds()) == {"pretrain", "long_context", "post_train"}
+    assert {"gate", "base_model", "ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain",
+            "long_context", "post_train", "evaluate", "curves", "report"} == set(names)
+    assert set(registry.model_kinds()) == {"base_model", "pretrain", "long_context", "post_train"}
     assert registry.deployment_kinds("ablations") == ["ablate", "compare"]
     plan = compile_spec(load_spec(REPO / "specs/examples/tiny.yaml").spec)
     for step in plan.steps:  # every step's config is its kind's typed model, and gpu steps are tagged
