@@ -8,7 +8,7 @@ each on a fresh store so every step executes.
 Prints wall time and the ratio to the baseline, and the peak RSS of the client command (for `submitted`, of
 the worker and the flow run it started too, sampled).
 
-    python benchmarks/submission_overhead.py [--rounds 3]
+    python benchmarks/submission_overhead.py [--rounds 3] [--until ingest curate ...]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from compass.infra.net import free_port, wait_for_http
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-DATA_STEPS = ["--until", "ingest", "--until", "curate", "--until", "tokenizer", "--until", "tokenize"]
+DATA_STEPS = ["ingest", "curate", "tokenizer", "tokenize"]
 
 
 def env_for(home: Path, api: str | None) -> dict[str, str]:
@@ -80,7 +80,10 @@ def timed(argv: list[str], env: dict[str, str], cwd: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--until", nargs="+", default=DATA_STEPS,
+                        help="step kinds to run (default: the data steps; the tests run ingest only)")
     args = parser.parse_args()
+    until = [a for kind in args.until for a in ("--until", kind)]
     work = Path(tempfile.mkdtemp(prefix="compass-bench-submit-"))
     spec = work / "spec.yaml"
     spec.write_text((REPO / "tests" / "specs" / "minimal.yaml").read_text()
@@ -104,13 +107,13 @@ def main() -> None:
         time.sleep(5)  # the worker polls its pool
         for i in range(args.rounds):  # interleaved: baseline, server, submitted, baseline, ...
             times["baseline"].append(timed([compass, "run", str(spec), "--store", str(work / f"s0-{i}"),
-                                            *DATA_STEPS], env_for(work / f"embedded-{i}", None), work))
-            times["server"].append(timed([compass, "run", str(spec), "--store", str(work / f"s1-{i}"), *DATA_STEPS],
+                                            *until], env_for(work / f"embedded-{i}", None), work))
+            times["server"].append(timed([compass, "run", str(spec), "--store", str(work / f"s1-{i}"), *until],
                                          client, work))
             sampler = PeakSampler(worker.pid)
             sampler.start()
             times["submitted"].append(timed([compass, "submit", str(spec), "--store", str(work / f"s2-{i}"),
-                                             "--watch", *DATA_STEPS], client, work))
+                                             "--watch", *until], client, work))
             sampler.done.set()
             peaks.append(sampler.peak)
         client_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -123,7 +126,8 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
     base = statistics.median(times["baseline"])
-    print(f"submission overhead: minimal spec, data steps (7), fresh store each time — {args.rounds} round(s) "
+    print(f"submission overhead: minimal spec, steps up to {', '.join(args.until)}, fresh store each time — "
+          f"{args.rounds} round(s) "
           "interleaved; median (min-max)")
     labels = {"baseline": "baseline: compass run, embedded", "server": "compass run, local server",
               "submitted": "compass submit --watch, worker"}

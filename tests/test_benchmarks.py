@@ -69,5 +69,5 @@ def test_cached_rerun():
 
 @pytest.mark.slow
 def test_submission_overhead():
-    out = bench("submission_overhead.py", "--rounds", "1")
+    out = bench("submission_overhead.py", "--rounds", "1", "--until", "ingest")
     assert "compass submit --watch" in out and "ratio" in out

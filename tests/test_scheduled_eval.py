@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import VENV_BIN, Cli, stop_group, write_minimal_spec
 
 pytestmark = pytest.mark.slow
-SUITE = ("  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n"
+SUITE = ("  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 4}\n"
          "    perplexity_sources: [notes]\n  pretraining:")  # the criterion of minimal.yaml is val_ppl:notes
 
 
@@ -64,13 +64,15 @@ def test_served_schedule_evaluates_each_checkpoint_once(server_cli: Cli, tmp_pat
         record = json.loads(results[0].read_text())
         assert 0 <= record["metrics"]["arc_easy:cf/acc"] <= 1
 
-        # a checkpoint committed while the deployment is running is picked up by a later run
-        retrained = write_minimal_spec(tmp_path, **{"  pretraining:": SUITE, "stages:": "seed: 99\n    stages:"})
+        # a checkpoint committed while the deployment is running is picked up by a later run (a longer last
+        # stage: the stable stage before it stays cached)
+        retrained = write_minimal_spec(tmp_path, **{"  pretraining:": SUITE,
+                                                    "{name: stage2, tokens: 10000,": "{name: stage2, tokens: 12000,"})
         train(retrained, store)
         count = len(runs(store))
         later = wait_for_runs(store, count + 1, proc)[count:]
         new = [c for r in later for c in r["evaluated"]]
-        assert {c["step"] for c in new} == {"pretrain:stage1", "pretrain:stage2"}
-        assert len(list(store.glob(".evaluations/*/*.json"))) == 4
+        assert [c["step"] for c in new] == ["pretrain:stage2"]
+        assert len(list(store.glob(".evaluations/*/*.json"))) == 3
     finally:
         stop_group(proc)
