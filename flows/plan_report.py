@@ -106,7 +106,9 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                       [f"6·N·D + attention (PaLM); {hw.total_devices} x {hw.accelerator} at {hw.peak:g} TFLOP/s, "
                        f"assumed MFU {hw.assumed_mfu:.0%}"])
     sections = [params, compute, training_core_section(spec)]
-    if hw.accelerator != "cpu" or hw.target_days:
+    from compass.specs.scaling import step_shapes
+
+    if (hw.accelerator != "cpu" or hw.target_days) and step_shapes(spec):  # (nothing to scale: a fine-tune only)
         sections.append(scaling_section(spec, tflops_per_gpu))
     abl = costs.ablation_cost(spec)
     if abl:

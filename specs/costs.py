@@ -96,10 +96,18 @@ class StageCost:
     wall_days: float
 
 
+def reached_context(spec: TrainingSpec) -> int:
+    """The context the model has after pretraining and long context: where mid-training trains."""
+    return max([spec.what.trained_length, *(s.sequence_length for s in spec.what.long_context.stages)])
+
+
 def stage_costs(spec: TrainingSpec) -> list[StageCost]:
     arch, how, vocab = spec.what.architecture, spec.how, planning_vocab(spec)
     stages = [("pretrain", s.name, s.tokens, s.sequence_length) for s in spec.what.pretraining.stages]
     stages += [("long_context", s.name, s.tokens, s.sequence_length) for s in spec.what.long_context.stages]
+    context = reached_context(spec)
+    stages += [("mid_training", s.name, s.tokens, context) for s in spec.what.post_training
+               if s.method == "mid_training"]  # the pretraining engine, at the context reached
     out = []
     for section, name, tokens, seq in stages:
         flops = flops_per_token(arch, vocab, seq) * tokens
@@ -184,6 +192,9 @@ def training_memory(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], int
     out += [(("what", "long_context", "stages", i, "sequence_length"), s.sequence_length,
              memory_per_gpu(spec, par.zero_stage, s.sequence_length, s.micro_batch_size))
             for i, s in enumerate(spec.what.long_context.stages)]
+    context = reached_context(spec)
+    out += [(("what", "post_training", i, "method"), context, memory_per_gpu(spec, par.zero_stage, context))
+            for i, s in enumerate(spec.what.post_training) if s.method == "mid_training"]
     return out
 
 

@@ -259,3 +259,36 @@ def test_a_checkpoint_on_s3_is_read_stamped_and_copied(hub_cache: Path, monkeypa
         assert compile_spec(load_spec(spec).spec).fingerprints["base_model:init"] != before
     finally:
         server.stop()
+
+
+SMOLLM3_BASE = {  # SmolLM3-3B-Base's config.json, the fields that matter (its weights are not needed to plan)
+    "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008,
+    "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256,
+    "max_position_embeddings": 65536, "rope_theta": 5000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+    "no_rope_layers": [0 if (i + 1) % 4 == 0 else 1 for i in range(36)], "initializer_range": 0.02,
+}
+
+
+def test_the_fine_tune_example_plans_a_3b_base_read_from_its_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """specs/examples/smollm3-finetune.yaml writes no architecture: the one read from SmolLM3-3B-Base's config is
+    the one the SmolLM3 pretraining example writes (same parameter count), and the plan has no pretraining."""
+    from compass.flows.compiler import compile_spec
+    from compass.specs import load_spec
+    from compass.specs.costs import count_parameters
+
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "config.json").write_text(json.dumps(SMOLLM3_BASE))
+    seed_model(tmp_path / "cache", "HuggingFaceTB/SmolLM3-3B-Base", files)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    examples = Path(__file__).parent.parent / "specs" / "examples"
+    loaded = load_spec(examples / "smollm3-finetune.yaml")
+    derived, written = loaded.spec.what.architecture, load_spec(examples / "smollm3-3b.yaml").spec.what.architecture
+    assert derived.positions.kind == "rnope" and derived.positions.nope_every == 4
+    assert count_parameters(derived, 128256) == count_parameters(written, 128256)
+    assert loaded.spec.what.trained_length == 65536
+    plan = compile_spec(loaded.spec)
+    assert [s.id for s in plan.steps[:2]] == ["gate:huggingfacetb-smollm3-3b", "base_model:init"]
+    assert plan.step("base_model:init").inputs == {"gate:huggingfacetb-smollm3-3b": "gate:huggingfacetb-smollm3-3b"}
+    assert not {"tokenizer", "pretrain", "long_context", "ablate"} & {s.kind for s in plan.steps}
+    assert plan.step("post_train:reasoning_mid").inputs["tokens:traces"] == "tokenize:traces"
