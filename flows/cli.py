@@ -33,7 +33,8 @@ def validate(spec: SpecArg, smoke: SmokeOption = False) -> None:
     """Check a spec: schema, cross-field rules and preflight; every problem with its file:line."""
     checked = load(spec, smoke=smoke)
     s = checked.spec
-    out.print(f"[green]ok[/green] {spec}: '{s.name}' ({s.why.reason}), {len(s.what.data.sources)} sources, "
+    start = f", from {s.what.model.init_from}" if s.what.model else ""
+    out.print(f"[green]ok[/green] {spec}: '{s.name}' ({s.why.reason}){start}, {len(s.what.data.sources)} sources, "
               f"{len(s.what.pretraining.stages)} pretraining stages, {len(checked.plan.steps)} steps, spec hash "
               f"{checked.loaded.spec_hash[:12]}")
 
