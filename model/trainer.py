@@ -500,10 +500,21 @@ def main(argv: list[str] | None = None) -> int:
         result = train_stage(TrainJob.read(job_path))
     except StopRequested as stopped:
         log.warning("%s", stopped)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         return 0  # no result.json: the job is requeued and resumes from the checkpoint
     if rank == 0:
         (job_path.parent / "result.json").write_text(json.dumps(result.__dict__))
+    _leave_group()
     return 0
+
+
+def _leave_group() -> None:
+    """Tear the process group down before the interpreter exits: gloo's threads torn down at exit abort the
+    process now and then ("terminate called without an active exception"), failing a finished job."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -259,6 +259,7 @@ def test_a_checkpoint_on_s3_is_read_stamped_and_copied(hub_cache: Path, monkeypa
         assert compile_spec(load_spec(spec).spec).fingerprints["base_model:init"] != before
     finally:
         server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()  # the cached client would keep this server's endpoint
 
 
 SMOLLM3_BASE = {  # SmolLM3-3B-Base's config.json, the fields that matter (its weights are not needed to plan)

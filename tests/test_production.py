@@ -135,12 +135,14 @@ def test_submitted_demo_runs_every_phase_with_its_store_on_s3(production: Produc
 
 def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch):
+    import s3fs
     from transformers import AutoTokenizer
 
     from compass.infra.store import Store
 
     for key, value in production.s3.env.items():
         monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances remember the endpoint of an earlier test's server
     store = Store(ROOT)
     (manifest,) = store.committed_versions("tokenizer", "select")
     local = store.local_path(manifest.uri, cache_dir=tmp_path, only="chosen") / "chosen"
