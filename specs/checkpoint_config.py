@@ -35,6 +35,8 @@ def read_checkpoint_config(init_from: str, revision: str | None, base_dir: Path)
     """config.json of a hub id (local cache only), a folder (relative to the spec) or an s3:// URI; raises
     HintedError saying how to bring the checkpoint when it is not there."""
     if init_from.startswith("s3://"):
+        if revision:
+            raise HintedError("revision applies to hub ids, not to an s3:// prefix", "remove revision")
         return _from_s3(init_from)
     folder = (base_dir / Path(init_from).expanduser()).resolve()
     if folder.is_dir():
