@@ -500,8 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train_stage(TrainJob.read(job_path))
     except StopRequested as stopped:
         log.warning("%s", stopped)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        _leave_group()
         return 0  # no result.json: the job is requeued and resumes from the checkpoint
     if rank == 0:
         (job_path.parent / "result.json").write_text(json.dumps(result.__dict__))

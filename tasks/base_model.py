@@ -17,8 +17,9 @@ from typing import Any
 from compass.tasks.base import StepContext, StepResult
 from compass.tasks.gate import gate_inputs, weights_digest
 from compass.tasks.steps import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.tokenizer import HUB_FILES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (*HUB_FILES, "chat_template.jinja")
 NOT_COPIED = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", ".cache", ".git*")
 
 
@@ -64,7 +65,7 @@ def local_copy(location: str, stamp: str, scratch: Path) -> Path:
 
 def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
     from compass.specs.checkpoint_config import read_checkpoint_config
-    from compass.tasks.tokenizer import tokenizer_ids
+    from compass.tasks.tokenizer import tokenizer_ids  # (transformers, when the step runs)
 
     cfg = ctx.config
     if not cfg.location.startswith("hf://"):  # a folder or prefix can change after the spec was loaded
