@@ -30,8 +30,8 @@ def prepare(work: Path, steps: int, every: int, hidden: int, layers: int):
 
 def run(job, asynchronous: bool) -> tuple[float, float, float]:
     """(mean seconds of a step that saves a checkpoint, of one that does not, their ratio)."""
-    from compass.model.callbacks import Callback
-    from compass.model.trainer import train_stage
+    from compass.model.training.callbacks import Callback
+    from compass.model.training.trainer import train_stage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     stamps: list[float] = []
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        from compass.model.job import TrainJob
+        from compass.model.training.job import TrainJob
 
         pin_threads()
         mode, job_path, out = args.child

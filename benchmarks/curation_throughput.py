@@ -35,7 +35,7 @@ def ingest(spec: Path, source: str, store: Path) -> Path:
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec).restricted_to({"ingest"})
@@ -62,7 +62,7 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
 
-    from compass.tasks.curate_blocks import LanguageIdFilter, SplitTagger, document_text
+    from compass.tasks.data.curate_blocks import LanguageIdFilter, SplitTagger, document_text
 
     n = len(list(docs.glob("*.jsonl.gz")))
     logs, work = out / "logs", out / "work"
@@ -97,9 +97,9 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
     from compass.infra.store import Store
     from compass.specs.data import Curation
     from compass.specs.how import How, Orchestration
-    from compass.tasks.base import Runtime
-    from compass.tasks.curate import CurateConfig
-    from compass.tasks.steps import EmptyConfig, Step
+    from compass.tasks.kinds.curate import CurateConfig
+    from compass.tasks.steps.context import Runtime
+    from compass.tasks.steps.kind import EmptyConfig, Step
 
     store = Store(str(out / "store"))
     raw = Step("ingest", "bench", EmptyConfig())

@@ -29,10 +29,10 @@ def spec_text(samples: int) -> str:
 
 def prepare(work: Path, samples: int) -> dict:
     """Train the minimal spec's model on the fixture corpus; return what both variants need."""
-    from compass.flows.preflight import load_checked_text
     from compass.flows.runner import run_in_process
+    from compass.flows.validation import load_checked_text
     from compass.infra.store import Store
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     text = spec_text(samples)
     checked = load_checked_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
@@ -49,17 +49,17 @@ def prepare(work: Path, samples: int) -> dict:
 def run_compass(ctx: dict) -> float:
     import shutil
 
-    from compass.flows.preflight import load_checked_text
     from compass.flows.runner import RunContext, run_step
+    from compass.flows.validation import load_checked_text
     from compass.infra.store import Store
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     checked = load_checked_text(ctx["spec"], "minimal.yaml", base_dir=Path(ctx["base_dir"]))
     plan, store = checked.plan, Store(ctx["store"])
     step = plan.step("evaluate:pretrain-stage2")
     shutil.rmtree(store.uri(step.kind, step.name, plan.fingerprints[step.id]), ignore_errors=True)  # not cached
     run_ctx = RunContext(plan, store, checked.loaded.spec_hash, Runtime(how=checked.spec.how))
-    import compass.tasks.evaluate  # noqa: F401  same footing as the direct variant: libraries imported before the clock
+    import compass.tasks.kinds.evaluate  # noqa: F401  same footing as the direct variant: libraries imported before the clock
     from compass.infra.lighteval_compat import install
 
     install()
@@ -77,7 +77,7 @@ def run_direct(ctx: dict) -> float:
     from lighteval.models.transformers.transformers_model import TransformersModelConfig
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
 
-    from compass.tasks.offline_benchmarks import prepare
+    from compass.tasks.evaluation.offline_benchmarks import prepare
 
     folder, _ = prepare("arc_easy")
     scratch = Path(tempfile.mkdtemp(prefix="compass-bench-"))
@@ -85,7 +85,7 @@ def run_direct(ctx: dict) -> float:
     custom.write_text(
         "from lighteval.metrics.metrics import Metrics\n"
         "from lighteval.tasks.lighteval_task import LightevalTaskConfig\n"
-        "from compass.tasks.offline_benchmarks import cf_prompt\n"
+        "from compass.tasks.evaluation.offline_benchmarks import cf_prompt\n"
         f"TASKS_TABLE = [LightevalTaskConfig(name='arc_direct', prompt_function=cf_prompt, hf_repo={str(folder)!r},\n"
         "    hf_subset='default', hf_avail_splits=['validation'], evaluation_splits=['validation'],\n"
         "    metrics=[Metrics.loglikelihood_acc])]\n")

@@ -36,7 +36,7 @@ def synthetic_source(folder: Path, documents: int = 4000) -> Path:
     """Random tokens in compass's token-file format, documents of random lengths (throughput only)."""
     import numpy as np
 
-    from compass.model.token_files import token_dtype, write_meta, write_split
+    from compass.model.training.token_files import token_dtype, write_meta, write_split
 
     rng = np.random.default_rng(0)
     dtype = token_dtype(VOCAB)
@@ -49,7 +49,7 @@ def synthetic_source(folder: Path, documents: int = 4000) -> Path:
 
 
 def job(work: Path, steps: int, micro: int):
-    from compass.model.job import SpecialIds, StageRecipe, TrainJob
+    from compass.model.training.job import SpecialIds, StageRecipe, TrainJob
     from compass.specs.how import Checkpoints, Hardware, Parallelism
     from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
 
@@ -74,8 +74,8 @@ def flops_per_step(job) -> float:
 
 
 def run_compass(job, warmup: int) -> float:
-    from compass.model.callbacks import Callback
-    from compass.model.trainer import train_stage
+    from compass.model.training.callbacks import Callback
+    from compass.model.training.trainer import train_stage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29551", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     stamps: list[float] = []
@@ -92,8 +92,8 @@ def run_compass(job, warmup: int) -> float:
 
 
 def batches(job, n: int):
-    from compass.model.packing import RowPacker
-    from compass.model.token_files import TokenizedSource
+    from compass.model.training.packing import RowPacker
+    from compass.model.training.token_files import TokenizedSource
 
     packer = RowPacker({"web": TokenizedSource(job.sources["web"])}, {"web": 1.0}, SEQ, seed=0,
                        rows=job.micro_batch_size)
@@ -178,7 +178,7 @@ def main() -> None:
         print("no CUDA device: skipped")
         return
     if args.child:
-        from compass.model.job import TrainJob
+        from compass.model.training.job import TrainJob
 
         pin_threads()
         name, job_path, warmup, out = args.child

@@ -114,8 +114,8 @@ def fixture_job(work: Path, *, steps: int, seq: int, batch: int, micro: int, arc
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import InputArtifact, Runtime, StepContext
-    from compass.tasks.training import build_job
+    from compass.tasks.common.training import build_job
+    from compass.tasks.steps.context import InputArtifact, Runtime, StepContext
 
     repo = Path(__file__).resolve().parent.parent
     loaded = load_spec(repo / "tests" / "specs" / "minimal.yaml")

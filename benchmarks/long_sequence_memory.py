@@ -26,7 +26,7 @@ def step_memory(variant: str, length: int, rows: int) -> float:
     from compass.model.attention import DOCUMENT_SDPA
     from compass.model.lm import CausalLMWithLoss
     from compass.model.loss import lm_loss
-    from compass.model.packing import make_batch
+    from compass.model.training.packing import make_batch
     from compass.specs.architecture import Architecture
 
     arch = Architecture(num_layers=4, hidden_size=256, ffn_size=768, num_heads=8, num_kv_heads=2,

@@ -32,8 +32,8 @@ def prepare(work: Path, steps: int, engine: str, seq: int, batch: int):
 
 
 def packed_batches(job, n: int):
-    from compass.model.packing import RowPacker
-    from compass.model.token_files import TokenizedSource
+    from compass.model.training.packing import RowPacker
+    from compass.model.training.token_files import TokenizedSource
 
     stage = job.recipe.current
     sources = {k: TokenizedSource(v) for k, v in job.sources.items()}
@@ -61,8 +61,8 @@ def tokens_per_step(job) -> int:
 
 
 def run_compass(job, warmup: int, compile_: bool) -> float:
-    from compass.model.callbacks import Callback
-    from compass.model.trainer import train_stage
+    from compass.model.training.callbacks import Callback
+    from compass.model.training.trainer import train_stage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        from compass.model.job import TrainJob
+        from compass.model.training.job import TrainJob
 
         pin_threads()
         name, job_path, warmup, out = args.child

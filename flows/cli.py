@@ -30,7 +30,7 @@ app.command()(monitor)
 
 @app.command()
 def validate(spec: SpecArg, smoke: SmokeOption = False) -> None:
-    """Check a spec: schema, cross-field rules and preflight; every problem with its file:line."""
+    """Check a spec: schema, cross-field rules and machine checks; every problem with its file:line."""
     checked = load(spec, smoke=smoke)
     s = checked.spec
     start = f", from {s.what.model.init_from}" if s.what.model else ""
@@ -242,11 +242,11 @@ def evaluate_schedule(
         start_tied_temporary_server()
     from compass.flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
 
-    tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
-    if not tasks:
-        err.print(f"{spec}: what.evaluation.tasks is empty: nothing to evaluate (add benchmarks to the suite)")
+    benchmarks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.benchmarks]
+    if not benchmarks:
+        err.print(f"{spec}: what.evaluation.benchmarks is empty: nothing to evaluate (add benchmarks to the suite)")
         raise typer.Exit(EXIT_BAD_INPUT)
-    params = {"checkpoint_root": store_root(checked, root), "tasks": tasks,
+    params = {"checkpoint_root": store_root(checked, root), "benchmarks": benchmarks,
               "credentials_block": loaded.spec.how.storage.credentials_block}
     if once:
         print(json.dumps(evaluate_new_checkpoints(**params), indent=2))

@@ -1,5 +1,5 @@
 """What every `compass` command shares: the consoles, the exit code for bad input, and loading a spec with every
-check (schema, rules, preflight) so that a bad spec stops here with all its problems and nothing written."""
+check (schema, rules, machine checks) so that a bad spec stops here with all its problems and nothing written."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from compass.flows.preflight import CheckedSpec
+from compass.flows.validation import CheckedSpec
 
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
@@ -26,7 +26,7 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
     """The checked spec and its plan, or exit 2 with every problem; `until` names must match steps of the plan.
     `smoke`: at smoke size; `machine=False`: without the checks of this machine (planning for another one)."""
     from compass.flows.compiler import UnknownTarget
-    from compass.flows.preflight import load_checked
+    from compass.flows.validation import load_checked
     from compass.specs.loader import SpecError
 
     try:

@@ -16,7 +16,7 @@ from compass.flows.cli_common import EXIT_BAD_INPUT, SpecArg, err, load, out, st
 
 def monitoring_folder(spec: Path, store: str | None = None) -> Path:
     from compass.infra.store import Store
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     checked = load(spec, machine=False)
     runtime = Runtime(how=checked.spec.how, base_dir=checked.loaded.base_dir, run=checked.spec.name)

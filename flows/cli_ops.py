@@ -103,18 +103,18 @@ def deploy(spec: Annotated[Path | None, typer.Argument(
     evaluation = None
     if loaded is not None:
         ev = loaded.spec.how.evaluation
-        tasks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
-        if tasks and (ev.schedule_interval_seconds or ev.schedule_cron):
+        benchmarks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.benchmarks]
+        if benchmarks and (ev.schedule_interval_seconds or ev.schedule_cron):
             evaluation = {"name": f"evaluate-{loaded.spec.name}", "interval": ev.schedule_interval_seconds,
                           "cron": None if ev.schedule_interval_seconds else ev.schedule_cron,
-                          "parameters": {"checkpoint_root": store_root(loaded, None), "tasks": tasks,
+                          "parameters": {"checkpoint_root": store_root(loaded, None), "benchmarks": benchmarks,
                                          "credentials_block": loaded.spec.how.storage.credentials_block}}
     on_checkpoint = None
     if loaded is not None:
-        how, tasks = loaded.spec.how, [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.tasks]
-        if tasks and how.evaluation.every_checkpoint and how.monitoring.checkpoint_events:
+        how, benchmarks = loaded.spec.how, [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.benchmarks]
+        if benchmarks and how.evaluation.every_checkpoint and how.monitoring.checkpoint_events:
             on_checkpoint = {"spec": loaded.spec.name,
-                             "parameters": {"tasks": tasks, "store_root": store_root(loaded, None),
+                             "parameters": {"benchmarks": benchmarks, "store_root": store_root(loaded, None),
                                             "credentials_block": how.storage.credentials_block}}
     slots = gpu_slots or (loaded.spec.how.orchestration.max_parallel_gpu_steps if loaded else 1)
     made = deploy_all(pool, evaluation, on_checkpoint)

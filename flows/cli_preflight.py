@@ -1,5 +1,5 @@
-"""`compass preflight SPEC`: every rank of this node measured (compass.model.preflight), judged against its peers
-and the expected figures, printed as a table per node and rank; exit 1 with the nodes to exclude."""
+"""`compass preflight SPEC`: every rank of this node measured (compass.model.training.preflight), judged against its
+peers and the expected figures, printed as a table per node and rank; exit 1 with the nodes to exclude."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def preflight(spec: SpecArg,
               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Matmul throughput per device, all-reduce bandwidth across ranks, store and staging throughput, and (on
     GPUs) NVML health; flags stragglers. On Slurm, run it on every node with
-    `srun --ntasks-per-node=1 python -m torch.distributed.run --nnodes $SLURM_NNODES ... -m compass.model.preflight`
+    `srun --ntasks-per-node=1 python -m torch.distributed.run --nnodes $SLURM_NNODES ...
+    -m compass.model.training.preflight`
     the way training runs, or here for this node."""
     from compass.infra.net import free_port
-    from compass.model.preflight import judge
+    from compass.model.training.preflight import judge
     from compass.specs.how import PEAK_TFLOPS
 
     checked = load(spec)
@@ -43,8 +44,8 @@ def preflight(spec: SpecArg,
     store = None if root.startswith("s3://") else Path(root)
     with tempfile.TemporaryDirectory(prefix="compass-preflight-") as folder:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
-                   str(free_port()), "-m", "compass.model.preflight", folder, str(store or ""), str(staging or ""),
-                   str(duration), str(megabytes)]
+                   str(free_port()), "-m", "compass.model.training.preflight", folder, str(store or ""),
+                   str(staging or ""), str(duration), str(megabytes)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             err.print(f"preflight failed ({done.returncode}):\n{done.stderr[-3000:]}", markup=False)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from compass.infra.fingerprint import fingerprint
 from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
-from compass.tasks import registry
-from compass.tasks.steps import PlanBuilder, Step
+from compass.tasks.steps import registry
+from compass.tasks.steps.kind import PlanBuilder, Step
 
 
 class UnknownTarget(ValueError):

@@ -14,8 +14,8 @@ from typing import Any
 
 from prefect.deployments.runner import EntrypointType
 
-from compass.tasks.registry import deployment_kinds
-from compass.tasks.steps import GPU_TAG
+from compass.tasks.steps.kind import GPU_TAG
+from compass.tasks.steps.registry import deployment_kinds
 
 LIFECYCLE = "compass-lifecycle/lifecycle"
 ABLATIONS = "compass-lifecycle/ablations"

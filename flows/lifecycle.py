@@ -22,17 +22,17 @@ from compass.flows.compiler import Plan
 from compass.flows.confinement import allowed_roots, outside_roots
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
-from compass.flows.preflight import check, smoke_of
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
+from compass.flows.validation import check, smoke_of
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError
 from compass.infra.interrupt import stop_run
 from compass.infra.store import Store
 from compass.specs.how import Orchestration
 from compass.specs.loader import SpecError, load_spec_text
-from compass.tasks import registry
-from compass.tasks.base import Runtime
-from compass.tasks.steps import GPU_TAG, Step
+from compass.tasks.steps import registry
+from compass.tasks.steps.context import Runtime
+from compass.tasks.steps.kind import GPU_TAG, Step
 
 
 def artifact_key(*parts: str) -> str:

@@ -15,10 +15,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from compass.model import checkpoint as ckpt
-from compass.tasks.curves import token_axis
-from compass.tasks.steps import Step
-from compass.tasks.training import loss_png
+from compass.model.training import checkpoints as ckpt
+from compass.tasks.common.plots import token_axis
+from compass.tasks.common.training import loss_png
+from compass.tasks.steps.kind import Step
 
 CHECKPOINT_EVENT = "compass.checkpoint.committed"
 WEIGHTS = "hf/model.safetensors"

@@ -7,7 +7,7 @@ from typing import Any
 
 from compass.flows.compiler import Plan
 from compass.infra.store import Store
-from compass.tasks.steps import Step
+from compass.tasks.steps.kind import Step
 
 
 @dataclass(frozen=True)

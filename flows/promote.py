@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from compass.flows.preflight import CheckedSpec, load_checked
+from compass.flows.validation import CheckedSpec, load_checked
 from compass.infra.store import Store
 
 

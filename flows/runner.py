@@ -21,9 +21,9 @@ from compass.infra.errors import DamagedArtifact, DiskFull, RunStopped
 from compass.infra.locks import step_lock
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, artifact_folder, owned_prefix
-from compass.tasks import registry
-from compass.tasks.base import InputArtifact, Runtime, StepContext, StepResult
-from compass.tasks.steps import Step, StepKind
+from compass.tasks.steps import registry
+from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
+from compass.tasks.steps.kind import Step, StepKind
 
 SUMMARY_FILE = "summary.md"
 
@@ -74,7 +74,7 @@ def _run_kind(kind: StepKind, sctx: StepContext) -> StepResult:
     """The kind's work, here or, for kinds that ask for it on a Slurm cluster, as a one-node job."""
     cluster = sctx.runtime.how.orchestration.cluster
     if cluster is not None and kind.whole_step_on_cluster:
-        from compass.tasks.step_job import run_on_cluster
+        from compass.tasks.steps.step_job import run_on_cluster
 
         return run_on_cluster(sctx, cluster)
     return kind.run(sctx)

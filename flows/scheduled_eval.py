@@ -26,8 +26,8 @@ from compass.infra.fingerprint import canonical_json, sha256_file
 from compass.infra.locks import step_lock
 from compass.infra.manifest import Manifest
 from compass.infra.store import Store
-from compass.specs.evaluation import EvalTask
-from compass.tasks import registry
+from compass.specs.evaluation import Benchmark
+from compass.tasks.steps import registry
 
 # Evaluations started by checkpoint events wait their turn: each holds a device while it runs.
 ONE_EVALUATION_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
@@ -36,9 +36,9 @@ ONE_EVALUATION_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=Co
 SCAN_ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
 
 
-def suite_hash(tasks: list[dict[str, Any]]) -> str:
+def suite_hash(benchmarks: list[dict[str, Any]]) -> str:
     version = registry.kind("evaluate").version
-    return hashlib.sha256(canonical_json({"tasks": tasks, "version": version}).encode()).hexdigest()
+    return hashlib.sha256(canonical_json({"benchmarks": benchmarks, "version": version}).encode()).hexdigest()
 
 
 def discover(store: Store) -> list[dict[str, Any]]:
@@ -62,7 +62,7 @@ def result_path(store: Store, suite: str, checkpoint: dict[str, Any]) -> str:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="evaluate {checkpoint[step]} {checkpoint[folder]}")
-def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], tasks: list[dict[str, Any]],
+def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]],
                         suite: str) -> dict[str, Any] | None:
     """Evaluate one checkpoint unless a result exists (or appears while waiting for another run's lock)."""
     store = Store(store_root)
@@ -71,20 +71,20 @@ def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], tasks: list
     with step_lock(store, key, should_stop=lambda: store.fs.exists(target)) as held:
         if not held or store.fs.exists(target):  # an overlapping run evaluated it first
             return None
-        return _evaluate(store, checkpoint, tasks, suite, target)
+        return _evaluate(store, checkpoint, benchmarks, suite, target)
 
 
-def _evaluate(store: Store, checkpoint: dict[str, Any], tasks: list[dict[str, Any]], suite: str,
+def _evaluate(store: Store, checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]], suite: str,
               target: str) -> dict[str, Any]:
-    from compass.tasks.evaluate import run_lighteval
+    from compass.tasks.kinds.evaluate import run_lighteval
 
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
         local = _local_copy(store, checkpoint, Path(scratch))
         started = time.time()
-        results, provenance = run_lighteval(local, [EvalTask.model_validate(t) for t in tasks], Path(scratch))
+        results, provenance = run_lighteval(local, [Benchmark.model_validate(t) for t in benchmarks], Path(scratch))
     metrics = {f"{name}/{m}": float(v) for name, values in results.items() for m, v in values.items()
                if not m.endswith("_stderr")}
-    record = {"checkpoint": checkpoint, "suite": suite, "tasks": tasks, "metrics": metrics,
+    record = {"checkpoint": checkpoint, "suite": suite, "benchmarks": benchmarks, "metrics": metrics,
               "provenance": provenance, "seconds": time.time() - started}
     if store.is_remote:
         with store.fs.open(target, "w") as f:  # a single PUT: never half-visible
@@ -117,7 +117,7 @@ def _local_copy(store: Store, checkpoint: dict[str, Any], scratch: Path) -> Path
 
 
 @flow(name="compass-scheduled-evaluation", persist_result=False)
-def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]],
+def evaluate_new_checkpoints(checkpoint_root: str, benchmarks: list[dict[str, Any]],
                              credentials_block: str | None = None) -> dict[str, Any]:
     """Evaluate every committed checkpoint under `checkpoint_root` that has no result for this suite."""
     from compass.infra.credentials import apply_credentials_block
@@ -127,12 +127,12 @@ def evaluate_new_checkpoints(checkpoint_root: str, tasks: list[dict[str, Any]],
     apply_credentials_block(credentials_block)
     logger = get_run_logger()
     store = Store(checkpoint_root)
-    suite = suite_hash(tasks)
+    suite = suite_hash(benchmarks)
     checkpoints = list({c["weights_sha256"]: c for c in reversed(discover(store))}.values())  # same weights once
     todo = [c for c in checkpoints if not store.fs.exists(result_path(store, suite, c))]
     logger.info("%d checkpoints under %s, %d without results for suite %s", len(checkpoints), checkpoint_root,
                 len(todo), suite[:12])
-    records = [r for c in todo if (r := evaluate_checkpoint(checkpoint_root, c, tasks, suite)) is not None]
+    records = [r for c in todo if (r := evaluate_checkpoint(checkpoint_root, c, benchmarks, suite)) is not None]
     if records:
         create_table_artifact(key=f"scheduled-evaluation-{suite[:12]}", description=f"suite {suite[:12]}",
                               table=[{"step": r["checkpoint"]["step"], "checkpoint": r["checkpoint"]["folder"],
@@ -157,7 +157,7 @@ def locate(store: Store, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @flow(name="compass-checkpoint-evaluation", persist_result=False)
-def evaluate_committed_checkpoint(checkpoint: dict[str, Any], tasks: list[dict[str, Any]], store_root: str,
+def evaluate_committed_checkpoint(checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]], store_root: str,
                                   credentials_block: str | None = None) -> dict[str, Any]:
     """Evaluate the checkpoint a `compass.checkpoint.committed` event names (compass deploy's automation runs this
     for each one). Results go where the scheduled evaluation keeps them, keyed by the weights: neither this flow
@@ -169,7 +169,7 @@ def evaluate_committed_checkpoint(checkpoint: dict[str, Any], tasks: list[dict[s
     apply_credentials_block(credentials_block)
     logger = get_run_logger()
     store = Store(store_root)
-    suite = suite_hash(tasks)
+    suite = suite_hash(benchmarks)
     name = f"{checkpoint.get('step')} {checkpoint.get('folder')}"
     if store.fs.exists(result_path(store, suite, checkpoint)):
         logger.info("%s: already evaluated for suite %s", name, suite[:12])
@@ -179,7 +179,7 @@ def evaluate_committed_checkpoint(checkpoint: dict[str, Any], tasks: list[dict[s
         logger.warning("%s: its weights are no longer in the work folder or any committed artifact (pruned by "
                        "how.checkpoints.keep_last); nothing to evaluate", name)
         return {"suite": suite, "evaluated": None, "checkpoint": checkpoint}
-    record = evaluate_checkpoint(store_root, located, tasks, suite)
+    record = evaluate_checkpoint(store_root, located, benchmarks, suite)
     if record is not None:
         create_table_artifact(key=f"checkpoint-evaluation-{checkpoint['weights_sha256'][:12]}",
                               description=f"{name}, suite {suite[:12]}",

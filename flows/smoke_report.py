@@ -5,7 +5,7 @@ from __future__ import annotations
 from compass.flows.compiler import Plan
 from compass.specs.smoke import Shrink
 from compass.specs.spec import TrainingSpec
-from compass.tasks.steps import Step
+from compass.tasks.steps.kind import Step
 
 TRAINING = ("pretrain", "long_context", "ablate")
 
@@ -40,7 +40,7 @@ def exercised(step: Step, spec: TrainingSpec) -> str:
         detail = {"dpo": f"TRL DPO ({getattr(config, 'loss_type', '')})", "mid_training": f"mid-training, {core}"}
         return detail.get(method, f"TRL {method}")
     if step.kind == "evaluate":
-        return "lighteval: " + ", ".join(t.key for t in config.suite.tasks) + (
+        return "lighteval: " + ", ".join(t.key for t in config.suite.benchmarks) + (
             ", perplexity" if config.suite.perplexity_sources else "") + (", passkey" if config.retrieval else "")
     return {"compare": "ablation verdicts", "curves": "evaluation curves",
             "report": "success criteria"}.get(step.kind, step.kind)

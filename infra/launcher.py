@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-TRAINER_MODULE = "compass.model.trainer"
+TRAINER_MODULE = "compass.model.training.trainer"
 Launcher = Literal["torchrun", "deepspeed"]
 
 

@@ -1,8 +1,8 @@
 """Training jobs on Slurm: a generated sbatch script, submitted, followed and cancelled from the step.
 
 A generated script rather than submitit: submitit pickles a Python function per job, while a compass trainer is
-already a command (`python -m compass.model.trainer JOB.json`) that torchrun starts per node; a script of twenty
-lines that a person can read in the step's folder, and run again by hand with sbatch, is the smaller thing.
+already a command (`python -m compass.model.training.trainer JOB.json`) that torchrun starts per node; a script
+of twenty lines that a person can read in the step's folder, and run again by hand with sbatch, is the smaller thing.
 
 The script starts one srun task per node, which runs the node's ranks (the trainer itself for one rank, torchrun
 for several). With requeue, Slurm sends USR1 to the batch shell `signal_before_s` before the time limit; the

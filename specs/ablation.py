@@ -34,7 +34,7 @@ class Ablations(SpecModel):
     metrics: list[str] = Field(
         default_factory=lambda: ["val_loss"], min_length=1,
         description="Metrics compared; the first decides the verdict: val_loss, val_loss:<source>, or a benchmark "
-                    "metric of what.evaluation.tasks as `<task key>/<metric>` (e.g. arc_easy:cf/acc).")
+                    "metric of what.evaluation.benchmarks as `<task key>/<metric>` (e.g. arc_easy:cf/acc).")
     higher_is_better: dict[str, bool] = Field(
         default_factory=dict, description="Direction per metric where the default is wrong (losses and perplexities "
                                           "lower, everything else higher).")

@@ -1,8 +1,8 @@
 """Cross-field checks: the rules no single field can enforce, each with a message a person can act on.
 
 Pure: they read the spec and nothing else. What depends on the machine (local paths, installed libraries,
-cached datasets) or on the compiled plan (step kinds, checkpoint names) is checked by the preflight layer,
-compass.flows.preflight, before anything runs.
+cached datasets) or on the compiled plan (step kinds, checkpoint names) is checked by the validation layer,
+compass.flows.validation, before anything runs.
 """
 
 from __future__ import annotations
@@ -165,12 +165,12 @@ def _mixtures(spec: TrainingSpec) -> Iterator[Issue]:
 
 def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
     """Every criterion must name a metric the evaluation produces (whether each benchmark can run on this
-    machine is a preflight check)."""
+    machine is a machine check in compass.flows.validation)."""
     ev = spec.what.evaluation
     names = {s.name for s in spec.what.data.sources}
-    for i, task in enumerate(ev.tasks):
+    for i, task in enumerate(ev.benchmarks):
         if task.source == "lighteval" and "formulation" in task.model_fields_set:
-            yield Issue(("what", "evaluation", "tasks", i, "formulation"), "a lighteval task has its own prompt; "
+            yield Issue(("what", "evaluation", "benchmarks", i, "formulation"), "a lighteval task has its own prompt; "
                         "formulation applies to compass benchmarks only", "remove formulation")
     for i, src in enumerate(ev.perplexity_sources):
         if src not in names:
@@ -179,9 +179,9 @@ def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
     chats = any(p.method != "mid_training" for p in spec.what.post_training)
     yield from _unused(ev, "vibe_prompts", ("what", "evaluation"), chats or not ev.vibe_prompts,
                        "vibe prompts are answered by chat post-training steps (sft, dpo, grpo, ...); there are none")
-    if not (ev.tasks or ev.perplexity_sources):
+    if not (ev.benchmarks or ev.perplexity_sources):
         return  # nothing is evaluated, so no success report is compiled
-    keys = {t.key for t in ev.tasks}  # each gives <key>/<metric>
+    keys = {t.key for t in ev.benchmarks}  # each gives <key>/<metric>
     if spec.what.long_context.stages:  # passkey@<length>, and per depth passkey@<length>/depth<d>
         keys |= {f"passkey@{n}" for n in [spec.what.trained_length,
                                           *(s.sequence_length for s in spec.what.long_context.stages)]}
@@ -401,11 +401,11 @@ def _gate(spec: TrainingSpec) -> Iterator[Issue]:
     why = spec.why
     if getattr(why, "reason", None) != "production":
         return
-    keys = {t.key for t in spec.what.evaluation.tasks}
+    keys = {t.key for t in spec.what.evaluation.benchmarks}
     if not any(c.metric.partition("/")[0] in keys for c in why.success_criteria):
         yield Issue(("why", "success_criteria"),
                     "no criterion can be measured on the existing models: perplexities depend on each model's "
-                    "tokenizer", "add a criterion on a benchmark of what.evaluation.tasks (<task key>/<metric>, "
+                    "tokenizer", "add a criterion on a benchmark of what.evaluation.benchmarks (<task key>/<metric>, "
                     f"e.g. {next(iter(sorted(keys)), 'arc_easy:cf')}/acc)")
 
 
@@ -420,7 +420,7 @@ def _ablations(spec: TrainingSpec) -> Iterator[Issue]:
                         "proxy overrides use what.architecture's field names")
     base = abl.baseline.model_dump()
     base["architecture"] = {**spec.what.architecture.model_dump(), **abl.baseline.architecture}
-    tasks = {t.key for t in spec.what.evaluation.tasks}
+    tasks = {t.key for t in spec.what.evaluation.benchmarks}
     sources = set(abl.baseline.mixture)
     for i, metric in enumerate(abl.metrics):
         task, _, name = metric.partition("/")
@@ -430,7 +430,7 @@ def _ablations(spec: TrainingSpec) -> Iterator[Issue]:
             yield Issue(("what", "ablations", "metrics", i),
                         f"'{metric}' is not a metric the ablation runs produce",
                         "use val_loss, val_loss:<source of the baseline mixture> or <task key>/<metric> of "
-                        f"what.evaluation.tasks ({', '.join(sorted(tasks)) or 'none listed: add one'})")
+                        f"what.evaluation.benchmarks ({', '.join(sorted(tasks)) or 'none listed: add one'})")
     for i, dup in _repeats([v.name for v in abl.variants]):
         yield Issue(("what", "ablations", "variants", i, "name"),
                     f"variant '{dup}' is named twice", "name every variant differently")

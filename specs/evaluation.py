@@ -7,7 +7,7 @@ from pydantic import Field, PositiveInt
 from compass.specs.base import SpecModel
 
 
-class EvalTask(SpecModel):
+class Benchmark(SpecModel):
     """One benchmark in one formulation: cloze (cf) gives early signal, multiple choice (mcf) later, generative
     (gen) for open answers."""
 
@@ -30,7 +30,7 @@ class EvalTask(SpecModel):
 
 
 class Evaluation(SpecModel):
-    tasks: list[EvalTask] = Field(default_factory=list)
+    benchmarks: list[Benchmark] = Field(default_factory=list)
     perplexity_sources: list[str] = Field(
         default_factory=list, description="Curated sources whose held-out split gives a validation perplexity."
     )

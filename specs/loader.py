@@ -49,7 +49,7 @@ class SpecError(Exception):
 @dataclass(frozen=True)
 class LoadedSpec:
     """A validated spec with where it came from (relative paths resolve against `base_dir`), and the map from
-    its fields to lines, so that checks made later (preflight, plan) still point at the line to fix."""
+    its fields to lines, so that checks made later (machine checks, plan) still point at the line to fix."""
 
     spec: TrainingSpec
     path: str

@@ -132,8 +132,8 @@ class _Shrinker:
             self.set("what.long_context", lc, "retrieval_samples", min(lc["retrieval_samples"], 2))
         for step in what["post_training"]:
             self.post_step(step)
-        for task in what["evaluation"]["tasks"]:
-            self.set(f"what.evaluation.tasks.{task['name']}", task, "limit", min(task.get("limit") or SAMPLES,
+        for task in what["evaluation"]["benchmarks"]:
+            self.set(f"what.evaluation.benchmarks.{task['name']}", task, "limit", min(task.get("limit") or SAMPLES,
                                                                                  SAMPLES))
         if what.get("ablations"):
             self.ablations(what["ablations"], real_arch)

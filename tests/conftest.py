@@ -16,7 +16,7 @@ import pytest
 
 from compass.flows.compiler import compile_spec
 from compass.infra.net import free_port, wait_for_http
-from compass.model.job import TrainJob
+from compass.model.training.job import TrainJob
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -111,8 +111,8 @@ def stage1_job(tmp_path_factory: pytest.TempPathFactory):
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.specs.how import Checkpoints
-    from compass.tasks.base import InputArtifact, Runtime, StepContext
-    from compass.tasks.training import build_job
+    from compass.tasks.common.training import build_job
+    from compass.tasks.steps.context import InputArtifact, Runtime, StepContext
 
     loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
     plan = compile_spec(loaded.spec)
@@ -156,7 +156,7 @@ def run_up_to(spec_path: Path, target: str | list[str], store: Path) -> tuple[An
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     loaded = load_spec(spec_path)
     plan = compile_spec(loaded.spec).up_to([target] if isinstance(target, str) else target)

@@ -8,8 +8,8 @@ import gzip
 import json
 import re
 
-from compass.tasks.base import StepContext, StepResult
-from compass.tasks.steps import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 
 
 class WordCountConfig(StepConfig):

@@ -27,7 +27,7 @@ def test_ablation_runs_comparison_and_promotion(tmp_path: Path):
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     spec = tmp_path / "spec.yaml"
     spec.write_text((REPO / "tests" / "specs" / "minimal.yaml").read_text()

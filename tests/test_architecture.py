@@ -16,7 +16,7 @@ from compass.flows.compiler import compile_spec
 from compass.flows.plan_status import plan_status
 from compass.infra.store import Store
 from compass.specs import load_spec
-from compass.tasks import registry
+from compass.tasks.steps import registry
 from tests import step_kind_example
 from tests.conftest import REPO, prefect_client, write_minimal_spec
 
@@ -52,7 +52,7 @@ def test_the_layers_only_exist_inside_the_compass_namespace(tmp_path: Path):
     for name in LAYERS:
         done = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr, name
-    code = "import compass.specs, compass.flows.cli, compass.model.trainer; print(compass.specs.__file__)"
+    code = "import compass.specs, compass.flows.cli, compass.model.training.trainer; print(compass.specs.__file__)"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert Path(done.stdout.strip()).parent == REPO / "specs"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.flows.preflight import load_checked
+from compass.flows.validation import load_checked
 from compass.specs.loader import SpecError
 
 BAD = sorted((Path(__file__).parent / "bad_specs").glob("*.yaml"))

@@ -136,8 +136,8 @@ def test_schema_command_prints_a_schema_the_examples_satisfy():
 
 
 def test_step_timeouts_accept_every_registered_kind(tmp_path: Path):
-    from compass.flows.preflight import load_checked
-    from compass.tasks import registry
+    from compass.flows.validation import load_checked
+    from compass.tasks.steps import registry
     from tests.conftest import write_minimal_spec
 
     timeouts = ", ".join(f"{k.name}: 3600" for k in registry.kinds())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from compass.specs.evaluation import Evaluation
-from compass.tasks.offline_benchmarks import BENCHMARKS, cf_prompt, mcf_prompt
+from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, cf_prompt, mcf_prompt
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec_text
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
         "  pretraining:", "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
@@ -50,7 +50,7 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
 def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
     from compass.infra import verify
     from compass.infra.store import Store
-    from compass.tasks.offline_benchmarks import prepare
+    from compass.tasks.evaluation.offline_benchmarks import prepare
 
     outcome = evaluated["evaluate:pretrain-stage2"]
     ours = json.loads((Path(outcome.uri) / "results.json").read_text())
@@ -59,8 +59,8 @@ def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
     assert verify.damage(Store(str(Path(model_uri).parents[1])), model_uri, "full") == [], \
         "evaluation wrote into the model it evaluated"
     folder, _ = prepare("arc_easy")
-    direct = _accuracy_from_lighteval_directly(model_dir, "compass.tasks.offline_benchmarks", "cf_prompt", folder, 40,
-                                               tmp_path)
+    direct = _accuracy_from_lighteval_directly(model_dir, "compass.tasks.evaluation.offline_benchmarks", "cf_prompt",
+                                               folder, 40, tmp_path)
     assert ours["arc_easy:cf/acc"] == pytest.approx(direct)
     assert 0 <= ours["piqa:mcf/acc"] <= 1
     assert ours["val_ppl:notes"] == pytest.approx(math.exp(ours["val_loss:notes"]))
@@ -107,7 +107,7 @@ def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_every_offline_benchmark_gives_well_formed_cf_and_mcf_docs(name: str):
-    from compass.tasks.offline_benchmarks import prepare
+    from compass.tasks.evaluation.offline_benchmarks import prepare
 
     folder, provenance = prepare(name)
     rows = [json.loads(line) for line in (folder / "validation.jsonl").read_text().splitlines()]
@@ -123,13 +123,13 @@ def test_every_offline_benchmark_gives_well_formed_cf_and_mcf_docs(name: str):
 
 
 def test_new_benchmarks_run_through_lighteval(evaluated, tmp_path: Path):
-    from compass.tasks.evaluate import evaluate_model
+    from compass.tasks.kinds.evaluate import evaluate_model
 
     names = ["openbookqa", "commonsense_qa", "sciq", "social_iqa", "winogrande", "boolq", "copa"]
     forms = ["cf", "mcf", "cf", "mcf", "cf", "mcf", "cf"]  # one each: both forms are checked above without a model
-    suite = {"tasks": [{"name": n, "formulation": f, "fewshot": 0, "limit": 8}
+    suite = {"benchmarks": [{"name": n, "formulation": f, "fewshot": 0, "limit": 8}
                        for n, f in zip(names, forms, strict=True)]}
-    suite["tasks"].append({"name": "mmlu", "formulation": "mcf", "fewshot": 5, "limit": 4})  # lighteval: "mmlu_mcf:5"
+    suite["benchmarks"].append({"name": "mmlu", "formulation": "mcf", "fewshot": 5, "limit": 4})  # "mmlu_mcf:5"
     model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
     metrics, rows, provenance = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
     assert set(metrics) == {f"{n}:{f}/acc" for n, f in zip([*names, "mmlu"], [*forms, "mcf"], strict=True)}
@@ -155,11 +155,11 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
     found in the hub cache; the spec is refused before any work while the data is missing."""
     import datasets
 
-    from compass.flows.preflight import load_checked_text
+    from compass.flows.validation import load_checked_text
     from compass.infra.packages import fetch_package
     from compass.specs.loader import SpecError
-    from compass.tasks.evaluate import evaluate_model
-    from compass.tasks.offline_benchmarks import DATASETS, PACKAGE
+    from compass.tasks.evaluation.offline_benchmarks import DATASETS, PACKAGE
+    from compass.tasks.kinds.evaluate import evaluate_model
     from tests.hub_cache import seed_dataset
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -178,7 +178,8 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
                        base_dir=REPO / "tests" / "specs")
 
     model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
-    suite = {"tasks": [{"name": "winogrande", "source": "lighteval", "formulation": "cf", "fewshot": 0, "limit": 30}]}
+    suite = {"benchmarks": [{"name": "winogrande", "source": "lighteval", "formulation": "cf", "fewshot": 0,
+                             "limit": 30}]}
     metrics, _, provenance = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
     assert provenance == [{"lighteval_task": "winogrande", "task_version": 0, "dataset": str(snapshot),
                            "subset": "winogrande_xl"}]
@@ -219,9 +220,9 @@ def _accuracy_from_lighteval_directly(model_dir: Path, module: str, prompt: str,
 
 
 def test_an_answer_longer_than_the_context_is_explained(evaluated, tmp_path: Path):
-    from compass.tasks.evaluate import evaluate_model
+    from compass.tasks.kinds.evaluate import evaluate_model
 
     model_dir = Path(evaluated["pretrain:stage2"].uri) / "final"  # trained on 64 tokens
-    suite = {"tasks": [{"name": "winogrande", "formulation": "cf", "fewshot": 0, "limit": 8}]}
+    suite = {"benchmarks": [{"name": "winogrande", "formulation": "cf", "fewshot": 0, "limit": 8}]}
     with pytest.raises(RuntimeError, match=r"winogrande:cf on .*longer than the model's context \(64 tokens\)"):
         evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path)

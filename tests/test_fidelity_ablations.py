@@ -19,7 +19,7 @@ ABLATIONS = """  ablations:
     metrics: ["arc_easy:cf/acc", "val_loss:notes"]
     probes: 1
   evaluation:
-    tasks:
+    benchmarks:
       - {name: arc_easy, formulation: cf, limit: 8}
     perplexity_sources: [notes]
   pretraining:"""
@@ -55,7 +55,7 @@ def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(tmp_path: Pa
 
 
 def test_a_metric_no_run_produces_is_refused_at_validation(tmp_path: Path):
-    from compass.flows.preflight import load_checked
+    from compass.flows.validation import load_checked
     from compass.specs.loader import SpecError
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": ABLATIONS.replace('"arc_easy:cf/acc"', '"mmlu:mc/acc"')})

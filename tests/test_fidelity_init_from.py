@@ -35,7 +35,7 @@ what:
   model: {{init_from: {REPO_ID}}}
 {what}
   evaluation:
-    tasks:
+    benchmarks:
       - {{name: arc_easy, formulation: cf, limit: 8}}
 {how}"""
 

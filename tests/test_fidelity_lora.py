@@ -22,7 +22,7 @@ def test_lora_sft_exports_merged_weights_and_its_adapter(tmp_path: Path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from compass.tasks.chat import load_chat_model
+    from compass.tasks.post_training.chat import load_chat_model
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT_LORA})
     plan, outcomes = run_up_to(spec, "post_train:sft_lora", tmp_path / "store")
@@ -52,7 +52,7 @@ def test_qlora_on_cpu_is_refused_with_a_hint(tmp_path: Path):
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT_LORA.replace("kind: lora", "kind: qlora")})
     with pytest.raises(SpecError) as raised:
-        from compass.flows.preflight import load_checked
+        from compass.flows.validation import load_checked
 
         load_checked(spec, machine=False)
     (problem,) = [p for p in raised.value.problems if "qlora" in str(p)]

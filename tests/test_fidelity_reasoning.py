@@ -21,8 +21,8 @@ def tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from compass.tasks.chat import IM_END, IM_START
-    from compass.tasks.reasoning import HYBRID_TEMPLATE
+    from compass.tasks.post_training.chat import IM_END, IM_START
+    from compass.tasks.post_training.reasoning import HYBRID_TEMPLATE
 
     texts = [p.read_text() for p in sorted((REPO / "tests" / "fixtures" / "corpus").rglob("*.txt"))]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -37,7 +37,7 @@ def tokenizer():
 
 @pytest.mark.parametrize("mode", ["/think", "/no_think"])
 def test_each_mode_continues_from_its_generation_prompt_and_trains_only_the_answer(tokenizer, mode: str):
-    from compass.tasks.reasoning import EMPTY_THINK, with_mode
+    from compass.tasks.post_training.reasoning import EMPTY_THINK, with_mode
 
     conversation = with_mode(CONVERSATION, mode, system="You are helpful.")
     assert conversation[0] == {"role": "system", "content": f"You are helpful.\n{mode}"}
@@ -52,8 +52,8 @@ def test_each_mode_continues_from_its_generation_prompt_and_trains_only_the_answ
 
 
 def test_worked_steps_compute_what_the_verifier_checks():
-    from compass.tasks.post_data import arithmetic_reward
-    from compass.tasks.reasoning import reasoning_conversations, worked_steps
+    from compass.tasks.post_training.datasets import arithmetic_reward
+    from compass.tasks.post_training.reasoning import reasoning_conversations, worked_steps
 
     assert worked_steps("12 + 7 * 2") == (["7 * 2 = 14", "12 + 14 = 26"], "26")
     assert worked_steps("(3 - 5) * 4") == (["3 - 5 = -2", "-2 * 4 = -8"], "-8")
@@ -65,7 +65,7 @@ def test_worked_steps_compute_what_the_verifier_checks():
 
 def test_a_system_prompt_lost_on_the_way_to_the_tokens_fails(tokenizer):
     from compass.infra.errors import DataError
-    from compass.tasks.reasoning import rendered_ids, system_prompts_kept, with_mode
+    from compass.tasks.post_training.reasoning import rendered_ids, system_prompts_kept, with_mode
 
     conversations = [with_mode(CONVERSATION, "/no_think", system="Answer in French.")]
     kept = [rendered_ids(tokenizer, c) for c in conversations]
@@ -101,7 +101,7 @@ def test_hybrid_sft_trains_both_modes_on_the_tokens_the_template_renders(tmp_pat
     samples = [json.loads(line) for line in (out / "sft_samples.jsonl").read_text().splitlines()]
     modes = {s["messages"][0]["content"].rsplit("\n", 1)[-1] for s in samples}
     assert modes == {"/think", "/no_think"}
-    from compass.tasks.reasoning import rendered_ids
+    from compass.tasks.post_training.reasoning import rendered_ids
 
     for sample in samples:  # token by token
         assert rendered_ids(exported, sample["messages"]) == sample["input_ids"]

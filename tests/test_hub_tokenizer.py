@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from compass.flows.preflight import load_checked
 from compass.flows.runner import run_in_process
+from compass.flows.validation import load_checked
 from compass.infra.store import Store
 from compass.specs.loader import SpecError
-from compass.tasks.base import Runtime
+from compass.tasks.steps.context import Runtime
 from tests.conftest import FIXTURES, write_minimal_spec
 from tests.hub_cache import seed_model
 

@@ -13,7 +13,7 @@ import pytest
 
 from compass.infra.launcher import plan_launch
 from compass.infra.net import free_port
-from compass.tasks.training import run_training
+from compass.tasks.common.training import run_training
 from tests.conftest import REPO
 
 
@@ -28,7 +28,7 @@ def test_torchrun_gets_one_launcher_per_node_over_ssh(tmp_path: Path):
         assert (cd, folder, conj) == ("cd", "/srv/compass", "&&")
         assert argv == ["/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
                         "--nproc-per-node", "8", "--master-addr", "10.0.0.1", "--master-port", "29500",
-                        "-m", "compass.model.trainer", str(tmp_path / "job.json")]
+                        "-m", "compass.model.training.trainer", str(tmp_path / "job.json")]
 
 
 def test_deepspeed_gets_a_hostfile_and_one_command_on_the_head_node(tmp_path: Path):
@@ -38,7 +38,7 @@ def test_deepspeed_gets_a_hostfile_and_one_command_on_the_head_node(tmp_path: Pa
     (command,) = plan.commands
     assert command.argv == [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile",
                             str(tmp_path / "hostfile"), "--master_addr", "127.0.0.1", "--master_port", "29600",
-                            "--num_nodes", "2", "--num_gpus", "2", "--module", "compass.model.trainer",
+                            "--num_nodes", "2", "--num_gpus", "2", "--module", "compass.model.training.trainer",
                             str(tmp_path / "job.json")]  # local head: no ssh
 
 
@@ -61,7 +61,7 @@ def test_deepspeed_launcher_accepts_the_generated_arguments(tmp_path: Path):
     args = parse_args(argv[3:])
     assert (args.hostfile, args.master_addr, args.master_port, args.num_nodes, args.num_gpus, args.module) == (
         str(tmp_path / "hostfile"), "a", 29600, 2, 2, True)
-    assert (args.user_script, args.user_args) == ("compass.model.trainer", [str(tmp_path / "job.json")])
+    assert (args.user_script, args.user_args) == ("compass.model.training.trainer", [str(tmp_path / "job.json")])
 
 
 @pytest.mark.slow

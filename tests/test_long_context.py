@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compass.model.packing import PADDING, Packer
-from compass.tasks.retrieval import NEEDLE, QUESTION, build_prompt
+from compass.model.training.packing import PADDING, Packer
+from compass.tasks.evaluation.retrieval import NEEDLE, QUESTION, build_prompt
 from tests.conftest import write_minimal_spec
 
 LONG_CONTEXT = """  long_context:
@@ -79,7 +79,7 @@ def test_extension_stages_export_yarn_and_measure_retrieval(tmp_path: Path):
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": LONG_CONTEXT})
     loaded = load_spec(spec)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from compass.model import checkpoint as ckpt
 from compass.model.architecture import build_model, hf_config, nope_pattern, parameter_groups
-from compass.model.packing import Packer
-from compass.model.schedules import schedule_shape
+from compass.model.training import checkpoints as ckpt
+from compass.model.training.packing import Packer
+from compass.model.training.schedules import schedule_shape
 from compass.specs import costs
 from compass.specs.architecture import Architecture
 from compass.specs.training import PretrainStage, Schedule

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.model.monitors import TrainingMonitor
+from compass.model.training.monitors import TrainingMonitor
 from compass.specs.training import Monitors, TrendMonitor
 
 CONFIG = Monitors()
@@ -46,8 +46,8 @@ def test_slow_rise_plateau_and_throughput_drop_are_reported_once():
 
 @pytest.mark.slow
 def test_diverging_run_rolls_back_then_stops_with_cause_and_remedy(stage1_job, tmp_path: Path):
-    from compass.model.monitors import TrainingStopped
-    from compass.model.trainer import train_stage
+    from compass.model.training.monitors import TrainingStopped
+    from compass.model.training.trainer import train_stage
 
     job = stage1_job(tmp_path, deepspeed=False)
     recipe = job.recipe

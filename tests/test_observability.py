@@ -51,7 +51,7 @@ def test_every_rule_and_panel_names_metrics_the_exporter_declares():
     from ruamel.yaml import YAML
 
     from compass.infra.observability.dashboard import OUT, render
-    from compass.model.telemetry import EXPOSED
+    from compass.model.training.telemetry import EXPOSED
 
     assert OUT.read_text() == render(), "stale: python -m compass.infra.observability.dashboard"
     rules = YAML(typ="safe").load(RULES.read_text())["groups"][0]["rules"]
@@ -84,7 +84,7 @@ def _phases(data: float = 0.01, sync: float = 0.01, compute: float = 0.1) -> dic
     ({"compute": 0.4}, "kernels or throttling"),
 ])
 def test_a_throughput_drop_names_the_part_of_the_step_that_grew(grown: dict[str, float], cause: str):
-    from compass.model.monitors import TrainingMonitor
+    from compass.model.training.monitors import TrainingMonitor
     from compass.specs.training import Monitors
 
     monitor = TrainingMonitor(Monitors.model_validate({"throughput": {"ratio": 0.7, "window": 20,
@@ -106,7 +106,8 @@ def test_token_axes_read_at_a_glance(tmp_path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from compass.tasks.curves import plot_curves, token_axis, use_token_axis
+    from compass.tasks.common.plots import token_axis, use_token_axis
+    from compass.tasks.kinds.curves import plot_curves
 
     assert [token_axis(n) for n in (0, 950, 200_000, 1_200_000, 3.4e12, 11e9)] == \
         ["0", "950", "200k", "1.2M", "3.4T", "11B"]
@@ -152,10 +153,10 @@ def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: 
 
     from compass.infra import prometheus
     from compass.infra.net import free_port
-    from compass.model.job import Telemetry
-    from compass.model.telemetry import GPU_METRICS, tensorboard_run
+    from compass.model.training.job import Telemetry
+    from compass.model.training.telemetry import GPU_METRICS, tensorboard_run
     from compass.specs.how import Checkpoints
-    from compass.tasks.training import run_training
+    from compass.tasks.common.training import run_training
 
     folder = tmp_path / "monitoring"
     job = stage1_job(tmp_path / "work", data_parallel=2)
@@ -197,7 +198,7 @@ def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: 
         series = prometheus.query(url, "compass_train_phase_seconds")
         assert {r["metric"]["phase"] for r in series} >= {"data_wait", "forward_backward", "sync", "optimizer"}
         assert {r["metric"]["node"] for r in series} and all(r["metric"]["run"] == "minimal" for r in series)
-        from compass.model.telemetry import EXPOSED
+        from compass.model.training.telemetry import EXPOSED
 
         assert set(EXPOSED) - set(GPU_METRICS) <= exposed, sorted(set(EXPOSED) - set(GPU_METRICS) - exposed)
         trainer.join(timeout=600)

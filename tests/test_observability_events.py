@@ -17,7 +17,7 @@ from tests.conftest import REPO, VENV_BIN, Cli, prefect_client, stop_group, writ
 
 pytestmark = pytest.mark.slow
 SCREENSHOTS = REPO / "test-artifacts"
-SUITE = ("  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n"
+SUITE = ("  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n"
          "    perplexity_sources: [notes]\n  pretraining:")
 LONGER_STAGE = "{name: stage1, tokens: 300000,"  # 1,171 steps: long enough to be watched
 HOW = "how:\n  checkpoints: {every_steps: 600, keep_last: 2}\n  monitoring: {progress_every_s: 1}\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.tasks.post_data import (
+from compass.tasks.post_training.datasets import (
     arithmetic_reward,
     evaluate_expression,
     exact_answer_reward,
@@ -53,7 +53,7 @@ PREFERENCES = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected
 
 
 def test_verifier_pairs_a_right_answer_against_a_wrong_one():
-    from compass.tasks.pairs import pairs_from_grades
+    from compass.tasks.post_training.pairs import pairs_from_grades
 
     problems = [{"question": "3 * 4 =", "answer": "12"}, {"question": "9 - 2 =", "answer": "7"},
                 {"question": "1 + 1 =", "answer": "2"}]
@@ -81,7 +81,7 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory):
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     folder = tmp_path_factory.mktemp("post")
     (folder / "prefs").mkdir()
@@ -118,7 +118,7 @@ def test_every_training_step_has_a_tensorboard_run(post_trained):
 
 @pytest.mark.slow
 def test_sft_masks_everything_but_assistant_tokens(post_trained):
-    from compass.tasks.chat import IM_END, load_chat_model
+    from compass.tasks.post_training.chat import IM_END, load_chat_model
 
     final = Path(post_trained["post_train:sft"].uri) / "final"
     model, tokenizer = load_chat_model(final)
@@ -145,16 +145,16 @@ def test_sft_masks_everything_but_assistant_tokens(post_trained):
 
 @pytest.mark.slow
 def test_preference_pairs_are_strong_versus_weak_answers(post_trained):
-    from compass.tasks.post_train import answer_prompts
+    from compass.tasks.kinds.post_train import answer_prompts
 
     apo = post_trained["post_train:apo"]
     pairs = [json.loads(line) for line in (Path(apo.uri) / "pairs.jsonl").read_text().splitlines()]
     assert pairs and apo.manifest.metrics["pairs"] == len(pairs)
     assert {i.role: i.step for i in apo.manifest.inputs}["strong"] == "post_train:sft"
     assert {i.role: i.step for i in apo.manifest.inputs}["weak"] == "pretrain:stage1"
-    from compass.tasks.chat import load_chat_model
-    from compass.tasks.post_data import chat_examples, dataset_root
-    from compass.tasks.post_train import MAX_CHARS_PER_TOKEN, PAIR_TOKENS, fitting_prompts
+    from compass.tasks.kinds.post_train import MAX_CHARS_PER_TOKEN, PAIR_TOKENS, fitting_prompts
+    from compass.tasks.post_training.chat import load_chat_model
+    from compass.tasks.post_training.datasets import chat_examples, dataset_root
 
     root, _ = dataset_root("pypi://evals==3.0.1.post1", Path("."))
     _, tokenizer = load_chat_model(Path(post_trained["post_train:sft"].uri) / "final")

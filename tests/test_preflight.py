@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.model.preflight import judge
+from compass.model.training.preflight import judge
 from tests.conftest import REPO, write_minimal_spec
 
 
@@ -84,7 +84,8 @@ def test_a_slowed_rank_is_flagged_with_its_node_for_exclusion(tmp_path: Path):
         while len(pinned) < 2 and time.monotonic() < deadline and run.poll() is None:
             for child in psutil.Process(run.pid).children(recursive=True):
                 try:
-                    rank = child.environ().get("RANK") if "compass.model.preflight" in child.cmdline() else None
+                    ours = "compass.model.training.preflight" in child.cmdline()
+                    rank = child.environ().get("RANK") if ours else None
                     if rank is not None and child.pid not in pinned:
                         child.cpu_affinity([cores[int(rank)]])
                         pinned.add(child.pid)

@@ -37,7 +37,7 @@ def test_ray_fans_out_steps_with_the_same_results_as_local(server_cli: Cli, tmp_
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": ABLATIONS, "how:\n": (
         "how:\n  orchestration: {task_runner: ray, ray_num_cpus: 2, workers: 2, max_parallel_steps: 2}\n")})

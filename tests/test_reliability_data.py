@@ -12,8 +12,8 @@ import pytest
 
 from compass.infra.errors import DataError, MalformedData
 from compass.specs.how import How
-from compass.tasks.base import Runtime, StepContext
-from compass.tasks.ingest import IngestConfig, run_ingest
+from compass.tasks.kinds.ingest import IngestConfig, run_ingest
+from compass.tasks.steps.context import Runtime, StepContext
 
 
 def ingest(folder: Path, tmp_path: Path, fmt: str, include: list[str], max_document_chars: int = 2_000_000):
@@ -84,7 +84,7 @@ def test_data_errors_do_not_use_the_retry_budget():
 
 
 def test_a_giant_single_line_document_is_skipped_and_counted(tmp_path: Path):
-    from compass.tasks.ingest import MAX_DOCUMENT_CHARS
+    from compass.tasks.kinds.ingest import MAX_DOCUMENT_CHARS
 
     data = tmp_path / "data"
     data.mkdir()
@@ -102,7 +102,7 @@ def test_a_full_disk_is_one_message_with_the_path_and_not_retried(tmp_path: Path
     from compass.flows import runner
     from compass.flows.lifecycle import worth_retrying
     from compass.infra.errors import DiskFull
-    from compass.tasks.base import StepResult
+    from compass.tasks.steps.context import StepResult
     from tests.test_store import one_step
 
     def fills_the_disk(ctx) -> StepResult:

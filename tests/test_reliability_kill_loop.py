@@ -27,7 +27,7 @@ from compass.flows.compiler import compile_spec
 from compass.flows.runner import run_in_process
 from compass.infra.store import Store
 from compass.specs import load_spec
-from compass.tasks.base import Runtime
+from compass.tasks.steps.context import Runtime
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 loaded = load_spec(sys.argv[1])

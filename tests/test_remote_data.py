@@ -31,7 +31,7 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[RestartableS
 
 
 def test_an_s3_dataset_is_copied_once_and_again_when_it_changes(s3: RestartableS3):
-    from compass.tasks.post_data import chat_examples, dataset_root
+    from compass.tasks.post_training.datasets import chat_examples, dataset_root
 
     line = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
     s3.client().put_object(Bucket="data", Key="sft/a/train.jsonl", Body=json.dumps(line) + "\n")
@@ -47,7 +47,7 @@ def test_an_s3_dataset_is_copied_once_and_again_when_it_changes(s3: RestartableS
 
 def test_a_missing_s3_dataset_names_its_uri(s3: RestartableS3):
     from compass.infra.remote import RemoteMissing
-    from compass.tasks.post_data import dataset_root
+    from compass.tasks.post_training.datasets import dataset_root
 
     with pytest.raises(RemoteMissing, match=r"s3://data/nothing-here: no objects there \(check the bucket"):
         dataset_root("s3://data/nothing-here", Path("."))
@@ -59,8 +59,8 @@ def test_an_s3_source_with_no_matching_files_names_its_uri(s3: RestartableS3, tm
     import logging
 
     from compass.specs.how import How
-    from compass.tasks.base import Runtime, StepContext
-    from compass.tasks.ingest import IngestConfig, run_ingest
+    from compass.tasks.kinds.ingest import IngestConfig, run_ingest
+    from compass.tasks.steps.context import Runtime, StepContext
 
     s3.client().put_object(Bucket="data", Key="web/readme.md", Body=b"not parquet")
     config = IngestConfig(uri="s3://data/web", include=["*.parquet"], exclude=[], format="parquet", text_key="text",

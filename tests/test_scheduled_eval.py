@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import VENV_BIN, Cli, stop_group, write_minimal_spec
 
 pytestmark = pytest.mark.slow
-SUITE = ("  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 4}\n"
+SUITE = ("  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 4}\n"
          "    perplexity_sources: [notes]\n  pretraining:")  # the criterion of minimal.yaml is val_ppl:notes
 
 
@@ -23,7 +23,7 @@ def train(spec_path: Path, store: Path) -> None:
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     loaded = load_spec(spec_path)
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain"})

@@ -94,7 +94,7 @@ def in_thread(fn) -> tuple[threading.Thread, dict]:
 
 
 def test_the_batch_script_says_what_the_spec_says(tmp_path: Path, stage1_job):
-    from compass.tasks.training import slurm_shape
+    from compass.tasks.common.training import slurm_shape
 
     job = stage1_job(tmp_path / "w")
     spec = SlurmCluster(partition="gpu", account="lm", qos="high", constraint="h100", exclude=["node[07-08]"],
@@ -116,7 +116,7 @@ def test_the_batch_script_says_what_the_spec_says(tmp_path: Path, stage1_job):
 
 
 def test_a_stage_runs_as_a_slurm_job_and_a_requeue_resumes_it_bitwise(cluster, stage1_job, tmp_path: Path):
-    from compass.tasks.training import run_training
+    from compass.tasks.common.training import run_training
 
     log = logging.getLogger("test")
     straight = run_training(stage1_job(tmp_path / "straight"), log, CLUSTER)
@@ -140,7 +140,7 @@ def test_a_stage_runs_as_a_slurm_job_and_a_requeue_resumes_it_bitwise(cluster, s
 
 def test_the_time_limit_signal_checkpoints_and_requeues(cluster, stage1_job, tmp_path: Path):
     """What Slurm does `signal_before_s` before the time limit, sent now: USR1 to the batch shell."""
-    from compass.tasks.training import run_training
+    from compass.tasks.common.training import run_training
 
     work = tmp_path / "limited"
     thread, box = in_thread(lambda: run_training(stage1_job(work), logging.getLogger("test"), CLUSTER))
@@ -157,7 +157,7 @@ def test_the_time_limit_signal_checkpoints_and_requeues(cluster, stage1_job, tmp
 
 
 def test_a_failing_job_names_its_last_log_lines(cluster, stage1_job, tmp_path: Path):
-    from compass.tasks.training import run_training
+    from compass.tasks.common.training import run_training
 
     job = stage1_job(tmp_path / "broken")
     broken = job.model_copy(update={"sources": {name: tmp_path / "nowhere" for name in job.sources}})
@@ -188,7 +188,7 @@ def test_stopping_the_run_cancels_its_slurm_job(cluster, tmp_path: Path):
 
 
 def test_plan_checks_the_controller_and_the_partition(cluster):
-    from compass.flows.preflight import _slurm_partition
+    from compass.flows.validation import _slurm_partition
 
     assert list(_slurm_partition("debug", "")) == []
     (issue,) = _slurm_partition("hopper-prod", "")
@@ -210,7 +210,7 @@ def test_post_training_and_evaluation_run_as_one_node_jobs(cluster, tmp_path: Pa
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
-    from compass.tasks.base import Runtime
+    from compass.tasks.steps.context import Runtime
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT, "  parallelism: {micro_batch_size: 2}": (
         "  parallelism: {micro_batch_size: 2}\n  orchestration: {cluster: {kind: slurm, poll_seconds: 0.5}}")})

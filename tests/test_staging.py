@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_training_reads_its_data_from_the_node_local_copy(stage1_job, tmp_path: Path):
-    from compass.tasks.training import run_training
+    from compass.tasks.common.training import run_training
 
     nvme = tmp_path / "nvme"
     staged = stage1_job(tmp_path / "staged", local_cache=nvme)

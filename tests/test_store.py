@@ -17,9 +17,9 @@ from compass.infra.lineage import LineageError, lineage
 from compass.infra.locks import StepLock
 from compass.infra.manifest import MANIFEST, Manifest
 from compass.infra.store import Store
-from compass.tasks import registry
-from compass.tasks.base import Runtime, StepResult
-from compass.tasks.steps import Step, StepConfig, StepKind
+from compass.tasks.steps import registry
+from compass.tasks.steps.context import Runtime, StepResult
+from compass.tasks.steps.kind import Step, StepConfig, StepKind
 
 
 class SlowConfig(StepConfig):

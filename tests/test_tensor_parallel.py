@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from compass.model.trainer import check_ranks, gathered_mismatch, state_digests
+from compass.model.training.trainer import check_ranks, gathered_mismatch, state_digests
 from tests.conftest import REPO
 
 
@@ -56,7 +56,7 @@ def launch(job, workdir: Path) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     job.write(workdir / "job.json")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                             str(free_port()), "-m", "compass.model.trainer", str(workdir / "job.json")],
+                             str(free_port()), "-m", "compass.model.training.trainer", str(workdir / "job.json")],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -72,7 +72,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_train_like_one_process_and_resume_bitwise(stage1_job, tmp_path: Path):
-    from compass.tasks.training import run_training
+    from compass.tasks.common.training import run_training
 
     one = stage1_job(tmp_path / "tp1", deepspeed=True, zero_stage=1)
     single = run_training(one, logging.getLogger("test"))

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from compass.infra.net import free_port
-from compass.model.job import TrainJob
+from compass.model.training.job import TrainJob
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -26,8 +26,8 @@ def trainer(job: TrainJob, workdir: Path) -> subprocess.Popen:
     job.write(workdir / "job.json")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    return subprocess.Popen([sys.executable, "-m", "compass.model.trainer", str(workdir / "job.json")], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "compass.model.training.trainer", str(workdir / "job.json")],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def final_weights(workdir: Path) -> dict:

@@ -21,7 +21,7 @@ from compass.model.architecture import build_model, hf_config
 from compass.model.attention import DOCUMENT_SDPA
 from compass.model.lm import CausalLMWithLoss
 from compass.model.loss import chunked_lm_loss, lm_loss
-from compass.model.packing import PADDING, Packer, Prefetcher, RowPacker, make_batch, merge_states
+from compass.model.training.packing import PADDING, Packer, Prefetcher, RowPacker, make_batch, merge_states
 from compass.specs.architecture import Architecture
 from tests.conftest import REPO
 
@@ -209,8 +209,8 @@ def test_a_stream_resumes_exactly():
 def test_one_host_sync_per_optimizer_step_and_the_step_time_breakdown(stage1_job, tmp_path: Path):
     """With 4 micro-batches per step the loop reads the device once per optimizer step; metrics.jsonl splits
     each step's time and the attention backend, loss kernel and compile state are reported."""
-    from compass.model import trainer as trainer_module
-    from compass.model.callbacks import Callback
+    from compass.model.training import trainer as trainer_module
+    from compass.model.training.callbacks import Callback
 
     job = stage1_job(tmp_path, deepspeed=False, micro_batch_size=1)  # global batch 4: 4 micro-batches
     reads: list[str] = []
@@ -236,7 +236,7 @@ def test_one_host_sync_per_optimizer_step_and_the_step_time_breakdown(stage1_job
         """Reading the batch's own position ids while packing.inputs() moves it: host memory, no device sync."""
         frame = sys._getframe(2)
         while frame is not None:
-            if frame.f_globals.get("__name__") == "compass.model.packing" and frame.f_code.co_name == "inputs":
+            if frame.f_globals.get("__name__") == "compass.model.training.packing" and frame.f_code.co_name == "inputs":
                 return True
             frame = frame.f_back
         return False
@@ -263,14 +263,14 @@ def test_one_host_sync_per_optimizer_step_and_the_step_time_breakdown(stage1_job
 
 SLOW_WRITER = """
 import sys, time
-from compass.model import checkpoint
+from compass.model.training import checkpoints as checkpoint
 original = checkpoint.finalize
 def slow_finalize(tmp, final):
     open(tmp.parent.parent / "writing.flag", "w").write(tmp.name)
     time.sleep(3)  # a long write: the test kills the process here
     return original(tmp, final)
 checkpoint.finalize = slow_finalize
-from compass.model.trainer import main
+from compass.model.training.trainer import main
 sys.exit(main([sys.argv[1]]))
 """
 
@@ -280,12 +280,12 @@ def test_kill_9_during_a_background_checkpoint_write_never_leaves_one_taken_as_v
     from safetensors.torch import load_file
 
     from compass.infra.net import free_port
-    from compass.model import checkpoint as ckpt
+    from compass.model.training import checkpoints as ckpt
 
     def run(workdir: Path, code: str | None = None) -> subprocess.Popen:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-        argv = ["-c", code, str(workdir / "job.json")] if code else ["-m", "compass.model.trainer",
+        argv = ["-c", code, str(workdir / "job.json")] if code else ["-m", "compass.model.training.trainer",
                                                                    str(workdir / "job.json")]
         return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
@@ -330,7 +330,7 @@ def losses(workdir: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_compile_and_activation_checkpointing_train_the_same_model(stage1_job, tmp_path: Path):
-    from compass.model.trainer import train_stage
+    from compass.model.training.trainer import train_stage
 
     runs = {"eager": {}, "checkpointed": {"parallelism": {"activation_checkpointing": True}},
             "compiled": {"compile": True}, "eager-attention": {"attention": "eager"}}

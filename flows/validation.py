@@ -1,0 +1,173 @@
+"""Validation: what a spec needs beyond its own rules, checked before anything runs or is written.
+
+The loader (compass.specs) checks the spec alone. Here come the checks that need the rest of compass or the
+machine: the compiled plan (every checkpoint a spec names exists, every step kind it times out is one), and
+each step kind's own machine checks (local paths, installed libraries' signatures, cached hub objects, datasets).
+Problems come back like the loader's, as `file:line: field: what (hint)`, all at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from compass.flows.compiler import Plan, PlanError, compile_spec
+from compass.specs.base import Issue
+from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text
+from compass.specs.spec import TrainingSpec
+from compass.tasks.steps import registry
+
+
+@dataclass(frozen=True)
+class CheckedSpec:
+    """A spec that passed every check, with its compiled plan."""
+
+    loaded: LoadedSpec
+    plan: Plan
+
+    @property
+    def spec(self) -> TrainingSpec:
+        return self.loaded.spec
+
+
+def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
+    """Compile the plan and run every kind's machine checks; SpecError lists all problems found. `machine=False`
+    leaves out what depends on the machine it runs on (GPUs, GPU extras, memory, credentials): for planning a
+    cluster's run from a laptop."""
+    issues = list(_step_kind_names(loaded.spec))
+    if machine:
+        issues += _machine(loaded.spec)
+    for kind in registry.kinds():
+        if kind.check_machine is not None:
+            issues += kind.check_machine(loaded.spec, loaded.base_dir)
+    plan = None
+    try:
+        plan = compile_spec(loaded.spec)
+    except PlanError as exc:
+        issues += exc.issues
+    if issues or plan is None:
+        raise SpecError(loaded.problems(issues))
+    return CheckedSpec(loaded, plan)
+
+
+def load_checked(path: str | Path, machine: bool = True, smoke: bool = False) -> CheckedSpec:
+    loaded = load_spec(path)
+    return check(smoke_of(loaded) if smoke else loaded, machine)
+
+
+def load_checked_text(text: str, filename: str = "<spec>", base_dir: Path | None = None, machine: bool = True,
+                      smoke: bool = False) -> CheckedSpec:
+    loaded = load_spec_text(text, filename, base_dir)
+    return check(smoke_of(loaded) if smoke else loaded, machine)
+
+
+def smoke_of(loaded: LoadedSpec) -> LoadedSpec:
+    """The spec at smoke size (compass.specs.smoke); problems still point at the lines of the spec file."""
+    from compass.specs.checks import check_spec
+    from compass.specs.smoke import smoke_spec
+
+    small, changes = smoke_spec(loaded.spec)
+    smoked = replace(loaded, spec=small, smoke_changes=tuple(changes))
+    issues = check_spec(small)
+    if issues:
+        raise SpecError(smoked.problems(issues))
+    return smoked
+
+
+def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
+    """The Slurm controller answers, and knows the partition the spec names."""
+    import subprocess
+
+    command = ["sinfo", "-h", "-o", "%P"] + (["-p", partition] if partition else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = subprocess.CompletedProcess(command, 1, "", str(exc))
+    if done.returncode:
+        yield Issue(("how", "orchestration", "cluster"), "the spec runs training as Slurm jobs and this machine's "
+                    f"Slurm controller does not answer ({_first_line(done.stderr or done.stdout)})",
+                    f"run compass on a Slurm login node (or set SLURM_CONF), {smoke_hint}")
+    elif partition and not done.stdout.strip():
+        yield Issue(("how", "orchestration", "cluster", "partition"), f"Slurm has no partition '{partition}'",
+                    "name one that `sinfo` lists")
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "no output")[:160]
+
+
+def _machine(spec: TrainingSpec) -> Iterator[Issue]:
+    """What the spec's `how` needs from the machine it runs on: CUDA for GPUs, the GPU extras for the kernels it
+    names, memory per device for every training stage, credentials for S3."""
+    from compass.model.attention import flash_kernel
+    from compass.model.loss import liger_available
+    from compass.specs import costs
+
+    how = spec.how
+    accelerator = how.hardware.accelerator
+    smoke_hint = "or exercise the spec on this CPU first: compass run SPEC --smoke"
+    if how.orchestration.cluster is not None:  # training runs on the cluster's nodes, not on this machine
+        import shutil
+
+        missing = [c for c in ("sbatch", "scontrol", "scancel") if shutil.which(c) is None]
+        if missing:
+            yield Issue(("how", "orchestration", "cluster"), f"the spec runs training as Slurm jobs and "
+                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on this machine's PATH",
+                        f"run compass on a Slurm login node, {smoke_hint}")
+        else:
+            yield from _slurm_partition(how.orchestration.cluster.partition, smoke_hint)
+    elif accelerator != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            yield Issue(("how", "hardware", "accelerator"), f"the spec trains on {accelerator} GPUs and this machine "
+                        "has no CUDA device", f"run it where the GPUs are, {smoke_hint}")
+    if how.attention == "flash" and flash_kernel() is None:
+        yield Issue(("how", "attention"), "flash attention needs the flash-attn package, not installed here",
+                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or attention: auto")
+    if how.attention == "flex" and accelerator == "cpu":
+        yield Issue(("how", "attention"), "FlexAttention has no backward pass on CPU: it cannot train here",
+                    "use attention: sdpa (or auto) on CPU")
+    if how.loss == "liger" and not liger_available():
+        yield Issue(("how", "loss"), "the liger loss needs CUDA and the liger-kernel package",
+                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or loss: auto")
+    device = costs.device_memory_bytes(how)
+    for loc, length, estimate in costs.training_memory(spec):
+        if estimate.total > device:
+            yield Issue(loc, f"a training step at {length} tokens needs ~{estimate.total / costs.GIB:.0f} GiB per "
+                        f"{accelerator} (activations {estimate.activations / costs.GIB:.0f} GiB), more than its "
+                        f"{device / costs.GIB:.0f} GiB", "turn on parallelism.activation_checkpointing, raise "
+                        "zero_stage or tensor_parallel, or lower the micro-batch")
+    s3 = _s3_uris(spec)
+    if s3 and not spec.how.storage.credentials_block and not _s3_credentials():
+        loc, uri = s3[0]
+        yield Issue(loc, f"{uri} is on S3 and no S3 credentials are set on this machine",
+                    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for S3-compatible "
+                    "stores), an AWS profile, or how.storage.credentials_block")
+
+
+def _s3_uris(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], str]]:
+    uris = [(("how", "storage", "root"), spec.how.storage.root)]
+    uris += [(("what", "data", "sources", i, "uri"), s.uri) for i, s in enumerate(spec.what.data.sources)]
+    uris += [(("what", "post_training", i, "dataset"), p.dataset) for i, p in enumerate(spec.what.post_training)]
+    return [(loc, uri) for loc, uri in uris if uri.startswith("s3://")]
+
+
+def _s3_credentials() -> bool:
+    """Whether the AWS credential chain can find credentials here (environment, profile, files, web identity or
+    container roles); the instance metadata service is not asked."""
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+    files = [Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", Path.home() / ".aws" / "credentials")),
+             Path(os.environ.get("AWS_CONFIG_FILE", Path.home() / ".aws" / "config"))]
+    return any(os.environ.get(k) for k in keys) or any(f.exists() for f in files)
+
+
+def _step_kind_names(spec: TrainingSpec) -> Iterator[Issue]:
+    known = [k.name for k in registry.kinds()]
+    for kind in spec.how.orchestration.step_timeouts:
+        if kind not in known:
+            yield Issue(("how", "orchestration", "step_timeouts", kind), f"unknown step kind '{kind}'",
+                        f"one of: {', '.join(known)}")

@@ -1,0 +1,205 @@
+"""Training callbacks: everything around the optimizer step that is not the step itself (metrics, progress,
+monitors with their rollbacks, checkpoints), each behind named hooks so new behaviour is a new callback, not
+more lines in the loop.
+
+Hooks, in the order the loop calls them:
+- `on_start(trainer)`: before the first step (after resuming);
+- `pre_step(trainer)`: before a batch is drawn;
+- `before_update(trainer, loss, grad_norm)`: gradients are ready, the optimizer has not stepped; raise
+  `Rollback` to restore the newest checkpoint and skip the batches since, or `TrainingStopped` to end;
+- `post_step(trainer, record)`: the step is applied and `trainer.step` counts it; `record` is its metrics line;
+- `post_checkpoint(trainer, folder)`: a complete checkpoint was committed;
+- `post_restore(trainer, step)`: a rollback restored the checkpoint of `step`;
+- `on_error(trainer, exc)`: the loop is ending with an exception;
+- `on_end(trainer)`: the stage trained to its last step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from compass.model.training import checkpoints as ckpt
+from compass.model.training.monitors import Event, TrainingMonitor, TrainingStopped
+from compass.specs.training import Monitors
+
+if TYPE_CHECKING:
+    from compass.model.training.trainer import Trainer
+
+log = logging.getLogger("compass.train")
+
+
+class Rollback(Exception):
+    """Raised from `before_update`: restore the newest good checkpoint and skip the batches since."""
+
+    def __init__(self, event: Event):
+        super().__init__(event.describe())
+        self.event = event
+
+
+class Callback:
+    """Base class: every hook does nothing."""
+
+    def on_start(self, trainer: Trainer) -> None: ...
+    def pre_step(self, trainer: Trainer) -> None: ...
+    def before_update(self, trainer: Trainer, loss: float, grad_norm: float) -> None: ...
+    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
+    def post_checkpoint(self, trainer: Trainer, folder: Path) -> None: ...
+    def post_restore(self, trainer: Trainer, step: int) -> None: ...
+    def on_error(self, trainer: Trainer, exc: BaseException) -> None: ...
+    def on_end(self, trainer: Trainer) -> None: ...
+
+
+class Monitoring(Callback):
+    """The playbook's failure patterns (spikes, divergence, slow rises, plateaus, throughput drops), each with
+    the action the spec sets: warn, roll back (at most `max_rollbacks` times), or stop."""
+
+    def __init__(self, monitors: Monitors):
+        self.monitors = monitors
+        self.monitor = TrainingMonitor(monitors)
+        self.rollbacks = 0
+
+    def before_update(self, trainer: Trainer, loss: float, grad_norm: float) -> None:
+        event = self.monitor.check_before_step(trainer.global_step + 1, loss, grad_norm)
+        if event is None:
+            return
+        trainer.report(event)
+        if event.action == "stop":
+            raise TrainingStopped(event)
+        if event.action == "rollback":
+            self.rollbacks += 1
+            if self.rollbacks > self.monitors.max_rollbacks:
+                raise TrainingStopped(event, f"(more than {self.monitors.max_rollbacks} rollbacks)")
+            raise Rollback(event)
+
+    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        phases = {k.removesuffix("_s"): v for k, v in record.items()
+                  if k.endswith("_s") and k != "tokens_per_s" and isinstance(v, float | int)}
+        for event in self.monitor.record(record["step"], record["loss"], record["tokens_per_s"], phases):
+            trainer.report(event)
+            if event.action == "stop":
+                raise TrainingStopped(event)
+
+    def post_restore(self, trainer: Trainer, step: int) -> None:
+        self.monitor.forget_since_rollback()
+
+    def on_end(self, trainer: Trainer) -> None:
+        if trainer.rank == 0 and trainer.events:
+            with open(trainer.job.workdir / "events.jsonl", "a") as f:
+                f.writelines(json.dumps(e) + "\n" for e in trainer.events)
+
+
+class MetricsFile(Callback):
+    """One JSON line per optimizer step in `metrics.jsonl` (rank 0); on resume or rollback the lines after the
+    restored step are dropped, since those steps are trained again."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_start(self, trainer: Trainer) -> None:
+        if trainer.rank == 0:
+            truncate_metrics(self.path, trainer.global_step)
+
+    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if trainer.rank == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def post_restore(self, trainer: Trainer, step: int) -> None:
+        if trainer.rank == 0:
+            truncate_metrics(self.path, trainer.offset + step)
+
+
+class Progress(Callback):
+    """A progress bar on a terminal (rank 0) and a log line every 5% of the stage."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def on_start(self, trainer: Trainer) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=trainer.stage_steps, initial=trainer.step, desc=trainer.stage.name, unit="step",
+                        disable=trainer.rank != 0 or not sys.stderr.isatty())
+
+    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if trainer.rank != 0:
+            return
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}")
+        step, total = trainer.step, trainer.stage_steps
+        if step % max(1, total // 20) == 0 or step == total:
+            log.info("%s step %d/%d loss %.4f lr %.2e grad %.2f %.0f tok/s", trainer.stage.name, step, total,
+                     record["loss"], record["lr"], record["grad_norm"], record["tokens_per_s"])
+
+    def post_restore(self, trainer: Trainer, step: int) -> None:
+        self.bar.n = step
+
+    def on_end(self, trainer: Trainer) -> None:
+        self.bar.close()
+
+    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+        self.bar.close()
+
+
+class Checkpointing(Callback):
+    """A checkpoint every `every` steps and at the stage's end; the newest `keep_last` and the stage end stay."""
+
+    def __init__(self, every: int, keep_last: int):
+        self.every, self.keep_last = every, keep_last
+
+    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if trainer.step % self.every == 0 or trainer.step == trainer.stage_steps:
+            trainer.save_checkpoint()
+
+    def post_checkpoint(self, trainer: Trainer, folder: Path) -> None:
+        if trainer.rank == 0:
+            ckpt.prune(folder.parent, self.keep_last, keep={trainer.stage_steps})
+
+
+class StopRequested(Exception):
+    """The scheduler asked the trainer to stop (a time limit near): the state is checkpointed at `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step} on request; the checkpoint of step {step} is written")
+        self.step = step
+
+
+class StopWhenAsked(Callback):
+    """A job near its time limit asks to stop (the batch shell touches `stop_file`, or the process gets SIGUSR1):
+    after the current step every rank agrees (one all-reduce of a flag), a checkpoint of that step is written
+    unless one just was, and the trainer stops; the requeued job resumes from it."""
+
+    signalled = False  # set by the SIGUSR1 handler of `compass.model.trainer.main`
+
+    def __init__(self, stop_file: Path):
+        self.stop_file = stop_file
+
+    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        asked = StopWhenAsked.signalled or self.stop_file.exists()
+        if trainer.world > 1:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(asked)], device=trainer.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            asked = bool(flag.item())
+        if not asked or trainer.step == trainer.stage_steps:  # the stage's end is checkpointed anyway
+            return
+        if trainer.written is None or trainer.written != ckpt.step_dir(trainer.checkpoint_root, trainer.step):
+            trainer.save_checkpoint()
+        trainer.checkpoint_blocked_s += trainer.writer.wait()
+        trainer._barrier()
+        trainer._announce_written()
+        raise StopRequested(trainer.step)
+
+
+def truncate_metrics(path: Path, keep_through_step: int) -> None:
+    """Drop metric lines written after `keep_through_step` (they will be written again)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= keep_through_step]
+    path.write_text("".join(ln + "\n" for ln in lines))

@@ -1,0 +1,219 @@
+"""Training engines with one interface: plain torch (optionally DDP) and DeepSpeed (ZeRO 0-3).
+
+`how` picks one; both take a torch AdamW (so DeepSpeed builds no fused optimizer op on CPU), set the LR from
+the schedule every step, clip gradients, and snapshot their whole state for a checkpoint (copied to host memory,
+written by the checkpoint writer's thread) or load it back from a checkpoint folder.
+
+The module an engine trains is `CausalLMWithLoss` (model/lm.py): its forward returns (loss, cross-entropy).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from compass.model.training.checkpoints import Write, to_host
+from compass.specs.training import Optimizer
+
+
+class Engine(Protocol):
+    """What the training loop needs from an engine: forward, backward with accumulation, a clipped optimizer
+    step at a given LR, and the whole training state snapshotted for a checkpoint or loaded from one."""
+
+    name: str
+    module: torch.nn.Module  # the bare CausalLMWithLoss (no DDP or DeepSpeed wrapper)
+
+    def __call__(self, **inputs: Any) -> Any: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def micro_step(self) -> None: ...
+    def grad_norm(self) -> torch.Tensor: ...
+    def step(self, lr: float, norm: torch.Tensor) -> None: ...
+    def discard(self) -> None: ...
+    def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]: ...
+    def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]: ...
+    def export_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the launcher's environment, (0, 1, 0) when run in-process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def init_distributed(backend: str) -> None:
+    rank, world, _ = dist_env()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+
+
+def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Hugging Face model's own keys from the wrapper's state dict (`hf.` prefix dropped)."""
+    return {k.removeprefix("hf."): v for k, v in state.items()}
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int):
+        self.module = model
+        _, world, local_rank = dist_env()
+        on_gpu = next(model.parameters()).is_cuda
+        self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None)
+                      if world > 1 else model)
+        self.optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+        self.accumulation = accumulation
+        self.clip = opt.grad_clip
+
+    def __call__(self, **inputs):
+        return self.model(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()
+
+    def micro_step(self) -> None:
+        """Nothing to do between accumulation boundaries: gradients simply accumulate."""
+
+    def grad_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+    def step(self, lr: float, norm: torch.Tensor) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.clip > 0:
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]:
+        rank, _, _ = dist_env()
+        if rank != 0:
+            return []
+        state = to_host({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": extra})
+        return [lambda out: torch.save(state, out / "state.pt")]
+
+    def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
+        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+        self.module.load_state_dict(state["model"])
+        if load_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        return state["extra"]
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        return hf_state(self.module.state_dict())
+
+
+def _keep_deepspeed_off_the_cpu_shm_op() -> None:
+    """DeepSpeed JIT-compiles its shared-memory CPU allreduce op at every start, under a file lock in the torch
+    extensions cache: a process ended while holding it (an interrupted run) leaves the lock behind and every
+    later DeepSpeed start waits on it forever, and two environments sharing the cache rebuild it in turn. A
+    single in-process rank needs no allreduce and several CPU ranks use gloo's, so compass marks the op
+    unavailable (GPU accelerators do not use it)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _capturing_checkpoint_engine(config: Any) -> Any:
+    """DeepSpeed's torch checkpoint engine with `save` turned into a snapshot: each state dict DeepSpeed would
+    write is copied to host memory and kept, for the checkpoint writer's thread to serialise."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class Capturing(TorchCheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.captured: list[tuple[str, Any]] = []
+
+        def save(self, state_dict: Any, path: str) -> None:
+            self.captured.append((path, to_host(state_dict)))
+
+    return Capturing()
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int,
+                 micro_batch: int, zero_stage: int, precision: str, tensor_parallel: int = 1):
+        import deepspeed
+
+        _keep_deepspeed_off_the_cpu_shm_op()
+        _, world, _ = dist_env()
+        optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": accumulation,
+            "gradient_clipping": opt.grad_clip,
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": precision == "bf16"},
+            "fp16": {"enabled": precision == "fp16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        if tensor_parallel == 1:  # DeepSpeed's check counts every rank as a data-parallel one, TP peers too
+            config["train_batch_size"] = micro_batch * accumulation * world
+        if tensor_parallel > 1:  # AutoTP shards the layers by the model's tp_plan (transformers' base_model_tp_plan)
+            config["tensor_parallel"] = {"autotp_size": tensor_parallel}
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                                 dist_init_required=True)
+        self.engine.checkpoint_engine = self.capture = _capturing_checkpoint_engine(self.engine._config)
+        self.module = self.engine.module
+        self.zero_stage = zero_stage
+        self.tensor_parallel = tensor_parallel
+
+    def __call__(self, **inputs):
+        return self.engine(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+
+    def grad_norm(self) -> torch.Tensor:
+        """Before the step (ZeRO-0/1 keep full gradients); ZeRO-2/3 partition them, so 0 = not checked here."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        local = self.zero_stage >= 2 or self.tensor_parallel > 1  # each rank holds a part of the gradients
+        return torch.nn.utils.get_total_norm(grads) if grads and not local else torch.zeros(())
+
+    def step(self, lr: float, norm: torch.Tensor) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()  # an optimizer step at the accumulation boundary (DeepSpeed clips)
+
+    def discard(self) -> None:
+        self.engine.zero_grad()
+
+    def micro_step(self) -> None:
+        """Between accumulation boundaries DeepSpeed still needs step() to count micro-batches."""
+        self.engine.step()
+
+    def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]:
+        """DeepSpeed's own checkpoint (every rank its shards), captured in memory; files written later."""
+        self.capture.captured = []
+        self.engine.save_checkpoint(str(folder), tag="deepspeed", client_state={"extra": extra}, save_latest=False)
+        captured, self.capture.captured = self.capture.captured, []
+        zipfile = self.capture.zipfile_serialization
+
+        def write(out: Path, path: str, state: Any) -> None:
+            target = out / Path(path).relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, target, _use_new_zipfile_serialization=zipfile)
+
+        return [lambda out, p=path, s=state: write(out, p, s) for path, state in captured]
+
+    def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
+        _, client = self.engine.load_checkpoint(str(folder), tag="deepspeed", load_optimizer_states=load_optimizer,
+                                                load_lr_scheduler_states=False)
+        return (client or {}).get("extra", {})
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (gathered from every shard at ZeRO-3 or with tensor parallelism: every rank
+        takes part; rank 0 receives them)."""
+        if self.zero_stage == 3 or self.tensor_parallel > 1:
+            return hf_state(self.engine._consolidated_16bit_state_dict() or {})
+        return hf_state(self.module.state_dict())

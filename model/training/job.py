@@ -1,0 +1,120 @@
+"""What one training stage needs, typed: the recipe (what it computes, part of the step's identity) and the job
+(the recipe plus where its data, tokenizer and work folder are and how it runs). A job is written as JSON for
+launchers: every rank of `python -m compass.model.training.trainer JOB.json` reads the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, PositiveInt
+
+from compass.specs.architecture import Architecture
+from compass.specs.how import PEAK_TFLOPS, AttentionBackend, Checkpoints, Hardware, LossKernel, Parallelism, Precision
+from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+
+
+class StageRecipe(BaseModel):
+    """One stage of a schedule that may span several stages: the model, the optimizer, the LR schedule over
+    `stages`, which of them to train, the seed, masking and monitors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: Architecture
+    optimizer: Optimizer
+    schedule: Schedule
+    stages: list[PretrainStage]
+    stage: str
+    seed: int
+    intra_document_masking: bool
+    monitors: Monitors
+
+    @property
+    def current(self) -> PretrainStage:
+        return next(s for s in self.stages if s.name == self.stage)
+
+    @property
+    def max_positions(self) -> int:
+        return max(s.sequence_length for s in self.stages)
+
+
+class SpecialIds(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    eos: int
+    pad: int
+
+
+class Staging(BaseModel):
+    """Node-local copies of the sources: each node's first rank copies `uris` from the store into `cache`
+    (verified against the manifests) before any rank reads; `sources` already name those copies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store_root: str
+    cache: Path
+    uris: dict[str, str]
+
+
+class Telemetry(BaseModel):
+    """Where and how a training job reports live (how.monitoring): labels, the run's monitoring folder (Prometheus
+    service-discovery targets, TensorBoard runs) and each rank's endpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str
+    step: str
+    folder: Path
+    prometheus: bool = True
+    listen: str = "127.0.0.1"
+    port: int | None = None
+    tensorboard: bool = True
+
+
+class TrainJob(BaseModel):
+    """A recipe bound to files and hardware. `init_from` continues a previous stage's full state, `init_weights`
+    starts from an exported Hugging Face model (a starting checkpoint: its weights, a fresh optimizer); `whole_from`
+    keeps documents longer than that length whole (long context); `tokens_before` continues the token count."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recipe: StageRecipe
+    workdir: Path
+    tokenizer_dir: Path
+    vocab_size: PositiveInt
+    special_ids: SpecialIds
+    sources: dict[str, Path]
+    staging: Staging | None = None
+    init_from: Path | None = None
+    init_weights: Path | None = None
+    whole_from: int | None = None
+    tokens_before: int = 0
+    micro_batch_size: PositiveInt
+    parallelism: Parallelism
+    precision: Precision
+    hardware: Hardware
+    checkpoints: Checkpoints
+    attention: AttentionBackend = "auto"
+    compile: bool = False
+    telemetry: Telemetry | None = None
+    loss: LossKernel = "auto"
+    prefetch: int = 2  # batches packed ahead on a background thread (0: pack in the training thread)
+
+    @property
+    def world_size(self) -> int:
+        par = self.parallelism
+        return par.data_parallel * par.tensor_parallel * par.pipeline_parallel
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """The spec's or the data sheet's peak for GPUs; None on CPU, where the trainer measures one."""
+        hw = self.hardware
+        if hw.peak_tflops:
+            return hw.peak_tflops
+        return None if hw.accelerator == "cpu" else PEAK_TFLOPS[hw.accelerator]
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> TrainJob:
+        return cls.model_validate_json(path.read_text())

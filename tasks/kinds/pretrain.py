@@ -1,0 +1,44 @@
+"""Pretraining stages: each continues the previous stage, trains its tokens on its mixture, exports Hugging Face
+checkpoints, and publishes metrics and the loss curve. One LR schedule spans all stages."""
+
+from __future__ import annotations
+
+from compass.model.training.job import StageRecipe
+from compass.tasks.common.training import build_job, train_and_export
+from compass.tasks.kinds.encode_tokens import data_inputs
+from compass.tasks.kinds.gate import gate_inputs
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+
+
+class PretrainConfig(StageRecipe, StepConfig):
+    """A stage and the schedule around it. `stages` lists the stages the schedule spans: with WSD, a stable
+    stage does not depend on the stages after it, so extending a run keeps the stages before cached."""
+
+
+def build(plan: PlanBuilder) -> None:
+    pt = plan.spec.what.pretraining
+    needs_total = pt.schedule.kind != "wsd" or all(s.schedule_segment == "auto" for s in pt.stages)
+    base = plan.of_kind("base_model")
+    previous: str | None = base[0].id if base else None  # continued pretraining of a starting checkpoint
+    for i, stage in enumerate(pt.stages):
+        spanned = pt.stages if needs_total or stage.schedule_segment == "decay" else pt.stages[: i + 1]
+        config = PretrainConfig(architecture=plan.spec.what.architecture, optimizer=pt.optimizer,
+                                schedule=pt.schedule, stages=spanned, stage=stage.name, seed=pt.seed,
+                                intra_document_masking=pt.intra_document_masking, monitors=pt.monitors)
+        inputs = data_inputs(plan, list(stage.mixture))
+        if previous:
+            inputs["previous"] = previous
+        else:  # the first stage waits for the gate's verdict (the starting checkpoint waits for it too)
+            inputs |= gate_inputs(plan)
+        previous = plan.add(KIND, stage.name, config, inputs)
+
+
+def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
+    return train_and_export(ctx, build_job(ctx, ctx.config), "pretrain")
+
+
+# 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
+KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", uses_accelerator=True, trains=True,
+                imports=TRANSFORMERS, produces_model=True, tags=("training",))
+STEP_KINDS = (KIND,)

@@ -1,0 +1,253 @@
+"""Tokenizer selection: train each BPE candidate on the curated training split, read local and hub candidates
+from disk, measure fertility and the proportion of continued words per language/domain on held-out text, and
+choose by the spec's rule."""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from compass.specs.base import Issue
+from compass.specs.spec import TrainingSpec
+from compass.specs.tokenizer import HubCandidate, Tokenizer
+from compass.tasks.data.tokenizer_files import HUB_FILES
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+
+STEP_ID = "tokenizer:select"
+_CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
+_HAS_ALNUM = re.compile(r"\w")
+
+
+class TokenizerConfig(Tokenizer, StepConfig):
+    """The spec's `what.tokenizer`, whole: candidates, training and held-out budgets, the selection rule."""
+
+
+@dataclass(frozen=True)
+class Doc:
+    text: str
+    group: str  # language code for natural language, "code" for code
+
+
+def build(plan: PlanBuilder) -> None:
+    if plan.spec.what.tokenizer is None:  # the starting checkpoint's (tasks/base_model.py)
+        return
+    curated = {f"curated:{s.name}": s.id for s in plan.of_kind("curate")}
+    plan.add(KIND, "select", TokenizerConfig(**dict(plan.spec.what.tokenizer)), curated)
+
+
+def tokenizer_step(plan: PlanBuilder) -> str:
+    """The step whose artifact holds the tokenizer in `chosen/`: the selection, or the starting checkpoint."""
+    base = plan.of_kind("base_model")
+    return base[0].id if base else STEP_ID
+
+
+class HubTokenizerMissing(FileNotFoundError):
+    pass
+
+
+def hub_snapshot(candidate: HubCandidate) -> Path:
+    """The candidate's folder in the local Hugging Face cache (HF_HUB_CACHE); nothing is downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from compass.infra.environment import hub_cache
+
+    try:
+        folder = Path(snapshot_download(candidate.repo, revision=candidate.revision, local_files_only=True,
+                                        allow_patterns=list(HUB_FILES), cache_dir=hub_cache()))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise HubTokenizerMissing(str(exc)) from None
+    if not (folder / "tokenizer.json").exists():
+        raise HubTokenizerMissing(f"{folder} has no tokenizer.json")
+    return folder
+
+
+def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+    """Local candidates must be folders with a tokenizer.json; hub candidates must be in the local cache."""
+    from compass.infra.environment import hub_cache
+
+    for i, c in enumerate(spec.what.tokenizer.candidates if spec.what.tokenizer else []):
+        at = ("what", "tokenizer", "candidates", i)
+        if c.kind == "local" and not (base_dir / c.path / "tokenizer.json").expanduser().exists():
+            yield Issue((*at, "path"), f"no tokenizer.json in '{c.path}' (relative to {base_dir})",
+                        "point to a folder saved with save_pretrained()")
+        if c.kind == "hub":
+            try:
+                hub_snapshot(c)
+            except HubTokenizerMissing:
+                yield Issue((*at, "repo"), f"the tokenizer '{c.repo}' (revision {c.revision}) is not in the local "
+                            f"Hugging Face cache ({hub_cache()}) and cannot be downloaded offline",
+                            f"on a machine with network run `hf download {c.repo} {' '.join(HUB_FILES)} --revision "
+                            f"{c.revision}` and copy its hub cache to {hub_cache()} (or set HF_HUB_CACHE)")
+
+
+def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
+    from tokenizers import Tokenizer as FastTokenizer
+
+    cfg = ctx.config
+    curated = ctx.inputs_with_prefix("curated:")
+    train_docs = list(_balanced(curated, "train", cfg.train_chars))
+    heldout = _heldout_by_group(curated, cfg.eval_chars)
+    if not heldout:
+        raise ValueError("no held-out documents: raise curation.heldout_fraction on some source")
+    ctx.log.info("tokenizer: training on %d documents (%d chars); held-out groups %s", len(train_docs),
+                 sum(len(d.text) for d in train_docs), sorted(heldout))
+
+    results = []
+    for cand in cfg.candidates:
+        folder = ctx.out / "candidates" / cand.key
+        if cand.kind == "bpe":
+            tok = _train_bpe(train_docs, cand.vocab_size, cand.min_frequency, cfg.special_tokens)
+            _save_hf(tok, folder, cfg.special_tokens)
+        else:
+            if cand.kind == "local":
+                shutil.copytree((ctx.runtime.base_dir / cand.path).expanduser(), folder)
+            else:
+                snapshot = hub_snapshot(cand)
+                folder.mkdir(parents=True)
+                for name in HUB_FILES:
+                    if (snapshot / name).exists():
+                        shutil.copy(snapshot / name, folder / name)
+            tok = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+        per_group = {g: _measure(tok, docs, g) for g, docs in sorted(heldout.items())}
+        mean_fertility = sum(m["fertility"] for m in per_group.values()) / len(per_group)
+        results.append({"candidate": cand.key, "vocab_size": tok.get_vocab_size(), "mean_fertility": mean_fertility,
+                        "groups": per_group})
+
+    chosen = _choose(results, cfg.selection.rule, cfg.selection.tolerance)
+    shutil.copytree(ctx.out / "candidates" / chosen["candidate"], ctx.out / "chosen")
+    (ctx.out / "comparison.json").write_text(json.dumps({"chosen": chosen["candidate"], "results": results},
+                                                        indent=2))
+    rows = []
+    for r in results:
+        row = {"candidate": r["candidate"], "vocab": r["vocab_size"], "mean fertility": round(r["mean_fertility"], 3)}
+        for g, m in r["groups"].items():
+            row[f"{g} fertility"] = round(m["fertility"], 3)
+            row[f"{g} continued %"] = round(100 * m["continued"], 1)
+        row["chosen"] = "yes" if r is chosen else ""
+        rows.append(row)
+    rule = cfg.selection.rule
+    summary = (f"### tokenizer selection\n\nchosen **{chosen['candidate']}** by `{rule}` "
+               f"(mean fertility {chosen['mean_fertility']:.3f} tokens/word over {', '.join(heldout)})")
+    metrics = {"chosen": chosen["candidate"], "vocab_size": chosen["vocab_size"],
+               "mean_fertility": chosen["mean_fertility"],
+               "candidates": {r["candidate"]: round(r["mean_fertility"], 4) for r in results}}
+    return StepResult(metrics=metrics, summary=summary, tables={"tokenizer-comparison": rows})
+
+
+def _choose(results: list[dict], rule: str, tolerance: float) -> dict:
+    best = min(results, key=lambda r: r["mean_fertility"])
+    if rule == "lowest_fertility":
+        return best
+    limit = best["mean_fertility"] * (1 + tolerance)
+    within = [r for r in results if r["mean_fertility"] <= limit]
+    return min(within, key=lambda r: (r["vocab_size"], r["mean_fertility"]))
+
+
+def _group_of(meta: dict) -> str:
+    return "code" if meta.get("domain") == "code" else (meta.get("language") or meta.get("domain") or "other")
+
+
+def _read(folder: Path) -> Iterator[Doc]:
+    for shard in sorted(folder.glob("*.jsonl.gz")):
+        with gzip.open(shard, "rt", encoding="utf-8") as f:
+            for line in f:
+                d = json.loads(line)
+                yield Doc(d["text"], _group_of(d.get("metadata", {})))
+
+
+def _balanced(curated: dict, split: str, budget: int) -> Iterator[Doc]:
+    """Round-robin over sources so no single source dominates the tokenizer's training text."""
+    streams = [_read(art.local() / split) for _, art in sorted(curated.items())]
+    used = 0
+    while streams and used < budget:
+        for stream in list(streams):
+            doc = next(stream, None)
+            if doc is None:
+                streams.remove(stream)
+                continue
+            used += len(doc.text)
+            yield doc
+
+
+def _heldout_by_group(curated: dict, budget: int) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    used: dict[str, int] = {}
+    for _, art in sorted(curated.items()):
+        for doc in _read(art.local() / "heldout"):
+            if used.get(doc.group, 0) < budget:
+                groups.setdefault(doc.group, []).append(doc.text)
+                used[doc.group] = used.get(doc.group, 0) + len(doc.text)
+    return groups
+
+
+def _train_bpe(docs: list[Doc], vocab_size: int, min_frequency: int, special: list[str]):
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = FastTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    return tok
+
+
+def _save_hf(tok, folder: Path, special: list[str]) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    eos = special[0]
+    pad = special[1] if len(special) > 1 else special[0]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=pad,
+                                 unk_token=None)
+    hf.save_pretrained(str(folder))
+
+
+def _word_spans(text: str, group: str) -> list[tuple[int, int]]:
+    """Word boundaries: datatrove's word tokenizer for the language, identifiers and symbols for code."""
+    if group == "code":
+        return [m.span() for m in _CODE_WORD.finditer(text) if _HAS_ALNUM.search(m.group())]
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    try:
+        words = load_word_tokenizer(group).word_tokenize(text)
+    except ValueError:  # no tokenizer for this language: whitespace words
+        words = text.split()
+    spans, cursor = [], 0
+    for w in words:
+        start = text.find(w, cursor)
+        if start < 0 or not _HAS_ALNUM.search(w):
+            continue
+        spans.append((start, start + len(w)))
+        cursor = start + len(w)
+    return spans
+
+
+def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
+    """Fertility = tokens per word; continued = share of words split over more than one token."""
+    n_tokens = n_words = n_continued = 0
+    for text in texts:
+        enc = tok.encode(text)
+        starts = [s for s, _ in enc.offsets]
+        ends = [e for _, e in enc.offsets]
+        n_tokens += len(enc.ids)
+        for ws, we in _word_spans(text, group):
+            first = bisect.bisect_right(ends, ws)   # first token ending after the word starts
+            last = bisect.bisect_left(starts, we)   # tokens starting before the word ends
+            n_words += 1
+            n_continued += (last - first) > 1
+    return {"fertility": n_tokens / max(1, n_words), "continued": n_continued / max(1, n_words),
+            "words": n_words, "tokens": n_tokens}
+
+
+KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="1", tags=("tokenizer",),
+                imports=TRANSFORMERS, check_machine=check_machine)
+STEP_KINDS = (KIND,)

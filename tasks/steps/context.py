@@ -1,0 +1,80 @@
+"""The contract between the runner and a step kind: what a step gets (StepContext) and gives back (StepResult)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from compass.infra.manifest import Manifest
+from compass.infra.store import Store
+from compass.specs.how import How
+from compass.tasks.steps.kind import StepConfig, inputs_with_prefix
+
+ConfigT = TypeVar("ConfigT", bound=StepConfig)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Settings that change how a step runs but never what it produces (not fingerprinted): the spec's `how`
+    (hardware, parallelism, checkpoints, orchestration) and the folder relative paths resolve against."""
+
+    how: How = field(default_factory=How)
+    base_dir: Path = field(default_factory=Path.cwd)
+    run: str = "compass"  # the spec's name: labels metrics, names the monitoring folder
+
+    def monitoring_dir(self, store: Store | None, workdir: Path) -> Path:
+        """Where a run's live telemetry goes: targets for Prometheus, TensorBoard runs (how.monitoring.folder)."""
+        folder = self.how.monitoring.folder
+        if folder:
+            return (self.base_dir / Path(folder).expanduser()).resolve()
+        return store.monitoring_dir(self.run) if store is not None else workdir / "monitoring"
+
+
+@dataclass
+class InputArtifact:
+    role: str
+    step_id: str
+    uri: str
+    manifest: Manifest
+    store: Store
+
+    def local(self) -> Path:
+        """The artifact's files on local disk (downloaded and verified first when the store is remote)."""
+        return self.store.local_path(self.uri)
+
+
+@dataclass
+class StepContext(Generic[ConfigT]):
+    """`out` becomes the artifact; `scratch` is working space deleted when the step ends; `workdir` survives
+    a crash of the step (checkpoints live there) and is removed once the artifact is committed."""
+
+    kind: str
+    name: str
+    config: ConfigT
+    inputs: dict[str, InputArtifact]
+    out: Path
+    scratch: Path
+    workdir: Path
+    runtime: Runtime
+    log: logging.Logger | logging.LoggerAdapter
+    store: Store | None = None
+    work_key: str = ""  # <kind>/<name>-<fingerprint[:12]>: names this step's recovery copies in the store
+
+    def inputs_with_prefix(self, prefix: str) -> dict[str, InputArtifact]:
+        return inputs_with_prefix(self.inputs, prefix)
+
+    def local_inputs(self, prefix: str) -> dict[str, Path]:
+        """Local folders of the inputs whose role starts with `prefix`, keyed by the rest of the role."""
+        return {name: art.local() for name, art in self.inputs_with_prefix(prefix).items()}
+
+
+@dataclass
+class StepResult:
+    """What a step reports: metrics go into the manifest; summary and tables become Prefect artifacts."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    summary: str = ""
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    provenance: list[dict[str, Any]] = field(default_factory=list)

@@ -1,0 +1,155 @@
+"""Steps and step kinds: what the compiler builds and the runner executes.
+
+A step kind is one record (StepKind): its config model, the function that executes it, the function that adds
+its steps to a plan, its code version, and how it is scheduled (accelerator, fans out by itself, deployment).
+Adding a kind means writing one module that defines such a record and listing it once in the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from compass.specs.base import Issue, Loc
+from compass.specs.spec import TrainingSpec
+
+if TYPE_CHECKING:
+    from compass.tasks.steps.context import StepContext, StepResult
+
+GPU_TAG = "gpu"  # steps that use the accelerator: one device per step, and Prefect's concurrency limit
+
+
+class StepConfig(BaseModel):
+    """The slice of the spec one step reads. Its canonical JSON (with the inputs' fingerprints and the kind's
+    code version) is the step's identity, so it holds what changes the output and nothing else."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    omit_when_none: ClassVar[frozenset[str]] = frozenset()  # optional parts left out of the identity when unset
+
+    def identity(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        for key in self.omit_when_none:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class EmptyConfig(StepConfig):
+    """A step whose output depends on its inputs only."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of work: (kind, name, config, inputs). `inputs` maps a role to the id of another step."""
+
+    kind: str
+    name: str
+    config: StepConfig
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+MachineCheck = Callable[[TrainingSpec, Path], Iterable[Issue]]
+
+
+TRANSFORMERS = tuple(f"transformers:{name}" for name in (
+    "PreTrainedTokenizerFast", "AutoTokenizer", "AutoModelForCausalLM", "AutoConfig", "PreTrainedModel",
+    "PretrainedConfig", "AttentionInterface", "SmolLM3Config", "Qwen3Config", "Qwen3MoeConfig"))
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """Everything compass knows about one kind of step, in one place."""
+
+    name: str
+    config: type[StepConfig]
+    run: Callable[[StepContext], StepResult]
+    build: Callable[[PlanBuilder], None] | None  # adds this kind's steps; None: other kinds add them on demand
+    version: str  # bump when the code changes what the kind produces: its steps then run again
+    uses_accelerator: bool = False  # one device per step; serialised by max_parallel_gpu_steps and the gpu tag
+    # with how.orchestration.cluster, the runner sends the whole step to a one-node job (kinds whose training or
+    # evaluation is not compass's trainer, which submits its own multi-node jobs)
+    whole_step_on_cluster: bool = False
+    stops_run: Callable[[dict[str, Any]], str | None] | None = None  # from the step's metrics: why to stop the run
+    trains: bool = False  # runs compass's trainer: followed live (progress, loss plot, checkpoint events)
+    produces_model: bool = False  # its artifact holds a Hugging Face model: evaluated, named by criteria
+    spreads_itself: bool = False  # fans its own work out (datatrove on Ray): its driver takes no CPU slot
+    deployment: str | None = None  # "ablations": part of the ablation-only deployment
+    tags: tuple[str, ...] = ()  # shown in the UI
+    check_machine: MachineCheck | None = None  # checks of this machine (paths, libraries, caches) before any work
+    imports: tuple[str, ...] = ()  # "module:name" resolved in the main thread before steps run in threads
+
+    def import_names(self) -> None:
+        """Resolve `imports` now. transformers 5 resolves its top-level names lazily and not thread-safely: two
+        steps asking for one at once in their threads can get "cannot import name" (seen on the tokenize steps)."""
+        for entry in self.imports:
+            module, _, name = entry.partition(":")
+            loaded = importlib.import_module(module)
+            if name:
+                getattr(loaded, name)
+
+    def step_tags(self) -> tuple[str, ...]:
+        return (*self.tags, GPU_TAG) if self.uses_accelerator else self.tags
+
+
+class PlanBuilder:
+    """The steps added so far, in the order the kinds' builders add them (the registry's order), plus the
+    problems found on the way (a checkpoint name that no step produces): the compiler reports them all."""
+
+    def __init__(self, spec: TrainingSpec):
+        self.spec = spec
+        self.steps: list[Step] = []
+        self.kinds: dict[str, StepKind] = {}
+        self.issues: list[Issue] = []
+
+    def add(self, kind: StepKind, name: str, config: StepConfig, inputs: Mapping[str, str] | None = None) -> str:
+        if not isinstance(config, kind.config):
+            raise TypeError(f"{kind.name}:{name}: config is a {type(config).__name__}, not {kind.config.__name__}")
+        step = Step(kind.name, name, config, dict(inputs or {}), kind.step_tags())
+        if self.has(step.id):
+            raise ValueError(f"step {step.id} is added twice")
+        self.steps.append(step)
+        self.kinds[kind.name] = kind
+        return step.id
+
+    def has(self, step_id: str) -> bool:
+        return any(s.id == step_id for s in self.steps)
+
+    def of_kind(self, kind: str) -> list[Step]:
+        return [s for s in self.steps if s.kind == kind]
+
+    @property
+    def model_steps(self) -> list[str]:
+        """Ids of the steps so far whose artifact is a model, in training order."""
+        return [s.id for s in self.steps if self.kinds[s.kind].produces_model]
+
+    def checkpoint(self, ref: str, loc: Loc) -> str | None:
+        """The model step a spec names ('final' is the newest one so far); an unknown name is recorded as an
+        issue at `loc` and gives None."""
+        models = self.model_steps
+        if ref == "final" and models:
+            return models[-1]
+        if ref in models:
+            return ref
+        valid = ", ".join(["final", *models]) if models else "none: no step before this one trains a model"
+        self.issues.append(Issue(loc, f"unknown checkpoint '{ref}'", f"one of: {valid}"))
+        return None
+
+
+def inputs_with_prefix(inputs: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The inputs whose role starts with `prefix` (e.g. 'tokens:'), keyed by the rest of the role."""
+    return {role[len(prefix):]: value for role, value in inputs.items() if role.startswith(prefix)}
+
+
+def issues_of(checks: Iterable[Iterator[Issue]]) -> list[Issue]:
+    return [issue for check in checks for issue in check]
