@@ -22,7 +22,7 @@ from compass.flows.compiler import Plan
 from compass.flows.confinement import allowed_roots, outside_roots
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
-from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, run_step
+from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step
 from compass.flows.validation import check, smoke_of
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError
@@ -116,20 +116,19 @@ def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(state.data, (DataError, SpecError))
 
 
-def _placement(runtime: Runtime, step: Step):
-    """Ray resources a step's task asks for (a no-op with the local task runner). A kind that spreads its own
-    work over Ray (datatrove's RayPipelineExecutor) has a driver that takes no CPU slot, or with every slot held
-    by such drivers their inner tasks would never be scheduled."""
-    if runtime.how.orchestration.task_runner != "ray":
+def _ray_options(ctx: RunContext, step: Step):
+    """Ray resources a step's task asks for, from its placement (a no-op with the local task runner). A data step
+    that spreads its work over Ray (datatrove's RayPipelineExecutor) has a driver that takes no CPU slot, or with
+    every slot held by such drivers their inner tasks would never be scheduled."""
+    if ctx.runtime.how.orchestration.task_runner != "ray":
         return nullcontext()
     from prefect_ray.context import remote_options
 
-    kind = registry.kind(step.kind)
-    if kind.spreads_itself:
+    placement = placement_of(ctx, step)
+    if placement.mode == "ray_tasks":
         return remote_options(num_cpus=0)
-    hardware = runtime.how.hardware
-    if kind.uses_accelerator and hardware.accelerator != "cpu":
-        return remote_options(num_gpus=hardware.devices_per_node)
+    if placement.uses_devices and ctx.runtime.how.hardware.accelerator != "cpu":
+        return remote_options(num_gpus=placement.shape.devices_per_node)
     return nullcontext()
 
 
@@ -146,7 +145,8 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str,
 
 
 def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
-    for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in plan.steps}.values():
+    here = [s for s in plan.steps if placement_of(ctx, s).mode != "slurm_job"]  # jobs import in their own process
+    for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in here}.values():
         kind.import_names()  # before any step's thread asks for them (see StepKind.imports)
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
@@ -156,15 +156,16 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
     while pending or running:
         ready = [s for s in pending if set(s.inputs.values()) <= set(finished)] if failure is None else []
         gpu_running = sum(GPU_TAG in plan.step(sid).tags for sid in running)
+        local_devices = orch.task_runner != "ray" and orch.cluster is None  # Ray and Slurm place them themselves
         for step in ready:
             if len(running) >= orch.max_parallel_steps:
                 break
-            if GPU_TAG in step.tags and orch.task_runner != "ray":  # Ray places them by their resources
+            if GPU_TAG in step.tags and local_devices:
                 if gpu_running >= orch.max_parallel_gpu_steps:
                     continue
                 gpu_running += 1
             options = _with_options(step, orch, plan.spec_name)
-            with _placement(ctx.runtime, step):
+            with _ray_options(ctx, step):
                 running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
             pending.remove(step)
         if not running:
@@ -207,7 +208,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
             smoke=smoke, no_recompute=no_recompute)
     full = checked.plan
     plan = full.up_to(until) if until else full
-    store = Store(store_root or resolve_root(spec.how.storage.root))
+    cluster = spec.how.orchestration.cluster
+    store = Store(store_root or resolve_root(spec.how.storage.root), cluster.shared_root if cluster else None)
     if deployment.id:  # submitted to a shared worker: read local files only under its allowed roots
         outside = list(outside_roots(spec, base, allowed_roots(base, store.root)))
         if outside:

@@ -15,13 +15,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from compass.model.training import checkpoints as ckpt
+from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
+from compass.model.training.records import MetricsRow
 from compass.tasks.common.plots import token_axis
 from compass.tasks.common.training import loss_png
 from compass.tasks.steps.kind import Step
 
 CHECKPOINT_EVENT = "compass.checkpoint.committed"
-WEIGHTS = "hf/model.safetensors"
 
 
 class LiveTraining:
@@ -34,7 +34,7 @@ class LiveTraining:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.progress_id: Any = None
-        self.seen: set[Path] = set()
+        self.seen: set[CheckpointFolder] = set()
         self.emitted: set[str] = set()  # weights announced by this step
         self.rows_shown = 0
 
@@ -75,26 +75,25 @@ class LiveTraining:
                     self.seen.add(folder)
                     self._emit(folder)
 
-    def _metrics(self) -> list[dict[str, Any]]:
-        files = [self.workdir / "metrics.jsonl", *self.workdir.glob("*/metrics.jsonl")]
-        existing = [f for f in files if f.exists()]
-        if not existing:
+    def _metrics(self) -> list[MetricsRow]:
+        path = WorkFolder(self.workdir).metrics
+        if not path.exists():
             return []
-        newest = max(existing, key=lambda f: f.stat().st_mtime)
         rows = []
-        for line in newest.read_text().splitlines():
+        for line in path.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # the line being written
+                rows.append(MetricsRow.model_validate_json(line))
+            except ValueError:  # the line being written
                 break
         return rows
 
-    def _publish(self, rows: list[dict[str, Any]]) -> None:
+    def _publish(self, rows: list[MetricsRow]) -> None:
         from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
         last = rows[-1]
-        total = last.get("stage_steps") or last["stage_step"]
-        percent = round(100.0 * last["stage_step"] / max(1, total), 1)
+        step = last.stage_step or 0
+        total = last.stage_steps or step
+        percent = round(100.0 * step / max(1, total), 1)
         if self.progress_id is None:
             self.progress_id = create_progress_artifact(progress=percent, key=f"{self.key}-progress",
                                                         description=f"{self.step.id}: training progress")
@@ -103,14 +102,13 @@ class LiveTraining:
         png = base64.b64encode(loss_png(rows, f"{self.step.id} (live)", dpi=80)).decode()
         create_markdown_artifact(
             key=f"{self.key}-live",
-            markdown=(f"### {self.step.id}: training, live\n\nstage `{last['stage']}` step {last['stage_step']} of "
-                      f"{total} ({percent}%), loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tokens/s, "
-                      f"{token_axis(last['tokens'])} tokens seen\n\n![loss](data:image/png;base64,{png})\n"),
+            markdown=(f"### {self.step.id}: training, live\n\nstage `{last.stage}` step {step} of "
+                      f"{total} ({percent}%), loss {last.loss:.4f}, {last.tokens_per_s or 0:,.0f} tokens/s, "
+                      f"{token_axis(last.tokens)} tokens seen\n\n![loss](data:image/png;base64,{png})\n"),
             description=f"{self.step.id}: live training progress")
 
-    def _complete_checkpoints(self) -> list[Path]:
-        roots = [self.workdir / "checkpoints", *self.workdir.glob("*/checkpoints")]
-        return [folder for root in roots if root.is_dir() for folder in ckpt.complete_checkpoints(root)]
+    def _complete_checkpoints(self) -> list[CheckpointFolder]:
+        return WorkFolder(self.workdir).complete_checkpoints()
 
     def after_commit(self, uri: str, manifest: Any) -> None:
         """Checkpoints the step committed that no event announced yet (the step removes its work folder as soon
@@ -118,19 +116,16 @@ class LiveTraining:
         if not self.events:
             return
         for entry in manifest.files:
-            parts = entry.path.split("/")
-            if len(parts) == 3 and parts[0] == "checkpoints" and parts[2] == "model.safetensors" \
-                    and entry.sha256 not in self.emitted:
-                self._announce(f"{uri}/checkpoints/{parts[1]}", parts[1], entry.sha256, None)
+            name = ModelArtifact.kept_weights(entry.path)
+            if name is not None and entry.sha256 not in self.emitted:
+                self._announce(f"{uri}/{entry.path.rsplit('/', 1)[0]}", name, entry.sha256, None)
 
-    def _emit(self, folder: Path) -> None:
-        sums = json.loads((folder / ckpt.CHECKSUMS).read_text())
-        sha = sums.get(WEIGHTS)
+    def _emit(self, folder: CheckpointFolder) -> None:
+        sha = json.loads(folder.checksums.read_text()).get(folder.weights)
         if sha is None:
             return
-        stage_step = int(folder.name.split("-")[1])
-        tokens = next((r["tokens"] for r in self._metrics() if r.get("stage_step") == stage_step), None)
-        self._announce(str(folder / "hf"), folder.name, sha, tokens)
+        tokens = next((r.tokens for r in self._metrics() if r.stage_step == folder.step), None)
+        self._announce(str(folder.hf), folder.root.name, sha, tokens)
 
     def _announce(self, path: str, name: str, sha: str, tokens: int | None) -> None:
         from prefect.events import emit_event

@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
 from compass.infra.fingerprint import canonical_json, sha256_file
+from compass.infra.layout import WEIGHTS, ModelArtifact
 from compass.infra.locks import step_lock
 from compass.infra.manifest import Manifest
 from compass.infra.store import Store
@@ -49,7 +50,7 @@ def discover(store: Store) -> list[dict[str, Any]]:
             with store.fs.open(path, "r") as f:
                 manifest = Manifest.model_validate_json(f.read())
             for entry in manifest.files:
-                if entry.path.endswith("model.safetensors") and not entry.path.startswith("state/"):
+                if ModelArtifact.holds_weights(entry.path):
                     folder = entry.path.rsplit("/", 1)[0]
                     found.append({"artifact": manifest.uri, "folder": folder, "step": manifest.step_id,
                                   "weights_sha256": entry.sha256,
@@ -105,7 +106,7 @@ def _local_copy(store: Store, checkpoint: dict[str, Any], scratch: Path) -> Path
         local = scratch / "model"
         try:
             shutil.copytree(checkpoint["copy"], local)
-            if sha256_file(str(local / "model.safetensors")) == checkpoint["weights_sha256"]:
+            if sha256_file(str(local / WEIGHTS)) == checkpoint["weights_sha256"]:
                 return local
         except (OSError, shutil.Error):
             pass
@@ -150,7 +151,7 @@ def locate(store: Store, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     """Where to read a checkpoint an event named: its work folder while the training step runs, else the committed
     artifact holding the same weights (the step removes its work folder once it commits); None once pruned."""
     path = Path(checkpoint.get("path") or "")
-    if path.is_dir() and (path / "model.safetensors").exists():
+    if path.is_dir() and (path / WEIGHTS).exists():
         return {**checkpoint, "copy": str(path)}
     return next((c | {"tokens": c.get("tokens") or checkpoint.get("tokens")} for c in discover(store)
                  if c["weights_sha256"] == checkpoint["weights_sha256"]), None)

@@ -38,7 +38,7 @@ def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
     cluster's run from a laptop."""
     issues = list(_step_kind_names(loaded.spec))
     if machine:
-        issues += _machine(loaded.spec)
+        issues += _machine(loaded.spec, loaded.base_dir)
     for kind in registry.kinds():
         if kind.check_machine is not None:
             issues += kind.check_machine(loaded.spec, loaded.base_dir)
@@ -76,6 +76,9 @@ def smoke_of(loaded: LoadedSpec) -> LoadedSpec:
     return smoked
 
 
+SMOKE_HINT = "or exercise the spec on this CPU first: compass run SPEC --smoke"
+
+
 def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
     """The Slurm controller answers, and knows the partition the spec names."""
     import subprocess
@@ -86,7 +89,7 @@ def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         done = subprocess.CompletedProcess(command, 1, "", str(exc))
     if done.returncode:
-        yield Issue(("how", "orchestration", "cluster"), "the spec runs training as Slurm jobs and this machine's "
+        yield Issue(("how", "orchestration", "cluster"), "the spec runs its steps as Slurm jobs and this machine's "
                     f"Slurm controller does not answer ({_first_line(done.stderr or done.stdout)})",
                     f"run compass on a Slurm login node (or set SLURM_CONF), {smoke_hint}")
     elif partition and not done.stdout.strip():
@@ -94,45 +97,100 @@ def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
                     "name one that `sinfo` lists")
 
 
+def _shared_paths(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+    """A probe job on a compute node proves the shared root is shared, and that the nodes see the local store and
+    the local data the steps read (compass.infra.shared_probe); nothing else is submitted until it does."""
+    import sys
+
+    from compass.flows.confinement import local_paths
+    from compass.infra.shared_probe import probe
+
+    cluster = spec.how.orchestration.cluster
+    assert cluster is not None and cluster.shared_root is not None
+    wanted: dict[str, tuple[tuple[str | int, ...], str]] = {}
+    root = spec.how.storage.root
+    if "://" not in root:  # the nearest folder that exists: the store itself may be created by the first run
+        folder = (Path.cwd() / root).expanduser().resolve()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        wanted[str(folder)] = (("how", "storage", "root"), f"the store {root} ({folder})")
+    for loc, uri, path in local_paths(spec, base_dir):
+        if path.exists():
+            wanted[str(path)] = (loc, f"{uri} ({path})")
+    how = spec.how
+    modules = {"flash_attn": ("how", "attention")} if how.attention == "flash" else {}
+    modules |= {"liger_kernel": ("how", "loss")} if how.loss == "liger" else {}
+    result = probe(cluster, list(wanted), list(modules))
+    at = ("how", "orchestration", "cluster", "shared_root")
+    hint = "set shared_root to a folder every compute node mounts at the same path (Lustre, GPFS, NFS, FSx)"
+    if result.problem and "did not run" in result.problem and "No such file" in result.problem:
+        yield Issue(("how", "orchestration", "cluster"), f"{result.problem}: the compute nodes do not see this "
+                    f"Python ({sys.executable})", "install compass in a virtual environment under the shared root "
+                    "(or an image every node has) and run compass from it")
+    elif result.problem:
+        yield Issue(at, result.problem, hint)
+    for module in result.missing_modules:
+        yield Issue(modules[module], f"{module} is not installed on compute node {result.node} (the spec's "
+                    f"{modules[module][-1]} needs it)", "pip install 'compass-lifecycle[gpu]' in the nodes' "
+                    "environment, or choose auto")
+    for path in result.unseen:
+        loc, what = wanted[path]
+        yield Issue(loc, f"{what} is not visible on compute node {result.node}: the steps' jobs could not read it",
+                    f"move it under how.orchestration.cluster.shared_root ({cluster.shared_root}) or onto S3")
+
+
+def _kernels_here(spec: TrainingSpec) -> Iterator[Issue]:
+    """Without a cluster the steps compute on this machine: CUDA for GPUs and the GPU extras the spec names."""
+    from compass.model.attention import flash_kernel
+    from compass.model.loss import liger_available
+
+    how = spec.how
+    accelerator = how.hardware.accelerator
+    if accelerator != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            yield Issue(("how", "hardware", "accelerator"), f"the spec trains on {accelerator} GPUs and this machine "
+                        "has no CUDA device", f"run it where the GPUs are, {SMOKE_HINT}")
+    if how.attention == "flash" and flash_kernel() is None:
+        yield Issue(("how", "attention"), "flash attention needs the flash-attn package, not installed here",
+                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or attention: auto")
+    if how.loss == "liger" and not liger_available():
+        yield Issue(("how", "loss"), "the liger loss needs CUDA and the liger-kernel package",
+                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or loss: auto")
+
+
 def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "no output")[:160]
 
 
-def _machine(spec: TrainingSpec) -> Iterator[Issue]:
+def _machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     """What the spec's `how` needs from the machine it runs on: CUDA for GPUs, the GPU extras for the kernels it
-    names, memory per device for every training stage, credentials for S3."""
-    from compass.model.attention import flash_kernel
-    from compass.model.loss import liger_available
+    names, memory per device for every training stage, credentials for S3. With a cluster, the compute nodes'
+    (by a probe job), and nothing here imports torch: this machine only plans, submits and follows."""
     from compass.specs import costs
 
     how = spec.how
     accelerator = how.hardware.accelerator
-    smoke_hint = "or exercise the spec on this CPU first: compass run SPEC --smoke"
+    smoke_hint = SMOKE_HINT
     if how.orchestration.cluster is not None:  # training runs on the cluster's nodes, not on this machine
         import shutil
 
         missing = [c for c in ("sbatch", "scontrol", "scancel") if shutil.which(c) is None]
         if missing:
-            yield Issue(("how", "orchestration", "cluster"), f"the spec runs training as Slurm jobs and "
+            yield Issue(("how", "orchestration", "cluster"), f"the spec runs its steps as Slurm jobs and "
                         f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on this machine's PATH",
                         f"run compass on a Slurm login node, {smoke_hint}")
         else:
-            yield from _slurm_partition(how.orchestration.cluster.partition, smoke_hint)
-    elif accelerator != "cpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            yield Issue(("how", "hardware", "accelerator"), f"the spec trains on {accelerator} GPUs and this machine "
-                        "has no CUDA device", f"run it where the GPUs are, {smoke_hint}")
-    if how.attention == "flash" and flash_kernel() is None:
-        yield Issue(("how", "attention"), "flash attention needs the flash-attn package, not installed here",
-                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or attention: auto")
+            reachable = list(_slurm_partition(how.orchestration.cluster.partition, smoke_hint))
+            yield from reachable
+            if not reachable and how.orchestration.cluster.shared_root:
+                yield from _shared_paths(spec, base_dir)
+    else:
+        yield from _kernels_here(spec)
     if how.attention == "flex" and accelerator == "cpu":
         yield Issue(("how", "attention"), "FlexAttention has no backward pass on CPU: it cannot train here",
                     "use attention: sdpa (or auto) on CPU")
-    if how.loss == "liger" and not liger_available():
-        yield Issue(("how", "loss"), "the liger loss needs CUDA and the liger-kernel package",
-                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or loss: auto")
     device = costs.device_memory_bytes(how)
     for loc, length, estimate in costs.training_memory(spec):
         if estimate.total > device:

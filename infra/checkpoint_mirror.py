@@ -13,10 +13,10 @@ import shutil
 import threading
 from pathlib import Path
 
+from compass.infra.layout import CHECKPOINT_PREFIX, CHECKSUMS, WorkFolder, checkpoint_step
 from compass.infra.store import Store
 
 log = logging.getLogger("compass.mirror")
-CHECKSUMS = "checksums.json"
 
 
 class CheckpointMirror:
@@ -24,6 +24,7 @@ class CheckpointMirror:
         self.store = store
         self.fs = store.fs
         self.remote = f"{store.root_path}/.work/{work_key}"
+        self.remote_folder = f"{self.remote}/{local.name}"  # the work folder's layout, mirrored
         self.local = local
         self.interval_s = interval_s
         self.uploaded: set[str] = set()
@@ -35,13 +36,13 @@ class CheckpointMirror:
         """Names of complete remote checkpoints, oldest first."""
         self.fs.invalidate_cache(self.remote)
         names = []
-        for path in self.fs.glob(f"{self.remote}/checkpoints/step-*/{CHECKSUMS}"):
+        for path in self.fs.glob(f"{self.remote_folder}/{CHECKPOINT_PREFIX}*/{CHECKSUMS}"):
             names.append(path.rsplit("/", 2)[-2])
         return sorted(names)
 
     def restore(self) -> str | None:
         """Download the newest remote checkpoint when none is local; returns its name."""
-        if any(self.local.glob(f"step-*/{CHECKSUMS}")):
+        if any(self.local.glob(f"{CHECKPOINT_PREFIX}*/{CHECKSUMS}")):
             return None
         remote = self.remote_checkpoints()
         if not remote:
@@ -50,7 +51,7 @@ class CheckpointMirror:
         tmp = self.local / f"{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        prefix = f"{self.remote}/checkpoints/{name}"
+        prefix = f"{self.remote_folder}/{name}"
         files = [p for p in self.fs.find(prefix) if not p.endswith("/" + CHECKSUMS)]
         for path in files:
             target = tmp / path[len(prefix) + 1:]
@@ -59,20 +60,21 @@ class CheckpointMirror:
         self.fs.get_file(f"{prefix}/{CHECKSUMS}", str(tmp / CHECKSUMS))
         tmp.rename(self.local / name)
         self.uploaded.add(name)
-        metrics = f"{self.remote}/metrics.jsonl"
+        metrics = f"{self.remote}/{WorkFolder(self.local.parent).metrics.name}"
         if self.fs.exists(metrics):  # the trainer trims it back to the checkpoint's step
-            self.fs.get_file(metrics, str(self.local.parent / "metrics.jsonl"))
+            self.fs.get_file(metrics, str(WorkFolder(self.local.parent).metrics))
         log.info("restored checkpoint %s from %s", name, prefix)
         return name
 
     # --- mirroring --------------------------------------------------------------------------------------
     def sync_once(self) -> None:
-        local = sorted(p.name for p in self.local.glob("step-*") if (p / CHECKSUMS).exists() and p.name[5:].isdigit())
+        local = sorted(p.name for p in self.local.glob(f"{CHECKPOINT_PREFIX}*")
+                       if (p / CHECKSUMS).exists() and checkpoint_step(p.name) is not None)
         for name in local:
             if name in self.uploaded:
                 continue
             folder = self.local / name
-            prefix = f"{self.remote}/checkpoints/{name}"
+            prefix = f"{self.remote_folder}/{name}"
             try:
                 for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS):
                     self.fs.put_file(str(path), f"{prefix}/{path.relative_to(folder).as_posix()}")
@@ -80,11 +82,11 @@ class CheckpointMirror:
                 self.uploaded.add(name)
             except FileNotFoundError:  # pruned locally while uploading: drop the partial copy below
                 continue
-        metrics = self.local.parent / "metrics.jsonl"
+        metrics = WorkFolder(self.local.parent).metrics
         if metrics.exists():
-            self.fs.put_file(str(metrics), f"{self.remote}/metrics.jsonl")
+            self.fs.put_file(str(metrics), f"{self.remote}/{metrics.name}")
         for name in set(self.remote_checkpoints()) - set(local):
-            self.fs.rm(f"{self.remote}/checkpoints/{name}", recursive=True)
+            self.fs.rm(f"{self.remote_folder}/{name}", recursive=True)
             self.uploaded.discard(name)
 
     def start(self) -> CheckpointMirror:

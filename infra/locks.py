@@ -34,10 +34,16 @@ class StepLock:
         self.stale_after_s = stale_after_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.facts: dict[str, str] = {}  # what the holder says it is doing (the Slurm job computing the step)
 
     def _body(self) -> str:
         return json.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                           "started": _process_start(os.getpid()), "heartbeat": time.time()})
+                           "started": _process_start(os.getpid()), "heartbeat": time.time(), **self.facts})
+
+    def annotate(self, **facts: str) -> None:
+        """Record facts with the lock (a waiting run shows them); written at once and kept with each heartbeat."""
+        self.facts.update(facts)
+        self._write_whole(self._body())
 
     def _read(self) -> dict | None:
         try:
@@ -161,12 +167,12 @@ def _dead_here(holder: dict) -> bool:
 def step_lock(store: Store, key: str, timeout_s: float = 24 * 3600,
               should_stop: Callable[[], bool] = lambda: False,
               on_wait: Callable[[dict], None] = lambda holder: None,
-              on_take_over: Callable[[dict | None], None] = lambda holder: None) -> Iterator[bool]:
-    """Yields True when this process holds the lock, False when `should_stop` made waiting pointless."""
+              on_take_over: Callable[[dict | None], None] = lambda holder: None) -> Iterator[StepLock | None]:
+    """Yields the held lock, or None when `should_stop` made waiting pointless."""
     lock = StepLock(store, key, on_wait=on_wait, on_take_over=on_take_over)
     held = lock.acquire(timeout_s, should_stop)
     try:
-        yield held
+        yield lock if held else None
     finally:
         if held:
             lock.release()

@@ -30,6 +30,17 @@ class FileEntry(BaseModel):
     sha256: str
 
 
+class Execution(BaseModel):
+    """Where the step ran: its placement's mode (in_process, local_ranks, ray_tasks, in_slurm_job), its shape, and
+    inside a Slurm job the job's id and nodes."""
+
+    mode: str
+    nodes: int = 1
+    devices_per_node: int = 0
+    slurm_job: str | None = None
+    node_list: str | None = None
+
+
 class Manifest(BaseModel):
     """What a step produced and everything needed to trace and reproduce it."""
 
@@ -53,6 +64,7 @@ class Manifest(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict)
     provenance: list[dict[str, Any]] = Field(default_factory=list, description="Raw sources: package, sha256...")
     files: list[FileEntry] = Field(default_factory=list)
+    execution: Execution | None = None
 
     @property
     def step_id(self) -> str:

@@ -1,36 +1,42 @@
-"""Training jobs on Slurm: a generated sbatch script, submitted, followed and cancelled from the step.
+"""Steps as Slurm jobs: a generated sbatch script per step, submitted, followed, cancelled, and found again.
 
-A generated script rather than submitit: submitit pickles a Python function per job, while a compass trainer is
-already a command (`python -m compass.model.training.trainer JOB.json`) that torchrun starts per node; a script
-of twenty lines that a person can read in the step's folder, and run again by hand with sbatch, is the smaller thing.
+A generated script rather than submitit: submitit pickles a Python function per job, while a compass step is
+already a command (`python -m compass.tasks.steps.step_job STEP.json`); a script of twenty lines that a person
+can read in the step's work folder, and run again by hand with sbatch, is the smaller thing.
 
-The script starts one srun task per node, which runs the node's ranks (the trainer itself for one rank, torchrun
-for several). With requeue, Slurm sends USR1 to the batch shell `signal_before_s` before the time limit; the
-shell touches a stop file, the trainer sees it at its next step (all ranks agree), writes a checkpoint and
-exits, and the shell requeues the job. A requeued job (by that, by `scontrol requeue`, or after a node failure)
-runs the same script again and the trainer resumes from its newest checkpoint; the step follows the same job id
-throughout, streaming the job's log into its own, and takes the result only from a job that COMPLETED.
+The batch step runs the whole step on the job's first node; a training step starts its ranks over the job's
+nodes with srun (ranks_command). With requeue, Slurm sends USR1 to the batch shell `signal_before_s` before the
+time limit; the shell touches a stop file, the trainer sees it at its next step (all ranks agree), writes a
+checkpoint and exits, and the shell requeues the job. A requeued job (by that, by `scontrol requeue`, or after a
+node failure) runs the same script again and the trainer resumes from its newest checkpoint.
+
+The job's id is recorded in the step's work folder (on the cluster's shared root) as soon as it is submitted. An
+orchestrator that died is replaced by one that finds the record: a live job is followed, never submitted twice;
+one that finished while nobody watched has committed its step already; one that failed is submitted again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import os
 import shlex
+import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from compass.infra import interrupt
-from compass.infra.launcher import TRAINER_MODULE
-from compass.specs.how import SlurmCluster
+from pydantic import BaseModel, ConfigDict
 
-STOP_FILE = "stop-requested"  # the batch shell asks the trainer to checkpoint and stop (model/callbacks.py)
-JOB_FILE = "slurm-job.json"  # the job id of this step's work folder: a retried step follows or replaces it
+from compass.infra import interrupt
+from compass.infra.layout import WorkFolder
+from compass.specs.how import Shape, SlurmCluster
+
 SUCCESS = "COMPLETED"
-FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
+          "SPECIAL_EXIT", "REVOKED"}
 SETTLE_S = 15.0  # a failed state that lasts this long is final (a requeued job passes through NODE_FAIL)
 
 
@@ -39,19 +45,30 @@ class SlurmJobFailed(RuntimeError):
 
 
 @dataclass(frozen=True)
-class JobShape:
-    """What the batch script needs of a training job: where it lives and how many ranks on how many nodes."""
+class JobRequest:
+    """What one step's job asks Slurm for, and the command its batch step runs on the first node."""
 
     workdir: Path
-    job_path: Path
+    command: tuple[str, ...]
+    label: str
     nodes: int
-    ranks_per_node: int
+    tasks_per_node: int  # the ranks of a node when each rank is its own task (launch: srun), else 1
+    cpus_per_task: int | None
     gpus_per_node: int | None  # None on CPU
-    module: str = TRAINER_MODULE  # what each rank runs: `python -m MODULE JOB.json`
+    memory_gb: float | None
+    time_limit: str | None
+    exclusive: bool  # the job takes whole nodes (every device, no CPU count given)
 
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
+
+def request_for(shape: Shape, cluster: SlurmCluster, accelerator: str, workdir: Path, command: tuple[str, ...],
+                label: str) -> JobRequest:
+    """The job of a step of `shape` on this cluster."""
+    tasks = shape.devices_per_node if cluster.launch == "srun" and shape.devices_per_node else 1
+    return JobRequest(workdir=workdir, command=command, label=label, nodes=shape.nodes, tasks_per_node=tasks,
+                      cpus_per_task=max(1, shape.cpus_per_node // tasks) if shape.cpus_per_node else None,
+                      gpus_per_node=shape.devices_per_node if accelerator != "cpu" and shape.devices_per_node else None,
+                      memory_gb=shape.memory_gb, time_limit=shape.time_limit,
+                      exclusive=shape.whole_nodes and shape.cpus_per_node is None)
 
 
 @dataclass(frozen=True)
@@ -67,17 +84,38 @@ class JobState:
         return cls(fields.get("JobState", "UNKNOWN"), int(fields.get("Restarts", 0) or 0),
                    fields.get("Reason", ""), fields.get("NodeList", ""))
 
+    @property
+    def live(self) -> bool:
+        return self.state != SUCCESS and self.state not in FAILED
 
-def sbatch_script(job: JobShape, cluster: SlurmCluster, python: str, label: str, port: int) -> str:
-    """The batch script of one training job (written beside the job, readable and re-runnable by hand)."""
-    workdir, job_path = job.workdir, job.job_path
-    options = [f"--job-name=compass-{label}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-               f"--output={workdir / 'slurm.log'}", "--open-mode=append", f"--chdir={workdir}"]
+
+class JobRecord(BaseModel):
+    """The job a step's work folder belongs to, written when it is submitted."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    script: Path
+    submitted_at: float
+    host: str
+    pid: int
+
+
+def sbatch_script(job: JobRequest, cluster: SlurmCluster) -> str:
+    """The batch script of one step's job (written beside the job, readable and re-runnable by hand)."""
+    work = WorkFolder(job.workdir)
+    options = [f"--job-name=compass-{job.label}", f"--nodes={job.nodes}", f"--ntasks-per-node={job.tasks_per_node}",
+               f"--output={work.slurm_log}", "--open-mode=append", f"--chdir={job.workdir}"]
+    if job.cpus_per_task:
+        options.append(f"--cpus-per-task={job.cpus_per_task}")
     if job.gpus_per_node:
         options.append(f"--gpus-per-node={job.gpus_per_node}")
+    if job.exclusive:
+        options.append("--exclusive")
+    if job.memory_gb:
+        options.append(f"--mem={max(1, round(job.memory_gb * 1024))}M")
     for flag, value in (("partition", cluster.partition), ("account", cluster.account), ("qos", cluster.qos),
-                        ("constraint", cluster.constraint), ("cpus-per-task", cluster.cpus_per_task),
-                        ("time", cluster.time_limit)):
+                        ("constraint", cluster.constraint), ("time", job.time_limit)):
         if value is not None:
             options.append(f"--{flag}={value}")
     if cluster.exclude:
@@ -86,17 +124,8 @@ def sbatch_script(job: JobShape, cluster: SlurmCluster, python: str, label: str,
         options += ["--requeue", f"--signal=B:USR1@{cluster.signal_before_s}"]
     else:
         options.append("--no-requeue")
-    if job.world_size == 1:  # the rank's rendezvous, or DeepSpeed sees Slurm's variables and looks for MPI
-        node = ("RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + str(port) + " "
-                + shlex.join([python, "-m", job.module, str(job_path)]))
-    else:
-        node = (shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes)])
-                + ' --node-rank "$SLURM_NODEID" '
-                + shlex.join(["--nproc-per-node", str(job.ranks_per_node), "--master-port", str(port)])
-                + ' --master-addr "$COMPASS_HEAD" ' + shlex.join(["-m", job.module, str(job_path)]))
-    stop = shlex.quote(str(workdir / STOP_FILE))
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options), "",
-             f"export COMPASS_STOP_FILE={stop}",
+             f"export COMPASS_STOP_FILE={shlex.quote(str(work.stop_file))}",
              'rm -f "$COMPASS_STOP_FILE"',
              'echo "compass: job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}, nodes $SLURM_JOB_NODELIST"',
              "requeue=0",
@@ -104,13 +133,34 @@ def sbatch_script(job: JobShape, cluster: SlurmCluster, python: str, label: str,
              'touch "$COMPASS_STOP_FILE"; requeue=1; }',
              "trap on_time_limit USR1",
              'export COMPASS_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-             f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shlex.quote(node)} &",
+             f"{shlex.join(job.command)} &",
              "step=$!",
              'while true; do wait "$step"; status=$?; kill -0 "$step" 2>/dev/null || break; done',
              'if [ "$requeue" = 1 ]; then echo "compass: requeueing job $SLURM_JOB_ID"; '
              'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
              'exit "$status"', ""]
     return "\n".join(lines)
+
+
+def ranks_command(module_argv: list[str], python: str, nodes: int, ranks_per_node: int, port: int,
+                  launch: str, gpus: bool) -> list[str]:
+    """From inside a job's batch step: srun starting `ranks_per_node` ranks of `python -m ...` on each of the job's
+    nodes, each rank told its rank, the world size and the rendezvous (the job's first node). With launch srun each
+    rank is a Slurm task bound to its share of the node's CPUs (and its GPU); with torchrun one task per node runs
+    torchrun over the node's CPUs."""
+    cpus_on_node = int(os.environ.get("SLURM_CPUS_ON_NODE", "1"))
+    head = os.environ.get("COMPASS_HEAD") or socket.gethostname()
+    common = ["srun", "--kill-on-bad-exit=1", f"--nodes={nodes}"]
+    if launch == "srun":
+        rank = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
+                f'MASTER_ADDR={shlex.quote(head)} MASTER_PORT={port}; exec ' + shlex.join([python, *module_argv]))
+        return [*common, f"--ntasks-per-node={ranks_per_node}",
+                f"--cpus-per-task={max(1, cpus_on_node // ranks_per_node)}",
+                *(["--gpus-per-task=1", "--gpu-bind=closest"] if gpus else []), "bash", "-c", rank]
+    torchrun = [python, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+    per_node = ["--nproc-per-node", str(ranks_per_node), "--master-addr", head, "--master-port", str(port)]
+    node = shlex.join(torchrun) + ' --node-rank "$SLURM_NODEID" ' + shlex.join([*per_node, *module_argv])
+    return [*common, "--ntasks-per-node=1", f"--cpus-per-task={cpus_on_node}", "bash", "-c", node]
 
 
 def submit(script: Path) -> str:
@@ -132,11 +182,17 @@ def cancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
 
 
+def read_record(workdir: Path) -> JobRecord | None:
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        return JobRecord.model_validate_json(WorkFolder(workdir).job_record.read_text())
+    return None
+
+
 class LogFollower:
     """New lines of the job's log, as they are written, into the step's log."""
 
-    def __init__(self, path: Path, log: logging.Logger | logging.LoggerAdapter, prefix: str):
-        self.path, self.log, self.prefix, self.offset = path, log, prefix, 0
+    def __init__(self, path: Path, log: logging.Logger | logging.LoggerAdapter, prefix: str, offset: int = 0):
+        self.path, self.log, self.prefix, self.offset = path, log, prefix, offset
         self.partial = ""
 
     def pump(self) -> None:
@@ -156,62 +212,64 @@ class LogFollower:
         return "\n".join(self.path.read_text(errors="replace").splitlines()[-n:]) if self.path.exists() else ""
 
 
-def run_on_slurm(job: JobShape, cluster: SlurmCluster, python: str, label: str, port: int,
-                 log: logging.Logger | logging.LoggerAdapter) -> dict:
-    """Submit (or, after a crash of this process, follow again) the job of this work folder until it completes;
-    returns the trainer's result. The job is cancelled if this step fails or the run is stopped."""
-    workdir = job.workdir
-    script = workdir / "job.sbatch"
-    script.write_text(sbatch_script(job, cluster, python, label, port))
-    record = workdir / JOB_FILE
-    job_id = _live_job(record)
-    if job_id:
-        log.info("following Slurm job %s, submitted by an earlier attempt of this step", job_id)
+def run_on_slurm(job: JobRequest, cluster: SlurmCluster, log: logging.Logger | logging.LoggerAdapter,
+                 done: Callable[[], bool], on_job: Callable[[str], None] = lambda job_id: None) -> str:
+    """Run the step's job to completion: follow the one its work folder records when that one is still queued or
+    running (submitted by an earlier orchestrator), else submit one. `done()` says whether the job's work is
+    committed (for a job the controller has forgotten); `on_job` hears the job id (the step's lock records it).
+    Returns the job id; raises SlurmJobFailed when the job ends otherwise than COMPLETED. The job is cancelled if
+    this process is stopped or the step fails here; a killed orchestrator leaves it running for the next one."""
+    work = WorkFolder(job.workdir)
+    record = read_record(job.workdir)
+    state = state_of(record.job_id) if record else None
+    if record and done():
+        log.info("Slurm job %s finished its step while nobody watched", record.job_id)
+        return record.job_id
+    if record and state is not None and state.live:
+        job_id = record.job_id
+        log.info("following Slurm job %s (%s), submitted by %s pid %s at %s", job_id, state.state, record.host,
+                 record.pid, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.submitted_at)))
     else:
-        (workdir / "result.json").unlink(missing_ok=True)
-        job_id = submit(script)
-        record.write_text(json.dumps({"job_id": job_id, "script": str(script), "submitted_at": time.time()}))
-        log.info("submitted Slurm job %s (%s); log %s", job_id, script, workdir / "slurm.log")
-    follower = LogFollower(workdir / "slurm.log", log, f"[slurm {job_id}]")
+        if record:
+            log.warning("Slurm job %s ended %s without committing the step: submitting it again", record.job_id,
+                        state.state if state else "(forgotten by the controller)")
+        work.batch_script.write_text(sbatch_script(job, cluster))
+        job_id = submit(work.batch_script)
+        record = JobRecord(job_id=job_id, script=work.batch_script, submitted_at=time.time(),
+                           host=socket.gethostname(), pid=os.getpid())
+        tmp = work.job_record.with_suffix(".tmp")
+        tmp.write_text(record.model_dump_json())
+        tmp.rename(work.job_record)
+        log.info("submitted Slurm job %s (%s); log %s", job_id, work.batch_script, work.slurm_log)
+    on_job(job_id)
+    size = work.slurm_log.stat().st_size if work.slurm_log.exists() else 0
+    follower = LogFollower(work.slurm_log, log, f"[slurm {job_id}]", offset=size if state and state.live else 0)
     stop = interrupt.on_stop(lambda: cancel(job_id))
     finished = False
     try:
-        final = _follow(job_id, cluster.poll_seconds, follower, log)
+        final = _follow(job_id, cluster.poll_seconds, follower, log, done)
         finished = True
     finally:
         interrupt.remove_on_stop(stop)
         follower.pump()
-        if not finished:  # the step failed or was cancelled here: the job must not train on unseen
+        if not finished:  # the step failed or was cancelled here: the job must not go on unseen
             cancel(job_id)
             log.warning("cancelled Slurm job %s", job_id)
-    record.unlink(missing_ok=True)
-    result = workdir / "result.json"
-    if final != SUCCESS or not result.exists():
-        raise SlurmJobFailed(f"Slurm job {job_id} ended {final}"
-                             + ("" if final != SUCCESS else " without a result.json")
-                             + f"; last lines of {follower.path}:\n{follower.tail()}")
-    return json.loads(result.read_text())
+    if final != SUCCESS:
+        raise SlurmJobFailed(f"Slurm job {job_id} ended {final}; last lines of {follower.path}:\n{follower.tail()}")
+    return job_id
 
 
-def _live_job(record: Path) -> str | None:
-    """The job an earlier attempt submitted, if the controller still has it queued or running."""
-    with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-        job_id = json.loads(record.read_text())["job_id"]
-        state = state_of(job_id)
-        if state is not None and state.state not in FAILED and state.state != SUCCESS:
-            return job_id
-    return None
-
-
-def _follow(job_id: str, poll_s: float, follower: LogFollower, log: logging.Logger | logging.LoggerAdapter) -> str:
+def _follow(job_id: str, poll_s: float, follower: LogFollower, log: logging.Logger | logging.LoggerAdapter,
+            done: Callable[[], bool]) -> str:
     """Poll until the job completes or fails for good; log state changes and requeues."""
     last: JobState | None = None
     failed_since: float | None = None
     while True:
         follower.pump()
         state = state_of(job_id)
-        if state is None:  # forgotten by the controller (MinJobAge passed): the result file decides
-            return SUCCESS if (follower.path.parent / "result.json").exists() else "UNKNOWN"
+        if state is None:  # forgotten by the controller (MinJobAge passed): the commit decides
+            return SUCCESS if done() else "UNKNOWN (forgotten by the controller, nothing committed)"
         if last is None or (state.state, state.restarts) != (last.state, last.restarts):
             log.info("Slurm job %s: %s%s%s", job_id, state.state,
                      f" (restart {state.restarts})" if state.restarts else "",

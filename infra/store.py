@@ -48,10 +48,19 @@ def _sweep_staging(base: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-class Store:
-    """Content-addressed artifacts with lineage manifests, on any fsspec filesystem."""
+def _cache_home() -> Path:
+    return Path(os.environ.get("COMPASS_CACHE", Path.home() / ".cache" / "compass"))
 
-    def __init__(self, root: str):
+
+class Store:
+    """Content-addressed artifacts with lineage manifests, on any fsspec filesystem.
+
+    `scratch_root`, when given (a cluster's shared root), holds what a step writes outside the store while it runs
+    (work folders, staging, copies of a remote store's inputs, monitoring) so that every node of a job sees it;
+    without it they stay beside a local store, or in this machine's cache and temporary folders."""
+
+    def __init__(self, root: str, scratch_root: str | Path | None = None):
+        self.scratch_root = Path(scratch_root).expanduser().resolve() if scratch_root else None
         self.is_remote = "://" in root and not root.startswith("file://")
         if not self.is_remote:
             root = str(Path(root.removeprefix("file://")).expanduser().resolve())
@@ -102,7 +111,8 @@ class Store:
         (`only`: just the files under that sub-folder, e.g. one checkpoint of a model artifact)."""
         if not self.is_remote:
             return Path(self._path(uri))
-        return self.copy_verified(uri, cache_dir or Path(tempfile.gettempdir()) / "compass-cache", only)
+        return self.copy_verified(uri, cache_dir or self._local_base("cache", Path(tempfile.gettempdir()) /
+                                                                     "compass-cache"), only)
 
     def staged_path(self, uri: str, cache_dir: Path, only: str | None = None) -> Path:
         """Where `copy_verified` puts (or has put) the artifact under `cache_dir`."""
@@ -145,23 +155,25 @@ class Store:
 
     def work_dir(self, kind: str, name: str, fingerprint: str) -> Path:
         """A local folder that survives a crashed attempt of one step (checkpoints), keyed by its identity."""
-        if self.is_remote:
-            base = Path(os.environ.get("COMPASS_CACHE", Path.home() / ".cache" / "compass")) / "work"
-        else:
-            base = Path(self.root) / ".work"
+        base = self._local_base("work", _cache_home() / "work") if self.is_remote else Path(self.root) / ".work"
         return base / artifact_folder(kind, name, fingerprint)
 
     def monitoring_dir(self, run: str) -> Path:
         """A run's live telemetry (Prometheus targets, TensorBoard runs): beside a local store, else in the cache."""
         if self.is_remote:
-            return Path(os.environ.get("COMPASS_CACHE", Path.home() / ".cache" / "compass")) / "monitoring" / run
+            return self._local_base("monitoring", _cache_home() / "monitoring") / run
         return Path(self.root) / "monitoring" / run
+
+    def _local_base(self, name: str, default: Path) -> Path:
+        """A remote store's local folder of one sort: under the scratch root when there is one."""
+        return self.scratch_root / name if self.scratch_root else default
 
     # --- writing ----------------------------------------------------------------------------------------
     @contextmanager
     def staging(self) -> Iterator[Path]:
         """A fresh local folder to write an artifact into; removed afterwards unless committed (moved)."""
-        base = Path(tempfile.gettempdir()) / "compass-staging" if self.is_remote else Path(self.root) / ".staging"
+        base = (self._local_base("staging", Path(tempfile.gettempdir()) / "compass-staging") if self.is_remote
+                else Path(self.root) / ".staging")
         base.mkdir(parents=True, exist_ok=True, mode=0o700)  # half-written artifacts: this user's only
         _sweep_staging(base)
         folder = Path(tempfile.mkdtemp(prefix=owned_prefix("step"), dir=base))

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from compass.specs.architecture import Architecture
 from compass.specs.base import Issue, Loc
+from compass.specs.how import PHASES, Phase
 from compass.specs.sources import SourceUriError, parse_source_uri
 from compass.specs.spec import TrainingSpec
 
@@ -28,7 +29,7 @@ def check_spec(spec: TrainingSpec) -> list[Issue]:
     start = list(_starting_point(spec))
     if start:
         return start  # the other checks read the architecture and the tokenizer
-    checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _tokenizer,
+    checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _resources, _tokenizer,
               _post_training, _ablations, _orchestration, _evaluation, _gate)
     return [issue for check in checks for issue in check(spec)]
 
@@ -284,11 +285,12 @@ def _schedule(spec: TrainingSpec) -> Iterator[Issue]:
 def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     how = spec.how
     par = how.parallelism
-    devices = how.hardware.total_devices
+    devices = how.shape("pretraining").ranks
     used = par.data_parallel * par.tensor_parallel * par.pipeline_parallel
     if used != devices:
+        where = "how.resources.pretraining" if how.resources.pretraining.model_fields_set else "the hardware"
         yield Issue(("how", "parallelism"), f"data_parallel x tensor_parallel x pipeline_parallel = {used}, "
-                    f"but the hardware has {devices} devices", "make the product equal nodes x devices_per_node")
+                    f"but {where} has {devices} devices", "make the product equal nodes x devices_per_node")
     arch = spec.what.architecture
     if arch.num_heads % par.tensor_parallel or arch.num_kv_heads % par.tensor_parallel:
         yield Issue(("how", "parallelism", "tensor_parallel"),
@@ -298,13 +300,19 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
               for i, s in enumerate(spec.what.pretraining.stages)]
     stages += [("long_context", i, s.global_batch_size, s.micro_batch_size or par.micro_batch_size)
                for i, s in enumerate(spec.what.long_context.stages)]
-    locs = [(("what", section, "stages", i, "global_batch_size"), gbs, micro) for section, i, gbs, micro in stages]
-    locs += [(("what", "post_training", i, "batch_size"), s.batch_size, par.micro_batch_size)
+    locs = [(("what", section, "stages", i, "global_batch_size"), section, gbs, micro)
+            for section, i, gbs, micro in stages]
+    locs += [(("what", "post_training", i, "batch_size"), "mid_training", s.batch_size, par.micro_batch_size)
              for i, s in enumerate(spec.what.post_training) if s.method == "mid_training"]
-    for loc, gbs, micro in locs:
-        per_step = micro * par.data_parallel
+    if spec.what.ablations is not None:
+        locs.append((("what", "ablations", "baseline", "global_batch_size"), "ablation",
+                     spec.what.ablations.baseline.global_batch_size, par.micro_batch_size))
+    for loc, phase, gbs, micro in locs:
+        data_parallel = par.data_parallel if phase == "pretraining" else how.data_parallel(phase)
+        per_step = micro * data_parallel
         if gbs % per_step:
-            yield Issue(loc, f"{loc[-1]}={gbs} is not a multiple of micro_batch_size x data_parallel = {per_step}",
+            yield Issue(loc, f"{loc[-1]}={gbs} is not a multiple of micro_batch_size x data_parallel = {per_step}"
+                        + ("" if phase == "pretraining" else f" ({phase} on {how.shape(phase).ranks} devices)"),
                         "gradient accumulation needs a whole number of micro-batches")
     if how.hardware.accelerator == "cpu" and how.precision != "fp32":
         yield Issue(("how", "precision"), f"{how.precision} is not supported on CPU: training there is fp32",
@@ -468,6 +476,76 @@ def _variant_architecture(name: str, proxy: dict[str, Any], path: str, value: An
         return
     for issue in architecture_rules(arch, at):
         yield Issue(at, f"variant '{name}' makes a model compass cannot build: {issue.message}", issue.hint)
+
+
+def phases_of(spec: TrainingSpec) -> set[Phase]:
+    """The phases the spec has steps in."""
+    what = spec.what
+    phases: set[Phase] = set()
+    if what.data.sources:
+        phases.add("data")
+    if what.ablations is not None:
+        phases.add("ablation")
+    if what.pretraining.stages:
+        phases.add("pretraining")
+    if what.long_context.stages:
+        phases.add("long_context")
+    methods = {p.method for p in what.post_training}
+    if "mid_training" in methods:
+        phases.add("mid_training")
+    if methods - {"mid_training"}:
+        phases.add("post_training")
+    if what.evaluation.benchmarks or what.evaluation.perplexity_sources or getattr(spec.why, "existing_models", None):
+        phases.add("evaluation")
+    return phases
+
+
+ONE_PROCESS = {"post_training": "TRL post-training runs in one process", "evaluation": "lighteval runs in one process"}
+
+
+def _resources(spec: TrainingSpec) -> Iterator[Issue]:
+    """Each phase's shape is used by every step of the phase, or refused: a shape for a phase the spec does not
+    have, Slurm-only fields without a cluster, devices a phase cannot use, ranks tensor parallelism cannot split."""
+    how = spec.how
+    par = how.parallelism
+    cluster = how.orchestration.cluster
+    present = phases_of(spec)
+    at = ("how", "resources")
+    group = par.tensor_parallel * par.pipeline_parallel
+    for phase in PHASES:
+        given = getattr(how.resources, phase)
+        if not given.model_fields_set:
+            continue
+        if phase not in present:
+            yield Issue((*at, phase), f"the spec has no {phase.replace('_', '-')} steps: this shape would be unused",
+                        f"remove how.resources.{phase}")
+            continue
+        for field in ("cpus_per_node", "memory_gb", "time_limit"):
+            yield from _unused(given, field, (*at, phase), cluster is not None,
+                               "it is a Slurm job's request: set how.orchestration.cluster, or remove it")
+        shape = how.shape(phase)
+        if phase == "data" and shape.devices_per_node:
+            yield Issue((*at, phase, "devices_per_node"), "data steps use no GPU", "remove devices_per_node")
+        if phase in ONE_PROCESS and (shape.nodes > 1 or shape.devices_per_node > 1):
+            yield Issue((*at, phase), f"{ONE_PROCESS[phase]} on one device: {shape.nodes} nodes x "
+                        f"{shape.devices_per_node} devices would sit idle", "use nodes: 1, devices_per_node: 1")
+        if phase not in ("data", *ONE_PROCESS) and shape.devices_per_node == 0:
+            yield Issue((*at, phase, "devices_per_node"), f"{phase} trains: it needs at least one device per node",
+                        "set devices_per_node to the GPUs per node (ranks per node on CPU)")
+        elif phase not in ("data", *ONE_PROCESS) and shape.ranks % group:
+            yield Issue((*at, phase), f"{shape.ranks} devices do not split into tensor_parallel x pipeline_parallel "
+                        f"= {group} groups", "use a multiple of that many devices")
+        hosts = how.hardware.hosts
+        if cluster is None and shape.nodes > 1 and len(hosts) < shape.nodes:
+            yield Issue((*at, phase, "nodes"), f"{phase} runs on {shape.nodes} nodes and how.hardware.hosts names "
+                        f"{len(hosts)}", "list the nodes' addresses in how.hardware.hosts, or run on a Slurm cluster")
+    if cluster is None and "cpus_per_node" in how.hardware.model_fields_set:
+        yield Issue(("how", "hardware", "cpus_per_node"), "cpus_per_node has no effect here: it is a Slurm job's "
+                    "request", "set how.orchestration.cluster (data steps here use how.orchestration.workers)")
+    if cluster is not None and cluster.shared_root is None:
+        yield Issue(("how", "orchestration", "cluster", "shared_root"), "a cluster needs a shared root: jobs on "
+                    "compute nodes read and write the steps' work folders, staging and input copies",
+                    "set shared_root to a folder every node mounts at the same path (e.g. /fsx/compass)")
 
 
 _MISSING = object()

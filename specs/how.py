@@ -1,9 +1,10 @@
 """`how`: hardware, parallelism, precision, storage, orchestration and cadences."""
 
 import re
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
 from compass.specs.base import SpecModel
 
@@ -26,6 +27,10 @@ class Hardware(SpecModel):
     launcher: Literal["torchrun", "deepspeed"] = Field(
         default="torchrun", description="torchrun: compass starts one launcher per node (over ssh when remote); "
                                         "deepspeed: DeepSpeed's launcher on the first host with a hostfile (pdsh).")
+    cpus_per_node: PositiveInt | None = Field(
+        default=None, description="CPUs of a node a job may use (e.g. 88 of 96, the rest left to the system): the "
+                                  "default of every phase's cpus_per_node. None: a job that takes every device of a "
+                                  "node takes the whole node (--exclusive), others Slurm's default.")
     rendezvous_port: int = Field(default=29500, ge=1024, le=65535)
     internode_busbw_gbps: PositiveFloat = Field(
         default=100.0, description="All-reduce bus bandwidth across nodes, GB/s (compass preflight measures it; "
@@ -74,26 +79,39 @@ class Storage(SpecModel):
 
 
 SLURM_WORD = r"^[A-Za-z0-9_][A-Za-z0-9_.,:@%+=\[\]-]{0,200}$"  # one sbatch value: no spaces, no leading '-'
+SLURM_TIME = r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$"  # sbatch --time: minutes, H:MM:SS or D-HH:MM:SS
 
 
 class SlurmCluster(SpecModel):
-    """The heavy steps' trainers run as Slurm jobs (one srun task per node starting its ranks); the node and
-    device counts are `how.hardware`'s. With `requeue`, a job is submitted with --requeue and a signal
-    `signal_before_s` before its time limit: the trainer checkpoints and the job requeues itself; a requeued or
-    node-failed job resumes from its newest checkpoint, and the step follows the same job id."""
+    """Every step that computes runs as a Slurm job of its phase's shape (how.resources); the orchestrating
+    `compass run` only plans, submits, follows and commits. With `requeue`, a job is submitted with --requeue and a
+    signal `signal_before_s` before its time limit: the trainer checkpoints and the job requeues itself; a
+    requeued or node-failed job resumes from its newest checkpoint, and the step follows the same job id, also
+    from a new `compass run` after the first one died."""
 
     kind: Literal["slurm"] = "slurm"
+    shared_root: str | None = Field(
+        default=None, description="A folder every node mounts at the same path (Lustre, GPFS, NFS, FSx): the "
+                                  "steps' work folders (checkpoints, logs), staging and input copies live there. "
+                                  "Required with a cluster; `compass plan` proves the nodes see it with a probe job.")
+    launch: Literal["srun", "torchrun"] = Field(
+        default="srun", description="How a job starts its ranks: srun, one Slurm task per rank bound to its GPU and "
+                                    "an equal share of the node's CPUs; torchrun, one task per node that starts the "
+                                    "node's ranks and shares the node's CPUs among them.")
     partition: str | None = Field(default=None, pattern=SLURM_WORD)
     account: str | None = Field(default=None, pattern=SLURM_WORD)
     qos: str | None = Field(default=None, pattern=SLURM_WORD)
     constraint: str | None = Field(default=None, pattern=SLURM_WORD, description="Node features, e.g. h100.")
     exclude: list[str] = Field(default_factory=list, description="Nodes to avoid (compass preflight names them).")
-    cpus_per_task: PositiveInt | None = Field(default=None, description="CPUs of each node's task.")
-    time_limit: str | None = Field(default=None, pattern=r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$",
-                                   description="Slurm's --time: minutes, H:MM:SS or D-HH:MM:SS.")
+    time_limit: str | None = Field(default=None, pattern=SLURM_TIME,
+                                   description="Slurm's --time of every job (a phase's own time_limit wins): minutes, "
+                                               "H:MM:SS or D-HH:MM:SS.")
     requeue: bool = True
     signal_before_s: PositiveInt = Field(default=120, le=3600, description="USR1 this long before the time limit.")
     poll_seconds: PositiveFloat = Field(default=5, le=300, description="How often the step reads the job's state.")
+    probe_timeout_s: PositiveInt = Field(
+        default=120, le=3600, description="How long `compass plan` waits for its probe job to start on a compute node "
+                                          "before it gives up (a busy queue).")
 
     @field_validator("exclude")
     @classmethod
@@ -102,6 +120,58 @@ class SlurmCluster(SpecModel):
         if bad:
             raise ValueError(f"not node names: {bad} (letters, digits and ._-[], no spaces, no leading '-')")
         return nodes
+
+
+Phase = Literal["data", "ablation", "pretraining", "long_context", "mid_training", "post_training", "evaluation"]
+PHASES: tuple[Phase, ...] = ("data", "ablation", "pretraining", "long_context", "mid_training", "post_training",
+                             "evaluation")
+TRAINING_PHASES: tuple[Phase, ...] = ("pretraining", "long_context", "mid_training")  # they default to how.hardware
+
+
+class PhaseShape(SpecModel):
+    """Where one phase's steps run. Unset fields take their defaults from `how.hardware`: pretraining, long context
+    and mid-training its nodes and devices; ablations one node of its devices; post-training and evaluation one
+    device (TRL and lighteval run one process); the data phase no device."""
+
+    nodes: PositiveInt | None = None
+    devices_per_node: NonNegativeInt | None = Field(
+        default=None, description="GPUs per node (ranks per node on CPU), each one rank of the phase's steps.")
+    cpus_per_node: PositiveInt | None = Field(
+        default=None, description="CPUs per node for the phase's jobs (default how.hardware.cpus_per_node); a data "
+                                  "step's datatrove workers.")
+    memory_gb: PositiveFloat | None = Field(default=None, description="Memory per node (Slurm's --mem).")
+    time_limit: str | None = Field(default=None, pattern=SLURM_TIME,
+                                   description="Slurm's --time for the phase's jobs (default cluster.time_limit).")
+
+
+class Resources(SpecModel):
+    """Per-phase shapes, e.g. long context on 3 nodes while pretraining takes 48, ablations on 1, evaluation on
+    one GPU."""
+
+    data: PhaseShape = PhaseShape()
+    ablation: PhaseShape = PhaseShape()
+    pretraining: PhaseShape = PhaseShape()
+    long_context: PhaseShape = PhaseShape()
+    mid_training: PhaseShape = PhaseShape()
+    post_training: PhaseShape = PhaseShape()
+    evaluation: PhaseShape = PhaseShape()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A phase's resolved shape: what one of its steps' jobs asks for, and how many ranks it trains on."""
+
+    phase: Phase
+    nodes: int
+    devices_per_node: int  # GPUs (ranks on CPU); 0 for the data phase
+    cpus_per_node: int | None  # None: the whole node when the job takes all of its devices, else Slurm's default
+    memory_gb: float | None
+    time_limit: str | None
+    whole_nodes: bool  # the job takes every device of its nodes: ask Slurm for them exclusively
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.devices_per_node
 
 
 class Orchestration(SpecModel):
@@ -117,8 +187,8 @@ class Orchestration(SpecModel):
     workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
     max_parallel_steps: PositiveInt = 2
     cluster: SlurmCluster | None = Field(
-        default=None, description="Run training jobs on a Slurm cluster (None: in this process, or launched "
-                                  "with torchrun/deepspeed per how.hardware).")
+        default=None, description="Run every step that computes as a Slurm job (None: on this machine, in this "
+                                  "process or launched with torchrun/deepspeed per how.hardware).")
     max_parallel_gpu_steps: PositiveInt = Field(
         default=1, description="Steps that use the accelerator (training, evaluation) running at once in one "
                                "process: they would compete for one device."
@@ -165,6 +235,7 @@ LossKernel = Literal["auto", "chunked", "liger"]
 
 class How(SpecModel):
     hardware: Hardware = Hardware()
+    resources: Resources = Resources()
     parallelism: Parallelism = Parallelism()
     precision: Precision = "fp32"
     attention: AttentionBackend = Field(
@@ -180,3 +251,21 @@ class How(SpecModel):
     checkpoints: Checkpoints = Checkpoints()
     evaluation: EvaluationCadence = EvaluationCadence()
     monitoring: Monitoring = Monitoring()
+
+    def shape(self, phase: Phase) -> Shape:
+        """The phase's shape with every default filled in (see PhaseShape)."""
+        given: PhaseShape = getattr(self.resources, phase)
+        hw = self.hardware
+        nodes = given.nodes or (hw.nodes if phase in TRAINING_PHASES else 1)
+        default_devices = {"data": 0, "post_training": 1, "evaluation": 1}.get(phase, hw.devices_per_node)
+        devices = given.devices_per_node if given.devices_per_node is not None else default_devices
+        limit = self.orchestration.cluster.time_limit if self.orchestration.cluster else None
+        cpus = given.cpus_per_node or hw.cpus_per_node or (self.orchestration.workers if phase == "data" else None)
+        return Shape(phase=phase, nodes=nodes, devices_per_node=devices, cpus_per_node=cpus,
+                     memory_gb=given.memory_gb, time_limit=given.time_limit or limit,
+                     whole_nodes=devices > 0 and devices >= hw.devices_per_node)
+
+    def data_parallel(self, phase: Phase) -> int:
+        """Data-parallel ranks of a training phase: its ranks over tensor x pipeline parallelism."""
+        par = self.parallelism
+        return max(1, self.shape(phase).ranks // (par.tensor_parallel * par.pipeline_parallel))

@@ -190,6 +190,7 @@ class _Shrinker:
         self.set("how.hardware", hw, "launcher", "torchrun")
         self.set("how.hardware", hw, "devices_per_node", self.tp)
         self.set("how.hardware", hw, "peak_tflops", None)
+        self.set("how.hardware", hw, "cpus_per_node", None)
         self.set("how.parallelism", par, "data_parallel", 1)
         self.set("how.parallelism", par, "tensor_parallel", self.tp)
         self.set("how.parallelism", par, "micro_batch_size", 1)
@@ -202,6 +203,7 @@ class _Shrinker:
         self.set("how.orchestration", orch, "ray_address", None)
         self.set("how.orchestration", orch, "ray_num_cpus", None)
         self.set("how.orchestration", orch, "cluster", None, "cluster (Slurm jobs -> this process)")
+        self.set("how", how, "resources", {}, "resources (per-phase shapes -> this machine)")
         self.set("how.orchestration", orch, "retries", 0)
         self.set("how.checkpoints", how["checkpoints"], "every_steps", STEPS)  # one checkpoint a stage
         storage = how["storage"]

@@ -17,6 +17,7 @@ from compass.flows.plan_status import plan_status
 from compass.infra.store import Store
 from compass.specs import load_spec
 from compass.tasks.steps import registry
+from compass.tasks.steps.placement import place
 from tests import step_kind_example
 from tests.conftest import REPO, prefect_client, write_minimal_spec
 
@@ -80,14 +81,15 @@ def test_each_kind_is_declared_once_with_everything_the_runner_needs():
     names = [k.name for k in kinds]
     assert len(names) == len(set(names))
     assert {"gate", "base_model", "ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain",
-            "long_context", "post_train", "evaluate", "curves", "report"} == set(names)
-    assert set(registry.model_kinds()) == {"base_model", "pretrain", "long_context", "post_train"}
+            "long_context", "post_train", "mid_training", "evaluate", "curves", "report"} == set(names)
+    assert set(registry.model_kinds()) == {"base_model", "pretrain", "long_context", "post_train", "mid_training"}
     assert registry.deployment_kinds("ablations") == ["ablate", "compare"]
-    plan = compile_spec(load_spec(REPO / "specs/examples/tiny.yaml").spec)
-    for step in plan.steps:  # every step's config is its kind's typed model, and gpu steps are tagged
+    spec = load_spec(REPO / "specs/examples/tiny.yaml").spec
+    plan = compile_spec(spec)
+    for step in plan.steps:  # every step's config is its kind's typed model, and steps holding devices are tagged
         kind = registry.kind(step.kind)
         assert isinstance(step.config, kind.config), step.id
-        assert ("gpu" in step.tags) == kind.uses_accelerator, step.id
+        assert ("gpu" in step.tags) == place(kind, step.config, spec.how).uses_devices, step.id
 
 
 @pytest.fixture

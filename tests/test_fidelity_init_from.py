@@ -170,7 +170,7 @@ def test_fine_tuning_an_existing_base_runs_and_records_where_it_started(offline_
 {SFT[:-1]}, reasoning: {{think_fraction: 0.5}}}}"""
     spec = write(tmp_path, spec_text(what, how=HOW))
     plan, outcomes = run_up_to(spec, ["report:success", "evaluate:base_model-init"], tmp_path / "store")
-    assert plan.step("post_train:reasoning").inputs["previous"] == "base_model:init"
+    assert plan.step("mid_training:reasoning").inputs["previous"] == "base_model:init"
     base = outcomes["base_model:init"]
     snapshot = offline_hub / "models--acme--tiny-base" / "snapshots" / COMMIT
     digest = hashlib.sha256((snapshot / "model.safetensors").read_bytes()).hexdigest()
@@ -183,7 +183,7 @@ def test_fine_tuning_an_existing_base_runs_and_records_where_it_started(offline_
         first = json.loads(f.readline())["text"]
     assert first.startswith("<|im_start|>system\n/think<|im_end|>\n<|im_start|>user\nWhat is ")
     assert re.search(r"<think>\n(-?[\d.]+ [-+*/] -?[\d.]+ = -?[\d.]+\n)+</think>\n-?[\d.]+<\|im_end\|>", first), first
-    mid = outcomes["post_train:reasoning"].manifest.metrics
+    mid = outcomes["mid_training:reasoning"].manifest.metrics
     assert mid["method"] == "mid_training" and mid["final_loss"] < mid["first_loss"]  # it learns the traces
 
     sft = outcomes["post_train:sft"]
@@ -292,4 +292,4 @@ def test_the_fine_tune_example_plans_a_3b_base_read_from_its_config(tmp_path: Pa
     assert [s.id for s in plan.steps[:2]] == ["gate:huggingfacetb-smollm3-3b", "base_model:init"]
     assert plan.step("base_model:init").inputs == {"gate:huggingfacetb-smollm3-3b": "gate:huggingfacetb-smollm3-3b"}
     assert not {"tokenizer", "pretrain", "long_context", "ablate"} & {s.kind for s in plan.steps}
-    assert plan.step("post_train:reasoning_mid").inputs["tokens:traces"] == "tokenize:traces"
+    assert plan.step("mid_training:reasoning_mid").inputs["tokens:traces"] == "tokenize:traces"

@@ -97,7 +97,7 @@ def test_a_throughput_drop_names_the_part_of_the_step_that_grew(grown: dict[str,
     (event,) = [e for e in events if e.kind == "throughput"]
     assert cause in event.cause and event.phase is not None
     assert event.phase.replace("_", " ") in event.detail and "grew from" in event.detail
-    assert event.as_dict()["phase"] == event.phase
+    assert event.as_record().phase == event.phase
 
 
 def test_token_axes_read_at_a_glance(tmp_path: Path):
@@ -215,7 +215,7 @@ def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: 
     events.Reload()
     losses_tb = events.Scalars("train/loss")
     per_step = stages[0].global_batch_size * stages[0].sequence_length
-    assert len(losses_tb) == outcome["result"]["steps"]
+    assert len(losses_tb) == outcome["result"].steps
     assert [e.step for e in losses_tb] == [per_step * (i + 1) for i in range(len(losses_tb))]  # tokens seen
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "time/data_wait_s"} <= set(events.Tags()["scalars"])
 

@@ -195,13 +195,13 @@ def test_grpo_and_every_post_trained_model_is_exported_and_evaluated(post_traine
 
 @pytest.mark.slow
 def test_mid_training_continues_pretraining_on_its_source(post_trained):
-    mid = post_trained["post_train:mid"].manifest
+    mid = post_trained["mid_training:mid"].manifest
     inputs = {i.role: i.step for i in mid.inputs}
     assert inputs["previous"] == "pretrain:stage2" and inputs["tokens:code"] == "tokenize:code"
     assert mid.metrics["steps"] == 2048 // (4 * 64) and mid.metrics["sequence_length"] == 64
     assert set(mid.metrics["val_loss"]) == {"code"}
     sft_inputs = {i.role: i.step for i in post_trained["post_train:sft"].manifest.inputs}
-    assert sft_inputs["previous"] == "post_train:mid"
+    assert sft_inputs["previous"] == "mid_training:mid"
 
 
 @pytest.mark.slow

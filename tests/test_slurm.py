@@ -120,7 +120,7 @@ def test_a_stage_runs_as_a_slurm_job_and_a_requeue_resumes_it_bitwise(cluster, s
 
     log = logging.getLogger("test")
     straight = run_training(stage1_job(tmp_path / "straight"), log, CLUSTER)
-    assert straight["resumed_from"] is None and straight["steps"] == 78
+    assert straight.resumed_from is None and straight.steps == 78
     assert "restart 0" in (tmp_path / "straight" / "slurm.log").read_text()
 
     requeued = tmp_path / "requeued"
@@ -132,7 +132,7 @@ def test_a_stage_runs_as_a_slurm_job_and_a_requeue_resumes_it_bitwise(cluster, s
     thread.join(600)
     assert "error" not in box, f"{box.get('error')}\ncontroller: {controller_log(cluster)}"
     result = box["result"]
-    assert 10 <= result["resumed_from"] < 78
+    assert 10 <= result.resumed_from < 78
     assert "restart 1" in (requeued / "slurm.log").read_text()
     a, b = final_weights(tmp_path / "straight"), final_weights(requeued)
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
@@ -153,7 +153,7 @@ def test_the_time_limit_signal_checkpoints_and_requeues(cluster, stage1_job, tmp
     text = (work / "slurm.log").read_text()
     assert "time limit near" in text and "stopped at step" in text and "requeueing job" in text
     stopped_at = int(text.split("stopped at step ")[1].split()[0])
-    assert box["result"]["resumed_from"] == stopped_at  # the checkpoint written on the signal
+    assert box["result"].resumed_from == stopped_at  # the checkpoint written on the signal
 
 
 def test_a_failing_job_names_its_last_log_lines(cluster, stage1_job, tmp_path: Path):

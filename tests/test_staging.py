@@ -26,11 +26,11 @@ def test_training_reads_its_data_from_the_node_local_copy(stage1_job, tmp_path: 
     assert staged.staging is not None and all(p.parent == nvme for p in staged.sources.values())
     assert not nvme.exists()  # nothing copied before the trainer starts (it does, on each node)
     result = run_training(staged, logging.getLogger("test"))
-    assert result["setup"]["data_from"] == str(nvme)
+    assert result.setup.data_from == str(nvme)
     copies = sorted(nvme.iterdir())
     assert len(copies) == len(staged.sources) and all((c / MANIFEST).exists() for c in copies)
     plain = run_training(stage1_job(tmp_path / "plain"), logging.getLogger("test"))
-    assert plain["setup"]["data_from"] == "store"
+    assert plain.setup.data_from == "store"
     a, b = final_weights(tmp_path / "plain"), final_weights(tmp_path / "staged")
     assert all(bool((a[k] == b[k]).all()) for k in a)  # the same bytes, read from elsewhere
 

@@ -78,11 +78,10 @@ def test_two_tensor_parallel_ranks_train_like_one_process_and_resume_bitwise(sta
     single = run_training(one, logging.getLogger("test"))
     two = stage1_job(tmp_path / "tp2", deepspeed=True, zero_stage=1, tensor_parallel=2)
     result = run_training(two, logging.getLogger("test"))
-    assert "1 data-parallel x 2 tensor-parallel" in result["rank_check"]
-    assert "distinct shards" in result["rank_check"] and "shards gathered equal the initial weights" in result[
-        "rank_check"]
+    assert "1 data-parallel x 2 tensor-parallel" in result.rank_check
+    assert "distinct shards" in result.rank_check and "shards gathered equal the initial weights" in result.rank_check
     assert losses(tmp_path / "tp2") == pytest.approx(losses(tmp_path / "tp1"), rel=1e-5)
-    assert result["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    assert result.val_loss == pytest.approx(single.val_loss, rel=1e-5)
     a, b = final_weights(tmp_path / "tp1"), final_weights(tmp_path / "tp2")  # the export gathers the shards
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
 

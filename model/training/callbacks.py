@@ -16,14 +16,15 @@ Hooks, in the order the loop calls them:
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compass.infra.layout import WorkFolder
 from compass.model.training import checkpoints as ckpt
 from compass.model.training.monitors import Event, TrainingMonitor, TrainingStopped
+from compass.model.training.records import PHASES, MetricsRow, read_metrics, write_metrics
 from compass.specs.training import Monitors
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class Callback:
     def on_start(self, trainer: Trainer) -> None: ...
     def pre_step(self, trainer: Trainer) -> None: ...
     def before_update(self, trainer: Trainer, loss: float, grad_norm: float) -> None: ...
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None: ...
     def post_checkpoint(self, trainer: Trainer, folder: Path) -> None: ...
     def post_restore(self, trainer: Trainer, step: int) -> None: ...
     def on_error(self, trainer: Trainer, exc: BaseException) -> None: ...
@@ -75,10 +76,9 @@ class Monitoring(Callback):
                 raise TrainingStopped(event, f"(more than {self.monitors.max_rollbacks} rollbacks)")
             raise Rollback(event)
 
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        phases = {k.removesuffix("_s"): v for k, v in record.items()
-                  if k.endswith("_s") and k != "tokens_per_s" and isinstance(v, float | int)}
-        for event in self.monitor.record(record["step"], record["loss"], record["tokens_per_s"], phases):
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+        phases = {phase: row.seconds(phase) for phase in PHASES if getattr(row, f"{phase}_s") is not None}
+        for event in self.monitor.record(row.step, row.loss, row.tokens_per_s or 0.0, phases):
             trainer.report(event)
             if event.action == "stop":
                 raise TrainingStopped(event)
@@ -88,8 +88,8 @@ class Monitoring(Callback):
 
     def on_end(self, trainer: Trainer) -> None:
         if trainer.rank == 0 and trainer.events:
-            with open(trainer.job.workdir / "events.jsonl", "a") as f:
-                f.writelines(json.dumps(e) + "\n" for e in trainer.events)
+            with open(WorkFolder(trainer.job.workdir).events, "a") as f:
+                f.writelines(e.model_dump_json() + "\n" for e in trainer.events)
 
 
 class MetricsFile(Callback):
@@ -103,10 +103,10 @@ class MetricsFile(Callback):
         if trainer.rank == 0:
             truncate_metrics(self.path, trainer.global_step)
 
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         if trainer.rank == 0:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(row.line())
 
     def post_restore(self, trainer: Trainer, step: int) -> None:
         if trainer.rank == 0:
@@ -125,15 +125,15 @@ class Progress(Callback):
         self.bar = tqdm(total=trainer.stage_steps, initial=trainer.step, desc=trainer.stage.name, unit="step",
                         disable=trainer.rank != 0 or not sys.stderr.isatty())
 
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         if trainer.rank != 0:
             return
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.1e}")
+        self.bar.set_postfix(loss=f"{row.loss:.3f}", lr=f"{row.lr:.1e}")
         step, total = trainer.step, trainer.stage_steps
         if step % max(1, total // 20) == 0 or step == total:
             log.info("%s step %d/%d loss %.4f lr %.2e grad %.2f %.0f tok/s", trainer.stage.name, step, total,
-                     record["loss"], record["lr"], record["grad_norm"], record["tokens_per_s"])
+                     row.loss, row.lr, row.grad_norm, row.tokens_per_s)
 
     def post_restore(self, trainer: Trainer, step: int) -> None:
         self.bar.n = step
@@ -151,7 +151,7 @@ class Checkpointing(Callback):
     def __init__(self, every: int, keep_last: int):
         self.every, self.keep_last = every, keep_last
 
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         if trainer.step % self.every == 0 or trainer.step == trainer.stage_steps:
             trainer.save_checkpoint()
 
@@ -178,7 +178,7 @@ class StopWhenAsked(Callback):
     def __init__(self, stop_file: Path):
         self.stop_file = stop_file
 
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         asked = StopWhenAsked.signalled or self.stop_file.exists()
         if trainer.world > 1:
             import torch
@@ -201,5 +201,4 @@ def truncate_metrics(path: Path, keep_through_step: int) -> None:
     """Drop metric lines written after `keep_through_step` (they will be written again)."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= keep_through_step]
-    path.write_text("".join(ln + "\n" for ln in lines))
+    write_metrics(path, [row for row in read_metrics(path) if row.step <= keep_through_step])

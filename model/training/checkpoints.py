@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from compass.infra import layout
 from compass.infra.fingerprint import sha256_file
-
-CHECKSUMS = "checksums.json"
+from compass.infra.layout import CHECKSUMS, CheckpointFolder, checkpoint_name
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -33,7 +33,7 @@ class CheckpointCorrupt(RuntimeError):
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
+    return root / checkpoint_name(step)
 
 
 def rng_state() -> dict[str, Any]:
@@ -154,10 +154,6 @@ def commit_when_all_written(tmp: Path, final: Path, rank: int, world: int,
     return commit if rank == 0 else mark
 
 
-def is_complete(folder: Path) -> bool:
-    return (folder / CHECKSUMS).exists()
-
-
 def verify(folder: Path) -> None:
     sums = json.loads((folder / CHECKSUMS).read_text())
     for rel, digest in sums.items():
@@ -168,9 +164,7 @@ def verify(folder: Path) -> None:
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints, oldest first (incomplete temporary folders are ignored)."""
-    if not root.exists():
-        return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit() and is_complete(p))
+    return [c.root for c in layout.complete_checkpoints(root)]
 
 
 def newest_valid(root: Path) -> Path | None:
@@ -188,7 +182,7 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
     """Delete complete checkpoints beyond the newest `keep_last`, except the steps in `keep` (stage ends)."""
     done = complete_checkpoints(root)
     for folder in done[:-keep_last] if keep_last else done:
-        if int(folder.name.split("-")[1]) not in keep:
+        if CheckpointFolder(folder).step not in keep:
             shutil.rmtree(folder)
     for leftover in root.glob("*.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from compass.infra.layout import HELDOUT
 from compass.model.lm import CausalLMWithLoss
 from compass.model.training.packing import Packer
 from compass.model.training.token_files import TokenizedSource
@@ -22,7 +23,7 @@ def heldout_losses(model: torch.nn.Module, sources: dict[str, Path], seq_len: in
     scorer.eval()
     out: dict[str, float] = {}
     for name, path in sorted(sources.items()):
-        held = TokenizedSource(path, "heldout")
+        held = TokenizedSource(path, HELDOUT)
         if held.n_documents == 0:
             continue
         packer = Packer({name: held}, {name: 1.0}, seq_len, seed=0)

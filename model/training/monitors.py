@@ -8,8 +8,8 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
+from compass.model.training.records import MonitorEvent
 from compass.specs.training import Monitors
 
 CAUSES = {
@@ -64,9 +64,9 @@ class Event:
     def describe(self) -> str:
         return f"step {self.step}: {self.kind} ({self.detail}). Likely cause: {self.cause}. Remedy: {self.remedy}."
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "step": self.step, "action": self.action, "detail": self.detail,
-                "cause": self.cause, "remedy": self.remedy, **({"phase": self.phase} if self.phase else {})}
+    def as_record(self) -> MonitorEvent:
+        return MonitorEvent(kind=self.kind, step=self.step, action=self.action, detail=self.detail,
+                            cause=self.cause, remedy=self.remedy, phase=self.phase)
 
 
 class TrainingMonitor:

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from compass.model.training.callbacks import Callback
 from compass.model.training.job import Telemetry
+from compass.model.training.records import PHASES, MetricsRow
 
 if TYPE_CHECKING:
     from compass.model.training.trainer import Trainer
 
 LABELS = ("run", "step", "stage", "node", "rank")
-PHASES = ("data_wait", "forward_backward", "sync", "optimizer", "checkpoint")
 
 # name -> (help, extra label): what every rank exposes; the Grafana dashboard and the alert rules use only these
 TRAINING_METRICS: dict[str, tuple[str, str | None]] = {
@@ -144,17 +144,17 @@ class PrometheusExporter(Callback):
         address = f"[{host}]:{self.server.server_port}" if ":" in host else f"{host}:{self.server.server_port}"
         self.target = register_target(t.folder, address, self.labels)
 
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         values = list(self.labels.values())
         g = self.gauges
         for name, key in (("compass_train_step", "step"), ("compass_train_loss", "loss"),
                           ("compass_train_grad_norm", "grad_norm"), ("compass_train_learning_rate", "lr"),
                           ("compass_train_tokens", "tokens"), ("compass_train_tokens_per_second", "tokens_per_s"),
                           ("compass_train_mfu", "mfu")):
-            g[name].labels(*values).set(record[key])
+            g[name].labels(*values).set(getattr(row, key) or 0.0)
         total = 0.0
         for phase in PHASES:
-            seconds = float(record.get(f"{phase}_s", 0.0))
+            seconds = row.seconds(phase)
             total += seconds
             g["compass_train_phase_seconds"].labels(*values, phase).set(seconds)
         g["compass_train_step_seconds"].labels(*values).set(total)
@@ -209,15 +209,16 @@ class TensorBoardLog(Callback):
         self.writer = SummaryWriter(str(tensorboard_run(self.telemetry.folder, self.telemetry.step)),
                                     purge_step=tokens + 1 if trainer.global_step else None)
 
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         if self.writer is None:
             return
-        at = int(record["tokens"])
+        at = row.tokens
         for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
-            self.writer.add_scalar(f"train/{key}", record[key], at)
+            if getattr(row, key) is not None:
+                self.writer.add_scalar(f"train/{key}", getattr(row, key), at)
         for phase in PHASES:
-            if f"{phase}_s" in record:
-                self.writer.add_scalar(f"time/{phase}_s", record[f"{phase}_s"], at)
+            if getattr(row, f"{phase}_s") is not None:
+                self.writer.add_scalar(f"time/{phase}_s", row.seconds(phase), at)
 
     def on_end(self, trainer: Trainer) -> None:
         self.close()

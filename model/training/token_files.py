@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from compass.infra.layout import TRAIN
+
 META = "meta.json"
 
 
@@ -36,7 +38,7 @@ def write_meta(folder: Path, dtype: np.dtype, eos: int, vocab_size: int) -> None
 class TokenizedSource:
     """Read-only, memory-mapped view of one tokenized split."""
 
-    def __init__(self, folder: Path, split: str = "train"):
+    def __init__(self, folder: Path, split: str = TRAIN):
         meta = json.loads((folder / META).read_text())
         self.eos = meta["eos"]
         path = folder / f"{split}.tokens"

@@ -13,21 +13,27 @@ host sync per optimizer step, and steps the optimizer; metrics, progress, monito
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import resource
 import shutil
 import signal
+import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from compass.infra.layout import (
+    REQUIRED_TOKENIZER_FILES,
+    TOKENIZER_FILES,
+    CheckpointFolder,
+    ModelArtifact,
+    WorkFolder,
+)
 from compass.model import attention
 from compass.model.architecture import build_model, hf_config, load_pretrained, parameter_groups
 from compass.model.lm import CausalLMWithLoss
@@ -48,6 +54,7 @@ from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
 from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states
+from compass.model.training.records import MetricsRow, MonitorEvent, TrainingSetup, TrainResult
 from compass.model.training.schedules import schedule_shape
 from compass.model.training.staging import stage_sources
 from compass.model.training.telemetry import telemetry_callbacks
@@ -55,18 +62,6 @@ from compass.model.training.token_files import TokenizedSource
 from compass.specs.costs import flops_per_token
 
 log = logging.getLogger("compass.train")
-
-
-@dataclass
-class StageResult:
-    steps: int
-    tokens: int
-    final_loss: float
-    val_loss: dict[str, float]
-    resumed_from: int | None
-    rank_check: str = "single process"
-    events: list[dict[str, Any]] = field(default_factory=list)
-    setup: dict[str, Any] = field(default_factory=dict)  # attention backend, loss kernel, compile, precision
 
 
 def cpu_peak_tflops() -> float:
@@ -90,7 +85,7 @@ def training_device(accelerator: str) -> torch.device:
 
 def default_callbacks(job: TrainJob) -> list[Callback]:
     """Monitors first (they may veto the step), then the metrics line, progress, and checkpoints last."""
-    callbacks = [Monitoring(job.recipe.monitors), MetricsFile(job.workdir / "metrics.jsonl"), Progress(),
+    callbacks = [Monitoring(job.recipe.monitors), MetricsFile(WorkFolder(job.workdir).metrics), Progress(),
                  Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
     callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
     if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)
@@ -121,20 +116,20 @@ class Trainer:
             raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {job.micro_batch_size} x data "
                              f"parallel {self.dp}")
         self.accumulation = gbs // (job.micro_batch_size * self.dp)
-        self.checkpoint_root = job.workdir / "checkpoints"
+        self.checkpoint_root = WorkFolder(job.workdir).checkpoints
         job.workdir.mkdir(parents=True, exist_ok=True)
         self.device = training_device(job.hardware.accelerator)
         cuda = self.device.type == "cuda"
         loss = resolve_loss(job.loss)
         if loss == "chunked" and job.parallelism.deepspeed and job.parallelism.zero_stage == 3:
             loss = "recomputed"  # the head's weight is whole only inside its own forward at ZeRO-3
-        self.setup = {"attention": attention.implementation(job.attention, cuda), "loss": loss,
-                      "compile": job.compile, "precision": job.precision, "engine": "", "prefetch": job.prefetch,
-                      "async_checkpoints": job.checkpoints.asynchronous,
-                      "data_from": str(job.staging.cache) if job.staging else "store"}
+        self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
         self.lm = self._model()
         self.engine = self._engine(self.lm)
-        self.setup["engine"] = self.engine.name
+        self.setup = TrainingSetup(attention=self.attention, loss=loss, compile=job.compile, precision=job.precision,
+                                   engine=self.engine.name, prefetch=job.prefetch,
+                                   async_checkpoints=job.checkpoints.asynchronous,
+                                   data_from=str(job.staging.cache) if job.staging else "store")
         rows = range(self.dp_rank * gbs // self.dp, (self.dp_rank + 1) * gbs // self.dp)  # TP peers: the same rows
         self.packer = RowPacker({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
                                 self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
@@ -143,7 +138,7 @@ class Trainer:
         self.callbacks = default_callbacks(job) + list(callbacks or [])
         self.writer = ckpt.CheckpointWriter(background=job.checkpoints.asynchronous)
         self.step = 0  # optimizer steps of this stage done so far
-        self.events: list[dict[str, Any]] = []
+        self.events: list[MonitorEvent] = []
         self.last_loss = float("nan")
         self.data_state: dict[str, Any] = {}  # the data position after the last batch consumed
         self.written: Path | None = None  # a checkpoint submitted to the writer, not yet announced
@@ -154,16 +149,15 @@ class Trainer:
         job, recipe = self.job, self.job.recipe
         arch = recipe.architecture
         if job.init_weights is not None:  # a starting checkpoint: its own class and config
-            hf = load_pretrained(job.init_weights, recipe.max_positions, arch.positions.rope_theta,
-                                 self.setup["attention"])
+            hf = load_pretrained(job.init_weights, recipe.max_positions, arch.positions.rope_theta, self.attention)
         else:
             special = {"bos": job.special_ids.eos, "eos": job.special_ids.eos, "pad": job.special_ids.pad}
             hf = build_model(hf_config(arch, job.vocab_size, special, max_positions=recipe.max_positions),
-                             recipe.seed, self.setup["attention"])
+                             recipe.seed, self.attention)
         if job.parallelism.activation_checkpointing:  # recompute each layer's activations in the backward pass
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.initial = state_digests(hf.state_dict()) if self.tp > 1 else {}
-        lm = CausalLMWithLoss(hf, arch.z_loss, arch.moe.load_balancing_coef if arch.moe else 0.0, self.setup["loss"])
+        lm = CausalLMWithLoss(hf, arch.z_loss, arch.moe.load_balancing_coef if arch.moe else 0.0, self.loss_kind)
         if job.compile:
             lm.compile()  # in place: parameter names (and so checkpoints) stay those of the eager model
         return lm
@@ -196,16 +190,16 @@ class Trainer:
 
     def report(self, event: Event) -> None:
         """A monitor event: logged and kept for the stage's result."""
-        self.events.append(event.as_dict())
+        self.events.append(event.as_record())
         log.warning(event.describe())
 
     # --- the loop -----------------------------------------------------------------------------------------
-    def fit(self) -> StageResult:
+    def fit(self) -> TrainResult:
         resumed = self.resumed = self._resume()
         self.data_state = self.packer.state_dict()
         batches = Prefetcher(self.packer, self.job.prefetch) if self.job.prefetch else None
         log.info("%s: attention %s, loss %s, compile %s, %s, engine %s, prefetch %d, %s checkpoints",
-                 self.stage.name, self.setup["attention"], self.setup["loss"], self.job.compile, self.job.precision,
+                 self.stage.name, self.attention, self.loss_kind, self.job.compile, self.job.precision,
                  self.engine.name, self.job.prefetch, "async" if self.job.checkpoints.asynchronous else "sync")
         self._dispatch("on_start")
         peak = (self.job.peak_tflops or cpu_peak_tflops()) * self.world
@@ -255,9 +249,9 @@ class Trainer:
         scored = self.rank == 0 or self.tp > 1  # tensor-parallel ranks compute every forward together
         val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device) if scored else {}
         val = val if self.rank == 0 else {}
-        return StageResult(self.stage_steps, self.stage_steps * gbs * seq, self.last_loss, val,
-                           int(resumed.name.split("-")[1]) if resumed else None, rank_check, self.events,
-                           dict(self.setup))
+        return TrainResult(steps=self.stage_steps, tokens=self.stage_steps * gbs * seq, final_loss=self.last_loss,
+                           val_loss=val, resumed_from=CheckpointFolder(resumed).step if resumed else None,
+                           rank_check=rank_check, events=self.events, setup=self.setup)
 
     def _next_batch(self, batches: Prefetcher | None) -> tuple[PackedBatch, float]:
         if batches is None:
@@ -298,20 +292,20 @@ class Trainer:
         return values[0], values[1]
 
     def _record(self, loss: float, grad_norm: float, lr: float, times: dict[str, float], flops_tok: float,
-                peak: float) -> dict[str, Any]:
+                peak: float) -> MetricsRow:
         tokens = self.stage.global_batch_size * self.stage.sequence_length
         elapsed = sum(times.values())
-        record = {"step": self.global_step, "stage": self.stage.name, "stage_step": self.step,
-                  "stage_steps": self.stage_steps, "loss": loss,
-                  "grad_norm": grad_norm, "lr": lr, "tokens": self.job.tokens_before + self.global_step * tokens,
-                  "tokens_per_s": tokens / elapsed, "mfu": flops_tok * tokens / elapsed / (peak * 1e12),
-                  **{k: round(v, 6) for k, v in times.items()},
-                  "checkpoint_s": round(self.checkpoint_blocked_s, 6),
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        row = MetricsRow(step=self.global_step, stage=self.stage.name, stage_step=self.step,
+                         stage_steps=self.stage_steps, loss=loss, grad_norm=grad_norm, lr=lr,
+                         tokens=self.job.tokens_before + self.global_step * tokens, tokens_per_s=tokens / elapsed,
+                         mfu=flops_tok * tokens / elapsed / (peak * 1e12),
+                         **{k: round(v, 6) for k, v in times.items()},
+                         checkpoint_s=round(self.checkpoint_blocked_s, 6),
+                         rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                         gpu_mem_mb=torch.cuda.max_memory_allocated(self.device) / 2**20
+                         if self.device.type == "cuda" else None)
         self.checkpoint_blocked_s = 0.0
-        if self.device.type == "cuda":
-            record["gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        return record
+        return row
 
     # --- checkpoints --------------------------------------------------------------------------------------
     def _resume(self) -> Path | None:
@@ -352,7 +346,7 @@ class Trainer:
         if self.rank == 0:
             state = ckpt.to_host(exported)
             hf, tokenizer_dir = self.lm.hf, self.job.tokenizer_dir
-            writes.append(lambda out: export_hf(hf, state, tokenizer_dir, out / "hf"))
+            writes.append(lambda out: export_hf(hf, state, tokenizer_dir, CheckpointFolder(out).hf))
         self.writer.submit(writes, tmp, ckpt.commit_when_all_written(tmp, final, self.rank, self.world))
         self.written = final
         self.checkpoint_blocked_s += time.perf_counter() - start
@@ -412,9 +406,9 @@ class Trainer:
         what the stage continues from (the checkpoint it resumed, or the previous stage's `final/`, which its
         artifact keeps beside the `state/` the job names)."""
         if self.resumed is not None:
-            folder, what = self.resumed / "hf", f"the export of {self.resumed.name}"
+            folder, what = CheckpointFolder(self.resumed).hf, f"the export of {self.resumed.name}"
         elif self.job.init_from is not None:
-            folder, what = self.job.init_from.parent / "final", "the previous stage's exported model"
+            folder, what = ModelArtifact(self.job.init_from.parent).final, "the previous stage's exported model"
         elif self.job.init_weights is not None:
             folder, what = self.job.init_weights, "the starting checkpoint"
         else:
@@ -431,7 +425,7 @@ class Trainer:
             torch.distributed.barrier()
 
 
-def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> StageResult:
+def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> TrainResult:
     # grad mode is per thread, and libraries run in the same process (lighteval) switch it off globally
     with torch.enable_grad():
         return Trainer(job, callbacks).fit()
@@ -477,9 +471,16 @@ def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor]
 
 
 def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> None:
-    """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is."""
+    """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is. The tokenizer must be
+    complete where the rank runs: an export without it would load in nothing, so a missing file fails the step."""
+    missing = [name for name in REQUIRED_TOKENIZER_FILES if not (tokenizer_dir / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"the tokenizer at {tokenizer_dir} has no {', '.join(missing)} on "
+                                f"{socket.gethostname()}: the exported checkpoint would not load. Under a cluster the "
+                                "tokenizer must be under how.orchestration.cluster.shared_root, where every node sees "
+                                "it")
     model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
 
@@ -496,14 +497,15 @@ def main(argv: list[str] | None = None) -> int:
     job_path = Path(args[0])
     signal.signal(signal.SIGUSR1, _stop_requested)
     rank, _, _ = dist_env()
+    job = TrainJob.read(job_path)
     try:
-        result = train_stage(TrainJob.read(job_path))
+        result = train_stage(job)
     except StopRequested as stopped:
         log.warning("%s", stopped)
         _leave_group()
         return 0  # no result.json: the job is requeued and resumes from the checkpoint
     if rank == 0:
-        (job_path.parent / "result.json").write_text(json.dumps(result.__dict__))
+        result.write(WorkFolder(job.workdir).train_result)
     _leave_group()
     return 0
 

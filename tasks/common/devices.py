@@ -1,5 +1,6 @@
-"""Where post-training and evaluation run, from `how`: the GPU with bf16 autocast when the spec asks for a GPU
-and bf16 and CUDA is here; otherwise the CPU in fp32 (bf16 on CPU is slower than fp32, and is refused there)."""
+"""The device post-training and evaluation compute on, from `how`: the GPU with bf16 autocast when the spec asks
+for a GPU and bf16 and CUDA is here; otherwise the CPU in fp32 (bf16 on CPU is slower than fp32, and is refused
+there). Where the step itself runs is its placement (tasks/steps/placement.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from compass.specs.how import How
 
 
 @dataclass(frozen=True)
-class Placement:
+class Device:
     device: str  # "cuda" or "cpu"
     bf16: bool
 
@@ -18,8 +19,8 @@ class Placement:
         return "bfloat16" if self.bf16 else "float32"
 
 
-def placement(how: How) -> Placement:
+def device_for(how: How) -> Device:
     import torch
 
     cuda = how.hardware.accelerator != "cpu" and torch.cuda.is_available()
-    return Placement("cuda" if cuda else "cpu", cuda and how.precision == "bf16")
+    return Device("cuda" if cuda else "cpu", cuda and how.precision == "bf16")

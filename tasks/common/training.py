@@ -1,14 +1,14 @@
 """What every training step shares (pretraining stages, long context, mid-training, ablation runs): binding a
-recipe to files and hardware (a TrainJob), running it in-process or launched over several ranks, and turning
+recipe to files and to its phase's shape (a TrainJob), running it where the step's placement says, and turning
 the trained checkpoints into the step's artifact.
 
-World size 1 trains in-process; more ranks (data parallel, or several nodes) launch the same module,
-`compass.model.training.trainer`, with torchrun or DeepSpeed's launcher (infra/launcher.py).
+One rank trains in-process; more ranks run the same module, `compass.model.training.trainer`: launched here with
+torchrun or DeepSpeed's launcher (infra/launcher.py), or, inside the step's Slurm job, started with srun over the
+job's nodes (infra/slurm.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,27 +17,28 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from compass.infra.launcher import LaunchPlan, plan_launch
+from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtifact, WorkFolder
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
+from compass.model.training.records import MetricsRow, TrainResult, read_metrics, write_metrics
 from compass.specs.how import SlurmCluster
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.placement import HERE, Placement
 
 
 def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None = None, tokens_before: int = 0,
               micro_batch_size: int | None = None) -> TrainJob:
     """The recipe bound to this step's inputs (tokenizer, tokenized sources, previous state) and `how`."""
     how = ctx.runtime.how
-    tok_dir = ctx.inputs["tokenizer"].local() / "chosen"
+    tok_dir = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
     ids = tokenizer_ids(tok_dir)
     previous = ctx.inputs.get("previous")
     state = weights = None  # a previous stage's full training state, or a starting checkpoint's weights
     if previous is not None:
-        folder = previous.local()
-        state, weights = ((folder / "state", None) if (folder / "state").exists() else (None, folder / "final"))
+        state, weights = ModelArtifact(previous.local()).continues_from()
     if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/staging.py) first
         cache = Path(how.storage.local_cache).expanduser()
         tokens = ctx.inputs_with_prefix("tokens:")
@@ -45,13 +46,19 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
         staging = Staging(store_root=ctx.store.root, cache=cache, uris={n: a.uri for n, a in tokens.items()})
     else:
         sources, staging = ctx.local_inputs("tokens:"), None
+    hardware, parallelism = how.hardware, how.parallelism
+    shape = ctx.runtime.placement.shape
+    if shape is not None:  # the phase's nodes and devices; data parallel over what tensor parallelism leaves
+        hardware = hardware.model_copy(update={"nodes": shape.nodes, "devices_per_node": shape.devices_per_node})
+        group = parallelism.tensor_parallel * parallelism.pipeline_parallel
+        parallelism = parallelism.model_copy(update={"data_parallel": max(1, shape.ranks // group)})
     return TrainJob(
         recipe=recipe, workdir=ctx.workdir, tokenizer_dir=tok_dir,
         vocab_size=recipe.architecture.vocab_size or ids.vocab_size,
         special_ids=SpecialIds(eos=ids.eos, pad=ids.pad), sources=sources, staging=staging,
         init_from=state, init_weights=weights, whole_from=whole_from,
         tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
-        parallelism=how.parallelism, precision=how.precision, hardware=how.hardware, checkpoints=how.checkpoints,
+        parallelism=parallelism, precision=how.precision, hardware=hardware, checkpoints=how.checkpoints,
         attention=how.attention, compile=how.compile, loss=how.loss, telemetry=telemetry_of(ctx))
 
 
@@ -86,28 +93,28 @@ def _single_rank_env(fresh_port: bool) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def run_training(job: TrainJob, log, cluster: SlurmCluster | None = None) -> dict[str, Any]:
-    """Run the trainer on the job: as a Slurm job when `how.orchestration.cluster` says so, else in-process for
-    one rank, launched (torchrun or DeepSpeed) for several."""
+def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: SlurmCluster | None = None) -> TrainResult:
+    """Run the trainer on the job where the step's placement says: one rank in this process; several launched
+    here (torchrun, or over ssh to how.hardware.hosts); inside the step's Slurm job, started with srun over the
+    job's nodes as `cluster.launch` says."""
     workdir = job.workdir
+    work = WorkFolder(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    job_path = workdir / "job.json"
+    job_path = work.train_job
     job.write(job_path)
     nodes = job.hardware.nodes
-    if cluster is not None:
-        from compass.infra.slurm import run_on_slurm
-
-        return run_on_slurm(slurm_shape(job, job_path), cluster, sys.executable,
-                            label=f"{workdir.parent.name}-{workdir.name[:24]}",
-                            port=job.hardware.rendezvous_port if job.world_size > 1 else free_port(), log=log)
+    if placement.mode == "slurm_job":
+        raise RuntimeError("a step placed as a Slurm job runs whole inside it (flows/runner.py), trainer included")
+    if placement.mode == "in_slurm_job" and job.world_size > 1:
+        return _ranks_in_job(job, log, cluster.launch if cluster else "srun")
     if job.world_size == 1:
         import torch.distributed as dist
 
         from compass.model.training.trainer import train_stage
 
         with _single_rank_env(fresh_port=not dist.is_initialized()):
-            result = train_stage(job).__dict__
-        (workdir / "result.json").write_text(json.dumps(result))
+            result = train_stage(job)
+        result.write(work.train_result)
         return result
     hosts = job.hardware.hosts
     if nodes > 1 and not hosts:  # a spec may be planned and costed without them, not launched
@@ -117,25 +124,43 @@ def run_training(job: TrainJob, log, cluster: SlurmCluster | None = None) -> dic
                        port=job.hardware.rendezvous_port if nodes > 1 else free_port(), python=sys.executable,
                        cwd=workdir)
     if plan.hostfile:
-        (workdir / "hostfile").write_text(plan.hostfile)
+        work.hostfile.write_text(plan.hostfile)
     for command in plan.commands:
         log.info("launching on %s: %s", command.host, command)
     _run_all(plan, workdir)
-    return json.loads((workdir / "result.json").read_text())
+    return TrainResult.read(work.train_result)
 
 
-def slurm_shape(job: TrainJob, job_path: Path):
-    """The job as the Slurm executor sees it (ranks over nodes, GPUs per node)."""
-    from compass.infra.slurm import JobShape
+def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
+    """Inside the step's Slurm job: srun starts the ranks over the job's nodes, each with its share of CPUs (and its
+    GPU); their output goes to the job's log. A stop asked before the time limit (the ranks checkpointed and left)
+    ends the step here without a result: the batch shell requeues the job."""
+    from compass.infra.launcher import TRAINER_MODULE
+    from compass.infra.slurm import ranks_command
 
+    work = WorkFolder(job.workdir)
     hw = job.hardware
-    return JobShape(job.workdir, job_path, hw.nodes, job.world_size // hw.nodes,
-                    hw.devices_per_node if hw.accelerator != "cpu" else None)
+    port = hw.rendezvous_port if hw.nodes > 1 else free_port()
+    argv = ranks_command(["-m", TRAINER_MODULE, str(work.train_job)], sys.executable, hw.nodes,
+                         job.world_size // hw.nodes, port, launch, gpus=hw.accelerator != "cpu")
+    log.info("starting %d ranks on %d node(s): %s", job.world_size, hw.nodes, " ".join(argv[:-1]))
+    work.train_result.unlink(missing_ok=True)
+    done = subprocess.run(argv, cwd=job.workdir)
+    if work.train_result.exists():
+        return TrainResult.read(work.train_result)
+    checkpoints = work.complete_checkpoints()
+    if work.stop_file.exists() and checkpoints:
+        from compass.model.training.callbacks import StopRequested
+
+        raise StopRequested(checkpoints[-1].step)
+    raise RuntimeError(f"the training ranks ended ({done.returncode}) without a result; their output is above in "
+                       f"{work.slurm_log}")
 
 
 def _run_all(plan: LaunchPlan, workdir: Path) -> None:
     """Start every node's launcher, wait for all; one failing stops the others (they would wait forever)."""
-    logs = [open(workdir / f"launcher-{i}.log", "w") for i in range(len(plan.commands))]  # noqa: SIM115
+    work = WorkFolder(workdir)
+    logs = [open(work.launcher_log(i), "w") for i in range(len(plan.commands))]  # noqa: SIM115
     procs = [subprocess.Popen(c.argv, cwd=workdir, stdout=f, stderr=subprocess.STDOUT,
                               env={**os.environ, **plan.env})
              for c, f in zip(plan.commands, logs, strict=True)]
@@ -154,17 +179,16 @@ def _run_all(plan: LaunchPlan, workdir: Path) -> None:
         for f in logs:
             f.close()
     if failed is not None:
-        tail = (workdir / f"launcher-{failed}.log").read_text()[-3000:]
+        tail = work.launcher_log(failed).read_text()[-3000:]
         raise RuntimeError(f"training failed on {plan.commands[failed].host} "
                            f"({procs[failed].returncode}); last output:\n{tail}")
 
 
 def plot_loss(metrics: Path, out: Path, title: str) -> None:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    out.write_bytes(loss_png(rows, title))
+    out.write_bytes(loss_png(read_metrics(metrics), title))
 
 
-def loss_png(rows: list[dict[str, Any]], title: str, dpi: int = 100) -> bytes:
+def loss_png(rows: list[MetricsRow], title: str, dpi: int = 100) -> bytes:
     """Training loss against tokens seen, one line per stage (points marked while there are few)."""
     import io
 
@@ -176,8 +200,8 @@ def loss_png(rows: list[dict[str, Any]], title: str, dpi: int = 100) -> bytes:
     from compass.tasks.common.plots import use_token_axis
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for stage in dict.fromkeys(r["stage"] for r in rows):
-        ax.plot([r["tokens"] for r in rows if r["stage"] == stage], [r["loss"] for r in rows if r["stage"] == stage],
+    for stage in dict.fromkeys(r.stage for r in rows):
+        ax.plot([r.tokens for r in rows if r.stage == stage], [r.loss for r in rows if r.stage == stage],
                 label=stage, marker="o" if len(rows) < 30 else None, markersize=3)
     use_token_axis(ax)
     ax.set_xlabel("tokens seen")
@@ -196,49 +220,51 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
     """Train one stage (resuming from the work folder or the store's mirror), then write the artifact: the
     final HF model, the training state the next stage continues from, every kept checkpoint, metrics and
     the loss curve. `export` adjusts each exported HF folder (e.g. the long-context inference scaling)."""
+    work = WorkFolder(ctx.workdir)
     mirror = None
     if ctx.store is not None and ctx.store.is_remote:
         from compass.infra.checkpoint_mirror import CheckpointMirror
 
-        mirror = CheckpointMirror(ctx.store, ctx.work_key, ctx.workdir / "checkpoints")
+        mirror = CheckpointMirror(ctx.store, ctx.work_key, work.checkpoints)
         restored = mirror.restore()
         if restored:
             ctx.log.info("resuming from %s, recovered from the store", restored)
         mirror.start()
     try:
-        result = run_training(job, ctx.log, ctx.runtime.how.orchestration.cluster)
+        result = run_training(job, ctx.log, ctx.runtime.placement, ctx.runtime.how.orchestration.cluster)
     finally:
         if mirror:
             mirror.stop()
     from compass.model.training import checkpoints as ckpt
 
-    kept = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")
+    out = ModelArtifact(ctx.out)
+    kept = [CheckpointFolder(p) for p in ckpt.complete_checkpoints(work.checkpoints)]
     final = kept[-1]
-    shutil.copytree(final / "hf", ctx.out / "final")
-    shutil.copytree(final, ctx.out / "state", ignore=shutil.ignore_patterns("hf"))
+    shutil.copytree(final.hf, out.final)
+    shutil.copytree(final.root, out.state, ignore=shutil.ignore_patterns(final.hf.name))
     for folder in kept:
-        shutil.copytree(folder / "hf", ctx.out / "checkpoints" / folder.name)
+        shutil.copytree(folder.hf, out.checkpoints / folder.root.name)
     if export:
-        for folder in [ctx.out / "final", *sorted((ctx.out / "checkpoints").iterdir())]:
+        for folder in [out.final, *out.kept_checkpoints()]:
             export(folder)
-    previous_metrics = ctx.inputs["previous"].local() / "metrics.jsonl" if "previous" in ctx.inputs else None
-    history = previous_metrics.read_text() if previous_metrics and previous_metrics.exists() else ""
-    (ctx.out / "metrics.jsonl").write_text(history + (ctx.workdir / "metrics.jsonl").read_text())
-    plot_loss(ctx.out / "metrics.jsonl", ctx.out / "loss.png", f"{ctx.name}: loss over all stages so far")
-    rows = [json.loads(line) for line in (ctx.workdir / "metrics.jsonl").read_text().splitlines() if line]
-    first, last = rows[0]["loss"], result["final_loss"]
-    mean_tps = sum(r["tokens_per_s"] for r in rows) / len(rows)
-    metrics = {"steps": result["steps"], "tokens": result["tokens"], "first_loss": first, "final_loss": last,
-               "val_loss": result["val_loss"], "tokens_per_s": mean_tps,
-               "mfu": sum(r["mfu"] for r in rows) / len(rows), "resumed_from": result["resumed_from"],
-               "checkpoints": [p.name for p in kept], "monitor_events": result.get("events", []),
-               "parallel": result.get("rank_check", ""), "setup": result.get("setup", {})}
-    val = ", ".join(f"{k} {v:.3f}" for k, v in result["val_loss"].items())
-    summary = (f"### {label} `{ctx.name}`\n\n{result['steps']} steps, {result['tokens']:,} tokens; "
+    history = read_metrics(ModelArtifact(ctx.inputs["previous"].local()).metrics) if "previous" in ctx.inputs else []
+    rows = read_metrics(work.metrics)
+    write_metrics(out.metrics, history + rows)
+    plot_loss(out.metrics, out.loss_plot, f"{ctx.name}: loss over all stages so far")
+    first, last = rows[0].loss, result.final_loss
+    mean_tps = sum(r.tokens_per_s or 0.0 for r in rows) / len(rows)
+    metrics = {"steps": result.steps, "tokens": result.tokens, "first_loss": first, "final_loss": last,
+               "val_loss": result.val_loss, "tokens_per_s": mean_tps,
+               "mfu": sum(r.mfu or 0.0 for r in rows) / len(rows), "resumed_from": result.resumed_from,
+               "checkpoints": [p.root.name for p in kept],
+               "monitor_events": [e.model_dump(mode="json", exclude_none=True) for e in result.events],
+               "parallel": result.rank_check, "setup": result.setup.model_dump(mode="json")}
+    val = ", ".join(f"{k} {v:.3f}" for k, v in result.val_loss.items())
+    summary = (f"### {label} `{ctx.name}`\n\n{result.steps} steps, {result.tokens:,} tokens; "
                f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s")
-    for event in result.get("events", []):
-        summary += (f"\n\n**{event['kind']}** at step {event['step']} ({event['detail']}), action {event['action']}: "
-                    f"{event['cause']}. {event['remedy']}.")
-    table = [{"step": r["step"], "loss": round(r["loss"], 4), "lr": r["lr"], "grad_norm": round(r["grad_norm"], 3)}
+    for event in result.events:
+        summary += (f"\n\n**{event.kind}** at step {event.step} ({event.detail}), action {event.action}: "
+                    f"{event.cause}. {event.remedy}.")
+    table = [{"step": r.step, "loss": round(r.loss, 4), "lr": r.lr, "grad_norm": round(r.grad_norm or 0.0, 3)}
              for r in rows[:: max(1, len(rows) // 20)]]
     return StepResult(metrics=metrics, summary=summary, tables={"loss": table})

@@ -20,6 +20,8 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
+from compass.infra.layout import HELDOUT, TRAIN
+
 FILTERS: dict[str, type[BaseFilter]] = {
     "gopher_quality": GopherQualityFilter,
     "gopher_repetition": GopherRepetitionFilter,
@@ -76,7 +78,7 @@ class SplitTagger(PipelineStep):
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         for doc in data:
-            split = "heldout" if heldout_bucket(doc.id) < self.heldout_fraction else "train"
+            split = HELDOUT if heldout_bucket(doc.id) < self.heldout_fraction else TRAIN
             doc.metadata["split"] = split
             self.stat_update(split)
             yield doc

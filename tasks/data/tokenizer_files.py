@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-HUB_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
 
 @dataclass(frozen=True)
 class TokenizerIds:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from typing import Any
 
+from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
 from compass.model.training.job import StageRecipe
 from compass.model.training.schedules import schedule_shape
 from compass.specs.ablation import AblationBaseline
@@ -19,6 +21,7 @@ from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.kinds.gate import gate_inputs
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 
 class AblateConfig(StepConfig):
@@ -97,36 +100,35 @@ def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
         steps = schedule_shape(recipe.schedule, recipe.stages).stages[0].steps
         job = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={
             "every_steps": max(1, math.ceil(steps / (cfg.probes + 1))), "keep_last": cfg.probes + 2})})
-    result = run_training(job, ctx.log, ctx.runtime.how.orchestration.cluster)
-    val = result["val_loss"]
+    result = run_training(job, ctx.log, ctx.runtime.placement, ctx.runtime.how.orchestration.cluster)
+    val = result.val_loss
     metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,
                **{f"val_loss:{source}": loss for source, loss in val.items()},
-               "final_loss": result["final_loss"], "tokens": result["tokens"], "seed": cfg.seed,
+               "final_loss": result.final_loss, "tokens": result.tokens, "seed": cfg.seed,
                "change": cfg.change}
     if cfg.benchmarks:
         probes = _probe_evaluations(ctx, job.recipe.current.global_batch_size * job.recipe.current.sequence_length)
         metrics |= {k: v for k, v in probes[-1].items() if k != "tokens"} | {"probes": probes}
-    (ctx.out / "metrics.jsonl").write_text((ctx.workdir / "metrics.jsonl").read_text())
+    shutil.copy(WorkFolder(ctx.workdir).metrics, ModelArtifact(ctx.out).metrics)
     shown = ", ".join(f"{m} {metrics[m]:.4f}" for m in cfg.metrics if isinstance(metrics.get(m), float))
     summary = (f"### ablation `{ctx.name}`\n\nchange {cfg.change or 'none (baseline)'}; {shown} after "
-               f"{result['tokens']:,} tokens")
+               f"{result.tokens:,} tokens")
     return StepResult(metrics=metrics, summary=summary)
 
 
 def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> list[dict[str, Any]]:
     """The benchmarks on every kept checkpoint of the run, oldest first (the last is the run's end)."""
     from compass.model.training import checkpoints as ckpt
-    from compass.tasks.common.devices import placement
+    from compass.tasks.common.devices import device_for
     from compass.tasks.kinds.evaluate import run_lighteval
 
     points = []
-    folders = ckpt.complete_checkpoints(ctx.workdir / "checkpoints")
+    folders = [CheckpointFolder(p) for p in ckpt.complete_checkpoints(WorkFolder(ctx.workdir).checkpoints)]
     for folder in folders if ctx.config.probes else folders[-1:]:
-        scratch = ctx.scratch / folder.name
+        scratch = ctx.scratch / folder.root.name
         scratch.mkdir(parents=True, exist_ok=True)
-        results, _ = run_lighteval(folder / "hf", ctx.config.benchmarks, scratch, placement(ctx.runtime.how))
-        step = int(folder.name.split("-")[1])
-        points.append({"tokens": step * tokens_per_step,
+        results, _ = run_lighteval(folder.hf, ctx.config.benchmarks, scratch, device_for(ctx.runtime.how))
+        points.append({"tokens": folder.step * tokens_per_step,
                        **{f"{task}/{m}": float(v) for task, values in results.items() for m, v in values.items()
                           if not m.endswith("_stderr")}})
     return points
@@ -240,7 +242,8 @@ def _plot(rows: list[dict], metric: str, out) -> None:
     plt.close(fig)
 
 
-ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", uses_accelerator=True, trains=True,
+ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", resources=phase("ablation"),
+                  trains=True,
                   imports=TRANSFORMERS, deployment="ablations", tags=("ablation",))
 COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="2", deployment="ablations",
                    tags=("ablation",))

@@ -14,12 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from compass.tasks.data.tokenizer_files import HUB_FILES
+from compass.infra.layout import TOKENIZER_FILES, ModelArtifact
 from compass.tasks.kinds.gate import gate_inputs, weights_digest
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
-TOKENIZER_FILES = (*HUB_FILES, "chat_template.jinja")
 NOT_COPIED = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", ".cache", ".git*")
 
 
@@ -80,14 +80,15 @@ def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
     if not (source / "tokenizer.json").exists():
         raise ValueError(f"{cfg.init_from} has no tokenizer.json: compass trains with its fast tokenizer; save one "
                          "beside the weights")
-    shutil.copytree(source, ctx.out / "final", ignore=shutil.ignore_patterns(*NOT_COPIED))
-    (ctx.out / "chosen").mkdir()
+    out = ModelArtifact(ctx.out)
+    shutil.copytree(source, out.final, ignore=shutil.ignore_patterns(*NOT_COPIED))
+    out.tokenizer.mkdir()
     for name in TOKENIZER_FILES:
         if (source / name).exists():
-            shutil.copy(source / name, ctx.out / "chosen" / name)
-    ids = tokenizer_ids(ctx.out / "chosen")  # fails here, named, when the tokenizer lacks an end-of-text token
+            shutil.copy(source / name, out.tokenizer / name)
+    ids = tokenizer_ids(out.tokenizer)  # fails here, named, when the tokenizer lacks an end-of-text token
     config = json.loads((source / "config.json").read_text())
-    weights = weights_digest(ctx.out / "final")
+    weights = weights_digest(out.final)
     origin = {"model": cfg.init_from, "source": cfg.location, "revision": cfg.stamp, "weights_sha256": weights}
     metrics = {**origin, "model_type": config.get("model_type"), "vocab_size": ids.vocab_size,
                "max_position_embeddings": config.get("max_position_embeddings")}
@@ -96,6 +97,7 @@ def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
     return StepResult(metrics=metrics, summary=summary, provenance=[origin])
 
 
-KIND = StepKind("base_model", BaseModelConfig, run_base_model, build, version="1", imports=TRANSFORMERS,
+KIND = StepKind("base_model", BaseModelConfig, run_base_model, build, version="1", resources=phase("data"),
+                imports=TRANSFORMERS,
                 produces_model=True, tags=("model",))
 STEP_KINDS = (KIND,)

@@ -1,7 +1,8 @@
 """Curation with datatrove: filters -> language id -> exact dedup -> MinHash dedup -> train/held-out shards.
 
-Each stage is a datatrove pipeline run by its LocalPipelineExecutor (RayPipelineExecutor under
-`how.orchestration.task_runner: ray`); compass only wires the blocks the spec names and collects stats.
+Each stage is a datatrove pipeline run by its LocalPipelineExecutor with the data phase's CPUs (in this process,
+or inside the step's Slurm job), or by its RayPipelineExecutor when the step is placed on Ray tasks; compass only
+wires the blocks the spec names and collects stats.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from compass.infra.die_with_parent import children_die_with_this_thread
+from compass.infra.layout import HELDOUT, SPLITS, TRAIN, CuratedArtifact
 from compass.specs.base import Issue
 from compass.specs.data import Curation
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps.context import Runtime, StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -123,19 +126,20 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
                         JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz",
                                     adapter=portable_record)], n_shards))
 
-    after = {split: _measure(ctx.out / split) for split in ("train", "heldout")}
-    kept = {k: after["train"][k] + after["heldout"][k] for k in before}
+    curated = CuratedArtifact(ctx.out)
+    after = {split: _measure(curated.split(split)) for split in SPLITS}
+    kept = {k: after[TRAIN][k] + after[HELDOUT][k] for k in before}
     reasons = _removal_reasons(stages)
     stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons, "stages": stages,
              "dropped_at_ingest": ctx.inputs["raw"].manifest.metrics.get("dropped", {})}
-    (ctx.out / "stats.json").write_text(json.dumps(stats, indent=2))
+    curated.stats.write_text(json.dumps(stats, indent=2))
     if kept["documents"] == 0:
         raise ValueError(f"curation of {ctx.name} removed every document ({reasons}); loosen its filters")
     metrics = {
         "documents_in": before["documents"], "documents_out": kept["documents"],
         "words_in": before["words"], "words_out": kept["words"],
         "bytes_in": before["bytes"], "bytes_out": kept["bytes"],
-        "train_documents": after["train"]["documents"], "heldout_documents": after["heldout"]["documents"],
+        "train_documents": after[TRAIN]["documents"], "heldout_documents": after[HELDOUT]["documents"],
         "removed_by": reasons,
     }
     rows = [{"measure": m, "in": before[m], "out": kept[m], "kept %": round(100 * kept[m] / max(1, before[m]), 1)}
@@ -148,10 +152,12 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
 
 
 def _run(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int) -> dict[str, Any]:
-    """Run one datatrove pipeline and return its merged block statistics."""
+    """Run one datatrove pipeline with the executor the step's placement says (datatrove's Ray executor for
+    ray_tasks, else its local one with the phase's CPUs) and return its merged block statistics."""
     logging_dir = logs / stage
     orch = runtime.how.orchestration
-    if orch.task_runner == "ray":
+    placement = runtime.placement
+    if placement.mode == "ray_tasks":
         from datatrove.executor import RayPipelineExecutor
 
         executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=orch.workers,
@@ -161,7 +167,8 @@ def _run(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int) -
         from datatrove.executor import LocalPipelineExecutor
 
         multiprocess.set_forkserver_preload(["compass.infra.forkserver_preload"])  # its workers die with this run
-        executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, orch.workers),
+        workers = placement.shape.cpus_per_node if placement.shape and placement.shape.cpus_per_node else orch.workers
+        executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, workers),
                                          logging_dir=str(logging_dir), skip_completed=False)
     with children_die_with_this_thread():  # datatrove's Manager process too
         executor.run()
@@ -232,6 +239,6 @@ def _measure(folder: Path) -> dict[str, int]:
     return {"documents": docs, "words": words, "bytes": size}
 
 
-KIND = StepKind("curate", CurateConfig, run_curate, build, version="2", spreads_itself=True, tags=("data",),
+KIND = StepKind("curate", CurateConfig, run_curate, build, version="2", resources=phase("data"), tags=("data",),
                 check_machine=check_machine)
 STEP_KINDS = (KIND,)

@@ -11,10 +11,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from compass.infra.layout import SPLITS, CuratedArtifact, TokenizerArtifact
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
+from compass.tasks.steps.placement import phase
 
 BATCH = 256
 
@@ -54,14 +56,14 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
 
     from compass.model.training.token_files import token_dtype, write_meta, write_split
 
-    tok_dir = ctx.inputs["tokenizer"].local() / "chosen"
+    tok_dir = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     eos = tokenizer_ids(tok_dir).eos
     dtype = token_dtype(tok.get_vocab_size())
-    curated = ctx.inputs["curated"].local()
+    curated = CuratedArtifact(ctx.inputs["curated"].local())
     metrics: dict[str, int] = {}
-    for split in ("train", "heldout"):
-        documents, tokens = write_split(ctx.out, split, _ids(tok, _texts(curated / split)), eos, dtype)
+    for split in SPLITS:
+        documents, tokens = write_split(ctx.out, split, _ids(tok, _texts(curated.split(split))), eos, dtype)
         metrics[f"{split}_documents"] = documents
         metrics[f"{split}_tokens"] = tokens
     write_meta(ctx.out, dtype, eos, tok.get_vocab_size())
@@ -70,6 +72,6 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     return StepResult(metrics=metrics, summary=summary)
 
 
-KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="1", tags=("data",),
+KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="1", resources=phase("data"), tags=("data",),
                 imports=TRANSFORMERS)
 STEP_KINDS = (KIND,)

@@ -13,15 +13,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from compass.infra.layout import FINAL, HELDOUT, ModelArtifact
 from compass.model.training.history import kept_checkpoints, tokens_seen
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
 from compass.specs.spec import TrainingSpec
-from compass.tasks.common.devices import Placement, placement
+from compass.tasks.common.devices import Device, device_for
 from compass.tasks.kinds.encode_tokens import tokens_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 
 class Retrieval(BaseModel):
@@ -132,7 +134,7 @@ def custom_tasks_module(tasks: list[Benchmark], scratch: Path) -> tuple[Path, li
 
 
 def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path,
-                  where: Placement | None = None) -> tuple[dict, list[dict]]:
+                  where: Device | None = None) -> tuple[dict, list[dict]]:
     """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance)."""
     from compass.infra.lighteval_compat import install
 
@@ -142,7 +144,7 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path,
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
 
     module, provenance = custom_tasks_module(tasks, scratch)
-    where = where or Placement("cpu", bf16=False)
+    where = where or Device("cpu", bf16=False)
     by_limit: dict[int | None, list[Benchmark]] = {}
     for t in tasks:  # one pipeline (one model load) per sample limit
         by_limit.setdefault(t.limit, []).append(t)
@@ -194,7 +196,7 @@ def trained_length(config: Any) -> int:
 
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
                    retrieval: Retrieval | None = None, haystack: Path | None = None,
-                   where: Placement | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
+                   where: Device | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
     """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
     import numpy as np
     import torch
@@ -234,7 +236,7 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
         from compass.model.training.token_files import TokenizedSource
         from compass.tasks.evaluation.retrieval import passkey_accuracy
 
-        text = TokenizedSource(haystack, "heldout").tokens
+        text = TokenizedSource(haystack, HELDOUT).tokens
         cells = passkey_accuracy(model_dir, np.asarray(text), retrieval.lengths, retrieval.depths, retrieval.samples)
         for length in retrieval.lengths:
             at = [c for c in cells if c["length"] == length]
@@ -257,9 +259,9 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     sources = ctx.local_inputs("tokens:")
     retrieval = ctx.config.retrieval
     haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
-    where = placement(ctx.runtime.how)
-    final_metrics, rows, provenance = evaluate_model(model_folder / "final", suite, sources, ctx.scratch / "final",
-                                                     retrieval, haystack, where)
+    where = device_for(ctx.runtime.how)
+    final_metrics, rows, provenance = evaluate_model(ModelArtifact(model_folder).final, suite, sources,
+                                                     ctx.scratch / FINAL, retrieval, haystack, where)
     curve = []
     if ctx.config.every_checkpoint:
         checkpoints = kept_checkpoints(model_folder)
@@ -269,7 +271,7 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
         curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})
     else:
-        curve.append({"checkpoint": "final", "tokens": tokens_seen(model_folder), **final_metrics})
+        curve.append({"checkpoint": FINAL, "tokens": tokens_seen(model_folder), **final_metrics})
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
                "curve": curve}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
@@ -302,7 +304,6 @@ def _shown(values: dict[str, Any]) -> str:
 
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
-KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", uses_accelerator=True,
-                whole_step_on_cluster=True,
+KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", resources=phase("evaluation"),
                 imports=TRANSFORMERS, tags=("evaluation",), check_machine=check_machine)
 STEP_KINDS = (KIND,)

@@ -19,6 +19,7 @@ from compass.specs.why import ProductionWhy, SuccessCriterion
 from compass.tasks.kinds.success_report import OPS
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 NOT_JUSTIFIED = "not justified"
 
@@ -90,12 +91,12 @@ def weights_digest(folder: Path) -> str:
 
 
 def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
-    from compass.tasks.common.devices import placement
+    from compass.tasks.common.devices import device_for
     from compass.tasks.kinds.evaluate import run_lighteval
 
     cfg = ctx.config
     folder, origin = resolve_model(cfg.model, ctx.scratch)
-    results, provenance = run_lighteval(folder, cfg.benchmarks, ctx.scratch, placement(ctx.runtime.how))
+    results, provenance = run_lighteval(folder, cfg.benchmarks, ctx.scratch, device_for(ctx.runtime.how))
     scores = {f"{task}/{m}": float(v) for task, values in results.items() for m, v in values.items()
               if not m.endswith("_stderr")}
     rows = []
@@ -130,6 +131,7 @@ def stops_the_run(metrics: dict[str, Any]) -> str | None:
             "reason to train anyway")
 
 
-KIND = StepKind("gate", GateConfig, run_gate, build, version="1", uses_accelerator=True, imports=TRANSFORMERS,
+KIND = StepKind("gate", GateConfig, run_gate, build, version="1", resources=phase("evaluation"),
+                imports=TRANSFORMERS,
                 tags=("gate",), stops_run=stops_the_run)
 STEP_KINDS = (KIND,)

@@ -21,6 +21,7 @@ from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 DOCS_PER_SHARD = 500
 # a document is a page, a file, a book: ~1 MB of text at most. A 100 MB single-line "document" (a dump, a
@@ -346,5 +347,6 @@ def _group(parts: list[str], target: int) -> list[str]:
 
 # 2: binary and non-UTF-8 files are skipped (they were decoded with U+FFFD replacements)
 # 3: records with NUL bytes or mostly U+FFFD are dropped; files and lines are read with a byte cap
-KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="3", tags=("data",), check_machine=check_machine)
+KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="3", resources=phase("data"), tags=("data",),
+                check_machine=check_machine)
 STEP_KINDS = (KIND,)

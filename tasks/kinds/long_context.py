@@ -17,6 +17,7 @@ from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 
 class LongContextConfig(StepConfig):
@@ -99,6 +100,7 @@ def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
 
 
 # 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2); 3: the training core of pretrain 2
-KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="3", uses_accelerator=True,
+KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="3",
+                resources=phase("long_context"),
                 trains=True, imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

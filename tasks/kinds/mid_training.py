@@ -5,33 +5,50 @@ from __future__ import annotations
 
 import json
 
+from compass.infra.layout import ModelArtifact
 from compass.model.training.history import tokens_seen
 from compass.specs.architecture import Architecture
 from compass.specs.post_training import MidTraining
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule, Yarn
 from compass.tasks.common.training import build_job, train_and_export
+from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.kinds.long_context import continuation, inference_scaling
-from compass.tasks.kinds.post_train import PostTrainConfig
+from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 
-class MidTrainingConfig(MidTraining, PostTrainConfig):
+class MidTrainingConfig(MidTraining, StepConfig):
     """The spec's mid-training step, with the architecture, optimizer and monitors it trains with."""
 
+    seed: int
     architecture: Architecture
     optimizer: Optimizer
     monitors: Monitors
     intra_document_masking: bool
 
 
+def add_step(plan: PlanBuilder, step: MidTraining, previous: str) -> str:
+    """One mid-training step of the spec's post-training list, continuing `previous` (its builder is
+    post-training's, which keeps the list's order)."""
+    what = plan.spec.what
+    pt = what.pretraining
+    config = MidTrainingConfig(**dict(step), seed=pt.seed, architecture=what.architecture, optimizer=pt.optimizer,
+                               monitors=pt.monitors, intra_document_masking=pt.intra_document_masking)
+    inputs = {"tokenizer": tokenizer_step(plan), "previous": previous, **data_inputs(plan, [step.dataset])}
+    return plan.add(KIND, step.name, config, inputs)
+
+
 def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
     cfg = ctx.config
     previous = ctx.inputs["previous"].local()
-    if not (previous / "state").exists() and ctx.inputs["previous"].step_id.split(":")[0] != "base_model":
+    artifact = ModelArtifact(previous)
+    if not artifact.state.exists() and ctx.inputs["previous"].step_id.split(":")[0] != "base_model":
         raise ValueError(f"mid-training {ctx.name} continues a training state or a starting checkpoint, and "
                          f"{ctx.inputs['previous'].step_id} is neither: put mid-training right after pretraining, "
                          "long-context extension, or what.model.init_from")
-    hf = json.loads((previous / "final" / "config.json").read_text())
+    hf = json.loads((artifact.final / "config.json").read_text())
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     length = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
@@ -45,3 +62,9 @@ def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
     result = train_and_export(ctx, job, "mid-training", inference_scaling(scaling, length, theta))
     result.metrics.update({"method": "mid_training", "sequence_length": length})
     return result
+
+
+KIND = StepKind("mid_training", MidTrainingConfig, run_mid_training, None, version="1",
+                resources=phase("mid_training"),
+                trains=True, imports=TRANSFORMERS, produces_model=True, tags=("training",))
+STEP_KINDS = (KIND,)

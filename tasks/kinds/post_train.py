@@ -1,6 +1,7 @@
 """Post-training steps with TRL: SFT (assistant-only loss), preference optimisation (DPO and its loss types,
 ORPO, KTO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD);
-mid-training (continued pretraining on a curated source) runs on compass's own engine (tasks/mid_training.py).
+mid-training (continued pretraining on a curated source) is its own kind on compass's trainer
+(tasks/kinds/mid_training.py).
 
 Each step starts from the previous model step's final weights, exports a Hugging Face folder with its
 tokenizer and chat template, continues the metrics history (tokens keep counting), and answers the spec's
@@ -14,9 +15,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from compass.infra.layout import ModelArtifact
 from compass.model.training.history import tokens_seen
+from compass.model.training.records import MetricsRow, read_metrics, write_metrics
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
-from compass.tasks.common.devices import placement
+from compass.tasks.common.devices import device_for
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import (
@@ -29,6 +32,7 @@ from compass.tasks.post_training.datasets import (
 )
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 
 class PostTrainConfig(StepConfig):
@@ -60,32 +64,30 @@ CONFIGS: dict[str, type[PostTrainConfig]] = {"sft": SftConfig, "dpo": Preference
 
 
 def build(plan: PlanBuilder) -> None:
-    from compass.tasks.kinds.encode_tokens import data_inputs
-    from compass.tasks.kinds.mid_training import MidTrainingConfig
+    """The spec's post-training list in order, each step continuing the one before; mid-training entries are
+    steps of their own kind (tasks/kinds/mid_training.py: compass's trainer, not TRL)."""
+    from compass.tasks.kinds import mid_training
 
     what = plan.spec.what
     pt = what.pretraining
     common = {"seed": pt.seed, "vibe_prompts": what.evaluation.vibe_prompts}
     previous = plan.model_steps[-1]
     for i, post in enumerate(what.post_training):
+        if isinstance(post, MidTraining):
+            previous = mid_training.add_step(plan, post, previous)
+            continue
         inputs = {"tokenizer": tokenizer_step(plan), "previous": previous}
-        if isinstance(post, MidTraining):  # the pretraining engine, on the tokenized source
-            config: PostTrainConfig = MidTrainingConfig(
-                **dict(post), **common, architecture=what.architecture, optimizer=pt.optimizer,
-                monitors=pt.monitors, intra_document_masking=pt.intra_document_masking)
-            inputs.update(data_inputs(plan, [post.dataset]))
-        else:
-            config = CONFIGS[post.method](**dict(post), **common)
-            at = ("what", "post_training", i)
-            refs = []
-            if isinstance(post, Preference) and post.pairs and post.pairs.kind == "strong_vs_weak":
-                refs = [("strong", post.pairs.strong, (*at, "pairs", "strong")),
-                        ("weak", post.pairs.weak, (*at, "pairs", "weak"))]
-            elif isinstance(post, Distillation):
-                refs = [("teacher", post.teacher, (*at, "teacher"))]
-            for role, ref, loc in refs:
-                if (resolved := plan.checkpoint(ref, loc)) is not None:
-                    inputs[role] = resolved
+        config = CONFIGS[post.method](**dict(post), **common)
+        at = ("what", "post_training", i)
+        refs = []
+        if isinstance(post, Preference) and post.pairs and post.pairs.kind == "strong_vs_weak":
+            refs = [("strong", post.pairs.strong, (*at, "pairs", "strong")),
+                    ("weak", post.pairs.weak, (*at, "pairs", "weak"))]
+        elif isinstance(post, Distillation):
+            refs = [("teacher", post.teacher, (*at, "teacher"))]
+        for role, ref, loc in refs:
+            if (resolved := plan.checkpoint(ref, loc)) is not None:
+                inputs[role] = resolved
         previous = plan.add(KIND, post.name, config, inputs)
 
 
@@ -94,7 +96,7 @@ MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many char
 
 def _common_args(ctx: StepContext[TrlConfig], tokens: bool = True) -> dict[str, Any]:
     cfg = ctx.config
-    where = placement(ctx.runtime.how)
+    where = device_for(ctx.runtime.how)
     args = dict(output_dir=str(ctx.scratch / "trainer"), learning_rate=cfg.lr, num_train_epochs=cfg.epochs,
                 per_device_train_batch_size=cfg.batch_size, use_cpu=where.device == "cpu", bf16=where.bf16,
                 report_to="none",
@@ -157,7 +159,7 @@ def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[st
         rows = trained_rows(conversations, [list(r) for r in trainer.train_dataset["input_ids"]], tokenizer)
         system_prompts_kept([c for c, _ in rows], [r for _, r in rows], tokenizer)
         facts["left_out_too_long"] = len(conversations) - len(rows)
-        with open(ctx.out / "sft_samples.jsonl", "w") as f:  # what training saw, to compare with the template
+        with open(ModelArtifact(ctx.out).sft_samples, "w") as f:  # what training saw, to compare with the template
             f.writelines(json.dumps({"messages": c, "input_ids": r}) + "\n" for c, r in rows[:8])
     trainer.train()
     return trainer, {"examples": len(data), **facts}
@@ -188,7 +190,8 @@ the preference losses would divide by zero), are dropped."""
     cfg = ctx.config
     conversations = _conversations(ctx, seed=1, limit=cfg.max_samples)
     prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg.max_length - PAIR_TOKENS)
-    answers = {role: answer_prompts(ctx.inputs[role].local() / "final", prompts) for role in ("strong", "weak")}
+    answers = {role: answer_prompts(ModelArtifact(ctx.inputs[role].local()).final, prompts)
+               for role in ("strong", "weak")}
     return [{"prompt": p, "chosen": [{"role": "assistant", "content": s}],
              "rejected": [{"role": "assistant", "content": w}]}
             for p, s, w in zip(prompts, answers["strong"], answers["weak"], strict=True) if s and w and s != w]
@@ -209,7 +212,8 @@ def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str,
         if pairs_spec.easiest_first:
             problems.sort(key=lambda p: (len(p["answer"].lstrip("-")), len(p["question"])))  # stable: seeded order
         problems = problems[:cfg.max_samples] if cfg.max_samples else problems
-        pairs = on_policy_pairs(ctx.inputs["previous"].local() / "final", problems, pairs_spec.samples_per_prompt,
+        pairs = on_policy_pairs(ModelArtifact(ctx.inputs["previous"].local()).final, problems,
+                                pairs_spec.samples_per_prompt,
                                 pairs_spec.verifier, 32, PAIR_SEED)
         why = (f"no problem got both a right and a wrong answer among {pairs_spec.samples_per_prompt} "
                "samples; sample more per prompt, or start from a stronger checkpoint")
@@ -228,7 +232,7 @@ def run_preference(ctx: StepContext[PreferenceConfig], model, tokenizer) -> tupl
 
     cfg = ctx.config
     pairs = build_pairs(ctx, tokenizer)
-    with open(ctx.out / "pairs.jsonl", "w") as f:
+    with open(ModelArtifact(ctx.out).pairs, "w") as f:
         f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs)
     common = _common_args(ctx)
     if cfg.method == "dpo":
@@ -307,7 +311,7 @@ def run_distill(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[Any,
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     cfg = ctx.config
-    teacher, _ = load_chat_model(ctx.inputs["teacher"].local() / "final")
+    teacher, _ = load_chat_model(ModelArtifact(ctx.inputs["teacher"].local()).final)
     if cfg.student_layers:
         kept = keep_layers(model, cfg.student_layers)
         ctx.log.info("distill %s: student keeps layers %s of %d", ctx.name, kept, teacher.config.num_hidden_layers)
@@ -347,20 +351,17 @@ METHODS = {"sft": run_sft, "dpo": run_preference, "orpo": run_preference, "kto":
 
 
 def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
-    from compass.tasks.kinds.mid_training import MidTrainingConfig, run_mid_training
-
     cfg = ctx.config
-    if isinstance(cfg, MidTrainingConfig):
-        return run_mid_training(ctx)
     method = cfg.method
-    previous = ctx.inputs["previous"].local()
-    model, tokenizer = load_chat_model(previous / "final")
+    previous = ModelArtifact(ctx.inputs["previous"].local())
+    out = ModelArtifact(ctx.out)
+    model, tokenizer = load_chat_model(previous.final)
     lora = getattr(cfg, "peft", None)
     adapters: dict[str, Any] = {}
     if lora is not None:
         from compass.tasks.post_training.adapters import with_adapters
 
-        model = with_adapters(model, tokenizer, lora, ctx.scratch / "base", placement(ctx.runtime.how))
+        model = with_adapters(model, tokenizer, lora, ctx.scratch / "base", device_for(ctx.runtime.how))
         trainable, total = model.get_nb_trainable_parameters()
         adapters = {"peft": lora.kind, "trainable_parameters": trainable, "total_parameters": total}
     trainer, facts = METHODS[method](ctx, model, tokenizer)
@@ -369,31 +370,29 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     if broken:
         raise FloatingPointError(f"post_training {ctx.name}: {method} left non-finite weights ({broken[0]} and "
                                  f"{len(broken) - 1} more); lower lr or check the data; nothing was committed")
-    final = ctx.out / "final"
     if lora is not None:  # full weights with the adapter merged, the adapter beside them
         from compass.tasks.post_training.adapters import export_merged
 
-        exported = export_merged(trainer.model, ctx.scratch / "base", final, ctx.out / "adapter")
+        exported = export_merged(trainer.model, ctx.scratch / "base", out.final, out.adapter)
     else:
         exported = trainer.model
         exported.config.use_cache = False
-        exported.save_pretrained(str(final), safe_serialization=True)
-    tokenizer.save_pretrained(str(final))
-    before = tokens_seen(previous) or 0
-    history = (previous / "metrics.jsonl").read_text() if (previous / "metrics.jsonl").exists() else ""
+        exported.save_pretrained(str(out.final), safe_serialization=True)
+    tokenizer.save_pretrained(str(out.final))
+    before = tokens_seen(previous.root) or 0
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    rows = [{"step": i + 1, "stage": ctx.name, "stage_step": h.get("step", i + 1), "loss": h["loss"],
-             "tokens": before + int(h.get("num_input_tokens_seen", 0)), "method": method}
+    rows = [MetricsRow(step=i + 1, stage=ctx.name, stage_step=h.get("step", i + 1), loss=h["loss"],
+                       tokens=before + int(h.get("num_input_tokens_seen", 0)), method=method)
             for i, h in enumerate(logs)]
-    (ctx.out / "metrics.jsonl").write_text(history + "".join(json.dumps(r) + "\n" for r in rows))
+    write_metrics(out.metrics, read_metrics(previous.metrics) + rows)
     vibe = _vibe_check(ctx, exported, tokenizer)
     shutil.rmtree(ctx.scratch / "trainer", ignore_errors=True)
     metrics = {"method": method, "steps": trainer.state.global_step, "first_loss": logs[0]["loss"] if logs else None,
-               "final_loss": logs[-1]["loss"] if logs else None, "tokens": rows[-1]["tokens"] - before if rows else 0,
+               "final_loss": logs[-1]["loss"] if logs else None, "tokens": rows[-1].tokens - before if rows else 0,
                **facts}
     shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     summary = f"### {method} `{ctx.name}`\n\n{shown}" + (f"\n\n{vibe}" if vibe else "")
-    table = [{"step": r["stage_step"], "loss": round(r["loss"], 4)} for r in rows[:: max(1, len(rows) // 20)]]
+    table = [{"step": r.stage_step, "loss": round(r.loss, 4)} for r in rows[:: max(1, len(rows) // 20)]]
     return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
 
 
@@ -415,14 +414,15 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
     answers = generate(model, tokenizer, [c for _, _, c in asked], max_new_tokens=48)
     text = "#### vibe check\n\n" + "\n\n".join(f"**{p}**{f' ({mode})' if mode else ''}\n\n> {a or '(empty)'}"
                                                  for (p, mode, _), a in zip(asked, answers, strict=True))
-    (ctx.out / "vibe_check.md").write_text(text + "\n")
-    (ctx.out / "vibe_check.json").write_text(json.dumps([{"prompt": p, "mode": mode or None, "answer": a}
+    out = ModelArtifact(ctx.out)
+    out.vibe_check.write_text(text + "\n")
+    out.vibe_answers.write_text(json.dumps([{"prompt": p, "mode": mode or None, "answer": a}
                                                          for (p, mode, _), a in zip(asked, answers, strict=True)],
                                                         indent=1))
     return text
 
 
-KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2", uses_accelerator=True, trains=True,
-                whole_step_on_cluster=True,
+KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2",
+                resources=phase("post_training"), trains=True,
                 imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

@@ -9,6 +9,7 @@ from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.kinds.gate import gate_inputs
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 
 class PretrainConfig(StageRecipe, StepConfig):
@@ -39,6 +40,7 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 
 
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
-KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", uses_accelerator=True, trains=True,
+KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", resources=phase("pretraining"),
+                trains=True,
                 imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

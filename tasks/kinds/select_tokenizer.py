@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from compass.infra.layout import HELDOUT, TOKENIZER_FILES, TRAIN, CuratedArtifact, TokenizerArtifact
 from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
 from compass.specs.tokenizer import HubCandidate, Tokenizer
-from compass.tasks.data.tokenizer_files import HUB_FILES
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
 
 STEP_ID = "tokenizer:select"
 _CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
@@ -61,7 +62,7 @@ def hub_snapshot(candidate: HubCandidate) -> Path:
 
     try:
         folder = Path(snapshot_download(candidate.repo, revision=candidate.revision, local_files_only=True,
-                                        allow_patterns=list(HUB_FILES), cache_dir=hub_cache()))
+                                        allow_patterns=list(TOKENIZER_FILES), cache_dir=hub_cache()))
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
         raise HubTokenizerMissing(str(exc)) from None
     if not (folder / "tokenizer.json").exists():
@@ -84,8 +85,8 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
             except HubTokenizerMissing:
                 yield Issue((*at, "repo"), f"the tokenizer '{c.repo}' (revision {c.revision}) is not in the local "
                             f"Hugging Face cache ({hub_cache()}) and cannot be downloaded offline",
-                            f"on a machine with network run `hf download {c.repo} {' '.join(HUB_FILES)} --revision "
-                            f"{c.revision}` and copy its hub cache to {hub_cache()} (or set HF_HUB_CACHE)")
+                            f"on a machine with network run `hf download {c.repo} {' '.join(TOKENIZER_FILES)} "
+                            f"--revision {c.revision}` and copy its hub cache to {hub_cache()} (or set HF_HUB_CACHE)")
 
 
 def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
@@ -93,7 +94,7 @@ def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
 
     cfg = ctx.config
     curated = ctx.inputs_with_prefix("curated:")
-    train_docs = list(_balanced(curated, "train", cfg.train_chars))
+    train_docs = list(_balanced(curated, TRAIN, cfg.train_chars))
     heldout = _heldout_by_group(curated, cfg.eval_chars)
     if not heldout:
         raise ValueError("no held-out documents: raise curation.heldout_fraction on some source")
@@ -102,7 +103,7 @@ def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
 
     results = []
     for cand in cfg.candidates:
-        folder = ctx.out / "candidates" / cand.key
+        folder = TokenizerArtifact(ctx.out).candidates / cand.key
         if cand.kind == "bpe":
             tok = _train_bpe(train_docs, cand.vocab_size, cand.min_frequency, cfg.special_tokens)
             _save_hf(tok, folder, cfg.special_tokens)
@@ -112,7 +113,7 @@ def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
             else:
                 snapshot = hub_snapshot(cand)
                 folder.mkdir(parents=True)
-                for name in HUB_FILES:
+                for name in TOKENIZER_FILES:
                     if (snapshot / name).exists():
                         shutil.copy(snapshot / name, folder / name)
             tok = FastTokenizer.from_file(str(folder / "tokenizer.json"))
@@ -122,8 +123,9 @@ def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
                         "groups": per_group})
 
     chosen = _choose(results, cfg.selection.rule, cfg.selection.tolerance)
-    shutil.copytree(ctx.out / "candidates" / chosen["candidate"], ctx.out / "chosen")
-    (ctx.out / "comparison.json").write_text(json.dumps({"chosen": chosen["candidate"], "results": results},
+    out = TokenizerArtifact(ctx.out)
+    shutil.copytree(out.candidates / chosen["candidate"], out.chosen)
+    out.comparison.write_text(json.dumps({"chosen": chosen["candidate"], "results": results},
                                                         indent=2))
     rows = []
     for r in results:
@@ -165,7 +167,7 @@ def _read(folder: Path) -> Iterator[Doc]:
 
 def _balanced(curated: dict, split: str, budget: int) -> Iterator[Doc]:
     """Round-robin over sources so no single source dominates the tokenizer's training text."""
-    streams = [_read(art.local() / split) for _, art in sorted(curated.items())]
+    streams = [_read(CuratedArtifact(art.local()).split(split)) for _, art in sorted(curated.items())]
     used = 0
     while streams and used < budget:
         for stream in list(streams):
@@ -181,7 +183,7 @@ def _heldout_by_group(curated: dict, budget: int) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     used: dict[str, int] = {}
     for _, art in sorted(curated.items()):
-        for doc in _read(art.local() / "heldout"):
+        for doc in _read(CuratedArtifact(art.local()).split(HELDOUT)):
             if used.get(doc.group, 0) < budget:
                 groups.setdefault(doc.group, []).append(doc.text)
                 used[doc.group] = used.get(doc.group, 0) + len(doc.text)
@@ -248,6 +250,7 @@ def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
             "words": n_words, "tokens": n_tokens}
 
 
-KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="1", tags=("tokenizer",),
+KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="1", resources=phase("data"),
+                tags=("tokenizer",),
                 imports=TRANSFORMERS, check_machine=check_machine)
 STEP_KINDS = (KIND,)

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from compass.specs.post_training import Lora
-from compass.tasks.common.devices import Placement
+from compass.tasks.common.devices import Device
 
 
-def with_adapters(model: Any, tokenizer: Any, lora: Lora, base_dir: Path, where: Placement) -> Any:
+def with_adapters(model: Any, tokenizer: Any, lora: Lora, base_dir: Path, where: Device) -> Any:
     """Save `model` to `base_dir` and return the model to train: adapters on it (lora), or on a 4-bit copy loaded
     from `base_dir` (qlora). Embeddings are not adapted: chat tokens a base model lacked keep their initial rows
     (the mean of the others), so adapt a model that has them, or fine-tune fully first."""
@@ -28,7 +28,7 @@ def with_adapters(model: Any, tokenizer: Any, lora: Lora, base_dir: Path, where:
     return get_peft_model(model, config)
 
 
-def _four_bit(base_dir: Path, where: Placement) -> Any:
+def _four_bit(base_dir: Path, where: Device) -> Any:
     """The saved model quantised to 4 bits (NF4) for QLoRA; bitsandbytes and CUDA only, imported here."""
     import torch
     from peft import prepare_model_for_kbit_training

@@ -11,6 +11,7 @@ from compass.infra.manifest import Manifest
 from compass.infra.store import Store
 from compass.specs.how import How
 from compass.tasks.steps.kind import StepConfig, inputs_with_prefix
+from compass.tasks.steps.placement import HERE, Placement
 
 ConfigT = TypeVar("ConfigT", bound=StepConfig)
 
@@ -18,11 +19,13 @@ ConfigT = TypeVar("ConfigT", bound=StepConfig)
 @dataclass(frozen=True)
 class Runtime:
     """Settings that change how a step runs but never what it produces (not fingerprinted): the spec's `how`
-    (hardware, parallelism, checkpoints, orchestration) and the folder relative paths resolve against."""
+    (hardware, parallelism, checkpoints, orchestration), the folder relative paths resolve against, and where
+    this step runs (its placement: tasks/steps/placement.py)."""
 
     how: How = field(default_factory=How)
     base_dir: Path = field(default_factory=Path.cwd)
     run: str = "compass"  # the spec's name: labels metrics, names the monitoring folder
+    placement: Placement = HERE
 
     def monitoring_dir(self, store: Store | None, workdir: Path) -> Path:
         """Where a run's live telemetry goes: targets for Prometheus, TensorBoard runs (how.monitoring.folder)."""

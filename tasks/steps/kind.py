@@ -1,7 +1,7 @@
 """Steps and step kinds: what the compiler builds and the runner executes.
 
 A step kind is one record (StepKind): its config model, the function that executes it, the function that adds
-its steps to a plan, its code version, and how it is scheduled (accelerator, fans out by itself, deployment).
+its steps to a plan, its code version, the resources its steps need, and how it is shown and deployed.
 Adding a kind means writing one module that defines such a record and listing it once in the registry.
 """
 
@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from compass.specs.base import Issue, Loc
+from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
 
 if TYPE_CHECKING:
     from compass.tasks.steps.context import StepContext, StepResult
+    from compass.tasks.steps.placement import Resources
 
-GPU_TAG = "gpu"  # steps that use the accelerator: one device per step, and Prefect's concurrency limit
+GPU_TAG = "gpu"  # steps that hold devices: Prefect's concurrency limit, max_parallel_gpu_steps on one machine
 
 
 class StepConfig(BaseModel):
@@ -76,14 +78,12 @@ class StepKind:
     run: Callable[[StepContext], StepResult]
     build: Callable[[PlanBuilder], None] | None  # adds this kind's steps; None: other kinds add them on demand
     version: str  # bump when the code changes what the kind produces: its steps then run again
-    uses_accelerator: bool = False  # one device per step; serialised by max_parallel_gpu_steps and the gpu tag
-    # with how.orchestration.cluster, the runner sends the whole step to a one-node job (kinds whose training or
-    # evaluation is not compass's trainer, which submits its own multi-node jobs)
-    whole_step_on_cluster: bool = False
+    # what one of its steps needs (nodes, devices, CPUs, memory, time): usually a phase's shape; None for steps that
+    # only read other steps' manifests. tasks/steps/placement.py turns it into where the step runs.
+    resources: Resources | None = None
     stops_run: Callable[[dict[str, Any]], str | None] | None = None  # from the step's metrics: why to stop the run
     trains: bool = False  # runs compass's trainer: followed live (progress, loss plot, checkpoint events)
     produces_model: bool = False  # its artifact holds a Hugging Face model: evaluated, named by criteria
-    spreads_itself: bool = False  # fans its own work out (datatrove on Ray): its driver takes no CPU slot
     deployment: str | None = None  # "ablations": part of the ablation-only deployment
     tags: tuple[str, ...] = ()  # shown in the UI
     check_machine: MachineCheck | None = None  # checks of this machine (paths, libraries, caches) before any work
@@ -98,8 +98,11 @@ class StepKind:
             if name:
                 getattr(loaded, name)
 
-    def step_tags(self) -> tuple[str, ...]:
-        return (*self.tags, GPU_TAG) if self.uses_accelerator else self.tags
+    def step_tags(self, config: StepConfig, how: How) -> tuple[str, ...]:
+        """The UI's tags of one step; `gpu` when it holds devices (Prefect's concurrency limit counts those)."""
+        from compass.tasks.steps.placement import place
+
+        return (*self.tags, GPU_TAG) if place(self, config, how).uses_devices else self.tags
 
 
 class PlanBuilder:
@@ -115,7 +118,7 @@ class PlanBuilder:
     def add(self, kind: StepKind, name: str, config: StepConfig, inputs: Mapping[str, str] | None = None) -> str:
         if not isinstance(config, kind.config):
             raise TypeError(f"{kind.name}:{name}: config is a {type(config).__name__}, not {kind.config.__name__}")
-        step = Step(kind.name, name, config, dict(inputs or {}), kind.step_tags())
+        step = Step(kind.name, name, config, dict(inputs or {}), kind.step_tags(config, self.spec.how))
         if self.has(step.id):
             raise ValueError(f"step {step.id} is added twice")
         self.steps.append(step)

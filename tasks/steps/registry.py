@@ -26,6 +26,7 @@ BUILTIN = (
     "compass.tasks.kinds.pretrain",
     "compass.tasks.kinds.long_context",
     "compass.tasks.kinds.post_train",
+    "compass.tasks.kinds.mid_training",
     "compass.tasks.kinds.evaluate",
     "compass.tasks.kinds.curves",
     "compass.tasks.kinds.success_report",

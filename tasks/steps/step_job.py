@@ -1,8 +1,10 @@
-"""A whole step as a one-node Slurm job, for kinds that train or evaluate without compass's trainer (TRL
-post-training, lighteval evaluation): the step's context is written as JSON, `python -m compass.tasks.steps.step_job
-JOB.json` rebuilds it on the node and runs the kind there, and the step commits what the job wrote. The node
-must see the step's staging and work folders at the same paths (a shared file system, as multi-node training
-already assumes); for a store on S3 that means a shared TMPDIR.
+"""A whole step inside a Slurm job: `python -m compass.tasks.steps.step_job STEP.json` rebuilds the step's run from
+the file the orchestrator wrote in its work folder (on the cluster's shared root), computes it on the job's nodes
+and commits it to the store like a step run in-process (tasks/steps/execution.py). What the step reported is left
+in the work folder for the orchestrator (it shows it in the UI); the orchestrator never computes.
+
+When the job is asked to stop before its time limit (the trainer checkpointed), this exits without committing and
+the batch shell requeues the job; the requeued job resumes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from compass.infra.net import free_port
-from compass.infra.slurm import JobShape, run_on_slurm
+from compass.infra.layout import WorkFolder
 from compass.infra.store import Store
-from compass.specs.how import How, SlurmCluster
+from compass.specs.how import How
 from compass.tasks.steps import registry
-from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
+from compass.tasks.steps.context import InputArtifact, Runtime, StepResult
+from compass.tasks.steps.execution import StepRun, execute
+from compass.tasks.steps.placement import Placement
 
 MODULE = "compass.tasks.steps.step_job"
 log = logging.getLogger("compass")
@@ -36,65 +39,79 @@ class JobInput(BaseModel):
 
 
 class StepJob(BaseModel):
+    """A step's run as the job reads it: its typed config (class and JSON), its inputs' URIs, where to commit."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: str
     name: str
     config_type: str  # module:class: a kind's configs may be several classes (post_train: sft, dpo, ...)
     config: dict[str, Any]
+    fingerprint: str
+    uri: str
     inputs: dict[str, JobInput]
-    out: Path
-    scratch: Path
     workdir: Path
-    how: How  # without the cluster: inside the job the step runs where it is
-    base_dir: Path
-    store_root: str
     work_key: str
-    run: str = "compass"
+    how: How
+    base_dir: Path
+    run: str
+    placement: Placement  # the step's placement as the job sees it (in_slurm_job, its shape)
+    store_root: str
+    scratch_root: Path | None
+    spec_hash: str
+    spec_name: str
+
+    @classmethod
+    def of(cls, run: StepRun) -> StepJob:
+        config_type = f"{type(run.config).__module__}:{type(run.config).__qualname__}"
+        return cls(kind=run.kind, name=run.name, config_type=config_type, config=run.config.model_dump(mode="json"),
+                   fingerprint=run.fingerprint, uri=run.uri,
+                   inputs={role: JobInput(step_id=a.step_id, uri=a.uri) for role, a in run.inputs.items()},
+                   workdir=run.workdir, work_key=run.work_key, how=run.runtime.how, base_dir=run.runtime.base_dir,
+                   run=run.runtime.run, placement=run.runtime.placement.inside_job(), store_root=run.store.root,
+                   scratch_root=run.store.scratch_root, spec_hash=run.spec_hash, spec_name=run.spec_name)
+
+    def step_run(self) -> StepRun:
+        registry.kind(self.kind).import_names()
+        module, _, name = self.config_type.partition(":")
+        config_class = getattr(importlib.import_module(module), name)
+        store = Store(self.store_root, self.scratch_root)
+        inputs = {role: InputArtifact(role, i.step_id, i.uri, store.read_manifest(i.uri), store)
+                  for role, i in self.inputs.items()}
+        runtime = Runtime(how=self.how, base_dir=self.base_dir, run=self.run, placement=self.placement)
+        return StepRun(kind=self.kind, name=self.name, config=config_class.model_validate(self.config),
+                       fingerprint=self.fingerprint, uri=self.uri, inputs=inputs, store=store, workdir=self.workdir,
+                       work_key=self.work_key, runtime=runtime, spec_hash=self.spec_hash, spec_name=self.spec_name)
 
 
-def run_on_cluster(ctx: StepContext, cluster: SlurmCluster) -> StepResult:
-    """Submit the step as a one-node job and wait for it; its files are in ctx.out when it completed."""
-    if ctx.store is None:
-        raise ValueError(f"{ctx.kind}:{ctx.name}: a step runs on Slurm only with a store")
-    how = ctx.runtime.how
-    config_type = f"{type(ctx.config).__module__}:{type(ctx.config).__qualname__}"
-    job = StepJob(kind=ctx.kind, name=ctx.name, config_type=config_type, config=ctx.config.model_dump(mode="json"),
-                  inputs={role: JobInput(step_id=a.step_id, uri=a.uri) for role, a in ctx.inputs.items()},
-                  out=ctx.out, scratch=ctx.scratch, workdir=ctx.workdir,
-                  how=how.model_copy(update={"orchestration": how.orchestration.model_copy(update={"cluster": None})}),
-                  base_dir=ctx.runtime.base_dir, store_root=ctx.store.root, work_key=ctx.work_key,
-                  run=ctx.runtime.run)
-    ctx.workdir.mkdir(parents=True, exist_ok=True)
-    path = ctx.workdir / "step-job.json"
-    path.write_text(job.model_dump_json(indent=1))
-    hw = how.hardware
-    shape = JobShape(ctx.workdir, path, 1, 1, hw.devices_per_node if hw.accelerator != "cpu" else None, MODULE)
-    result = run_on_slurm(shape, cluster, sys.executable, label=f"{ctx.kind}-{ctx.name}"[:40], port=free_port(),
-                          log=ctx.log)
-    return StepResult(**result)
+def write_result(workdir: Path, result: StepResult) -> None:
+    path = WorkFolder(workdir).step_result
+    path.write_text(json.dumps(dataclasses.asdict(result), default=str))
 
 
-def run_job(path: Path) -> StepResult:
-    job = StepJob.model_validate_json(path.read_text())
-    kind = registry.kind(job.kind)
-    kind.import_names()
-    module, _, name = job.config_type.partition(":")
-    config_class = getattr(importlib.import_module(module), name)
-    store = Store(job.store_root)
-    inputs = {role: InputArtifact(role, i.step_id, i.uri, store.read_manifest(i.uri), store)
-              for role, i in job.inputs.items()}
-    ctx = StepContext(job.kind, job.name, config_class.model_validate(job.config), inputs, job.out, job.scratch,
-                      job.workdir, Runtime(how=job.how, base_dir=job.base_dir, run=job.run), log, store=store,
-                      work_key=job.work_key)
-    return kind.run(ctx)
+def read_result(workdir: Path) -> StepResult | None:
+    """What the job's step reported; None when its work folder is gone (another orchestrator cleaned it up)."""
+    try:
+        return StepResult(**json.loads(WorkFolder(workdir).step_result.read_text()))
+    except FileNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    from compass.model.training.callbacks import StopRequested
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    path = Path((argv if argv is not None else sys.argv[1:])[0])
-    result = run_job(path)
-    (path.parent / "result.json").write_text(json.dumps(dataclasses.asdict(result), default=str))
+    job = StepJob.model_validate_json(Path((argv if argv is not None else sys.argv[1:])[0]).read_text())
+    run = job.step_run()
+    if run.store.is_committed(run.uri):  # a requeued job whose step committed before its stop
+        log.info("%s is committed at %s", run.step_id, run.uri)
+        return 0
+    try:
+        _, result = execute(run, log)
+    except StopRequested as stopped:
+        log.warning("%s: %s; the requeued job resumes from the checkpoint", run.step_id, stopped)
+        return 0
+    write_result(run.workdir, result)
     return 0
 
 

@@ -1,0 +1,102 @@
+"""Proof that the cluster's compute nodes see what the orchestrating machine sees, before anything is submitted.
+
+The login node writes a token under the shared root; a one-task job (srun, on a compute node of the spec's
+partition) reads it, writes one back, and reports which of the other paths the steps will touch it cannot see
+(the store, local data, this Python). The login node then reads the node's file. A shared root that is only
+mounted here, or a path only this machine has, is named with the spec field to change, and nothing is submitted.
+
+`python -m compass.infra.shared_probe FOLDER TOKEN PATH...` is the job's side.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from compass.specs.how import SlurmCluster
+
+FROM_LOGIN, FROM_NODE = "from-login", "from-node"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    node: str  # the compute node that answered ('' when no job ran)
+    problem: str  # why the probe could not run or the shared root is not shared ('' when it is)
+    unseen: tuple[str, ...]  # paths the node does not see
+    missing_modules: tuple[str, ...] = ()  # modules the node's Python cannot import
+
+
+def probe(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,
+          python: str = sys.executable) -> ProbeResult:
+    """Run the probe job and judge what it saw (see the module docstring)."""
+    assert cluster.shared_root is not None
+    root = Path(cluster.shared_root).expanduser()
+    folder = root / ".compass-probe" / uuid.uuid4().hex[:12]
+    try:
+        folder.mkdir(parents=True)
+    except OSError as exc:
+        return ProbeResult("", f"cannot write under {root} on this machine ({exc.strerror})", ())
+    token = uuid.uuid4().hex
+    (folder / FROM_LOGIN).write_text(token)
+    command = ["srun", f"--immediate={cluster.probe_timeout_s}", "--nodes=1", "--ntasks=1", "--time=5",
+               "--job-name=compass-probe", "--quiet"]
+    for flag, value in (("partition", cluster.partition), ("account", cluster.account), ("qos", cluster.qos),
+                        ("constraint", cluster.constraint)):
+        if value is not None:
+            command.append(f"--{flag}={value}")
+    if cluster.exclude:
+        command.append(f"--exclude={','.join(cluster.exclude)}")
+    command += [python, "-m", "compass.infra.shared_probe", str(folder), token, ",".join(modules or []), *paths]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=cluster.probe_timeout_s + 120)
+        answer = _answer(done.stdout)
+        if answer is None:
+            said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+            return ProbeResult("", f"the probe job did not run ({done.returncode}): {' '.join(said)[:300]}", ())
+        node = answer["node"]
+        if not answer["read"]:
+            return ProbeResult(node, f"{root} is not shared: node {node} does not see the file this machine "
+                                     f"wrote there", ())
+        back = folder / FROM_NODE
+        if not back.exists() or back.read_text() != token:
+            return ProbeResult(node, f"{root} is not shared: this machine does not see the file node {node} wrote "
+                                     f"there", ())
+        return ProbeResult(node, "", tuple(answer["unseen"]), tuple(answer["missing_modules"]))
+    except subprocess.TimeoutExpired:
+        return ProbeResult("", f"the probe job did not start within {cluster.probe_timeout_s} s", ())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _answer(stdout: str) -> dict | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def main(argv: list[str]) -> int:
+    folder, token, modules, *paths = argv
+    here = Path(folder)
+    seen = (here / FROM_LOGIN).exists() and (here / FROM_LOGIN).read_text() == token
+    if seen:
+        (here / FROM_NODE).write_text(token)
+    unseen = [p for p in paths if not os.path.exists(p)]
+    missing = [m for m in modules.split(",") if m and importlib.util.find_spec(m) is None]
+    print(json.dumps({"node": socket.gethostname(), "read": seen, "unseen": unseen, "missing_modules": missing}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

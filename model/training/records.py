@@ -1,0 +1,107 @@
+"""What training reports, typed: one metrics line per optimizer step (`metrics.jsonl`) and the stage's result
+(`result.json`, written by rank 0). Writers and every reader (the step that exports, live progress, Prometheus
+and TensorBoard, evaluation curves, the next stage's token count) share these models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+PHASES = ("data_wait", "forward_backward", "sync", "optimizer", "checkpoint")  # the parts of a step, timed
+
+
+class MetricsRow(BaseModel):
+    """One optimizer step. `step` and `tokens` count over every stage so far; `stage_step` within the stage.
+    Post-training rows (TRL) carry loss and tokens only, with their `method`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: int
+    stage: str
+    stage_step: int | None = None
+    stage_steps: int | None = None
+    loss: float
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    data_wait_s: float | None = None
+    forward_backward_s: float | None = None
+    sync_s: float | None = None
+    optimizer_s: float | None = None
+    checkpoint_s: float | None = None
+    rss_mb: float | None = None
+    gpu_mem_mb: float | None = None
+    method: str | None = None
+
+    def seconds(self, phase: str) -> float:
+        """Seconds this step spent in one of PHASES (0 when not measured)."""
+        return float(getattr(self, f"{phase}_s") or 0.0)
+
+    def line(self) -> str:
+        return self.model_dump_json(exclude_none=True) + "\n"
+
+
+def read_metrics(path: Path) -> list[MetricsRow]:
+    """Every row of a metrics file (none when it does not exist)."""
+    if not path.exists():
+        return []
+    return [MetricsRow.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_metrics(path: Path, rows: list[MetricsRow]) -> None:
+    path.write_text("".join(row.line() for row in rows))
+
+
+class MonitorEvent(BaseModel):
+    """A training monitor's event (loss spike, divergence, throughput drop), with its likely cause and remedy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str
+    step: int
+    action: str
+    detail: str
+    cause: str
+    remedy: str
+    phase: str | None = None
+
+
+class TrainingSetup(BaseModel):
+    """How a stage ran: the kernels and engine chosen for it and where its data was read from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attention: str
+    loss: str
+    compile: bool
+    precision: str
+    engine: str
+    prefetch: int
+    async_checkpoints: bool
+    data_from: str  # "store", or the node-local cache the sources were staged into
+
+
+class TrainResult(BaseModel):
+    """A finished stage: steps, tokens, final training loss, validation loss per source, where it resumed from,
+    the ranks' consistency check, the monitors' events and how it ran (attention, loss kernel, engine, ...)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int
+    tokens: int
+    final_loss: float
+    val_loss: dict[str, float]
+    resumed_from: int | None
+    rank_check: str = "single process"
+    events: list[MonitorEvent] = []
+    setup: TrainingSetup
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> TrainResult:
+        return cls.model_validate_json(path.read_text())

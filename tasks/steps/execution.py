@@ -1,0 +1,128 @@
+"""One step computed and committed where this code runs: a staging folder and scratch space, the kind's work, the
+summary kept with the artifact, the manifest with its lineage, the commit (manifest last) and its stamp.
+
+The same function runs in the orchestrating process (in_process, local_ranks, ray_tasks) and inside a Slurm job
+(tasks/steps/step_job.py), so a step commits the same way wherever it ran; the caller holds the step's lock and
+removes the work folder after reading what it needs from it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from compass.infra.errors import DiskFull
+from compass.infra.manifest import Execution, InputRef, Manifest, code_version, host_facts, library_versions
+from compass.infra.store import Store, owned_prefix
+from compass.infra.verify import stamp
+from compass.tasks.steps import registry
+from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
+from compass.tasks.steps.kind import StepConfig
+
+SUMMARY_FILE = "summary.md"
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """Everything one execution of a step needs, resolved by the runner: what to compute, from which committed
+    inputs, where to commit it, and how (the runtime, with this step's placement)."""
+
+    kind: str
+    name: str
+    config: StepConfig
+    fingerprint: str
+    uri: str
+    inputs: dict[str, InputArtifact]
+    store: Store
+    workdir: Path
+    work_key: str
+    runtime: Runtime
+    spec_hash: str
+    spec_name: str
+
+    @property
+    def step_id(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+@contextmanager
+def _default_grad_mode() -> Iterator[None]:
+    """Steps run on reused worker threads, and torch's grad mode is per thread: a library that switches it off
+    and never back (lighteval does) would leave the next step on that thread unable to train."""
+    import torch
+
+    with torch.enable_grad():
+        yield
+
+
+@contextmanager
+def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        path = Path(exc.filename) if exc.filename else where
+        probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+        free = shutil.disk_usage(probe).free
+        raise DiskFull(errno.ENOSPC, f"{step_id}: no space left on the device of {path} ({free / 2**20:,.0f} MiB "
+                       "free there): free space, or move how.storage.root (and TMPDIR for S3 stores) to a larger "
+                       "disk; the step resumes from its last checkpoint") from None
+
+
+def execution_record(runtime: Runtime) -> Execution:
+    """Where this execution ran, for the manifest: the placement's mode and shape, and the Slurm job inside one."""
+    placement = runtime.placement
+    shape = placement.shape
+    return Execution(mode=placement.mode, nodes=shape.nodes if shape else 1,
+                     devices_per_node=shape.devices_per_node if shape else 0,
+                     slurm_job=os.environ.get("SLURM_JOB_ID") if placement.mode == "in_slurm_job" else None,
+                     node_list=os.environ.get("SLURM_JOB_NODELIST") if placement.mode == "in_slurm_job" else None)
+
+
+def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[Manifest, StepResult]:
+    """Compute the step into a staging folder and commit it; returns the committed manifest and what the step
+    reported. Torch is imported only here, when a step runs in this process."""
+    kind = registry.kind(run.kind)
+    store = run.store
+    started = time.time()
+    log.info("%s running; commits to %s", run.step_id, run.uri)
+    with store.staging() as out, \
+            tempfile.TemporaryDirectory(prefix=owned_prefix("scratch"), dir=out.parent) as scratch:
+        sctx = StepContext(run.kind, run.name, run.config, run.inputs, out, Path(scratch), run.workdir, run.runtime,
+                           log, store=store, work_key=run.work_key)
+        with _default_grad_mode(), disk_full_named(run.step_id, out):
+            result = kind.run(sctx)
+        if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
+            (out / SUMMARY_FILE).write_text(result.summary)
+        manifest = Manifest(
+            kind=run.kind, name=run.name, fingerprint=run.fingerprint, uri=run.uri, config=run.config.identity(),
+            inputs=[InputRef(role=r, step=a.step_id, uri=a.uri, fingerprint=a.manifest.fingerprint)
+                    for r, a in run.inputs.items()],
+            spec_hash=run.spec_hash, spec_name=run.spec_name, code_version=code_version(),
+            phase_version=kind.version, libraries=library_versions(), **host_facts(),
+            started_at=started, finished_at=time.time(), metrics=result.metrics, provenance=result.provenance,
+            execution=execution_record(run.runtime))
+        with disk_full_named(run.step_id, Path(store.root_path) if not store.is_remote else out):
+            manifest = store.commit(out, manifest)
+        stamp(store, manifest)
+    log.info("%s committed to %s in %.1fs", run.step_id, run.uri, manifest.duration_s)
+    return manifest, result
+
+
+def clear_work(run_store: Store, work_key: str, workdir: Path) -> None:
+    """The step is committed: its work folder (checkpoints of every attempt, the job's log) and its recovery
+    copies in a remote store are no longer needed."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    if run_store.is_remote:
+        from compass.infra.checkpoint_mirror import CheckpointMirror
+
+        CheckpointMirror(run_store, work_key, workdir).clear()

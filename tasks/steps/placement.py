@@ -1,0 +1,77 @@
+"""Where a step runs: the one decision, made here from the kind's resources and the spec's `how`.
+
+A kind declares the resources its steps need (StepKind.resources: the shape of one of the spec's phases, or its
+own); the runner (flows/runner.py) reads the placement and picks the executor, and the step's helpers obey the
+mode they are handed (the trainer's launcher, datatrove's executor). Nothing else decides where work runs.
+
+- in_process: the orchestrating process runs it (no cluster, one rank; or no resources: bookkeeping);
+- local_ranks: the orchestrating machine launches its ranks with torchrun (or over ssh to how.hardware.hosts);
+- ray_tasks: a data step whose datatrove work spreads over Ray (task_runner: ray), its driver here;
+- slurm_job: a Slurm job of the step's shape runs it whole and commits it; the orchestrator submits, follows
+  and reads what it committed (every step that computes, with a cluster);
+- in_slurm_job: what the step sees inside that job: its ranks start with srun over the job's nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from compass.specs.how import How, Phase, Shape
+
+if TYPE_CHECKING:
+    from compass.tasks.steps.kind import StepConfig, StepKind
+
+Mode = Literal["in_process", "local_ranks", "ray_tasks", "slurm_job", "in_slurm_job"]
+Resources = Callable[["StepConfig", How], Shape]  # a kind's resources: its steps' shape, from its config and `how`
+
+
+def phase(name: Phase) -> Resources:
+    """The resources of a kind whose steps take the shape of one of the spec's phases (how.resources)."""
+
+    def shape(config: StepConfig, how: How) -> Shape:
+        return how.shape(name)
+
+    shape.__qualname__ = f"phase({name!r})"
+    return shape
+
+
+@dataclass(frozen=True)
+class Placement:
+    mode: Mode
+    shape: Shape | None  # None: a step that only reads other steps' manifests (comparisons, curves, reports)
+
+    @property
+    def computes(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def ranks(self) -> int:
+        return self.shape.ranks if self.shape else 0
+
+    @property
+    def uses_devices(self) -> bool:
+        """It holds devices (GPUs, or training ranks on CPU) while it runs: one such step at a time per machine."""
+        return bool(self.shape and self.shape.devices_per_node)
+
+    def inside_job(self) -> Placement:
+        """The placement the step itself sees once its Slurm job runs it."""
+        return Placement("in_slurm_job", self.shape)
+
+
+HERE = Placement("in_process", None)
+
+
+def place(kind: StepKind, config: StepConfig, how: How) -> Placement:
+    """Where one step of `kind` with `config` runs under `how`."""
+    if kind.resources is None:
+        return HERE  # bookkeeping: it reads manifests, never a model or a corpus
+    shape = kind.resources(config, how)
+    if how.orchestration.cluster is not None:
+        return Placement("slurm_job", shape)
+    if shape.phase == "data" and how.orchestration.task_runner == "ray":
+        return Placement("ray_tasks", shape)
+    if shape.ranks > 1:
+        return Placement("local_ranks", shape)
+    return Placement("in_process", shape)
