@@ -162,3 +162,40 @@ def run_up_to(spec_path: Path, target: str | list[str], store: Path) -> tuple[An
     plan = compile_spec(loaded.spec).up_to([target] if isinstance(target, str) else target)
     ctx = RunContext(plan, Store(str(store)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     return plan, {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real one-node Slurm cluster (tests/slurm_cluster.py) for one test module; SLURM_CONF points this process
+    and everything it starts at it, and is restored afterwards."""
+    from tests.slurm_cluster import missing, slurm_cluster
+
+    why = missing()
+    if why:
+        raise RuntimeError(f"{why} (run `bash infra/setup.sh` as root)")
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
+        saved = os.environ.get("SLURM_CONF")
+        os.environ.update(env)
+        try:
+            yield env
+        finally:
+            if saved is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = saved
+
+
+@pytest.fixture(scope="session")
+def data_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store holding the minimal spec's data steps (ingest, curation, tokenizer, tokens), run once in this process;
+    tests copy it and train from it."""
+    from compass.flows.runner import run_in_process
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.steps.context import Runtime
+
+    loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
+    root = tmp_path_factory.mktemp("data-store") / "store"
+    plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize"})
+    run_in_process(plan, Store(str(root)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+    return root

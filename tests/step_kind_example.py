@@ -1,13 +1,16 @@
 """A step kind defined entirely in one module, the way a team adds its own: a config model, a builder that adds
-its steps to the plan, an executor, and the StepKind record. tests/test_architecture.py registers it and runs it
-through compile, plan and run."""
+its steps to the plan, an executor, the resources its steps need, and the StepKind record. tests/test_architecture.py
+registers it and runs it through compile, plan and run; tests/test_placement.py places it."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import re
+from dataclasses import replace
 
+from compass.infra.layout import TRAIN, CuratedArtifact
+from compass.specs.how import How, Shape
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 
@@ -26,7 +29,7 @@ def build(plan: PlanBuilder) -> None:
 def run(ctx: StepContext[WordCountConfig]) -> StepResult:
     pattern = re.compile(rf"\b\w{{{ctx.config.min_length},}}\b")
     words = documents = 0
-    for shard in sorted((ctx.inputs["curated"].local() / "train").glob("*.jsonl.gz")):
+    for shard in sorted(CuratedArtifact(ctx.inputs["curated"].local()).split(TRAIN).glob("*.jsonl.gz")):
         with gzip.open(shard, "rt") as f:
             for line in f:
                 words += len(pattern.findall(json.loads(line)["text"]))
@@ -36,5 +39,10 @@ def run(ctx: StepContext[WordCountConfig]) -> StepResult:
                       summary=f"### word count `{ctx.name}`\n\n{words:,} words in {documents:,} documents")
 
 
-KIND = StepKind("word_count", WordCountConfig, run, build, version="1", tags=("data",))
+def resources(config: WordCountConfig, how: How) -> Shape:
+    """Where a count runs: like the data steps, on one CPU (it reads one file at a time)."""
+    return replace(how.shape("data"), cpus_per_node=1)
+
+
+KIND = StepKind("word_count", WordCountConfig, run, build, version="1", resources=resources, tags=("data",))
 STEP_KINDS = (KIND,)

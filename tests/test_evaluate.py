@@ -34,7 +34,7 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory):
     from compass.tasks.steps.context import Runtime
 
     text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
-        "  pretraining:", "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
+        "  pretraining:", "  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
         "      - {name: piqa, formulation: mcf, limit: 20}\n    perplexity_sources: [notes]\n  pretraining:").replace(
         "how:\n", "how:\n  checkpoints: {every_steps: 30, keep_last: 2}\n")
     loaded = load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
@@ -164,7 +164,7 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
-        "  pretraining:", "  evaluation:\n    tasks:\n      - {name: winogrande, source: lighteval, limit: 30}\n"
+        "  pretraining:", "  evaluation:\n    benchmarks:\n      - {name: winogrande, source: lighteval, limit: 30}\n"
         "    perplexity_sources: [notes]\n  pretraining:")
     with pytest.raises(SpecError, match="reads the dataset 'allenai/winogrande'.*not on this machine"):
         load_checked_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")

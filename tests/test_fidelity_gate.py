@@ -18,7 +18,7 @@ from tests.hub_cache import COMMIT, seed_model, tiny_llama
 
 pytestmark = pytest.mark.slow
 REPO_ID = "acme/tiny-chat"
-SUITE = "  evaluation:\n    tasks:\n      - {name: arc_easy, formulation: cf, limit: 8}\n  pretraining:"
+SUITE = "  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 8}\n  pretraining:"
 
 
 def production_why(threshold: float, override: str | None = None) -> str:

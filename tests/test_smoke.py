@@ -175,7 +175,7 @@ def test_smoke_run_ends_with_what_each_step_exercised_and_what_was_shrunk(smoke:
 def test_the_real_spec_is_refused_here_with_what_it_needs(smoke: Smoke):
     done = smoke.cli("plan", str(SPEC), check=False)
     assert done.returncode == 2
-    assert "runs training as Slurm jobs" in done.stderr  # no Slurm controller here: no cluster to submit to
+    assert "runs its steps as Slurm jobs" in done.stderr  # no Slurm controller here: no cluster to submit to
     assert "compass run SPEC --smoke" in done.stderr
     costs = smoke.cli("plan", str(SPEC), "--no-machine-checks", "--json")  # planning from a laptop
     assert json.loads(costs.stdout)["spec"] == "smollm3-3b"

@@ -84,6 +84,18 @@ class TrainingSetup(BaseModel):
     data_from: str  # "store", or the node-local cache the sources were staged into
 
 
+class RankPlace(BaseModel):
+    """Where one rank ran: its node, the CPUs it may use (its affinity) and its device. A node's ranks that share
+    one CPU show here before they show as slow steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    node: str
+    cpus: list[int]
+    device: str
+
+
 class TrainResult(BaseModel):
     """A finished stage: steps, tokens, final training loss, validation loss per source, where it resumed from,
     the ranks' consistency check, the monitors' events and how it ran (attention, loss kernel, engine, ...)."""
@@ -98,6 +110,7 @@ class TrainResult(BaseModel):
     rank_check: str = "single process"
     events: list[MonitorEvent] = []
     setup: TrainingSetup
+    ranks: list[RankPlace] = []
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=1))

@@ -54,7 +54,7 @@ from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
 from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states
-from compass.model.training.records import MetricsRow, MonitorEvent, TrainingSetup, TrainResult
+from compass.model.training.records import MetricsRow, MonitorEvent, RankPlace, TrainingSetup, TrainResult
 from compass.model.training.schedules import schedule_shape
 from compass.model.training.staging import stage_sources
 from compass.model.training.telemetry import telemetry_callbacks
@@ -205,6 +205,7 @@ class Trainer:
         peak = (self.job.peak_tflops or cpu_peak_tflops()) * self.world
         flops_tok = flops_per_token(self.job.recipe.architecture, self.job.vocab_size, self.stage.sequence_length)
         rank_check = "single process"
+        places = self._places()
         first = True
         self.engine.module.train()
         try:
@@ -251,7 +252,7 @@ class Trainer:
         val = val if self.rank == 0 else {}
         return TrainResult(steps=self.stage_steps, tokens=self.stage_steps * gbs * seq, final_loss=self.last_loss,
                            val_loss=val, resumed_from=CheckpointFolder(resumed).step if resumed else None,
-                           rank_check=rank_check, events=self.events, setup=self.setup)
+                           rank_check=rank_check, events=self.events, setup=self.setup, ranks=places)
 
     def _next_batch(self, batches: Prefetcher | None) -> tuple[PackedBatch, float]:
         if batches is None:
@@ -381,6 +382,16 @@ class Trainer:
         self.step = extra["stage_step"]
         log.warning("rolled back to %s; skipping the batches since then", good.name)
         self._dispatch("post_restore", self.step)
+
+    def _places(self) -> list[RankPlace]:
+        """Every rank's node, CPU affinity and device (gathered on every rank; rank 0 reports them)."""
+        mine = RankPlace(rank=self.rank, node=socket.gethostname(), cpus=sorted(os.sched_getaffinity(0)),
+                         device=str(self.device))
+        if self.world == 1:
+            return [mine]
+        everyone: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(everyone, mine.model_dump())
+        return [RankPlace.model_validate(p) for p in everyone]
 
     def _check_ranks(self, local: PackedBatch) -> str:
         """Before the first step: every rank's weights and batch against the others' (check_ranks) and, with

@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -56,9 +57,12 @@ class StepRun:
 @contextmanager
 def _default_grad_mode() -> Iterator[None]:
     """Steps run on reused worker threads, and torch's grad mode is per thread: a library that switches it off
-    and never back (lighteval does) would leave the next step on that thread unable to train."""
-    import torch
-
+    and never back (lighteval does) would leave the next step on that thread unable to train. A process that has
+    not imported torch has nothing to restore (and an orchestrator under a cluster never imports it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
     with torch.enable_grad():
         yield
 

@@ -1,0 +1,134 @@
+"""Where every step runs, decided once (tasks/steps/placement.py): each phase's shape with its defaults from
+`how.hardware`, the placement of every kind with and without a cluster, the Slurm job each shape asks for, the
+srun line that binds each rank to its CPUs and GPU, and a new kind that declares its own resources in its module.
+The same decisions on a real Slurm cluster: tests/test_placement_slurm.py."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from compass.flows.compiler import compile_spec
+from compass.infra.slurm import ranks_command, request_for, sbatch_script
+from compass.specs import load_spec
+from compass.specs.how import How, SlurmCluster
+from compass.tasks.steps import registry
+from compass.tasks.steps.placement import place
+from tests import step_kind_example
+from tests.conftest import REPO, write_minimal_spec
+
+H100S = {"hardware": {"accelerator": "h100", "devices_per_node": 8, "nodes": 48, "cpus_per_node": 88},
+         "parallelism": {"data_parallel": 192, "tensor_parallel": 2},
+         "resources": {"long_context": {"nodes": 3}, "ablation": {"time_limit": "12:00:00"}},
+         "orchestration": {"cluster": {"kind": "slurm", "partition": "hopper", "time_limit": "2-00:00:00",
+                                       "shared_root": "/fsx/compass"}}}
+
+
+def test_each_phase_takes_its_shape_with_defaults_from_the_hardware():
+    how = How.model_validate(H100S)
+    shapes = {phase: how.shape(phase) for phase in ("data", "ablation", "pretraining", "long_context",
+                                                     "mid_training", "post_training", "evaluation")}
+    assert {p: (s.nodes, s.devices_per_node) for p, s in shapes.items()} == {
+        "data": (1, 0), "ablation": (1, 8), "pretraining": (48, 8), "long_context": (3, 8), "mid_training": (48, 8),
+        "post_training": (1, 1), "evaluation": (1, 1)}
+    assert {s.cpus_per_node for s in shapes.values()} == {88}
+    assert shapes["ablation"].time_limit == "12:00:00" and shapes["pretraining"].time_limit == "2-00:00:00"
+    assert shapes["long_context"].whole_nodes and not shapes["evaluation"].whole_nodes
+    assert (how.data_parallel("long_context"), how.data_parallel("ablation")) == (12, 4)  # 24 and 8 GPUs at TP 2
+
+
+def test_the_placement_follows_the_cluster_the_ranks_and_the_task_runner(tmp_path: Path):
+    loaded = load_spec(write_minimal_spec(tmp_path))
+    plan = compile_spec(loaded.spec)
+    kinds = {s.kind: s for s in plan.steps}
+
+    def modes(how: How) -> dict[str, str]:
+        return {kind: place(registry.kind(kind), step.config, how).mode for kind, step in kinds.items()}
+
+    how = loaded.spec.how
+    assert set(modes(how).values()) == {"in_process"}
+    two = how.model_validate({**how.model_dump(), "hardware": {"devices_per_node": 2},
+                              "parallelism": {"data_parallel": 2, "micro_batch_size": 1}})
+    assert modes(two)["pretrain"] == "local_ranks" and modes(two)["curate"] == "in_process"
+    ray = how.model_validate({**how.model_dump(), "orchestration": {"task_runner": "ray"}})
+    assert (modes(ray)["curate"], modes(ray)["ingest"], modes(ray)["pretrain"]) == ("ray_tasks", "ray_tasks",
+                                                                                     "in_process")
+    tiny = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec
+    tiny_kinds = {s.kind: s for s in compile_spec(tiny).steps}
+    cluster = tiny.how.model_validate({**tiny.how.model_dump(), "orchestration": {"cluster": {"shared_root": "/fsx"}}})
+    placed = {k: place(registry.kind(k), s.config, cluster) for k, s in tiny_kinds.items()}
+    bookkeeping = {"compare", "curves", "report"}  # they read other steps' manifests, never a model or a corpus
+    assert {k for k, p in placed.items() if p.mode == "slurm_job"} == set(tiny_kinds) - bookkeeping
+    assert {(placed[k].mode, placed[k].shape) for k in bookkeeping} == {("in_process", None)}
+    assert {k: placed[k].shape.phase for k in ("gate", "ingest", "ablate", "pretrain", "long_context", "post_train",
+                                               "evaluate") if k in placed} == {
+        "ingest": "data", "ablate": "ablation", "pretrain": "pretraining", "long_context": "long_context",
+        "post_train": "post_training", "evaluate": "evaluation"}
+
+def test_a_new_kind_declares_its_resources_in_its_own_module(tmp_path: Path):
+    registry.register(step_kind_example.KIND)
+    try:
+        spec = write_minimal_spec(tmp_path, **{"  parallelism: {micro_batch_size: 2}": (
+            "  parallelism: {micro_batch_size: 2}\n  orchestration: {cluster: {shared_root: /fsx/compass}}")})
+        loaded = load_spec(spec)
+        counts = [s for s in compile_spec(loaded.spec).steps if s.kind == "word_count"]
+        placed = {place(registry.kind(s.kind), s.config, loaded.spec.how) for s in counts}
+        (placement,) = placed
+        assert placement.mode == "slurm_job" and placement.shape.cpus_per_node == 1  # its own, not the phase's 2
+        assert (placement.shape.phase, placement.shape.devices_per_node) == ("data", 0)
+    finally:
+        registry.unregister(step_kind_example.KIND.name)
+
+
+def test_each_shape_asks_slurm_for_what_it_says():
+    how = How.model_validate(H100S)
+    cluster = how.orchestration.cluster
+    command = ("/venv/bin/python", "-m", "compass.tasks.steps.step_job", "/fsx/compass/work/x/step-job.json")
+    work = Path("/fsx/compass/work/pretrain/stage1-abc")
+    pretrain = request_for(how.shape("pretraining"), cluster, "h100", work, command, "pretrain-stage1")
+    assert (pretrain.nodes, pretrain.tasks_per_node, pretrain.cpus_per_task, pretrain.gpus_per_node) == (48, 8, 11, 8)
+    script = sbatch_script(pretrain, cluster).splitlines()
+    for line in ("#SBATCH --nodes=48", "#SBATCH --ntasks-per-node=8", "#SBATCH --cpus-per-task=11",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --partition=hopper", "#SBATCH --time=2-00:00:00",
+                 "#SBATCH --requeue", "#SBATCH --signal=B:USR1@120", "trap on_time_limit USR1",
+                 f"#SBATCH --output={work}/slurm.log", f"{shlex.join(command)} &"):
+        assert line in script, line
+    assert "#SBATCH --exclusive" not in script  # the spec named the CPUs: no need to ask for the whole node
+
+    whole = how.model_validate({**how.model_dump(), "hardware": {**H100S["hardware"], "cpus_per_node": None}})
+    assert request_for(whole.shape("pretraining"), cluster, "h100", work, command, "x").exclusive
+    evaluation = request_for(whole.shape("evaluation"), cluster, "h100", work, command, "x")
+    assert (evaluation.nodes, evaluation.tasks_per_node, evaluation.gpus_per_node, evaluation.exclusive) == (
+        1, 1, 1, False)  # one GPU of a node: the rest stays for others
+    data = request_for(how.shape("data"), cluster, "h100", work, command, "x")
+    assert (data.gpus_per_node, data.tasks_per_node, data.cpus_per_task) == (None, 1, 88)
+    torchrun = request_for(how.shape("ablation"), cluster.model_copy(update={"launch": "torchrun"}), "h100", work,
+                           command, "x")
+    assert (torchrun.tasks_per_node, torchrun.cpus_per_task, torchrun.time_limit) == (1, 88, "12:00:00")
+
+
+def test_srun_binds_each_rank_to_its_share_of_the_node(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "88")
+    monkeypatch.setenv("COMPASS_HEAD", "gpu-001")
+    module = ["-m", "compass.model.training.trainer", "/fsx/job.json"]
+    per_rank = ranks_command(module, "/venv/bin/python", 2, 8, 29500, "srun", gpus=True)
+    assert per_rank[:7] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=11",
+                            "--gpus-per-task=1", "--gpu-bind=closest"]
+    script = per_rank[-1]
+    for variable in ("RANK=$SLURM_PROCID", "LOCAL_RANK=$SLURM_LOCALID", "WORLD_SIZE=$SLURM_NTASKS",
+                     "MASTER_ADDR=gpu-001 MASTER_PORT=29500"):
+        assert variable in script, variable
+    assert script.endswith(shlex.join(["/venv/bin/python", *module]))
+    per_node = ranks_command(module, "/venv/bin/python", 2, 8, 29500, "torchrun", gpus=True)
+    assert per_node[:5] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=88"]
+    assert '--node-rank "$SLURM_NODEID"' in per_node[-1] and "--nproc-per-node 8" in per_node[-1]
+    assert "--master-addr gpu-001" in per_node[-1]
+
+
+def test_the_slurm_word_fields_refuse_what_would_reach_the_batch_script():
+    with pytest.raises(ValueError):
+        SlurmCluster(partition="gpu\n#SBATCH --uid=0")
+    with pytest.raises(ValueError):
+        How.model_validate({"resources": {"pretraining": {"time_limit": "2 days"}}})

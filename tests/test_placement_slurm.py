@@ -1,0 +1,258 @@
+"""Where every step runs, on a real one-node Slurm cluster (tests/slurm_cluster.py):
+
+- a spec with a cluster runs its gate, data, ablation, pretraining, mid-training, post-training and evaluation steps
+  each as the Slurm job its phase's shape says, and the orchestrating `compass run` imports no model library;
+- inside a job the ranks get the CPUs the spec asked for (one each: their affinity is read in the ranks);
+- `kill -9` of `compass run` mid-stage, then `compass run` again: the same job is followed (the controller's job
+  history holds one job for the stage), the stage commits, and its weights equal an undisturbed run's;
+- a shared root that the compute nodes do not see is refused before any step's job is submitted, naming the path
+  and the field to set (the orchestrator runs in a mount namespace of its own, where the root is a private tmpfs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from compass.infra import slurm as slurm_jobs
+from compass.infra.layout import ModelArtifact, WorkFolder
+from compass.infra.store import Store
+from tests.conftest import FIXTURES, REPO, VENV_BIN, base_env, write_minimal_spec
+from tests.hub_cache import seed_model, tiny_llama
+
+pytestmark = pytest.mark.slow
+HEAVY = {"torch", "transformers", "trl", "lighteval", "deepspeed", "peft", "datasets", "accelerate"}
+
+
+def history(env: dict[str, str]) -> list[dict[str, str]]:
+    """Every job the controller finished (its completion log: jobcomp/filetxt)."""
+    log = Path(env["SLURM_CONF"]).with_name("jobcomp.log")
+    if not log.exists():
+        return []
+    return [dict(field.split("=", 1) for field in line.split() if "=" in field)
+            for line in log.read_text().splitlines() if line.strip()]
+
+
+def wait_for(check, what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def cluster_spec(folder: Path, shared: Path, how: str = "", **replacements: str) -> Path:
+    """The minimal spec with a cluster (and `how` lines added), run from `folder`."""
+    cluster = f"  orchestration: {{cluster: {{kind: slurm, poll_seconds: 0.5, shared_root: {shared}}}}}"
+    return write_minimal_spec(folder, **{"  parallelism: {micro_batch_size: 2}": (
+        f"  parallelism: {{micro_batch_size: 2}}\n{how}{cluster}"), **replacements})
+
+
+def final_sha(store: Path, step: str) -> str:
+    kind, name = step.split(":")
+    (manifest,) = [json.loads(p.read_text()) for p in store.glob(f"{kind}/{name}-*/manifest.json")]
+    final = ModelArtifact(Path("/")).final.name
+    return next(f["sha256"] for f in manifest["files"] if f["path"] == f"{final}/model.safetensors")
+
+
+EVERY_PHASE = """name: everywhere
+why:
+  reason: production
+  need: a small assistant, trained where the cluster says
+  existing_models:
+    - {model: acme/tiny-chat}
+  success_criteria:
+    - {metric: "arc_easy:cf/acc", op: ">=", threshold: 1.01}
+what:
+  architecture: {num_layers: 2, hidden_size: 64, ffn_size: 128, num_heads: 4, num_kv_heads: 2,
+                 positions: {kind: rope, rope_theta: 10000}}
+  tokenizer:
+    candidates: [{kind: bpe, vocab_size: 400}]
+    train_chars: 100000
+    eval_chars: 20000
+  data:
+    sources:
+      - {name: notes, uri: FIXTURES/corpus/en, include: ["*.txt"], format: text, language: en, domain: web,
+         curation: {heldout_fraction: 0.2}}
+      - {name: code, uri: FIXTURES/corpus/code, include: ["*.py"], format: code, domain: code,
+         curation: {heldout_fraction: 0.2}}
+  ablations:
+    baseline: {tokens: 2048, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
+    variants:
+      - {name: untied, change: {architecture.tied_embeddings: false}}
+    seeds: [0]
+  pretraining:
+    schedule: {kind: wsd, warmup_steps: 1}
+    stages:
+      - {name: stage1, tokens: 8192, sequence_length: 512, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3},
+         schedule_segment: decay}
+  post_training:
+    - {method: mid_training, name: mid, dataset: code, tokens: 4096, lr: 1.0e-3, batch_size: 4}
+    - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 8, max_length: 128,
+       batch_size: 4}
+  evaluation:
+    benchmarks: [{name: arc_easy, formulation: cf, limit: 4}]
+    perplexity_sources: [notes]
+how:
+  hardware: {devices_per_node: 2}
+  parallelism: {micro_batch_size: 1, data_parallel: 2, deepspeed: false}
+  resources:
+    pretraining: {cpus_per_node: 2}
+    ablation: {devices_per_node: 1}
+    mid_training: {devices_per_node: 1}
+  evaluation: {every_checkpoint: false}
+  orchestration: {max_parallel_steps: 2, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED}}
+"""
+PHASE_OF = {"gate": "evaluation", "ingest": "data", "curate": "data", "tokenizer": "data", "tokenize": "data",
+            "ablate": "ablation", "pretrain": "pretraining", "mid_training": "mid_training",
+            "post_train": "post_training", "evaluate": "evaluation"}
+SHAPES = {"data": (1, 0), "ablation": (1, 1), "pretraining": (1, 2), "mid_training": (1, 1), "post_training": (1, 1),
+          "evaluation": (1, 1)}
+
+
+def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_no_model(slurm, tmp_path: Path):
+    hub = tmp_path / "hub"
+    seed_model(hub / "cache", "acme/tiny-chat", tiny_llama(hub / "files"))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(EVERY_PHASE.replace("FIXTURES", str(FIXTURES)).replace("SHARED", str(tmp_path / "shared")))
+    env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(hub / "cache")}
+    record = tmp_path / "orchestrator.json"
+    done = subprocess.run([sys.executable, "-m", "tests.watched_cli", str(record), "run", str(spec), "--store",
+                           str(tmp_path / "store"), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = {s["step"]: s for s in json.loads(done.stdout)["steps"]}
+    assert {k.split(":")[0] for k in steps} >= set(PHASE_OF) | {"compare", "curves", "report"}
+
+    jobs = {j["JobId"]: j for j in history(slurm)}
+    store = Store(str(tmp_path / "store"))
+    for step_id, step in steps.items():
+        manifest = store.read_manifest(step["uri"])
+        kind = step_id.split(":")[0]
+        if kind not in PHASE_OF:  # bookkeeping: it read other steps' manifests in the orchestrator
+            assert manifest.execution.mode == "in_process", step_id
+            continue
+        execution = manifest.execution
+        assert execution.mode == "in_slurm_job" and execution.slurm_job in jobs, step_id
+        job = jobs[execution.slurm_job]
+        nodes, devices = SHAPES[PHASE_OF[kind]]
+        assert (execution.nodes, execution.devices_per_node) == (nodes, devices), step_id
+        assert job["JobState"] == "COMPLETED" and job["NodeCnt"] == str(nodes), (step_id, job)
+        assert job["Name"] == f"compass-{kind}-{step_id.split(':')[1]}"[:48], (step_id, job)
+    assert len({store.read_manifest(s["uri"]).execution.slurm_job for s in steps.values()} - {None}) == \
+        sum(k.split(":")[0] in PHASE_OF for k in steps)  # one job per computing step
+
+    pretrain = store.read_manifest(steps["pretrain:stage1"]["uri"]).metrics
+    cpus = [r["cpus"] for r in pretrain["ranks"]]
+    assert len(cpus) == 2 and all(len(c) == 1 for c in cpus) and cpus[0] != cpus[1]  # one CPU each, not shared
+    assert "2 ranks (2 data-parallel" in pretrain["parallel"]
+    gate = store.read_manifest(steps["gate:acme-tiny-chat"]["uri"]).metrics
+    assert gate["verdict"] == "justified"
+
+    loaded = json.loads(record.read_text())
+    assert not HEAVY & set(loaded["heavy_modules"]), loaded  # it planned, submitted, followed and committed
+
+
+def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm, data_store: Path, tmp_path: Path):
+    from compass.flows.runner import run_in_process
+    from compass.specs import load_spec
+    from compass.tasks.steps.context import Runtime
+
+    longer = {"tokens: 20000, sequence_length: 64": "tokens: 40000, sequence_length: 64"}
+    undisturbed = tmp_path / "undisturbed"
+    shutil.copytree(data_store, undisturbed)
+    reference = load_spec(write_minimal_spec(tmp_path, **longer))
+    from compass.flows.compiler import compile_spec
+
+    run_in_process(compile_spec(reference.spec).up_to(["pretrain:stage1"]), Store(str(undisturbed)),
+                   reference.spec_hash, Runtime(how=reference.spec.how, base_dir=reference.base_dir))
+
+    folder = tmp_path / "cluster"
+    folder.mkdir()
+    spec = cluster_spec(folder, tmp_path / "shared", "  checkpoints: {every_steps: 10}\n", **longer)
+    store = tmp_path / "store"
+    shutil.copytree(data_store, store)
+    env = base_env(tmp_path / "prefect")
+    argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until", "pretrain:stage1"]
+    first = subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    records = lambda: list((store / ".work").glob(f"pretrain/stage1-*/{WorkFolder(Path()).job_record.name}"))  # noqa: E731
+
+    def submitted() -> bool:
+        assert first.poll() is None, "the first orchestrator ended before it submitted the stage's job"
+        return bool(records())
+
+    wait_for(submitted, "the stage's job to be submitted")
+    work = records()[0].parent
+    job = slurm_jobs.read_record(work).job_id
+    wait_for(lambda: WorkFolder(work).checkpoint(10).complete, "the stage's first checkpoint")
+    os.killpg(first.pid, signal.SIGKILL)  # the orchestrator and its temporary Prefect server, nothing else
+    first.wait()
+    assert slurm_jobs.state_of(job).live  # the job runs on, unwatched
+    subprocess.run(["scontrol", "suspend", job], check=True)  # keep it mid-stage until the next run follows it
+
+    resumer = resume_once_followed(job, store)
+    second = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    resumer.join(timeout=10)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert f"following Slurm job {job}" in second.stderr
+    assert not re.search(r"submitted Slurm job \d+ .*pretrain/stage1", second.stderr)
+    named = [j for j in history(slurm) if j["Name"] == "compass-pretrain-stage1" and int(j["JobId"]) >= int(job)]
+    assert [j["JobId"] for j in named] == [job] and named[0]["JobState"] == "COMPLETED"
+    assert final_sha(store, "pretrain:stage1") == final_sha(undisturbed, "pretrain:stage1")
+    assert not work.exists()  # committed: the work folder is gone
+
+
+def resume_once_followed(job: str, store: Path) -> threading.Thread:
+    """Resume the suspended job as soon as a live orchestrator's lock on the stage names it (the one it follows)."""
+    import psutil
+
+    def followed() -> bool:
+        for lock in (store / ".locks").rglob("*.lock"):
+            with contextlib.suppress(OSError, ValueError):
+                holder = json.loads(lock.read_text())
+                if holder.get("job") == job and psutil.pid_exists(holder["pid"]):
+                    return True
+        return False
+
+    def resume() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if followed():
+                subprocess.run(["scontrol", "resume", job], check=True)
+                return
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=resume, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_shared_root_the_nodes_do_not_see_is_refused_before_anything_is_submitted(slurm, tmp_path: Path):
+    if shutil.which("unshare") is None:
+        raise RuntimeError("unshare (util-linux) is needed to give the orchestrator a mount of its own")
+    shared = tmp_path / "private-shared"
+    shared.mkdir()
+    spec = cluster_spec(tmp_path, shared)
+    before = {j["JobId"] for j in history(slurm)}
+    env = base_env(tmp_path / "prefect")
+    compass = f"{VENV_BIN / 'compass'} run {spec} --store {tmp_path}/store"
+    mount = f"mount -t tmpfs compass-private {shared} && exec {compass}"
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"how.orchestration.cluster.shared_root: {shared} is not shared" in done.stderr
+    assert "mounts at the same path" in done.stderr and f"{spec}:" in done.stderr
+    new = [j for j in history(slurm) if j["JobId"] not in before]
+    assert [j["Name"] for j in new] == ["compass-probe"]  # the probe, and no step's job
+    assert not (tmp_path / "store").exists()
