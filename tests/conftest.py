@@ -194,8 +194,51 @@ def data_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from compass.specs import load_spec
     from compass.tasks.steps.context import Runtime
 
-    loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
-    root = tmp_path_factory.mktemp("data-store") / "store"
+    folder = tmp_path_factory.mktemp("data-store")
+    loaded = load_spec(write_minimal_spec(folder))  # the fixtures' absolute paths, as every test's spec has them
+    root = folder / "store"
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize"})
     run_in_process(plan, Store(str(root)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     return root
+
+
+CHECKPOINTED_STAGE = {  # the minimal spec's first stage, long enough to be caught mid-run, a checkpoint every 10 steps
+    "tokens: 20000, sequence_length: 64": "tokens: 40000, sequence_length: 64",
+    "  parallelism: {micro_batch_size: 2}": "  checkpoints: {every_steps: 10}\n  parallelism: {micro_batch_size: 2}"}
+
+
+def cluster_spec(folder: Path, shared: Path, **replacements: str) -> Path:
+    """The minimal spec with its steps run as jobs of this machine's Slurm cluster, shared root `shared`."""
+    cluster = f"\n  orchestration: {{cluster: {{kind: slurm, poll_seconds: 0.5, shared_root: {shared}}}}}\n"
+    path = write_minimal_spec(folder, **replacements)
+    path.write_text(path.read_text().rstrip() + cluster)
+    return path
+
+
+def final_weights_sha(store: Path, step_id: str) -> str:
+    """The sha256 of a committed model step's final weights, from its manifest."""
+    from compass.infra.layout import WEIGHTS, ModelArtifact
+
+    kind, name = step_id.split(":")
+    (path,) = store.glob(f"{kind}/{name}-*/manifest.json")
+    final = ModelArtifact(path.parent).final.relative_to(path.parent).as_posix()
+    return next(f["sha256"] for f in json.loads(path.read_text())["files"] if f["path"] == f"{final}/{WEIGHTS}")
+
+
+@pytest.fixture(scope="session")
+def stage1_reference(data_store: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final weights' sha256 of the checkpointed first stage trained undisturbed, in this process."""
+    import shutil
+
+    from compass.flows.runner import run_in_process
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.steps.context import Runtime
+
+    folder = tmp_path_factory.mktemp("stage1-reference")
+    store = folder / "store"
+    shutil.copytree(data_store, store)
+    loaded = load_spec(write_minimal_spec(folder, **CHECKPOINTED_STAGE))
+    run_in_process(compile_spec(loaded.spec).up_to(["pretrain:stage1"]), Store(str(store)), loaded.spec_hash,
+                   Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+    return final_weights_sha(store, "pretrain:stage1")

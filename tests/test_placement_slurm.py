@@ -26,9 +26,17 @@ from pathlib import Path
 import pytest
 
 from compass.infra import slurm as slurm_jobs
-from compass.infra.layout import ModelArtifact, WorkFolder
+from compass.infra.layout import WorkFolder
 from compass.infra.store import Store
-from tests.conftest import FIXTURES, REPO, VENV_BIN, base_env, write_minimal_spec
+from tests.conftest import (
+    CHECKPOINTED_STAGE,
+    FIXTURES,
+    REPO,
+    VENV_BIN,
+    base_env,
+    cluster_spec,
+    final_weights_sha,
+)
 from tests.hub_cache import seed_model, tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -49,20 +57,6 @@ def wait_for(check, what: str, timeout: float = 600) -> None:
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
-
-
-def cluster_spec(folder: Path, shared: Path, how: str = "", **replacements: str) -> Path:
-    """The minimal spec with a cluster (and `how` lines added), run from `folder`."""
-    cluster = f"  orchestration: {{cluster: {{kind: slurm, poll_seconds: 0.5, shared_root: {shared}}}}}"
-    return write_minimal_spec(folder, **{"  parallelism: {micro_batch_size: 2}": (
-        f"  parallelism: {{micro_batch_size: 2}}\n{how}{cluster}"), **replacements})
-
-
-def final_sha(store: Path, step: str) -> str:
-    kind, name = step.split(":")
-    (manifest,) = [json.loads(p.read_text()) for p in store.glob(f"{kind}/{name}-*/manifest.json")]
-    final = ModelArtifact(Path("/")).final.name
-    return next(f["sha256"] for f in manifest["files"] if f["path"] == f"{final}/model.safetensors")
 
 
 EVERY_PHASE = """name: everywhere
@@ -163,28 +157,14 @@ def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_n
     assert not HEAVY & set(loaded["heavy_modules"]), loaded  # it planned, submitted, followed and committed
 
 
-def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm, data_store: Path, tmp_path: Path):
-    from compass.flows.runner import run_in_process
-    from compass.specs import load_spec
-    from compass.tasks.steps.context import Runtime
-
-    longer = {"tokens: 20000, sequence_length: 64": "tokens: 40000, sequence_length: 64"}
-    undisturbed = tmp_path / "undisturbed"
-    shutil.copytree(data_store, undisturbed)
-    reference = load_spec(write_minimal_spec(tmp_path, **longer))
-    from compass.flows.compiler import compile_spec
-
-    run_in_process(compile_spec(reference.spec).up_to(["pretrain:stage1"]), Store(str(undisturbed)),
-                   reference.spec_hash, Runtime(how=reference.spec.how, base_dir=reference.base_dir))
-
-    folder = tmp_path / "cluster"
-    folder.mkdir()
-    spec = cluster_spec(folder, tmp_path / "shared", "  checkpoints: {every_steps: 10}\n", **longer)
+def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm, data_store: Path,
+                                                                          stage1_reference: str, tmp_path: Path):
+    spec = cluster_spec(tmp_path, tmp_path / "shared", **CHECKPOINTED_STAGE)
     store = tmp_path / "store"
     shutil.copytree(data_store, store)
     env = base_env(tmp_path / "prefect")
     argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until", "pretrain:stage1"]
-    first = subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     records = lambda: list((store / ".work").glob(f"pretrain/stage1-*/{WorkFolder(Path()).job_record.name}"))  # noqa: E731
 
@@ -196,21 +176,21 @@ def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm
     work = records()[0].parent
     job = slurm_jobs.read_record(work).job_id
     wait_for(lambda: WorkFolder(work).checkpoint(10).complete, "the stage's first checkpoint")
+    subprocess.run(["scontrol", "suspend", job], check=True)  # mid-stage, until the next orchestrator follows it
     os.killpg(first.pid, signal.SIGKILL)  # the orchestrator and its temporary Prefect server, nothing else
     first.wait()
-    assert slurm_jobs.state_of(job).live  # the job runs on, unwatched
-    subprocess.run(["scontrol", "suspend", job], check=True)  # keep it mid-stage until the next run follows it
+    assert slurm_jobs.state_of(job).live  # the job stays, unwatched
 
     resumer = resume_once_followed(job, store)
-    second = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    second = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     resumer.join(timeout=10)
     assert second.returncode == 0, second.stderr[-4000:]
     assert f"following Slurm job {job}" in second.stderr
     assert not re.search(r"submitted Slurm job \d+ .*pretrain/stage1", second.stderr)
     named = [j for j in history(slurm) if j["Name"] == "compass-pretrain-stage1" and int(j["JobId"]) >= int(job)]
     assert [j["JobId"] for j in named] == [job] and named[0]["JobState"] == "COMPLETED"
-    assert final_sha(store, "pretrain:stage1") == final_sha(undisturbed, "pretrain:stage1")
-    assert not work.exists()  # committed: the work folder is gone
+    assert final_weights_sha(store, "pretrain:stage1") == stage1_reference  # as if nobody had been killed
+    assert not work.exists()  # committed: its work folder is gone
 
 
 def resume_once_followed(job: str, store: Path) -> threading.Thread:
