@@ -1,5 +1,7 @@
-"""The shape of the code: one namespace, imports that only run downward through the layers, one registry of step
-kinds that is cheap to load, and a new step kind added in one module running through compile, plan and run."""
+"""The shape of the code: one namespace, imports that only run downward through the layers and never in a circle,
+helpers that never import a step kind, every artifact and work-folder name spelled only in infra/layout.py, one
+registry of step kinds that is cheap to load, and a new step kind added in one module running through compile,
+plan and run."""
 
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ from tests import step_kind_example
 from tests.conftest import REPO, prefect_client, write_minimal_spec
 
 LAYERS = ("specs", "infra", "model", "tasks", "flows")  # bottom to top
+HELPERS = ("tasks/steps", "tasks/common", "tasks/data", "tasks/evaluation", "tasks/post_training")
+LAYOUT = REPO / "infra" / "layout.py"
+# names of the artifacts' and work folders' insides: only infra/layout.py spells them
+LAYOUT_FOLDERS = {"final", "state", "checkpoints", "chosen", "candidates", "hf", "train", "heldout"}
+LAYOUT_FILES = {"metrics.jsonl", "loss.png", "result.json", "checksums.json", "job.json", "step-job.json",
+                "step-result.json", "slurm.log", "slurm-job.json", "job.sbatch", "events.jsonl", "model.safetensors"}
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -45,6 +53,105 @@ def test_no_import_runs_upward_and_every_import_names_the_namespace():
                     problems.append(f"{path.relative_to(REPO)}:{line}: '{module}' is not imported as compass.*")
                 elif parts[0] == "compass" and len(parts) > 1 and LAYERS.index(parts[1]) > layer_index:
                     problems.append(f"{path.relative_to(REPO)}:{line}: {layer} imports {module} from a higher layer")
+    assert not problems, "\n".join(problems)
+
+
+def module_files() -> dict[str, Path]:
+    """compass.* module name -> file, for every module of the five folders."""
+    out = {}
+    for layer in LAYERS:
+        for path in (REPO / layer).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out["compass." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The compass modules a file imports when it runs (inside functions too; TYPE_CHECKING blocks left out), and
+    the kind modules a registry loads by name."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(node.test) for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                      for a in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules \
+                and path.name == "registry.py":
+            found.add(node.value)
+    return found & set(modules)
+
+
+def test_no_import_cycle_anywhere():
+    """Strongly connected components of the import graph (function-level imports and the registry's kind modules
+    included): every one is a single module."""
+    import sys
+
+    modules = module_files()
+    graph = {name: runtime_imports(path, modules) - {name} for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for name in graph:
+        if name not in index:
+            visit(name)
+    assert sum(len(edges) for edges in graph.values()) > 200  # the graph is the real one
+    assert not cycles, cycles
+
+
+def test_helpers_never_import_a_step_kind():
+    """tasks/steps (the framework) and the helper packages sit below the kinds: a kind imports them, never the
+    other way (the registry loads the kinds by name)."""
+    modules = module_files()
+    problems = [f"{path.relative_to(REPO)} imports {name}"
+                for helper in HELPERS for path in sorted((REPO / helper).rglob("*.py")) if path.name != "registry.py"
+                for name in runtime_imports(path, modules) if name.startswith("compass.tasks.kinds")]
+    assert not problems, problems
+
+
+def test_artifact_and_work_folder_names_are_spelled_only_in_the_layout():
+    problems = []
+    for layer in LAYERS:
+        for path in sorted((REPO / layer).rglob("*.py")):
+            if path == LAYOUT:
+                continue
+            tree = ast.parse(path.read_text())
+            docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                          if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                          and node.body and isinstance(node.body[0], ast.Expr)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and \
+                        isinstance(node.right, ast.Constant) and node.right.value in LAYOUT_FOLDERS:
+                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: / {node.right.value!r}")
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                    text = node.value
+                    if text in LAYOUT_FILES or any(f"/{name}" in text for name in LAYOUT_FILES) \
+                            or any(f"/{name}/" in text for name in LAYOUT_FOLDERS):
+                        problems.append(f"{path.relative_to(REPO)}:{node.lineno}: {text!r}")
     assert not problems, "\n".join(problems)
 
 
@@ -82,6 +189,8 @@ def test_each_kind_is_declared_once_with_everything_the_runner_needs():
     assert len(names) == len(set(names))
     assert {"gate", "base_model", "ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain",
             "long_context", "post_train", "mid_training", "evaluate", "curves", "report"} == set(names)
+    bookkeeping = {k.name for k in kinds if k.resources is None}
+    assert bookkeeping == {"compare", "curves", "report"}  # every other kind declares what its steps need
     assert set(registry.model_kinds()) == {"base_model", "pretrain", "long_context", "post_train", "mid_training"}
     assert registry.deployment_kinds("ablations") == ["ablate", "compare"]
     spec = load_spec(REPO / "specs/examples/tiny.yaml").spec
