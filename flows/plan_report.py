@@ -98,14 +98,15 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
     stages = costs.stage_costs(spec)
     hw = how.hardware
     stage_rows = [[f"{s.section}:{s.name}", human(s.tokens), s.seq_len, f"{s.flops:.3e}", hours(s.gpu_hours),
-                   f"{s.wall_days:.3g}"] for s in stages]
+                   s.gpus, f"{s.wall_days:.3g}"] for s in stages]
     total_h = sum(s.gpu_hours for s in stages)
     stage_rows.append(["total", human(sum(s.tokens for s in stages)), "", f"{sum(s.flops for s in stages):.3e}",
-                       hours(total_h), f"{sum(s.wall_days for s in stages):.3g}"])
-    compute = Section("Training compute", ["stage", "tokens", "seq", "FLOPs", "GPU-hours", "days"], stage_rows,
-                      [f"6·N·D + attention (PaLM); {hw.total_devices} x {hw.accelerator} at {hw.peak:g} TFLOP/s, "
-                       f"assumed MFU {hw.assumed_mfu:.0%}"])
-    sections = [params, compute, training_core_section(spec)]
+                       hours(total_h), "", f"{sum(s.wall_days for s in stages):.3g}"])
+    compute = Section("Training compute", ["stage", "tokens", "seq", "FLOPs", "GPU-hours", "GPUs", "days"],
+                      stage_rows,
+                      [f"6·N·D + attention (PaLM); {hw.accelerator} at {hw.peak:g} TFLOP/s, assumed MFU "
+                       f"{hw.assumed_mfu:.0%}; each phase on its own GPUs (how.resources)"])
+    sections = [params, placement_section(spec), compute, training_core_section(spec)]
     from compass.specs.scaling import step_shapes
 
     if (hw.accelerator != "cpu" or hw.target_days) and step_shapes(spec):  # (nothing to scale: a fine-tune only)
@@ -113,9 +114,10 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
     abl = costs.ablation_cost(spec)
     if abl:
         sections.append(Section("Ablations", ["runs", "proxy params", "tokens/run", "FLOPs", "GPU-hours",
-                                              "vs main run"],
+                                              "vs main run", "GPUs/run", "days in a row"],
                                 [[abl.runs, human(abl.params), human(abl.tokens_per_run), f"{abl.flops:.3e}",
-                                  hours(abl.gpu_hours), f"{abl.share_of_main:.1%}"]],
+                                  hours(abl.gpu_hours), f"{abl.share_of_main:.1%}", abl.gpus,
+                                  f"{abl.wall_days:.3g}"]],
                                 ["SmolLM3 spent 161,280 GPU-hours on ablations and debugging, over half its main run"]))
     device = costs.device_memory_bytes(how)
     mem_rows = []
@@ -136,6 +138,36 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                             ["context", f"{arch.num_kv_heads} KV heads", f"MHA ({arch.num_heads})", "saving"],
                             kv_rows))
     return sections
+
+
+def placement_section(spec: TrainingSpec) -> Section:
+    """Where each phase of the spec runs and on what: its shape (how.resources, defaults from how.hardware)."""
+    from compass.specs.checks import phases_of
+    from compass.specs.how import PHASES
+
+    how = spec.how
+    cluster = how.orchestration.cluster
+    present = phases_of(spec)
+    rows = []
+    for phase in PHASES:
+        if phase not in present:
+            continue
+        shape = how.shape(phase)
+        if cluster is not None:
+            runs = "Slurm job" + (", whole nodes" if shape.whole_nodes and not shape.cpus_per_node else "")
+        elif phase == "data" and how.orchestration.task_runner == "ray":
+            runs = "Ray tasks"
+        else:
+            runs = f"{shape.ranks} ranks (torchrun)" if shape.ranks > 1 else "this process"
+        rows.append([phase.replace("_", " "), shape.nodes, shape.devices_per_node, shape.ranks,
+                     shape.cpus_per_node or "-", f"{shape.memory_gb:g} GB" if shape.memory_gb else "-",
+                     shape.time_limit or "-", runs])
+    notes = [f"Slurm jobs on partition {cluster.partition or '(default)'}, work folders under {cluster.shared_root}; "
+             f"ranks start with {cluster.launch}" if cluster else "no cluster: every step computes on this machine",
+             "steps that only read other steps' results (comparisons, curves, reports) run in the orchestrator"]
+    devices = "GPUs" if how.hardware.accelerator != "cpu" else "ranks"
+    return Section("Where each phase runs", ["phase", "nodes", f"{devices}/node", devices, "CPUs/node", "memory",
+                                             "time limit", "runs as"], rows, notes)
 
 
 def training_core_section(spec: TrainingSpec) -> Section:

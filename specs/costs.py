@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compass.specs.architecture import Architecture
-from compass.specs.how import MEMORY_GIB, How
+from compass.specs.how import MEMORY_GIB, How, Phase
 from compass.specs.spec import TrainingSpec
 
 GIB = 1024**3
@@ -93,7 +93,12 @@ class StageCost:
     seq_len: int
     flops: float
     gpu_hours: float
+    gpus: int  # its phase's devices (how.resources)
     wall_days: float
+
+
+PHASE_OF_SECTION: dict[str, Phase] = {"pretrain": "pretraining", "long_context": "long_context",
+                                      "mid_training": "mid_training"}
 
 
 def reached_context(spec: TrainingSpec) -> int:
@@ -112,7 +117,8 @@ def stage_costs(spec: TrainingSpec) -> list[StageCost]:
     for section, name, tokens, seq in stages:
         flops = flops_per_token(arch, vocab, seq) * tokens
         hours = gpu_hours(flops, how)
-        out.append(StageCost(section, name, tokens, seq, flops, hours, hours / how.hardware.total_devices / 24))
+        gpus = how.shape(PHASE_OF_SECTION[section]).ranks
+        out.append(StageCost(section, name, tokens, seq, flops, hours, gpus, hours / max(1, gpus) / 24))
     return out
 
 
@@ -124,6 +130,8 @@ class AblationCost:
     flops: float
     gpu_hours: float
     share_of_main: float
+    gpus: int  # of one run (how.resources.ablation)
+    wall_days: float  # the runs one after another
 
 
 def ablation_cost(spec: TrainingSpec) -> AblationCost | None:
@@ -136,8 +144,9 @@ def ablation_cost(spec: TrainingSpec) -> AblationCost | None:
     flops = runs * flops_per_token(proxy, vocab, abl.baseline.sequence_length) * abl.baseline.tokens
     hours = gpu_hours(flops, spec.how)
     main = sum(s.gpu_hours for s in stage_costs(spec))
+    gpus = spec.how.shape("ablation").ranks
     return AblationCost(runs, count_parameters(proxy, vocab).total, abl.baseline.tokens, flops, hours,
-                        hours / main if main else 0.0)
+                        hours / main if main else 0.0, gpus, hours / max(1, gpus) / 24)
 
 
 @dataclass(frozen=True)
@@ -155,14 +164,16 @@ class MemoryEstimate:
 
 
 def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = None,
-                   micro_batch: int | None = None) -> MemoryEstimate:
-    """Bytes per GPU for one training micro-step at `seq_len` (default: the longest pretraining stage) and
-    `micro_batch` sequences (default: how.parallelism.micro_batch_size)."""
+                   micro_batch: int | None = None, phase: Phase = "pretraining") -> MemoryEstimate:
+    """Bytes per GPU for one training micro-step of `phase` (its data parallelism shards ZeRO's states) at
+    `seq_len` (default: the longest pretraining stage) and `micro_batch` sequences (default:
+    how.parallelism.micro_batch_size)."""
     arch, how = spec.what.architecture, spec.how
     par = how.parallelism
     vocab = planning_vocab(spec)
     n = count_parameters(arch, vocab).total
-    tp, dp = par.tensor_parallel, par.data_parallel
+    tp = par.tensor_parallel
+    dp = par.data_parallel if phase == "pretraining" else how.data_parallel(phase)
     w_bytes, g_bytes, o_bytes = (4, 4, 8) if how.precision == "fp32" else (2, 2, 12)
     weights = n * w_bytes / tp / (dp if zero_stage >= 3 else 1)
     grads = n * g_bytes / tp / (dp if zero_stage >= 2 else 1)
@@ -190,10 +201,11 @@ def training_memory(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], int
             memory_per_gpu(spec, par.zero_stage, s.sequence_length))
            for i, s in enumerate(spec.what.pretraining.stages)]
     out += [(("what", "long_context", "stages", i, "sequence_length"), s.sequence_length,
-             memory_per_gpu(spec, par.zero_stage, s.sequence_length, s.micro_batch_size))
+             memory_per_gpu(spec, par.zero_stage, s.sequence_length, s.micro_batch_size, "long_context"))
             for i, s in enumerate(spec.what.long_context.stages)]
     context = reached_context(spec)
-    out += [(("what", "post_training", i, "method"), context, memory_per_gpu(spec, par.zero_stage, context))
+    out += [(("what", "post_training", i, "method"), context,
+             memory_per_gpu(spec, par.zero_stage, context, phase="mid_training"))
             for i, s in enumerate(spec.what.post_training) if s.method == "mid_training"]
     return out
 

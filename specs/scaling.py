@@ -1,4 +1,4 @@
-"""How many GPUs: the wall time of the spec's training at each size, and where more GPUs stop helping.
+"""How many GPUs: the wall time of the spec's pretraining at each size, and where more GPUs stop helping.
 
 Per optimizer step, each GPU (in replicas of `tensor_parallel` GPUs) computes its share of the step's FLOPs at a
 per-GPU throughput (peak x the spec's assumed MFU, or scaled from what `compass preflight` measured), and each
@@ -32,11 +32,12 @@ class ScalePoint:
 
 
 def step_shapes(spec: TrainingSpec) -> list[tuple[float, float, int]]:
-    """(optimizer steps, FLOPs per step, micro-batches per step) of every pretraining and long-context stage."""
+    """(optimizer steps, FLOPs per step, micro-batches per step) of every pretraining stage: the phase this planner
+    sizes (how.hardware); the others run on their own shapes (how.resources) and their days show per stage."""
     arch, vocab = spec.what.architecture, planning_vocab(spec)
     micro = spec.how.parallelism.micro_batch_size
     shapes = []
-    for s in [*spec.what.pretraining.stages, *spec.what.long_context.stages]:
+    for s in spec.what.pretraining.stages:
         tokens_per_step = s.global_batch_size * s.sequence_length
         stage_micro = getattr(s, "micro_batch_size", None) or micro
         shapes.append((s.tokens / tokens_per_step, flops_per_token(arch, vocab, s.sequence_length) * tokens_per_step,

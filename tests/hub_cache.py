@@ -58,3 +58,20 @@ def tiny_llama(folder: Path) -> Path:
     model.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def llama_like_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE trained here, saved as the hub repository the spec names holds its tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [p.read_text() for p in sorted((Path(__file__).parent / "fixtures" / "corpus").rglob("*.*"))]
+    special = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2000, special_tokens=special,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_token=special[1]).save_pretrained(
+        str(folder))
+    return folder

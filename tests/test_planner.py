@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,8 @@ def test_smollm3_on_384_h100s_takes_about_24_days(smollm3):
     days, exposed, capped = scaling.wall_days(smollm3, 384)
     assert days == pytest.approx(24, rel=0.10) and not capped
     assert exposed < 0.05  # 6 GB of gradients per replica hide behind the backward pass on 100 GB/s
-    assert scaling.gpus_for(smollm3, 26) == 384  # 48 nodes of 8
-    assert scaling.gpus_for(smollm3, 40) == 248  # 31 nodes
+    assert scaling.gpus_for(smollm3, 26) == 376  # 47 nodes of 8: pretraining's 11.1T tokens (the rest has its own)
+    assert scaling.gpus_for(smollm3, 40) == 240  # 30 nodes
     assert scaling.gpus_for(smollm3, 20) is None  # 576 x 4k sequences per step: no more than 192 replicas
 
 
@@ -67,6 +68,33 @@ def test_plan_uses_measured_throughput_from_a_preflight_report(tmp_path: Path):
         return next(s for s in plan["sections"] if s["title"] == "GPUs and wall time")
 
     a, m = section(assumed), section(measured)
-    assert any("target 26 days: 384 GPUs (48 nodes of 8)" in n for n in a["notes"])
+    assert any("target 26 days: 376 GPUs (47 nodes of 8)" in n for n in a["notes"])
     assert any("target 26 days: no GPU count reaches it" in n for n in m["notes"])
     assert "measured by preflight" in m["notes"][0] and "148 TFLOP/s" in m["notes"][0]
+
+
+def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
+    """The SmolLM3 example as published: pretraining on 48 nodes, long context on 3 (DP 12 x TP 2), ablations on
+    one node, post-training and evaluation on one GPU; each stage's days on its phase's GPUs."""
+    from tests.hub_cache import llama_like_tokenizer, seed_model
+
+    cache = tmp_path / "hub"
+    seed_model(cache, "meta-llama/Llama-3.2-1B", llama_like_tokenizer(tmp_path / "tokenizer"))
+    env = {**os.environ, "HF_HUB_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "plan", str(EXAMPLES / "smollm3-3b.yaml"),
+                           "--no-machine-checks", "--json"], capture_output=True, text=True, cwd=REPO, env=env,
+                          check=True)
+    sections = {s["title"]: s for s in json.loads(done.stdout)["sections"]}
+    placed = {row[0]: row for row in sections["Where each phase runs"]["rows"]}
+    assert {phase: (row[1], row[3]) for phase, row in placed.items()} == {
+        "data": (1, 0), "ablation": (1, 8), "pretraining": (48, 384), "long context": (3, 24),
+        "mid training": (48, 384), "post training": (1, 1), "evaluation": (1, 1)}
+    assert all(row[-1] == "Slurm job" for row in placed.values())
+    compute = {row[0]: row for row in sections["Training compute"]["rows"]}
+    columns = sections["Training compute"]["columns"]
+    gpus, days = columns.index("GPUs"), columns.index("days")
+    assert compute["pretrain:stage1"][gpus] == 384 and compute["long_context:ctx32k"][gpus] == 24
+    pretraining = sum(float(compute[f"pretrain:stage{i}"][days]) for i in (1, 2, 3))
+    assert pretraining == pytest.approx(25, rel=0.10)  # published: 24 days on 384 H100s
+    long_context = float(compute["long_context:ctx32k"][days]) + float(compute["long_context:ctx64k"][days])
+    assert 5 < long_context < 20  # 99B tokens at 32-64k on 24 GPUs

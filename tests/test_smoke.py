@@ -18,7 +18,7 @@ import pytest
 
 from compass.infra.net import free_port
 from tests.conftest import REPO, Cli, base_env
-from tests.hub_cache import seed_model
+from tests.hub_cache import llama_like_tokenizer, seed_model
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow
@@ -81,23 +81,6 @@ def fill_buckets(s3: RestartableS3) -> None:
     pairs = [{"prompt": c[:-1], "chosen": [c[-1]], "rejected": [rng.choice(chats)[-1]]} for c in chats[60:]]
     client.put_object(Bucket=DATA, Key="smoltalk2-preference/pairs.jsonl",
                       Body="".join(json.dumps(p) + "\n" for p in pairs))
-
-
-def llama_like_tokenizer(folder: Path) -> Path:
-    """A byte-level BPE trained here, saved as the hub repository the spec names holds its tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = [p.read_text() for p in sorted((REPO / "tests" / "fixtures" / "corpus").rglob("*.*"))]
-    special = ["<|begin_of_text|>", "<|end_of_text|>"]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2000, special_tokens=special,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_token=special[1]).save_pretrained(
-        str(folder))
-    return folder
 
 
 @dataclass
