@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import child, interleave, peak_rss_mib, pin_threads, report, write_result
 
 REPO = Path(__file__).resolve().parent.parent
-SUITE = "  evaluation:\n    tasks:\n      - {{name: arc_easy, formulation: cf, limit: {n}}}\n  pretraining:"
+SUITE = "  evaluation:\n    benchmarks:\n      - {{name: arc_easy, formulation: cf, limit: {n}}}\n  pretraining:"
 CRITERION = ('{metric: val_ppl:notes, op: "<=", threshold: 1000, checkpoint: final}',
              '{metric: "arc_easy:cf/acc", op: ">=", threshold: 0.0, checkpoint: final}')
 

@@ -163,10 +163,12 @@ def _sweep_finished_work(ctx: RunContext, step: Step) -> None:
     workdir = ctx.store.work_dir(step.kind, step.name, fingerprint)
     if not WorkFolder(workdir).step_job.exists():
         return
+    import shutil
+
     from compass.infra.slurm import read_record, state_of
 
     record = read_record(workdir)
-    state = state_of(record.job_id) if record else None
+    state = state_of(record.job_id) if record and shutil.which("scontrol") else None
     if state is None or not state.live:
         clear_work(ctx.store, artifact_folder(step.kind, step.name, fingerprint), workdir)
 

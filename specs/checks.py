@@ -539,7 +539,7 @@ def _resources(spec: TrainingSpec) -> Iterator[Issue]:
         if cluster is None and shape.nodes > 1 and len(hosts) < shape.nodes:
             yield Issue((*at, phase, "nodes"), f"{phase} runs on {shape.nodes} nodes and how.hardware.hosts names "
                         f"{len(hosts)}", "list the nodes' addresses in how.hardware.hosts, or run on a Slurm cluster")
-    if cluster is None and "cpus_per_node" in how.hardware.model_fields_set:
+    if cluster is None and how.hardware.cpus_per_node is not None:
         yield Issue(("how", "hardware", "cpus_per_node"), "cpus_per_node has no effect here: it is a Slurm job's "
                     "request", "set how.orchestration.cluster (data steps here use how.orchestration.workers)")
     if cluster is not None and cluster.shared_root is None:

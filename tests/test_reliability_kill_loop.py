@@ -54,6 +54,17 @@ def contents(store: Path) -> dict[str, str]:
     return out
 
 
+def living_children(pid: int) -> dict[int, str]:
+    """pid -> command line of every descendant still alive (one that ends while they are listed is left out)."""
+    out = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            out[child.pid] = " ".join(child.cmdline())[:200]
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return out
+
+
 def test_kill_9_at_several_points_then_finish(tmp_path: Path):
     spec = write_minimal_spec(tmp_path)
     straight = tmp_path / "straight"
@@ -67,7 +78,7 @@ def test_kill_9_at_several_points_then_finish(tmp_path: Path):
         while not any((store / marker.rstrip("/")).glob("*/manifest.json")):
             assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before {marker}"
             time.sleep(0.05)
-        orphans |= {p.pid: " ".join(p.cmdline())[:200] for p in psutil.Process(proc.pid).children(recursive=True)}
+        orphans |= living_children(proc.pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     last = start(spec, store)

@@ -252,13 +252,13 @@ def test_one_host_sync_per_optimizer_step_and_the_step_time_breakdown(stage1_job
         for name, fn in original.items():
             setattr(torch.Tensor, name, fn)
     assert result.steps == 3
-    assert reads == ["compass.model.trainer.tolist"] * 3, reads
+    assert reads == ["compass.model.training.trainer.tolist"] * 3, reads
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert {"data_wait_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "rss_mb"} <= set(row)
         assert row["forward_backward_s"] > 0 and row["data_wait_s"] >= 0
-    assert result.setup["attention"] == DOCUMENT_SDPA and result.setup["loss"] == "chunked"
-    assert result.setup["compile"] is False and result.setup["async_checkpoints"] is True
+    assert result.setup.attention == DOCUMENT_SDPA and result.setup.loss == "chunked"
+    assert result.setup.compile is False and result.setup.async_checkpoints is True
 
 
 SLOW_WRITER = """

@@ -49,7 +49,8 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     hardware, parallelism = how.hardware, how.parallelism
     shape = ctx.runtime.placement.shape
     if shape is not None:  # the phase's nodes and devices; data parallel over what tensor parallelism leaves
-        hardware = hardware.model_copy(update={"nodes": shape.nodes, "devices_per_node": shape.devices_per_node})
+        hardware = hardware.model_copy(update={"nodes": shape.nodes, "devices_per_node": shape.devices_per_node,
+                                               "hosts": hardware.hosts[:shape.nodes]})  # the first ones, locally
         group = parallelism.tensor_parallel * parallelism.pipeline_parallel
         parallelism = parallelism.model_copy(update={"data_parallel": max(1, shape.ranks // group)})
     return TrainJob(
