@@ -114,12 +114,13 @@ SHAPES = {"data": (1, 0), "ablation": (1, 1), "pretraining": (1, 2), "mid_traini
           "evaluation": (1, 1)}
 
 
-def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_no_model(slurm, tmp_path: Path):
+def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_no_model(slurm, prefect_server: str,
+                                                                                      tmp_path: Path):
     hub = tmp_path / "hub"
     seed_model(hub / "cache", "acme/tiny-chat", tiny_llama(hub / "files"))
     spec = tmp_path / "spec.yaml"
     spec.write_text(EVERY_PHASE.replace("FIXTURES", str(FIXTURES)).replace("SHARED", str(tmp_path / "shared")))
-    env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(hub / "cache")}
+    env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(hub / "cache"), "PREFECT_API_URL": prefect_server}
     record = tmp_path / "orchestrator.json"
     done = subprocess.run([sys.executable, "-m", "tests.watched_cli", str(record), "run", str(spec), "--store",
                            str(tmp_path / "store"), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -157,12 +158,12 @@ def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_n
     assert not HEAVY & set(loaded["heavy_modules"]), loaded  # it planned, submitted, followed and committed
 
 
-def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm, data_store: Path,
+def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm, data_store: Path, prefect_server: str,
                                                                           stage1_reference: str, tmp_path: Path):
     spec = cluster_spec(tmp_path, tmp_path / "shared", **CHECKPOINTED_STAGE)
     store = tmp_path / "store"
     shutil.copytree(data_store, store)
-    env = base_env(tmp_path / "prefect")
+    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
     argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until", "pretrain:stage1"]
     first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)

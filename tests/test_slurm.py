@@ -142,13 +142,14 @@ def test_a_failing_job_names_its_last_log_lines(slurm, data_store: Path, tmp_pat
     assert "TrainingStopped" in str(error)  # the trainer's own words, from the job's log
 
 
-def test_stopping_the_run_cancels_its_slurm_job(slurm, data_store: Path, tmp_path: Path):
+def test_stopping_the_run_cancels_its_slurm_job(slurm, data_store: Path, prefect_server: str, tmp_path: Path):
     spec = cluster_spec(tmp_path, tmp_path / "shared", **CHECKPOINTED_STAGE)
     store = tmp_path / "store"
     shutil.copytree(data_store, store)
     run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store", str(store),
                             "--until", "pretrain:stage1"], cwd=REPO, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PREFECT_HOME": str(tmp_path / "ph")})
+                           stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PREFECT_HOME": str(tmp_path / "ph"), "PREFECT_API_URL": prefect_server})
     records: list[Path] = []
 
     def submitted() -> bool:

@@ -52,8 +52,9 @@ class Placement:
 
     @property
     def uses_devices(self) -> bool:
-        """It holds devices (GPUs, or training ranks on CPU) while it runs: one such step at a time per machine."""
-        return bool(self.shape and self.shape.devices_per_node)
+        """It holds this machine's devices (GPUs, or training ranks on CPU) while it runs: such steps take turns
+        (the `gpu` tag's concurrency limit). A Slurm job's devices are Slurm's to share out."""
+        return bool(self.shape and self.shape.devices_per_node) and self.mode in ("in_process", "local_ranks")
 
     def inside_job(self) -> Placement:
         """The placement the step itself sees once its Slurm job runs it."""
