@@ -1,6 +1,6 @@
 # The two commands: `make demo` runs the demo lifecycle, `make test` runs the test suite.
 # Both install what they need first (infra/setup.sh, idempotent).
-.PHONY: demo test test-fast setup lint bench
+.PHONY: demo test test-fast test-gpu setup lint bench
 
 setup:
 	@bash infra/setup.sh
@@ -11,11 +11,15 @@ demo: setup
 	.venv/bin/compass run specs/examples/tiny.yaml
 
 test: setup
-	.venv/bin/python -m pytest -q --durations=30 tests
+	.venv/bin/python -m pytest -q --durations=30 -m "not gpu" tests
 
 # Everything not marked slow (no end-to-end flows): a few minutes, for iterating.
 test-fast: setup
-	.venv/bin/python -m pytest -q -m "not slow" tests
+	.venv/bin/python -m pytest -q -m "not slow and not gpu" tests
+
+# The CUDA path on a GPU node (fails without CUDA): NCCL collectives, the first thing to run on a new GPU node.
+test-gpu: setup
+	.venv/bin/python -m pytest -q -m gpu tests
 
 lint: setup
 	.venv/bin/ruff check .

@@ -155,6 +155,30 @@ def test_artifact_and_work_folder_names_are_spelled_only_in_the_layout():
     assert not problems, "\n".join(problems)
 
 
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "gather", "scatter", "send", "recv", "init_process_group", "destroy_process_group", "monitored_barrier"}
+
+
+def test_only_the_collectives_module_calls_a_collective():
+    """NCCL moves CUDA tensors only and gloo (every CPU test) forgives CPU ones: one module puts every collective's
+    tensors on the backend's device, and nothing else calls torch.distributed's collectives."""
+    own = REPO / "model" / "training" / "collectives.py"
+    problems = []
+    for layer in LAYERS:
+        for path in sorted((REPO / layer).rglob("*.py")):
+            if path == own:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and \
+                        ast.unparse(node.value) in ("dist", "torch.distributed", "distributed"):
+                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed") and \
+                        any(a.name in COLLECTIVES for a in node.names):
+                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: imports a collective")
+    assert not problems, "\n".join(problems)
+
+
 def test_the_layers_only_exist_inside_the_compass_namespace(tmp_path: Path):
     """Outside the checkout `import specs` fails (nothing installs top-level packages) and compass.* works."""
     for name in LAYERS:

@@ -181,12 +181,9 @@ class StopWhenAsked(Callback):
     def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         asked = StopWhenAsked.signalled or self.stop_file.exists()
         if trainer.world > 1:
-            import torch
-            import torch.distributed as dist
+            from compass.model.training import collectives
 
-            flag = torch.tensor([float(asked)], device=trainer.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            asked = bool(flag.item())
+            asked = collectives.any_rank(asked)
         if not asked or trainer.step == trainer.stage_steps:  # the stage's end is checkpointed anyway
             return
         if trainer.written is None or trainer.written != ckpt.step_dir(trainer.checkpoint_root, trainer.step):

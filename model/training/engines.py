@@ -9,14 +9,13 @@ The module an engine trains is `CausalLMWithLoss` (model/lm.py): its forward ret
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from compass.model.training.checkpoints import Write, to_host
+from compass.model.training.collectives import rank_env
 from compass.specs.training import Optimizer
 
 
@@ -38,17 +37,6 @@ class Engine(Protocol):
     def export_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the launcher's environment, (0, 1, 0) when run in-process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def init_distributed(backend: str) -> None:
-    rank, world, _ = dist_env()
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
-
-
 def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The Hugging Face model's own keys from the wrapper's state dict (`hf.` prefix dropped)."""
     return {k.removeprefix("hf."): v for k, v in state.items()}
@@ -59,7 +47,7 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int):
         self.module = model
-        _, world, local_rank = dist_env()
+        _, world, local_rank = rank_env()
         on_gpu = next(model.parameters()).is_cuda
         self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None)
                       if world > 1 else model)
@@ -93,7 +81,7 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]:
-        rank, _, _ = dist_env()
+        rank, _, _ = rank_env()
         if rank != 0:
             return []
         state = to_host({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": extra})
@@ -145,7 +133,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         _keep_deepspeed_off_the_cpu_shm_op()
-        _, world, _ = dist_env()
+        _, world, _ = rank_env()
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": micro_batch,

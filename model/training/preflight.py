@@ -52,22 +52,21 @@ def matmul_tflops(device: Any, seconds: float) -> float:
 def allreduce_busbw_gbps(device: Any, megabytes: int, seconds: float) -> float | None:
     """nccl-tests' bus bandwidth: bytes x 2(n-1)/n per all-reduce over its time (None with one rank)."""
     import torch
-    import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    from compass.model.training import collectives
+
+    world = collectives.world_size()
     if world == 1:
         return None
     tensor = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
-    dist.all_reduce(tensor)  # warm-up, and the connections
+    collectives.all_reduce(tensor)  # warm-up, and the connections (in place: on the backend's device)
     done, start = 0, time.perf_counter()
     while True:
-        dist.all_reduce(tensor)
+        collectives.all_reduce(tensor)
         done += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        flag = torch.tensor([float(time.perf_counter() - start >= seconds)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops after the same count
-        if flag.item():
+        if collectives.any_rank(time.perf_counter() - start >= seconds, device):  # every rank stops together
             elapsed = time.perf_counter() - start
             return tensor.numel() * 4 * 2 * (world - 1) / world * done / elapsed / 1e9
 
@@ -75,14 +74,9 @@ def allreduce_busbw_gbps(device: Any, megabytes: int, seconds: float) -> float |
 def everyone_agrees(done: bool, device: Any) -> bool:
     """True on every rank once any rank is done: each rank's own clock would end the burn-in after a different
     number of rounds, and a rank in the next all-reduce while its peer waits at the barrier aborts both."""
-    import torch
-    import torch.distributed as dist
+    from compass.model.training import collectives
 
-    if not dist.is_initialized():
-        return done
-    flag = torch.tensor([float(done)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return collectives.any_rank(done, device)
 
 
 def io_throughput(folder: Path, megabytes: int) -> dict[str, float]:
@@ -136,14 +130,14 @@ def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s
     """This rank's measurements (the worst over `duration_s` when it is a burn-in)."""
     import torch
 
-    from compass.model.training.engines import dist_env, init_distributed
+    from compass.model.training import collectives
 
-    rank, world, local_rank = dist_env()
+    rank, world, local_rank = collectives.rank_env()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    init_distributed("nccl" if cuda else "gloo")
+    collectives.init("nccl" if cuda else "gloo")
     row: dict[str, Any] = {"node": socket.gethostname(), "rank": rank, "local_rank": local_rank, "world": world,
                            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     rounds: list[dict[str, Any]] = []
@@ -164,9 +158,7 @@ def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s
     if cuda:
         row["gpu"] = gpu_health(local_rank)
     (out / f"rank-{rank}.json").write_text(json.dumps(row))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # gloo's threads left running abort the process at exit
+    collectives.leave()  # gloo's threads left running abort the process at exit
     return row
 
 

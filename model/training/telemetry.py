@@ -240,6 +240,6 @@ def telemetry_callbacks(telemetry: Telemetry | None) -> list[Callback]:
 
 
 def _dist() -> tuple[int, int, int]:
-    from compass.model.training.engines import dist_env
+    from compass.model.training.collectives import rank_env
 
-    return dist_env()
+    return rank_env()

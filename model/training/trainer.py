@@ -39,6 +39,7 @@ from compass.model.architecture import build_model, hf_config, load_pretrained, 
 from compass.model.lm import CausalLMWithLoss
 from compass.model.loss import resolve as resolve_loss
 from compass.model.training import checkpoints as ckpt
+from compass.model.training import collectives
 from compass.model.training.callbacks import (
     Callback,
     Checkpointing,
@@ -49,7 +50,8 @@ from compass.model.training.callbacks import (
     StopRequested,
     StopWhenAsked,
 )
-from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, dist_env, init_distributed
+from compass.model.training.collectives import rank_env
+from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine
 from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
@@ -76,7 +78,7 @@ def cpu_peak_tflops() -> float:
 
 def training_device(accelerator: str) -> torch.device:
     """The local GPU of this rank when `how` names one and CUDA is present, else the CPU."""
-    _, _, local_rank = dist_env()
+    _, _, local_rank = rank_env()
     if accelerator != "cpu" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -99,9 +101,9 @@ class Trainer:
 
     def __init__(self, job: TrainJob, callbacks: list[Callback] | None = None):
         if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
-            job = job.model_copy(update={"sources": stage_sources(job.staging, dist_env()[2])})
+            job = job.model_copy(update={"sources": stage_sources(job.staging, rank_env()[2])})
         self.job = job
-        self.rank, self.world, _ = dist_env()
+        self.rank, self.world, _ = rank_env()
         recipe = job.recipe
         self.stage = recipe.current
         self.shape = schedule_shape(recipe.schedule, recipe.stages)
@@ -168,10 +170,10 @@ class Trainer:
         par = job.parallelism
         if par.deepspeed:
             if self.device.type == "cpu":
-                init_distributed("gloo")  # on GPUs DeepSpeed initialises NCCL itself
+                collectives.init("gloo")  # on GPUs DeepSpeed initialises NCCL itself
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision, par.tensor_parallel)
-        init_distributed("gloo" if self.device.type == "cpu" else "nccl")
+        collectives.init("gloo" if self.device.type == "cpu" else "nccl")
         return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
 
     @property
@@ -287,8 +289,7 @@ class Trainer:
     def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
         """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both."""
         if self.world > 1:
-            torch.distributed.all_reduce(loss)
-            loss = loss / self.world
+            loss = collectives.all_reduce(loss) / self.world
         values = torch.stack([loss.double(), norm.to(loss.device).double()]).tolist()
         return values[0], values[1]
 
@@ -364,9 +365,7 @@ class Trainer:
         """The data position of every row, gathered from every rank: resume works at any world size."""
         if self.world == 1:
             return self.data_state
-        states: list[Any] = [None] * self.world
-        torch.distributed.all_gather_object(states, self.data_state)
-        return merge_states(states)
+        return merge_states(collectives.all_gather_object(self.data_state))
 
     def restore_newest_checkpoint(self, event: Event) -> None:
         """Roll back: the newest good checkpoint's weights, optimizer and RNG; the step count returns there."""
@@ -389,23 +388,20 @@ class Trainer:
                          device=str(self.device))
         if self.world == 1:
             return [mine]
-        everyone: list[Any] = [None] * self.world
-        torch.distributed.all_gather_object(everyone, mine.model_dump())
-        return [RankPlace.model_validate(p) for p in everyone]
+        return [RankPlace.model_validate(p) for p in collectives.all_gather_object(mine.model_dump())]
 
     def _check_ranks(self, local: PackedBatch) -> str:
         """Before the first step: every rank's weights and batch against the others' (check_ranks) and, with
         tensor parallelism, the shards gathered against the initialisation every rank built whole."""
         mine = torch.tensor([self.dp_rank, self.tp_rank, _digest(self.engine.module.state_dict().values()),
                              _digest([local.input_ids])], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
-        torch.distributed.all_gather(everyone, mine)
+        everyone = collectives.all_gather(mine)  # on the backend's device: NCCL moves CUDA tensors only
         summary = check_ranks([tuple(int(x) for x in t) for t in everyone])
         if self.tp > 1:
             gathered = self.engine.export_state_dict()  # collective: rank 0 receives the whole model
             reference, what = self._reference() if self.rank == 0 else ({}, "")
             bad = torch.tensor([len(gathered_mismatch(reference, gathered)) if self.rank == 0 else 0])
-            torch.distributed.broadcast(bad, 0)
+            bad = collectives.broadcast(bad, 0)
             if int(bad):
                 raise RuntimeError(f"{int(bad)} tensors' tensor-parallel shards, gathered, differ from {what}: the "
                                    "model was not sharded from one set of weights")
@@ -433,7 +429,7 @@ class Trainer:
 
     def _barrier(self) -> None:
         if self.world > 1:
-            torch.distributed.barrier()
+            collectives.barrier()
 
 
 def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> TrainResult:
@@ -507,26 +503,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job_path = Path(args[0])
     signal.signal(signal.SIGUSR1, _stop_requested)
-    rank, _, _ = dist_env()
+    rank, _, _ = rank_env()
     job = TrainJob.read(job_path)
     try:
         result = train_stage(job)
     except StopRequested as stopped:
         log.warning("%s", stopped)
-        _leave_group()
+        collectives.leave()
         return 0  # no result.json: the job is requeued and resumes from the checkpoint
     if rank == 0:
         result.write(WorkFolder(job.workdir).train_result)
-    _leave_group()
+    collectives.leave()
     return 0
-
-
-def _leave_group() -> None:
-    """Tear the process group down before the interpreter exits: gloo's threads torn down at exit abort the
-    process now and then ("terminate called without an active exception"), failing a finished job."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

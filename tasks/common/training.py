@@ -109,11 +109,10 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
     if placement.mode == "in_slurm_job" and job.world_size > 1:
         return _ranks_in_job(job, log, cluster.launch if cluster else "srun")
     if job.world_size == 1:
-        import torch.distributed as dist
-
+        from compass.model.training import collectives
         from compass.model.training.trainer import train_stage
 
-        with _single_rank_env(fresh_port=not dist.is_initialized()):
+        with _single_rank_env(fresh_port=not collectives.active()):
             result = train_stage(job)
         result.write(work.train_result)
         return result

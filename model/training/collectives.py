@@ -1,0 +1,111 @@
+"""Every collective compass issues, in one place, each on the process group's device.
+
+NCCL moves CUDA tensors only ("No backend type associated with device type cpu"), gloo CPU tensors; a rank check or
+a stop flag built on the CPU works under gloo, which is what every test here runs, and kills a multi-rank CUDA job at
+its first step. So no other module calls torch.distributed's collectives (tests/test_architecture.py checks it):
+callers hand any tensor to these functions, which move it to the backend's device and give the result back on the
+caller's device.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+Op = Literal["sum", "max", "min"]
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+CUDA_BACKENDS = ("nccl",)
+
+
+def rank_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the launcher's environment, (0, 1, 0) when run in-process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def init(backend: str) -> None:
+    """Join the launcher's process group (several ranks only; one rank needs none)."""
+    rank, world, _ = rank_env()
+    if world > 1 and not active():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+
+
+def backend_device(backend: str | None = None) -> torch.device:
+    """Where the group's collectives move tensors: this rank's GPU for NCCL, the CPU for gloo (or no group)."""
+    backend = backend or (dist.get_backend() if active() else "gloo")
+    if backend in CUDA_BACKENDS:
+        return torch.device("cuda", rank_env()[2])
+    return torch.device("cpu")
+
+
+def all_reduce(tensor: torch.Tensor, op: Op = "sum") -> torch.Tensor:
+    """The reduction over every rank. A tensor already on the backend's device is reduced in place (no copy: the
+    preflight's bandwidth test measures the collective, not a copy); another goes there and back. Returns the
+    result on `tensor`'s device."""
+    if not active():
+        return tensor
+    device = backend_device()
+    if tensor.device == device:
+        dist.all_reduce(tensor.detach(), op=_OPS[op])
+        return tensor
+    moved = tensor.detach().to(device)
+    dist.all_reduce(moved, op=_OPS[op])
+    return moved.to(tensor.device)
+
+
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank once it is true on any (ranks that must take the same branch, e.g. stop together)."""
+    if not active():
+        return flag
+    return bool(all_reduce(torch.tensor([float(flag)], device=device or backend_device()), "max").item())
+
+
+def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's tensor (same shape and dtype on every rank), rank order, on `tensor`'s device."""
+    if not active():
+        return [tensor.clone()]
+    moved = tensor.to(backend_device())
+    everyone = [torch.empty_like(moved) for _ in range(world_size())]
+    dist.all_gather(everyone, moved)
+    return [t.to(tensor.device) for t in everyone]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable object, in rank order (NCCL needs the current CUDA device set: the trainer sets it)."""
+    if not active():
+        return [obj]
+    everyone: list[Any] = [None] * world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """`src`'s tensor on every rank, on `tensor`'s device."""
+    if not active():
+        return tensor
+    moved = tensor.to(backend_device(), copy=True)
+    dist.broadcast(moved, src)
+    return moved.to(tensor.device)
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def leave() -> None:
+    """Tear the process group down before the interpreter exits: gloo's threads torn down at exit abort the
+    process now and then ("terminate called without an active exception"), failing a finished job."""
+    if active():
+        dist.barrier()
+        dist.destroy_process_group()
