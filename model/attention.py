@@ -3,7 +3,8 @@
 Packed documents are told apart by position ids that restart at every document (no attention mask is passed),
 and the backend keeps each document to itself:
 - `flash`: flash-attention's variable-length kernels (`flash_attention_3` on Hopper when `flash_attn_interface` is
-  installed, else `flash_attention_2`), which transformers feeds from the position ids; CUDA only;
+  installed, else `flash_attention_2`), fed the documents' cumulative lengths over the flattened micro-batch
+  (transformers infers them from position ids for one row only); CUDA only;
 - `flex`: PyTorch's FlexAttention with the block mask transformers derives from the position ids; it has no
   backward on CPU in torch 2.13, so it trains on CUDA only;
 - `sdpa`: compass's per-document SDPA, registered with transformers' AttentionInterface: each row is split at its
@@ -80,6 +81,13 @@ def register() -> None:
 
     # the splits depend on the data: compiled graphs call it eagerly
     AttentionInterface.register(DOCUMENT_SDPA, torch.compiler.disable(document_sdpa))
+
+
+def takes_sequence_lengths(implementation: str) -> bool:
+    """Whether a transformers attention implementation needs the documents' lengths passed in (flash's varlen
+    kernels at a micro-batch above one row; see model/training/packing.py `varlen_kwargs`). transformers tells a
+    flash implementation by its name the same way."""
+    return "flash" in implementation
 
 
 def flash_kernel() -> str | None:

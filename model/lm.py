@@ -4,6 +4,8 @@ the forward they wrap. The Hugging Face model stays an attribute (`hf`): checkpo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from compass.model.loss import chunked_lm_loss, liger_lm_loss, recomputed_lm_loss
@@ -20,12 +22,13 @@ class CausalLMWithLoss(torch.nn.Module):
         self.moe_coef = moe_coef
         self.loss = loss
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss to optimise, cross-entropy) of a packed batch; the MoE load-balancing term joins the loss."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                **attention: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to optimise, cross-entropy) of a packed batch; the MoE load-balancing term joins the loss.
+        `attention`: what the attention backend reads besides position ids (flash's sequence lengths)."""
         moe = self.moe_coef > 0
         kwargs = {"output_router_logits": True} if moe else {}
-        out = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        out = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs, **attention)
         head = self.hf.get_output_embeddings()
         loss, ce = LOSSES[self.loss](out.last_hidden_state, labels, head, self.z_loss)
         if moe:

@@ -47,3 +47,91 @@ def test_a_group_of_one_goes_through_the_backend(no_group, tmp_path):
         assert collectives.all_gather(t)[0].equal(t) and collectives.any_rank(True)
     finally:
         dist.destroy_process_group()
+
+
+# --- flash attention's varlen path at a micro-batch of several rows ----------------------------------------------
+# flash-attn runs on CUDA only; what decides whether documents stay apart is transformers' dispatch
+# (modeling_flash_attention_utils._flash_attention_forward), which runs here as it does on a GPU. Only the two
+# kernels are replaced, by their definitions in plain torch: dense causal attention per row (flash_attn_func) and
+# causal attention per cu_seqlens segment of the flattened batch (flash_attn_varlen_func).
+REFERENCE_FLASH = "compass_flash_reference"
+
+
+def _reference_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         scale=softmax_scale, enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def _reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                            softmax_scale=None, causal=False):
+    bounds = cu_seqlens_q.tolist()
+    return torch.cat([_reference_flash(q[None, s:e], k[None, s:e], v[None, s:e], softmax_scale=softmax_scale,
+                                       causal=causal)[0] for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
+
+
+@pytest.fixture
+def reference_flash(monkeypatch: pytest.MonkeyPatch) -> str:
+    import transformers.modeling_flash_attention_utils as fa
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    real = fa._lazy_imports
+
+    def kernels(implementation, *args, **kwargs):
+        if implementation == REFERENCE_FLASH:
+            return _reference_flash, _reference_flash_varlen, None, None, None
+        return real(implementation, *args, **kwargs)
+
+    monkeypatch.setattr(fa, "_lazy_imports", kernels)
+    monkeypatch.setattr(fa, "_loaded_implementation", None)
+    AttentionInterface.register(REFERENCE_FLASH, flash_attention_forward)
+    return REFERENCE_FLASH
+
+
+def _packed_micro_batch_of_three():
+    import numpy as np
+
+    from compass.model.training.packing import PADDING, make_batch
+
+    rng = np.random.default_rng(5)
+    rows = [(13, 21, 14), (48,), (7, 30, 5, 6)]  # documents per row (the last row ends in padding)
+    tokens, segments = [], []
+    for lengths in rows:
+        seg = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
+        seg[sum(lengths) - 6:] = PADDING if len(lengths) == 4 else seg[sum(lengths) - 6:]
+        tokens.append(rng.integers(2, 300, 48))
+        segments.append(seg)
+    return make_batch(np.stack(tokens), np.stack(segments).astype(np.int64))
+
+
+def test_flash_keeps_documents_apart_at_a_micro_batch_of_three(reference_flash: str):
+    """The packed micro-batch of 3 rows gives flash the same documents as compass's per-document SDPA (outputs and
+    gradients), because the trainer passes their cumulative lengths; without them (what transformers infers from
+    position ids alone, for one row only) the rows' documents attend to each other."""
+    from compass.model.architecture import build_model, hf_config
+    from compass.model.attention import DOCUMENT_SDPA, takes_sequence_lengths
+    from compass.model.lm import CausalLMWithLoss
+    from compass.specs.architecture import Architecture
+
+    arch = Architecture(num_layers=2, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2)
+    config = hf_config(arch, 300, {"bos": 0, "eos": 0, "pad": 1}, 128)
+    batch = _packed_micro_batch_of_three()
+    cpu = torch.device("cpu")
+
+    def loss_and_grads(implementation: str, lengths: bool):
+        lm = CausalLMWithLoss(build_model(config, 7, implementation))
+        loss, _ = lm(**batch.inputs(cpu, sequence_lengths=lengths))
+        loss.backward()
+        return float(loss), torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None])
+
+    assert takes_sequence_lengths(reference_flash) and takes_sequence_lengths("flash_attention_3")
+    assert not takes_sequence_lengths(DOCUMENT_SDPA)
+    expected_loss, expected_grads = loss_and_grads(DOCUMENT_SDPA, False)
+    loss, grads = loss_and_grads(reference_flash, True)
+    assert loss == pytest.approx(expected_loss, abs=1e-5)
+    torch.testing.assert_close(grads, expected_grads, atol=1e-5, rtol=1e-4)
+    leaked_loss, _ = loss_and_grads(reference_flash, False)
+    assert abs(leaked_loss - expected_loss) > 1e-3  # the bug this guards against: documents attend across

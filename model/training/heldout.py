@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from compass.infra.layout import HELDOUT
+from compass.model.attention import takes_sequence_lengths
 from compass.model.lm import CausalLMWithLoss
 from compass.model.training.packing import Packer
 from compass.model.training.token_files import TokenizedSource
@@ -19,6 +20,7 @@ def heldout_losses(model: torch.nn.Module, sources: dict[str, Path], seq_len: in
     """Mean next-token loss per source on its held-out documents, packed without mixing sources. `model` is a
     Hugging Face causal LM, or the CausalLMWithLoss that trains it."""
     scorer = model if isinstance(model, CausalLMWithLoss) else CausalLMWithLoss(model)
+    lengths = takes_sequence_lengths(scorer.config._attn_implementation or "")
     was_training = scorer.training
     scorer.eval()
     out: dict[str, float] = {}
@@ -28,7 +30,7 @@ def heldout_losses(model: torch.nn.Module, sources: dict[str, Path], seq_len: in
             continue
         packer = Packer({name: held}, {name: 1.0}, seq_len, seed=0)
         n = min(max_sequences, max(1, len(held.tokens) // seq_len))
-        losses = [float(scorer(**packer.next_batch(1, masking).inputs(device))[1]) for _ in range(n)]
+        losses = [float(scorer(**packer.next_batch(1, masking).inputs(device, lengths))[1]) for _ in range(n)]
         out[name] = sum(losses) / len(losses)
     scorer.train(was_training)
     return out

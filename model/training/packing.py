@@ -47,15 +47,20 @@ class PackedBatch:
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[:, None]
 
-    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Keyword arguments of CausalLMWithLoss: token ids, position ids, labels. The document starts are read
+    def inputs(self, device: torch.device, sequence_lengths: bool = False) -> dict[str, Any]:
+        """Keyword arguments of CausalLMWithLoss: token ids, position ids, labels and, with `sequence_lengths`, the
+        documents as flash-attention's varlen kernels take them (see `varlen_kwargs`). The document starts are read
         here, on the host, so that splitting rows into documents never waits on the device."""
         from compass.model.attention import document_starts, known_starts
 
         positions = self.position_ids.to(device, non_blocking=True)
-        known_starts(positions, document_starts(self.position_ids))
-        return {"input_ids": self.input_ids.to(device, non_blocking=True), "position_ids": positions,
-                "labels": self.labels.to(device, non_blocking=True)}
+        starts = document_starts(self.position_ids)
+        known_starts(positions, starts)
+        inputs: dict[str, Any] = {"input_ids": self.input_ids.to(device, non_blocking=True),
+                                  "position_ids": positions, "labels": self.labels.to(device, non_blocking=True)}
+        if sequence_lengths:
+            inputs.update(varlen_kwargs(starts, self.position_ids.shape[1], device))
+        return inputs
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -63,6 +68,18 @@ class PackedBatch:
     def slice(self, start: int, stop: int) -> PackedBatch:
         return PackedBatch(self.input_ids[start:stop], self.position_ids[start:stop], self.segment_ids[start:stop],
                            self.labels[start:stop])
+
+
+def varlen_kwargs(starts: list[list[int]], length: int, device: torch.device) -> dict[str, Any]:
+    """Every document of a [B, L] batch as one flattened sequence of B*L tokens: cumulative lengths (int32) and the
+    longest document, under the names transformers' flash path takes (`cu_seq_lens_q/k`, `max_length_q/k`).
+    Without them transformers infers documents from position ids only for a batch of one row: at micro-batch 3
+    flash would attend across every document of a row."""
+    offsets = [row * length + s for row, row_starts in enumerate(starts) for s in row_starts] + [len(starts) * length]
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    longest = int(cu.diff().max())
+    cu = cu.to(device, non_blocking=True)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 PADDING = -1  # segment id of padding: its own block in the mask, never a label

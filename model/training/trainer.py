@@ -126,6 +126,7 @@ class Trainer:
         if loss == "chunked" and job.parallelism.deepspeed and job.parallelism.zero_stage == 3:
             loss = "recomputed"  # the head's weight is whole only inside its own forward at ZeRO-3
         self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
+        self.sequence_lengths = attention.takes_sequence_lengths(self.attention)
         self.lm = self._model()
         self.engine = self._engine(self.lm)
         self.setup = TrainingSetup(attention=self.attention, loss=loss, compile=job.compile, precision=job.precision,
@@ -280,7 +281,7 @@ class Trainer:
         return total
 
     def _forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = batch.inputs(self.device)
+        inputs = batch.inputs(self.device, sequence_lengths=self.sequence_lengths)
         if self.device.type == "cuda" and self.job.precision == "bf16" and isinstance(self.engine, TorchEngine):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 return self.engine(**inputs)
