@@ -41,8 +41,8 @@ def test_gathered_shards_are_compared_with_the_initial_weights():
     assert gathered_mismatch(digests, {"a": initial["a"] * 2, "b": initial["b"]}) == ["a"]
 
 
-def losses(workdir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+def losses(workdir: Path, field: str = "loss") -> list[float]:
+    return [json.loads(line)[field] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def final_weights(workdir: Path) -> dict:
@@ -81,6 +81,8 @@ def test_two_tensor_parallel_ranks_train_like_one_process_and_resume_bitwise(sta
     assert "1 data-parallel x 2 tensor-parallel" in result.rank_check
     assert "distinct shards" in result.rank_check and "shards gathered equal the initial weights" in result.rank_check
     assert losses(tmp_path / "tp2") == pytest.approx(losses(tmp_path / "tp1"), rel=1e-5)
+    # the global gradient norm: each shard once, replicated weights once (it read 0 under tensor parallelism)
+    assert losses(tmp_path / "tp2", "grad_norm") == pytest.approx(losses(tmp_path / "tp1", "grad_norm"), rel=1e-4)
     assert result.val_loss == pytest.approx(single.val_loss, rel=1e-5)
     a, b = final_weights(tmp_path / "tp1"), final_weights(tmp_path / "tp2")  # the export gathers the shards
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)

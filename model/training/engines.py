@@ -163,10 +163,29 @@ class DeepSpeedEngine:
         self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
 
     def grad_norm(self) -> torch.Tensor:
-        """Before the step (ZeRO-0/1 keep full gradients); ZeRO-2/3 partition them, so 0 = not checked here."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        local = self.zero_stage >= 2 or self.tensor_parallel > 1  # each rank holds a part of the gradients
-        return torch.nn.utils.get_total_norm(grads) if grads and not local else torch.zeros(())
+        """The global gradient norm before the step, computed as DeepSpeed's optimizer computes the norm it clips
+        with (which it only exposes after the step): over each rank's partition at ZeRO-1/2/3, each tensor-parallel
+        shard once and replicated weights once, summed over ranks. Every rank gets the same number."""
+        from deepspeed.runtime.utils import combine_grad_norm_groups, get_global_norm_of_tensors
+
+        opt = self.engine.optimizer
+        if self.zero_stage in (1, 2):
+            return opt.scaled_global_norm() / opt.loss_scale
+        if self.zero_stage == 3:
+            return combine_grad_norm_groups(opt._get_norm_groups()) / opt.loss_scale
+        if hasattr(opt, "get_grads_for_norm"):  # bf16/fp16 at ZeRO-0: DeepSpeed's low-precision optimizer
+            grads, _ = opt.get_grads_for_norm()
+        else:  # fp32 at ZeRO-0: DeepSpeed clips the full gradients with deepspeed.runtime.utils.clip_grad_norm_
+            grads = self._full_gradients_once()
+        return get_global_norm_of_tensors(grads, mpu=self.engine.mpu) if grads else torch.zeros(())
+
+    def _full_gradients_once(self) -> list[torch.Tensor]:
+        """Every gradient this rank holds that no other rank of its tensor-parallel group holds too."""
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+
+        first = self.tensor_parallel == 1 or self.engine.mpu.get_tensor_model_parallel_rank() == 0
+        return [p.grad for p in self.module.parameters()
+                if p.grad is not None and (first or is_model_parallel_parameter(p))]
 
     def step(self, lr: float, norm: torch.Tensor) -> None:
         for group in self.optimizer.param_groups:
@@ -174,7 +193,16 @@ class DeepSpeedEngine:
         self.engine.step()  # an optimizer step at the accumulation boundary (DeepSpeed clips)
 
     def discard(self) -> None:
+        """Drop the gradients of an unfinished accumulation and return DeepSpeed's micro-batch count to the last
+        boundary: otherwise every later optimizer step fires that many micro-batches early. The engine's zero_grad
+        only clears the module's gradients; ZeRO's optimizer keeps the reduced partitions and its own micro-batch
+        count (ZeRO-3 would add the discarded gradients into the next step's)."""
         self.engine.zero_grad()
+        self.engine.optimizer.zero_grad(set_to_none=True)
+        self._to_boundary()
+
+    def _to_boundary(self) -> None:
+        self.engine.micro_steps = self.engine.global_steps * self.engine.gradient_accumulation_steps()
 
     def micro_step(self) -> None:
         """Between accumulation boundaries DeepSpeed still needs step() to count micro-batches."""
@@ -197,6 +225,7 @@ class DeepSpeedEngine:
     def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
         _, client = self.engine.load_checkpoint(str(folder), tag="deepspeed", load_optimizer_states=load_optimizer,
                                                 load_lr_scheduler_states=False)
+        self._to_boundary()  # DeepSpeed restores its step count, not its micro-batch count
         return (client or {}).get("extra", {})
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,60 @@
+"""DeepSpeed's ZeRO stages on 2 CPU ranks, as the GPU path runs them: the gradient norm every monitor and metrics line
+reads is the global one at every stage (ZeRO-2/3 partition the gradients; before, compass reported 0 there), and a
+rollback in the middle of an accumulation leaves no trace (DeepSpeed's micro-batch count and ZeRO's reduced
+partitions used to survive it). The ranks run tests/deepspeed_ranks.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.deepspeed_ranks import ACCUMULATION, STAGES, micro_batch, model
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from compass.infra.net import free_port
+
+    out = tmp_path_factory.mktemp("deepspeed-ranks")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "-m", "tests.deepspeed_ranks", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def reference_first_norm() -> float:
+    """One process, full gradients: the mean over both ranks' micro-batches of the first step."""
+    lm = model()
+    for rank in (0, 1):
+        for m in range(ACCUMULATION):
+            loss, _ = lm(**micro_batch(0, rank, m).inputs(torch.device("cpu")))
+            (loss / (2 * ACCUMULATION)).backward()
+    return float(torch.nn.utils.get_total_norm([p.grad for p in lm.parameters() if p.grad is not None]))
+
+
+def test_the_grad_norm_is_the_global_one_at_every_zero_stage(ranks: Path):
+    reports = [json.loads((ranks / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0] == reports[1]  # every rank reads the same number
+    report = reports[0]
+    expected = reference_first_norm()
+    for stage in STAGES:
+        before = report[str(stage)]["norm_before_step"]
+        assert before[0] == pytest.approx(expected, rel=1e-5), f"ZeRO-{stage}"
+        assert before == pytest.approx(report["0"]["norm_before_step"], rel=1e-5), f"ZeRO-{stage}"
+        if stage >= 1:  # DeepSpeed's ZeRO optimizers keep the norm they clipped with: the same one
+            assert report[str(stage)]["deepspeed_norm"] == pytest.approx(before, rel=1e-6), f"ZeRO-{stage}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_rollback_mid_accumulation_ends_at_the_weights_of_a_run_without_the_bad_batch(ranks: Path, stage: int):
+    weights = torch.load(ranks / f"zero{stage}-weights.pt")
+    straight, rolled_back = weights["straight"], weights["rolled_back"]
+    assert straight.keys() == rolled_back.keys() and straight
+    assert all(straight[k].equal(rolled_back[k]) for k in straight)  # bitwise
