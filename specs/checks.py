@@ -326,6 +326,11 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if par.tensor_parallel > 1 and par.deepspeed and par.zero_stage == 3:
         yield Issue(("how", "parallelism", "zero_stage"), "DeepSpeed's AutoTP trains with ZeRO stages 0-2, not 3",
                     "use zero_stage: 1 or 2 with tensor parallelism (ZeRO-3 alone shards the weights too)")
+    if how.loss == "liger" and par.deepspeed and par.zero_stage == 3:
+        yield Issue(("how", "loss"), "Liger's fused loss reads the whole output head outside the head's forward, "
+                    "where ZeRO-3 holds only this rank's shard of it",
+                    "use loss: chunked or auto (under ZeRO-3 compass recomputes the head inside its gathered "
+                    "forward), or zero_stage: 2")
     if par.tensor_parallel > 1 and spec.what.architecture.family == "moe":
         yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism of MoE layers is not supported",
                     "use data parallelism with ZeRO for MoE models")

@@ -12,6 +12,7 @@ host sync per optimizer step, and steps the optimizer; metrics, progress, monito
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -122,9 +123,9 @@ class Trainer:
         job.workdir.mkdir(parents=True, exist_ok=True)
         self.device = training_device(job.hardware.accelerator)
         cuda = self.device.type == "cuda"
-        loss = resolve_loss(job.loss)
-        if loss == "chunked" and job.parallelism.deepspeed and job.parallelism.zero_stage == 3:
-            loss = "recomputed"  # the head's weight is whole only inside its own forward at ZeRO-3
+        loss = resolve_loss(job.loss)  # `auto` picks liger where installed: not under ZeRO-3 (below)
+        if job.parallelism.deepspeed and job.parallelism.zero_stage == 3:
+            loss = "recomputed"  # the head's weight is whole only inside its own forward (liger: refused)
         self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
         self.sequence_lengths = attention.takes_sequence_lengths(self.attention)
         self.lm = self._model()
@@ -250,8 +251,12 @@ class Trainer:
         self._dispatch("on_end")
         seq, gbs = self.stage.sequence_length, self.stage.global_batch_size
         masking = self.job.recipe.intra_document_masking
-        scored = self.rank == 0 or self.tp > 1  # tensor-parallel ranks compute every forward together
-        val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device) if scored else {}
+        sharded = self.tp > 1 or (self.job.parallelism.deepspeed and self.job.parallelism.zero_stage == 3)
+        scored = self.rank == 0 or sharded  # every rank holding shards joins each forward (gathers, TP collectives)
+        val = {}
+        if scored:
+            with self._precision():
+                val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device)
         val = val if self.rank == 0 else {}
         return TrainResult(steps=self.stage_steps, tokens=self.stage_steps * gbs * seq, final_loss=self.last_loss,
                            val_loss=val, resumed_from=CheckpointFolder(resumed).step if resumed else None,
@@ -282,10 +287,15 @@ class Trainer:
 
     def _forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = batch.inputs(self.device, sequence_lengths=self.sequence_lengths)
+        with self._precision():
+            return self.engine(**inputs)
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast where the weights stay fp32 (the torch engine on CUDA; DeepSpeed holds bf16 weights
+        itself): training and the stage-end validation alike, since flash-attn refuses fp32 inputs."""
         if self.device.type == "cuda" and self.job.precision == "bf16" and isinstance(self.engine, TorchEngine):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return self.engine(**inputs)
-        return self.engine(**inputs)
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
         """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both."""

@@ -1,0 +1,39 @@
+"""ZeRO-2 and ZeRO-3 through the whole trainer on 2 CPU ranks with accumulation 2, against ZeRO-0: the same losses
+and global gradient norms, and the stage-end validation (which every rank must join when ZeRO-3 partitions the
+weights: rank 0 alone would wait forever for the others' shards)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # a rank left out of a gather hangs
+
+
+def metrics(workdir: Path, field: str) -> list[float]:
+    return [json.loads(line)[field] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def zero0(stage1_job, tmp_path_factory: pytest.TempPathFactory):
+    from compass.tasks.common.training import run_training
+
+    workdir = tmp_path_factory.mktemp("zero0")
+    job = stage1_job(workdir, deepspeed=True, zero_stage=0, data_parallel=2, micro_batch_size=1)
+    return workdir, run_training(job, logging.getLogger("test"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stage_trains_like_zero0_and_validates_on_every_rank(stage1_job, zero0, tmp_path: Path, stage: int):
+    from compass.tasks.common.training import run_training
+
+    reference_dir, reference = zero0
+    job = stage1_job(tmp_path, deepspeed=True, zero_stage=stage, data_parallel=2, micro_batch_size=1)
+    result = run_training(job, logging.getLogger("test"))
+    assert metrics(tmp_path, "loss") == pytest.approx(metrics(reference_dir, "loss"), rel=1e-4)
+    norms = metrics(tmp_path, "grad_norm")
+    assert min(norms) > 0 and norms == pytest.approx(metrics(reference_dir, "grad_norm"), rel=1e-3)
+    assert result.val_loss and result.val_loss == pytest.approx(reference.val_loss, rel=1e-4)
