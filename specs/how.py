@@ -224,6 +224,11 @@ class Monitoring(SpecModel):
                                             "step updates its Prefect progress artifact and loss plot.")
     checkpoint_events: bool = Field(default=True, description="Emit a Prefect event for each committed "
                                     "checkpoint (compass deploy's automation evaluates it).")
+    hang_timeout_s: float = Field(default=900, ge=10, le=86400, description="A training rank whose step has not "
+                                  "ended for this long (a collective waiting on a stuck or dead peer) dumps every "
+                                  "thread's stack to the step's log, naming its rank and node, and exits non-zero "
+                                  "for a retry from the newest checkpoint; the first step after a start or a "
+                                  "rollback gets 3x. The process group's own timeout is twice this.")
     folder: str | None = Field(default=None, description="Where targets/, tensorboard/ and Prometheus's data "
                                "live (default: monitoring/<spec name> beside a local store, else under "
                                "~/.cache/compass).")

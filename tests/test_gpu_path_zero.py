@@ -37,3 +37,20 @@ def test_zero_stage_trains_like_zero0_and_validates_on_every_rank(stage1_job, ze
     norms = metrics(tmp_path, "grad_norm")
     assert min(norms) > 0 and norms == pytest.approx(metrics(reference_dir, "grad_norm"), rel=1e-3)
     assert result.val_loss and result.val_loss == pytest.approx(reference.val_loss, rel=1e-4)
+
+
+def test_a_stop_asked_of_rank_0_stops_every_rank_after_the_step_with_a_checkpoint(stage1_job, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch):
+    """The scheduler's stop file is looked at by rank 0 only; its flag rides in the step's loss all-reduce, so both
+    ranks checkpoint the same step and stop together (one rank stopping alone would hang the other)."""
+    from compass.tasks.common.training import run_training
+
+    stop = tmp_path / "stop"
+    stop.touch()
+    monkeypatch.setenv("COMPASS_STOP_FILE", str(stop))
+    workdir = tmp_path / "work"
+    job = stage1_job(workdir, deepspeed=True, zero_stage=1, data_parallel=2, micro_batch_size=1)
+    with pytest.raises(FileNotFoundError):  # no result.json: the stage stopped early (Slurm requeues it)
+        run_training(job, logging.getLogger("test"))
+    assert [p.name for p in (workdir / "checkpoints").glob("step-*")] == ["step-00000001"]
+    assert len(metrics(workdir, "loss")) == 1 and not (workdir / "result.json").exists()

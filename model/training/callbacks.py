@@ -170,21 +170,20 @@ class StopRequested(Exception):
 
 class StopWhenAsked(Callback):
     """A job near its time limit asks to stop (the batch shell touches `stop_file`, or the process gets SIGUSR1):
-    after the current step every rank agrees (one all-reduce of a flag), a checkpoint of that step is written
-    unless one just was, and the trainer stops; the requeued job resumes from it."""
+    after the current step every rank agrees (the flag rides in the step's loss all-reduce; only rank 0 looks at
+    the file, which lives on the shared root), a checkpoint of that step is written unless one just was, and the
+    trainer stops; the requeued job resumes from it."""
 
     signalled = False  # set by the SIGUSR1 handler of `compass.model.trainer.main`
 
     def __init__(self, stop_file: Path):
         self.stop_file = stop_file
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
-        asked = StopWhenAsked.signalled or self.stop_file.exists()
-        if trainer.world > 1:
-            from compass.model.training import collectives
+    def on_start(self, trainer: Trainer) -> None:
+        trainer.stop_asked_here = lambda: StopWhenAsked.signalled or (trainer.rank == 0 and self.stop_file.exists())
 
-            asked = collectives.any_rank(asked)
-        if not asked or trainer.step == trainer.stage_steps:  # the stage's end is checkpointed anyway
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+        if not trainer.stop_asked or trainer.step == trainer.stage_steps:  # the stage's end is checkpointed anyway
             return
         if trainer.written is None or trainer.written != ckpt.step_dir(trainer.checkpoint_root, trainer.step):
             trainer.save_checkpoint()

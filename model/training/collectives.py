@@ -10,6 +10,7 @@ caller's device.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -33,11 +34,13 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
-def init(backend: str) -> None:
-    """Join the launcher's process group (several ranks only; one rank needs none)."""
+def init(backend: str, timeout_s: float | None = None) -> None:
+    """Join the launcher's process group (several ranks only; one rank needs none). `timeout_s`: how long a
+    collective may wait before the backend gives up (the hang watchdog fires first, with every rank's stacks)."""
     rank, world, _ = rank_env()
     if world > 1 and not active():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
 
 
 def backend_device(backend: str | None = None) -> torch.device:

@@ -98,6 +98,7 @@ class TrainJob(BaseModel):
     telemetry: Telemetry | None = None
     loss: LossKernel = "auto"
     prefetch: int = 2  # batches packed ahead on a background thread (0: pack in the training thread)
+    hang_timeout_s: float = 900  # how.monitoring.hang_timeout_s (model/training/watchdog.py)
 
     @property
     def world_size(self) -> int:

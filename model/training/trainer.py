@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from compass.model.training.schedules import schedule_shape
 from compass.model.training.staging import stage_sources
 from compass.model.training.telemetry import telemetry_callbacks
 from compass.model.training.token_files import TokenizedSource
+from compass.model.training.watchdog import HangWatchdog
 from compass.specs.costs import flops_per_token
 
 log = logging.getLogger("compass.train")
@@ -91,6 +93,7 @@ def default_callbacks(job: TrainJob) -> list[Callback]:
     callbacks = [Monitoring(job.recipe.monitors), MetricsFile(WorkFolder(job.workdir).metrics), Progress(),
                  Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
     callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
+    callbacks.append(HangWatchdog(job.hang_timeout_s))
     if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)
         callbacks.append(StopWhenAsked(Path(os.environ["COMPASS_STOP_FILE"])))
     return callbacks
@@ -147,6 +150,8 @@ class Trainer:
         self.data_state: dict[str, Any] = {}  # the data position after the last batch consumed
         self.written: Path | None = None  # a checkpoint submitted to the writer, not yet announced
         self.checkpoint_blocked_s = 0.0  # time the loop waited on checkpoints since the last metrics line
+        self.stop_asked_here: Callable[[], bool] = lambda: False  # a scheduler's stop request (StopWhenAsked)
+        self.stop_asked = False  # ... on any rank, as of the last step
 
     # --- set-up -------------------------------------------------------------------------------------------
     def _model(self) -> CausalLMWithLoss:
@@ -172,10 +177,10 @@ class Trainer:
         par = job.parallelism
         if par.deepspeed:
             if self.device.type == "cpu":
-                collectives.init("gloo")  # on GPUs DeepSpeed initialises NCCL itself
+                collectives.init("gloo", self.job.hang_timeout_s * 2)  # on GPUs DeepSpeed initialises NCCL itself
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision, par.tensor_parallel)
-        collectives.init("gloo" if self.device.type == "cpu" else "nccl")
+        collectives.init("gloo" if self.device.type == "cpu" else "nccl", self.job.hang_timeout_s * 2)
         return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
 
     @property
@@ -298,10 +303,17 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
-        """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both."""
+        """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both. A stop asked on
+        any rank (`stop_asked_here`) rides in the loss's all-reduce: every rank learns it at no extra collective."""
+        asked = float(self.stop_asked_here())
         if self.world > 1:
-            loss = collectives.all_reduce(loss) / self.world
-        values = torch.stack([loss.double(), norm.to(loss.device).double()]).tolist()
+            both = collectives.all_reduce(torch.stack([loss.double(), torch.full((), asked, device=loss.device,
+                                                                                  dtype=torch.float64)]))
+            loss, asked_anywhere = both[0] / self.world, both[1]
+        else:
+            asked_anywhere = torch.full((), asked, dtype=torch.float64, device=loss.device)
+        values = torch.stack([loss.double(), norm.to(loss.device).double(), asked_anywhere]).tolist()
+        self.stop_asked = values[2] > 0
         return values[0], values[1]
 
     def _record(self, loss: float, grad_norm: float, lr: float, times: dict[str, float], flops_tok: float,

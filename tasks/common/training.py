@@ -60,7 +60,8 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
         init_from=state, init_weights=weights, whole_from=whole_from,
         tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
         parallelism=parallelism, precision=how.precision, hardware=hardware, checkpoints=how.checkpoints,
-        attention=how.attention, compile=how.compile, loss=how.loss, telemetry=telemetry_of(ctx))
+        attention=how.attention, compile=how.compile, loss=how.loss, telemetry=telemetry_of(ctx),
+        hang_timeout_s=how.monitoring.hang_timeout_s)
 
 
 def telemetry_of(ctx: StepContext) -> Telemetry:

@@ -1,0 +1,76 @@
+"""The hang watchdog: a training rank whose step has not ended within `how.monitoring.hang_timeout_s` dumps every
+thread's stack to its log, naming its rank and node, and exits with HUNG_EXIT_CODE.
+
+A collective waiting on a stuck or dead peer blocks every rank silently: NCCL's own timeout (30 minutes under
+DeepSpeed) aborts without saying where each rank stood, and teams have lost days to it. The stacks say which rank
+waits in which collective and what the stuck one is doing; the non-zero exit fails the job, so Slurm's requeue or
+the step's retries resume it from its newest checkpoint. A thread of its own does the waiting (a rank blocked in
+C++ still lets Python threads run), re-armed after every step; the first step gets FIRST_STEP_ALLOWANCE times the
+timeout (compilation, the rank check, the first collectives' set-up).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import socket
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, TextIO
+
+from compass.model.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from compass.model.training.records import MetricsRow
+    from compass.model.training.trainer import Trainer
+
+HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: a retry may well succeed
+FIRST_STEP_ALLOWANCE = 3
+
+
+class HangWatchdog(Callback):
+    def __init__(self, timeout_s: float, out: TextIO | None = None):
+        self.timeout_s = timeout_s
+        self.out = out or sys.stderr
+        self.deadline = float("inf")
+        self.where = ""
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def on_start(self, trainer: Trainer) -> None:
+        self._arm(trainer, self.timeout_s * FIRST_STEP_ALLOWANCE)
+        self.thread = threading.Thread(target=self._watch, name="compass-hang-watchdog", daemon=True)
+        self.thread.start()
+
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+        self._arm(trainer, self.timeout_s)
+
+    def post_restore(self, trainer: Trainer, step: int) -> None:
+        self._arm(trainer, self.timeout_s * FIRST_STEP_ALLOWANCE)
+
+    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+        self.stopped.set()
+
+    def on_end(self, trainer: Trainer) -> None:
+        self.stopped.set()
+
+    def _arm(self, trainer: Trainer, seconds: float) -> None:
+        self.where = (f"rank {trainer.rank} on node {socket.gethostname()} (stage {trainer.stage.name}, step "
+                      f"{trainer.global_step + 1})")
+        self.deadline = time.monotonic() + seconds
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(min(1.0, max(0.0, self.deadline - time.monotonic()))):
+            if time.monotonic() >= self.deadline:
+                self.fire()
+
+    def fire(self) -> None:
+        """Say where this rank stands, dump every thread's stack, and end the process (no cleanup: it may hang)."""
+        print(f"compass hang watchdog: {self.where}: no step ended for {self.timeout_s:g} s "
+              "(how.monitoring.hang_timeout_s); a rank waiting in a collective means a peer is stuck or dead. "
+              "Every thread's stack follows; the job exits for a retry from its newest checkpoint.",
+              file=self.out, flush=True)
+        faulthandler.dump_traceback(file=self.out, all_threads=True)
+        self.out.flush()
+        os._exit(HUNG_EXIT_CODE)
