@@ -21,6 +21,7 @@ from compass.model.architecture import build_model, hf_config
 from compass.model.attention import DOCUMENT_SDPA
 from compass.model.lm import CausalLMWithLoss
 from compass.model.loss import chunked_lm_loss, lm_loss
+from compass.model.training.callbacks import Callback
 from compass.model.training.packing import PADDING, Packer, Prefetcher, RowPacker, make_batch, merge_states
 from compass.specs.architecture import Architecture
 from tests.conftest import REPO
@@ -328,16 +329,43 @@ def losses(workdir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+class LayerCalls(Callback):
+    """Counts the runs of the first decoder layer's MLP during the steps (the held-out pass after them not). The
+    count wraps the module's forward: transformers checkpoints a layer's `forward`, and torch's recomputation
+    does not run module hooks again."""
+
+    def __init__(self):
+        self.calls = self.during_steps = 0
+
+    def on_start(self, trainer) -> None:
+        mlp = trainer.lm.hf.model.layers[0].mlp
+        forward = mlp.forward
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return forward(*args, **kwargs)
+
+        mlp.forward = counted
+
+    def on_end(self, trainer) -> None:
+        self.during_steps = self.calls
+
+
 @pytest.mark.slow
 def test_compile_and_activation_checkpointing_train_the_same_model(stage1_job, tmp_path: Path):
     from compass.model.training.trainer import train_stage
 
     runs = {"eager": {}, "checkpointed": {"parallelism": {"activation_checkpointing": True}},
             "compiled": {"compile": True}, "eager-attention": {"attention": "eager"}}
+    counters = {"eager": LayerCalls(), "checkpointed": LayerCalls()}
     for name, changes in runs.items():
-        result = train_stage(short(stage1_job(tmp_path / name, deepspeed=False), **changes))
+        callbacks = [counters[name]] if name in counters else []
+        result = train_stage(short(stage1_job(tmp_path / name, deepspeed=False), **changes), callbacks)
         assert result.steps == 4
     reference = losses(tmp_path / "eager")
-    assert losses(tmp_path / "checkpointed") == reference  # recomputation is exact on CPU
+    # what checkpointing changes: every decoder layer's insides run again in the backward pass (its activations were not
+    # kept); the losses stay the same, recomputation is exact on CPU
+    assert counters["checkpointed"].during_steps == 2 * counters["eager"].during_steps > 0
+    assert losses(tmp_path / "checkpointed") == reference
     assert losses(tmp_path / "compiled") == pytest.approx(reference, rel=1e-4)
     assert losses(tmp_path / "eager-attention") == pytest.approx(reference, rel=1e-4)
