@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from compass.model.training.packing import PADDING, Packer
 from compass.tasks.evaluation.retrieval import NEEDLE, QUESTION, build_prompt
-from tests.conftest import write_minimal_spec
+from tests.conftest import REPO, write_minimal_spec
 
 LONG_CONTEXT = """  long_context:
     stages:
@@ -110,3 +111,51 @@ def test_extension_stages_export_yarn_and_measure_retrieval(tmp_path: Path):
             assert 0 <= metrics[f"passkey@{length}"] <= 1
             assert {f"passkey@{length}/depth0.1", f"passkey@{length}/depth0.9"} <= set(metrics)
         assert metrics["val_ppl:notes"] > 1
+
+
+class InContextCopier(torch.nn.Module):
+    """A model that must pass passkey: at each position it predicts the token that followed the most recent earlier
+    occurrence of the last four tokens (an induction head written out), so after "The pass key is" it copies the
+    key from the needle, wherever the needle sits."""
+
+    def __init__(self, vocab: int, n: int = 4):
+        super().__init__()
+        self.vocab, self.n = vocab, n
+
+    def forward(self, input_ids: torch.Tensor):
+        from types import SimpleNamespace
+
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        for b, row in enumerate(input_ids.tolist()):
+            last_seen: dict[tuple[int, ...], int] = {}
+            for t in range(len(row)):
+                gram = tuple(row[max(0, t - self.n + 1): t + 1])
+                if gram in last_seen and last_seen[gram] + 1 < len(row):
+                    logits[b, t, row[last_seen[gram] + 1]] = 20.0
+                last_seen[gram] = t
+        return SimpleNamespace(logits=logits)
+
+
+def test_passkey_scores_a_model_that_retrieves_1_and_an_untrained_one_about_chance(tmp_path: Path):
+    """Passkey measured on two models whose answers are known: one that copies from its context finds every key at
+    every depth; an untrained model ranks the true key first about one time in five (chance, 5 candidates); a model
+    that cannot tell the keys apart (equal scores) gets none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compass.tasks.evaluation.retrieval import CANDIDATES, passkey_cells
+    from tests.hub_cache import tiny_llama
+
+    folder = tiny_llama(tmp_path / "untrained")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    text = " ".join(p.read_text() for p in sorted((REPO / "tests" / "fixtures" / "corpus").rglob("*.txt")))
+    haystack = np.asarray(tokenizer.encode(text, add_special_tokens=False))
+    depths = [0.0, 0.5, 0.9]
+
+    copier = passkey_cells(InContextCopier(len(tokenizer)), tokenizer, haystack, [256], depths, samples=10)
+    assert [c["accuracy"] for c in copier] == [1.0, 1.0, 1.0]
+    untrained = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    cells = passkey_cells(untrained, tokenizer, haystack, [256], depths, samples=40)
+    accuracy = sum(c["accuracy"] for c in cells) / len(cells)
+    assert abs(accuracy - 1 / CANDIDATES) < 0.12, accuracy  # 120 samples: chance within ~3 standard errors
+    blind = InContextCopier(len(tokenizer), n=10**6)  # never matches: every candidate scores the same
+    assert [c["accuracy"] for c in passkey_cells(blind, tokenizer, haystack, [256], depths, samples=5)] == [0.0] * 3

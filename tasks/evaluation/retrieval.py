@@ -47,11 +47,19 @@ def score_candidates(model: torch.nn.Module, prompt: list[int], candidates: list
 
 def passkey_accuracy(model_dir: Path, haystack: np.ndarray, lengths: list[int], depths: list[float],
                      samples: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Accuracy per (length, depth), the same prompts for every checkpoint (fixed seed)."""
+    """Accuracy per (length, depth) of the model saved in `model_dir`, the same prompts for every checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    return passkey_cells(model, tokenizer, haystack, lengths, depths, samples, seed)
+
+
+def passkey_cells(model: torch.nn.Module, tokenizer: Any, haystack: np.ndarray, lengths: list[int],
+                  depths: list[float], samples: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Accuracy per (length, depth) (fixed seed: the same prompts for every model). A sample counts as correct
+    only when the true key scores strictly above every distractor: a model that cannot tell them apart (equal
+    scores) is wrong, not lucky."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     question = tokenizer.encode(QUESTION, add_special_tokens=False)
     out = []
@@ -68,6 +76,6 @@ def passkey_accuracy(model_dir: Path, haystack: np.ndarray, lengths: list[int], 
                 prompt, _ = build_prompt(haystack, needle, question, length, depth, rng,
                                          reserve=max(len(c) for c in candidates))
                 scores = score_candidates(model, prompt, candidates, pad)
-                correct += int(np.argmax(scores) == 0)
+                correct += int(scores[0] > max(scores[1:]))
             out.append({"length": length, "depth": depth, "accuracy": correct / samples, "samples": samples})
     return out
