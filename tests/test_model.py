@@ -133,5 +133,12 @@ def test_checkpoints_commit_verify_and_prune(tmp_path: Path):
     assert ckpt.newest_valid(root).name == "step-00000040"
     (root / "step-00000040" / "state.pt").write_bytes(b"bit rot")
     assert ckpt.newest_valid(root).name == "step-00000030"  # corrupt one set aside
+    (root / "step-00000030" / "state.pt").write_bytes(bytes([31]) * 100)  # same size, other bytes
+    # its one file is rank 0's share of two ranks: rank 1 checks sizes only, and follows what the ranks agree
+    assert ckpt.newest_valid(root, rank=1, world=2).name == "step-00000030"
+    answers = iter([True, False])  # rank 0 found step 30 bad, then every rank agrees on step 20
+    assert ckpt.newest_valid(root, rank=1, world=2, agree=lambda bad: next(answers)).name == "step-00000020"
+    assert (root / "step-00000030").exists()  # only rank 0 sets a corrupt checkpoint aside
+    assert ckpt.newest_valid(root, rank=0, world=2).name == "step-00000020"
     ckpt.prune(root, keep_last=1, keep={10})
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000010", "step-00000030"]
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000010", "step-00000020"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 import shutil
 import threading
@@ -26,6 +27,8 @@ import torch
 from compass.infra import layout
 from compass.infra.fingerprint import sha256_file
 from compass.infra.layout import CHECKSUMS, CheckpointFolder, checkpoint_name
+
+log = logging.getLogger("compass.train")
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -120,7 +123,7 @@ class CheckpointWriter:
 def finalize(tmp: Path, final: Path) -> Path:
     """Checksum every file, write the checksum file last, and rename the folder into place."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    sums = {p.relative_to(tmp).as_posix(): sha256_file(str(p)) for p in files}
+    sums = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(str(p))} for p in files}
     (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
     if final.exists():
         shutil.rmtree(final)
@@ -154,11 +157,16 @@ def commit_when_all_written(tmp: Path, final: Path, rank: int, world: int,
     return commit if rank == 0 else mark
 
 
-def verify(folder: Path) -> None:
+def verify(folder: Path, rank: int = 0, world: int = 1) -> None:
+    """Every file present at its committed size, and this rank's share of the files hashed (file i is rank
+    i mod world's): the ranks of a resuming job read the checkpoint once between them, not once each."""
     sums = json.loads((folder / CHECKSUMS).read_text())
-    for rel, digest in sums.items():
+    for i, (rel, entry) in enumerate(sorted(sums.items())):
+        digest, size = (entry, None) if isinstance(entry, str) else (entry["sha256"], entry["size"])
         path = folder / rel
-        if not path.exists() or sha256_file(str(path)) != digest:
+        if not path.exists() or (size is not None and path.stat().st_size != size):
+            raise CheckpointCorrupt(f"{path} is missing or not the size it was committed at")
+        if i % world == rank and sha256_file(str(path)) != digest:
             raise CheckpointCorrupt(f"{path} does not match its checksum")
 
 
@@ -167,13 +175,21 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [c.root for c in layout.complete_checkpoints(root)]
 
 
-def newest_valid(root: Path) -> Path | None:
-    """The newest checkpoint that verifies; a corrupt one is set aside and the next older one tried."""
+def newest_valid(root: Path, rank: int = 0, world: int = 1,
+                 agree: Callable[[bool], bool] = lambda bad: bad) -> Path | None:
+    """The newest checkpoint that verifies; a corrupt one is set aside (by rank 0) and the next older one tried.
+    Each rank verifies its share; `agree` tells every rank whether any found its share bad (a collective), so
+    all ranks resume from the same checkpoint."""
     for folder in reversed(complete_checkpoints(root)):
         try:
-            verify(folder)
+            verify(folder, rank, world)
+            bad = False
+        except CheckpointCorrupt as exc:
+            log.warning("%s", exc)
+            bad = True
+        if not agree(bad):
             return folder
-        except CheckpointCorrupt:
+        if rank == 0:
             folder.rename(folder.with_name(folder.name + ".corrupt"))
     return None
 

@@ -335,7 +335,7 @@ class Trainer:
     # --- checkpoints --------------------------------------------------------------------------------------
     def _resume(self) -> Path | None:
         """Continue from the newest complete checkpoint of this stage, else from the previous stage's state."""
-        resumed = ckpt.newest_valid(self.checkpoint_root)
+        resumed = self._newest_valid()
         if resumed is not None:
             extra = self.engine.load(resumed)
             self.packer.load_state_dict(extra["packer"])
@@ -349,6 +349,10 @@ class Trainer:
         elif self.job.init_weights:
             log.info("starting from the checkpoint %s (fresh optimizer)", self.job.init_weights)
         return resumed
+
+    def _newest_valid(self) -> Path | None:
+        """The newest checkpoint every rank agrees is whole, each rank hashing its share of the files."""
+        return ckpt.newest_valid(self.checkpoint_root, self.rank, self.world, collectives.any_rank)
 
     def save_checkpoint(self) -> Path:
         """Snapshot model, optimizer, RNG and data position at this step to host memory; the writer thread
@@ -396,7 +400,7 @@ class Trainer:
         self._barrier()
         self._announce_written()
         self.engine.discard()
-        good = ckpt.newest_valid(self.checkpoint_root)
+        good = self._newest_valid()
         if good is None:
             raise TrainingStopped(event, "(no checkpoint to roll back to yet)")
         extra = self.engine.load(good)
