@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import contextvars
-import json
 import logging
 import threading
 from pathlib import Path
@@ -121,7 +120,7 @@ class LiveTraining:
                 self._announce(f"{uri}/{entry.path.rsplit('/', 1)[0]}", name, entry.sha256, None)
 
     def _emit(self, folder: CheckpointFolder) -> None:
-        sha = json.loads(folder.checksums.read_text()).get(folder.weights)
+        sha = folder.committed_sha256(folder.weights)
         if sha is None:
             return
         tokens = next((r.tokens for r in self._metrics() if r.stage_step == folder.step), None)

@@ -171,6 +171,18 @@ class CheckpointFolder:
         return self.checksums.exists()
 
     @property
+    def exported(self) -> bool:
+        """Whether this checkpoint holds a Hugging Face export (every k-th does: how.checkpoints.hf_export_every)."""
+        return (self.root / self.weights).exists()
+
+    def committed_sha256(self, rel: str) -> str | None:
+        """A file's sha256 as the checksum file records it ({"size", "sha256"} per file; a bare digest before)."""
+        import json
+
+        entry = json.loads(self.checksums.read_text()).get(rel)
+        return entry if entry is None or isinstance(entry, str) else entry["sha256"]
+
+    @property
     def step(self) -> int:
         step = checkpoint_step(self.root.name)
         if step is None:
