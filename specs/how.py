@@ -200,6 +200,11 @@ class Checkpoints(SpecModel):
     keep_last: PositiveInt = 2
     asynchronous: bool = Field(default=True, description="Copy the state to host memory and write it on a "
                                "background thread while training goes on (at most one write in flight).")
+    hf_export_every: PositiveInt | None = Field(
+        default=None, description="A Hugging Face export (rank 0 gathers the whole model) in every k-th checkpoint "
+        "and the stage's last; the sharded training state is saved at every checkpoint. None: every checkpoint "
+        "for models under 1B parameters, every 10th above (gathering 3B weights on one rank at every checkpoint "
+        "stalls the step). Evaluations and checkpoint events see the exported checkpoints.")
 
 
 class EvaluationCadence(SpecModel):

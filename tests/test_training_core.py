@@ -369,3 +369,19 @@ def test_compile_and_activation_checkpointing_train_the_same_model(stage1_job, t
     assert losses(tmp_path / "checkpointed") == reference
     assert losses(tmp_path / "compiled") == pytest.approx(reference, rel=1e-4)
     assert losses(tmp_path / "eager-attention") == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_hugging_face_exports_go_into_every_kth_checkpoint_and_the_last(stage1_job, tmp_path: Path):
+    """how.checkpoints.hf_export_every: the training state is saved at every checkpoint, the gathered Hugging Face
+    export only in every k-th and the stage's last (what evaluations and checkpoint events read)."""
+    from compass.infra.layout import CheckpointFolder
+    from compass.model.training.trainer import train_stage
+    from compass.specs.how import Checkpoints
+
+    every = Checkpoints(every_steps=2, keep_last=10, hf_export_every=2)
+    train_stage(short(stage1_job(tmp_path, deepspeed=False), steps=7, checkpoints=every))
+    folders = {CheckpointFolder(p).step: CheckpointFolder(p) for p in (tmp_path / "checkpoints").glob("step-*")}
+    assert sorted(folders) == [2, 4, 6, 7]
+    assert {step for step, f in folders.items() if f.exported} == {4, 7}
+    assert all((f.root / "state.pt").exists() for f in folders.values())

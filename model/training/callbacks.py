@@ -146,14 +146,16 @@ class Progress(Callback):
 
 
 class Checkpointing(Callback):
-    """A checkpoint every `every` steps and at the stage's end; the newest `keep_last` and the stage end stay."""
+    """A checkpoint every `every` steps and at the stage's end, with a Hugging Face export in every
+    `export_every`-th and the last; the newest `keep_last` and the stage end stay."""
 
-    def __init__(self, every: int, keep_last: int):
-        self.every, self.keep_last = every, keep_last
+    def __init__(self, every: int, keep_last: int, export_every: int = 1):
+        self.every, self.keep_last, self.export_every = every, keep_last, export_every
 
     def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
-        if trainer.step % self.every == 0 or trainer.step == trainer.stage_steps:
-            trainer.save_checkpoint()
+        last = trainer.step == trainer.stage_steps
+        if trainer.step % self.every == 0 or last:
+            trainer.save_checkpoint(export=last or (trainer.step // self.every) % self.export_every == 0)
 
     def post_checkpoint(self, trainer: Trainer, folder: Path) -> None:
         if trainer.rank == 0:
@@ -186,7 +188,7 @@ class StopWhenAsked(Callback):
         if not trainer.stop_asked or trainer.step == trainer.stage_steps:  # the stage's end is checkpointed anyway
             return
         if trainer.written is None or trainer.written != ckpt.step_dir(trainer.checkpoint_root, trainer.step):
-            trainer.save_checkpoint()
+            trainer.save_checkpoint(export=False)  # for the requeued job to resume from
         trainer.checkpoint_blocked_s += trainer.writer.wait()
         trainer._barrier()
         trainer._announce_written()

@@ -88,10 +88,14 @@ def training_device(accelerator: str) -> torch.device:
     return torch.device("cpu")
 
 
-def default_callbacks(job: TrainJob) -> list[Callback]:
+LARGE_MODEL = 1_000_000_000  # parameters from which checkpoints export to Hugging Face every 10th time only
+
+
+def default_callbacks(job: TrainJob, parameters: int) -> list[Callback]:
     """Monitors first (they may veto the step), then the metrics line, progress, and checkpoints last."""
+    export_every = job.checkpoints.hf_export_every or (1 if parameters < LARGE_MODEL else 10)
     callbacks = [Monitoring(job.recipe.monitors), MetricsFile(WorkFolder(job.workdir).metrics), Progress(),
-                 Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last)]
+                 Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last, export_every)]
     callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
     callbacks.append(HangWatchdog(job.hang_timeout_s))
     if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)
@@ -132,6 +136,7 @@ class Trainer:
         self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
         self.sequence_lengths = attention.takes_sequence_lengths(self.attention)
         self.lm = self._model()
+        self.parameters = sum(p.numel() for p in self.lm.parameters())  # whole: counted before any sharding
         self.engine = self._engine(self.lm)
         self.setup = TrainingSetup(attention=self.attention, loss=loss, compile=job.compile, precision=job.precision,
                                    engine=self.engine.name, prefetch=job.prefetch,
@@ -142,7 +147,7 @@ class Trainer:
                                 self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
                                 owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
                                 masking=recipe.intra_document_masking)
-        self.callbacks = default_callbacks(job) + list(callbacks or [])
+        self.callbacks = default_callbacks(job, self.parameters) + list(callbacks or [])
         self.writer = ckpt.CheckpointWriter(background=job.checkpoints.asynchronous)
         self.step = 0  # optimizer steps of this stage done so far
         self.events: list[MonitorEvent] = []
@@ -354,9 +359,10 @@ class Trainer:
         """The newest checkpoint every rank agrees is whole, each rank hashing its share of the files."""
         return ckpt.newest_valid(self.checkpoint_root, self.rank, self.world, collectives.any_rank)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, export: bool = True) -> Path:
         """Snapshot model, optimizer, RNG and data position at this step to host memory; the writer thread
-        writes, checksums and renames it into place (this returns as soon as the snapshot is taken)."""
+        writes, checksums and renames it into place (this returns as soon as the snapshot is taken). `export`:
+        also a Hugging Face export of the whole model (gathered on rank 0)."""
         start = time.perf_counter()
         self.writer.wait()  # at most one write in flight
         self._barrier()
@@ -371,8 +377,8 @@ class Trainer:
         extra = {"packer": self._all_data_states(), "rng": ckpt.rng_state(), "stage_step": self.step,
                  "global_step": self.global_step, "engine": self.engine.name}
         writes = self.engine.snapshot(tmp, extra)
-        exported = self.engine.export_state_dict()  # collective at ZeRO-3: every rank takes part
-        if self.rank == 0:
+        exported = self.engine.export_state_dict() if export else {}  # collective at ZeRO-3: every rank joins
+        if self.rank == 0 and export:
             state = ckpt.to_host(exported)
             hf, tokenizer_dir = self.lm.hf, self.job.tokenizer_dir
             writes.append(lambda out: export_hf(hf, state, tokenizer_dir, CheckpointFolder(out).hf))
@@ -427,19 +433,23 @@ class Trainer:
         if self.tp > 1:
             gathered = self.engine.export_state_dict()  # collective: rank 0 receives the whole model
             reference, what = self._reference() if self.rank == 0 else ({}, "")
-            bad = torch.tensor([len(gathered_mismatch(reference, gathered)) if self.rank == 0 else 0])
+            compared = self.rank == 0 and reference is not None
+            bad = torch.tensor([len(gathered_mismatch(reference, gathered)) if compared else 0])
             bad = collectives.broadcast(bad, 0)
             if int(bad):
                 raise RuntimeError(f"{int(bad)} tensors' tensor-parallel shards, gathered, differ from {what}: the "
                                    "model was not sharded from one set of weights")
-            summary += f"; shards gathered equal {what}" if self.rank == 0 else ""
+            if self.rank == 0:
+                summary += f"; shards gathered equal {what}" if compared else f"; shards gathered ({what})"
         return summary
 
-    def _reference(self) -> tuple[dict[str, int], str]:
+    def _reference(self) -> tuple[dict[str, int] | None, str]:
         """What the gathered shards must equal: the weights every rank built whole, or the Hugging Face export of
         what the stage continues from (the checkpoint it resumed, or the previous stage's `final/`, which its
         artifact keeps beside the `state/` the job names)."""
         if self.resumed is not None:
+            if not CheckpointFolder(self.resumed).exported:  # how.checkpoints.hf_export_every skipped this one
+                return None, f"not compared: {self.resumed.name} holds no Hugging Face export"
             folder, what = CheckpointFolder(self.resumed).hf, f"the export of {self.resumed.name}"
         elif self.job.init_from is not None:
             folder, what = ModelArtifact(self.job.init_from.parent).final, "the previous stage's exported model"

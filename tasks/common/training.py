@@ -244,7 +244,8 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
     shutil.copytree(final.hf, out.final)
     shutil.copytree(final.root, out.state, ignore=shutil.ignore_patterns(final.hf.name))
     for folder in kept:
-        shutil.copytree(folder.hf, out.checkpoints / folder.root.name)
+        if folder.exported:  # the others hold training state only (how.checkpoints.hf_export_every)
+            shutil.copytree(folder.hf, out.checkpoints / folder.root.name)
     if export:
         for folder in [out.final, *out.kept_checkpoints()]:
             export(folder)
