@@ -385,3 +385,28 @@ def test_hugging_face_exports_go_into_every_kth_checkpoint_and_the_last(stage1_j
     assert sorted(folders) == [2, 4, 6, 7]
     assert {step for step, f in folders.items() if f.exported} == {4, 7}
     assert all((f.root / "state.pt").exists() for f in folders.values())
+
+
+@pytest.mark.slow
+def test_a_resumed_stage_keeps_its_monitors_windows_and_rollback_count(stage1_job, tmp_path: Path):
+    """The monitors' loss windows, throughput baseline and rollback count live in every checkpoint: a requeued job
+    judges spikes and slow rises against the same history, and cannot roll back more than max_rollbacks times
+    by being restarted in between."""
+    from compass.model.training.callbacks import Monitoring
+    from compass.model.training.trainer import Trainer
+
+    job = short(stage1_job(tmp_path, deepspeed=False), steps=6)
+    first = Trainer(job)
+    first.fit()
+    monitoring = next(c for c in first.callbacks if isinstance(c, Monitoring))
+    assert len(monitoring.monitor.losses) == 6
+    again = Trainer(job)  # the same work folder: resumes from the stage's last checkpoint, no step left to train
+    restored = next(c for c in again.callbacks if isinstance(c, Monitoring))
+    restored.rollbacks = 0
+    monitoring.rollbacks = 2  # as if rolled back twice before the requeue (written at the next checkpoint)
+    first.save_checkpoint()
+    first.writer.wait()
+    again.fit()
+    assert restored.rollbacks == 2
+    assert list(restored.monitor.losses) == list(monitoring.monitor.losses)
+    assert list(restored.monitor.speeds) == list(monitoring.monitor.speeds)

@@ -12,6 +12,10 @@ Hooks, in the order the loop calls them:
 - `post_restore(trainer, step)`: a rollback restored the checkpoint of `step`;
 - `on_error(trainer, exc)`: the loop is ending with an exception;
 - `on_end(trainer)`: the stage trained to its last step.
+
+A callback that keeps state across steps (a monitor's windows, its rollback count) returns it from `state_dict()`:
+every checkpoint holds it and a resumed or requeued job continues with it (`load_state_dict`), as it continues
+the data position; a rollback does not restore it (the rollback count must survive the rollback).
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ class Callback:
     def on_error(self, trainer: Trainer, exc: BaseException) -> None: ...
     def on_end(self, trainer: Trainer) -> None: ...
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this callback (None: nothing)."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 class Monitoring(Callback):
     """The playbook's failure patterns (spikes, divergence, slow rises, plateaus, throughput drops), each with
@@ -85,6 +95,13 @@ class Monitoring(Callback):
 
     def post_restore(self, trainer: Trainer, step: int) -> None:
         self.monitor.forget_since_rollback()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollbacks": self.rollbacks, **self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollbacks = state["rollbacks"]
+        self.monitor.load_state_dict(state)
 
     def on_end(self, trainer: Trainer) -> None:
         if trainer.rank == 0 and trainer.events:

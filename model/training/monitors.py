@@ -8,6 +8,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from compass.model.training.records import MonitorEvent
 from compass.specs.training import Monitors
@@ -69,6 +70,9 @@ class Event:
                             cause=self.cause, remedy=self.remedy, phase=self.phase)
 
 
+SPEED_HISTORY = 1000
+
+
 class TrainingMonitor:
     """Fed one (loss, grad norm, tokens/s) per optimizer step; returns the events that step raised."""
 
@@ -77,9 +81,22 @@ class TrainingMonitor:
         self.losses: deque[float] = deque(maxlen=config.spike.window if config.spike else 50)
         trend_windows = [m.window for m in (config.slow_rise, config.plateau) if m]
         self.history: deque[float] = deque(maxlen=max(trend_windows + [1]))
-        self.speeds: list[float] = []
-        self.phases: list[dict[str, float]] = []
+        # the throughput baseline: the last SPEED_HISTORY steps (its cost per step must not grow with the run)
+        self.speeds: deque[float] = deque(maxlen=SPEED_HISTORY)
+        self.phases: deque[dict[str, float]] = deque(maxlen=SPEED_HISTORY)
         self.warned: set[str] = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The windows and what was reported: a resumed run goes on judging against the same history."""
+        return {"losses": list(self.losses), "history": list(self.history), "speeds": list(self.speeds),
+                "phases": list(self.phases), "warned": sorted(self.warned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses.extend(state["losses"])
+        self.history.extend(state["history"])
+        self.speeds.extend(state["speeds"])
+        self.phases.extend(state["phases"])
+        self.warned = set(state["warned"])
 
     def check_before_step(self, step: int, loss: float, grad_norm: float) -> Event | None:
         """Checks that must run before the optimizer applies this step's gradients."""
@@ -117,8 +134,8 @@ class TrainingMonitor:
                 events.append(Event(kind, step, cfg.action, f"mean loss moved {change:.2%} {span}"))
         tp = self.cfg.throughput
         if tp and "throughput" not in self.warned and len(self.speeds) > tp.window:
-            median = statistics.median(self.speeds[:-1])
-            recent = statistics.fmean(self.speeds[-min(5, tp.window):])
+            median = statistics.median(list(self.speeds)[:-1])
+            recent = statistics.fmean(list(self.speeds)[-min(5, tp.window):])
             if recent < tp.ratio * median:
                 phase, growth = self._phase_that_grew(min(5, tp.window))
                 events.append(Event("throughput", step, tp.action,
@@ -131,8 +148,9 @@ class TrainingMonitor:
         the playbook's order so that a tie names the data loader before the network before the kernels."""
         grown: list[tuple[float, str, float, float]] = []
         for phase in PHASE_ORDER:
-            before = [p[phase] for p in self.phases[:-recent] if phase in p]
-            after = [p[phase] for p in self.phases[-recent:] if phase in p]
+            phases = list(self.phases)
+            before = [p[phase] for p in phases[:-recent] if phase in p]
+            after = [p[phase] for p in phases[-recent:] if phase in p]
             if before and after:
                 was, now = statistics.median(before), statistics.fmean(after)
                 grown.append((now - was, phase, was, now))

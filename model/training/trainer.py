@@ -346,6 +346,7 @@ class Trainer:
             self.packer.load_state_dict(extra["packer"])
             ckpt.set_rng_state(extra["rng"])
             self.step = extra["stage_step"]
+            self._load_callback_states(extra.get("callbacks", {}))
             log.info("resuming %s from %s (step %d of %d)", self.stage.name, resumed.name, self.step,
                      self.stage_steps)
         elif self.job.init_from:
@@ -375,7 +376,7 @@ class Trainer:
             tmp.mkdir()
         self._barrier()
         extra = {"packer": self._all_data_states(), "rng": ckpt.rng_state(), "stage_step": self.step,
-                 "global_step": self.global_step, "engine": self.engine.name}
+                 "global_step": self.global_step, "engine": self.engine.name, "callbacks": self._callback_states()}
         writes = self.engine.snapshot(tmp, extra)
         exported = self.engine.export_state_dict() if export else {}  # collective at ZeRO-3: every rank joins
         if self.rank == 0 and export:
@@ -386,6 +387,16 @@ class Trainer:
         self.written = final
         self.checkpoint_blocked_s += time.perf_counter() - start
         return final
+
+    def _callback_states(self) -> dict[str, Any]:
+        """Each stateful callback's state, by class name (rank 0's: the callbacks decide alike on every rank)."""
+        states = {type(c).__name__: getattr(c, "state_dict", lambda: None)() for c in self.callbacks}
+        return {name: state for name, state in states.items() if state is not None}
+
+    def _load_callback_states(self, states: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            if type(callback).__name__ in states:
+                callback.load_state_dict(states[type(callback).__name__])
 
     def _announce_written(self) -> None:
         """Once the writer is done with a checkpoint, the callbacks hear of it (rank 0: it is committed)."""

@@ -1,0 +1,45 @@
+"""On a CUDA machine (`make test-gpu`): one training stage of the minimal spec on this GPU in bf16 with the
+attention and loss `auto` picks, checkpointed and resumed: the run trains, resuming from a checkpoint continues to
+the same losses (within bf16's reproducibility on a GPU), and the rank check runs on NCCL's device."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def losses(workdir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def on_gpu(job, steps: int = 6):
+    from compass.specs.how import Checkpoints
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("make test-gpu needs a CUDA device: run it on a GPU node")
+    recipe = job.recipe
+    stage = recipe.stages[0].model_copy(update={"tokens": steps * 4 * 64})
+    return job.model_copy(update={"recipe": recipe.model_copy(update={"stages": [stage, *recipe.stages[1:]]}),
+                                  "hardware": job.hardware.model_copy(update={"accelerator": "h100"}),
+                                  "precision": "bf16", "checkpoints": Checkpoints(every_steps=3, keep_last=5)})
+
+
+def test_a_bf16_stage_trains_checkpoints_and_resumes_on_this_gpu(stage1_job, tmp_path: Path):
+    from compass.model.training.trainer import train_stage
+
+    straight = tmp_path / "straight"
+    result = train_stage(on_gpu(stage1_job(straight, deepspeed=False)))
+    assert result.setup.precision == "bf16" and result.steps == 6
+    assert all(r.device.startswith("cuda") for r in result.ranks)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    again = train_stage(on_gpu(stage1_job(resumed, deepspeed=False)))
+    assert again.resumed_from == 3
+    assert losses(resumed)[-3:] == pytest.approx(losses(straight)[-3:], rel=2e-2)
