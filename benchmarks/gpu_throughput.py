@@ -205,7 +205,10 @@ def main() -> None:
     n = sum(p.numel() for p in hf_model(bench_job, "sdpa").parameters())
     report(f"GPU throughput: SmolLM3-shaped {n / 1e9:.2f}B, {SEQ} tokens/row, micro-batch {args.micro}, bf16, compile, "
            f"{torch.cuda.get_device_name()}", results, "bare torch loop", "tokens/s",
-           notes=["MFU (median): " + ", ".join(f"{k} {sorted(r.details['mfu'] for r in v)[len(v) // 2]:.1%}"
+           notes=["MFU = tokens/s x FLOPs per token / 989 TFLOP/s (H100 SXM dense BF16); FLOPs per token = 6 N "
+                  "(N: every matmul weight, the output head included) + 12 L H Q T for attention (PaLM's "
+                  "convention: the full T x T product, twice what a causal kernel computes), specs/costs.py",
+                  "MFU (median): " + ", ".join(f"{k} {sorted(r.details['mfu'] for r in v)[len(v) // 2]:.1%}"
                                                 for k, v in results.items()),
                   "GPU memory (median MiB): " + ", ".join(
                       f"{k} {sorted(r.details['gpu_mib'] for r in v)[len(v) // 2]:,.0f}" for k, v in results.items())])
