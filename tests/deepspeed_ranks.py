@@ -2,7 +2,8 @@
 `torchrun --nproc_per_node 2 -m tests.deepspeed_ranks OUT`. Per stage it records what the engine says the
 gradient norm is before each step and what DeepSpeed used after it, then trains the same batches again with a
 rollback in the middle (a batch's micro-batches forwarded, then discarded and the newest checkpoint loaded, as
-the trainer's monitors do) and writes both runs' final weights. tests/test_gpu_path_deepspeed.py reads OUT."""
+the trainer's monitors do), and once more from that checkpoint in a new engine (a requeued job), and writes the
+three runs' final weights. tests/test_gpu_path_deepspeed.py reads OUT."""
 
 from __future__ import annotations
 
@@ -83,8 +84,16 @@ def run_stage(stage: int, out: Path, scratch: Path) -> dict:
     for s in (1, 2):
         optimizer_step(rolled, s)
     after = weights(rolled)
+
+    resumed = engine(stage)  # a new process's engine (a requeued job) loads the checkpoint of step 1
+    resumed.load(folder)
+    for s in (1, 2):
+        optimizer_step(resumed, s)
     if collectives.rank_env()[0] == 0:
-        torch.save({"straight": expected, "rolled_back": after}, out / f"zero{stage}-weights.pt")
+        torch.save({"straight": expected, "rolled_back": after, "resumed": weights(resumed)},
+                   out / f"zero{stage}-weights.pt")
+    else:
+        weights(resumed)  # the gather at ZeRO-3 takes every rank
     return {"norm_before_step": [n[0] for n in norms], "deepspeed_norm": [n[1] for n in norms]}
 
 

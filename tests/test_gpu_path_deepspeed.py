@@ -53,8 +53,11 @@ def test_the_grad_norm_is_the_global_one_at_every_zero_stage(ranks: Path):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_rollback_mid_accumulation_ends_at_the_weights_of_a_run_without_the_bad_batch(ranks: Path, stage: int):
+@pytest.mark.parametrize("run", ["rolled_back", "resumed"])
+def test_a_rollback_or_a_resume_ends_at_the_weights_of_an_undisturbed_run(ranks: Path, stage: int, run: str):
+    """rolled_back: a bad batch's micro-batches forwarded, then discarded and the checkpoint loaded mid-accumulation;
+    resumed: the checkpoint loaded by a new engine. Both continue bitwise as if nothing happened."""
     weights = torch.load(ranks / f"zero{stage}-weights.pt")
-    straight, rolled_back = weights["straight"], weights["rolled_back"]
-    assert straight.keys() == rolled_back.keys() and straight
-    assert all(straight[k].equal(rolled_back[k]) for k in straight)  # bitwise
+    straight, other = weights["straight"], weights[run]
+    assert straight.keys() == other.keys() and straight
+    assert all(straight[k].equal(other[k]) for k in straight)  # bitwise
