@@ -113,3 +113,32 @@ def test_nvml_reads_this_gpu(cuda):
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     assert pynvml.nvmlDeviceGetMemoryInfo(handle).total > 0
     assert 0 < pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU) < 120
+
+
+def test_qlora_takes_one_step_on_a_4_bit_base_and_merges(cuda, tmp_path):
+    """QLoRA: adapters on an NF4-quantised copy (bitsandbytes), one optimizer step moves only the adapters, and
+    the merge into the full-precision base loads in transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compass.specs.post_training import Lora
+    from compass.tasks.common.devices import Device
+    from compass.tasks.post_training.adapters import export_merged, with_adapters
+    from tests.hub_cache import tiny_llama
+
+    needs("bitsandbytes")
+    folder = tiny_llama(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    trained = with_adapters(model, tokenizer, Lora(kind="qlora", r=4, alpha=8), tmp_path / "saved",
+                            Device(device="cuda", bf16=True))
+    adapters = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    ids = tokenizer("The old river runs to the sea", return_tensors="pt")["input_ids"].to(cuda)
+    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2)
+    trained(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    moved = {n for n, p in trained.named_parameters() if p.requires_grad and not p.detach().equal(adapters[n])}
+    assert moved
+    export_merged(trained, tmp_path / "saved", tmp_path / "merged", tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert merged(input_ids=ids.cpu()).logits.shape[-1] == len(tokenizer)
