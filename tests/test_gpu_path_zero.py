@@ -37,6 +37,14 @@ def test_zero_stage_trains_like_zero0_and_validates_on_every_rank(stage1_job, ze
     norms = metrics(tmp_path, "grad_norm")
     assert min(norms) > 0 and norms == pytest.approx(metrics(reference_dir, "grad_norm"), rel=1e-3)
     assert result.val_loss and result.val_loss == pytest.approx(reference.val_loss, rel=1e-4)
+    # each rank stamped the shards it wrote; rank 0 committed them all without reading the other rank's
+    from compass.model.training import checkpoints as ckpt
+
+    last = ckpt.complete_checkpoints(tmp_path / "checkpoints")[-1]
+    listed = json.loads((last / "checksums.json").read_text())
+    on_disk = {p.relative_to(last).as_posix() for p in last.rglob("*") if p.is_file() and p.name != "checksums.json"}
+    assert set(listed) == on_disk and any("rank_1" in name for name in listed)
+    ckpt.verify(last)
 
 
 def test_a_stop_asked_of_rank_0_stops_every_rank_after_the_step_with_a_checkpoint(stage1_job, tmp_path: Path,

@@ -266,10 +266,10 @@ SLOW_WRITER = """
 import sys, time
 from compass.model.training import checkpoints as checkpoint
 original = checkpoint.finalize
-def slow_finalize(tmp, final):
+def slow_finalize(tmp, final, sums=None):
     open(tmp.parent.parent / "writing.flag", "w").write(tmp.name)
     time.sleep(3)  # a long write: the test kills the process here
-    return original(tmp, final)
+    return original(tmp, final, sums)
 checkpoint.finalize = slow_finalize
 from compass.model.training.trainer import main
 sys.exit(main([sys.argv[1]]))

@@ -68,7 +68,7 @@ def to_host(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-Write = Callable[[Path], None]  # writes some files of a checkpoint into the folder it is given
+Write = Callable[[Path], list[Path]]  # writes some files of a checkpoint into the folder it is given; returns them
 
 
 class CheckpointWriter:
@@ -81,8 +81,9 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, writes: list[Write], folder: Path, then: Callable[[], None] | None = None) -> float:
-        """Run `writes` into `folder`, then `then()` (e.g. finalize); returns the seconds spent blocked."""
+    def submit(self, writes: list[Write], folder: Path, then: Callable[[list[Path]], None] | None = None) -> float:
+        """Run `writes` into `folder`, then `then(files written)` (e.g. the commit); returns the seconds spent
+        blocked."""
         blocked = self.wait()
         if not self.background:
             start = time.perf_counter()
@@ -94,12 +95,11 @@ class CheckpointWriter:
         self._thread.start()
         return blocked
 
-    def _run(self, writes: list[Write], folder: Path, then: Callable[[], None] | None) -> None:
+    def _run(self, writes: list[Write], folder: Path, then: Callable[[list[Path]], None] | None) -> None:
         try:
-            for write in writes:
-                write(folder)
+            written = [path for write in writes for path in write(folder)]
             if then is not None:
-                then()
+                then(written)
         except BaseException as exc:  # surfaced in the training thread by the next wait()
             self._error = exc
 
@@ -120,11 +120,19 @@ class CheckpointWriter:
             raise RuntimeError(f"writing a checkpoint failed: {error}") from error
 
 
-def finalize(tmp: Path, final: Path) -> Path:
-    """Checksum every file, write the checksum file last, and rename the folder into place."""
+def stamps(folder: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of each file, keyed by its path in `folder`: what the checksum file records."""
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(str(p))}
+            for p in files}
+
+
+def finalize(tmp: Path, final: Path, sums: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write the checksum file last (`sums`, completed with any file they miss) and rename the folder into
+    place."""
+    sums = dict(sums or {})
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    sums = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(str(p))} for p in files}
-    (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
+    sums |= stamps(tmp, [p for p in files if p.relative_to(tmp).as_posix() not in sums])
+    (tmp / CHECKSUMS).write_text(json.dumps(dict(sorted(sums.items())), indent=1))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -135,24 +143,30 @@ WRITTEN = ".written-rank{}"
 
 
 def commit_when_all_written(tmp: Path, final: Path, rank: int, world: int,
-                            timeout_s: float = 3600.0) -> Callable[[], None]:
-    """What the writer runs after this rank's files: the other ranks leave a marker in the (shared) folder, rank
-    0 waits for every marker, then checksums and renames the folder. No collective runs off the training thread,
-    and a checkpoint is committed only when every rank's part is on disk."""
+                            timeout_s: float = 3600.0) -> Callable[[list[Path]], None]:
+    """What the writer runs after this rank's files: each rank stamps the files it wrote itself (the ranks hash
+    the checkpoint in parallel, each its own shards) and leaves them in a marker in the (shared) folder; rank 0
+    waits for every marker, then writes the checksum file from the stamps and renames the folder. No collective
+    runs off the training thread, and a checkpoint is committed only when every rank's part is on disk."""
 
-    def mark() -> None:
-        (tmp / WRITTEN.format(rank)).touch()
+    def mark(written: list[Path]) -> None:
+        marker = tmp / WRITTEN.format(rank)
+        partial = marker.with_suffix(".partial")
+        partial.write_text(json.dumps(stamps(tmp, written)))
+        partial.rename(marker)  # whole or absent: rank 0 waits for it to exist
 
-    def commit() -> None:
+    def commit(written: list[Path]) -> None:
         markers = [tmp / WRITTEN.format(r) for r in range(1, world)]
         deadline = time.monotonic() + timeout_s
         while not all(m.exists() for m in markers):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tmp}: not every rank wrote its part within {timeout_s:.0f}s")
             time.sleep(0.05)
+        sums = stamps(tmp, written)
         for marker in markers:
+            sums |= json.loads(marker.read_text())
             marker.unlink()
-        finalize(tmp, final)
+        finalize(tmp, final, sums)
 
     return commit if rank == 0 else mark
 

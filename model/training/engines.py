@@ -85,7 +85,12 @@ class TorchEngine:
         if rank != 0:
             return []
         state = to_host({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": extra})
-        return [lambda out: torch.save(state, out / "state.pt")]
+
+        def write(out: Path) -> list[Path]:
+            torch.save(state, out / "state.pt")
+            return [out / "state.pt"]
+
+        return [write]
 
     def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
         state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
@@ -225,10 +230,11 @@ class DeepSpeedEngine:
         captured, self.capture.captured = self.capture.captured, []
         zipfile = self.capture.zipfile_serialization
 
-        def write(out: Path, path: str, state: Any) -> None:
+        def write(out: Path, path: str, state: Any) -> list[Path]:
             target = out / Path(path).relative_to(folder)
             target.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, target, _use_new_zipfile_serialization=zipfile)
+            return [target]
 
         return [lambda out, p=path, s=state: write(out, p, s) for path, state in captured]
 

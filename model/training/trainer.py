@@ -525,7 +525,7 @@ def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor]
     return sorted(k for k, digest in initial.items() if k not in gathered or _digest([gathered[k]]) != digest)
 
 
-def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> None:
+def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> list[Path]:
     """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is. The tokenizer must be
     complete where the rank runs: an export without it would load in nothing, so a missing file fails the step."""
     missing = [name for name in REQUIRED_TOKENIZER_FILES if not (tokenizer_dir / name).exists()]
@@ -538,6 +538,7 @@ def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
+    return sorted(p for p in out.rglob("*") if p.is_file())  # only rank 0 writes here
 
 
 def _stop_requested(signum: int, frame: Any) -> None:
