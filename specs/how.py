@@ -233,7 +233,7 @@ class Monitoring(SpecModel):
                                   "ended for this long (a collective waiting on a stuck or dead peer) dumps every "
                                   "thread's stack to the step's log, naming its rank and node, and exits non-zero "
                                   "for a retry from the newest checkpoint; the first step after a start or a "
-                                  "rollback gets 3x. The process group's own timeout is twice this.")
+                                  "rollback gets 3x. The process group's own timeout is four times this.")
     folder: str | None = Field(default=None, description="Where targets/, tensorboard/ and Prometheus's data "
                                "live (default: monitoring/<spec name> beside a local store, else under "
                                "~/.cache/compass).")

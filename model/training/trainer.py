@@ -63,7 +63,7 @@ from compass.model.training.schedules import schedule_shape
 from compass.model.training.staging import stage_sources
 from compass.model.training.telemetry import telemetry_callbacks
 from compass.model.training.token_files import TokenizedSource
-from compass.model.training.watchdog import HangWatchdog
+from compass.model.training.watchdog import HangWatchdog, process_group_timeout_s
 from compass.specs.costs import flops_per_token
 
 log = logging.getLogger("compass.train")
@@ -180,12 +180,13 @@ class Trainer:
         job, recipe = self.job, self.job.recipe
         groups = parameter_groups(lm.hf, recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay)
         par = job.parallelism
+        # the group is opened here, its timeout past the hang watchdog's; DeepSpeed adopts an open group (its own would
+        # time out after DeepSpeed's 10 minutes, before the hang watchdog could say where each rank waits)
+        backend = "gloo" if self.device.type == "cpu" else "nccl"
+        collectives.init(backend, process_group_timeout_s(self.job.hang_timeout_s))
         if par.deepspeed:
-            if self.device.type == "cpu":
-                collectives.init("gloo", self.job.hang_timeout_s * 2)  # on GPUs DeepSpeed initialises NCCL itself
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision, par.tensor_parallel)
-        collectives.init("gloo" if self.device.type == "cpu" else "nccl", self.job.hang_timeout_s * 2)
         return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
 
     @property

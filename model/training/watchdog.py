@@ -29,6 +29,12 @@ HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: a retry may well succeed
 FIRST_STEP_ALLOWANCE = 3
 
 
+def process_group_timeout_s(hang_timeout_s: float) -> float:
+    """How long the backend lets a collective wait: past the watchdog's longest allowance, so the watchdog (with
+    every thread's stack) fires first."""
+    return hang_timeout_s * (FIRST_STEP_ALLOWANCE + 1)
+
+
 class HangWatchdog(Callback):
     def __init__(self, timeout_s: float, out: TextIO | None = None):
         self.timeout_s = timeout_s
