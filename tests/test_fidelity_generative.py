@@ -38,14 +38,15 @@ def test_answers_are_scored_like_squad_and_arithmetic_like_grpo():
 
 
 def test_held_out_arithmetic_never_meets_grpo_problems():
+    """What the generative benchmark scores, against what GRPO takes (tests/test_post_training_scale_fence.py holds
+    the whole fence)."""
     from compass.infra.packages import fetch_package
     from compass.tasks.evaluation.offline_benchmarks import PACKAGE, held_out_arithmetic
-    from compass.tasks.post_training.datasets import arithmetic_problems
+    from compass.tasks.kinds.post_train import grpo_problems
 
     root, _ = fetch_package(PACKAGE)
     held_out = held_out_arithmetic(root)
-    everything = arithmetic_problems(root, None, seed=0)
-    trained = {p["question"] for p in arithmetic_problems(root, len(everything) // 2, seed=0)}
+    trained = {p["question"] for p in grpo_problems(root, None, "grpo")}
     assert held_out and not trained & {p["question"] for p in held_out}
 
 

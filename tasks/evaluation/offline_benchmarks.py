@@ -134,11 +134,10 @@ def formulations(name: str) -> tuple[str, ...]:
 
 
 def held_out_arithmetic(root: Path) -> list[dict[str, Any]]:
-    """The second half of the problems in GRPO's order (it takes its `max_samples` from the first half)."""
-    from compass.tasks.post_training.datasets import arithmetic_problems
+    """The held-out half of the arithmetic problems (training takes the other: training_arithmetic)."""
+    from compass.tasks.post_training.datasets import held_out_arithmetic_problems
 
-    problems = arithmetic_problems(root, None, seed=0)
-    return [{"question": p["question"], "answers": [p["answer"]]} for p in problems[len(problems) // 2:]]
+    return [{"question": p["question"], "answers": [p["answer"]]} for p in held_out_arithmetic_problems(root)]
 
 
 def _rows(name: str, root: Path) -> list[dict[str, Any]]:

@@ -23,12 +23,13 @@ from compass.tasks.common.devices import device_for
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import (
-    arithmetic_problems,
     arithmetic_reward,
     chat_examples,
     dataset_root,
     exact_answer_reward,
+    fenced,
     length_penalty,
+    training_arithmetic,
 )
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
@@ -143,8 +144,8 @@ def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[st
         from compass.tasks.post_training.reasoning import HYBRID_TEMPLATE, mixed, reasoning_conversations
 
         tokenizer.chat_template = HYBRID_TEMPLATE
-        problems = arithmetic_problems(fetch_package(PACKAGE)[0], None, seed=0)
-        think = reasoning_conversations(problems[: len(problems) // 2])  # the held-out half stays for evaluation
+        root = fetch_package(PACKAGE)[0]
+        think = reasoning_conversations(fenced(training_arithmetic(root), root, f"sft {ctx.name}'s think mode"))
         total = cfg.max_samples or len(conversations)
         conversations = mixed(think, conversations, cfg.reasoning.think_fraction, total, seed=cfg.seed)
         facts["think_examples"] = sum("/think" in c[0]["content"] for c in conversations)
@@ -197,6 +198,19 @@ the preference losses would divide by zero), are dropped."""
             for p, s, w in zip(prompts, answers["strong"], answers["weak"], strict=True) if s and w and s != w]
 
 
+def verifier_problems(root: Path, easiest_first: bool, limit: int | None, step: str) -> list[dict[str, str]]:
+    """The problems verifier pairs sample answers for: training problems, the easiest first if asked."""
+    problems = training_arithmetic(root)
+    if easiest_first:
+        problems = sorted(problems, key=lambda p: (len(p["answer"].lstrip("-")), len(p["question"])))  # stable
+    return fenced(problems[:limit] if limit else problems, root, f"the verifier pairs of {step}")
+
+
+def grpo_problems(root: Path, limit: int | None, step: str) -> list[dict[str, str]]:
+    """GRPO's prompts: the first `limit` training problems (all of the training half without a limit)."""
+    return fenced(training_arithmetic(root, limit), root, f"grpo {step}")
+
+
 def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str, Any]]:
     """The step's preference pairs: from the dataset, strong versus weak, or graded on-policy samples."""
     from compass.tasks.post_training.pairs import dataset_pairs, on_policy_pairs
@@ -208,10 +222,7 @@ def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str,
         why = "the strong and weak checkpoints answered every prompt identically; pick checkpoints further apart"
     elif pairs_spec is not None:  # verifier
         root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
-        problems = arithmetic_problems(root, None, seed=0)
-        if pairs_spec.easiest_first:
-            problems.sort(key=lambda p: (len(p["answer"].lstrip("-")), len(p["question"])))  # stable: seeded order
-        problems = problems[:cfg.max_samples] if cfg.max_samples else problems
+        problems = verifier_problems(root, pairs_spec.easiest_first, cfg.max_samples, ctx.name)
         pairs = on_policy_pairs(ModelArtifact(ctx.inputs["previous"].local()).final, problems,
                                 pairs_spec.samples_per_prompt,
                                 pairs_spec.verifier, 32, PAIR_SEED)
@@ -286,7 +297,7 @@ def run_grpo(ctx: StepContext[GrpoConfig], model, tokenizer) -> tuple[Any, dict[
 
     cfg = ctx.config
     root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
-    problems = arithmetic_problems(root, cfg.max_samples, seed=0)
+    problems = grpo_problems(root, cfg.max_samples, ctx.name)
     if not problems:
         raise ValueError(f"post_training {ctx.name}: no problems with checkable answers in {cfg.dataset}")
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p["question"]}], **p} for p in problems])

