@@ -26,7 +26,12 @@ def winning_variant(checked: CheckedSpec, store: Store) -> str:
     if not store.is_committed(uri):
         raise PromoteError(f"no comparison at {uri}: run the spec first (compass run), or name --variant")
     with store.fs.open(f"{store._path(uri)}/comparison.json", "r") as f:
-        comparison = json.load(f)
+        return winner(json.load(f))
+
+
+def winner(comparison: dict) -> str:
+    """The variant a comparison judged best: 'better' (beyond the seed noise) with the largest gain in the
+    metric's good direction; PromoteError when none is better."""
     better = [r for r in comparison["rows"][1:] if r["verdict"] == "better"]
     if not better:
         verdicts = ", ".join(f"{r['variant']}: {r['verdict']}" for r in comparison["rows"][1:])

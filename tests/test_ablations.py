@@ -71,3 +71,23 @@ def test_ablation_runs_comparison_and_promotion(tmp_path: Path):
         assert auto.returncode == 0 and f"promoted '{better[0]['variant']}'" in auto.stdout
     else:
         assert auto.returncode == 2 and "nothing to promote" in auto.stderr
+
+
+@pytest.mark.parametrize(("metric", "rows", "expected"), [
+    ("val_loss", [("baseline", 0.0, "baseline"), ("a", -0.10, "better"), ("b", -0.30, "better"),
+                  ("c", -0.50, "within noise")], "b"),
+    ("arc_easy:cf/acc", [("baseline", 0.0, "baseline"), ("a", 0.02, "better"), ("b", 0.05, "better"),
+                         ("c", -0.01, "worse")], "b"),
+    ("val_loss", [("baseline", 0.0, "baseline"), ("a", -0.01, "within noise"), ("b", 0.2, "worse")], None),
+])
+def test_auto_promote_takes_the_largest_gain_beyond_noise_or_nothing(metric, rows, expected):
+    """Each comparison decides one outcome: the largest gain in the metric's direction among 'better' variants (a
+    bigger drop that is within noise does not count), or nothing to promote."""
+    from compass.flows.promote import PromoteError, winner
+
+    comparison = {"metric": metric, "rows": [{"variant": v, "delta": d, "verdict": k} for v, d, k in rows]}
+    if expected is None:
+        with pytest.raises(PromoteError, match="nothing to promote"):
+            winner(comparison)
+    else:
+        assert winner(comparison) == expected
