@@ -17,36 +17,33 @@ def test_the_backend_decides_where_collective_tensors_live(monkeypatch: pytest.M
     assert collectives.backend_device() == torch.device("cpu")  # no process group: nothing to move
 
 
-@pytest.fixture
-def no_group():
-    """An in-process DeepSpeed run earlier in the session may have left its group of one open."""
-    import torch.distributed as dist
+ALONE_AND_IN_A_GROUP_OF_ONE = """
+import sys, torch, torch.distributed as dist
+from compass.model.training import collectives as c
+t = torch.tensor([1.0, 2.0])
+assert not c.active() and c.world_size() == 1
+assert c.all_reduce(t, "max") is t and c.all_gather(t)[0].equal(t) and c.broadcast(t) is t
+assert c.all_gather_object({"a": 1}) == [{"a": 1}] and c.any_rank(True) and not c.any_rank(False)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+assert c.active() and c.world_size() == 1
+assert c.broadcast(t).equal(t) and c.all_reduce(t, "max").equal(t) and c.all_gather(t)[0].equal(t)
+assert c.any_rank(True) and not c.any_rank(False)
+dist.destroy_process_group()
+print("ok")
+"""
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
+def test_alone_each_collective_is_the_identity_and_a_group_of_one_goes_through_the_backend(tmp_path):
+    """Without a process group every collective is this rank alone (in place, no copy); a group of one (what
+    DeepSpeed opens for one in-process rank) runs each through its backend, as NCCL does on a single GPU
+    (tests/gpu), results on the caller's device. In a fresh interpreter: the test session's own processes keep
+    the group an in-process DeepSpeed run opened, which must not be torn down under it."""
+    import subprocess
+    import sys
 
-def test_without_a_process_group_each_collective_is_this_rank_alone(no_group):
-    t = torch.tensor([1.0, 2.0])
-    assert collectives.all_reduce(t, "max") is t and collectives.all_gather(t)[0].equal(t)
-    assert collectives.broadcast(t) is t and collectives.all_gather_object({"a": 1}) == [{"a": 1}]
-    assert collectives.any_rank(True) and not collectives.any_rank(False)
-    assert collectives.world_size() == 1
-
-
-def test_a_group_of_one_goes_through_the_backend(no_group, tmp_path):
-    """A group of one still runs every collective through its backend (on NCCL that is what tests/gpu checks on a
-    single GPU); results come back on the caller's device."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        t = torch.tensor([3.0])
-        assert collectives.active() and collectives.world_size() == 1
-        assert collectives.broadcast(t).equal(t) and collectives.all_reduce(t, "max").equal(t)
-        assert collectives.all_gather(t)[0].equal(t) and collectives.any_rank(True)
-    finally:
-        dist.destroy_process_group()
+    done = subprocess.run([sys.executable, "-c", ALONE_AND_IN_A_GROUP_OF_ONE, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 # --- flash attention's varlen path at a micro-batch of several rows ----------------------------------------------
