@@ -116,24 +116,36 @@ def test_extension_stages_export_yarn_and_measure_retrieval(tmp_path: Path):
 class InContextCopier(torch.nn.Module):
     """A model that must pass passkey: at each position it predicts the token that followed the most recent earlier
     occurrence of the last four tokens (an induction head written out), so after "The pass key is" it copies the
-    key from the needle, wherever the needle sits."""
+    key from the needle, wherever the needle sits. It keeps its context in a cache it can crop, as transformers'
+    models do, so it is read the way passkey reads a real model (chunked prompt, answer positions only)."""
+
+    class Context:
+        def __init__(self, ids: list[int]):
+            self.ids = ids
+
+        def crop(self, tokens_to_remove: int) -> None:
+            del self.ids[len(self.ids) + tokens_to_remove:]
 
     def __init__(self, vocab: int, n: int = 4):
         super().__init__()
         self.vocab, self.n = vocab, n
 
-    def forward(self, input_ids: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, past_key_values: Context | None = None, use_cache: bool = True,
+                logits_to_keep: int = 0):
         from types import SimpleNamespace
 
-        logits = torch.zeros(*input_ids.shape, self.vocab)
-        for b, row in enumerate(input_ids.tolist()):
-            last_seen: dict[tuple[int, ...], int] = {}
-            for t in range(len(row)):
-                gram = tuple(row[max(0, t - self.n + 1): t + 1])
-                if gram in last_seen and last_seen[gram] + 1 < len(row):
-                    logits[b, t, row[last_seen[gram] + 1]] = 20.0
-                last_seen[gram] = t
-        return SimpleNamespace(logits=logits)
+        context = past_key_values or self.Context([])
+        context.ids.extend(input_ids[0].tolist())  # extended in place, as transformers' caches are
+        row = context.ids
+        logits = torch.zeros(1, len(row), self.vocab)
+        last_seen: dict[tuple[int, ...], int] = {}
+        for t in range(len(row)):
+            gram = tuple(row[max(0, t - self.n + 1): t + 1])
+            if gram in last_seen and last_seen[gram] + 1 < len(row):
+                logits[0, t, row[last_seen[gram] + 1]] = 20.0
+            last_seen[gram] = t
+        kept = logits_to_keep or input_ids.shape[1]
+        return SimpleNamespace(logits=logits[:, -kept:], past_key_values=context)
 
 
 def test_passkey_scores_a_model_that_retrieves_1_and_an_untrained_one_about_chance(tmp_path: Path):

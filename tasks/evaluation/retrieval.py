@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from compass.tasks.common.devices import Device
+
 CANDIDATES = 5
 NEEDLE = " The pass key is {key}. Remember it."
 QUESTION = " What is the pass key? The pass key is"
@@ -31,27 +33,49 @@ def build_prompt(haystack: np.ndarray, needle: list[int], question: list[int], l
     return hay[:at] + needle + hay[at:] + question, at
 
 
+PREFILL_CHUNK = 32768  # prompt tokens per forward pass: one causal pass (no mask) up to 32k, bounded activations beyond
+
+
 @torch.no_grad()
 def score_candidates(model: torch.nn.Module, prompt: list[int], candidates: list[list[int]],
-                     pad_id: int) -> list[float]:
-    """Sum of log-probabilities of each candidate continuation, one batched forward pass."""
-    width = len(prompt) + max(len(c) for c in candidates)
-    rows = [prompt + c + [pad_id] * (width - len(prompt) - len(c)) for c in candidates]
-    logits = model(input_ids=torch.tensor(rows)).logits.float().log_softmax(-1)
+                     chunk: int = PREFILL_CHUNK) -> list[float]:
+    """Sum of log-probabilities of each candidate continuation. The prompt is read once into the KV cache (in
+    `chunk`-token passes beyond that length) with logits only at its last position; each candidate then extends
+    the cache, gets logits at its own positions and is cropped off again. Peak memory is about one forward pass
+    over the prompt: five padded rows of full-vocabulary logits would take ~168 GB at 64k for a 3B model."""
+    device = _device_of(model)
+    cache, out = None, None
+    for start in range(0, len(prompt), chunk):
+        ids = torch.tensor([prompt[start:start + chunk]], device=device)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+    first = out.logits[0, -1].float().log_softmax(-1)
     scores = []
-    for i, cand in enumerate(candidates):
-        positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(cand))
-        scores.append(float(logits[i, positions, torch.tensor(cand)].sum()))
+    for cand in candidates:
+        score = float(first[cand[0]])
+        if len(cand) > 1:
+            rest = model(input_ids=torch.tensor([cand[:-1]], device=device), past_key_values=cache, use_cache=True)
+            logprobs = rest.logits[0].float().log_softmax(-1)
+            score += float(logprobs[torch.arange(len(cand) - 1), torch.tensor(cand[1:], device=device)].sum())
+            cache.crop(-(len(cand) - 1))
+        scores.append(score)
     return scores
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def passkey_accuracy(model_dir: Path, haystack: np.ndarray, lengths: list[int], depths: list[float],
-                     samples: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Accuracy per (length, depth) of the model saved in `model_dir`, the same prompts for every checkpoint."""
+                     samples: int, seed: int = 0, where: Device | None = None) -> list[dict[str, Any]]:
+    """Accuracy per (length, depth) of the model saved in `model_dir`, the same prompts for every checkpoint, on the
+    step's device (bf16 on a GPU when the spec trains in bf16)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    where = where or Device("cpu", bf16=False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, where.dtype))
+    model = model.to(where.device).eval()
     return passkey_cells(model, tokenizer, haystack, lengths, depths, samples, seed)
 
 
@@ -60,7 +84,6 @@ def passkey_cells(model: torch.nn.Module, tokenizer: Any, haystack: np.ndarray, 
     """Accuracy per (length, depth) (fixed seed: the same prompts for every model). A sample counts as correct
     only when the true key scores strictly above every distractor: a model that cannot tell them apart (equal
     scores) is wrong, not lucky."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     question = tokenizer.encode(QUESTION, add_special_tokens=False)
     out = []
     for length in lengths:
@@ -75,7 +98,7 @@ def passkey_cells(model: torch.nn.Module, tokenizer: Any, haystack: np.ndarray, 
                 candidates = [tokenizer.encode(f" {k}", add_special_tokens=False) for k in keys]
                 prompt, _ = build_prompt(haystack, needle, question, length, depth, rng,
                                          reserve=max(len(c) for c in candidates))
-                scores = score_candidates(model, prompt, candidates, pad)
+                scores = score_candidates(model, prompt, candidates)
                 correct += int(scores[0] > max(scores[1:]))
             out.append({"length": length, "depth": depth, "accuracy": correct / samples, "samples": samples})
     return out

@@ -237,7 +237,8 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
         from compass.tasks.evaluation.retrieval import passkey_accuracy
 
         text = TokenizedSource(haystack, HELDOUT).tokens
-        cells = passkey_accuracy(model_dir, np.asarray(text), retrieval.lengths, retrieval.depths, retrieval.samples)
+        cells = passkey_accuracy(model_dir, np.asarray(text), retrieval.lengths, retrieval.depths, retrieval.samples,
+                                 where=where)
         for length in retrieval.lengths:
             at = [c for c in cells if c["length"] == length]
             if not at:
