@@ -41,8 +41,10 @@ def is_local(host: str) -> bool:
 
 
 def plan_launch(job_path: Path, *, world: int, nodes: int, hosts: list[str], launcher: Launcher, port: int,
-                python: str, cwd: Path, hostfile_path: Path | None = None) -> LaunchPlan:
-    """Commands that start `world` ranks over `nodes` nodes (hosts[0] hosts the rendezvous)."""
+                python: str, cwd: Path, hostfile_path: Path | None = None,
+                module: str = TRAINER_MODULE) -> LaunchPlan:
+    """Commands that start `world` ranks of `python -m module job_path` over `nodes` nodes (hosts[0] hosts the
+    rendezvous)."""
     if world % nodes:
         raise ValueError(f"{world} ranks cannot be spread evenly over {nodes} nodes")
     per_node = world // nodes
@@ -55,13 +57,13 @@ def plan_launch(job_path: Path, *, world: int, nodes: int, hosts: list[str], lau
         path = hostfile_path or job_path.with_name("hostfile")
         argv = [python, "-m", "deepspeed.launcher.runner", "--hostfile", str(path), "--master_addr", head,
                 "--master_port", str(port), "--num_nodes", str(nodes), "--num_gpus", str(per_node),
-                "--module", TRAINER_MODULE, str(job_path)]
+                "--module", module, str(job_path)]
         return LaunchPlan([NodeCommand(head, _on(head, argv, cwd))], hostfile=hostfile)
     commands = []
     for rank, host in enumerate(hosts):
         argv = [python, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(rank),
                 "--nproc-per-node", str(per_node), "--master-addr", head, "--master-port", str(port),
-                "-m", TRAINER_MODULE, str(job_path)]
+                "-m", module, str(job_path)]
         commands.append(NodeCommand(host, _on(host, argv, cwd)))
     return LaunchPlan(commands)
 

@@ -240,6 +240,36 @@ class WorkFolder:
     def hostfile(self) -> Path:
         return self.root / "hostfile"
 
+    @property
+    def trl_job(self) -> Path:
+        """A TRL step's job (tasks/post_training/trl_job.py: TrlJob), read by every rank."""
+        return self.root / "trl-job.json"
+
+    @property
+    def trl_start(self) -> Path:
+        """The model a TRL step starts from, chat-ready (and the base its LoRA adapters merge into)."""
+        return self.root / "trl-start"
+
+    @property
+    def trl_rows(self) -> Path:
+        """The TRL step's training rows (conversations, pairs or prompts), one JSON line each."""
+        return self.root / "trl-rows.jsonl"
+
+    @property
+    def trl_checkpoints(self) -> Path:
+        """The TRL trainer's checkpoints (`checkpoint-<step>`), resumed from after a kill or a requeue."""
+        return self.root / "trl-checkpoints"
+
+    @property
+    def trl_final(self) -> Path:
+        """The trained weights (or the LoRA adapter) rank 0 saves at the end."""
+        return self.root / "trl-final"
+
+    @property
+    def trl_result(self) -> Path:
+        """What the TRL ranks report (TrlResult), written by rank 0 at the end."""
+        return self.root / "trl-result.json"
+
     def launcher_log(self, node: int) -> Path:
         return self.root / f"launcher-{node}.log"
 

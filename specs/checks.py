@@ -505,7 +505,22 @@ def phases_of(spec: TrainingSpec) -> set[Phase]:
     return phases
 
 
-ONE_PROCESS = {"post_training": "TRL post-training runs in one process", "evaluation": "lighteval runs in one process"}
+ONE_PROCESS = {"evaluation": "lighteval runs in one process"}
+NO_MODEL_PARALLEL = ("data", "post_training", *ONE_PROCESS)  # TRL's ranks are data-parallel only
+
+
+def _trl_batches(spec: TrainingSpec, ranks: int) -> Iterator[Issue]:
+    """A TRL step's `batch_size` is its global batch: every rank takes an equal share (GRPO: of whole groups)."""
+    for i, post in enumerate(spec.what.post_training):
+        if post.method == "mid_training" or ranks <= 1:
+            continue
+        batch = post.batch_size
+        if post.method == "grpo":
+            batch = max(post.num_generations, batch // post.num_generations * post.num_generations)
+        if batch % ranks:
+            yield Issue(("what", "post_training", i, "batch_size"),
+                        f"the global batch of {batch} does not split evenly over the post-training phase's {ranks} "
+                        "ranks (how.resources.post_training)", f"use a multiple of {ranks}")
 
 
 def _resources(spec: TrainingSpec) -> Iterator[Issue]:
@@ -534,10 +549,12 @@ def _resources(spec: TrainingSpec) -> Iterator[Issue]:
         if phase in ONE_PROCESS and (shape.nodes > 1 or shape.devices_per_node > 1):
             yield Issue((*at, phase), f"{ONE_PROCESS[phase]} on one device: {shape.nodes} nodes x "
                         f"{shape.devices_per_node} devices would sit idle", "use nodes: 1, devices_per_node: 1")
+        if phase == "post_training":
+            yield from _trl_batches(spec, shape.ranks)
         if phase not in ("data", *ONE_PROCESS) and shape.devices_per_node == 0:
             yield Issue((*at, phase, "devices_per_node"), f"{phase} trains: it needs at least one device per node",
                         "set devices_per_node to the GPUs per node (ranks per node on CPU)")
-        elif phase not in ("data", *ONE_PROCESS) and shape.ranks % group:
+        elif phase not in NO_MODEL_PARALLEL and shape.ranks % group:
             yield Issue((*at, phase), f"{shape.ranks} devices do not split into tensor_parallel x pipeline_parallel "
                         f"= {group} groups", "use a multiple of that many devices")
         hosts = how.hardware.hosts

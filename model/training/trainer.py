@@ -549,6 +549,9 @@ def _stop_requested(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point for launchers: `python -m compass.model.training.trainer JOB.json` (torchrun / deepspeed run it per
     rank); rank 0 writes `result.json` beside the job."""
+    from compass.infra.die_with_parent import die_with_parent
+
+    die_with_parent()  # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
     args = argv if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job_path = Path(args[0])

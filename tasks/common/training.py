@@ -23,9 +23,9 @@ from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtif
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
 from compass.model.training.records import MetricsRow, TrainResult, read_metrics, write_metrics
-from compass.specs.how import SlurmCluster
+from compass.specs.how import Shape, SlurmCluster
 from compass.tasks.data.tokenizer_files import tokenizer_ids
-from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.context import Runtime, StepContext, StepResult
 from compass.tasks.steps.placement import HERE, Placement
 
 
@@ -158,12 +158,46 @@ def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
                        f"{work.slurm_log}")
 
 
-def _run_all(plan: LaunchPlan, workdir: Path) -> None:
+def run_module_ranks(module: str, job_path: Path, world: int, shape: Shape, runtime: Runtime, log) -> None:
+    """Start `world` ranks of `python -m module job_path` (a TRL step's ranks) where the step runs: inside its Slurm
+    job with srun over the job's nodes, or here with torchrun (over ssh to how.hardware.hosts for several nodes).
+    The job file's folder is the ranks' working folder."""
+    workdir = job_path.parent
+    how = runtime.how
+    gpus = how.hardware.accelerator != "cpu"
+    if runtime.placement.mode == "in_slurm_job":
+        from compass.infra.slurm import ranks_command
+
+        cluster = how.orchestration.cluster
+        port = how.hardware.rendezvous_port if shape.nodes > 1 else free_port()
+        argv = ranks_command(["-m", module, str(job_path)], sys.executable, shape.nodes, world // shape.nodes, port,
+                             cluster.launch if cluster else "srun", gpus=gpus)
+        log.info("starting %d ranks on %d node(s): %s", world, shape.nodes, " ".join(argv[:-1]))
+        done = subprocess.run(argv, cwd=workdir)
+        if done.returncode:
+            raise RuntimeError(f"the ranks of {module} ended with {done.returncode}; their output is in the job's log")
+        return
+    hosts = how.hardware.hosts
+    if shape.nodes > 1 and not hosts:
+        raise ValueError(f"{shape.nodes} nodes but how.hardware.hosts is empty: list the nodes' addresses, the "
+                         "rendezvous host first")
+    plan = plan_launch(job_path, world=world, nodes=shape.nodes, hosts=hosts if shape.nodes > 1 else [],
+                       launcher="torchrun", port=how.hardware.rendezvous_port if shape.nodes > 1 else free_port(),
+                       python=sys.executable, cwd=workdir, module=module)
+    for command in plan.commands:
+        log.info("launching on %s: %s", command.host, command)
+    _run_all(plan, workdir, what=module)
+
+
+def _run_all(plan: LaunchPlan, workdir: Path, what: str = "training") -> None:
     """Start every node's launcher, wait for all; one failing stops the others (they would wait forever)."""
     work = WorkFolder(workdir)
     logs = [open(work.launcher_log(i), "w") for i in range(len(plan.commands))]  # noqa: SIM115
+    from compass.infra.die_with_parent import parent_death_preexec
+
+    tied = parent_death_preexec()  # a killed step takes its launchers (and, through them, its ranks) with it
     procs = [subprocess.Popen(c.argv, cwd=workdir, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, **plan.env})
+                              env={**os.environ, **plan.env}, preexec_fn=tied)
              for c, f in zip(plan.commands, logs, strict=True)]
     try:
         while True:
@@ -181,7 +215,7 @@ def _run_all(plan: LaunchPlan, workdir: Path) -> None:
             f.close()
     if failed is not None:
         tail = work.launcher_log(failed).read_text()[-3000:]
-        raise RuntimeError(f"training failed on {plan.commands[failed].host} "
+        raise RuntimeError(f"{what} failed on {plan.commands[failed].host} "
                            f"({procs[failed].returncode}); last output:\n{tail}")
 
 

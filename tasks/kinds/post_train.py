@@ -10,27 +10,17 @@ vibe-check prompts so a person can read them in the UI."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from compass.infra.layout import ModelArtifact
+from compass.infra.layout import ModelArtifact, WorkFolder
 from compass.model.training.history import tokens_seen
 from compass.model.training.records import MetricsRow, read_metrics, write_metrics
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
 from compass.tasks.common.devices import device_for
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
-from compass.tasks.post_training.datasets import (
-    arithmetic_reward,
-    chat_examples,
-    dataset_root,
-    exact_answer_reward,
-    fenced,
-    length_penalty,
-    training_arithmetic,
-)
+from compass.tasks.post_training.datasets import chat_examples, dataset_root, fenced, training_arithmetic
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -95,30 +85,13 @@ def build(plan: PlanBuilder) -> None:
 MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many characters are left out
 
 
-def _common_args(ctx: StepContext[TrlConfig], tokens: bool = True) -> dict[str, Any]:
-    cfg = ctx.config
-    where = device_for(ctx.runtime.how)
-    args = dict(output_dir=str(ctx.scratch / "trainer"), learning_rate=cfg.lr, num_train_epochs=cfg.epochs,
-                per_device_train_batch_size=cfg.batch_size, use_cpu=where.device == "cpu", bf16=where.bf16,
-                report_to="none",
-                save_strategy="no", logging_steps=1, seed=cfg.seed, disable_tqdm=True,
-                lr_scheduler_type="linear", warmup_steps=0)
-    if tokens:
-        args["include_num_input_tokens_seen"] = "all"
-    return args
-
-
-def _tensorboard(ctx: StepContext[TrlConfig]) -> list[Any]:
+def _tensorboard_run(ctx: StepContext[TrlConfig]) -> Path | None:
     """A TensorBoard run per post-training step, beside the pretraining ones (how.monitoring.tensorboard)."""
     if not ctx.runtime.how.monitoring.tensorboard:
-        return []
-    from torch.utils.tensorboard import SummaryWriter
-    from transformers.integrations import TensorBoardCallback
-
+        return None
     from compass.model.training.telemetry import tensorboard_run
 
-    folder = ctx.runtime.monitoring_dir(ctx.store, ctx.workdir)
-    return [TensorBoardCallback(SummaryWriter(str(tensorboard_run(folder, f"{ctx.kind}:{ctx.name}"))))]
+    return tensorboard_run(ctx.runtime.monitoring_dir(ctx.store, ctx.workdir), f"{ctx.kind}:{ctx.name}")
 
 
 def _system_prompt(cfg: PostTrainConfig) -> str | None:
@@ -131,14 +104,13 @@ def _conversations(ctx: StepContext[TrlConfig], seed: int, limit: int | None) ->
     return chat_examples(root, limit, seed, cfg.max_length * MAX_CHARS_PER_TOKEN, _system_prompt(cfg))
 
 
-def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
+def sft_rows(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """SFT's conversations; a hybrid reasoner's mix of worked arithmetic in /think mode and the dataset in
+    /no_think mode (its template set on the tokenizer)."""
     cfg = ctx.config
     conversations = _conversations(ctx, seed=0, limit=None if cfg.reasoning else cfg.max_samples)
     facts: dict[str, Any] = {}
-    if cfg.reasoning:  # a hybrid reasoner: worked arithmetic in /think mode, the dataset in /no_think mode
+    if cfg.reasoning:
         from compass.infra.packages import fetch_package
         from compass.tasks.evaluation.offline_benchmarks import PACKAGE
         from compass.tasks.post_training.reasoning import HYBRID_TEMPLATE, mixed, reasoning_conversations
@@ -149,21 +121,7 @@ def run_sft(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[Any, dict[st
         total = cfg.max_samples or len(conversations)
         conversations = mixed(think, conversations, cfg.reasoning.think_fraction, total, seed=cfg.seed)
         facts["think_examples"] = sum("/think" in c[0]["content"] for c in conversations)
-    data = Dataset.from_list([{"messages": m} for m in conversations])
-    args = SFTConfig(**_common_args(ctx), max_length=cfg.max_length, packing=cfg.packing,
-                     assistant_only_loss=cfg.assistant_only_loss, dataset_num_proc=None)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                         callbacks=_tensorboard(ctx))
-    if not cfg.packing:  # one row per conversation: the template's tokens, every system prompt in them
-        from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
-
-        rows = trained_rows(conversations, [list(r) for r in trainer.train_dataset["input_ids"]], tokenizer)
-        system_prompts_kept([c for c, _ in rows], [r for _, r in rows], tokenizer)
-        facts["left_out_too_long"] = len(conversations) - len(rows)
-        with open(ModelArtifact(ctx.out).sft_samples, "w") as f:  # what training saw, to compare with the template
-            f.writelines(json.dumps({"messages": c, "input_ids": r}) + "\n" for c, r in rows[:8])
-    trainer.train()
-    return trainer, {"examples": len(data), **facts}
+    return [{"messages": m} for m in conversations], {"examples": len(conversations), **facts}
 
 
 PAIR_SEED = 17
@@ -238,103 +196,33 @@ def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str,
     return pairs
 
 
-def run_preference(ctx: StepContext[PreferenceConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
-    from datasets import Dataset
-
-    cfg = ctx.config
+def preference_rows(ctx: StepContext[PreferenceConfig], model, tokenizer) -> tuple[list[dict[str, Any]], dict]:
     pairs = build_pairs(ctx, tokenizer)
     with open(ModelArtifact(ctx.out).pairs, "w") as f:
         f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs)
-    common = _common_args(ctx)
-    if cfg.method == "dpo":
-        from trl import DPOConfig, DPOTrainer
-
-        args = DPOConfig(**common, loss_type=cfg.loss_type, beta=cfg.beta, max_length=cfg.max_length)
-        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
-                             processing_class=tokenizer, callbacks=_tensorboard(ctx))
-    elif cfg.method == "orpo":
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-
-        args = ORPOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
-        trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
-                              processing_class=tokenizer, callbacks=_tensorboard(ctx))
-    else:  # kto: unpaired, chosen answers desirable and rejected ones not
-        from trl import KTOConfig, KTOTrainer
-
-        rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
-                for p in pairs for side in ("chosen", "rejected")]
-        args = KTOConfig(**common, beta=cfg.beta, max_length=cfg.max_length)
-        trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=tokenizer, callbacks=_tensorboard(ctx))
-    trainer.train()
-    return trainer, {"pairs": len(pairs)}
+    return pairs, {"pairs": len(pairs)}
 
 
-def reward_functions(verifier: str, tokenizer, per_token: float, target: int | None) -> list:
-    """GRPO rewards: the verifier's 0/1 correctness, plus the overlong penalty when the spec asks for one."""
-
-    def correct(completions, question, answer, **_: Any) -> list[float]:
-        texts = [_text(c) for c in completions]
-        if verifier == "arithmetic":
-            return [arithmetic_reward(q, t) for q, t in zip(question, texts, strict=True)]
-        return [exact_answer_reward(a, t) for a, t in zip(answer, texts, strict=True)]
-
-    def overlong(completions, **_: Any) -> list[float]:
-        return [length_penalty(len(tokenizer.encode(_text(c), add_special_tokens=False)), target, per_token)
-                for c in completions]
-
-    return [correct, overlong] if per_token else [correct]
-
-
-def _text(completion: Any) -> str:
-    return completion[0]["content"] if isinstance(completion, list) else str(completion)
-
-
-def run_grpo(ctx: StepContext[GrpoConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
+def grpo_rows(ctx: StepContext[GrpoConfig], model, tokenizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     cfg = ctx.config
     root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
     problems = grpo_problems(root, cfg.max_samples, ctx.name)
     if not problems:
         raise ValueError(f"post_training {ctx.name}: no problems with checkable answers in {cfg.dataset}")
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": p["question"]}], **p} for p in problems])
-    groups = cfg.num_generations
-    batch = max(groups, cfg.batch_size // groups * groups)
-    args = GRPOConfig(**{**_common_args(ctx, tokens=False), "per_device_train_batch_size": batch},
-                      num_generations=groups, max_completion_length=cfg.max_completion_length, use_vllm=False,
-                      log_completions=False)
-    rewards = reward_functions(cfg.verifier, tokenizer, cfg.length_penalty, cfg.target_length)
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=_tensorboard(ctx))
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "reward" in h]
-    return trainer, {"problems": len(problems), "first_reward": history[0]["reward"] if history else None,
-                     "final_reward": history[-1]["reward"] if history else None}
+    rows = [{"prompt": [{"role": "user", "content": p["question"]}], **p} for p in problems]
+    return rows, {"problems": len(problems)}
 
 
-def run_distill(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[Any, dict[str, Any]]:
-    from datasets import Dataset
-
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
-
+def distill_rows(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[list[dict[str, Any]], dict]:
+    """The student (the previous model, shrunk to `student_layers` if asked) distils on the dataset's prompts."""
     cfg = ctx.config
-    teacher, _ = load_chat_model(ModelArtifact(ctx.inputs["teacher"].local()).final)
     if cfg.student_layers:
+        total = model.config.num_hidden_layers
         kept = keep_layers(model, cfg.student_layers)
-        ctx.log.info("distill %s: student keeps layers %s of %d", ctx.name, kept, teacher.config.num_hidden_layers)
-    data = Dataset.from_list([{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg.max_samples)])
-    args = GKDConfig(**_common_args(ctx), lmbda=cfg.lmbda, max_length=cfg.max_length, dataset_num_proc=None)
-    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data,
-                         processing_class=tokenizer, callbacks=_tensorboard(ctx))
-    trainer.train()
-    return trainer, {"examples": len(data), "teacher_layers": teacher.config.num_hidden_layers,
-                     "student_layers": model.config.num_hidden_layers,
-                     "student_parameters": sum(p.numel() for p in model.parameters()),
-                     "teacher_parameters": sum(p.numel() for p in teacher.parameters())}
+        ctx.log.info("distill %s: student keeps layers %s of %d", ctx.name, kept, total)
+    rows = [{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg.max_samples)]
+    return rows, {"examples": len(rows), "student_layers": model.config.num_hidden_layers,
+                  "student_parameters": sum(p.numel() for p in model.parameters())}
 
 
 def keep_layers(model, keep: int) -> list[int]:
@@ -357,54 +245,95 @@ def keep_layers(model, keep: int) -> list[int]:
     return kept
 
 
-METHODS = {"sft": run_sft, "dpo": run_preference, "orpo": run_preference, "kto": run_preference,
-           "grpo": run_grpo, "distill": run_distill}
+ROWS = {"sft": sft_rows, "dpo": preference_rows, "orpo": preference_rows, "kto": preference_rows,
+        "grpo": grpo_rows, "distill": distill_rows}
 
 
 def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
+    """Build the method's rows here (conversations, pairs, problems), train on the step's ranks (this process for
+    one, torchrun or srun for several; resuming from the newest complete checkpoint of an earlier attempt), then
+    export the weights with the tokenizer, continue the metrics history and answer the vibe prompts."""
+    from compass.tasks.post_training.trl_job import TrlJob, TrlResult
+    from compass.tasks.post_training.trl_ranks import train
+
     cfg = ctx.config
     method = cfg.method
     previous = ModelArtifact(ctx.inputs["previous"].local())
     out = ModelArtifact(ctx.out)
+    work = WorkFolder(ctx.workdir)
+    work.root.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_chat_model(previous.final)
-    lora = getattr(cfg, "peft", None)
-    adapters: dict[str, Any] = {}
-    if lora is not None:
-        from compass.tasks.post_training.adapters import with_adapters
-
-        model = with_adapters(model, tokenizer, lora, ctx.scratch / "base", device_for(ctx.runtime.how))
-        trainable, total = model.get_nb_trainable_parameters()
-        adapters = {"peft": lora.kind, "trainable_parameters": trainable, "total_parameters": total}
-    trainer, facts = METHODS[method](ctx, model, tokenizer)
-    facts |= adapters
-    broken = [n for n, p in trainer.model.named_parameters() if not p.detach().isfinite().all()]
-    if broken:
-        raise FloatingPointError(f"post_training {ctx.name}: {method} left non-finite weights ({broken[0]} and "
-                                 f"{len(broken) - 1} more); lower lr or check the data; nothing was committed")
-    if lora is not None:  # full weights with the adapter merged, the adapter beside them
-        from compass.tasks.post_training.adapters import export_merged
-
-        exported = export_merged(trainer.model, ctx.scratch / "base", out.final, out.adapter)
+    rows, facts = ROWS[method](ctx, model, tokenizer)
+    where = device_for(ctx.runtime.how)
+    shape = ctx.runtime.placement.shape
+    world = shape.ranks if shape else 1
+    job = TrlJob(step=f"{ctx.kind}:{ctx.name}", section=cfg.model_dump(exclude={"seed", "vibe_prompts"}),
+                 seed=cfg.seed, how=ctx.runtime.how, work=work.root, world=world, device=where.device, bf16=where.bf16,
+                 teacher=ModelArtifact(ctx.inputs["teacher"].local()).final if "teacher" in ctx.inputs else None,
+                 tensorboard=_tensorboard_run(ctx))
+    if cfg.peft is not None or world > 1:  # the ranks' start (and the base an adapter merges into)
+        model.save_pretrained(str(work.trl_start), safe_serialization=True)
+        tokenizer.save_pretrained(str(work.trl_start))
+    work.trl_result.unlink(missing_ok=True)
+    if world == 1:
+        _, result = train(job, model, tokenizer, rows)
     else:
-        exported = trainer.model
-        exported.config.use_cache = False
-        exported.save_pretrained(str(out.final), safe_serialization=True)
+        with open(work.trl_rows, "w") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        job.write(work.trl_job)
+        from compass.tasks.common.training import run_module_ranks
+
+        run_module_ranks(TRL_RANKS_MODULE, work.trl_job, world, shape, ctx.runtime, ctx.log)
+        result = TrlResult.read(work.trl_result)
+    del model
+    facts |= {k: v for k, v in result.facts.items() if k != "sft_samples"}
+    if samples := result.facts.get("sft_samples"):  # what SFT trained on, to compare with the template
+        with open(out.sft_samples, "w") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+    exported = _export(ctx, work, out, cfg.peft is not None)
     tokenizer.save_pretrained(str(out.final))
     before = tokens_seen(previous.root) or 0
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    rows = [MetricsRow(step=i + 1, stage=ctx.name, stage_step=h.get("step", i + 1), loss=h["loss"],
-                       tokens=before + int(h.get("num_input_tokens_seen", 0)), method=method)
-            for i, h in enumerate(logs)]
-    write_metrics(out.metrics, read_metrics(previous.metrics) + rows)
+    logs = [h for h in result.log_history if "loss" in h]
+    metric_rows = [MetricsRow(step=i + 1, stage=ctx.name, stage_step=h.get("step", i + 1), loss=h["loss"],
+                              tokens=before + int(h.get("num_input_tokens_seen", 0)), method=method)
+                   for i, h in enumerate(logs)]
+    write_metrics(out.metrics, read_metrics(previous.metrics) + metric_rows)
     vibe = _vibe_check(ctx, exported, tokenizer)
-    shutil.rmtree(ctx.scratch / "trainer", ignore_errors=True)
-    metrics = {"method": method, "steps": trainer.state.global_step, "first_loss": logs[0]["loss"] if logs else None,
-               "final_loss": logs[-1]["loss"] if logs else None, "tokens": rows[-1].tokens - before if rows else 0,
-               **facts}
+    if method == "grpo":
+        rewards = [h["reward"] for h in result.log_history if "reward" in h]
+        facts |= {"first_reward": rewards[0] if rewards else None, "final_reward": rewards[-1] if rewards else None}
+    metrics = {"method": method, "steps": result.global_step, "first_loss": logs[0]["loss"] if logs else None,
+               "final_loss": logs[-1]["loss"] if logs else None,
+               "tokens": metric_rows[-1].tokens - before if metric_rows else 0, "ranks": world,
+               "resumed_from_step": result.resumed_from, **facts}
     shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     summary = f"### {method} `{ctx.name}`\n\n{shown}" + (f"\n\n{vibe}" if vibe else "")
-    table = [{"step": r.stage_step, "loss": round(r.loss, 4)} for r in rows[:: max(1, len(rows) // 20)]]
+    table = [{"step": r.stage_step, "loss": round(r.loss, 4)} for r in metric_rows[:: max(1, len(metric_rows) // 20)]]
     return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
+
+
+TRL_RANKS_MODULE = "compass.tasks.post_training.trl_ranks"
+
+
+def _export(ctx: StepContext[PostTrainConfig], work: WorkFolder, out: ModelArtifact, lora: bool) -> Any:
+    """The trained weights as the artifact's Hugging Face folder: full weights, or with LoRA the adapter merged into
+    the start model (the adapter kept beside them). Non-finite weights fail the step before anything is committed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if lora:
+        from compass.tasks.post_training.adapters import export_merged
+
+        exported = export_merged(work.trl_final, work.trl_start, out.final, out.adapter)
+    else:
+        exported = AutoModelForCausalLM.from_pretrained(str(work.trl_final), dtype=torch.float32)
+    broken = [n for n, p in exported.named_parameters() if not p.detach().isfinite().all()]
+    if broken:
+        raise FloatingPointError(f"post_training {ctx.name}: {ctx.config.method} left non-finite weights ({broken[0]} "
+                                 f"and {len(broken) - 1} more); lower lr or check the data; nothing was committed")
+    exported.config.use_cache = False
+    exported.save_pretrained(str(out.final), safe_serialization=True)
+    return exported
 
 
 def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:

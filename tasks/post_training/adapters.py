@@ -13,14 +13,12 @@ from compass.specs.post_training import Lora
 from compass.tasks.common.devices import Device
 
 
-def with_adapters(model: Any, tokenizer: Any, lora: Lora, base_dir: Path, where: Device) -> Any:
-    """Save `model` to `base_dir` and return the model to train: adapters on it (lora), or on a 4-bit copy loaded
-    from `base_dir` (qlora). Embeddings are not adapted: chat tokens a base model lacked keep their initial rows
+def with_adapters(model: Any, lora: Lora, base_dir: Path, where: Device) -> Any:
+    """The model to train: adapters on `model` (lora), or on a 4-bit copy of it loaded from `base_dir`, where the
+    step saved it (qlora). Embeddings are not adapted: chat tokens a base model lacked keep their initial rows
     (the mean of the others), so adapt a model that has them, or fine-tune fully first."""
     from peft import LoraConfig, get_peft_model
 
-    model.save_pretrained(str(base_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(base_dir))
     if lora.kind == "qlora":
         model = _four_bit(base_dir, where)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
@@ -42,13 +40,15 @@ def _four_bit(base_dir: Path, where: Device) -> Any:
     return prepare_model_for_kbit_training(model)
 
 
-def export_merged(trained: Any, base_dir: Path, out: Path, adapter_out: Path) -> Any:
-    """Keep the adapter in `adapter_out`, merge it into the full-precision base and write that to `out`; returns
-    the merged model."""
+def export_merged(adapter: Path, base_dir: Path, out: Path, adapter_out: Path) -> Any:
+    """Keep the trained adapter (saved in `adapter`) in `adapter_out`, merge it into the full-precision base and
+    write that to `out`; returns the merged model."""
+    import shutil
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trained.save_pretrained(str(adapter_out))
+    shutil.copytree(adapter, adapter_out, dirs_exist_ok=True)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir))
     merged = PeftModel.from_pretrained(base, str(adapter_out)).merge_and_unload()
     merged.config.use_cache = False

@@ -126,11 +126,10 @@ def test_qlora_takes_one_step_on_a_4_bit_base_and_merges(cuda, tmp_path):
     from tests.hub_cache import tiny_llama
 
     needs("bitsandbytes")
-    folder = tiny_llama(tmp_path / "base")
+    folder = tiny_llama(tmp_path / "base")  # the step's start model, saved where the 4-bit copy is loaded from
     model = AutoModelForCausalLM.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    trained = with_adapters(model, tokenizer, Lora(kind="qlora", r=4, alpha=8), tmp_path / "saved",
-                            Device(device="cuda", bf16=True))
+    trained = with_adapters(model, Lora(kind="qlora", r=4, alpha=8), folder, Device(device="cuda", bf16=True))
     adapters = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
     ids = tokenizer("The old river runs to the sea", return_tensors="pt")["input_ids"].to(cuda)
@@ -139,6 +138,7 @@ def test_qlora_takes_one_step_on_a_4_bit_base_and_merges(cuda, tmp_path):
     optimizer.step()
     moved = {n for n, p in trained.named_parameters() if p.requires_grad and not p.detach().equal(adapters[n])}
     assert moved
-    export_merged(trained, tmp_path / "saved", tmp_path / "merged", tmp_path / "adapter")
+    trained.save_pretrained(str(tmp_path / "trained"))  # what the Trainer's save_model leaves for a PeftModel
+    export_merged(tmp_path / "trained", folder, tmp_path / "merged", tmp_path / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     assert merged(input_ids=ids.cpu()).logits.shape[-1] == len(tokenizer)

@@ -1,0 +1,218 @@
+"""Every rank of a TRL step: the start model, the step's rows, the TRL trainer of its method, checkpoints at the
+spec's cadence and resume from the newest complete one. One rank runs `train` in the step's process; several are
+started with `python -m compass.tasks.post_training.trl_ranks JOB` under torchrun or srun, and accelerate (inside
+the Trainer) joins them in one data-parallel group: gloo on CPU, NCCL on GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from compass.infra.layout import WorkFolder
+from compass.specs.post_training import Distillation, Grpo, Preference, Sft
+from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, length_penalty
+from compass.tasks.post_training.trl_checkpoints import CompleteCheckpoints, newest_complete
+from compass.tasks.post_training.trl_job import TrlJob, TrlResult
+
+SFT_SAMPLES = 8  # rows of what SFT trained on, kept with the artifact to compare with the template
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
+    """TrainingArguments every method shares. `batch_size` is the global batch: each rank takes its share."""
+    section, how = job.section, job.how
+    args = dict(output_dir=str(WorkFolder(job.work).trl_checkpoints), learning_rate=section.lr,
+                num_train_epochs=section.epochs, per_device_train_batch_size=per_rank_batch(section.batch_size,
+                                                                                            job.world),
+                use_cpu=job.device == "cpu", bf16=job.bf16, report_to="none", save_strategy="steps",
+                save_steps=how.checkpoints.every_steps, save_total_limit=None, logging_steps=1, seed=job.seed,
+                disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=0,
+                activation_checkpointing=how.parallelism.activation_checkpointing,
+                use_liger_kernel=how.loss == "liger", ddp_backend="nccl" if job.device == "cuda" else "gloo")
+    if tokens:
+        args["include_num_input_tokens_seen"] = "non_padding"  # tokens trained on: the same on any number of ranks
+    return args
+
+
+def per_rank_batch(batch_size: int, world: int) -> int:
+    """Each rank's share of the global batch (validation refuses a batch the ranks cannot split evenly)."""
+    return max(1, batch_size // world)
+
+
+def _callbacks(job: TrlJob) -> list[Any]:
+    out: list[Any] = [CompleteCheckpoints(WorkFolder(job.work).trl_checkpoints, job.how.checkpoints.keep_last)]
+    if job.tensorboard is not None and _rank() == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        from transformers.integrations import TensorBoardCallback
+
+        out.append(TensorBoardCallback(SummaryWriter(str(job.tensorboard))))
+    return out
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    section: Sft = job.section
+    args = SFTConfig(**common_args(job), max_length=section.max_length, packing=section.packing,
+                     assistant_only_loss=section.assistant_only_loss, dataset_num_proc=None)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                         callbacks=_callbacks(job))
+    facts: dict[str, Any] = {}
+    if not section.packing:  # one row per conversation: the template's tokens, every system prompt in them
+        from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
+
+        conversations = [r["messages"] for r in rows]
+        trained = trained_rows(conversations, [list(r) for r in trainer.train_dataset["input_ids"]], tokenizer)
+        system_prompts_kept([c for c, _ in trained], [r for _, r in trained], tokenizer)
+        facts["left_out_too_long"] = len(conversations) - len(trained)
+        facts["sft_samples"] = [{"messages": c, "input_ids": r} for c, r in trained[:SFT_SAMPLES]]
+    return trainer, facts
+
+
+def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict]:
+    from datasets import Dataset
+
+    section: Preference = job.section
+    common = common_args(job)
+    if section.method == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(**common, loss_type=section.loss_type, beta=section.beta, max_length=section.max_length)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                             processing_class=tokenizer, callbacks=_callbacks(job))
+    elif section.method == "orpo":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        args = ORPOConfig(**common, beta=section.beta, max_length=section.max_length)
+        trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                              processing_class=tokenizer, callbacks=_callbacks(job))
+    else:  # kto: unpaired, chosen answers desirable and rejected ones not
+        from trl import KTOConfig, KTOTrainer
+
+        unpaired = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                    for p in rows for side in ("chosen", "rejected")]
+        args = KTOConfig(**common, beta=section.beta, max_length=section.max_length)
+        trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(unpaired),
+                             processing_class=tokenizer, callbacks=_callbacks(job))
+    return trainer, {}
+
+
+def reward_functions(verifier: str, tokenizer: Any, per_token: float, target: int | None) -> list:
+    """GRPO rewards: the verifier's 0/1 correctness, plus the overlong penalty when the spec asks for one."""
+
+    def correct(completions, question, answer, **_: Any) -> list[float]:
+        texts = [_text(c) for c in completions]
+        if verifier == "arithmetic":
+            return [arithmetic_reward(q, t) for q, t in zip(question, texts, strict=True)]
+        return [exact_answer_reward(a, t) for a, t in zip(answer, texts, strict=True)]
+
+    def overlong(completions, **_: Any) -> list[float]:
+        return [length_penalty(len(tokenizer.encode(_text(c), add_special_tokens=False)), target, per_token)
+                for c in completions]
+
+    return [correct, overlong] if per_token else [correct]
+
+
+def _text(completion: Any) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else str(completion)
+
+
+def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict]:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    section: Grpo = job.section
+    groups = section.num_generations
+    batch = max(groups, section.batch_size // groups * groups)  # whole groups of completions per optimizer step
+    common = {**common_args(job, tokens=False), "per_device_train_batch_size": per_rank_batch(batch, job.world)}
+    args = GRPOConfig(**common, num_generations=groups, max_completion_length=section.max_completion_length,
+                      use_vllm=False, log_completions=False)
+    rewards = reward_functions(section.verifier, tokenizer, section.length_penalty, section.target_length)
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, callbacks=_callbacks(job))
+    return trainer, {}
+
+
+def distill_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict]:
+    from datasets import Dataset
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from compass.tasks.post_training.chat import load_chat_model
+
+    section: Distillation = job.section
+    teacher, _ = load_chat_model(job.teacher)
+    args = GKDConfig(**common_args(job), lmbda=section.lmbda, max_length=section.max_length, dataset_num_proc=None)
+    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tokenizer, callbacks=_callbacks(job))
+    return trainer, {"teacher_layers": teacher.config.num_hidden_layers,
+                     "teacher_parameters": sum(p.numel() for p in teacher.parameters())}
+
+
+TRAINERS = {"sft": sft_trainer, "dpo": preference_trainer, "orpo": preference_trainer,
+            "kto": preference_trainer, "grpo": grpo_trainer, "distill": distill_trainer}
+
+
+def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, TrlResult]:
+    """Train on this rank (resuming from the newest complete checkpoint of an earlier attempt); rank 0 saves the
+    weights (the adapter with LoRA) and the result. Returns (the trainer, the result)."""
+    from compass.tasks.common.devices import Device
+
+    work = WorkFolder(job.work)
+    if job.section.peft is not None:
+        from compass.tasks.post_training.adapters import with_adapters
+
+        model = with_adapters(model, job.section.peft, work.trl_start, Device(job.device, job.bf16))
+        trainable, total = model.get_nb_trainable_parameters()
+        adapters = {"peft": job.section.peft.kind, "trainable_parameters": trainable, "total_parameters": total}
+    else:
+        adapters = {}
+    trainer, facts = TRAINERS[job.section.method](job, model, tokenizer, rows)
+    facts |= adapters
+    if job.section.method != "grpo":  # GRPO batches whole groups of completions itself
+        # every step is the whole global batch on any number of ranks (a short last batch would be padded with
+        # repeated rows across ranks), unless the data is shorter than one batch
+        global_batch = trainer.args.per_device_train_batch_size * job.world
+        trainer.args.dataloader_drop_last = len(trainer.train_dataset) >= global_batch
+    resume = newest_complete(work.trl_checkpoints)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    result = TrlResult(log_history=trainer.state.log_history, global_step=trainer.state.global_step,
+                       resumed_from=int(resume.name.split("-")[-1]) if resume else None, facts=facts)
+    trainer.save_model(str(work.trl_final))  # every rank calls it: DeepSpeed/FSDP gather the weights for rank 0
+    if trainer.is_world_process_zero():
+        result.write(work.trl_result)
+    return trainer, result
+
+
+def main(job_path: str) -> None:
+    from compass.infra.die_with_parent import die_with_parent
+    from compass.infra.environment import prepare_environment
+    from compass.tasks.post_training.chat import load_chat_model
+
+    die_with_parent()  # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
+    prepare_environment()
+    job = TrlJob.read(Path(job_path))
+    work = WorkFolder(job.work)
+    model, tokenizer = load_chat_model(work.trl_start)
+    train(job, model, tokenizer, read_rows(work.trl_rows))
+    from compass.model.training import collectives
+
+    collectives.leave()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

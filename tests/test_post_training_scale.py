@@ -1,0 +1,161 @@
+"""TRL across ranks: SFT and DPO on 2 processes (gloo, torchrun) follow the loss curve of 1 process with the same
+global batch, checkpoints at the spec's cadence are resumed after kill -9 to the undisturbed run's exact weights,
+and validation refuses a global batch the ranks cannot split."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from compass.tasks.post_training.trl_checkpoints import newest_complete
+from tests.conftest import REPO, write_minimal_spec
+
+pytestmark = pytest.mark.slow
+
+POST = """  post_training:
+    - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 48, max_length: 256,
+       batch_size: 4}
+    - {method: dpo, name: dpo, loss_type: sigmoid, dataset: prefs, lr: 1.0e-4, max_length: 64, batch_size: 2}
+  pretraining:"""
+PREFERENCES = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(8)]
+TRL_SHAPE = ("how:\n  checkpoints: {every_steps: 2, keep_last: 2}\n"
+             "  resources: {post_training: {devices_per_node: %d}}\n")
+
+RUN_STEP = """
+import logging, sys
+from compass.flows.compiler import compile_spec
+from compass.flows.runner import RunContext, run_step
+from compass.infra.store import Store
+from compass.specs import load_spec
+from compass.tasks.steps.context import Runtime
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+loaded = load_spec(sys.argv[1])
+plan = compile_spec(loaded.spec)
+ctx = RunContext(plan, Store(sys.argv[2]), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+run_step(ctx, plan.step(sys.argv[3]), logging.getLogger("step"))
+"""
+
+
+def spec_with_ranks(folder: Path, ranks: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prefs").mkdir(exist_ok=True)
+    (folder / "prefs" / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PREFERENCES))
+    return write_minimal_spec(folder, **{"  pretraining:": POST, "how:\n": TRL_SHAPE % ranks})
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with the minimal spec's pretraining done (what every variant's SFT continues from)."""
+    from tests.conftest import run_up_to
+
+    folder = tmp_path_factory.mktemp("trl-scale")
+    spec = spec_with_ranks(folder / "base", 1)
+    run_up_to(spec, "pretrain:stage2", folder / "store")
+    return folder / "store"
+
+
+def run_steps(spec: Path, store: Path, steps: list[str]) -> dict:
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.store import Store
+    from compass.specs import load_spec
+    from compass.tasks.steps.context import Runtime
+
+    loaded = load_spec(spec)
+    plan = compile_spec(loaded.spec)
+    ctx = RunContext(plan, Store(str(store)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+    return {s: run_step(ctx, plan.step(s), logging.getLogger("test")) for s in steps}
+
+
+def ranks_alive(store: Path) -> list[int]:
+    import psutil
+
+    alive = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if "compass.tasks.post_training.trl_ranks" in line and str(store) in line:
+            alive.append(process.info["pid"])
+    return alive
+
+
+def losses(outcome) -> list[float]:
+    rows = [json.loads(line) for line in (Path(outcome.uri) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("method") in ("sft", "dpo")]
+
+
+def weights(outcome) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(outcome.uri) / "final" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    out = {}
+    for ranks in (1, 2):
+        folder = tmp_path_factory.mktemp(f"ranks{ranks}")
+        store = folder / "store"
+        shutil.copytree(pretrained, store)
+        out[ranks] = run_steps(spec_with_ranks(folder, ranks), store, ["post_train:sft", "post_train:dpo"])
+    return out
+
+
+def test_two_ranks_follow_one_rank_with_the_same_global_batch(one_and_two_ranks):
+    for step in ("post_train:sft", "post_train:dpo"):
+        one, two = one_and_two_ranks[1][step], one_and_two_ranks[2][step]
+        assert one.manifest.metrics["ranks"] == 1 and two.manifest.metrics["ranks"] == 2
+        assert one.manifest.metrics["steps"] == two.manifest.metrics["steps"] >= 3, step  # the same optimizer steps
+        assert losses(two) == pytest.approx(losses(one), rel=2e-3, abs=2e-3), step
+        assert one.manifest.metrics["tokens"] == two.manifest.metrics["tokens"], step  # every rank's tokens counted
+
+
+def test_two_rank_sft_resumes_after_kill_9_to_the_undisturbed_weights(one_and_two_ranks, pretrained: Path,
+                                                                       tmp_path: Path):
+    """kill -9 of the step's process and its ranks once a checkpoint is complete; the next attempt resumes from it
+    (not from step 0) and ends on the undisturbed run's exact weights."""
+    spec = spec_with_ranks(tmp_path, 2)
+    store = tmp_path / "store"
+    shutil.copytree(pretrained, store)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", RUN_STEP, str(spec), str(store), "post_train:sft"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not list(store.rglob("trl-checkpoints/checkpoint-*/compass-complete")):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while ranks_alive(store):  # torchrun's ranks have sessions of their own: they die with their launcher
+        assert time.monotonic() < deadline, f"ranks outlived the killed step: {ranks_alive(store)}"
+        time.sleep(0.1)
+    newest = newest_complete(next(store.rglob("trl-checkpoints")))
+    resumed = run_steps(spec, store, ["post_train:sft"])["post_train:sft"]
+    assert resumed.manifest.metrics["resumed_from_step"] == int(newest.name.split("-")[1])
+    undisturbed = one_and_two_ranks[2]["post_train:sft"]
+    got, want = weights(resumed), weights(undisturbed)
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
+    assert losses(resumed) == losses(undisturbed)  # the metrics history of the attempts before the kill is kept
+
+
+def test_a_global_batch_the_ranks_cannot_split_is_refused(tmp_path: Path):
+    from compass.flows.validation import load_checked
+    from compass.specs.loader import SpecError
+
+    spec = spec_with_ranks(tmp_path, 3)
+    with pytest.raises(SpecError) as refused:
+        load_checked(spec, machine=False)
+    message = str(refused.value)
+    assert "post_training" in message and "batch_size" in message and "does not split evenly" in message, message
