@@ -56,11 +56,13 @@ def spec_with_ranks(folder: Path, ranks: int) -> Path:
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with the minimal spec's pretraining done (what every variant's SFT continues from)."""
+    return pretrained_store(tmp_path_factory.mktemp("trl-scale"))
+
+
+def pretrained_store(folder: Path) -> Path:
     from tests.conftest import run_up_to
 
-    folder = tmp_path_factory.mktemp("trl-scale")
-    spec = spec_with_ranks(folder / "base", 1)
-    run_up_to(spec, "pretrain:stage2", folder / "store")
+    run_up_to(spec_with_ranks(folder / "base", 1), "pretrain:stage2", folder / "store")
     return folder / "store"
 
 
