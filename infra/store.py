@@ -39,13 +39,25 @@ def owned_prefix(label: str) -> str:
 def _sweep_staging(base: Path) -> None:
     """Remove what killed processes of this machine left half-written (their staging folders); a live
     process's folder, or another machine's, is never touched."""
-    import psutil
 
     host = socket.gethostname()
     for folder in base.iterdir():
         match = _STAGED.fullmatch(folder.name)
-        if match and match["host"] == host and not psutil.pid_exists(int(match["pid"])):
+        if match and match["host"] == host and not _owner_alive(int(match["pid"]), folder):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _owner_alive(pid: int, folder: Path) -> bool:
+    """Whether the process that made `folder` still runs: its PID exists and that process started before the
+    folder was last written (a busy machine reuses the PID of a killed run for a process that started later)."""
+    import psutil
+
+    try:
+        started = psutil.Process(pid).create_time()
+        changed = folder.stat().st_mtime
+    except (psutil.Error, FileNotFoundError):
+        return False
+    return started <= changed + 1.0  # create_time is rounded to the clock tick
 
 
 def _cache_home() -> Path:

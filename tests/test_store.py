@@ -246,10 +246,13 @@ def test_a_damaged_cached_step_runs_again(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_staging_left_by_a_killed_process_is_swept(tmp_path: Path):
+    """A dead owner's staging goes; so does one whose PID a later process reuses (32768 PIDs wrap on a busy
+    machine); a live owner's and another machine's stay."""
     import os
     import socket
     import subprocess
     import sys
+    import time
 
     store = Store(str(tmp_path / "store"))
     staging = tmp_path / "store" / ".staging"
@@ -258,11 +261,19 @@ def test_staging_left_by_a_killed_process_is_swept(tmp_path: Path):
     left = staging / f"step-{dead.stdout.strip()}@{host}-abc123"
     mine = staging / f"step-{os.getpid()}@{host}-def456"  # this process: alive
     other = staging / f"step-{dead.stdout.strip()}@another-node-ghi789"  # another machine's: not ours to judge
-    for folder in (left, mine, other):
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a PID the killed run had
+    reused = staging / f"step-{later.pid}@{host}-jkl012"
+    for folder in (left, mine, other, reused):
         (folder / "train").mkdir(parents=True)
-    with store.staging() as out:
-        assert out.parent == staging
-    assert not left.exists() and mine.exists() and other.exists()
+    hour_ago = time.time() - 3600
+    os.utime(reused, (hour_ago, hour_ago))  # made an hour before the process now holding its PID started
+    try:
+        with store.staging() as out:
+            assert out.parent == staging
+    finally:
+        later.kill()
+        later.wait()
+    assert not left.exists() and mine.exists() and other.exists() and not reused.exists()
 
 
 def test_compass_verify_checks_a_whole_store(tmp_path: Path):
