@@ -1,7 +1,7 @@
 """Evaluation throughput: compass's evaluate step (lighteval through compass's custom offline tasks, store
 commit and manifest included) against lighteval's Pipeline run directly on the same checkpoint and task.
 
-    python benchmarks/evaluation_throughput.py [--samples 200]
+    python benchmarks/evaluation_throughput.py [--samples 500]
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def run_compass(ctx: dict) -> float:
     from compass.infra.lighteval_compat import install
 
     install()
+    import lighteval.logging.evaluation_tracker  # noqa: F401  the modules the direct variant imports before its clock
+    import lighteval.models.transformers.transformers_model  # noqa: F401  (they pull in transformers' generation code)
     import lighteval.pipeline  # noqa: F401
     start = time.perf_counter()
     run_step(run_ctx, step, logging.getLogger("bench"))
@@ -93,7 +95,9 @@ def run_direct(ctx: dict) -> float:
     pipeline = Pipeline(tasks="arc_direct|0", pipeline_parameters=PipelineParameters(
         launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(custom), max_samples=ctx["samples"]),
         evaluation_tracker=EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False),
-        model_config=TransformersModelConfig(model_name=ctx["model"], batch_size=8, dtype="float32", device="cpu"))
+        model_config=TransformersModelConfig(model_name=ctx["model"], batch_size=8, dtype="float32", device="cpu",
+                                             cache_dir=str(scratch / "lighteval-cache")))  # fresh, as compass's:
+    # lighteval's default cache would hand later rounds the first round's predictions
     pipeline.evaluate()
     return time.perf_counter() - start
 
@@ -103,7 +107,7 @@ VARIANTS = {"lighteval directly": run_direct, "compass evaluate step": run_compa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -139,6 +139,7 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path,
     from compass.infra.lighteval_compat import install
 
     install()
+    import torch
     from lighteval.logging.evaluation_tracker import EvaluationTracker
     from lighteval.models.transformers.transformers_model import TransformersModelConfig
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
@@ -159,7 +160,8 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path,
         pipeline = Pipeline(tasks=",".join(names), pipeline_parameters=params, evaluation_tracker=tracker,
                             model_config=config)
         try:
-            pipeline.evaluate()
+            with torch.no_grad():  # lighteval relies on grad being off process-wide; a step runs with it on
+                pipeline.evaluate()
         except RuntimeError as exc:
             if "must match the size of tensor" not in str(exc):
                 raise
