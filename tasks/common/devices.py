@@ -24,3 +24,12 @@ def device_for(how: How) -> Device:
 
     cuda = how.hardware.accelerator != "cpu" and torch.cuda.is_available()
     return Device("cuda" if cuda else "cpu", cuda and how.precision == "bf16")
+
+
+HF_ATTENTION = {"flash": "flash_attention_2", "flex": "flex_attention", "sdpa": "sdpa", "eager": "eager"}
+
+
+def hf_attention(how: How) -> str | None:
+    """transformers' attn_implementation for how.attention on a library's model (TRL, lighteval); None for `auto`:
+    the library's default (SDPA), since their batches are padded rows, not compass's packed documents."""
+    return HF_ATTENTION.get(how.attention)

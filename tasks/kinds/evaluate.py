@@ -17,8 +17,9 @@ from compass.infra.layout import FINAL, HELDOUT, ModelArtifact
 from compass.model.training.history import kept_checkpoints, tokens_seen
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
+from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
-from compass.tasks.common.devices import Device, device_for
+from compass.tasks.common.devices import Device, device_for, hf_attention
 from compass.tasks.kinds.encode_tokens import tokens_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
@@ -133,9 +134,10 @@ def custom_tasks_module(tasks: list[Benchmark], scratch: Path) -> tuple[Path, li
     return module, provenance
 
 
-def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path,
-                  where: Device | None = None) -> tuple[dict, list[dict]]:
-    """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance)."""
+def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where: Device | None = None,
+                  how: How | None = None) -> tuple[dict, list[dict]]:
+    """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance). On a GPU lighteval
+    finds the largest batch that fits; `how` gives the attention kernel and torch.compile."""
     from compass.infra.lighteval_compat import install
 
     install()
@@ -154,8 +156,11 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path,
         params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module),
                                     max_samples=limit)
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
-        config = TransformersModelConfig(model_name=str(model_dir), batch_size=8, dtype=where.dtype,
-                                         device=where.device, cache_dir=str(scratch / "lighteval-cache"))
+        attention = hf_attention(how) if how else None
+        config = TransformersModelConfig(model_name=str(model_dir), batch_size=8 if where.device == "cpu" else None,
+                                         dtype=where.dtype, device=where.device,
+                                         cache_dir=str(scratch / "lighteval-cache"), compile=bool(how and how.compile),
+                                         model_loading_kwargs={"attn_implementation": attention} if attention else {})
         names = {_pipeline_task(t): t.key for t in group}
         pipeline = Pipeline(tasks=",".join(names), pipeline_parameters=params, evaluation_tracker=tracker,
                             model_config=config)
@@ -198,7 +203,8 @@ def trained_length(config: Any) -> int:
 
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
                    retrieval: Retrieval | None = None, haystack: Path | None = None,
-                   where: Device | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
+                   where: Device | None = None,
+                   how: How | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
     """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
     import numpy as np
     import torch
@@ -211,7 +217,7 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
     rows: list[dict] = []
     provenance: list[dict] = []
     if suite.benchmarks:
-        results, provenance = run_lighteval(model_dir, suite.benchmarks, scratch, where)
+        results, provenance = run_lighteval(model_dir, suite.benchmarks, scratch, where, how)
         for name, values in results.items():
             for metric, value in values.items():
                 if not metric.endswith("_stderr"):
@@ -264,12 +270,13 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
     where = device_for(ctx.runtime.how)
     final_metrics, rows, provenance = evaluate_model(ModelArtifact(model_folder).final, suite, sources,
-                                                     ctx.scratch / FINAL, retrieval, haystack, where)
+                                                     ctx.scratch / FINAL, retrieval, haystack, where, ctx.runtime.how)
     curve = []
     if ctx.config.every_checkpoint:
         checkpoints = kept_checkpoints(model_folder)
         for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
-            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where)
+            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
+                                          ctx.runtime.how)
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
         curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})

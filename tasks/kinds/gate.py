@@ -96,7 +96,8 @@ def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
 
     cfg = ctx.config
     folder, origin = resolve_model(cfg.model, ctx.scratch)
-    results, provenance = run_lighteval(folder, cfg.benchmarks, ctx.scratch, device_for(ctx.runtime.how))
+    results, provenance = run_lighteval(folder, cfg.benchmarks, ctx.scratch, device_for(ctx.runtime.how),
+                                            ctx.runtime.how)
     scores = {f"{task}/{m}": float(v) for task, values in results.items() for m, v in values.items()
               if not m.endswith("_stderr")}
     rows = []

@@ -35,7 +35,8 @@ def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
                 save_steps=how.checkpoints.every_steps, save_total_limit=None, logging_steps=1, seed=job.seed,
                 disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=0,
                 activation_checkpointing=how.parallelism.activation_checkpointing,
-                use_liger_kernel=how.loss == "liger", ddp_backend="nccl" if job.device == "cuda" else "gloo")
+                use_liger_kernel=how.loss == "liger", torch_compile=how.compile,
+                ddp_backend="nccl" if job.device == "cuda" else "gloo")
     if tokens:
         args["include_num_input_tokens_seen"] = "non_padding"  # tokens trained on: the same on any number of ranks
     return args
@@ -170,9 +171,11 @@ TRAINERS = {"sft": sft_trainer, "dpo": preference_trainer, "orpo": preference_tr
 def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, TrlResult]:
     """Train on this rank (resuming from the newest complete checkpoint of an earlier attempt); rank 0 saves the
     weights (the adapter with LoRA) and the result. Returns (the trainer, the result)."""
-    from compass.tasks.common.devices import Device
+    from compass.tasks.common.devices import Device, hf_attention
 
     work = WorkFolder(job.work)
+    if attention := hf_attention(job.how):
+        model.set_attn_implementation(attention)
     if job.section.peft is not None:
         from compass.tasks.post_training.adapters import with_adapters
 
