@@ -17,7 +17,7 @@ from compass.infra.layout import ModelArtifact, WorkFolder
 from compass.model.training.history import tokens_seen
 from compass.model.training.records import MetricsRow, read_metrics, write_metrics
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
-from compass.tasks.common.devices import device_for
+from compass.tasks.common.devices import Device, device_for
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import chat_examples, dataset_root, fenced, training_arithmetic
@@ -128,9 +128,10 @@ PAIR_SEED = 17
 PAIR_TOKENS = 48
 
 
-def answer_prompts(model_dir: Path, prompts: list[list[dict[str, str]]]) -> list[str]:
-    """One checkpoint's sampled answers to the preference prompts (seeded: the same answers every time)."""
-    model, tokenizer = load_chat_model(model_dir)
+def answer_prompts(model_dir: Path, prompts: list[list[dict[str, str]]], where: Device | None = None) -> list[str]:
+    """One checkpoint's sampled answers to the preference prompts (seeded: the same answers every time), on the
+    step's GPU when it has one."""
+    model, tokenizer = load_chat_model(model_dir, where)
     return generate(model, tokenizer, prompts, max_new_tokens=PAIR_TOKENS, seed=PAIR_SEED)
 
 
@@ -149,7 +150,8 @@ the preference losses would divide by zero), are dropped."""
     cfg = ctx.config
     conversations = _conversations(ctx, seed=1, limit=cfg.max_samples)
     prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg.max_length - PAIR_TOKENS)
-    answers = {role: answer_prompts(ModelArtifact(ctx.inputs[role].local()).final, prompts)
+    where = device_for(ctx.runtime.how)
+    answers = {role: answer_prompts(ModelArtifact(ctx.inputs[role].local()).final, prompts, where)
                for role in ("strong", "weak")}
     return [{"prompt": p, "chosen": [{"role": "assistant", "content": s}],
              "rejected": [{"role": "assistant", "content": w}]}
@@ -183,7 +185,7 @@ def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str,
         problems = verifier_problems(root, pairs_spec.easiest_first, cfg.max_samples, ctx.name)
         pairs = on_policy_pairs(ModelArtifact(ctx.inputs["previous"].local()).final, problems,
                                 pairs_spec.samples_per_prompt,
-                                pairs_spec.verifier, 32, PAIR_SEED)
+                                pairs_spec.verifier, 32, PAIR_SEED, device_for(ctx.runtime.how))
         why = (f"no problem got both a right and a wrong answer among {pairs_spec.samples_per_prompt} "
                "samples; sample more per prompt, or start from a stronger checkpoint")
     else:
@@ -351,6 +353,9 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
         modes = [THINK, NO_THINK]
     asked = [(p, mode, with_mode(c, mode) if mode else c) for mode in modes for p, c in zip(prompts, conversations,
                                                                                             strict=True)]
+    from compass.tasks.post_training.chat import on_device
+
+    model = on_device(model, device_for(ctx.runtime.how))  # generate on the step's GPU when it has one
     answers = generate(model, tokenizer, [c for _, _, c in asked], max_new_tokens=48)
     text = "#### vibe check\n\n" + "\n\n".join(f"**{p}**{f' ({mode})' if mode else ''}\n\n> {a or '(empty)'}"
                                                  for (p, mode, _), a in zip(asked, answers, strict=True))

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from compass.tasks.common.devices import Device
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -18,9 +20,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def load_chat_model(folder: Path) -> tuple[Any, Any]:
+def load_chat_model(folder: Path, where: Device | None = None) -> tuple[Any, Any]:
     """Model and tokenizer from an exported HF folder, made chat-ready: the ChatML tokens are added (and the
-    embeddings grown) the first time, `<|im_end|>` ends a turn, and the template is set on the tokenizer."""
+    embeddings grown) the first time, `<|im_end|>` ends a turn, and the template is set on the tokenizer. With a GPU
+    `where`, the model is moved there (in bf16 when the spec trains in bf16) to generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -40,7 +43,16 @@ def load_chat_model(folder: Path) -> tuple[Any, Any]:
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return on_device(model, where), tokenizer
+
+
+def on_device(model: Any, where: Device | None) -> Any:
+    """The model on the step's GPU for generation (bf16 when the spec trains in bf16); unchanged on CPU."""
+    if where is None or where.device == "cpu":
+        return model
+    import torch
+
+    return model.to(device=where.device, dtype=torch.bfloat16 if where.bf16 else None)
 
 
 def generate(model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from compass.tasks.common.devices import Device
 from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward
 
 Pair = dict[str, Any]
@@ -34,11 +35,12 @@ def pairs_from_grades(problems: list[dict[str, str]], samples: list[list[str]], 
 
 
 def on_policy_pairs(model_dir: Path, problems: list[dict[str, str]], samples_per_prompt: int, verifier: str,
-                    max_new_tokens: int, seed: int) -> list[Pair]:
-    """Sample each problem `samples_per_prompt` times from the model being trained, grade, pair."""
+                    max_new_tokens: int, seed: int, where: Device | None = None) -> list[Pair]:
+    """Sample each problem `samples_per_prompt` times from the model being trained (on the step's GPU when it has
+    one), grade, pair."""
     from compass.tasks.post_training.chat import generate, load_chat_model
 
-    model, tokenizer = load_chat_model(model_dir)
+    model, tokenizer = load_chat_model(model_dir, where)
     conversations = [[{"role": "user", "content": p["question"]}] for p in problems for _ in range(samples_per_prompt)]
     flat = generate(model, tokenizer, conversations, max_new_tokens=max_new_tokens, seed=seed)
     grouped = [flat[i * samples_per_prompt:(i + 1) * samples_per_prompt] for i in range(len(problems))]

@@ -1,0 +1,60 @@
+"""Post-training's CUDA path on a GPU node: a TRL step's rank trains in bf16 on the GPU and checkpoints, generation for
+pairs and vibe checks runs on the GPU, and passkey scores on it without full-vocabulary logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError("make test-gpu needs a CUDA device (run it on a GPU node)")
+    return torch.device("cuda")
+
+
+def test_a_trl_rank_trains_in_bf16_on_the_gpu_and_checkpoints(cuda, tmp_path: Path):
+    from compass.infra.layout import WorkFolder
+    from compass.specs.how import How
+    from compass.specs.post_training import Sft
+    from compass.tasks.post_training.chat import load_chat_model
+    from compass.tasks.post_training.trl_checkpoints import newest_complete
+    from compass.tasks.post_training.trl_job import TrlJob
+    from compass.tasks.post_training.trl_ranks import train
+    from tests.hub_cache import tiny_llama
+
+    model, tokenizer = load_chat_model(tiny_llama(tmp_path / "start"))
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} + {a}?"},
+                          {"role": "assistant", "content": str(2 * a)}]} for a in range(32)]
+    how = How.model_validate({"hardware": {"accelerator": "h100"}, "precision": "bf16",
+                              "checkpoints": {"every_steps": 2, "keep_last": 1}})
+    job = TrlJob(step="post_train:sft", section=Sft(method="sft", name="sft", dataset="x", lr=1e-3, batch_size=8),
+                 seed=0, how=how, work=tmp_path / "work", world=1, device="cuda", bf16=True)
+    trainer, result = train(job, model, tokenizer, rows)
+    assert next(trainer.model.parameters()).device.type == "cuda"
+    assert result.global_step == 4 and np.isfinite([h["loss"] for h in result.log_history if "loss" in h]).all()
+    assert newest_complete(WorkFolder(job.work).trl_checkpoints).name == "checkpoint-4"
+
+
+def test_generation_and_passkey_run_on_the_gpu(cuda, tmp_path: Path):
+    from compass.tasks.common.devices import Device
+    from compass.tasks.evaluation.retrieval import score_candidates
+    from compass.tasks.post_training.chat import generate, load_chat_model
+    from tests.hub_cache import tiny_llama
+
+    model, tokenizer = load_chat_model(tiny_llama(tmp_path / "model"), Device("cuda", bf16=True))
+    assert next(model.parameters()).device.type == "cuda" and next(model.parameters()).dtype == torch.bfloat16
+    answers = generate(model, tokenizer, [[{"role": "user", "content": "Say hello."}]] * 3, max_new_tokens=8)
+    assert len(answers) == 3
+    prompt = np.random.default_rng(0).integers(3, 300, size=4096).tolist()
+    torch.cuda.reset_peak_memory_stats()
+    scores = score_candidates(model, prompt, [[5, 6], [7, 8], [9]], chunk=1024)
+    assert len(scores) == 3 and np.isfinite(scores).all()
+    full_logits = 5 * 4096 * len(tokenizer) * 4  # what five padded rows of float32 logits would take
+    assert torch.cuda.max_memory_allocated() < full_logits + 64 * 2**20
