@@ -28,7 +28,8 @@ def test_how_reaches_trls_arguments():
     assert args["activation_checkpointing"] and args["use_liger_kernel"] and args["torch_compile"]
     assert args["bf16"] and args["ddp_backend"] == "nccl" and not args["use_cpu"] and args["seed"] == 3
     plain = common_args(job(How(), world=1))
-    assert plain["per_device_train_batch_size"] == 16 and plain["ddp_backend"] == "gloo" and plain["use_cpu"]
+    assert plain["per_device_train_batch_size"] == 16 and "ddp_backend" not in plain and plain["use_cpu"]
+    assert common_args(job(How(), world=2))["ddp_backend"] == "gloo"
     assert not (plain["activation_checkpointing"] or plain["use_liger_kernel"] or plain["torch_compile"])
 
 
@@ -37,3 +38,35 @@ def test_how_attention_names_the_kernel_of_library_models():
 
     assert hf_attention(How(attention="eager")) == "eager" and hf_attention(How(attention="sdpa")) == "sdpa"
     assert hf_attention(How()) is None  # auto: the library's default
+
+
+def test_chat_examples_from_the_index_are_those_of_a_full_parse(tmp_path: Path, monkeypatch):
+    """The conversation index (built once per dataset) picks exactly what parsing every line picks, for any seed and
+    cap, lines split where Python's universal newlines split them; an edited file is indexed again."""
+    import json
+    import random
+
+    from compass.tasks.post_training.datasets import _conversation, chat_examples
+
+    monkeypatch.setenv("COMPASS_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "chats"
+    data.mkdir()
+    rows = [{"input": [{"role": "user", "content": f"question {i} é" + "x" * (i % 7)}], "ideal": f"answer {i}"}
+            for i in range(40)]
+    text = "".join(json.dumps(r, ensure_ascii=False) + ("\r\n" if i % 5 else "\n") for i, r in enumerate(rows))
+    (data / "a.jsonl").write_text(text + "not json\n" + json.dumps({"messages": "no"}) + "\n", encoding="utf-8")
+
+    def full_parse(limit, seed, max_chars):
+        lines = (data / "a.jsonl").read_text(encoding="utf-8").splitlines()
+        found = [m for m in map(_conversation, lines) if m and sum(len(x["content"]) for x in m) <= max_chars]
+        random.Random(seed).shuffle(found)
+        return found[:limit] if limit else found
+
+    for limit, seed, max_chars in [(None, 0, 1000), (7, 1, 1000), (5, 2, 26)]:
+        assert chat_examples(data, limit, seed, max_chars) == full_parse(limit, seed, max_chars)
+        assert chat_examples(data, limit, seed, max_chars) == full_parse(limit, seed, max_chars)  # from the index
+    with open(data / "a.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "new"}, {"role": "assistant", "content": "row"}]})
+                + "\n")
+    assert chat_examples(data, None, 0, 1000) == full_parse(None, 0, 1000)
+    assert len(chat_examples(data, None, 0, 1000)) == 41

@@ -7,10 +7,13 @@ import ast
 import gzip
 import json
 import operator
+import os
 import random
 import re
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from compass.infra.packages import fetch_package
 from compass.specs.sources import parse_source_uri
@@ -34,18 +37,79 @@ def dataset_root(uri: str, base_dir: Path) -> tuple[Path, dict[str, Any]]:
 def chat_examples(root: Path, limit: int | None, seed: int, max_chars: int,
                   system_prompt: str | None = None) -> list[Messages]:
     """Conversations ending in an assistant turn, from every JSONL line shaped like {"input": [messages],
-    "ideal": reference} (OpenAI evals' registry) or {"messages": [...]}; shuffled by `seed`, capped."""
-    out: list[Messages] = []
-    for path in sorted(root.rglob("*.jsonl")):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                messages = _conversation(line)
-                if messages and sum(len(m["content"]) for m in messages) <= max_chars:
-                    out.append(messages)
-    random.Random(seed).shuffle(out)
+    "ideal": reference} (OpenAI evals' registry) or {"messages": [...]}; shuffled by `seed`, capped. Which lines
+    qualify is indexed once per dataset and length cap (a package's million lines took ~10 s to parse for every
+    step); only the lines taken are parsed again."""
+    index = _conversation_index(root, max_chars)
+    order = list(range(len(index)))
+    random.Random(seed).shuffle(order)
+    taken = sorted(order[:limit] if limit else order)
+    by_position = {}
+    handles: dict[str, Any] = {}
+    try:
+        for i in taken:
+            file, offset = index[i]
+            f = handles.get(file) or handles.setdefault(file, _open_text(root / file))
+            f.seek(offset)
+            by_position[i] = _conversation(f.readline())
+    finally:
+        for f in handles.values():
+            f.close()
+    out = [by_position[i] for i in (order[:limit] if limit else order)]
     if system_prompt:
         out = [m if m[0]["role"] == "system" else [{"role": "system", "content": system_prompt}, *m] for m in out]
-    return out[:limit] if limit else out
+    return out
+
+
+def _conversation_index(root: Path, max_chars: int) -> list[tuple[str, int]]:
+    """(file, position) of every qualifying line, in file order (text-mode positions: lines end where Python's
+    universal newlines end them); cached beside the packages, keyed by the files' names, sizes and modification
+    times, so an edited local dataset is indexed again."""
+    import hashlib
+
+    from compass.infra.packages import cache_root
+
+    files = sorted(root.rglob("*.jsonl"))
+    key = hashlib.sha256(json.dumps([str(root.resolve()), max_chars, INDEX_VERSION] +
+                                    [[str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]
+                                     for p in files]).encode()).hexdigest()[:24]
+    cached = cache_root().parent / "chat-index" / f"{key}.npz"
+    if cached.exists():
+        with np.load(cached) as saved:
+            names = [str(n) for n in saved["files"]]
+            positions = saved["low"].tolist()
+            for at, high in zip(saved["high_at"].tolist(), saved["high"].tolist(), strict=True):
+                positions[at] |= int(high) << 64  # a text position that carries decoder state beyond the offset
+            return list(zip([names[i] for i in saved["file_of"].tolist()], positions, strict=True))
+    index: list[tuple[str, int]] = []
+    for path in files:
+        name = str(path.relative_to(root))
+        with _open_text(path) as f:
+            while True:
+                position = f.tell()
+                line = f.readline()
+                if not line:
+                    break
+                messages = _conversation(line)
+                if messages and sum(len(m["content"]) for m in messages) <= max_chars:
+                    index.append((name, position))
+    names = [str(p.relative_to(root)) for p in files]
+    number = {n: i for i, n in enumerate(names)}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f"{key}.{os.getpid()}.tmp.npz")
+    high = [(i, str(p >> 64)) for i, (_, p) in enumerate(index) if p >> 64]
+    np.savez(tmp, files=np.array(names), file_of=np.array([number[n] for n, _ in index], dtype=np.int32),
+             low=np.array([p & (2**64 - 1) for _, p in index], dtype=np.uint64),
+             high_at=np.array([i for i, _ in high], dtype=np.int64), high=np.array([h for _, h in high], dtype=str))
+    tmp.replace(cached)
+    return index
+
+
+INDEX_VERSION = 2  # raise when what qualifies a line changes
+
+
+def _open_text(path: Path) -> Any:
+    return open(path, encoding="utf-8", errors="replace")  # noqa: SIM115  (closed by the caller)
 
 
 def _conversation(line: str) -> Messages | None:

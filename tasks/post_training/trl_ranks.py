@@ -35,8 +35,9 @@ def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
                 save_steps=how.checkpoints.every_steps, save_total_limit=None, logging_steps=1, seed=job.seed,
                 disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=0,
                 activation_checkpointing=how.parallelism.activation_checkpointing,
-                use_liger_kernel=how.loss == "liger", torch_compile=how.compile,
-                ddp_backend="nccl" if job.device == "cuda" else "gloo")
+                use_liger_kernel=how.loss == "liger", torch_compile=how.compile)
+    if job.world > 1:  # one rank opens no group (a backend named here would make accelerate look for one)
+        args["ddp_backend"] = "nccl" if job.device == "cuda" else "gloo"
     if tokens:
         args["include_num_input_tokens_seen"] = "non_padding"  # tokens trained on: the same on any number of ranks
     return args
