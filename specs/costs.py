@@ -211,6 +211,69 @@ def training_memory(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], int
 
 
 @dataclass(frozen=True)
+class LibraryStepMemory:
+    """Bytes per GPU of a TRL or evaluation step: what its ranks hold, and the batch each rank takes."""
+
+    step: str
+    ranks: int
+    global_batch: int
+    per_rank: int
+    length: int
+    weights: float  # trained weights with their gradients and AdamW states, plus any frozen model beside them
+    activations: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.activations + self.logits
+
+
+PAIRED = ("dpo", "orpo", "kto")  # each row is a chosen and a rejected sequence
+
+
+def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
+    """Each TRL step's memory per GPU (its share of the global batch at `max_length`; fp32 master weights, gradients
+    and AdamW moments for full fine-tuning, frozen weights for LoRA, DPO's reference copy, GKD's teacher, full-
+    vocabulary logits in fp32) and, with long-context stages, passkey's (weights, the KV cache at the longest
+    length and one layer's activations at a time: no logits beyond the answer)."""
+    arch, how = spec.what.architecture, spec.how
+    vocab = planning_vocab(spec)
+    n = count_parameters(arch, vocab).total
+    d, L, f = arch.hidden_size, arch.num_layers, arch.ffn_size
+    half = how.precision != "fp32" and how.hardware.accelerator != "cpu"
+    act_bytes = 2 if half else 4
+    ranks = how.shape("post_training").ranks
+    out = []
+    for post in spec.what.post_training:
+        if post.method == "mid_training":
+            continue
+        batch = post.batch_size
+        if post.method == "grpo":
+            batch = max(post.num_generations, batch // post.num_generations * post.num_generations)
+        per_rank = max(1, batch // ranks)
+        rows = per_rank * (2 if post.method in PAIRED else 1)
+        lora = post.peft is not None
+        weights = n * (0.5 if lora and post.peft.kind == "qlora" else 4) if lora else n * 16
+        if post.method in PAIRED and not lora:
+            weights += n * 4  # the frozen reference model
+        if post.method == "distill":
+            weights += n * 4  # the teacher (at most the student's size when it is a checkpoint of this run)
+        seq = post.max_length
+        per_layer = 34 * seq * rows * d * act_bytes / 2
+        acts = (2 * L * seq * rows * d * act_bytes + per_layer) if how.parallelism.activation_checkpointing \
+            else L * per_layer
+        logits = rows * seq * vocab * 4 * (2 if post.method == "distill" else 1)
+        out.append(LibraryStepMemory(f"post_train:{post.name}", ranks, batch, per_rank, seq, weights, acts, logits))
+    stages = spec.what.long_context.stages
+    if stages:
+        longest = max(s.sequence_length for s in stages)
+        kv = 2 * L * arch.num_kv_heads * arch.resolved_head_dim * act_bytes * longest
+        one_layer = longest * (3 * f + 4 * d) * act_bytes
+        out.append(LibraryStepMemory("evaluate: passkey", 1, 1, 1, longest, n * act_bytes, kv + one_layer, 0.0))
+    return out
+
+
+@dataclass(frozen=True)
 class KvCache:
     seq_len: int
     bytes_gqa: float

@@ -70,3 +70,22 @@ def test_chat_examples_from_the_index_are_those_of_a_full_parse(tmp_path: Path, 
                 + "\n")
     assert chat_examples(data, None, 0, 1000) == full_parse(None, 0, 1000)
     assert len(chat_examples(data, None, 0, 1000)) == 41
+
+
+def test_plan_sizes_each_trl_step_and_passkey_per_gpu():
+    """`compass plan` shows each TRL step's share of its global batch and its memory per GPU, the frozen models
+    beside the trained one counted (DPO's reference), and passkey's memory without full-vocabulary logits."""
+    from compass.specs import load_spec
+    from compass.specs.costs import library_step_memory
+    from tests.conftest import REPO
+
+    spec = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec
+    two = spec.model_copy(update={"how": spec.how.model_copy(update={"resources": spec.how.resources.model_copy(
+        update={"post_training": spec.how.resources.post_training.model_copy(update={"devices_per_node": 2})})})})
+    one, split = {m.step: m for m in library_step_memory(spec)}, {m.step: m for m in library_step_memory(two)}
+    sft, apo = one["post_train:sft"], one["post_train:apo"]
+    assert (sft.ranks, sft.per_rank) == (1, sft.global_batch) and split["post_train:sft"].per_rank == sft.per_rank // 2
+    assert split["post_train:sft"].activations < sft.activations and split["post_train:sft"].logits < sft.logits
+    assert apo.weights > sft.weights  # the reference model beside the trained one
+    passkey = one["evaluate: passkey"]
+    assert passkey.logits == 0 and passkey.length == max(s.sequence_length for s in spec.what.long_context.stages)
