@@ -314,6 +314,9 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
             yield Issue(loc, f"{loc[-1]}={gbs} is not a multiple of micro_batch_size x data_parallel = {per_step}"
                         + ("" if phase == "pretraining" else f" ({phase} on {how.shape(phase).ranks} devices)"),
                         "gradient accumulation needs a whole number of micro-batches")
+    if how.hardware.accelerator == "cpu" and how.generation == "vllm":
+        yield Issue(("how", "generation"), "vLLM generates on GPUs and this spec's hardware is cpu",
+                    "use generation: transformers on CPU, or set how.hardware.accelerator to the GPUs the steps run on")
     if how.hardware.accelerator == "cpu" and how.precision != "fp32":
         yield Issue(("how", "precision"), f"{how.precision} is not supported on CPU: training there is fp32",
                     "use fp32 on CPU (bf16 is ~17x slower there; fp16 does not train)")
@@ -505,7 +508,7 @@ def phases_of(spec: TrainingSpec) -> set[Phase]:
     return phases
 
 
-ONE_PROCESS = {"evaluation": "lighteval runs in one process"}
+ONE_PROCESS = {"evaluation": "lighteval runs in one process (with how.generation: vllm, one node's GPUs)"}
 NO_MODEL_PARALLEL = ("data", "post_training", *ONE_PROCESS)  # TRL's ranks are data-parallel only
 
 
@@ -554,7 +557,8 @@ def _resources(spec: TrainingSpec) -> Iterator[Issue]:
         shape = how.shape(phase)
         if phase == "data" and shape.devices_per_node:
             yield Issue((*at, phase, "devices_per_node"), "data steps use no GPU", "remove devices_per_node")
-        if phase in ONE_PROCESS and (shape.nodes > 1 or shape.devices_per_node > 1):
+        vllm_spreads = phase == "evaluation" and how.generation == "vllm" and shape.nodes == 1  # its own replicas
+        if phase in ONE_PROCESS and (shape.nodes > 1 or shape.devices_per_node > 1) and not vllm_spreads:
             yield Issue((*at, phase), f"{ONE_PROCESS[phase]} on one device: {shape.nodes} nodes x "
                         f"{shape.devices_per_node} devices would sit idle", "use nodes: 1, devices_per_node: 1")
         if phase == "post_training":

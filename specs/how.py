@@ -256,6 +256,9 @@ class How(SpecModel):
     loss: LossKernel = Field(
         default="auto", description="chunked (cross-entropy a chunk of tokens at a time, no full fp32 logits) or "
         "liger (Liger's fused linear cross-entropy, CUDA); auto = liger where installed, else chunked.")
+    generation: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="What generates GRPO's rollouts and runs lighteval: transformers, or "
+        "vLLM on GPU nodes (colocated with the trainer for GRPO; the vllm package on the nodes).")
     storage: Storage = Storage()
     orchestration: Orchestration = Orchestration()
     checkpoints: Checkpoints = Checkpoints()

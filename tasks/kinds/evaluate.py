@@ -157,10 +157,16 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where:
                                     max_samples=limit)
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
         attention = hf_attention(how) if how else None
-        config = TransformersModelConfig(model_name=str(model_dir), batch_size=8 if where.device == "cpu" else None,
-                                         dtype=where.dtype, device=where.device,
-                                         cache_dir=str(scratch / "lighteval-cache"), compile=bool(how and how.compile),
-                                         model_loading_kwargs={"attn_implementation": attention} if attention else {})
+        if how is not None and how.generation == "vllm":
+            config = _vllm_config(model_dir, where, how)
+        else:
+            config = TransformersModelConfig(model_name=str(model_dir),
+                                             batch_size=8 if where.device == "cpu" else None,
+                                             dtype=where.dtype, device=where.device,
+                                             cache_dir=str(scratch / "lighteval-cache"),
+                                             compile=bool(how and how.compile),
+                                             model_loading_kwargs={"attn_implementation": attention} if attention
+                                             else {})
         names = {_pipeline_task(t): t.key for t in group}
         pipeline = Pipeline(tasks=",".join(names), pipeline_parameters=params, evaluation_tracker=tracker,
                             model_config=config)
@@ -182,6 +188,17 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where:
                                    f"{', '.join(names)}")
             results[by_task[_task_and_shots(key)]] = metrics
     return results, provenance
+
+
+def _vllm_config(model_dir: Path, where: Device, how: How) -> Any:
+    """lighteval's vLLM model on the step's GPUs (how.generation: vllm; validation refuses it on CPU specs)."""
+    from compass.tasks.post_training.trl_ranks import require_vllm
+
+    require_vllm("evaluate")
+    from lighteval.models.vllm.vllm_model import VLLMModelConfig
+
+    return VLLMModelConfig(model_name=str(model_dir), dtype=where.dtype, tensor_parallel_size=1,
+                           data_parallel_size=how.shape("evaluation").devices_per_node or 1)
 
 
 def _task_and_shots(key: str) -> tuple[str, str]:

@@ -35,12 +35,22 @@ def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
                 save_steps=how.checkpoints.every_steps, save_total_limit=None, logging_steps=1, seed=job.seed,
                 disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=0,
                 activation_checkpointing=how.parallelism.activation_checkpointing,
-                use_liger_kernel=how.loss == "liger", torch_compile=how.compile)
+                use_liger_kernel=uses_liger(how, job.device), torch_compile=how.compile)
     if job.world > 1:  # one rank opens no group (a backend named here would make accelerate look for one)
         args["ddp_backend"] = "nccl" if job.device == "cuda" else "gloo"
     if tokens:
         args["include_num_input_tokens_seen"] = "non_padding"  # tokens trained on: the same on any number of ranks
     return args
+
+
+def uses_liger(how: Any, device: str) -> bool:
+    """Liger's fused kernels when the spec names them, or with `auto` on a GPU where Liger is installed (as the
+    pretraining loss picks them)."""
+    import importlib.util
+
+    if how.loss == "liger":
+        return True
+    return how.loss == "auto" and device == "cuda" and importlib.util.find_spec("liger_kernel") is not None
 
 
 def per_rank_batch(batch_size: int, world: int) -> int:
@@ -132,6 +142,15 @@ def _text(completion: Any) -> str:
     return completion[0]["content"] if isinstance(completion, list) else str(completion)
 
 
+def require_vllm(step: str) -> None:
+    """vLLM is optional (GPU nodes only): its absence is named, with the fix, before any work."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(f"{step}: how.generation is vllm and the vllm package is not installed on this node "
+                           "(pip install vllm in the environment the steps run in, or use generation: transformers)")
+
+
 def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -140,8 +159,11 @@ def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, A
     groups = section.num_generations
     batch = max(groups, section.batch_size // groups * groups)  # whole groups of completions per optimizer step
     common = {**common_args(job, tokens=False), "per_device_train_batch_size": per_rank_batch(batch, job.world)}
+    vllm = job.how.generation == "vllm"
+    if vllm:
+        require_vllm(job.step)
     args = GRPOConfig(**common, num_generations=groups, max_completion_length=section.max_completion_length,
-                      use_vllm=False, log_completions=False)
+                      use_vllm=vllm, vllm_mode="colocate", log_completions=False)
     rewards = reward_functions(section.verifier, tokenizer, section.length_penalty, section.target_length)
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, callbacks=_callbacks(job))

@@ -58,3 +58,22 @@ def test_generation_and_passkey_run_on_the_gpu(cuda, tmp_path: Path):
     assert len(scores) == 3 and np.isfinite(scores).all()
     full_logits = 5 * 4096 * len(tokenizer) * 4  # what five padded rows of float32 logits would take
     assert torch.cuda.max_memory_allocated() < full_logits + 64 * 2**20
+
+
+def test_lighteval_through_vllm_scores_on_the_gpu(cuda, tmp_path: Path):
+    """how.generation: vllm runs the evaluate step's lighteval on vLLM (an optional package on GPU nodes)."""
+    import importlib.util
+
+    from compass.specs.evaluation import Benchmark
+    from compass.specs.how import How
+    from compass.tasks.common.devices import Device
+    from compass.tasks.kinds.evaluate import run_lighteval
+    from tests.hub_cache import tiny_llama
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("vllm is not installed: pip install 'compass-lifecycle[vllm]' on the GPU node")
+    how = How.model_validate({"hardware": {"accelerator": "h100"}, "precision": "bf16", "generation": "vllm"})
+    results, _ = run_lighteval(tiny_llama(tmp_path / "model"), [Benchmark(name="arc_easy", limit=16)],
+                               tmp_path / "scratch", Device("cuda", bf16=True), how)
+    (metrics,) = results.values()
+    assert 0 <= metrics["acc"] <= 1
