@@ -26,7 +26,7 @@ POST = """  post_training:
        batch_size: 4}
     - {method: dpo, name: dpo, loss_type: sigmoid, dataset: prefs, lr: 1.0e-4, max_length: 64, batch_size: 2}
   pretraining:"""
-PREFERENCES = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(8)]
+PREFERENCES = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(16)]
 TRL_SHAPE = ("how:\n  checkpoints: {every_steps: 2, keep_last: 2}\n"
              "  resources: {post_training: {devices_per_node: %d}}\n")
 
@@ -121,15 +121,21 @@ def test_two_ranks_follow_one_rank_with_the_same_global_batch(one_and_two_ranks)
         assert one.manifest.metrics["tokens"] == two.manifest.metrics["tokens"], step  # every rank's tokens counted
 
 
-def test_two_rank_sft_resumes_after_kill_9_to_the_undisturbed_weights(one_and_two_ranks, pretrained: Path,
-                                                                       tmp_path: Path):
+@pytest.mark.parametrize("step", ["post_train:sft", "post_train:dpo"])
+def test_two_ranks_resume_after_kill_9_to_the_undisturbed_weights(step: str, one_and_two_ranks, pretrained: Path,
+                                                                   tmp_path: Path):
     """kill -9 of the step's process and its ranks once a checkpoint is complete; the next attempt resumes from it
     (not from step 0) and ends on the undisturbed run's exact weights."""
     spec = spec_with_ranks(tmp_path, 2)
     store = tmp_path / "store"
-    shutil.copytree(pretrained, store)
+    undisturbed = one_and_two_ranks[2][step]
+    if step == "post_train:sft":
+        shutil.copytree(pretrained, store)
+    else:  # the undisturbed run's store up to SFT: DPO continues from the same weights
+        shutil.copytree(Path(undisturbed.uri).parents[1], store)
+        shutil.rmtree(store / "post_train" / Path(undisturbed.uri).name)  # not yet committed there
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", RUN_STEP, str(spec), str(store), "post_train:sft"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c", RUN_STEP, str(spec), str(store), step], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     deadline = time.monotonic() + 600
@@ -144,9 +150,8 @@ def test_two_rank_sft_resumes_after_kill_9_to_the_undisturbed_weights(one_and_tw
         assert time.monotonic() < deadline, f"ranks outlived the killed step: {ranks_alive(store)}"
         time.sleep(0.1)
     newest = newest_complete(next(store.rglob("trl-checkpoints")))
-    resumed = run_steps(spec, store, ["post_train:sft"])["post_train:sft"]
+    resumed = run_steps(spec, store, [step])[step]
     assert resumed.manifest.metrics["resumed_from_step"] == int(newest.name.split("-")[1])
-    undisturbed = one_and_two_ranks[2]["post_train:sft"]
     got, want = weights(resumed), weights(undisturbed)
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
     assert losses(resumed) == losses(undisturbed)  # the metrics history of the attempts before the kill is kept
