@@ -278,8 +278,11 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
         tokenizer.save_pretrained(str(work.trl_start))
     work.trl_result.unlink(missing_ok=True)
     if world == 1:
-        _, result = train(job, model, tokenizer, rows)
+        trainer, result = train(job, model, tokenizer, rows)
+        trained = None if cfg.peft is not None else trainer.model
+        del trainer
     else:
+        trained = None
         with open(work.trl_rows, "w") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         job.write(work.trl_job)
@@ -292,7 +295,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     if samples := result.facts.get("sft_samples"):  # what SFT trained on, to compare with the template
         with open(out.sft_samples, "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
-    exported = _export(ctx, work, out, cfg.peft is not None)
+    exported = _export(ctx, work, out, cfg.peft is not None, trained)
     tokenizer.save_pretrained(str(out.final))
     before = tokens_seen(previous.root) or 0
     logs = [h for h in result.log_history if "loss" in h]
@@ -317,9 +320,11 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
 TRL_RANKS_MODULE = "compass.tasks.post_training.trl_ranks"
 
 
-def _export(ctx: StepContext[PostTrainConfig], work: WorkFolder, out: ModelArtifact, lora: bool) -> Any:
-    """The trained weights as the artifact's Hugging Face folder: full weights, or with LoRA the adapter merged into
-    the start model (the adapter kept beside them). Non-finite weights fail the step before anything is committed."""
+def _export(ctx: StepContext[PostTrainConfig], work: WorkFolder, out: ModelArtifact, lora: bool,
+            trained: Any = None) -> Any:
+    """The trained weights as the artifact's Hugging Face folder: `trained` (one rank trained here), the weights
+    rank 0 saved, or with LoRA the adapter merged into the start model (the adapter kept beside it). Non-finite
+    weights fail the step before anything is committed."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -327,6 +332,8 @@ def _export(ctx: StepContext[PostTrainConfig], work: WorkFolder, out: ModelArtif
         from compass.tasks.post_training.adapters import export_merged
 
         exported = export_merged(work.trl_final, work.trl_start, out.final, out.adapter)
+    elif trained is not None:
+        exported = trained
     else:
         exported = AutoModelForCausalLM.from_pretrained(str(work.trl_final), dtype=torch.float32)
     broken = [n for n, p in exported.named_parameters() if not p.detach().isfinite().all()]

@@ -192,8 +192,9 @@ TRAINERS = {"sft": sft_trainer, "dpo": preference_trainer, "orpo": preference_tr
 
 
 def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, TrlResult]:
-    """Train on this rank (resuming from the newest complete checkpoint of an earlier attempt); rank 0 saves the
-    weights (the adapter with LoRA) and the result. Returns (the trainer, the result)."""
+    """Train on this rank (resuming from the newest complete checkpoint of an earlier attempt); with several ranks or
+    LoRA rank 0 saves the weights (the adapter) for the step to export; rank 0 writes the result. Returns (the
+    trainer, the result)."""
     from compass.tasks.common.devices import Device, hf_attention
 
     work = WorkFolder(job.work)
@@ -218,7 +219,8 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     result = TrlResult(log_history=trainer.state.log_history, global_step=trainer.state.global_step,
                        resumed_from=int(resume.name.split("-")[-1]) if resume else None, facts=facts)
-    trainer.save_model(str(work.trl_final))  # every rank calls it: DeepSpeed/FSDP gather the weights for rank 0
+    if job.world > 1 or job.section.peft is not None:  # one full-weight rank: the step exports trainer.model
+        trainer.save_model(str(work.trl_final))  # every rank calls it: DeepSpeed/FSDP gather the weights for rank 0
     if trainer.is_world_process_zero():
         result.write(work.trl_result)
     return trainer, result
