@@ -18,7 +18,8 @@ def main() -> None:
     collectives.init("gloo", timeout_s=600)
     rank = collectives.rank_env()[0]
     trainer = SimpleNamespace(rank=rank, stage=SimpleNamespace(name="stage1"), global_step=0)
-    watchdog = HangWatchdog(timeout_s=float(sys.argv[1]))
+    # the stuck rank's own watchdog fires later: had it fired first, torchrun would stop rank 0 mid-dump
+    watchdog = HangWatchdog(timeout_s=float(sys.argv[1]) * (1 if rank == 0 else 30))
     watchdog.on_start(trainer)
     collectives.all_reduce(torch.ones(1))  # step 1, on both ranks
     trainer.global_step = 1
