@@ -89,3 +89,31 @@ def test_plan_sizes_each_trl_step_and_passkey_per_gpu():
     assert apo.weights > sft.weights  # the reference model beside the trained one
     passkey = one["evaluate: passkey"]
     assert passkey.logits == 0 and passkey.length == max(s.sequence_length for s in spec.what.long_context.stages)
+
+
+def test_packed_sft_keeps_conversations_apart(tmp_path: Path):
+    """SFT with `packing: true` flattens a batch's conversations into one row (TRL's padding-free packing): every
+    conversation's logits there equal its logits alone, as the model sees it in training (the collator's position
+    ids and sequence lengths passed as the Trainer passes them), so no conversation attends to another."""
+    import torch
+
+    from compass.tasks.post_training.chat import load_chat_model
+    from compass.tasks.post_training.trl_ranks import sft_trainer
+    from tests.hub_cache import tiny_llama
+
+    model, tokenizer = load_chat_model(tiny_llama(tmp_path / "model"))
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {a}?"},
+                          {"role": "assistant", "content": f"It is {2 * a}."}]} for a in range(6)]
+    section = Sft(method="sft", name="sft", dataset="x", lr=1e-4, batch_size=2, packing=True, max_length=128)
+    packed_job = TrlJob(step="post_train:sft", section=section, seed=0, how=How(), work=tmp_path / "work", world=1,
+                        device="cpu", bf16=False)
+    trainer, _ = sft_trainer(packed_job, model, tokenizer, rows)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+    assert batch["input_ids"].shape[0] == 1 and len(starts) == len(rows)  # one row holding every conversation
+    model.eval()
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+        for begin, end in zip(starts, [*starts[1:], batch["input_ids"].shape[1]], strict=True):
+            alone = model(input_ids=batch["input_ids"][:, begin:end]).logits[0]
+            assert torch.allclose(alone, packed[begin:end], atol=1e-5)
