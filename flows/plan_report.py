@@ -134,14 +134,17 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                              f"{par.micro_batch_size}, activation checkpointing {par.activation_checkpointing}"]))
     library = costs.library_step_memory(spec)
     if library:
-        rows = [[m.step, m.ranks, m.global_batch, m.per_rank, m.length, gib(m.weights), gib(m.activations),
-                 gib(m.logits), gib(m.total), "yes" if m.total <= device else "NO"] for m in library]
+        rows = [[m.step, m.ranks, m.global_batch, f"{m.per_rank} = {m.micro_batch} x {m.per_rank // m.micro_batch}",
+                 m.length, gib(m.weights), gib(m.activations), gib(m.logits), gib(m.total),
+                 "yes" if m.total <= device else "NO"] for m in library]
         sections.append(Section("Post-training and evaluation memory per GPU",
-                                ["step", "ranks", "global batch", "per rank", "length", "weights and states",
+                                ["step", "ranks", "global batch", "per rank = micro x passes", "length",
+                                 "weights and states",
                                  "activations", "logits", "total", f"fits {gib(device)}"], rows,
-                                ["TRL: batch_size is the global batch, split evenly over how.resources.post_training "
-                                 "(no accumulation); fp32 master weights, grads and AdamW moments (LoRA: frozen "
-                                 "weights); DPO's reference and GKD's teacher beside them",
+                                ["TRL: batch_size is the global batch, split evenly over how.resources.post_training, "
+                                 "each share in micro_batch_size passes that accumulate; fp32 master weights, grads "
+                                 "and AdamW moments (LoRA: frozen weights); DPO's reference and GKD's teacher beside "
+                                 "them",
                                  "passkey: the KV cache at the longest context and one layer at a time, no "
                                  "full-vocabulary logits"]))
     kv_rows = [[k.seq_len, gib(k.bytes_gqa), gib(k.bytes_mha), f"{k.bytes_mha / k.bytes_gqa:.0f}x"]

@@ -29,8 +29,8 @@ def check_spec(spec: TrainingSpec) -> list[Issue]:
     start = list(_starting_point(spec))
     if start:
         return start  # the other checks read the architecture and the tokenizer
-    checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _resources, _tokenizer,
-              _post_training, _ablations, _orchestration, _evaluation, _gate)
+    checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _resources, _trl_micro_batches,
+              _tokenizer, _post_training, _ablations, _orchestration, _evaluation, _gate)
     return [issue for check in checks for issue in check(spec)]
 
 
@@ -532,6 +532,23 @@ def _trl_batches(spec: TrainingSpec, ranks: int) -> Iterator[Issue]:
             yield Issue(("what", "post_training", i, "batch_size"),
                         f"the global batch of {batch} does not split evenly over the post-training phase's {ranks} "
                         "ranks (how.resources.post_training)", f"use a multiple of {ranks}")
+
+
+def _trl_micro_batches(spec: TrainingSpec) -> Iterator[Issue]:
+    """A TRL step's `micro_batch_size` divides each rank's share of its global batch; GRPO batches itself."""
+    ranks = spec.how.shape("post_training").ranks
+    for i, post in enumerate(spec.what.post_training):
+        micro = getattr(post, "micro_batch_size", None)
+        if micro is None:
+            continue
+        share = max(1, post.batch_size // max(1, ranks))
+        if post.method == "grpo":
+            yield Issue(("what", "post_training", i, "micro_batch_size"), "GRPO batches whole groups of completions "
+                        "itself", "remove micro_batch_size from the grpo step")
+        elif share % micro:
+            yield Issue(("what", "post_training", i, "micro_batch_size"),
+                        f"each of the {ranks} rank(s) takes {share} rows of the global batch, not a multiple of "
+                        f"micro_batch_size {micro}", f"use a micro_batch_size that divides {share}")
 
 
 def _resources(spec: TrainingSpec) -> Iterator[Issue]:

@@ -218,6 +218,7 @@ class LibraryStepMemory:
     ranks: int
     global_batch: int
     per_rank: int
+    micro_batch: int  # rows per forward pass; per_rank / micro_batch passes accumulate
     length: int
     weights: float  # trained weights with their gradients and AdamW states, plus any frozen model beside them
     activations: float
@@ -251,7 +252,8 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         if post.method == "grpo":
             batch = max(post.num_generations, batch // post.num_generations * post.num_generations)
         per_rank = max(1, batch // ranks)
-        rows = per_rank * (2 if post.method in PAIRED else 1)
+        micro = min(getattr(post, "micro_batch_size", None) or per_rank, per_rank)
+        rows = micro * (2 if post.method in PAIRED else 1)
         lora = post.peft is not None
         weights = n * (0.5 if lora and post.peft.kind == "qlora" else 4) if lora else n * 16
         if post.method in PAIRED and not lora:
@@ -263,13 +265,14 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         acts = (2 * L * seq * rows * d * act_bytes + per_layer) if how.parallelism.activation_checkpointing \
             else L * per_layer
         logits = rows * seq * vocab * 4 * (2 if post.method == "distill" else 1)
-        out.append(LibraryStepMemory(f"post_train:{post.name}", ranks, batch, per_rank, seq, weights, acts, logits))
+        out.append(LibraryStepMemory(f"post_train:{post.name}", ranks, batch, per_rank, micro, seq, weights, acts,
+                                     logits))
     stages = spec.what.long_context.stages
     if stages:
         longest = max(s.sequence_length for s in stages)
         kv = 2 * L * arch.num_kv_heads * arch.resolved_head_dim * act_bytes * longest
         one_layer = longest * (3 * f + 4 * d) * act_bytes
-        out.append(LibraryStepMemory("evaluate: passkey", 1, 1, 1, longest, n * act_bytes, kv + one_layer, 0.0))
+        out.append(LibraryStepMemory("evaluate: passkey", 1, 1, 1, 1, longest, n * act_bytes, kv + one_layer, 0.0))
     return out
 
 

@@ -34,6 +34,9 @@ class _TrlStep(_PostStep):
     max_length: PositiveInt = 1024
     max_samples: PositiveInt | None = None
     peft: Lora | None = Field(default=None, description="Train adapters (LoRA/QLoRA) instead of full weights.")
+    micro_batch_size: PositiveInt | None = Field(
+        default=None, description="Rows per rank per forward pass; the rest of each rank's share of batch_size "
+        "accumulates (none = the whole share in one pass).")
 
 
 class MidTraining(_PostStep):

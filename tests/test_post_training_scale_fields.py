@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from compass.specs.how import How
 from compass.specs.post_training import Sft
 from compass.tasks.post_training.trl_job import TrlJob
@@ -117,3 +119,28 @@ def test_packed_sft_keeps_conversations_apart(tmp_path: Path):
         for begin, end in zip(starts, [*starts[1:], batch["input_ids"].shape[1]], strict=True):
             alone = model(input_ids=batch["input_ids"][:, begin:end]).logits[0]
             assert torch.allclose(alone, packed[begin:end], atol=1e-5)
+
+
+def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path):
+    """A rank's share of the global batch in micro_batch_size passes that accumulate trains like one pass over it:
+    the same optimizer steps and the same loss curve."""
+    from compass.tasks.post_training.chat import load_chat_model
+    from compass.tasks.post_training.trl_ranks import train
+    from tests.hub_cache import tiny_llama
+
+    folder = tiny_llama(tmp_path / "model")
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {a}?"},
+                          {"role": "assistant", "content": f"It is {2 * a}."}]} for a in range(16)]
+    curves = {}
+    for micro in (None, 2):
+        model, tokenizer = load_chat_model(folder)
+        section = Sft(method="sft", name="sft", dataset="x", lr=1e-3, batch_size=4, micro_batch_size=micro)
+        run = TrlJob(step="post_train:sft", section=section, seed=0, how=How(), work=tmp_path / f"work-{micro}",
+                     world=1, device="cpu", bf16=False)
+        if micro:
+            assert common_args(run)["per_device_train_batch_size"] == 2
+            assert common_args(run)["gradient_accumulation_steps"] == 2
+        trainer, result = train(run, model, tokenizer, rows)
+        curves[micro] = [h["loss"] for h in result.log_history if "loss" in h]
+        assert result.global_step == 4
+    assert curves[2] == pytest.approx(curves[None], rel=1e-4)

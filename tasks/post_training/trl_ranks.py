@@ -26,11 +26,14 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
-    """TrainingArguments every method shares. `batch_size` is the global batch: each rank takes its share."""
+    """TrainingArguments every method shares. `batch_size` is the global batch: each rank takes its share, in passes
+    of `micro_batch_size` rows that accumulate."""
     section, how = job.section, job.how
+    share = per_rank_batch(section.batch_size, job.world)
+    micro = min(section.micro_batch_size or share, share)
     args = dict(output_dir=str(WorkFolder(job.work).trl_checkpoints), learning_rate=section.lr,
-                num_train_epochs=section.epochs, per_device_train_batch_size=per_rank_batch(section.batch_size,
-                                                                                            job.world),
+                num_train_epochs=section.epochs, per_device_train_batch_size=micro,
+                gradient_accumulation_steps=share // micro,
                 use_cpu=job.device == "cpu", bf16=job.bf16, report_to="none", save_strategy="steps",
                 save_steps=how.checkpoints.every_steps, save_total_limit=None, logging_steps=1, seed=job.seed,
                 disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=0,
@@ -158,7 +161,8 @@ def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, A
     section: Grpo = job.section
     groups = section.num_generations
     batch = max(groups, section.batch_size // groups * groups)  # whole groups of completions per optimizer step
-    common = {**common_args(job, tokens=False), "per_device_train_batch_size": per_rank_batch(batch, job.world)}
+    common = {**common_args(job, tokens=False), "per_device_train_batch_size": per_rank_batch(batch, job.world),
+              "gradient_accumulation_steps": 1}
     vllm = job.how.generation == "vllm"
     if vllm:
         require_vllm(job.step)
@@ -213,7 +217,7 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -
     if job.section.method != "grpo":  # GRPO batches whole groups of completions itself
         # every step is the whole global batch on any number of ranks (a short last batch would be padded with
         # repeated rows across ranks), unless the data is shorter than one batch
-        global_batch = trainer.args.per_device_train_batch_size * job.world
+        global_batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps * job.world
         trainer.args.dataloader_drop_last = len(trainer.train_dataset) >= global_batch
     resume = newest_complete(work.trl_checkpoints)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
