@@ -108,3 +108,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    collectives.exit_process(0)

@@ -46,6 +46,28 @@ def test_alone_each_collective_is_the_identity_and_a_group_of_one_goes_through_t
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+A_RANK_THAT_EXITS = """
+import atexit, sys, threading
+from compass.model.training import collectives as c
+atexit.register(lambda: print("exit handlers ran"))
+sys.stdout.write("buffered, no newline")
+threading.Thread(target=lambda: __import__("time").sleep(60), daemon=False).start()  # would hold a normal exit
+c.exit_process(3)
+"""
+
+
+def test_a_rank_exits_with_its_code_its_streams_and_exit_handlers_but_no_finalization():
+    """Rank processes end through exit_process: a library's process group alive at finalization aborts a finished
+    rank now and then (a gloo worker needing the GIL). Skipping finalization must keep the exit code, the buffered
+    output and the exit handlers (logging's among them); a live thread does not hold the exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", A_RANK_THAT_EXITS], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert done.stdout == "buffered, no newlineexit handlers ran\n"
+
+
 # --- flash attention's varlen path at a micro-batch of several rows ----------------------------------------------
 # flash-attn runs on CUDA only; what decides whether documents stay apart is transformers' dispatch
 # (modeling_flash_attention_utils._flash_attention_forward), which runs here as it does on a GPU. Only the two

@@ -9,9 +9,12 @@ caller's device.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+import sys
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -107,8 +110,19 @@ def barrier() -> None:
 
 
 def leave() -> None:
-    """Tear the process group down before the interpreter exits: gloo's threads torn down at exit abort the
-    process now and then ("terminate called without an active exception"), failing a finished job."""
+    """Wait for every rank, then tear the process groups down, so that no rank leaves while another still talks."""
     if active():
         dist.barrier()
         dist.destroy_process_group()
+        gc.collect()  # engines in reference cycles hold process groups: free them while threads can still take the GIL
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """End a rank's process without the interpreter's finalization. A process group that a library still references
+    (DeepSpeed keeps the world group) outlives `leave()`; its gloo worker, still freeing the last collective's tensors,
+    then needs the GIL while the interpreter finalizes and aborts the process ("terminate called without an active
+    exception", exit -6), failing a finished job now and then. Exit handlers and the standard streams run first."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code or 0)

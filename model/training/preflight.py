@@ -224,4 +224,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from compass.model.training import collectives
+
+    collectives.exit_process(main())

@@ -247,4 +247,7 @@ def main(job_path: str) -> None:
 
 
 if __name__ == "__main__":
+    from compass.model.training import collectives
+
     main(sys.argv[1])
+    collectives.exit_process(0)
