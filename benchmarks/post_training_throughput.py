@@ -53,6 +53,15 @@ def prepare(work: Path, samples: int) -> dict:
             "model": str(Path(store.uri("pretrain", "stage2", plan.fingerprints["pretrain:stage2"])) / "final")}
 
 
+def import_libraries() -> None:
+    """Both variants start with the same modules imported (TRL's trainers load lazily; peft comes with them)."""
+    import peft  # noqa: F401
+    from trl import SFTConfig, SFTTrainer  # noqa: F401
+
+    import compass.tasks.kinds.post_train  # noqa: F401
+    import compass.tasks.post_training.trl_ranks  # noqa: F401
+
+
 def run_compass(ctx: dict) -> float:
     import shutil
 
@@ -67,11 +76,7 @@ def run_compass(ctx: dict) -> float:
     shutil.rmtree(store.uri(step.kind, step.name, plan.fingerprints[step.id]), ignore_errors=True)  # not cached
     run_ctx = RunContext(plan, store, checked.loaded.spec_hash, Runtime(how=checked.spec.how,
                                                                         base_dir=checked.loaded.base_dir))
-    import trl  # noqa: F401  same footing as the direct variant: libraries imported before the clock
-
-    import compass.tasks.kinds.post_train  # noqa: F401
-    import compass.tasks.post_training.trl_ranks  # noqa: F401
-
+    import_libraries()
     start = time.perf_counter()
     run_step(run_ctx, step, logging.getLogger("bench"))
     return time.perf_counter() - start
@@ -84,6 +89,7 @@ def run_direct(ctx: dict) -> float:
 
     from compass.tasks.post_training.chat import load_chat_model
 
+    import_libraries()
     out = Path(tempfile.mkdtemp(prefix="compass-bench-", dir=ctx["work"]))
     conversations = json.loads((Path(ctx["work"]) / "conversations.json").read_text())
     start = time.perf_counter()

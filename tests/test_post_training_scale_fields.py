@@ -46,7 +46,8 @@ def test_chat_examples_from_the_index_are_those_of_a_full_parse(tmp_path: Path, 
     """The conversation index (built once per dataset) picks exactly what parsing every line picks, for any seed and
     cap, lines split where Python's universal newlines split them; an edited file is indexed again."""
     import json
-    import random
+
+    import numpy as np
 
     from compass.tasks.post_training.datasets import _conversation, chat_examples
 
@@ -61,7 +62,7 @@ def test_chat_examples_from_the_index_are_those_of_a_full_parse(tmp_path: Path, 
     def full_parse(limit, seed, max_chars):
         lines = (data / "a.jsonl").read_text(encoding="utf-8").splitlines()
         found = [m for m in map(_conversation, lines) if m and sum(len(x["content"]) for x in m) <= max_chars]
-        random.Random(seed).shuffle(found)
+        found = [found[i] for i in np.random.default_rng(seed).permutation(len(found))]
         return found[:limit] if limit else found
 
     for limit, seed, max_chars in [(None, 0, 1000), (7, 1, 1000), (5, 2, 26)]:
