@@ -191,8 +191,42 @@ def resolve_starting_model(spec: TrainingSpec, base_dir: Path) -> tuple[Training
                                 f"{model.init_from} has {theirs}",
                                 "remove what.architecture (it is read from the checkpoint) or make it agree")
                           for name, mine, theirs in wrong]
-    resolved = ResolvedCheckpoint(location=found.location, stamp=found.stamp,
-                                  model_type=found.config["model_type"], context_length=context_length(found.config))
+    resolved = _resolved(found, derived)
     what = spec.what.model_copy(update={"model": model.model_copy(update={"resolved": resolved}),
                                         "architecture": merged(written, derived)})
     return spec.model_copy(update={"what": what}), []
+
+
+def resolve_named_models(spec: TrainingSpec, base_dir: Path) -> tuple[TrainingSpec, list[Issue]]:
+    """The spec with each of `what.models` resolved like what.model (any causal LM kind: these only generate or
+    teach), or the problems found."""
+    issues: list[Issue] = []
+    models = {}
+    for name, model in spec.what.models.items():
+        at: Loc = ("what", "models", name)
+        if "resolved" in model.model_fields_set:
+            issues.append(Issue((*at, "resolved"), "resolved is filled in by compass when it loads the spec",
+                                f"remove what.models.{name}.resolved"))
+            continue
+        try:
+            found = read_checkpoint_config(model.init_from, model.revision, base_dir)
+        except HintedError as exc:
+            issues.append(Issue((*at, "init_from"), str(exc), exc.hint))
+            continue
+        try:
+            derived = architecture_of(found.config)
+        except (HintedError, KeyError):
+            derived = None  # a kind compass does not train: it can still answer prompts
+        models[name] = model.model_copy(update={"resolved": _resolved(found, derived)})
+    if issues:
+        return spec, issues
+    return spec.model_copy(update={"what": spec.what.model_copy(update={"models": models})}), []
+
+
+def _resolved(found: CheckpointConfig, derived: Architecture | None) -> ResolvedCheckpoint:
+    from compass.specs.costs import count_parameters
+
+    parameters = count_parameters(derived, derived.vocab_size).total if derived and derived.vocab_size else None
+    return ResolvedCheckpoint(location=found.location, stamp=found.stamp,
+                              model_type=str(found.config.get("model_type", "unknown")),
+                              context_length=context_length(found.config), parameters=parameters)

@@ -20,6 +20,7 @@ from compass.specs.base import Issue, Loc
 from compass.specs.how import PHASES, Phase
 from compass.specs.sources import SourceUriError, parse_source_uri
 from compass.specs.spec import TrainingSpec
+from compass.specs.starting_model import NAMED_MODEL_PREFIX
 
 HOST = re.compile(r"[A-Za-z0-9_[][A-Za-z0-9._@:\[\]-]{0,252}")
 
@@ -376,6 +377,18 @@ def _tokenizer(spec: TrainingSpec) -> Iterator[Issue]:
                        tok.selection.rule == "smallest_within", "only smallest_within has a tolerance")
 
 
+def _checkpoint_refs(spec: TrainingSpec) -> list[str]:
+    """Every checkpoint a post-training step names (pair answerers, teachers)."""
+    refs = []
+    for step in spec.what.post_training:
+        pairs = getattr(step, "pairs", None)
+        if pairs is not None and pairs.kind == "strong_vs_weak":
+            refs += [pairs.strong, pairs.weak]
+        if step.method == "distill":
+            refs.append(step.teacher)
+    return refs
+
+
 def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
     """Rules inside post_training; whether the checkpoints it names exist is checked on the compiled plan."""
     post = spec.what.post_training
@@ -383,6 +396,11 @@ def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
         yield Issue(("what", "post_training", i, "name"),
                     f"post-training step '{dup}' is named twice", "name every step differently")
     sources = {s.name for s in spec.what.data.sources}
+    named = {ref.removeprefix(NAMED_MODEL_PREFIX) for ref in _checkpoint_refs(spec)}
+    for name in spec.what.models:
+        if name not in named:
+            yield Issue(("what", "models", name), f"no step uses model '{name}': it would be copied for nothing",
+                        f"name it as model:{name} in a strong_vs_weak pair or a distill teacher, or remove it")
     for i, step in enumerate(post):
         at = ("what", "post_training", i)
         if step.method == "mid_training":

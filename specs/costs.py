@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from compass.specs.architecture import Architecture
 from compass.specs.how import MEMORY_GIB, How, Phase
 from compass.specs.spec import TrainingSpec
+from compass.specs.starting_model import NAMED_MODEL_PREFIX
 
 GIB = 1024**3
 LOSS_CHUNK_BYTES = 256 * 1024**2  # fp32 logits the chunked loss holds at once (model/loss.py)
@@ -232,6 +233,19 @@ class LibraryStepMemory:
 PAIRED = ("dpo", "orpo", "kto")  # each row is a chosen and a rejected sequence
 
 
+ANSWER_BATCH = 16  # prompts a pair answerer generates for at once (tasks/post_training/chat.generate)
+
+
+def named_parameters(spec: TrainingSpec, ref: str, default: int) -> int:
+    """Parameters of a checkpoint a step names: a model of what.models as counted from its config, else
+    `default` (a checkpoint of this run)."""
+    if not ref.startswith(NAMED_MODEL_PREFIX):
+        return default
+    model = spec.what.models.get(ref.removeprefix(NAMED_MODEL_PREFIX))
+    resolved = model.resolved if model else None
+    return resolved.parameters if resolved and resolved.parameters else default
+
+
 def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
     """Each TRL step's memory per GPU (its share of the global batch at `max_length`; fp32 master weights, gradients
     and AdamW moments for full fine-tuning, frozen weights for LoRA, DPO's reference copy, GKD's teacher, full-
@@ -259,7 +273,8 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         if post.method in PAIRED and not lora:
             weights += n * 4  # the frozen reference model
         if post.method == "distill":
-            weights += n * 4  # the teacher (at most the student's size when it is a checkpoint of this run)
+            weights += named_parameters(spec, post.teacher, n) * 4  # the teacher: a checkpoint of this run is at
+            # most the student's size; one of what.models is counted from its config
         seq = post.max_length
         per_layer = 34 * seq * rows * d * act_bytes / 2
         acts = (2 * L * seq * rows * d * act_bytes + per_layer) if how.parallelism.activation_checkpointing \
@@ -267,6 +282,13 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         logits = rows * seq * vocab * 4 * (2 if post.method == "distill" else 1)
         out.append(LibraryStepMemory(f"post_train:{post.name}", ranks, batch, per_rank, micro, seq, weights, acts,
                                      logits))
+        pairs = getattr(post, "pairs", None)
+        if pairs is not None and pairs.kind == "strong_vs_weak":
+            for ref in (pairs.strong, pairs.weak):  # each answers the prompts alone on one GPU, before training
+                if ref.startswith(NAMED_MODEL_PREFIX):
+                    out.append(LibraryStepMemory(f"post_train:{post.name} answers by {ref}", 1, ANSWER_BATCH,
+                                                 ANSWER_BATCH, ANSWER_BATCH, seq, named_parameters(spec, ref, n) *
+                                                 act_bytes, 0.0, ANSWER_BATCH * vocab * 4))
     stages = spec.what.long_context.stages
     if stages:
         longest = max(s.sequence_length for s in stages)

@@ -17,7 +17,7 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from compass.specs import yaml_limits
 from compass.specs.base import Issue, Loc
-from compass.specs.checkpoint_config import resolve_starting_model
+from compass.specs.checkpoint_config import resolve_named_models, resolve_starting_model
 from compass.specs.how import SLURM_WORD
 from compass.specs.spec import TrainingSpec
 
@@ -102,6 +102,8 @@ def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = 
         raise SpecError(_problems_from_validation(exc, plain, lines, filename)) from None
     loaded = LoadedSpec(spec=spec, path=filename, base_dir=base, text=text, lines=lines, data=plain)
     spec, issues = resolve_starting_model(spec, base)
+    if not issues:
+        spec, issues = resolve_named_models(spec, base)
     if issues:
         raise SpecError(loaded.problems(issues))
     loaded = replace(loaded, spec=spec)

@@ -72,11 +72,12 @@ PreferenceLoss = Literal[
 
 
 class PairsFromCheckpoints(SpecModel):
-    """Strong-versus-weak pairs: the same prompts answered by two checkpoints of this run."""
+    """Strong-versus-weak pairs: the same prompts answered by two checkpoints, of this run or named in what.models."""
 
     kind: Literal["strong_vs_weak"]
-    strong: str = Field(description="Step name of the stronger checkpoint, e.g. 'post_train:sft'.")
-    weak: str = Field(description="Step name of the weaker checkpoint, e.g. 'pretrain:stage1'.")
+    strong: str = Field(description="The stronger checkpoint: a step of this run ('post_train:sft') or a model "
+                                    "of what.models ('model:qwen3-32b'); it answers with its own chat template.")
+    weak: str = Field(description="The weaker checkpoint, named the same ways, e.g. 'pretrain:stage1'.")
 
 
 class PairsFromVerifier(SpecModel):
@@ -110,10 +111,11 @@ class Grpo(_TrlStep):
 
 
 class Distillation(_TrlStep):
-    """On-policy distillation (TRL GKD) from a larger checkpoint of this run into a smaller student."""
+    """On-policy distillation (TRL GKD) from a larger checkpoint into a smaller student with the same vocabulary."""
 
     method: Literal["distill"]
-    teacher: str = Field(description="Step name of the teacher checkpoint.")
+    teacher: str = Field(description="The teacher: a step of this run ('post_train:sft') or a model of "
+                                     "what.models ('model:name') with the student's tokenizer.")
     lmbda: float = Field(default=0.5, ge=0, le=1)
     student_layers: PositiveInt | None = Field(
         default=None, description="The student keeps this many of the previous model's layers, evenly spaced "

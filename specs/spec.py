@@ -1,6 +1,8 @@
 """The whole training spec: why / what / how."""
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
 
 from compass.specs.ablation import Ablations
 from compass.specs.architecture import Architecture
@@ -9,7 +11,7 @@ from compass.specs.data import Data
 from compass.specs.evaluation import Evaluation
 from compass.specs.how import How
 from compass.specs.post_training import PostTrainStep
-from compass.specs.starting_model import StartingModel
+from compass.specs.starting_model import MODEL_NAME, StartingModel
 from compass.specs.tokenizer import Tokenizer
 from compass.specs.training import LongContext, Pretraining
 from compass.specs.why import Why
@@ -21,6 +23,11 @@ class What(SpecModel):
     `architecture` in when the spec loads) and pretraining stages are optional."""
 
     model: StartingModel | None = None
+    models: dict[Annotated[str, StringConstraints(pattern=MODEL_NAME)], StartingModel] = Field(
+        default_factory=dict, description="Models from outside this run that steps name as 'model:<name>': "
+        "strong or weak answerers of preference pairs, distillation teachers (SmolLM3's APO pairs came from "
+        "Qwen3-32B against Qwen3-0.6B). Read like what.model (hub cache, folder, s3://) and copied into the store "
+        "with their lineage.")
     architecture: Architecture | None = None
     tokenizer: Tokenizer | None = None
     data: Data = Data()

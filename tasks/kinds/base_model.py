@@ -92,7 +92,8 @@ def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
     origin = {"model": cfg.init_from, "source": cfg.location, "revision": cfg.stamp, "weights_sha256": weights}
     metrics = {**origin, "model_type": config.get("model_type"), "vocab_size": ids.vocab_size,
                "max_position_embeddings": config.get("max_position_embeddings")}
-    summary = (f"### starting checkpoint `{cfg.init_from}`\n\n{config.get('model_type')} from {cfg.location} at "
+    role = "starting checkpoint" if ctx.kind == KIND.name else f"model `{ctx.name}`"
+    summary = (f"### {role} `{cfg.init_from}`\n\n{config.get('model_type')} from {cfg.location} at "
                f"`{cfg.stamp}`; weights sha256 `{weights[:16]}…`; tokenizer of {ids.vocab_size} ids")
     return StepResult(metrics=metrics, summary=summary, provenance=[origin])
 

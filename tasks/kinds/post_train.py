@@ -17,6 +17,7 @@ from compass.infra.layout import ModelArtifact, WorkFolder
 from compass.model.training.history import tokens_seen
 from compass.model.training.records import MetricsRow, read_metrics, write_metrics
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
+from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.common.devices import Device, device_for
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
@@ -128,10 +129,11 @@ PAIR_SEED = 17
 PAIR_TOKENS = 48
 
 
-def answer_prompts(model_dir: Path, prompts: list[list[dict[str, str]]], where: Device | None = None) -> list[str]:
+def answer_prompts(model_dir: Path, prompts: list[list[dict[str, str]]], where: Device | None = None,
+                   own_template: bool = False) -> list[str]:
     """One checkpoint's sampled answers to the preference prompts (seeded: the same answers every time), on the
-    step's GPU when it has one."""
-    model, tokenizer = load_chat_model(model_dir, where)
+    step's GPU when it has one; a model of what.models with its own chat template."""
+    model, tokenizer = load_chat_model(model_dir, where, own_template)
     return generate(model, tokenizer, prompts, max_new_tokens=PAIR_TOKENS, seed=PAIR_SEED)
 
 
@@ -144,14 +146,16 @@ def fitting_prompts(prompts: list[list[dict[str, str]]], tokenizer, budget: int)
 
 
 def preference_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str, Any]]:
-    """Strong-versus-weak pairs: held-back prompts answered by the strong and the weak checkpoint of this
-    run; chosen = strong, rejected = weak. Pairs with identical answers, or an empty one (no completion tokens:
-the preference losses would divide by zero), are dropped."""
+    """Strong-versus-weak pairs: held-back prompts answered by the strong and the weak checkpoint (of this run,
+    or of what.models); chosen = strong, rejected = weak. Pairs with identical answers, or an empty one (no
+    completion tokens: the preference losses would divide by zero), are dropped."""
     cfg = ctx.config
     conversations = _conversations(ctx, seed=1, limit=cfg.max_samples)
     prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg.max_length - PAIR_TOKENS)
     where = device_for(ctx.runtime.how)
-    answers = {role: answer_prompts(ModelArtifact(ctx.inputs[role].local()).final, prompts, where)
+    named = {"strong": cfg.pairs.strong, "weak": cfg.pairs.weak}
+    answers = {role: answer_prompts(ModelArtifact(ctx.inputs[role].local()).final, prompts, where,
+                                    own_template=named[role].startswith(NAMED_MODEL_PREFIX))
                for role in ("strong", "weak")}
     return [{"prompt": p, "chosen": [{"role": "assistant", "content": s}],
              "rejected": [{"role": "assistant", "content": w}]}
@@ -218,6 +222,8 @@ def grpo_rows(ctx: StepContext[GrpoConfig], model, tokenizer) -> tuple[list[dict
 def distill_rows(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[list[dict[str, Any]], dict]:
     """The student (the previous model, shrunk to `student_layers` if asked) distils on the dataset's prompts."""
     cfg = ctx.config
+    if cfg.teacher.startswith(NAMED_MODEL_PREFIX):
+        same_vocabulary(ModelArtifact(ctx.inputs["teacher"].local()).final, tokenizer, f"distill {ctx.name}")
     if cfg.student_layers:
         total = model.config.num_hidden_layers
         kept = keep_layers(model, cfg.student_layers)
@@ -225,6 +231,23 @@ def distill_rows(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[lis
     rows = [{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg.max_samples)]
     return rows, {"examples": len(rows), "student_layers": model.config.num_hidden_layers,
                   "student_parameters": sum(p.numel() for p in model.parameters())}
+
+
+def same_vocabulary(teacher: Path, tokenizer, step: str) -> None:
+    """GKD compares the teacher's and the student's distributions token by token: a teacher from outside the run
+    must share the student's vocabulary (ChatML's tokens are added to both as they load)."""
+    from transformers import AutoTokenizer
+
+    from compass.tasks.post_training.chat import IM_END, IM_START
+
+    theirs = AutoTokenizer.from_pretrained(str(teacher))
+    if IM_END not in theirs.get_vocab():
+        theirs.add_tokens([IM_START, IM_END], special_tokens=True)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        differ = len(set(theirs.get_vocab().items()) ^ set(tokenizer.get_vocab().items()))
+        raise ValueError(f"{step}: the teacher {teacher} has another vocabulary than the student ({len(theirs)} vs "
+                         f"{len(tokenizer)} tokens, {differ} entries differ); distil from a model with the "
+                         "student's tokenizer, or build preference pairs from it instead (pairs: strong_vs_weak)")
 
 
 def keep_layers(model, keep: int) -> list[int]:
@@ -374,7 +397,7 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
     return text
 
 
-KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="2",
+KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="3",
                 resources=phase("post_training"), trains=True,
                 imports=TRANSFORMERS, produces_model=True, tags=("training",))
 STEP_KINDS = (KIND,)

@@ -20,14 +20,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def load_chat_model(folder: Path, where: Device | None = None) -> tuple[Any, Any]:
+def load_chat_model(folder: Path, where: Device | None = None, own_template: bool = False) -> tuple[Any, Any]:
     """Model and tokenizer from an exported HF folder, made chat-ready: the ChatML tokens are added (and the
     embeddings grown) the first time, `<|im_end|>` ends a turn, and the template is set on the tokenizer. With a GPU
-    `where`, the model is moved there (in bf16 when the spec trains in bf16) to generate."""
+    `where`, the model is moved there (in bf16 when the spec trains in bf16) to generate. `own_template`: a model
+    from outside the run (what.models) that has a chat template answers with it, its vocabulary untouched."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder))
+    if own_template and tokenizer.chat_template:
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return on_device(model, where), tokenizer
     if IM_END not in tokenizer.get_vocab():
         tokenizer.add_tokens([IM_START, IM_END], special_tokens=True)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
@@ -79,8 +84,10 @@ def _generate(model: Any, tokenizer: Any, conversations: list[list[dict[str, str
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         if seed is not None:
             torch.manual_seed(seed + start)
+        ends = model.generation_config.eos_token_id  # a model's own may list several (Qwen3: <|im_end|>, EOS)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=seed is not None, use_cache=True,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                             pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=ends if ends is not None else tokenizer.eos_token_id)
         answers += [tokenizer.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
                     for row in out]
     model.train(was_training)

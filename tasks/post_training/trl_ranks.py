@@ -105,7 +105,7 @@ def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[
         from trl import DPOConfig, DPOTrainer
 
         args = DPOConfig(**common, loss_type=section.loss_type, beta=section.beta, max_length=section.max_length)
-        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+        trainer = DPOTrainer(model=model, ref_model=_reference(model), args=args, train_dataset=Dataset.from_list(rows),
                              processing_class=tokenizer, callbacks=_callbacks(job))
     elif section.method == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -120,9 +120,21 @@ def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[
         unpaired = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
                     for p in rows for side in ("chosen", "rejected")]
         args = KTOConfig(**common, beta=section.beta, max_length=section.max_length)
-        trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(unpaired),
-                             processing_class=tokenizer, callbacks=_callbacks(job))
+        trainer = KTOTrainer(model=model, ref_model=_reference(model), args=args,
+                             train_dataset=Dataset.from_list(unpaired), processing_class=tokenizer,
+                             callbacks=_callbacks(job))
     return trainer, {}
+
+
+def _reference(model: Any) -> Any:
+    """The frozen reference: the start model as this rank holds it. Left to itself TRL reloads it from the
+    folder the model came from, which lacks the ChatML rows compass adds to a base's embeddings (a base from
+    what.model going straight to DPO indexed past them); with adapters TRL disables them instead."""
+    import copy
+
+    from peft import PeftModel
+
+    return None if isinstance(model, PeftModel) else copy.deepcopy(model).eval()
 
 
 def reward_functions(verifier: str, tokenizer: Any, per_token: float, target: int | None) -> list:

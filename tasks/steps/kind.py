@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from compass.specs.base import Issue, Loc
 from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
+from compass.specs.starting_model import NAMED_MODEL_PREFIX
 
 if TYPE_CHECKING:
     from compass.tasks.steps.context import StepContext, StepResult
@@ -137,15 +138,23 @@ class PlanBuilder:
         return [s.id for s in self.steps if self.kinds[s.kind].produces_model]
 
     def checkpoint(self, ref: str, loc: Loc) -> str | None:
-        """The model step a spec names ('final' is the newest one so far); an unknown name is recorded as an
-        issue at `loc` and gives None."""
+        """The model step a spec names ('final' is the newest one so far, 'model:<name>' one of what.models); an
+        unknown name is recorded as an issue at `loc` and gives None."""
         models = self.model_steps
         if ref == "final" and models:
             return models[-1]
         if ref in models:
             return ref
+        if ref.startswith(NAMED_MODEL_PREFIX):
+            if self.has(ref):
+                return ref
+            named = ", ".join(self.spec.what.models) or "none"
+            self.issues.append(Issue(loc, f"no model '{ref.removeprefix(NAMED_MODEL_PREFIX)}' in what.models "
+                                     f"(named there: {named})", "add it under what.models with its init_from"))
+            return None
         valid = ", ".join(["final", *models]) if models else "none: no step before this one trains a model"
-        self.issues.append(Issue(loc, f"unknown checkpoint '{ref}'", f"one of: {valid}"))
+        self.issues.append(Issue(loc, f"unknown checkpoint '{ref}'", f"one of: {valid}, or model:<name> of "
+                                 "what.models"))
         return None
 
 

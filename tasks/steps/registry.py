@@ -18,6 +18,7 @@ from compass.tasks.steps.kind import StepKind
 BUILTIN = (
     "compass.tasks.kinds.gate",
     "compass.tasks.kinds.base_model",
+    "compass.tasks.kinds.named_model",
     "compass.tasks.kinds.ingest",
     "compass.tasks.kinds.curate",
     "compass.tasks.kinds.select_tokenizer",
