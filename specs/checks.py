@@ -531,15 +531,7 @@ NO_MODEL_PARALLEL = ("data", "post_training", *ONE_PROCESS)  # TRL's ranks are d
 
 
 def _trl_batches(spec: TrainingSpec, ranks: int) -> Iterator[Issue]:
-    """A TRL step's `batch_size` is its global batch: every rank takes an equal share (GRPO: of whole groups). Its
-    ranks are plain data-parallel replicas: a ZeRO stage would be silently dropped, so it is refused."""
-    par = spec.how.parallelism
-    trl = [post for post in spec.what.post_training if post.method != "mid_training"]
-    if trl and ranks > 1 and par.deepspeed and par.zero_stage:
-        yield Issue(("how", "parallelism", "zero_stage"),
-                    f"TRL post-training on {ranks} ranks trains data-parallel replicas: ZeRO stage {par.zero_stage} "
-                    "would not reach it", "set zero_stage: 0, or post-train on one device per step "
-                    "(how.resources.post_training.devices_per_node: 1)")
+    """A TRL step's `batch_size` is its global batch: every rank takes an equal share (GRPO: of whole groups)."""
     for i, post in enumerate(spec.what.post_training):
         if post.method == "mid_training" or ranks <= 1:
             continue

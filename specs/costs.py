@@ -248,7 +248,8 @@ def named_parameters(spec: TrainingSpec, ref: str, default: int) -> int:
 
 def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
     """Each TRL step's memory per GPU (its share of the global batch at `max_length`; fp32 master weights, gradients
-    and AdamW moments for full fine-tuning, frozen weights for LoRA, DPO's reference copy, GKD's teacher, full-
+    and AdamW moments for full fine-tuning, sharded by the spec's ZeRO stage over the step's ranks, frozen weights
+    for LoRA, DPO's reference copy, GKD's teacher, full-
     vocabulary logits in fp32) and, with long-context stages, passkey's (weights, the KV cache at the longest
     length and one layer's activations at a time: no logits beyond the answer)."""
     arch, how = spec.what.architecture, spec.how
@@ -269,12 +270,18 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         micro = min(getattr(post, "micro_batch_size", None) or per_rank, per_rank)
         rows = micro * (2 if post.method in PAIRED else 1)
         lora = post.peft is not None
-        weights = n * (0.5 if lora and post.peft.kind == "qlora" else 4) if lora else n * 16
+        zero = how.parallelism.zero_stage if how.parallelism.deepspeed and ranks > 1 else 0
+        if lora:
+            weights = n * (0.5 if post.peft.kind == "qlora" else 4)
+        else:  # fp32 weights, gradients and AdamW's two moments; ZeRO shards the moments, then gradients, weights
+            weights = n * (4 / (ranks if zero >= 3 else 1) + 4 / (ranks if zero >= 2 else 1) +
+                           8 / (ranks if zero >= 1 else 1))
+        frozen = 4 / (ranks if zero >= 3 else 1)  # TRL shards a frozen model beside the trained one at ZeRO-3 too
         if post.method in PAIRED and not lora:
-            weights += n * 4  # the frozen reference model
+            weights += n * frozen  # the reference model
         if post.method == "distill":
-            weights += named_parameters(spec, post.teacher, n) * 4  # the teacher: a checkpoint of this run is at
-            # most the student's size; one of what.models is counted from its config
+            weights += named_parameters(spec, post.teacher, n) * frozen  # the teacher: a checkpoint of this run is
+            # at most the student's size; one of what.models is counted from its config
         seq = post.max_length
         per_layer = 34 * seq * rows * d * act_bytes / 2
         acts = (2 * L * seq * rows * d * act_bytes + per_layer) if how.parallelism.activation_checkpointing \

@@ -46,11 +46,12 @@ run_step(ctx, plan.step(sys.argv[3]), logging.getLogger("step"))
 """
 
 
-def spec_with_ranks(folder: Path, ranks: int) -> Path:
+def spec_with_ranks(folder: Path, ranks: int, zero: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "prefs").mkdir(exist_ok=True)
     (folder / "prefs" / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PREFERENCES))
-    return write_minimal_spec(folder, **{"  pretraining:": POST, "how:\n": TRL_SHAPE % ranks})
+    return write_minimal_spec(folder, **{"  pretraining:": POST, "how:\n": TRL_SHAPE % ranks,
+                                         "{micro_batch_size: 2}": f"{{micro_batch_size: 2, zero_stage: {zero}}}"})
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +102,21 @@ def weights(outcome) -> dict:
     return load_file(str(Path(outcome.uri) / "final" / "model.safetensors"))
 
 
+def sft_and_dpo(pretrained: Path, folder: Path, ranks: int, zero: int = 0) -> dict:
+    store = folder / "store"
+    shutil.copytree(pretrained, store)
+    return run_steps(spec_with_ranks(folder, ranks, zero), store, ["post_train:sft", "post_train:dpo"])
+
+
 @pytest.fixture(scope="module")
 def one_and_two_ranks(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    out = {}
-    for ranks in (1, 2):
-        folder = tmp_path_factory.mktemp(f"ranks{ranks}")
-        store = folder / "store"
-        shutil.copytree(pretrained, store)
-        out[ranks] = run_steps(spec_with_ranks(folder, ranks), store, ["post_train:sft", "post_train:dpo"])
-    return out
+    return {ranks: sft_and_dpo(pretrained, tmp_path_factory.mktemp(f"ranks{ranks}"), ranks) for ranks in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def zero_ranks(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """SFT and DPO on 2 ranks sharded by DeepSpeed at ZeRO-2 and ZeRO-3 (the spec's how.parallelism.zero_stage)."""
+    return {zero: sft_and_dpo(pretrained, tmp_path_factory.mktemp(f"zero{zero}"), 2, zero) for zero in (2, 3)}
 
 
 def test_two_ranks_follow_one_rank_with_the_same_global_batch(one_and_two_ranks):
@@ -121,14 +128,31 @@ def test_two_ranks_follow_one_rank_with_the_same_global_batch(one_and_two_ranks)
         assert one.manifest.metrics["tokens"] == two.manifest.metrics["tokens"], step  # every rank's tokens counted
 
 
-@pytest.mark.parametrize("step", ["post_train:sft", "post_train:dpo"])
-def test_two_ranks_resume_after_kill_9_to_the_undisturbed_weights(step: str, one_and_two_ranks, pretrained: Path,
-                                                                   tmp_path: Path):
+@pytest.mark.parametrize("zero", [2, 3])
+def test_ranks_sharded_by_zero_follow_one_rank(zero: int, zero_ranks, one_and_two_ranks):
+    """The spec's ZeRO stage reaches the TRL ranks (DeepSpeed inside TRL's trainer: its checkpoints hold ZeRO's
+    partitions), and sharding changes nothing but where the states live: the curve and the weights are those of
+    one rank, at ZeRO-3 gathered for the export."""
+    for step in ("post_train:sft", "post_train:dpo"):
+        one, sharded = one_and_two_ranks[1][step], zero_ranks[zero][step]
+        assert sharded.manifest.metrics["ranks"] == 2
+        assert sharded.manifest.metrics["steps"] == one.manifest.metrics["steps"], step
+        assert losses(sharded) == pytest.approx(losses(one), rel=2e-3, abs=2e-3), step
+        got, want = weights(sharded), weights(one)
+        assert got.keys() == want.keys()
+        assert all(got[k].shape == want[k].shape and (got[k] - want[k]).abs().max() < 1e-3 for k in want), step
+        assert sharded.manifest.metrics["zero_stage"] == zero  # as DeepSpeed's engine reports it
+        assert "zero_stage" not in one.manifest.metrics
+
+
+@pytest.mark.parametrize(("step", "zero"), [("post_train:sft", 0), ("post_train:dpo", 0), ("post_train:sft", 2)])
+def test_two_ranks_resume_after_kill_9_to_the_undisturbed_weights(step: str, zero: int, one_and_two_ranks, zero_ranks,
+                                                                   pretrained: Path, tmp_path: Path):
     """kill -9 of the step's process and its ranks once a checkpoint is complete; the next attempt resumes from it
-    (not from step 0) and ends on the undisturbed run's exact weights."""
-    spec = spec_with_ranks(tmp_path, 2)
+    (not from step 0; under ZeRO from DeepSpeed's partitions) and ends on the undisturbed run's exact weights."""
+    spec = spec_with_ranks(tmp_path, 2, zero)
     store = tmp_path / "store"
-    undisturbed = one_and_two_ranks[2][step]
+    undisturbed = (zero_ranks[zero] if zero else one_and_two_ranks[2])[step]
     if step == "post_train:sft":
         shutil.copytree(pretrained, store)
     else:  # the undisturbed run's store up to SFT: DPO continues from the same weights

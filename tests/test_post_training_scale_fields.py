@@ -33,6 +33,12 @@ def test_how_reaches_trls_arguments():
     assert plain["per_device_train_batch_size"] == 16 and "ddp_backend" not in plain and plain["use_cpu"]
     assert common_args(job(How(), world=2))["ddp_backend"] == "gloo"
     assert not (plain["activation_checkpointing"] or plain["use_liger_kernel"] or plain["torch_compile"])
+    assert "deepspeed" not in plain and "deepspeed" not in common_args(job(How(), world=2))  # ZeRO 0: plain DDP
+    zero3 = common_args(job(How.model_validate({"parallelism": {"zero_stage": 3}}), world=2))["deepspeed"]
+    assert zero3["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    assert "optimizer" not in zero3 and "scheduler" not in zero3  # the Trainer's AdamW and schedule, as without it
+    alone = common_args(job(How.model_validate({"parallelism": {"zero_stage": 2}}), world=1))
+    assert "deepspeed" not in alone  # one rank has nothing to shard
 
 
 def test_how_attention_names_the_kernel_of_library_models():
@@ -90,6 +96,11 @@ def test_plan_sizes_each_trl_step_and_passkey_per_gpu():
     assert (sft.ranks, sft.per_rank) == (1, sft.global_batch) and split["post_train:sft"].per_rank == sft.per_rank // 2
     assert split["post_train:sft"].activations < sft.activations and split["post_train:sft"].logits < sft.logits
     assert apo.weights > sft.weights  # the reference model beside the trained one
+    n = sft.weights / 16  # full fine-tuning: 16 bytes per parameter on one rank
+    for zero, per_parameter in ((1, 4 + 4 + 8 / 2), (2, 4 + 4 / 2 + 8 / 2), (3, 16 / 2)):
+        par = two.how.parallelism.model_copy(update={"zero_stage": zero})
+        sharded = two.model_copy(update={"how": two.how.model_copy(update={"parallelism": par})})
+        assert {m.step: m for m in library_step_memory(sharded)}["post_train:sft"].weights == n * per_parameter
     passkey = one["evaluate: passkey"]
     assert passkey.logits == 0 and passkey.length == max(s.sequence_length for s in spec.what.long_context.stages)
 

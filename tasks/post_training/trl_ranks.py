@@ -41,9 +41,30 @@ def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
                 use_liger_kernel=uses_liger(how, job.device), torch_compile=how.compile)
     if job.world > 1:  # one rank opens no group (a backend named here would make accelerate look for one)
         args["ddp_backend"] = "nccl" if job.device == "cuda" else "gloo"
+        if zero := zero_stage(how, job.world):
+            args["deepspeed"] = deepspeed_config(zero)
     if tokens:
         args["include_num_input_tokens_seen"] = "non_padding"  # tokens trained on: the same on any number of ranks
     return args
+
+
+def zero_stage(how: Any, world: int) -> int:
+    """The ZeRO stage a TRL step's ranks shard with: the spec's, through DeepSpeed (0: plain data parallel; one
+    rank has nothing to shard)."""
+    par = how.parallelism
+    return par.zero_stage if par.deepspeed and world > 1 else 0
+
+
+def deepspeed_config(stage: int) -> dict[str, Any]:
+    """DeepSpeed's config for the HF Trainer inside TRL: ZeRO at `stage`; batch sizes, clipping and precision
+    filled in by the Trainer from the TrainingArguments ("auto"), and the Trainer's own AdamW and schedule kept, so
+    the curve is the one of plain data parallel. At stage 3 the weights are gathered for the final save."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "zero_allow_untested_optimizer": True}
 
 
 def uses_liger(how: Any, device: str) -> bool:
@@ -233,6 +254,8 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -
         trainer.args.dataloader_drop_last = len(trainer.train_dataset) >= global_batch
     resume = newest_complete(work.trl_checkpoints)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if trainer.is_deepspeed_enabled:  # the stage DeepSpeed's engine ran (what the spec asked for, or not)
+        facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
     result = TrlResult(log_history=trainer.state.log_history, global_step=trainer.state.global_step,
                        resumed_from=int(resume.name.split("-")[-1]) if resume else None, facts=facts)
     if job.world > 1 or job.section.peft is not None:  # one full-weight rank: the step exports trainer.model
