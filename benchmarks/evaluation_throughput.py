@@ -59,7 +59,8 @@ def run_compass(ctx: dict) -> float:
     step = plan.step("evaluate:pretrain-stage2")
     shutil.rmtree(store.uri(step.kind, step.name, plan.fingerprints[step.id]), ignore_errors=True)  # not cached
     run_ctx = RunContext(plan, store, checked.loaded.spec_hash, Runtime(how=checked.spec.how))
-    import compass.tasks.kinds.evaluate  # noqa: F401  same footing as the direct variant: libraries imported before the clock
+    import compass.tasks.evaluation.lighteval_run  # noqa: F401  same footing as the direct variant: libraries
+    import compass.tasks.kinds.evaluate  # noqa: F401  imported before the clock
     from compass.infra.lighteval_compat import install
 
     install()

@@ -77,7 +77,7 @@ def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], benchmarks:
 
 def _evaluate(store: Store, checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]], suite: str,
               target: str) -> dict[str, Any]:
-    from compass.tasks.kinds.evaluate import run_lighteval
+    from compass.tasks.evaluation.lighteval_run import run_lighteval
 
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
         local = _local_copy(store, checkpoint, Path(scratch))

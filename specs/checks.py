@@ -526,8 +526,7 @@ def phases_of(spec: TrainingSpec) -> set[Phase]:
     return phases
 
 
-ONE_PROCESS = {"evaluation": "lighteval runs in one process (with how.generation: vllm, one node's GPUs)"}
-NO_MODEL_PARALLEL = ("data", "post_training", *ONE_PROCESS)  # TRL's ranks are data-parallel only
+NO_MODEL_PARALLEL = ("data", "post_training", "evaluation")  # TRL's and lighteval's ranks are data-parallel only
 
 
 def _trl_batches(spec: TrainingSpec, ranks: int) -> Iterator[Issue]:
@@ -584,13 +583,13 @@ def _resources(spec: TrainingSpec) -> Iterator[Issue]:
         shape = how.shape(phase)
         if phase == "data" and shape.devices_per_node:
             yield Issue((*at, phase, "devices_per_node"), "data steps use no GPU", "remove devices_per_node")
-        vllm_spreads = phase == "evaluation" and how.generation == "vllm" and shape.nodes == 1  # its own replicas
-        if phase in ONE_PROCESS and (shape.nodes > 1 or shape.devices_per_node > 1) and not vllm_spreads:
-            yield Issue((*at, phase), f"{ONE_PROCESS[phase]} on one device: {shape.nodes} nodes x "
-                        f"{shape.devices_per_node} devices would sit idle", "use nodes: 1, devices_per_node: 1")
+        if phase == "evaluation" and how.generation == "vllm" and shape.nodes > 1:
+            yield Issue((*at, phase, "nodes"), "with how.generation: vllm, lighteval's vLLM spreads over one node's "
+                        f"GPUs; {shape.nodes} nodes would sit idle but one", "use nodes: 1 (or generation: "
+                        "transformers, which runs lighteval data-parallel over every node's devices)")
         if phase == "post_training":
             yield from _trl_batches(spec, shape.ranks)
-        if phase not in ("data", *ONE_PROCESS) and shape.devices_per_node == 0:
+        if phase not in ("data", "evaluation") and shape.devices_per_node == 0:
             yield Issue((*at, phase, "devices_per_node"), f"{phase} trains: it needs at least one device per node",
                         "set devices_per_node to the GPUs per node (ranks per node on CPU)")
         elif phase not in NO_MODEL_PARALLEL and shape.ranks % group:

@@ -55,7 +55,7 @@ def test_generative_benchmarks_run_through_lighteval(tmp_path: Path):
     """A small model built here answers 8 questions of each set: the generative path runs, batched, and every
     metric comes back in range."""
     from compass.specs.evaluation import Benchmark
-    from compass.tasks.kinds.evaluate import run_lighteval
+    from compass.tasks.evaluation.lighteval_run import run_lighteval
     from tests.hub_cache import tiny_llama
 
     tiny_llama(tmp_path / "model")

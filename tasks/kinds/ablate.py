@@ -120,7 +120,7 @@ def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> 
     """The benchmarks on every kept checkpoint of the run, oldest first (the last is the run's end)."""
     from compass.model.training import checkpoints as ckpt
     from compass.tasks.common.devices import device_for
-    from compass.tasks.kinds.evaluate import run_lighteval
+    from compass.tasks.evaluation.lighteval_run import run_lighteval
 
     points = []
     folders = [CheckpointFolder(p) for p in ckpt.complete_checkpoints(WorkFolder(ctx.workdir).checkpoints)]

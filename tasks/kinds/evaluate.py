@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
 from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
-from compass.tasks.common.devices import Device, device_for, hf_attention
+from compass.tasks.common.devices import Device, device_for
+from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.kinds.encode_tokens import tokens_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
@@ -100,129 +100,21 @@ def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
                 yield Issue(at, str(e), e.hint)
 
 
-def _pipeline_task(task: Benchmark) -> str:
-    from compass.tasks.evaluation.lighteval_benchmarks import LOCAL_PREFIX
-
-    if task.source == "lighteval":
-        return f"{LOCAL_PREFIX}{task.name}|{task.fewshot}"
-    return f"{task.name}_{task.formulation}|{task.fewshot}"
-
-
-def custom_tasks_module(tasks: list[Benchmark], scratch: Path) -> tuple[Path, list[dict]]:
-    """A lighteval custom-tasks file serving every task of the suite from local data, and its provenance."""
-    from compass.tasks.evaluation.lighteval_benchmarks import locate
-    from compass.tasks.evaluation.offline_benchmarks import prepare
-
-    prepared, provenance, formulations, standard = {}, [], {}, {}
-    for t in tasks:
-        if t.source == "lighteval":
-            if t.name not in standard:
-                local = locate(t.name, t.fewshot)
-                standard[t.name] = str(local.dataset)
-                provenance.append(local.provenance)
-            continue
-        if t.name not in prepared:
-            folder, prov = prepare(t.name)
-            prepared[t.name] = str(folder)
-            provenance.append(prov)
-        formulations.setdefault(t.name, []).append(t.formulation)
-    module = scratch / "compass_custom_tasks.py"
-    module.write_text("from compass.tasks.evaluation.offline_benchmarks import task_table\n"
-                      "from compass.tasks.evaluation.lighteval_benchmarks import local_configs\n"
-                      f"TASKS_TABLE = list(task_table({json.dumps(prepared)}, {json.dumps(formulations)}))\n"
-                      f"TASKS_TABLE += local_configs({json.dumps(standard)})\n")
-    return module, provenance
-
-
-def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where: Device | None = None,
-                  how: How | None = None) -> tuple[dict, list[dict]]:
-    """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance). On a GPU lighteval
-    finds the largest batch that fits; `how` gives the attention kernel and torch.compile."""
-    from compass.infra.lighteval_compat import install
-
-    install()
-    import torch
-    from lighteval.logging.evaluation_tracker import EvaluationTracker
-    from lighteval.models.transformers.transformers_model import TransformersModelConfig
-    from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
-
-    module, provenance = custom_tasks_module(tasks, scratch)
-    where = where or Device("cpu", bf16=False)
-    by_limit: dict[int | None, list[Benchmark]] = {}
-    for t in tasks:  # one pipeline (one model load) per sample limit
-        by_limit.setdefault(t.limit, []).append(t)
-    results = {}
-    for limit, group in by_limit.items():
-        params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module),
-                                    max_samples=limit)
-        tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
-        attention = hf_attention(how) if how else None
-        if how is not None and how.generation == "vllm":
-            config = _vllm_config(model_dir, where, how)
-        else:
-            config = TransformersModelConfig(model_name=str(model_dir),
-                                             batch_size=8 if where.device == "cpu" else None,
-                                             dtype=where.dtype, device=where.device,
-                                             cache_dir=str(scratch / "lighteval-cache"),
-                                             compile=bool(how and how.compile),
-                                             model_loading_kwargs={"attn_implementation": attention} if attention
-                                             else {})
-        names = {_pipeline_task(t): t.key for t in group}
-        pipeline = Pipeline(tasks=",".join(names), pipeline_parameters=params, evaluation_tracker=tracker,
-                            model_config=config)
-        try:
-            with torch.no_grad():  # lighteval relies on grad being off process-wide; a step runs with it on
-                pipeline.evaluate()
-        except RuntimeError as exc:
-            if "must match the size of tensor" not in str(exc):
-                raise
-            raise RuntimeError(f"{', '.join(names.values())} on {model_dir}: lighteval cannot score an answer longer "
-                               f"than the model's context ({_context_length(model_dir)} tokens): evaluate these "
-                               "benchmarks on a model with a longer context, or in multiple-choice form (mcf)") from exc
-        by_task = {_task_and_shots(k): v for k, v in names.items()}
-        for key, metrics in pipeline.get_results()["results"].items():
-            if key == "all":
-                continue
-            if _task_and_shots(key) not in by_task:
-                raise RuntimeError(f"lighteval returned results for '{key}', none of the tasks asked for: "
-                                   f"{', '.join(names)}")
-            results[by_task[_task_and_shots(key)]] = metrics
-    return results, provenance
-
-
-def _vllm_config(model_dir: Path, where: Device, how: How) -> Any:
-    """lighteval's vLLM model on the step's GPUs (how.generation: vllm; validation refuses it on CPU specs)."""
-    from compass.tasks.post_training.trl_ranks import require_vllm
-
-    require_vllm("evaluate")
-    from lighteval.models.vllm.vllm_model import VLLMModelConfig
-
-    return VLLMModelConfig(model_name=str(model_dir), dtype=where.dtype, tensor_parallel_size=1,
-                           data_parallel_size=how.shape("evaluation").devices_per_node or 1)
-
-
-def _task_and_shots(key: str) -> tuple[str, str]:
-    """(task, few-shot count) of a lighteval task key, in any of the spellings lighteval uses for it:
-    `task|5`, `suite|task|5`, `task:5` (its results)."""
-    match = re.fullmatch(r"(?:.*\|)?(.+?)[|:](\d+)", key)
-    return (match.group(1), match.group(2)) if match else (key, "")
-
-
-def _context_length(model_dir: Path) -> int | None:
-    return json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-
-
 def trained_length(config: Any) -> int:
     """The context the model was trained at (YaRN/linear scaling raise max_position_embeddings beyond it)."""
     rope = getattr(config, "rope_parameters", None) or {}
     return int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
 
 
+Lighteval = Callable[[Path, list[Benchmark], Path], tuple[dict, list[dict]]]
+
+
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
                    retrieval: Retrieval | None = None, haystack: Path | None = None,
-                   where: Device | None = None,
-                   how: How | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
-    """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance)."""
+                   where: Device | None = None, how: How | None = None,
+                   lighteval: Lighteval | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
+    """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance). `lighteval` runs the
+    benchmarks (default: lighteval in this process)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -234,7 +126,10 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
     rows: list[dict] = []
     provenance: list[dict] = []
     if suite.benchmarks:
-        results, provenance = run_lighteval(model_dir, suite.benchmarks, scratch, where, how)
+        if lighteval is not None:
+            results, provenance = lighteval(model_dir, suite.benchmarks, scratch)
+        else:
+            results, provenance = run_lighteval(model_dir, suite.benchmarks, scratch, where, how)
         for name, values in results.items():
             for metric, value in values.items():
                 if not metric.endswith("_stderr"):
@@ -286,14 +181,16 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     retrieval = ctx.config.retrieval
     haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
     where = device_for(ctx.runtime.how)
+    lighteval = _lighteval_on_ranks(ctx, where)
     final_metrics, rows, provenance = evaluate_model(ModelArtifact(model_folder).final, suite, sources,
-                                                     ctx.scratch / FINAL, retrieval, haystack, where, ctx.runtime.how)
+                                                     ctx.scratch / FINAL, retrieval, haystack, where, ctx.runtime.how,
+                                                     lighteval)
     curve = []
     if ctx.config.every_checkpoint:
         checkpoints = kept_checkpoints(model_folder)
         for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
             values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
-                                          ctx.runtime.how)
+                                          ctx.runtime.how, lighteval)
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
         curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})
@@ -306,6 +203,22 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     summary = (f"### evaluate `{model.step_id}`\n\n{_shown(final_metrics)}\n\n"
                f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}")
     return StepResult(metrics=metrics, summary=summary, tables={"evaluation": rows}, provenance=provenance)
+
+
+def _lighteval_on_ranks(ctx: StepContext[EvaluateConfig], where: Device) -> Lighteval | None:
+    """With several devices for evaluation (and transformers generating), lighteval runs data-parallel on them;
+    its folders on the step's work folder, which the ranks of several nodes share."""
+    how = ctx.runtime.how
+    shape = ctx.runtime.placement.shape
+    if shape is None or shape.ranks <= 1 or how.generation == "vllm":  # vLLM spreads over the GPUs itself
+        return None
+    from compass.tasks.evaluation.lighteval_ranks import lighteval_on_ranks
+
+    def run(model_dir: Path, tasks: list[Benchmark], scratch: Path) -> tuple[dict, list[dict]]:
+        return lighteval_on_ranks(model_dir, tasks, ctx.workdir / "lighteval" / scratch.name, where, how, shape,
+                                  ctx.runtime, ctx.log)
+
+    return run
 
 
 def _to_tensorboard(ctx: StepContext[EvaluateConfig], model_step: str, curve: list[dict[str, Any]]) -> None:

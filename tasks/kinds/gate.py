@@ -92,7 +92,7 @@ def weights_digest(folder: Path) -> str:
 
 def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
     from compass.tasks.common.devices import device_for
-    from compass.tasks.kinds.evaluate import run_lighteval
+    from compass.tasks.evaluation.lighteval_run import run_lighteval
 
     cfg = ctx.config
     folder, origin = resolve_model(cfg.model, ctx.scratch)

@@ -67,7 +67,7 @@ def test_lighteval_through_vllm_scores_on_the_gpu(cuda, tmp_path: Path):
     from compass.specs.evaluation import Benchmark
     from compass.specs.how import How
     from compass.tasks.common.devices import Device
-    from compass.tasks.kinds.evaluate import run_lighteval
+    from compass.tasks.evaluation.lighteval_run import run_lighteval
     from tests.hub_cache import tiny_llama
 
     if importlib.util.find_spec("vllm") is None:
