@@ -103,7 +103,7 @@ class TorchEngine:
         return hf_state(self.module.state_dict())
 
 
-def _keep_deepspeed_off_the_cpu_shm_op() -> None:
+def keep_deepspeed_off_the_cpu_shm_op() -> None:
     """DeepSpeed JIT-compiles its shared-memory CPU allreduce op at every start, under a file lock in the torch
     extensions cache: a process ended while holding it (an interrupted run) leaves the lock behind and every
     later DeepSpeed start waits on it forever, and two environments sharing the cache rebuild it in turn. A
@@ -147,7 +147,7 @@ class DeepSpeedEngine:
                  micro_batch: int, zero_stage: int, precision: str, tensor_parallel: int = 1):
         import deepspeed
 
-        _keep_deepspeed_off_the_cpu_shm_op()
+        keep_deepspeed_off_the_cpu_shm_op()
         _, world, _ = rank_env()
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
         config: dict[str, Any] = {

@@ -43,6 +43,10 @@ def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
         args["ddp_backend"] = "nccl" if job.device == "cuda" else "gloo"
         if zero := zero_stage(how, job.world):
             args["deepspeed"] = deepspeed_config(zero)
+            if job.device == "cpu":
+                from compass.model.training.engines import keep_deepspeed_off_the_cpu_shm_op
+
+                keep_deepspeed_off_the_cpu_shm_op()  # its JIT build's lock, left by a killed rank, hangs later starts
     if tokens:
         args["include_num_input_tokens_seen"] = "non_padding"  # tokens trained on: the same on any number of ranks
     return args
