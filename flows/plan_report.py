@@ -123,7 +123,9 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
     mem_rows = []
     for z in range(4):
         m = costs.memory_per_gpu(spec, z)
-        mark = " (spec)" if z == how.parallelism.zero_stage else ""
+        mark = " (spec)" if z == how.parallelism.sharding_stage else ""
+        if z == 3 and how.parallelism.engine_name == "fsdp2":
+            mark = " / FSDP2 (spec)"
         fits = "yes" if m.total <= device else "NO"
         mem_rows.append([f"ZeRO-{z}{mark}", gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
                          gib(m.logits), gib(m.total), fits])

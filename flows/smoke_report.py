@@ -14,7 +14,8 @@ def exercised(step: Step, spec: TrainingSpec) -> str:
     """What running this step at smoke size proves about the real spec's step."""
     how, what = spec.how, spec.what
     par = how.parallelism
-    engine = (f"DeepSpeed ZeRO-{par.zero_stage}" if par.deepspeed else "torch") + (
+    engine = {"deepspeed": f"DeepSpeed ZeRO-{par.zero_stage}", "ddp": "torch",
+              "fsdp2": "FSDP2"}[par.engine_name] + (
         f" + AutoTP {par.tensor_parallel} on {par.tensor_parallel} gloo processes" if par.tensor_parallel > 1 else "")
     core = f"{engine}, attention {how.attention}, loss {how.loss}, checkpoints and resume"
     config = step.config

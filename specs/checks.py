@@ -324,21 +324,27 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if par.pipeline_parallel > 1:
         yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
                     "use data and tensor parallelism (with ZeRO) instead")
-    if par.tensor_parallel > 1 and not par.deepspeed:
+    if par.engine_name == "fsdp2" and par.tensor_parallel > 1:
+        yield Issue(("how", "parallelism", "tensor_parallel"), "FSDP2 trains data-parallel here; tensor parallelism "
+                    "runs on DeepSpeed's AutoTP", "use engine: deepspeed with tensor_parallel, or tensor_parallel: 1")
+    elif par.tensor_parallel > 1 and not par.deepspeed:
         yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism runs on DeepSpeed's AutoTP",
                     "set parallelism.deepspeed: true, or tensor_parallel: 1")
     if par.tensor_parallel > 1 and par.deepspeed and par.zero_stage == 3:
         yield Issue(("how", "parallelism", "zero_stage"), "DeepSpeed's AutoTP trains with ZeRO stages 0-2, not 3",
                     "use zero_stage: 1 or 2 with tensor parallelism (ZeRO-3 alone shards the weights too)")
-    if how.loss == "liger" and par.deepspeed and par.zero_stage == 3:
+    if how.loss == "liger" and par.sharding_stage == 3:
         yield Issue(("how", "loss"), "Liger's fused loss reads the whole output head outside the head's forward, "
-                    "where ZeRO-3 holds only this rank's shard of it",
+                    f"where {'FSDP2' if par.engine_name == 'fsdp2' else 'ZeRO-3'} holds only this rank's shard of it",
                     "use loss: chunked or auto (under ZeRO-3 compass recomputes the head inside its gathered "
                     "forward), or zero_stage: 2")
     if par.tensor_parallel > 1 and spec.what.architecture.family == "moe":
         yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism of MoE layers is not supported",
                     "use data parallelism with ZeRO for MoE models")
-    if not par.deepspeed and par.zero_stage:
+    if par.engine_name == "fsdp2" and par.zero_stage:
+        yield Issue(("how", "parallelism", "zero_stage"), "zero_stage is DeepSpeed's; FSDP2 shards parameters, "
+                    "gradients and optimizer states over the data-parallel ranks (as ZeRO-3)", "remove zero_stage")
+    elif not par.deepspeed and par.zero_stage:
         yield Issue(("how", "parallelism", "zero_stage"), "ZeRO needs deepspeed: true",
                     "set deepspeed: true or zero_stage: 0")
     hw = how.hardware

@@ -199,14 +199,14 @@ def training_memory(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], int
     micro-batch each stage trains with."""
     par = spec.how.parallelism
     out = [(("what", "pretraining", "stages", i, "sequence_length"), s.sequence_length,
-            memory_per_gpu(spec, par.zero_stage, s.sequence_length))
+            memory_per_gpu(spec, par.sharding_stage, s.sequence_length))
            for i, s in enumerate(spec.what.pretraining.stages)]
     out += [(("what", "long_context", "stages", i, "sequence_length"), s.sequence_length,
-             memory_per_gpu(spec, par.zero_stage, s.sequence_length, s.micro_batch_size, "long_context"))
+             memory_per_gpu(spec, par.sharding_stage, s.sequence_length, s.micro_batch_size, "long_context"))
             for i, s in enumerate(spec.what.long_context.stages)]
     context = reached_context(spec)
     out += [(("what", "post_training", i, "method"), context,
-             memory_per_gpu(spec, par.zero_stage, context, phase="mid_training"))
+             memory_per_gpu(spec, par.sharding_stage, context, phase="mid_training"))
             for i, s in enumerate(spec.what.post_training) if s.method == "mid_training"]
     return out
 

@@ -2,9 +2,9 @@
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from compass.specs.base import SpecModel
 
@@ -48,6 +48,11 @@ class Hardware(SpecModel):
 
 
 class Parallelism(SpecModel):
+    engine: Literal["deepspeed", "ddp", "fsdp2"] | None = Field(
+        default=None, description="What trains the pretraining-like phases: DeepSpeed (ZeRO 0-3, AutoTP), torch DDP, "
+        "or FSDP2 (torch's fully_shard per transformer block: parameters, gradients and optimizer states sharded "
+        "over the data-parallel ranks, checkpoints written by every rank with torch.distributed.checkpoint). "
+        "Default: deepspeed when `deepspeed` is true, else ddp.")
     deepspeed: bool = True
     zero_stage: Literal[0, 1, 2, 3] = 0
     data_parallel: PositiveInt = 1
@@ -55,6 +60,27 @@ class Parallelism(SpecModel):
     pipeline_parallel: PositiveInt = 1
     micro_batch_size: PositiveInt = 1
     activation_checkpointing: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_follows_the_engine(cls, data: Any) -> Any:
+        """`engine` decides `deepspeed` (what the rest of the spec reads); both written must agree."""
+        if not isinstance(data, dict) or data.get("engine") is None:
+            return data
+        wants = data["engine"] == "deepspeed"
+        if "deepspeed" in data and bool(data["deepspeed"]) != wants:
+            raise ValueError(f"engine {data['engine']} and deepspeed: {data['deepspeed']} disagree: remove deepspeed "
+                             "(the engine decides it)")
+        return {**data, "deepspeed": wants}
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine or ("deepspeed" if self.deepspeed else "ddp")
+
+    @property
+    def sharding_stage(self) -> int:
+        """What is sharded over data-parallel ranks, in ZeRO's terms: FSDP2 shards all three (as ZeRO-3)."""
+        return 3 if self.engine_name == "fsdp2" else self.zero_stage if self.deepspeed else 0
 
 
 class Storage(SpecModel):

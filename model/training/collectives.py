@@ -46,6 +46,15 @@ def init(backend: str, timeout_s: float | None = None) -> None:
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
 
 
+def group_of_one(backend: str) -> None:
+    """A process group of this process alone, for a library that needs one even on one rank (FSDP2's device mesh);
+    nothing when a group is open. Like the group DeepSpeed opens in-process, it stays open for the process."""
+    if not active():
+        from compass.infra.net import free_port
+
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
 def backend_device(backend: str | None = None) -> torch.device:
     """Where the group's collectives move tensors: this rank's GPU for NCCL, the CPU for gloo (or no group)."""
     backend = backend or (dist.get_backend() if active() else "gloo")
@@ -102,6 +111,12 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     moved = tensor.to(backend_device(), copy=True)
     dist.broadcast(moved, src)
     return moved.to(tensor.device)
+
+
+def side_group() -> Any:
+    """A gloo group of every rank beside the training group, for collectives off the training thread (DCP's
+    background checkpoint writes): the training group's collectives must stay in one order on every rank."""
+    return dist.new_group(backend="gloo") if active() else None
 
 
 def barrier() -> None:

@@ -37,6 +37,16 @@ class Engine(Protocol):
     def export_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
+def tensors_digest(tensors: Any) -> int:
+    """A short digest of the tensors' bytes (the start-of-run check compares it across ranks)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return int(h.hexdigest()[:12], 16)
+
+
 def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The Hugging Face model's own keys from the wrapper's state dict (`hf.` prefix dropped)."""
     return {k.removeprefix("hf."): v for k, v in state.items()}

@@ -13,7 +13,6 @@ host sync per optimizer step, and steps the optimizer; metrics, progress, monito
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import resource
@@ -53,7 +52,7 @@ from compass.model.training.callbacks import (
     StopWhenAsked,
 )
 from compass.model.training.collectives import rank_env
-from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine
+from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, tensors_digest
 from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
@@ -131,7 +130,7 @@ class Trainer:
         self.device = training_device(job.hardware.accelerator)
         cuda = self.device.type == "cuda"
         loss = resolve_loss(job.loss)  # `auto` picks liger where installed: not under ZeRO-3 (below)
-        if job.parallelism.deepspeed and job.parallelism.zero_stage == 3:
+        if job.parallelism.sharding_stage == 3:  # ZeRO-3 or FSDP2
             loss = "recomputed"  # the head's weight is whole only inside its own forward (liger: refused)
         self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
         self.sequence_lengths = attention.takes_sequence_lengths(self.attention)
@@ -184,6 +183,12 @@ class Trainer:
         # time out after DeepSpeed's 10 minutes, before the hang watchdog could say where each rank waits)
         backend = "gloo" if self.device.type == "cpu" else "nccl"
         collectives.init(backend, process_group_timeout_s(self.job.hang_timeout_s))
+        if par.engine_name == "fsdp2":
+            from compass.model.training.fsdp2 import FSDP2Engine
+
+            decay = recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay
+            return FSDP2Engine(lm.to(self.device), lambda hf: parameter_groups(hf, *decay), recipe.optimizer,
+                               self.accumulation, job.precision)  # groups of the sharded parameters
         if par.deepspeed:
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision, par.tensor_parallel)
@@ -262,7 +267,7 @@ class Trainer:
         self._dispatch("on_end")
         seq, gbs = self.stage.sequence_length, self.stage.global_batch_size
         masking = self.job.recipe.intra_document_masking
-        sharded = self.tp > 1 or (self.job.parallelism.deepspeed and self.job.parallelism.zero_stage == 3)
+        sharded = self.tp > 1 or self.job.parallelism.sharding_stage == 3  # ZeRO-3 or FSDP2
         scored = self.rank == 0 or sharded  # every rank holding shards joins each forward (gathers, TP collectives)
         val = {}
         if scored:
@@ -438,7 +443,9 @@ class Trainer:
     def _check_ranks(self, local: PackedBatch) -> str:
         """Before the first step: every rank's weights and batch against the others' (check_ranks) and, with
         tensor parallelism, the shards gathered against the initialisation every rank built whole."""
-        mine = torch.tensor([self.dp_rank, self.tp_rank, _digest(self.engine.module.state_dict().values()),
+        weights = getattr(self.engine, "initial_digest", None)  # FSDP2: of the whole model, before sharding
+        weights = _digest(self.engine.module.state_dict().values()) if weights is None else weights
+        mine = torch.tensor([self.dp_rank, self.tp_rank, weights,
                              _digest([local.input_ids])], dtype=torch.int64)
         everyone = collectives.all_gather(mine)  # on the backend's device: NCCL moves CUDA tensors only
         summary = check_ranks([tuple(int(x) for x in t) for t in everyone])
@@ -488,10 +495,7 @@ def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> Train
 
 
 def _digest(tensors) -> int:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return int(h.hexdigest()[:12], 16)
+    return tensors_digest(tensors)
 
 
 def state_digests(state: dict[str, torch.Tensor]) -> dict[str, int]:

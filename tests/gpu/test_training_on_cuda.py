@@ -43,3 +43,21 @@ def test_a_bf16_stage_trains_checkpoints_and_resumes_on_this_gpu(stage1_job, tmp
     again = train_stage(on_gpu(stage1_job(resumed, deepspeed=False)))
     assert again.resumed_from == 3
     assert losses(resumed)[-3:] == pytest.approx(losses(straight)[-3:], rel=2e-2)
+
+
+def test_fsdp2_trains_in_bf16_and_resumes_from_its_shards_on_this_gpu(stage1_job, tmp_path: Path):
+    """FSDP2 on one GPU: bf16 compute under its mixed-precision policy (fp32 master weights), DCP checkpoints, and a
+    resume that continues to the same losses."""
+    from compass.model.training.trainer import train_stage
+
+    fsdp2 = {"engine": "fsdp2", "deepspeed": False, "zero_stage": 0}
+    straight = tmp_path / "straight"
+    result = train_stage(on_gpu(stage1_job(straight, **fsdp2)))
+    assert result.setup.engine == "fsdp2" and result.setup.precision == "bf16" and result.steps == 6
+    assert (straight / "checkpoints" / "step-00000003" / "dcp" / ".metadata").exists()
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    again = train_stage(on_gpu(stage1_job(resumed, **fsdp2)))
+    assert again.resumed_from == 3
+    assert losses(resumed)[-3:] == pytest.approx(losses(straight)[-3:], rel=2e-2)

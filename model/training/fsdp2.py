@@ -1,0 +1,130 @@
+"""The FSDP2 engine (`how.parallelism.engine: fsdp2`): torch's `fully_shard` on every transformer block and on the
+whole model, so parameters, gradients and AdamW's states live sharded over the data-parallel ranks (what ZeRO-3
+shards), gathered block by block for the forward and backward. bf16 on GPUs is FSDP2's mixed-precision policy:
+bf16 compute, fp32 master weights and fp32 gradient reduction.
+
+Checkpoints are torch.distributed.checkpoint's: every rank writes its own shards, staged to host memory by
+`async_save` and written on a thread over a gloo group of their own (the training group goes on with the next step),
+into the checkpoint's temporary folder; the trainer commits the folder once every rank's files are on disk. A
+checkpoint holds shards with their global layout, so DCP can reshard it on load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compass.model.training import collectives
+from compass.model.training.checkpoints import Write, to_host
+from compass.specs.training import Optimizer
+
+SHARDS = "dcp"  # the checkpoint's sub-folder of DCP files (`__<rank>_<n>.distcp`, `.metadata`)
+EXTRA = "extra.pt"  # rank 0's trainer state (data positions, RNG, callbacks), as the torch engine keeps it
+
+
+class FSDP2Engine:
+    name = "fsdp2"
+
+    def __init__(self, model: torch.nn.Module, groups_of: Callable[[torch.nn.Module], list[dict]], opt: Optimizer,
+                 accumulation: int, precision: str):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        device = next(model.parameters()).device
+        collectives.group_of_one("nccl" if device.type == "cuda" else "gloo")  # the mesh needs a group, even of one
+        self.initial_digest = _whole_digest(model)  # before sharding: every rank built the same whole model
+        mesh = init_device_mesh(device.type, (collectives.world_size(),))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if precision == "bf16" and device.type == "cuda" else MixedPrecisionPolicy())
+        for block in model.hf.model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit
+        self.module = model
+        self.optimizer = torch.optim.AdamW(groups_of(model.hf), lr=opt.lr, betas=opt.betas, eps=opt.eps)
+        self.accumulation = accumulation
+        self.clip = opt.grad_clip
+        self.checkpoint_group = collectives.side_group()  # DCP's writes talk here, off the training thread
+        self.rank = collectives.rank_env()[0]
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()  # each backward reduce-scatters into the sharded gradients
+
+    def micro_step(self) -> None:
+        """Nothing between accumulation boundaries: the sharded gradients accumulate."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm: each rank's shards' norms combined (DTensor), as one tensor on every rank."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def step(self, lr: float, norm: torch.Tensor) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.clip > 0:
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]:
+        """Every rank's shards staged to host memory now and written by DCP's thread into `folder`/dcp; the
+        returned write waits for them (on the trainer's writer thread) and names this rank's files."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        shards = folder / SHARDS
+        pending = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(shards),
+                                 process_group=self.checkpoint_group)
+        kept = to_host(extra) if self.rank == 0 else None
+        rank = self.rank
+
+        def write(out: Path) -> list[Path]:
+            pending.result()
+            files = sorted((out / SHARDS).glob(f"__{rank}_*.distcp"))
+            if rank == 0:
+                torch.save(kept, out / EXTRA)
+                files += [out / SHARDS / ".metadata", out / EXTRA]
+            return files
+
+        return [write]
+
+    def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_state, **({"optimizer": optimizer_state} if load_optimizer else {})}
+        dcp.load(state, checkpoint_id=str(folder / SHARDS))  # each rank reads the shards it holds now
+        if load_optimizer:
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        else:
+            set_model_state_dict(self.module, state["model"])
+        return torch.load(folder / EXTRA, map_location="cpu", weights_only=False)
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0 (gathered from every rank's shards: every rank takes part)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from compass.model.training.engines import hf_state
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return hf_state(state)
+
+
+def _whole_digest(model: torch.nn.Module) -> int:
+    from compass.model.training.engines import tensors_digest
+
+    return tensors_digest(model.state_dict().values())

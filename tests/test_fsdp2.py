@@ -1,0 +1,70 @@
+"""The FSDP2 engine (`how.parallelism.engine: fsdp2`) on 2 CPU processes (gloo): torch's fully_shard per block trains
+like one DDP process over a whole stage (losses, gradient norms, held-out loss, exported weights), its checkpoints
+are torch.distributed.checkpoint shards written by every rank, and a kill -9 mid-run resumes bitwise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_tensor_parallel import final_weights, kill_tree, launch, losses
+
+FSDP2 = {"engine": "fsdp2", "deepspeed": False, "zero_stage": 0, "data_parallel": 2}
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_train_like_one_process_and_resume_bitwise(stage1_job, tmp_path: Path):
+    from compass.tasks.common.training import run_training
+
+    single = run_training(stage1_job(tmp_path / "ddp", deepspeed=False, zero_stage=0), logging.getLogger("test"))
+    sharded = run_training(stage1_job(tmp_path / "fsdp2", **FSDP2), logging.getLogger("test"))
+    assert sharded.setup.engine == "fsdp2" and "2 ranks (2 data-parallel" in sharded.rank_check
+    assert sharded.steps == single.steps >= 50
+    assert losses(tmp_path / "fsdp2") == pytest.approx(losses(tmp_path / "ddp"), rel=1e-4)
+    assert losses(tmp_path / "fsdp2", "grad_norm") == pytest.approx(losses(tmp_path / "ddp", "grad_norm"), rel=1e-3)
+    assert sharded.val_loss == pytest.approx(single.val_loss, rel=1e-4)  # every rank joined the gathered forwards
+    a, b = final_weights(tmp_path / "ddp"), final_weights(tmp_path / "fsdp2")  # the export gathers the shards
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-4 for k in a)
+    newest = sorted((tmp_path / "fsdp2" / "checkpoints").glob("step-*[0-9]"))[-1]
+    assert {p.name for p in (newest / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+
+    killed = tmp_path / "killed"
+    proc = launch(stage1_job(killed, **FSDP2), killed)
+    deadline = time.monotonic() + 600
+    while not (killed / "checkpoints" / "step-00000020" / "checksums.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "training ended before the kill"
+        time.sleep(0.05)
+    kill_tree(proc)
+    assert not (killed / "result.json").exists()
+    assert launch(stage1_job(killed, **FSDP2), killed).wait(600) == 0
+    resumed = json.loads((killed / "result.json").read_text())
+    assert 20 <= resumed["resumed_from"] < resumed["steps"]  # killed mid-run, resumed from DCP shards
+    straight, again = final_weights(tmp_path / "fsdp2"), final_weights(killed)
+    assert all(straight[k].equal(again[k]) for k in straight)  # bitwise
+    assert losses(killed)[-1] == losses(tmp_path / "fsdp2")[-1]
+
+
+def test_the_engine_decides_deepspeed_and_what_fsdp2_cannot_take_is_refused(tmp_path: Path):
+    from compass.specs.how import Parallelism
+    from compass.specs.loader import SpecError, load_spec
+    from tests.conftest import write_minimal_spec
+
+    assert Parallelism.model_validate({"engine": "fsdp2"}).deepspeed is False
+    assert Parallelism.model_validate({"engine": "fsdp2"}).sharding_stage == 3
+    assert Parallelism().engine_name == "deepspeed" and Parallelism(deepspeed=False).engine_name == "ddp"
+    for how, field, words in [
+        ("{engine: fsdp2, deepspeed: true}", "how.parallelism", "disagree"),
+        ("{engine: fsdp2, zero_stage: 2}", "how.parallelism.zero_stage", "zero_stage is DeepSpeed's"),
+        ("{engine: fsdp2, tensor_parallel: 2, data_parallel: 1}", "how.parallelism.tensor_parallel",
+         "FSDP2 trains data-parallel"),
+    ]:
+        folder = tmp_path / field.replace(".", "-") / str(len(how))
+        folder.mkdir(parents=True)
+        spec = write_minimal_spec(folder, **{"{micro_batch_size: 2}": how.replace("{", "{micro_batch_size: 2, ")})
+        with pytest.raises(SpecError) as refused:
+            load_spec(spec)
+        assert field in str(refused.value) and words in str(refused.value), str(refused.value)
