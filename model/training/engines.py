@@ -47,6 +47,18 @@ def tensors_digest(tensors: Any) -> int:
     return int(h.hexdigest()[:12], 16)
 
 
+def clipped_step(optimizer: torch.optim.Optimizer, module: torch.nn.Module, lr: float, clip: float,
+                 norm: torch.Tensor) -> None:
+    """One AdamW step at `lr`, gradients clipped to `clip` by the global `norm` already computed, then cleared."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if clip > 0:
+        params = [p for p in module.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The Hugging Face model's own keys from the wrapper's state dict (`hf.` prefix dropped)."""
     return {k.removeprefix("hf."): v for k, v in state.items()}
@@ -79,13 +91,7 @@ class TorchEngine:
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
     def step(self, lr: float, norm: torch.Tensor) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.clip > 0:
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        clipped_step(self.optimizer, self.module, lr, self.clip, norm)
 
     def discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -18,6 +18,7 @@ import torch
 
 from compass.model.training import collectives
 from compass.model.training.checkpoints import Write, to_host
+from compass.model.training.engines import clipped_step, hf_state, tensors_digest
 from compass.specs.training import Optimizer
 
 SHARDS = "dcp"  # the checkpoint's sub-folder of DCP files (`__<rank>_<n>.distcp`, `.metadata`)
@@ -66,13 +67,7 @@ class FSDP2Engine:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def step(self, lr: float, norm: torch.Tensor) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.clip > 0:
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        clipped_step(self.optimizer, self.module, lr, self.clip, norm)  # DTensor gradients, a plain norm
 
     def discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -118,13 +113,9 @@ class FSDP2Engine:
         """The whole model's weights on rank 0 (gathered from every rank's shards: every rank takes part)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from compass.model.training.engines import hf_state
-
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return hf_state(state)
 
 
 def _whole_digest(model: torch.nn.Module) -> int:
-    from compass.model.training.engines import tensors_digest
-
     return tensors_digest(model.state_dict().values())
