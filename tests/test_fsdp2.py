@@ -1,16 +1,21 @@
 """The FSDP2 engine (`how.parallelism.engine: fsdp2`) on 2 CPU processes (gloo): torch's fully_shard per block trains
 like one DDP process over a whole stage (losses, gradient norms, held-out loss, exported weights), its checkpoints
-are torch.distributed.checkpoint shards written by every rank, and a kill -9 mid-run resumes bitwise."""
+are torch.distributed.checkpoint shards written by every rank, a kill -9 mid-run resumes bitwise, and one rank
+resumes what two wrote."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from tests.test_tensor_parallel import final_weights, kill_tree, launch, losses
 
 FSDP2 = {"engine": "fsdp2", "deepspeed": False, "zero_stage": 0, "data_parallel": 2}
@@ -46,6 +51,29 @@ def test_two_fsdp2_ranks_train_like_one_process_and_resume_bitwise(stage1_job, t
     straight, again = final_weights(tmp_path / "fsdp2"), final_weights(killed)
     assert all(straight[k].equal(again[k]) for k in straight)  # bitwise
     assert losses(killed)[-1] == losses(tmp_path / "fsdp2")[-1]
+
+    # a checkpoint of 2 ranks resumed by 1 (a node lost): DCP reshards the weights and AdamW's states, the data
+    # positions are kept per row of the global batch, so the next steps are the 2 ranks' steps
+    mid = sorted((tmp_path / "fsdp2" / "checkpoints").glob("step-*[0-9]"))[0]
+    alone = tmp_path / "alone"
+    (alone / "checkpoints").mkdir(parents=True)
+    shutil.copytree(mid, alone / "checkpoints" / mid.name)
+    assert launch_ranks(stage1_job(alone, **{**FSDP2, "data_parallel": 1}), alone, ranks=1).wait(600) == 0
+    assert json.loads((alone / "result.json").read_text())["resumed_from"] == int(mid.name.split("-")[1])
+    two, one = losses(tmp_path / "fsdp2"), losses(alone)
+    assert one[0] == pytest.approx(two[len(two) - len(one)], rel=1e-4)  # the step after the checkpoint
+    assert one[-1] == pytest.approx(two[-1], rel=1e-3)
+
+
+def launch_ranks(job, workdir: Path, ranks: int) -> subprocess.Popen:
+    """The trainer under torchrun with `ranks` processes (a process of its own: no group left in the tests')."""
+    from compass.infra.net import free_port
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    job.write(workdir / "job.json")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                             "--master-port", str(free_port()), "-m", "compass.model.training.trainer",
+                             str(workdir / "job.json")], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def test_the_engine_decides_deepspeed_and_what_fsdp2_cannot_take_is_refused(tmp_path: Path):

@@ -49,10 +49,14 @@ def init(backend: str, timeout_s: float | None = None) -> None:
 def group_of_one(backend: str) -> None:
     """A process group of this process alone, for a library that needs one even on one rank (FSDP2's device mesh);
     nothing when a group is open. Like the group DeepSpeed opens in-process, it stays open for the process."""
-    if not active():
-        from compass.infra.net import free_port
+    if active():
+        return
+    if "MASTER_ADDR" in os.environ:  # a launcher's single rank: its rendezvous (torchrun's agent holds the store)
+        dist.init_process_group(backend=backend, rank=0, world_size=1)
+        return
+    from compass.infra.net import free_port
 
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def backend_device(backend: str | None = None) -> torch.device:
