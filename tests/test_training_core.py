@@ -253,7 +253,8 @@ def test_one_host_sync_per_optimizer_step_and_the_step_time_breakdown(stage1_job
         for name, fn in original.items():
             setattr(torch.Tensor, name, fn)
     assert result.steps == 3
-    assert reads == ["compass.model.training.trainer.tolist"] * 3, reads
+    per_step = [r for r in reads if not r.startswith("compass.model.training.export_check.")]  # once per export
+    assert per_step == ["compass.model.training.trainer.tolist"] * 3, reads
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert {"data_wait_s", "forward_backward_s", "optimizer_s", "checkpoint_s", "rss_mb"} <= set(row)
@@ -342,7 +343,7 @@ class LayerCalls(Callback):
         forward = mlp.forward
 
         def counted(*args, **kwargs):
-            self.calls += 1
+            self.calls += torch.is_grad_enabled()  # training forwards (not the export check's no-grad one)
             return forward(*args, **kwargs)
 
         mlp.forward = counted

@@ -53,6 +53,7 @@ from compass.model.training.callbacks import (
 )
 from compass.model.training.collectives import rank_env
 from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, tensors_digest
+from compass.model.training.export_check import check_export, probe_batch, trained_loss
 from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
@@ -146,6 +147,7 @@ class Trainer:
                                 self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
                                 owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
                                 masking=recipe.intra_document_masking)
+        self._probe = probe_batch(self.lm.hf.config.vocab_size, self.stage.sequence_length)  # the export check's
         self.callbacks = default_callbacks(job, self.parameters) + list(callbacks or [])
         self.writer = ckpt.CheckpointWriter(background=job.checkpoints.asynchronous)
         self.step = 0  # optimizer steps of this stage done so far
@@ -385,14 +387,29 @@ class Trainer:
                  "global_step": self.global_step, "engine": self.engine.name, "callbacks": self._callback_states()}
         writes = self.engine.snapshot(tmp, extra)
         exported = self.engine.export_state_dict() if export else {}  # collective at ZeRO-3: every rank joins
+        trained = self._probe_loss() if export else 0.0  # a forward every rank joins (sharded weights)
         if self.rank == 0 and export:
             state = ckpt.to_host(exported)
-            hf, tokenizer_dir = self.lm.hf, self.job.tokenizer_dir
-            writes.append(lambda out: export_hf(hf, state, tokenizer_dir, CheckpointFolder(out).hf))
+            hf, tokenizer_dir, probe, precision = self.lm.hf, self.job.tokenizer_dir, self._probe, self.job.precision
+
+            def write_export(out: Path) -> list[Path]:
+                folder = CheckpointFolder(out).hf
+                files = export_hf(hf, state, tokenizer_dir, folder)
+                got = check_export(folder, probe, trained, precision)
+                log.info("%s: the export scores %.6f on the fixed batch, the training model %.6f", out.name, got,
+                         trained)
+                return files
+
+            writes.append(write_export)
         self.writer.submit(writes, tmp, ckpt.commit_when_all_written(tmp, final, self.rank, self.world))
         self.written = final
         self.checkpoint_blocked_s += time.perf_counter() - start
         return final
+
+    def _probe_loss(self) -> float:
+        """The training model's loss on the export check's fixed batch, through its engine."""
+        return trained_loss(self.engine, self._probe.inputs(self.device, sequence_lengths=self.sequence_lengths),
+                            self._precision())
 
     def _callback_states(self) -> dict[str, Any]:
         """Each stateful callback's state, by class name (rank 0's: the callbacks decide alike on every rank)."""
