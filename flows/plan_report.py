@@ -133,7 +133,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
     sections.append(Section("Memory per GPU", ["stage", "weights", "grads", "optimizer", "activations", "logits",
                                                "total", f"fits {gib(device)}"], mem_rows,
                             [f"{how.precision}, DP={par.data_parallel}, TP={par.tensor_parallel}, micro-batch "
-                             f"{par.micro_batch_size}, activation checkpointing {par.activation_checkpointing}"]))
+                             f"{par.micro_batch_size}, activation checkpointing {par.activation_checkpointing}",
+                             sharding_advice(spec, device)]))
     library = costs.library_step_memory(spec)
     if library:
         rows = [[m.step, m.ranks, m.global_batch, f"{m.per_rank} = {m.micro_batch} x {m.per_rank // m.micro_batch}",
@@ -239,3 +240,18 @@ def print_sections(sections: list[Section], console: Any) -> None:
         for n in s.notes:
             console.print(f"  [dim]{n}[/dim]")
         console.print()
+
+
+def sharding_advice(spec: TrainingSpec, device: float) -> str:
+    """The playbook's rule (SmolLM3 kept ZeRO-0 at 384 GPUs: sharding costs throughput): the least sharding whose
+    memory fits the device, and how the spec's choice compares."""
+    fitting = [z for z in range(4) if costs.memory_per_gpu(spec, z).total <= device]
+    chosen = spec.how.parallelism.sharding_stage
+    if not fitting:
+        return ("no sharding fits: raise tensor_parallel, turn on activation_checkpointing or lower the micro-batch")
+    least = fitting[0]
+    name = {0: "no sharding (ZeRO-0 / DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 or FSDP2"}[least]
+    if chosen == least:
+        return f"recommended: {name}, the least sharding that fits; the spec's choice"
+    more = "more sharding than needed (costs throughput)" if chosen > least else "does not fit"
+    return f"recommended: {name}, the least sharding that fits; the spec's choice {more}"

@@ -96,3 +96,24 @@ def test_the_engine_decides_deepspeed_and_what_fsdp2_cannot_take_is_refused(tmp_
         with pytest.raises(SpecError) as refused:
             load_spec(spec)
         assert field in str(refused.value) and words in str(refused.value), str(refused.value)
+
+
+def test_the_plan_recommends_the_least_sharding_that_fits():
+    """The playbook's rule (SmolLM3 kept ZeRO-0 at 384 GPUs): shard only as much as memory needs."""
+    from compass.flows.plan_report import sharding_advice
+    from compass.specs import costs
+    from compass.specs.loader import load_spec
+    from tests.conftest import REPO
+
+    spec = load_spec(REPO / "tests" / "specs" / "minimal.yaml").spec
+    device = costs.device_memory_bytes(spec.how)
+    assert sharding_advice(spec, device) == ("recommended: no sharding (ZeRO-0 / DDP), the least sharding that fits; "
+                                             "the spec's choice")
+    fsdp2 = spec.how.parallelism.model_copy(update={"engine": "fsdp2", "deepspeed": False})
+    sharded = spec.model_copy(update={"how": spec.how.model_copy(update={"parallelism": fsdp2})})
+    assert sharding_advice(sharded, device).endswith("more sharding than needed (costs throughput)")
+    four = spec.how.parallelism.model_copy(update={"data_parallel": 4})  # 4 ranks to shard over
+    wide = spec.model_copy(update={"how": spec.how.model_copy(update={"parallelism": four})})
+    tight = costs.memory_per_gpu(wide, 3).total * 1.01  # only full sharding fits
+    advice = sharding_advice(wide, tight)
+    assert advice.startswith("recommended: ZeRO-3 or FSDP2") and advice.endswith("does not fit"), advice
