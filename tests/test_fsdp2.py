@@ -40,14 +40,26 @@ def test_two_fsdp2_ranks_train_like_one_process_and_resume_bitwise(stage1_job, t
     killed = tmp_path / "killed"
     proc = launch(stage1_job(killed, **FSDP2), killed)
     deadline = time.monotonic() + 600
-    while not (killed / "checkpoints" / "step-00000020" / "checksums.json").exists():
+    while not (killed / "checkpoints" / "step-00000020" / "checksums.json").exists():  # the 2nd checkpoint
         assert proc.poll() is None and time.monotonic() < deadline, "training ended before the kill"
         time.sleep(0.05)
     kill_tree(proc)
     assert not (killed / "result.json").exists()
+    newest = sorted((killed / "checkpoints").glob("step-*[0-9]"))[-1]
+    step = int(newest.name.split("-")[1])
+    # what a kill in the middle of DCP's background writes can leave: shards of a later step in its .tmp folder
+    # (never committed), or, had a rank's file been cut after the commit, a damaged committed one
+    torn = killed / "checkpoints" / f"step-{step + 3:08d}.tmp"
+    shutil.copytree(newest, torn)
+    (torn / "checksums.json").unlink()
+    damaged = killed / "checkpoints" / f"step-{step + 5:08d}"
+    shutil.copytree(newest, damaged)
+    shard = damaged / "dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     assert launch(stage1_job(killed, **FSDP2), killed).wait(600) == 0
     resumed = json.loads((killed / "result.json").read_text())
-    assert 20 <= resumed["resumed_from"] < resumed["steps"]  # killed mid-run, resumed from DCP shards
+    assert resumed["resumed_from"] == step < resumed["steps"]  # the newest whole checkpoint, nothing later
+    assert (killed / "checkpoints" / f"{damaged.name}.corrupt").exists()  # set aside, not taken
     straight, again = final_weights(tmp_path / "fsdp2"), final_weights(killed)
     assert all(straight[k].equal(again[k]) for k in straight)  # bitwise
     assert losses(killed)[-1] == losses(tmp_path / "fsdp2")[-1]
