@@ -129,3 +129,17 @@ def test_the_plan_recommends_the_least_sharding_that_fits():
     tight = costs.memory_per_gpu(wide, 3).total * 1.01  # only full sharding fits
     advice = sharding_advice(wide, tight)
     assert advice.startswith("recommended: ZeRO-3 or FSDP2") and advice.endswith("does not fit"), advice
+
+
+@pytest.mark.slow
+def test_fsdp2_composes_with_compile_and_activation_checkpointing(stage1_job, tmp_path: Path):
+    """torch.compile and activation checkpointing under FSDP2's hooks: the same losses as the eager run."""
+    runs = {"eager": {}, "compiled": {"compile": True}, "checkpointed": {"activation_checkpointing": True}}
+    for name, change in runs.items():
+        job = stage1_job(tmp_path / name, **{**FSDP2, **{k: v for k, v in change.items() if k != "compile"}})
+        recipe = job.recipe
+        short = recipe.model_copy(update={"stages": [recipe.stages[0].model_copy(update={"tokens": 6 * 4 * 64})]})
+        job = job.model_copy(update={"recipe": short, "compile": change.get("compile", False)})
+        assert launch_ranks(job, tmp_path / name, ranks=2).wait(900) == 0, name
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
+    assert losses(tmp_path / "checkpointed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
