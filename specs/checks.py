@@ -341,6 +341,12 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if par.tensor_parallel > 1 and spec.what.architecture.family == "moe":
         yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism of MoE layers is not supported",
                     "use data parallelism with ZeRO for MoE models")
+    if par.shard_group is not None and par.engine_name != "fsdp2":
+        yield Issue(("how", "parallelism", "shard_group"), f"shard_group is FSDP2's; the {par.engine_name} engine "
+                    "does not use it", "remove shard_group, or use engine: fsdp2")
+    elif par.shard_group is not None and par.data_parallel % par.shard_group:
+        yield Issue(("how", "parallelism", "shard_group"), f"{par.data_parallel} data-parallel ranks do not split "
+                    f"into shard groups of {par.shard_group}", "use a divisor of data_parallel (the GPUs of a node)")
     if par.engine_name == "fsdp2" and par.zero_stage:
         yield Issue(("how", "parallelism", "zero_stage"), "zero_stage is DeepSpeed's; FSDP2 shards parameters, "
                     "gradients and optimizer states over the data-parallel ranks (as ZeRO-3)", "remove zero_stage")

@@ -176,6 +176,8 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
     tp = par.tensor_parallel
     dp = par.data_parallel if phase == "pretraining" else how.data_parallel(phase)
     w_bytes, g_bytes, o_bytes = (4, 4, 8) if how.precision == "fp32" else (2, 2, 12)
+    if zero_stage == 3 and par.engine_name == "fsdp2":
+        dp = par.shard_ranks(dp)  # HSDP: one copy of the states per shard group
     weights = n * w_bytes / tp / (dp if zero_stage >= 3 else 1)
     grads = n * g_bytes / tp / (dp if zero_stage >= 2 else 1)
     optim = n * o_bytes / tp / (dp if zero_stage >= 1 else 1)

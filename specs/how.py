@@ -55,6 +55,10 @@ class Parallelism(SpecModel):
         "Default: deepspeed when `deepspeed` is true, else ddp.")
     deepspeed: bool = True
     zero_stage: Literal[0, 1, 2, 3] = 0
+    shard_group: PositiveInt | None = Field(
+        default=None, description="FSDP2 only: shard over groups of this many data-parallel ranks and replicate "
+        "across the groups (HSDP on a 2-D device mesh: set it to the GPUs of one node, so that the per-layer "
+        "gathers stay inside the node and only gradient all-reduces cross nodes). Default: shard over all ranks.")
     data_parallel: PositiveInt = 1
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
@@ -76,6 +80,10 @@ class Parallelism(SpecModel):
     @property
     def engine_name(self) -> str:
         return self.engine or ("deepspeed" if self.deepspeed else "ddp")
+
+    def shard_ranks(self, data_parallel: int) -> int:
+        """How many ranks one copy of the sharded states is spread over."""
+        return min(self.shard_group or data_parallel, data_parallel)
 
     @property
     def sharding_stage(self) -> int:

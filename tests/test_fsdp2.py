@@ -28,6 +28,7 @@ def test_two_fsdp2_ranks_train_like_one_process_and_resume_bitwise(stage1_job, t
     single = run_training(stage1_job(tmp_path / "ddp", deepspeed=False, zero_stage=0), logging.getLogger("test"))
     sharded = run_training(stage1_job(tmp_path / "fsdp2", **FSDP2), logging.getLogger("test"))
     assert sharded.setup.engine == "fsdp2" and "2 ranks (2 data-parallel" in sharded.rank_check
+    assert sharded.setup.sharding == "FSDP2 over 2 ranks"
     assert sharded.steps == single.steps >= 50
     assert losses(tmp_path / "fsdp2") == pytest.approx(losses(tmp_path / "ddp"), rel=1e-4)
     assert losses(tmp_path / "fsdp2", "grad_norm") == pytest.approx(losses(tmp_path / "ddp", "grad_norm"), rel=1e-3)
@@ -101,6 +102,8 @@ def test_the_engine_decides_deepspeed_and_what_fsdp2_cannot_take_is_refused(tmp_
         ("{engine: fsdp2, zero_stage: 2}", "how.parallelism.zero_stage", "zero_stage is DeepSpeed's"),
         ("{engine: fsdp2, tensor_parallel: 2, data_parallel: 1}", "how.parallelism.tensor_parallel",
          "FSDP2 trains data-parallel"),
+        ("{engine: deepspeed, shard_group: 2}", "how.parallelism.shard_group", "shard_group is FSDP2's"),
+        ("{engine: fsdp2, data_parallel: 3, shard_group: 2}", "how.parallelism.shard_group", "do not split"),
     ]:
         folder = tmp_path / field.replace(".", "-") / str(len(how))
         folder.mkdir(parents=True)
@@ -126,6 +129,9 @@ def test_the_plan_recommends_the_least_sharding_that_fits():
     assert sharding_advice(sharded, device).endswith("more sharding than needed (costs throughput)")
     four = spec.how.parallelism.model_copy(update={"data_parallel": 4})  # 4 ranks to shard over
     wide = spec.model_copy(update={"how": spec.how.model_copy(update={"parallelism": four})})
+    hsdp = wide.how.parallelism.model_copy(update={"engine": "fsdp2", "deepspeed": False, "shard_group": 2})
+    grouped = wide.model_copy(update={"how": wide.how.model_copy(update={"parallelism": hsdp})})
+    assert costs.memory_per_gpu(grouped, 3).weights == 2 * costs.memory_per_gpu(wide, 3).weights  # 2 shards, not 4
     tight = costs.memory_per_gpu(wide, 3).total * 1.01  # only full sharding fits
     advice = sharding_advice(wide, tight)
     assert advice.startswith("recommended: ZeRO-3 or FSDP2") and advice.endswith("does not fit"), advice
@@ -143,3 +149,30 @@ def test_fsdp2_composes_with_compile_and_activation_checkpointing(stage1_job, tm
         assert launch_ranks(job, tmp_path / name, ranks=2).wait(900) == 0, name
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
     assert losses(tmp_path / "checkpointed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_hsdp_shards_within_groups_and_replicates_across_them(stage1_job, tmp_path: Path):
+    """shard_group 2 on 4 ranks: a 2 x 2 mesh (2 replicas, each sharded over 2 ranks, as the GPUs of 2 nodes) trains
+    like one DDP process, and its checkpoint resumes on 2 ranks sharded as one group."""
+    def short(job):
+        recipe = job.recipe
+        stage = recipe.stages[0].model_copy(update={"tokens": 20 * 4 * 64})
+        return job.model_copy(update={"recipe": recipe.model_copy(update={"stages": [stage]})})
+
+    hsdp = {**FSDP2, "data_parallel": 4, "shard_group": 2, "micro_batch_size": 1}
+    assert launch_ranks(short(stage1_job(tmp_path / "ddp", deepspeed=False)), tmp_path / "ddp", 1).wait(900) == 0
+    assert launch_ranks(short(stage1_job(tmp_path / "hsdp", **hsdp)), tmp_path / "hsdp", 4).wait(900) == 0
+    assert losses(tmp_path / "hsdp") == pytest.approx(losses(tmp_path / "ddp"), rel=1e-4)
+    assert losses(tmp_path / "hsdp", "grad_norm") == pytest.approx(losses(tmp_path / "ddp", "grad_norm"), rel=1e-3)
+    result = json.loads((tmp_path / "hsdp" / "result.json").read_text())
+    assert "4 ranks (4 data-parallel" in result["rank_check"]
+    assert result["setup"]["sharding"] == "HSDP: 2 replicas x 2 shards"  # the engine's device mesh
+
+    first = sorted((tmp_path / "hsdp" / "checkpoints").glob("step-*[0-9]"))[0]
+    two = tmp_path / "two"
+    (two / "checkpoints").mkdir(parents=True)
+    shutil.copytree(first, two / "checkpoints" / first.name)
+    job = short(stage1_job(two, **{**FSDP2, "data_parallel": 2, "micro_batch_size": 1}))
+    assert launch_ranks(job, two, 2).wait(900) == 0
+    assert losses(two)[-1] == pytest.approx(losses(tmp_path / "hsdp")[-1], rel=1e-4)

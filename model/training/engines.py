@@ -25,6 +25,7 @@ class Engine(Protocol):
 
     name: str
     module: torch.nn.Module  # the bare CausalLMWithLoss (no DDP or DeepSpeed wrapper)
+    sharding: str  # how the training states are spread over the ranks, in words ("" for one whole copy each)
 
     def __call__(self, **inputs: Any) -> Any: ...
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -76,6 +77,7 @@ class TorchEngine:
         self.optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
         self.accumulation = accumulation
         self.clip = opt.grad_clip
+        self.sharding = ""  # every rank holds every state
 
     def __call__(self, **inputs):
         return self.model(**inputs)
@@ -186,6 +188,7 @@ class DeepSpeedEngine:
         self.module = self.engine.module
         self.zero_stage = zero_stage
         self.tensor_parallel = tensor_parallel
+        self.sharding = f"ZeRO-{zero_stage} over {world // tensor_parallel} data-parallel ranks" if zero_stage else ""
 
     def __call__(self, **inputs):
         return self.engine(**inputs)

@@ -1,6 +1,7 @@
 """The FSDP2 engine (`how.parallelism.engine: fsdp2`): torch's `fully_shard` on every transformer block and on the
 whole model, so parameters, gradients and AdamW's states live sharded over the data-parallel ranks (what ZeRO-3
-shards), gathered block by block for the forward and backward. bf16 on GPUs is FSDP2's mixed-precision policy:
+shards), gathered block by block for the forward and backward; with `shard_group`, sharded within groups of ranks
+and replicated across them (HSDP on a 2-D mesh). bf16 on GPUs is FSDP2's mixed-precision policy:
 bf16 compute, fp32 master weights and fp32 gradient reduction.
 
 Checkpoints are torch.distributed.checkpoint's: every rank writes its own shards, staged to host memory by
@@ -29,14 +30,19 @@ class FSDP2Engine:
     name = "fsdp2"
 
     def __init__(self, model: torch.nn.Module, groups_of: Callable[[torch.nn.Module], list[dict]], opt: Optimizer,
-                 accumulation: int, precision: str):
+                 accumulation: int, precision: str, shard_group: int | None = None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device = next(model.parameters()).device
         collectives.group_of_one("nccl" if device.type == "cuda" else "gloo")  # the mesh needs a group, even of one
         self.initial_digest = _whole_digest(model)  # before sharding: every rank built the same whole model
-        mesh = init_device_mesh(device.type, (collectives.world_size(),))
+        world = collectives.world_size()
+        shard = min(shard_group or world, world)
+        mesh = (init_device_mesh(device.type, (world,)) if shard == world else  # HSDP: replicate x shard
+                init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard")))
+        self.sharding = (f"FSDP2 over {world} ranks" if shard == world else
+                         f"HSDP: {world // shard} replicas x {shard} shards")
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if precision == "bf16" and device.type == "cuda" else MixedPrecisionPolicy())
         for block in model.hf.model.layers:

@@ -79,6 +79,7 @@ class TrainingSetup(BaseModel):
     compile: bool
     precision: str
     engine: str
+    sharding: str = ""  # how the engine spreads the states: "" (none), "ZeRO-2 over 4 ranks", "HSDP: 2 x 2", ...
     prefetch: int
     async_checkpoints: bool
     data_from: str  # "store", or the node-local cache the sources were staged into

@@ -139,7 +139,8 @@ class Trainer:
         self.parameters = sum(p.numel() for p in self.lm.parameters())  # whole: counted before any sharding
         self.engine = self._engine(self.lm)
         self.setup = TrainingSetup(attention=self.attention, loss=loss, compile=job.compile, precision=job.precision,
-                                   engine=self.engine.name, prefetch=job.prefetch,
+                                   engine=self.engine.name, sharding=self.engine.sharding,
+                                   prefetch=job.prefetch,
                                    async_checkpoints=job.checkpoints.asynchronous,
                                    data_from=str(job.staging.cache) if job.staging else "store")
         rows = range(self.dp_rank * gbs // self.dp, (self.dp_rank + 1) * gbs // self.dp)  # TP peers: the same rows
@@ -190,7 +191,7 @@ class Trainer:
 
             decay = recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay
             return FSDP2Engine(lm.to(self.device), lambda hf: parameter_groups(hf, *decay), recipe.optimizer,
-                               self.accumulation, job.precision)  # groups of the sharded parameters
+                               self.accumulation, job.precision, par.shard_group)  # groups of the sharded params
         if par.deepspeed:
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision, par.tensor_parallel)
