@@ -341,6 +341,9 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if par.tensor_parallel > 1 and spec.what.architecture.family == "moe":
         yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism of MoE layers is not supported",
                     "use data parallelism with ZeRO for MoE models")
+    if not par.reshard_after_forward and par.engine_name != "fsdp2":
+        yield Issue(("how", "parallelism", "reshard_after_forward"), "reshard_after_forward is FSDP2's; the "
+                    f"{par.engine_name} engine does not use it", "remove it, or use engine: fsdp2")
     if par.shard_group is not None and par.engine_name != "fsdp2":
         yield Issue(("how", "parallelism", "shard_group"), f"shard_group is FSDP2's; the {par.engine_name} engine "
                     "does not use it", "remove shard_group, or use engine: fsdp2")

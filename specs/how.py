@@ -65,6 +65,11 @@ class Parallelism(SpecModel):
     micro_batch_size: PositiveInt = 1
     activation_checkpointing: bool = False
 
+    reshard_after_forward: bool = Field(
+        default=True, description="FSDP2 only: free each block's gathered weights after its forward and gather them "
+        "again for the backward (less memory), or keep them until the backward (one gather less per block per "
+        "step, the memory of the whole model's weights).")
+
     @model_validator(mode="before")
     @classmethod
     def _deepspeed_follows_the_engine(cls, data: Any) -> Any:

@@ -103,6 +103,7 @@ def test_the_engine_decides_deepspeed_and_what_fsdp2_cannot_take_is_refused(tmp_
         ("{engine: fsdp2, tensor_parallel: 2, data_parallel: 1}", "how.parallelism.tensor_parallel",
          "FSDP2 trains data-parallel"),
         ("{engine: deepspeed, shard_group: 2}", "how.parallelism.shard_group", "shard_group is FSDP2's"),
+        ("{engine: ddp, reshard_after_forward: false}", "how.parallelism.reshard_after_forward", "is FSDP2's"),
         ("{engine: fsdp2, data_parallel: 3, shard_group: 2}", "how.parallelism.shard_group", "do not split"),
     ]:
         folder = tmp_path / field.replace(".", "-") / str(len(how))
@@ -139,8 +140,10 @@ def test_the_plan_recommends_the_least_sharding_that_fits():
 
 @pytest.mark.slow
 def test_fsdp2_composes_with_compile_and_activation_checkpointing(stage1_job, tmp_path: Path):
-    """torch.compile and activation checkpointing under FSDP2's hooks: the same losses as the eager run."""
-    runs = {"eager": {}, "compiled": {"compile": True}, "checkpointed": {"activation_checkpointing": True}}
+    """torch.compile, activation checkpointing and weights kept gathered between forward and backward
+    (reshard_after_forward: false) under FSDP2's hooks: the same losses as the eager run."""
+    runs = {"eager": {}, "compiled": {"compile": True}, "checkpointed": {"activation_checkpointing": True},
+            "kept": {"reshard_after_forward": False}}
     for name, change in runs.items():
         job = stage1_job(tmp_path / name, **{**FSDP2, **{k: v for k, v in change.items() if k != "compile"}})
         recipe = job.recipe
@@ -149,6 +152,7 @@ def test_fsdp2_composes_with_compile_and_activation_checkpointing(stage1_job, tm
         assert launch_ranks(job, tmp_path / name, ranks=2).wait(900) == 0, name
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
     assert losses(tmp_path / "checkpointed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
+    assert losses(tmp_path / "kept") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -176,3 +180,32 @@ def test_hsdp_shards_within_groups_and_replicates_across_them(stage1_job, tmp_pa
     job = short(stage1_job(two, **{**FSDP2, "data_parallel": 2, "micro_batch_size": 1}))
     assert launch_ranks(job, two, 2).wait(900) == 0
     assert losses(two)[-1] == pytest.approx(losses(tmp_path / "hsdp")[-1], rel=1e-4)
+
+
+KEPT_OR_FREED = """
+import sys, torch
+from torch.distributed.tensor import DTensor
+from compass.model.architecture import build_model, hf_config, parameter_groups
+from compass.model.lm import CausalLMWithLoss
+from compass.model.training.fsdp2 import FSDP2Engine
+from compass.model.training.packing import make_batch
+from compass.specs.architecture import Architecture
+from compass.specs.training import Optimizer
+import numpy as np
+
+arch = Architecture(num_layers=2, hidden_size=32, ffn_size=64, num_heads=4, num_kv_heads=2)
+lm = CausalLMWithLoss(build_model(hf_config(arch, 128, {"bos": 0, "eos": 0, "pad": 1}, 64), 3))
+engine = FSDP2Engine(lm, lambda hf: parameter_groups(hf, 0.1, False), Optimizer(lr=1e-3), 1, "fp32",
+                     reshard_after_forward=sys.argv[1] == "true")
+tokens = np.random.default_rng(0).integers(2, 128, (1, 16))
+loss, _ = engine(**make_batch(tokens, np.zeros_like(tokens)).inputs(torch.device("cpu")))
+print(isinstance(lm.hf.model.layers[0].self_attn.q_proj.weight, DTensor))
+"""
+
+
+@pytest.mark.parametrize(("reshard", "sharded_between"), [("true", "True"), ("false", "False")])
+def test_reshard_after_forward_decides_whether_a_block_stays_gathered_until_its_backward(reshard, sharded_between):
+    done = subprocess.run([sys.executable, "-c", KEPT_OR_FREED, reshard], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == sharded_between

@@ -30,7 +30,8 @@ class FSDP2Engine:
     name = "fsdp2"
 
     def __init__(self, model: torch.nn.Module, groups_of: Callable[[torch.nn.Module], list[dict]], opt: Optimizer,
-                 accumulation: int, precision: str, shard_group: int | None = None):
+                 accumulation: int, precision: str, shard_group: int | None = None,
+                 reshard_after_forward: bool = True):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -46,7 +47,7 @@ class FSDP2Engine:
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if precision == "bf16" and device.type == "cuda" else MixedPrecisionPolicy())
         for block in model.hf.model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit
         self.module = model
         self.optimizer = torch.optim.AdamW(groups_of(model.hf), lr=opt.lr, betas=opt.betas, eps=opt.eps)
