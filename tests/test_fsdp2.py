@@ -33,8 +33,9 @@ def test_two_fsdp2_ranks_train_like_one_process_and_resume_bitwise(stage1_job, t
     assert losses(tmp_path / "fsdp2") == pytest.approx(losses(tmp_path / "ddp"), rel=1e-4)
     assert losses(tmp_path / "fsdp2", "grad_norm") == pytest.approx(losses(tmp_path / "ddp", "grad_norm"), rel=1e-3)
     assert sharded.val_loss == pytest.approx(single.val_loss, rel=1e-4)  # every rank joined the gathered forwards
-    a, b = final_weights(tmp_path / "ddp"), final_weights(tmp_path / "fsdp2")  # the export gathers the shards
-    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-4 for k in a)
+    a, b = final_weights(tmp_path / "ddp"), final_weights(tmp_path / "fsdp2")  # written from the shards
+    assert set(a) - set(b) <= {"lm_head.weight"}  # a tied head is saved once, under the embeddings' name
+    assert all((a[k] - b[k]).abs().max() < 1e-4 for k in b)
     newest = sorted((tmp_path / "fsdp2" / "checkpoints").glob("step-*[0-9]"))[-1]
     assert {p.name for p in (newest / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp", ".metadata"}
 

@@ -21,7 +21,9 @@ from compass.specs.training import Optimizer
 
 class Engine(Protocol):
     """What the training loop needs from an engine: forward, backward with accumulation, a clipped optimizer
-    step at a given LR, and the whole training state snapshotted for a checkpoint or loaded from one."""
+    step at a given LR, and the whole training state snapshotted for a checkpoint or loaded from one. An export's
+    weights are either gathered on rank 0 (`export_state_dict`) or written by every rank from its shards
+    (`write_hf_weights` says whether the engine did)."""
 
     name: str
     module: torch.nn.Module  # the bare CausalLMWithLoss (no DDP or DeepSpeed wrapper)
@@ -36,6 +38,7 @@ class Engine(Protocol):
     def snapshot(self, folder: Path, extra: dict[str, Any]) -> list[Write]: ...
     def load(self, folder: Path, load_optimizer: bool = True) -> dict[str, Any]: ...
     def export_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def write_hf_weights(self, folder: Path) -> bool: ...
 
 
 def tensors_digest(tensors: Any) -> int:
@@ -119,6 +122,9 @@ class TorchEngine:
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         return hf_state(self.module.state_dict())
+
+    def write_hf_weights(self, folder: Path) -> bool:
+        return False  # every rank holds the whole model: rank 0 writes it from export_state_dict
 
 
 def keep_deepspeed_off_the_cpu_shm_op() -> None:
@@ -269,3 +275,6 @@ class DeepSpeedEngine:
         if self.zero_stage == 3 or self.tensor_parallel > 1:
             return hf_state(self.engine._consolidated_16bit_state_dict() or {})
         return hf_state(self.module.state_dict())
+
+    def write_hf_weights(self, folder: Path) -> bool:
+        return False  # DeepSpeed gathers for rank 0 (export_state_dict)

@@ -117,11 +117,33 @@ class FSDP2Engine:
         return torch.load(folder / EXTRA, map_location="cpu", weights_only=False)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on rank 0 (gathered from every rank's shards: every rank takes part)."""
+        """The whole model's weights on rank 0 (gathered from every rank's shards: every rank takes part); exports
+        use write_hf_weights instead."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return hf_state(state)
+
+
+    def write_hf_weights(self, folder: Path) -> bool:
+        """The export's weights written from the shards: every rank writes its own in safetensors through DCP's
+        Hugging Face writer, which consolidates them into one file; no rank holds the whole model. A collective."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = hf_state(get_model_state_dict(self.module))
+        if self.module.hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # one tensor under two names: saved once, as save_pretrained does
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True,
+                                                                enable_consolidation=True))
+        if self.rank == 0:  # the Hugging Face layout of one file
+            (folder / "model-00001-of-00001.safetensors").rename(folder / "model.safetensors")
+            (folder / "model.safetensors.index.json").unlink()
+            shutil.rmtree(folder / "sharded")
+        return True
 
 
 def _whole_digest(model: torch.nn.Module) -> int:

@@ -388,10 +388,11 @@ class Trainer:
         extra = {"packer": self._all_data_states(), "rng": ckpt.rng_state(), "stage_step": self.step,
                  "global_step": self.global_step, "engine": self.engine.name, "callbacks": self._callback_states()}
         writes = self.engine.snapshot(tmp, extra)
-        exported = self.engine.export_state_dict() if export else {}  # collective at ZeRO-3: every rank joins
+        sharded = export and self.engine.write_hf_weights(CheckpointFolder(tmp).hf)  # FSDP2: from every rank's shards
+        exported = self.engine.export_state_dict() if export and not sharded else {}  # ZeRO-3/TP: every rank joins
         trained = self._probe_loss() if export else 0.0  # a forward every rank joins (sharded weights)
         if self.rank == 0 and export:
-            state = ckpt.to_host(exported)
+            state = None if sharded else ckpt.to_host(exported)
             hf, tokenizer_dir, probe, precision = self.lm.hf, self.job.tokenizer_dir, self._probe, self.job.precision
 
             def write_export(out: Path) -> list[Path]:
@@ -549,16 +550,23 @@ def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor]
     return sorted(k for k, digest in initial.items() if k not in gathered or _digest([gathered[k]]) != digest)
 
 
-def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer_dir: Path, out: Path) -> list[Path]:
-    """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is. The tokenizer must be
-    complete where the rank runs: an export without it would load in nothing, so a missing file fails the step."""
+def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, tokenizer_dir: Path,
+              out: Path) -> list[Path]:
+    """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is; `state` None: the
+    weights are in `out` already (written from the shards). The tokenizer must be complete where the rank runs: an
+    export without it would load in nothing, so a missing file fails the step."""
     missing = [name for name in REQUIRED_TOKENIZER_FILES if not (tokenizer_dir / name).exists()]
     if missing:
         raise FileNotFoundError(f"the tokenizer at {tokenizer_dir} has no {', '.join(missing)} on "
                                 f"{socket.gethostname()}: the exported checkpoint would not load. Under a cluster the "
                                 "tokenizer must be under how.orchestration.cluster.shared_root, where every node sees "
                                 "it")
-    model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    if state is None:
+        model.config.save_pretrained(str(out))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(out))
+    else:
+        model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
