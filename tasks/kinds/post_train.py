@@ -152,6 +152,10 @@ def preference_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict
     cfg = ctx.config
     conversations = _conversations(ctx, seed=1, limit=cfg.max_samples)
     prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg.max_length - PAIR_TOKENS)
+    if not prompts:
+        raise ValueError(f"post_training {ctx.name}: none of the {len(conversations)} prompts drawn leaves "
+                         f"{PAIR_TOKENS} tokens for an answer within max_length {cfg.max_length}: raise max_length or "
+                         "max_samples")
     where = device_for(ctx.runtime.how)
     named = {"strong": cfg.pairs.strong, "weak": cfg.pairs.weak}
     answers = {role: answer_prompts(ModelArtifact(ctx.inputs[role].local()).final, prompts, where,
