@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from compass.infra.layout import WEIGHTS
 from compass.model.training import collectives
 from compass.model.training.checkpoints import Write, to_host
 from compass.model.training.engines import clipped_step, hf_state, tensors_digest
@@ -140,7 +141,7 @@ class FSDP2Engine:
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True,
                                                                 enable_consolidation=True))
         if self.rank == 0:  # the Hugging Face layout of one file
-            (folder / "model-00001-of-00001.safetensors").rename(folder / "model.safetensors")
+            (folder / "model-00001-of-00001.safetensors").rename(folder / WEIGHTS)
             (folder / "model.safetensors.index.json").unlink()
             shutil.rmtree(folder / "sharded")
         return True
