@@ -3,7 +3,7 @@ variant trains the demo architecture on the fixture corpus on 2 ranks (torchrun;
 node with --accelerator h100), the same global batch and steps; tokens/s is the median of the steps after warm-up
 from the trainer's own metrics (rank 0), peak memory the largest rank's max RSS (GPU memory on a GPU).
 
-    python benchmarks/engines.py [--steps 30] [--rounds 3] [--seq 256] [--ranks 2]
+    python benchmarks/engines.py [--steps 30] [--rounds 3] [--seq 256] [--ranks 2] [--accelerator h100]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ ENGINES = {
     "DeepSpeed ZeRO-2": {"engine": "deepspeed", "zero_stage": 2},
     "DeepSpeed ZeRO-3": {"engine": "deepspeed", "zero_stage": 3},
     "FSDP2": {"engine": "fsdp2"},
+    "FSDP2 + TP 2": {"engine": "fsdp2", "tensor_parallel": 2},
 }
 
 
@@ -38,11 +39,15 @@ def train(name: str, ctx: dict) -> tuple[float, float]:
 
     work = Path(tempfile.mkdtemp(prefix="compass-engines-", dir=ctx["work"]))
     demo = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec.what.architecture
+    tp = ENGINES[name].get("tensor_parallel", 1)
     parallelism = {"deepspeed": ENGINES[name]["engine"] == "deepspeed", "zero_stage": 0,
-                   "data_parallel": ctx["ranks"], **ENGINES[name]}
+                   "data_parallel": ctx["ranks"] // tp, **ENGINES[name]}
     job = fixture_job(Path(ctx["work"]), steps=ctx["steps"], seq=ctx["seq"], batch=2 * ctx["ranks"], micro=2,
                       architecture=demo.model_dump(), parallelism=parallelism, checkpoints={"every_steps": 10**9})
     job = job.model_copy(update={"workdir": work})
+    if ctx["accelerator"] != "cpu":  # NCCL, one rank per GPU, bf16
+        job = job.model_copy(update={"hardware": job.hardware.model_copy(update={"accelerator": ctx["accelerator"]}),
+                                     "precision": "bf16"})
     job.write(work / "job.json")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ctx["ranks"]),
                            "--master-port", str(free_port()), "-m", "compass.model.training.trainer",
@@ -61,6 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu", help="h100 on a GPU node: NCCL, one rank per GPU, bf16")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -69,12 +75,16 @@ def main() -> None:
         write_result(out, speed, peak_mib=peak)
         return
     work = Path(tempfile.mkdtemp(prefix="compass-engines-"))
-    ctx = {"work": str(work), "steps": args.steps, "seq": args.seq, "ranks": args.ranks}
+    ctx = {"work": str(work), "steps": args.steps, "seq": args.seq, "ranks": args.ranks,
+           "accelerator": args.accelerator}
     (work / "ctx.json").write_text(json.dumps(ctx))
     results = interleave({name: (lambda name=name: child(__file__, [name, str(work / "ctx.json")], cwd=REPO))
-                          for name in ENGINES}, args.rounds)
-    report(f"engines: the demo architecture, {args.ranks} ranks, seq {args.seq}, {args.steps} steps (CPU, gloo: "
-           "sharding's collectives cost what they cost here; rerun on a GPU node)", results, "DDP", "tokens/s")
+                          for name in ENGINES if args.ranks % ENGINES[name].get("tensor_parallel", 1) == 0},
+                         args.rounds)
+    where = ("CPU, gloo: sharding's collectives cost what they cost here; rerun on a GPU node"
+             if args.accelerator == "cpu" else f"{args.accelerator}, NCCL, bf16")
+    report(f"engines: the demo architecture, {args.ranks} ranks, seq {args.seq}, {args.steps} steps ({where})",
+           results, "DDP", "tokens/s")
 
 
 if __name__ == "__main__":

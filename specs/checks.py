@@ -324,12 +324,14 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if par.pipeline_parallel > 1:
         yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
                     "use data and tensor parallelism (with ZeRO) instead")
-    if par.engine_name == "fsdp2" and par.tensor_parallel > 1:
-        yield Issue(("how", "parallelism", "tensor_parallel"), "FSDP2 trains data-parallel here; tensor parallelism "
-                    "runs on DeepSpeed's AutoTP", "use engine: deepspeed with tensor_parallel, or tensor_parallel: 1")
-    elif par.tensor_parallel > 1 and not par.deepspeed:
-        yield Issue(("how", "parallelism", "tensor_parallel"), "tensor parallelism runs on DeepSpeed's AutoTP",
-                    "set parallelism.deepspeed: true, or tensor_parallel: 1")
+    if par.engine_name == "fsdp2" and par.tensor_parallel > 1 and arch.family == "moe":
+        yield Issue(("how", "parallelism", "tensor_parallel"), "FSDP2's tensor parallelism splits dense blocks: the "
+                    "experts of a moe architecture are not split", "use engine: deepspeed with tensor_parallel, or "
+                    "tensor_parallel: 1 (FSDP2 alone shards the experts over the data-parallel ranks)")
+    elif par.tensor_parallel > 1 and par.engine_name == "ddp":
+        yield Issue(("how", "parallelism", "tensor_parallel"), "DDP does not split layers: tensor parallelism runs on "
+                    "FSDP2's DTensor plans or DeepSpeed's AutoTP", "set parallelism.engine: fsdp2 (or deepspeed), or "
+                    "tensor_parallel: 1")
     if par.tensor_parallel > 1 and par.deepspeed and par.zero_stage == 3:
         yield Issue(("how", "parallelism", "zero_stage"), "DeepSpeed's AutoTP trains with ZeRO stages 0-2, not 3",
                     "use zero_stage: 1 or 2 with tensor parallelism (ZeRO-3 alone shards the weights too)")

@@ -184,10 +184,11 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
     seq = seq_len or max((s.sequence_length for s in spec.what.pretraining.stages), default=spec.what.trained_length)
     b, d, L = micro_batch or par.micro_batch_size, arch.hidden_size, arch.num_layers
     act_scale = 2 if how.precision == "fp32" else 1
-    if par.activation_checkpointing:
-        acts = (L * 2 * seq * b * d + 34 * seq * b * d) * act_scale / tp
-    else:
-        acts = L * 34 * seq * b * d * act_scale / tp
+    # a layer keeps 34 s*b*h bytes (Korthikanti et al.); tensor parallelism without sequence parallelism (AutoTP,
+    # FSDP2's plans here) splits the 24 of attention and MLP, the 10 of norms, residuals and dropout stay whole
+    layer = (10 + 24 / tp) * seq * b * d
+    kept = L * 2 * seq * b * d + layer if par.activation_checkpointing else L * layer  # inputs + one layer, or all
+    acts = kept * act_scale
     logits = min(seq * b, loss_chunk_tokens(vocab)) * vocab * 4 / tp  # fp32 logits of one loss chunk at a time
     return MemoryEstimate(zero_stage, weights, grads, optim, acts, logits)
 

@@ -71,3 +71,9 @@ def test_cached_rerun():
 def test_submission_overhead():
     out = bench("submission_overhead.py", "--rounds", "1", "--until", "ingest")
     assert "compass submit --watch" in out and "ratio" in out
+
+
+@pytest.mark.slow
+def test_engines():
+    out = bench("engines.py", "--steps", "6", "--seq", "64", "--rounds", "1")
+    assert "DeepSpeed ZeRO-3" in out and "FSDP2 + TP 2" in out and "ratio" in out

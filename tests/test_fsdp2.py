@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from tests.conftest import REPO
 from tests.test_tensor_parallel import final_weights, kill_tree, launch, losses
 
 FSDP2 = {"engine": "fsdp2", "deepspeed": False, "zero_stage": 0, "data_parallel": 2}
+MOE = {"positions: {kind: rope, rope_theta: 10000}": "positions: {kind: rope, rope_theta: 10000}\n    family: moe\n"
+       "    qk_norm: true\n    moe: {num_experts: 4, experts_per_token: 2, expert_ffn_size: 32}"}
 
 
 @pytest.mark.slow
@@ -101,15 +104,16 @@ def test_the_engine_decides_deepspeed_and_what_fsdp2_cannot_take_is_refused(tmp_
     for how, field, words in [
         ("{engine: fsdp2, deepspeed: true}", "how.parallelism", "disagree"),
         ("{engine: fsdp2, zero_stage: 2}", "how.parallelism.zero_stage", "zero_stage is DeepSpeed's"),
-        ("{engine: fsdp2, tensor_parallel: 2, data_parallel: 1}", "how.parallelism.tensor_parallel",
-         "FSDP2 trains data-parallel"),
         ("{engine: deepspeed, shard_group: 2}", "how.parallelism.shard_group", "shard_group is FSDP2's"),
         ("{engine: ddp, reshard_after_forward: false}", "how.parallelism.reshard_after_forward", "is FSDP2's"),
         ("{engine: fsdp2, data_parallel: 3, shard_group: 2}", "how.parallelism.shard_group", "do not split"),
+        ("{engine: fsdp2, tensor_parallel: 2, data_parallel: 1}", "how.parallelism.tensor_parallel",
+         "the experts of a moe architecture are not split"),
     ]:
         folder = tmp_path / field.replace(".", "-") / str(len(how))
         folder.mkdir(parents=True)
-        spec = write_minimal_spec(folder, **{"{micro_batch_size: 2}": how.replace("{", "{micro_batch_size: 2, ")})
+        spec = write_minimal_spec(folder, **{"{micro_batch_size: 2}": how.replace("{", "{micro_batch_size: 2, ")},
+                                  **(MOE if "moe" in words else {}))
         with pytest.raises(SpecError) as refused:
             load_spec(spec)
         assert field in str(refused.value) and words in str(refused.value), str(refused.value)
@@ -174,13 +178,19 @@ def test_hsdp_shards_within_groups_and_replicates_across_them(stage1_job, tmp_pa
     assert "4 ranks (4 data-parallel" in result["rank_check"]
     assert result["setup"]["sharding"] == "HSDP: 2 replicas x 2 shards"  # the engine's device mesh
 
-    first = sorted((tmp_path / "hsdp" / "checkpoints").glob("step-*[0-9]"))[0]
-    two = tmp_path / "two"
-    (two / "checkpoints").mkdir(parents=True)
-    shutil.copytree(first, two / "checkpoints" / first.name)
-    job = short(stage1_job(two, **{**FSDP2, "data_parallel": 2, "micro_batch_size": 1}))
-    assert launch_ranks(job, two, 2).wait(900) == 0
+    two = resume_first_checkpoint(tmp_path / "hsdp", tmp_path / "two", 2,
+                                  lambda folder: short(stage1_job(folder, **{**FSDP2, "micro_batch_size": 1})))
     assert losses(two)[-1] == pytest.approx(losses(tmp_path / "hsdp")[-1], rel=1e-4)
+
+
+def resume_first_checkpoint(run: Path, folder: Path, ranks: int, job_in: Callable[[Path], object]) -> Path:
+    """`folder` holding only the first checkpoint of `run`, trained to the end on `ranks` ranks from it."""
+    first = sorted((run / "checkpoints").glob("step-*[0-9]"))[0]
+    (folder / "checkpoints").mkdir(parents=True)
+    shutil.copytree(first, folder / "checkpoints" / first.name)
+    assert launch_ranks(job_in(folder), folder, ranks).wait(900) == 0
+    assert json.loads((folder / "result.json").read_text())["resumed_from"] == int(first.name.split("-")[1])
+    return folder
 
 
 KEPT_OR_FREED = """

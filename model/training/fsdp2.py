@@ -1,8 +1,9 @@
 """The FSDP2 engine (`how.parallelism.engine: fsdp2`): torch's `fully_shard` on every transformer block and on the
 whole model, so parameters, gradients and AdamW's states live sharded over the data-parallel ranks (what ZeRO-3
 shards), gathered block by block for the forward and backward; with `shard_group`, sharded within groups of ranks
-and replicated across them (HSDP on a 2-D mesh). bf16 on GPUs is FSDP2's mixed-precision policy:
-bf16 compute, fp32 master weights and fp32 gradient reduction.
+and replicated across them (HSDP on a 2-D mesh); with `tensor_parallel`, every block's projections split over
+groups of adjacent ranks first (DTensor, tensor_plan.py) and those slices sharded over the data-parallel ranks.
+bf16 on GPUs is FSDP2's mixed-precision policy: bf16 compute, fp32 master weights and fp32 gradient reduction.
 
 Checkpoints are torch.distributed.checkpoint's: every rank writes its own shards, staged to host memory by
 `async_save` and written on a thread over a gloo group of their own (the training group goes on with the next step),
@@ -32,26 +33,25 @@ class FSDP2Engine:
 
     def __init__(self, model: torch.nn.Module, groups_of: Callable[[torch.nn.Module], list[dict]], opt: Optimizer,
                  accumulation: int, precision: str, shard_group: int | None = None,
-                 reshard_after_forward: bool = True):
-        from torch.distributed.device_mesh import init_device_mesh
+                 reshard_after_forward: bool = True, tensor_parallel: int = 1):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device = next(model.parameters()).device
         collectives.group_of_one("nccl" if device.type == "cuda" else "gloo")  # the mesh needs a group, even of one
-        self.initial_digest = _whole_digest(model)  # before sharding: every rank built the same whole model
-        world = collectives.world_size()
-        shard = min(shard_group or world, world)
-        mesh = (init_device_mesh(device.type, (world,)) if shard == world else  # HSDP: replicate x shard
-                init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard")))
-        self.sharding = (f"FSDP2 over {world} ranks" if shard == world else
-                         f"HSDP: {world // shard} replicas x {shard} shards")
+        mesh, data_mesh, self.sharding = _meshes(device.type, collectives.world_size(), shard_group, tensor_parallel)
+        if tensor_parallel > 1:
+            from compass.model.training.tensor_plan import parallelize_blocks
+
+            parallelize_blocks(model.hf, mesh["tp"])
+        self.initial_digest = _whole_digest(model)  # before sharding: every rank of a TP rank's column built it
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if precision == "bf16" and device.type == "cuda" else MixedPrecisionPolicy())
         for block in model.hf.model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit
+            fully_shard(block, mesh=data_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=data_mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit
         self.module = model
-        self.optimizer = torch.optim.AdamW(groups_of(model.hf), lr=opt.lr, betas=opt.betas, eps=opt.eps)
+        self.optimizer = torch.optim.AdamW(_one_mesh_each(groups_of(model.hf)), lr=opt.lr, betas=opt.betas,
+                                           eps=opt.eps)
         self.accumulation = accumulation
         self.clip = opt.grad_clip
         self.checkpoint_group = collectives.side_group()  # DCP's writes talk here, off the training thread
@@ -67,12 +67,17 @@ class FSDP2Engine:
         """Nothing between accumulation boundaries: the sharded gradients accumulate."""
 
     def grad_norm(self) -> torch.Tensor:
-        """The global norm: each rank's shards' norms combined (DTensor), as one tensor on every rank."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
+        """The global norm, as one tensor on every rank: each mesh's gradients (the data-parallel shards, and with
+        tensor parallelism the block projections' 2-D shards) combined by DTensor, then the meshes' norms."""
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        if not by_mesh:
             return torch.zeros(())
-        norm = torch.nn.utils.get_total_norm(grads)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        return torch.linalg.vector_norm(torch.stack(norms))
 
     def step(self, lr: float, norm: torch.Tensor) -> None:
         clipped_step(self.optimizer, self.module, lr, self.clip, norm)  # DTensor gradients, a plain norm
@@ -147,5 +152,36 @@ class FSDP2Engine:
         return True
 
 
+def _meshes(device: str, world: int, shard_group: int | None, tensor_parallel: int):
+    """(the whole device mesh, its data-parallel part FSDP2 shards over, the sharding in words). Ranks are laid out
+    as the trainer reads data: tensor-parallel peers adjacent (rank = data-parallel rank x TP + TP rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    data = world // tensor_parallel
+    shard = min(shard_group or data, data)
+    dims, names = ((data // shard, shard), ("replicate", "shard")) if shard < data else ((data,), ("shard",))
+    if tensor_parallel > 1:
+        dims, names = (*dims, tensor_parallel), (*names, "tp")
+    mesh = init_device_mesh(device, dims, mesh_dim_names=names)
+    data_mesh = mesh if tensor_parallel == 1 else mesh[names[0]] if len(names) == 2 else mesh[names[:-1]]
+    words = f"FSDP2 over {data} ranks" if shard == data else f"HSDP: {data // shard} replicas x {shard} shards"
+    return mesh, data_mesh, words + (f", tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else "")
+
+
+def _one_mesh_each(groups: list[dict]) -> list[dict]:
+    """The parameter groups split by device mesh (with tensor parallelism, the block projections' 2-D mesh and the
+    data-parallel mesh of the rest): AdamW's foreach kernels take one group's tensors at once, of one mesh."""
+    split = []
+    for group in groups:
+        by_mesh: dict[object, list] = {}
+        for p in group["params"]:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        split += [{**group, "params": params} for params in by_mesh.values()]
+    return split
+
+
 def _whole_digest(model: torch.nn.Module) -> int:
-    return tensors_digest(model.state_dict().values())
+    """Of this rank's weights (its tensor-parallel slices where the model is split)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensors_digest(v.to_local() if isinstance(v, DTensor) else v for v in model.state_dict().values())

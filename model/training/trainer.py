@@ -192,7 +192,7 @@ class Trainer:
             decay = recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay
             return FSDP2Engine(lm.to(self.device), lambda hf: parameter_groups(hf, *decay), recipe.optimizer,
                                self.accumulation, job.precision, par.shard_group,
-                               par.reshard_after_forward)  # the groups are of the sharded parameters
+                               par.reshard_after_forward, par.tensor_parallel)  # groups of the sharded parameters
         if par.deepspeed:
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision, par.tensor_parallel)

@@ -24,6 +24,14 @@ def gpus() -> int:
     return torch.cuda.device_count()
 
 
+def on_gpus(job):
+    """The job on 2 GPUs of this node."""
+    if gpus() < 2:
+        pytest.skip("tensor parallelism over NCCL needs 2 GPUs on this node")
+    return job.model_copy(update={"hardware": job.hardware.model_copy(update={"accelerator": "h100",
+                                                                               "devices_per_node": 2})})
+
+
 def test_preflight_measures_every_gpu_of_this_node_on_nccl(tmp_path: Path):
     n = gpus()
     spec = write_minimal_spec(tmp_path, **{"how:\n": f"how:\n  hardware: {{accelerator: h100, devices_per_node: {n}}}\n"
@@ -45,17 +53,26 @@ def test_preflight_measures_every_gpu_of_this_node_on_nccl(tmp_path: Path):
 def test_tensor_parallel_2_on_nccl_trains_like_one_gpu(stage1_job, tmp_path: Path):
     from compass.tasks.common.training import run_training
 
-    if gpus() < 2:
-        pytest.skip("tensor parallelism over NCCL needs 2 GPUs on this node")
-
-    def on_gpus(job):
-        return job.model_copy(update={"hardware": job.hardware.model_copy(update={"accelerator": "h100",
-                                                                                   "devices_per_node": 2})})
-
     one = run_training(on_gpus(stage1_job(tmp_path / "tp1", deepspeed=True, zero_stage=1)), logging.getLogger("t"))
     two = run_training(on_gpus(stage1_job(tmp_path / "tp2", deepspeed=True, zero_stage=1, tensor_parallel=2)),
                        logging.getLogger("t"))
     assert "2 tensor-parallel" in two.rank_check and all(r.device.startswith("cuda") for r in two.ranks)
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+              for d in ("tp1", "tp2")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert two.val_loss == pytest.approx(one.val_loss, rel=1e-3)
+
+
+def test_fsdp2_with_tensor_parallel_2_on_nccl_trains_like_fsdp2_alone(stage1_job, tmp_path: Path):
+    """FSDP2's DTensor plans over NCCL (2 GPUs, fp32 so that the comparison is tight): TP 2 follows TP 1."""
+    from compass.tasks.common.training import run_training
+
+    fsdp2 = {"engine": "fsdp2", "deepspeed": False, "zero_stage": 0}
+    one = run_training(on_gpus(stage1_job(tmp_path / "tp1", **fsdp2, data_parallel=2)), logging.getLogger("t"))
+    two = run_training(on_gpus(stage1_job(tmp_path / "tp2", **fsdp2, data_parallel=1, tensor_parallel=2)),
+                       logging.getLogger("t"))
+    assert "2 tensor-parallel" in two.rank_check and two.setup.sharding.endswith("tensor-parallel 2")
+    assert all(r.device.startswith("cuda") for r in two.ranks)
     losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
               for d in ("tp1", "tp2")]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3)
