@@ -19,6 +19,7 @@ from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, Ste
 from compass.tasks.steps.placement import phase
 
 BATCH = 256
+BATCH_CHARS = 1 << 23  # 8M characters
 
 
 def tokens_of(plan: PlanBuilder, source: str) -> str:
@@ -41,32 +42,47 @@ def _texts(folder: Path) -> Iterator[str]:
                 yield json.loads(line)["text"]
 
 
-def _ids(tok, texts: Iterator[str]) -> Iterator[list[int]]:
+def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
+    """Texts in batches of at most BATCH documents and about BATCH_CHARS characters: what is held at once."""
     batch: list[str] = []
-    for text in [*texts, None]:
-        if text is not None:
-            batch.append(text)
-        if batch and (text is None or len(batch) == BATCH):
-            yield from (enc.ids for enc in tok.encode_batch(batch))
-            batch = []
+    chars = 0
+    for text in texts:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) == BATCH or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
-def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
+def _ids(tok, texts: Iterator[str]) -> Iterator[list[int]]:
+    for batch in _batches(texts):  # encoded in parallel by the tokenizer's threads, without character offsets
+        yield from (enc.ids for enc in tok.encode_batch_fast(batch))
+
+
+def tokenize_curated(tokenizer: Path, curated: CuratedArtifact, out: Path) -> dict[str, int]:
+    """Every split of a curated source into token files in `out`, streamed: memory is one batch of documents and
+    one block of tokens whatever the source's size. Returns documents and tokens per split."""
     from tokenizers import Tokenizer
 
     from compass.model.training.token_files import token_dtype, write_meta, write_split
 
-    tok_dir = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
-    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    eos = tokenizer_ids(tok_dir).eos
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    eos = tokenizer_ids(tokenizer).eos
     dtype = token_dtype(tok.get_vocab_size())
-    curated = CuratedArtifact(ctx.inputs["curated"].local())
-    metrics: dict[str, int] = {}
+    counts: dict[str, int] = {}
     for split in SPLITS:
-        documents, tokens = write_split(ctx.out, split, _ids(tok, _texts(curated.split(split))), eos, dtype)
-        metrics[f"{split}_documents"] = documents
-        metrics[f"{split}_tokens"] = tokens
-    write_meta(ctx.out, dtype, eos, tok.get_vocab_size())
+        documents, tokens = write_split(out, split, _ids(tok, _texts(curated.split(split))), eos, dtype)
+        counts[f"{split}_documents"] = documents
+        counts[f"{split}_tokens"] = tokens
+    write_meta(out, dtype, eos, tok.get_vocab_size())
+    return counts
+
+
+def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
+    tokenizer = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
+    metrics = tokenize_curated(tokenizer, CuratedArtifact(ctx.inputs["curated"].local()), ctx.out)
     summary = (f"### tokenize `{ctx.name}`\n\n{metrics['train_tokens']:,} training tokens in "
                f"{metrics['train_documents']:,} documents; {metrics['heldout_tokens']:,} held-out tokens")
     return StepResult(metrics=metrics, summary=summary)

@@ -24,6 +24,7 @@ from compass.tasks.steps.placement import phase
 STEP_ID = "tokenizer:select"
 _CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
 _HAS_ALNUM = re.compile(r"\w")
+SAMPLED_SHARDS = 64  # shards a source's sample is drawn from, spread over all of them
 
 
 class TokenizerConfig(Tokenizer, StepConfig):
@@ -94,7 +95,8 @@ def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
 
     cfg = ctx.config
     curated = ctx.inputs_with_prefix("curated:")
-    train_docs = list(_balanced(curated, TRAIN, cfg.train_chars))
+    trains = any(cand.kind == "bpe" for cand in cfg.candidates)  # only a trained candidate reads training text
+    train_docs = list(_balanced(curated, TRAIN, cfg.train_chars)) if trains else []
     heldout = _heldout_by_group(curated, cfg.eval_chars)
     if not heldout:
         raise ValueError("no held-out documents: raise curation.heldout_fraction on some source")
@@ -158,11 +160,27 @@ def _group_of(meta: dict) -> str:
 
 
 def _read(folder: Path) -> Iterator[Doc]:
-    for shard in sorted(folder.glob("*.jsonl.gz")):
-        with gzip.open(shard, "rt", encoding="utf-8") as f:
-            for line in f:
-                d = json.loads(line)
-                yield Doc(d["text"], _group_of(d.get("metadata", {})))
+    """A source's documents drawn across its shards: round-robin over up to SAMPLED_SHARDS shards spread evenly
+    over the shard list, so a sample of a few million characters sees the whole source, not its first shard, and
+    opens a bounded number of files whatever the shard count."""
+    shards = sorted(folder.glob("*.jsonl.gz"))
+    if len(shards) > SAMPLED_SHARDS:
+        shards = [shards[i * len(shards) // SAMPLED_SHARDS] for i in range(SAMPLED_SHARDS)]
+    streams = [_documents(shard) for shard in shards]
+    while streams:
+        for stream in list(streams):
+            doc = next(stream, None)
+            if doc is None:
+                streams.remove(stream)
+            else:
+                yield doc
+
+
+def _documents(shard: Path) -> Iterator[Doc]:
+    with gzip.open(shard, "rt", encoding="utf-8") as f:
+        for line in f:
+            d = json.loads(line)
+            yield Doc(d["text"], _group_of(d.get("metadata", {})))
 
 
 def _balanced(curated: dict, split: str, budget: int) -> Iterator[Doc]:
@@ -180,13 +198,19 @@ def _balanced(curated: dict, split: str, budget: int) -> Iterator[Doc]:
 
 
 def _heldout_by_group(curated: dict, budget: int) -> dict[str, list[str]]:
+    """Up to `budget` characters of held-out text per language/domain group; a source is read only until every
+    group it has shown is full."""
     groups: dict[str, list[str]] = {}
     used: dict[str, int] = {}
     for _, art in sorted(curated.items()):
+        seen: set[str] = set()
         for doc in _read(CuratedArtifact(art.local()).split(HELDOUT)):
+            seen.add(doc.group)
             if used.get(doc.group, 0) < budget:
                 groups.setdefault(doc.group, []).append(doc.text)
                 used[doc.group] = used.get(doc.group, 0) + len(doc.text)
+            elif all(used.get(g, 0) >= budget for g in seen):
+                break
     return groups
 
 
@@ -250,7 +274,7 @@ def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
             "words": n_words, "tokens": n_tokens}
 
 
-KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="1", resources=phase("data"),
+KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="2", resources=phase("data"),
                 tags=("tokenizer",),
                 imports=TRANSFORMERS, check_machine=check_machine)
 STEP_KINDS = (KIND,)
