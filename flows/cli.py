@@ -63,13 +63,15 @@ def plan(spec: SpecArg,
         except (OSError, ValueError, KeyError, TypeError) as exc:
             err.print(f"{preflight}: not a readable `compass preflight --json` report ({exc})", markup=False)
             raise typer.Exit(EXIT_BAD_INPUT) from None
+    from compass.flows.mixture_report import consumption_section, source_sizes
     from compass.flows.plan_report import cost_sections, dag_section, print_sections
     from compass.flows.plan_status import plan_status
     from compass.infra.store import Store
 
     target = Store(store_root(checked, store))
     statuses = plan_status(checked.plan, target)
-    sections = [dag_section(checked.plan, statuses, target.root), *cost_sections(loaded.spec, tflops)]
+    sections = [dag_section(checked.plan, statuses, target.root), *cost_sections(loaded.spec, tflops),
+                consumption_section(loaded.spec, source_sizes(checked.plan, statuses, target))]
     if as_json:
         print(json.dumps({"spec": loaded.spec.name, "spec_hash": loaded.spec_hash,
                           "sections": [{"title": s.title, "columns": s.columns, "rows": s.rows, "notes": s.notes}

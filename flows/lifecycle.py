@@ -20,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from compass.flows.compiler import Plan
 from compass.flows.confinement import allowed_roots, outside_roots
+from compass.flows.mixture_report import consumption_section, source_sizes
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step
@@ -218,7 +219,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     create_markdown_artifact(
         key=artifact_key(spec.name, "plan"),
         markdown=f"## compass plan: {spec.name}\n\nspec hash `{loaded.spec_hash[:16]}`, store `{store.root}`\n\n"
-                 + to_markdown([dag_section(full, statuses, store.root), *cost_sections(spec)]),
+                 + to_markdown([dag_section(full, statuses, store.root), *cost_sections(spec),
+                                consumption_section(spec, source_sizes(full, statuses, store))]),
         description=f"plan of {spec.name}")
     left_out = [s.id for s in full.steps if s.id not in plan.fingerprints]
     if left_out:

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -117,6 +118,25 @@ class Store:
         """One file of an artifact."""
         with self.fs.open(f"{self._path(uri)}/{relative}", "rb") as f:
             return f.read()
+
+    def folder_url(self, uri: str, under: str) -> str:
+        """A committed artifact's sub-folder as a URL a library reads directly (a local path, or s3://...)."""
+        return f"{self._path(uri)}/{under}" if not self.is_remote else f"{uri.rstrip('/')}/{under}"
+
+    @contextmanager
+    def open_committed(self, uri: str, entry: FileEntry) -> Iterator[BinaryIO]:
+        """One file of a committed artifact as a stream, with no local copy: from S3 it is hashed as it is read
+        and checked against the manifest at its end (infra/verified_read.py); a local store's files were checked
+        before the step (infra/verify.py)."""
+        path = f"{self._path(uri)}/{entry.path}"
+        if not self.is_remote:
+            with open(path, "rb") as f:
+                yield f
+            return
+        from compass.infra.verified_read import verified
+
+        with self.fs.open(path, "rb", block_size=1 << 22) as raw, verified(raw, entry, f"{uri}/{entry.path}") as f:
+            yield f
 
     def local_path(self, uri: str, cache_dir: Path | None = None, only: str | None = None) -> Path:
         """A local folder with the artifact's files: the folder itself, or a verified download from S3

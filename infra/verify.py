@@ -7,7 +7,9 @@ aside (kept for inspection, no longer committed) and its step runs again. Hashin
 cost minutes on tens of gigabytes, so each local file's hash is trusted while its (size, mtime, inode) stays the
 one recorded when it was last hashed or committed, as git's index does (`how.storage.verify: stamped`);
 `full` hashes every file every time, `sizes` only compares the listing and sizes (a huge store on a slow disk).
-On S3 the listing's sizes are checked (downloads are hashed anyway).
+On S3 an object's ETag plays the part of (size, mtime, inode): any overwrite changes it, so under `stamped` an
+object is hashed again (streamed, not copied) only when its ETag is not the one recorded at its commit or last
+check; steps can then read their inputs straight from S3.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Literal
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, Manifest
 from compass.infra.store import Store, artifact_folder
+from compass.infra.verified_read import ChangedSinceCommit
 
-STAMPS = ".verified"  # under a local store's root: one JSON per artifact, {path: [size, mtime_ns, inode]}
+STAMPS = ".verified"  # under the store's root: one JSON per artifact, {path: [size, mtime_ns, inode] or [size, ETag]}
 SET_ASIDE = ".damaged"
 Depth = Literal["sizes", "stamped", "full"]
 
@@ -32,7 +35,7 @@ def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
     """What differs between a committed artifact's files and its manifest (empty: intact)."""
     manifest = store.read_manifest(uri)
     if store.is_remote:
-        return _remote_damage(store, uri, manifest)
+        return _remote_damage(store, uri, manifest, depth)
     folder = store.local_path(uri)
     stamps_file = _stamps_file(store, manifest)
     stamps = _read_stamps(stamps_file)
@@ -78,8 +81,12 @@ def committed(store: Store) -> list[str]:
 
 
 def stamp(store: Store, manifest: Manifest) -> None:
-    """Record the files just committed (their hashes were computed for the manifest): later checks only stat."""
+    """Record the files just committed (their hashes were computed for the manifest): later checks only stat
+    (list, on S3)."""
     if store.is_remote:
+        listing = _remote_listing(store, manifest)
+        _write_remote_stamps(store, manifest, {e.path: [listing[e.path][0], listing[e.path][1]]
+                                               for e in manifest.files if e.path in listing})
         return
     folder = store.local_path(manifest.uri)
     stamps = {}
@@ -105,19 +112,57 @@ def set_aside(store: Store, uri: str) -> str:
     return str(target)
 
 
-def _remote_damage(store: Store, uri: str, manifest: Manifest) -> list[str]:
-    root = f"{store.root_path}/{artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)}"
-    found = {p[len(root) + 1:]: info.get("size") for p, info in store.fs.find(root, detail=True).items()}
+def _remote_damage(store: Store, uri: str, manifest: Manifest, depth: Depth) -> list[str]:
+    found = _remote_listing(store, manifest)
+    stamps = _read_remote_stamps(store, manifest)
     problems = []
+    fresh: dict[str, list] = {}
     for entry in manifest.files:
         if entry.path not in found:
             problems.append(f"{entry.path}: missing")
-        elif found[entry.path] != entry.size:
-            problems.append(f"{entry.path}: {found[entry.path]:,} bytes, committed with {entry.size:,}")
+            continue
+        size, etag = found[entry.path]
+        if size != entry.size:
+            problems.append(f"{entry.path}: {size:,} bytes, committed with {entry.size:,}")
+            continue
+        if depth == "full" or (depth == "stamped" and stamps.get(entry.path) != [size, etag]):
+            try:
+                with store.open_committed(uri, entry) as f:  # hashed as it streams, checked at its end
+                    while f.read(1 << 22):
+                        pass
+            except ChangedSinceCommit:
+                problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
+                continue
+        fresh[entry.path] = [size, etag]
     listed = {e.path for e in manifest.files} | {MANIFEST}
     problems += [f"{rel}: not part of the committed artifact" for rel in sorted(found)
                  if rel not in listed and not rel.startswith(f"{MANIFEST}.damaged-")]
+    if not problems and fresh != stamps and depth != "sizes":
+        _write_remote_stamps(store, manifest, fresh)
     return problems
+
+
+def _remote_listing(store: Store, manifest: Manifest) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, ETag)} of an artifact's objects, listed afresh (not from s3fs's listing cache)."""
+    root = f"{store.root_path}/{artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)}"
+    store.fs.invalidate_cache(root)
+    return {p[len(root) + 1:]: (info.get("size"), str(info.get("ETag") or info.get("etag") or ""))
+            for p, info in store.fs.find(root, detail=True).items()}
+
+
+def _remote_stamps_path(store: Store, manifest: Manifest) -> str:
+    return f"{store.root_path}/{STAMPS}/{artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)}.json"
+
+
+def _read_remote_stamps(store: Store, manifest: Manifest) -> dict[str, list]:
+    try:
+        return json.loads(store.fs.cat_file(_remote_stamps_path(store, manifest)))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _write_remote_stamps(store: Store, manifest: Manifest, stamps: dict[str, list]) -> None:
+    store.fs.pipe_file(_remote_stamps_path(store, manifest), json.dumps(stamps).encode())  # one PUT: atomic
 
 
 def _files(folder: Path) -> list[str]:

@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from compass.specs.base import SpecModel
 
@@ -69,6 +69,10 @@ class DataSource(SpecModel):
         description="Longer documents are dropped and counted (a dump or a minified bundle is no training text); "
                     "files and JSONL lines are read with a matching byte cap, so memory follows this cap.")
     curation: Curation = Curation()
+    max_epochs: PositiveFloat = Field(
+        default=4.0, description="How many times training may read this source over all its stages (pretraining, "
+        "long context): `compass plan` flags a mixture that draws more (repeating data stops helping after a few "
+        "epochs; small high-quality sources are the ones worth repeating).")
 
 
 class Data(SpecModel):

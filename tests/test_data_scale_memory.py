@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from compass.infra.store import Store
 from tests.conftest import REPO
+from tests.test_data_scale_tokenizer import committed
 
 SHARDS = 20
 SHARD_CHARS = 2**30 // 10 + 1  # 20 shards of ~107 MB: 2 GiB of text in all
@@ -24,10 +26,13 @@ DOC_WORDS = 2000
 MEASURE = """
 import json, resource, sys
 from pathlib import Path
-from compass.infra.layout import CuratedArtifact
+from compass.infra.store import Store
 from compass.tasks.kinds.encode_tokens import tokenize_curated
+from compass.tasks.steps.context import InputArtifact
 
-counts = tokenize_curated(Path(sys.argv[1]), CuratedArtifact(Path(sys.argv[2])), Path(sys.argv[3]))
+store = Store(sys.argv[2])
+curated = InputArtifact("curated", "curate:big", sys.argv[3], store.read_manifest(sys.argv[3]), store)
+counts = tokenize_curated(Path(sys.argv[1]), curated, Path(sys.argv[4]))
 print(json.dumps({**counts, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
@@ -66,14 +71,14 @@ def test_tokenizing_2_gib_of_text_keeps_peak_memory_under_1_5_gb(tmp_path: Path)
     (tmp_path / "tokens").mkdir()
 
     try:
-        _check(tmp_path, curated, len(documents), chars)
+        _check(tmp_path, committed(Store(str(tmp_path / "store")), curated).uri, len(documents), chars)
     finally:  # 3 GB of shards and tokens: not left to pytest's kept temporary folders
-        shutil.rmtree(curated)
+        shutil.rmtree(tmp_path / "store")
         shutil.rmtree(tmp_path / "tokens")
 
 
-def _check(tmp_path: Path, curated: Path, shard_documents: int, chars: int) -> None:
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "tokenizer"), str(curated),
+def _check(tmp_path: Path, uri: str, shard_documents: int, chars: int) -> None:
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "tokenizer"), str(tmp_path / "store"), uri,
                            str(tmp_path / "tokens")], cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

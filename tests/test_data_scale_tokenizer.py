@@ -5,22 +5,23 @@ of a source once its groups are full, and a selection without a BPE candidate re
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
+from compass.infra.store import Store
 from compass.tasks.kinds import select_tokenizer as selection
 
 
-@dataclass(frozen=True)
-class LocalArtifact:
-    """An input artifact already on this disk (what a local store's InputArtifact.local() gives)."""
+def committed(store, folder: Path):
+    """`folder` committed to `store` as a curate artifact named after it: the input a step would get."""
+    from compass.tasks.steps.context import InputArtifact
+    from tests.test_store import manifest_for
 
-    folder: Path
-
-    def local(self) -> Path:
-        return self.folder
+    fingerprint = hashlib.sha256(folder.name.encode()).hexdigest()
+    manifest = store.commit(folder, manifest_for(store, "curate", folder.name, fingerprint))
+    return InputArtifact(folder.name, f"curate:{folder.name}", manifest.uri, manifest, store)
 
 
 def _source(root: Path, shards: int, per_shard: int, language: str = "en") -> Path:
@@ -36,13 +37,13 @@ def _source(root: Path, shards: int, per_shard: int, language: str = "en") -> Pa
 
 
 def test_a_sample_is_drawn_across_the_shards_from_a_bounded_number_of_them(tmp_path: Path):
-    source = _source(tmp_path / "web", shards=200, per_shard=5)
+    source = committed(Store(str(tmp_path / "store")), _source(tmp_path / "web", shards=200, per_shard=5))
     first = [doc.text.split()[1] for _, doc in zip(range(selection.SAMPLED_SHARDS),
-                                                   selection._read(source / "train"), strict=False)]
+                                                   selection._read(source, "train"), strict=False)]
     shards = sorted({int(s) for s in first})
     assert len(shards) == selection.SAMPLED_SHARDS  # one document from each sampled shard first
     assert shards[0] == 0 and shards[-1] >= 190  # spread over the whole source, not its first shards
-    everything = list(selection._read(source / "train"))
+    everything = list(selection._read(source, "train"))
     assert len(everything) == selection.SAMPLED_SHARDS * 5  # never more files than the sampled shards
 
 
@@ -51,11 +52,12 @@ def test_held_out_reading_stops_once_the_groups_of_a_source_are_full(tmp_path: P
     french = _source(tmp_path / "fr", shards=4, per_shard=50, language="fr")
     with open(english / "heldout" / "00003.jsonl.gz", "ab") as f:
         f.write(b"not gzip")  # after the shard's 50 documents: reached only if the reading went on
-    curated = {"en": LocalArtifact(english), "fr": LocalArtifact(french)}
-    groups = selection._heldout_by_group(curated, budget=1000)
-    assert sorted(groups) == ["en", "fr"]
     with gzip.open(english / "heldout" / "00000.jsonl.gz", "rt") as f:
         per_doc = len(json.loads(f.readline())["text"])
+    store = Store(str(tmp_path / "store"))
+    curated = {"en": committed(store, english), "fr": committed(store, french)}
+    groups = selection._heldout_by_group(curated, budget=1000)
+    assert sorted(groups) == ["en", "fr"]
     assert all(len(docs) == -(-1000 // per_doc) for docs in groups.values())  # up to the budget, then stopped
 
 
@@ -77,7 +79,8 @@ def test_a_selection_without_a_bpe_candidate_reads_no_training_text(tmp_path: Pa
     config = selection.TokenizerConfig(candidates=[{"kind": "local", "name": "mine", "path": str(tmp_path / "mine")}])
     out = tmp_path / "out"
     out.mkdir()
-    ctx = StepContext("tokenizer", "select", config, {"curated:en": LocalArtifact(source)}, out, tmp_path / "s",
+    curated = committed(Store(str(tmp_path / "store")), source)
+    ctx = StepContext("tokenizer", "select", config, {"curated:en": curated}, out, tmp_path / "s",
                       tmp_path / "w", Runtime(how=How(), base_dir=tmp_path), logging.getLogger("test"))
     result = selection.run_tokenizer_selection(ctx)
     assert result.metrics["chosen"] == "mine" and result.metrics["mean_fertility"] > 0

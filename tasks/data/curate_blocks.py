@@ -1,4 +1,5 @@
-"""datatrove building blocks compass adds: offline language id and a train/held-out router.
+"""datatrove building blocks compass adds: offline language id, a train/held-out router and the measure of what
+passes (documents, words, bytes: curation's in and out figures, counted in the pass that reads the data anyway).
 
 Module-level and importable, because datatrove's local executor re-imports them in worker processes.
 """
@@ -6,6 +7,7 @@ Module-level and importable, because datatrove's local executor re-imports them 
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import cached_property
 
 from datatrove.data import Document, DocumentsPipeline
@@ -21,6 +23,8 @@ from datatrove.pipeline.filters import (
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
 from compass.infra.layout import HELDOUT, TRAIN
+
+WORD = re.compile(r"\w+", re.UNICODE)
 
 FILTERS: dict[str, type[BaseFilter]] = {
     "gopher_quality": GopherQualityFilter,
@@ -66,8 +70,28 @@ def heldout_bucket(doc_id: str) -> float:
     return int(hashlib.sha1(doc_id.encode()).hexdigest()[:8], 16) / 0x100000000
 
 
+def measure(step: PipelineStep, doc: Document, prefix: str = "") -> None:
+    """Count one document into the block's statistics: `<prefix>documents`, `<prefix>words`, `<prefix>bytes`."""
+    step.stat_update(f"{prefix}documents")
+    step.stat_update(f"{prefix}words", value=len(WORD.findall(doc.text)))
+    step.stat_update(f"{prefix}bytes", value=len(doc.text.encode()))
+
+
+class Measure(PipelineStep):
+    """Counts the documents, words and UTF-8 bytes that pass (curation's input, right after its first reader)."""
+
+    name = "📏 measure"
+    type = "📊 - STATS"
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for doc in data:
+            measure(self, doc)
+            yield doc
+
+
 class SplitTagger(PipelineStep):
-    """Marks each document train or heldout (by id hash), for writers that use `${split}` in file names."""
+    """Marks each document train or heldout (by id hash), for writers that use `${split}` in file names, and
+    measures each split (`train_documents`, `train_words`, ...)."""
 
     name = "✂️ train/heldout"
     type = "🔢 - SPLIT"
@@ -80,7 +104,7 @@ class SplitTagger(PipelineStep):
         for doc in data:
             split = HELDOUT if heldout_bucket(doc.id) < self.heldout_fraction else TRAIN
             doc.metadata["split"] = split
-            self.stat_update(split)
+            measure(self, doc, f"{split}_")
             yield doc
 
 

@@ -7,7 +7,6 @@ wires the blocks the spec names and collects stats.
 
 from __future__ import annotations
 
-import gzip
 import inspect
 import json
 import re
@@ -16,15 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from compass.infra.die_with_parent import children_die_with_this_thread
-from compass.infra.layout import HELDOUT, SPLITS, TRAIN, CuratedArtifact
+from compass.infra.layout import DOCUMENTS, HELDOUT, SPLITS, TRAIN, CuratedArtifact
 from compass.specs.base import Issue
 from compass.specs.data import Curation
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps.context import Runtime, StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
-
-_WORD = re.compile(r"\w+", re.UNICODE)
 
 
 class CurateConfig(StepConfig):
@@ -68,27 +65,39 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
 
-    from compass.tasks.data.curate_blocks import FILTERS, LanguageIdFilter, SplitTagger, document_text, portable_record
+    from compass.tasks.data.curate_blocks import (
+        FILTERS,
+        LanguageIdFilter,
+        Measure,
+        SplitTagger,
+        document_text,
+        portable_record,
+    )
 
     cfg = ctx.config
     cur = cfg.curation
-    raw = ctx.inputs["raw"].local() / "documents"
+    raw = ctx.inputs["raw"].folder_url(DOCUMENTS)  # read in place by datatrove (s3:// or a local folder)
     work = ctx.scratch
     logs = ctx.out / "datatrove-logs"
     stages: list[dict[str, Any]] = []
+    unmeasured = [Measure()]  # the first pass over the raw documents counts them, once
 
-    before = _measure(raw)
-    n_shards = max(1, len(list(raw.glob("*.jsonl.gz"))))
+    def read(folder: Path | str) -> list:
+        if folder == raw and unmeasured:
+            return [JsonlReader(str(folder)), unmeasured.pop()]
+        return [JsonlReader(str(folder))]
+
+    n_shards = max(1, len(ctx.inputs["raw"].files(DOCUMENTS, ".jsonl.gz")))
 
     blocks = [FILTERS[f.name](**f.params) for f in cur.filters]
     if cur.language_id is not None:
         lid = cur.language_id
         blocks.append(LanguageIdFilter(lid.keep, lid.min_score, cfg.language))
-    current = raw
+    current: Path | str = raw
     if blocks:
         current = work / "filtered"
         stages.append(_run(ctx.runtime, "filter", logs,
-                           [JsonlReader(str(raw)), *blocks, JsonlWriter(str(current))], n_shards))
+                           [*read(raw), *blocks, JsonlWriter(str(current))], n_shards))
         if not any(current.glob("*.jsonl.gz")):
             raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                              "loosen its filters")
@@ -96,12 +105,12 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     if cur.exact_dedup:
         exact = ExactDedupConfig(content_getter=document_text)
         stages.append(_run(ctx.runtime, "exact-signature", logs,
-                           [JsonlReader(str(current)), ExactDedupSignature(str(work / "exact-sigs"), exact)],
+                           [*read(current), ExactDedupSignature(str(work / "exact-sigs"), exact)],
                            n_shards))
         stages.append(_run(ctx.runtime, "exact-find", logs,
                            [ExactFindDedups(str(work / "exact-sigs"), str(work / "exact-dups"), exact)], 1))
         stages.append(_run(ctx.runtime, "exact-filter", logs,
-                           [JsonlReader(str(current)), ExactDedupFilter(str(work / "exact-dups"), exact),
+                           [*read(current), ExactDedupFilter(str(work / "exact-dups"), exact),
                             JsonlWriter(str(work / "exact"))], n_shards))
         current = work / "exact"
 
@@ -109,7 +118,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
         mh = cur.minhash
         config = MinhashConfig(n_grams=mh.n_grams, num_buckets=mh.num_buckets, hashes_per_bucket=mh.hashes_per_bucket)
         stages.append(_run(ctx.runtime, "minhash-signature", logs,
-                           [JsonlReader(str(current)), MinhashDedupSignature(str(work / "mh-sigs"), config)],
+                           [*read(current), MinhashDedupSignature(str(work / "mh-sigs"), config)],
                            n_shards))
         stages.append(_run(ctx.runtime, "minhash-buckets", logs,
                            [MinhashDedupBuckets(str(work / "mh-sigs"), str(work / "mh-buckets"), config=config)],
@@ -117,17 +126,18 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
         stages.append(_run(ctx.runtime, "minhash-cluster", logs,
                            [MinhashDedupCluster(str(work / "mh-buckets"), str(work / "mh-remove"), config=config)], 1))
         stages.append(_run(ctx.runtime, "minhash-filter", logs,
-                           [JsonlReader(str(current)), MinhashDedupFilter(str(work / "mh-remove")),
+                           [*read(current), MinhashDedupFilter(str(work / "mh-remove")),
                             JsonlWriter(str(work / "minhash"))], n_shards))
         current = work / "minhash"
 
     stages.append(_run(ctx.runtime, "split", logs,
-                       [JsonlReader(str(current)), SplitTagger(cur.heldout_fraction),
+                       [*read(current), SplitTagger(cur.heldout_fraction),
                         JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz",
                                     adapter=portable_record)], n_shards))
 
     curated = CuratedArtifact(ctx.out)
-    after = {split: _measure(curated.split(split)) for split in SPLITS}
+    before = _counted(stages, Measure)
+    after = {split: _counted(stages[-1:], SplitTagger, f"{split}_") for split in SPLITS}
     kept = {k: after[TRAIN][k] + after[HELDOUT][k] for k in before}
     reasons = _removal_reasons(stages)
     stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons, "stages": stages,
@@ -226,19 +236,14 @@ def _block_label(name: str) -> str:
     return "_".join(words).lower() or name
 
 
-def _measure(folder: Path) -> dict[str, int]:
-    docs = words = size = 0
-    for shard in sorted(folder.glob("*.jsonl*")):
-        opener = gzip.open if shard.suffix == ".gz" else open
-        with opener(shard, "rt", encoding="utf-8") as f:
-            for line in f:
-                text = json.loads(line)["text"]
-                docs += 1
-                words += len(_WORD.findall(text))
-                size += len(text.encode())
-    return {"documents": docs, "words": words, "bytes": size}
+def _counted(stages: list[dict[str, Any]], block: type, prefix: str = "") -> dict[str, int]:
+    """Documents, words and bytes the first `block` of `stages` counted (datatrove's merged statistics, named as
+    datatrove names a block: `<type>: <name>`)."""
+    name = f"{block.type}: {block.name}"
+    stats = next((b["stats"] for stage in stages for b in stage["blocks"] if b["name"] == name), {})
+    return {m: int(stats.get(f"{prefix}{m}", 0)) for m in ("documents", "words", "bytes")}
 
 
-KIND = StepKind("curate", CurateConfig, run_curate, build, version="2", resources=phase("data"), tags=("data",),
+KIND = StepKind("curate", CurateConfig, run_curate, build, version="3", resources=phase("data"), tags=("data",),
                 check_machine=check_machine)
 STEP_KINDS = (KIND,)

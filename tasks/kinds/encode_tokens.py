@@ -11,10 +11,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from compass.infra.layout import SPLITS, CuratedArtifact, TokenizerArtifact
+from compass.infra.layout import SPLITS, TokenizerArtifact
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
-from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
 
@@ -35,9 +35,10 @@ def data_inputs(plan: PlanBuilder, sources: list[str]) -> dict[str, str]:
     return {"tokenizer": tokenizer_step(plan), **{f"tokens:{n}": tokens_of(plan, n) for n in sorted(sources)}}
 
 
-def _texts(folder: Path) -> Iterator[str]:
-    for shard in sorted(folder.glob("*.jsonl.gz")):
-        with gzip.open(shard, "rt", encoding="utf-8") as f:
+def _texts(curated: InputArtifact, split: str) -> Iterator[str]:
+    """The split's documents, each shard streamed from the store in turn (checked as it is read)."""
+    for entry in curated.files(split, ".jsonl.gz"):
+        with curated.open(entry) as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
             for line in f:
                 yield json.loads(line)["text"]
 
@@ -61,9 +62,10 @@ def _ids(tok, texts: Iterator[str]) -> Iterator[list[int]]:
         yield from (enc.ids for enc in tok.encode_batch_fast(batch))
 
 
-def tokenize_curated(tokenizer: Path, curated: CuratedArtifact, out: Path) -> dict[str, int]:
+def tokenize_curated(tokenizer: Path, curated: InputArtifact, out: Path) -> dict[str, int]:
     """Every split of a curated source into token files in `out`, streamed: memory is one batch of documents and
-    one block of tokens whatever the source's size. Returns documents and tokens per split."""
+    one block of tokens whatever the source's size, and no copy of the source is made. Returns documents and
+    tokens per split."""
     from tokenizers import Tokenizer
 
     from compass.model.training.token_files import token_dtype, write_meta, write_split
@@ -73,7 +75,7 @@ def tokenize_curated(tokenizer: Path, curated: CuratedArtifact, out: Path) -> di
     dtype = token_dtype(tok.get_vocab_size())
     counts: dict[str, int] = {}
     for split in SPLITS:
-        documents, tokens = write_split(out, split, _ids(tok, _texts(curated.split(split))), eos, dtype)
+        documents, tokens = write_split(out, split, _ids(tok, _texts(curated, split)), eos, dtype)
         counts[f"{split}_documents"] = documents
         counts[f"{split}_tokens"] = tokens
     write_meta(out, dtype, eos, tok.get_vocab_size())
@@ -82,7 +84,7 @@ def tokenize_curated(tokenizer: Path, curated: CuratedArtifact, out: Path) -> di
 
 def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     tokenizer = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
-    metrics = tokenize_curated(tokenizer, CuratedArtifact(ctx.inputs["curated"].local()), ctx.out)
+    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx.out)
     summary = (f"### tokenize `{ctx.name}`\n\n{metrics['train_tokens']:,} training tokens in "
                f"{metrics['train_documents']:,} documents; {metrics['heldout_tokens']:,} held-out tokens")
     return StepResult(metrics=metrics, summary=summary)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from compass.infra.errors import DataError, MalformedData
+from compass.infra.layout import DOCUMENTS
 from compass.infra.packages import fetch_package
 from compass.specs.base import Issue
 from compass.specs.sources import parse_source_uri
@@ -117,7 +118,7 @@ def _write_documents(ctx: StepContext[IngestConfig], documents: Iterator[dict], 
                      skipped: dict[str, str], dropped: Counter[str]) -> StepResult:
     """Shards of documents (up to max_documents, each under max_document_chars), stats and the step's result."""
     cfg = ctx.config
-    docs_dir = ctx.out / "documents"
+    docs_dir = ctx.out / DOCUMENTS
     docs_dir.mkdir()
     n_docs = n_chars = 0
     shard: list[str] = []

@@ -10,14 +10,16 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from compass.infra.layout import HELDOUT, TOKENIZER_FILES, TRAIN, CuratedArtifact, TokenizerArtifact
+from compass.infra.layout import HELDOUT, TOKENIZER_FILES, TRAIN, TokenizerArtifact
 from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
 from compass.specs.tokenizer import HubCandidate, Tokenizer
-from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
@@ -159,25 +161,26 @@ def _group_of(meta: dict) -> str:
     return "code" if meta.get("domain") == "code" else (meta.get("language") or meta.get("domain") or "other")
 
 
-def _read(folder: Path) -> Iterator[Doc]:
+def _read(curated: InputArtifact, split: str) -> Iterator[Doc]:
     """A source's documents drawn across its shards: round-robin over up to SAMPLED_SHARDS shards spread evenly
     over the shard list, so a sample of a few million characters sees the whole source, not its first shard, and
-    opens a bounded number of files whatever the shard count."""
-    shards = sorted(folder.glob("*.jsonl.gz"))
+    opens a bounded number of files whatever the shard count. Shards are streamed from the store, never copied."""
+    shards = curated.files(split, ".jsonl.gz")
     if len(shards) > SAMPLED_SHARDS:
         shards = [shards[i * len(shards) // SAMPLED_SHARDS] for i in range(SAMPLED_SHARDS)]
-    streams = [_documents(shard) for shard in shards]
-    while streams:
-        for stream in list(streams):
-            doc = next(stream, None)
-            if doc is None:
-                streams.remove(stream)
-            else:
-                yield doc
+    with ExitStack() as opened:
+        streams = [_documents(opened.enter_context(curated.open(shard))) for shard in shards]
+        while streams:
+            for stream in list(streams):
+                doc = next(stream, None)
+                if doc is None:
+                    streams.remove(stream)
+                else:
+                    yield doc
 
 
-def _documents(shard: Path) -> Iterator[Doc]:
-    with gzip.open(shard, "rt", encoding="utf-8") as f:
+def _documents(raw: BinaryIO) -> Iterator[Doc]:
+    with gzip.open(raw, "rt", encoding="utf-8") as f:
         for line in f:
             d = json.loads(line)
             yield Doc(d["text"], _group_of(d.get("metadata", {})))
@@ -185,7 +188,7 @@ def _documents(shard: Path) -> Iterator[Doc]:
 
 def _balanced(curated: dict, split: str, budget: int) -> Iterator[Doc]:
     """Round-robin over sources so no single source dominates the tokenizer's training text."""
-    streams = [_read(CuratedArtifact(art.local()).split(split)) for _, art in sorted(curated.items())]
+    streams = [_read(art, split) for _, art in sorted(curated.items())]
     used = 0
     while streams and used < budget:
         for stream in list(streams):
@@ -204,7 +207,7 @@ def _heldout_by_group(curated: dict, budget: int) -> dict[str, list[str]]:
     used: dict[str, int] = {}
     for _, art in sorted(curated.items()):
         seen: set[str] = set()
-        for doc in _read(CuratedArtifact(art.local()).split(HELDOUT)):
+        for doc in _read(art, HELDOUT):
             seen.add(doc.group)
             if used.get(doc.group, 0) < budget:
                 groups.setdefault(doc.group, []).append(doc.text)

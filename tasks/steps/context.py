@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, BinaryIO, Generic, TypeVar
 
-from compass.infra.manifest import Manifest
+from compass.infra.manifest import FileEntry, Manifest
 from compass.infra.store import Store
 from compass.specs.how import How
 from compass.tasks.steps.kind import StepConfig, inputs_with_prefix
@@ -46,6 +47,20 @@ class InputArtifact:
     def local(self) -> Path:
         """The artifact's files on local disk (downloaded and verified first when the store is remote)."""
         return self.store.local_path(self.uri)
+
+    def folder_url(self, under: str) -> str:
+        """Its sub-folder `under` where readers such as datatrove's stream it from (no copy; the runner checked
+        the files against the manifest before the step: infra/verify.py)."""
+        return self.store.folder_url(self.uri, under)
+
+    def files(self, under: str, suffix: str = "") -> list[FileEntry]:
+        """The committed files under the folder `under` (ending with `suffix`), in path order."""
+        return sorted((e for e in self.manifest.files if e.path.startswith(f"{under}/") and e.path.endswith(suffix)),
+                      key=lambda e: e.path)
+
+    def open(self, entry: FileEntry) -> AbstractContextManager[BinaryIO]:
+        """One of its files streamed from the store, no whole-artifact copy (Store.open_committed)."""
+        return self.store.open_committed(self.uri, entry)
 
 
 @dataclass
