@@ -77,3 +77,9 @@ def test_submission_overhead():
 def test_engines():
     out = bench("engines.py", "--steps", "6", "--seq", "64", "--rounds", "1")
     assert "DeepSpeed ZeRO-3" in out and "FSDP2 + TP 2" in out and "ratio" in out
+
+
+@pytest.mark.slow
+def test_data_throughput():
+    out = bench("data_throughput.py", "--files", "2", "--documents", "50", "--rounds", "1")
+    assert "compass, 2 workers" in out and "tokens/s from 1 to 2 workers" in out
