@@ -157,6 +157,9 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
     while pending or running:
         ready = [s for s in pending if set(s.inputs.values()) <= set(finished)] if failure is None else []
         gpu_running = sum(GPU_TAG in plan.step(sid).tags for sid in running)
+        # steps whose work runs in Slurm job arrays take turns: each one's arrays already spread over the whole data
+        # phase, and drivers holding CPUs while their arrays wait for those CPUs would deadlock a small partition
+        drivers_running = sum(_drives_arrays(ctx, plan.step(sid)) for sid in running)
         local_devices = orch.task_runner != "ray" and orch.cluster is None  # Ray and Slurm place them themselves
         for step in ready:
             if len(running) >= orch.max_parallel_steps:
@@ -165,6 +168,10 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
                 if gpu_running >= orch.max_parallel_gpu_steps:
                     continue
                 gpu_running += 1
+            if _drives_arrays(ctx, step):
+                if drivers_running:
+                    continue
+                drivers_running += 1
             options = _with_options(step, orch, plan.spec_name)
             with _ray_options(ctx, step):
                 running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
@@ -181,6 +188,10 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
     if failure is not None:
         raise failure
     return results
+
+
+def _drives_arrays(ctx: RunContext, step: Step) -> bool:
+    return placement_of(ctx, step).tasks is not None
 
 
 @flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=False,

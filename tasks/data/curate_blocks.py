@@ -6,6 +6,7 @@ Module-level and importable, because datatrove's local executor re-imports them 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import re
 from functools import cached_property
@@ -21,6 +22,8 @@ from datatrove.pipeline.filters import (
     URLFilter,
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.pipeline.writers import JsonlWriter
+from fsspec.compression import register_compression
 
 from compass.infra.layout import HELDOUT, TRAIN
 
@@ -155,3 +158,23 @@ def portable_record(writer, document) -> dict:
     data = writer._default_adapter(document)
     data.get("metadata", {}).pop("file_path", None)
     return data
+
+
+REPRODUCIBLE_GZIP = "gzip-reproducible"
+
+
+def _reproducible_gzip(infile, mode: str = "rb", **kwargs):
+    """gzip without a timestamp in its header (and at level 6, gzip's own default, not 9): a shard recomputed by a
+    relaunch, another executor or another machine is byte-identical, so its digest in the manifest is too."""
+    return gzip.GzipFile(fileobj=infile, mode=mode, mtime=0, compresslevel=6, **kwargs)
+
+
+register_compression(REPRODUCIBLE_GZIP, _reproducible_gzip, [], force=True)  # here, wherever a shard is written
+
+
+class ShardWriter(JsonlWriter):
+    """datatrove's JsonlWriter writing reproducible gzip shards (importing this module registers the codec, also in
+    a Slurm array task that unpickles the pipeline)."""
+
+    def __init__(self, output_folder: str, output_filename: str = "${rank}.jsonl.gz", **kwargs):
+        super().__init__(output_folder, output_filename=output_filename, compression=REPRODUCIBLE_GZIP, **kwargs)

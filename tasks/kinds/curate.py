@@ -1,25 +1,28 @@
 """Curation with datatrove: filters -> language id -> exact dedup -> MinHash dedup -> train/held-out shards.
 
-Each stage is a datatrove pipeline run by its LocalPipelineExecutor with the data phase's CPUs (in this process,
-or inside the step's Slurm job), or by its RayPipelineExecutor when the step is placed on Ray tasks; compass only
-wires the blocks the spec names and collects stats.
+Each stage is a datatrove pipeline run by the executor the step's placement names (tasks/data/datatrove_stages.py):
+its LocalPipelineExecutor with the data phase's CPUs, its RayPipelineExecutor on Ray tasks, or job arrays of its
+SlurmPipelineExecutor under a cluster. compass only wires the blocks the spec names and collects stats. Every
+stage writes into the step's work folder, so a relaunch after a failure redoes only the ranks that did not
+complete; the split's shards are then linked into the artifact.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from compass.infra.die_with_parent import children_die_with_this_thread
 from compass.infra.layout import DOCUMENTS, HELDOUT, SPLITS, TRAIN, CuratedArtifact
 from compass.specs.base import Issue
 from compass.specs.data import Curation
 from compass.specs.spec import TrainingSpec
-from compass.tasks.steps.context import Runtime, StepContext, StepResult
+from compass.tasks.data.datatrove_stages import StageStats, run_stage
+from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
@@ -63,12 +66,12 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
         MinhashDedupSignature,
     )
     from datatrove.pipeline.readers import JsonlReader
-    from datatrove.pipeline.writers import JsonlWriter
 
     from compass.tasks.data.curate_blocks import (
         FILTERS,
         LanguageIdFilter,
         Measure,
+        ShardWriter,
         SplitTagger,
         document_text,
         portable_record,
@@ -77,15 +80,18 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     cfg = ctx.config
     cur = cfg.curation
     raw = ctx.inputs["raw"].folder_url(DOCUMENTS)  # read in place by datatrove (s3:// or a local folder)
-    work = ctx.scratch
-    logs = ctx.out / "datatrove-logs"
-    stages: list[dict[str, Any]] = []
+    work = ctx.workdir / "datatrove"  # kept across attempts: completed ranks are not redone
+    logs = work / "logs"
+    stages: list[StageStats] = []
     unmeasured = [Measure()]  # the first pass over the raw documents counts them, once
 
     def read(folder: Path | str) -> list:
         if folder == raw and unmeasured:
             return [JsonlReader(str(folder)), unmeasured.pop()]
         return [JsonlReader(str(folder))]
+
+    def run(stage: str, pipeline: list, tasks: int) -> StageStats:
+        return run_stage(ctx.runtime, stage, logs, pipeline, tasks, ctx.log)
 
     n_shards = max(1, len(ctx.inputs["raw"].files(DOCUMENTS, ".jsonl.gz")))
 
@@ -96,51 +102,53 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     current: Path | str = raw
     if blocks:
         current = work / "filtered"
-        stages.append(_run(ctx.runtime, "filter", logs,
-                           [*read(raw), *blocks, JsonlWriter(str(current))], n_shards))
+        stages.append(run("filter",
+                           [*read(raw), *blocks, ShardWriter(str(current))], n_shards))
         if not any(current.glob("*.jsonl.gz")):
             raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                              "loosen its filters")
 
     if cur.exact_dedup:
         exact = ExactDedupConfig(content_getter=document_text)
-        stages.append(_run(ctx.runtime, "exact-signature", logs,
+        stages.append(run("exact-signature",
                            [*read(current), ExactDedupSignature(str(work / "exact-sigs"), exact)],
                            n_shards))
-        stages.append(_run(ctx.runtime, "exact-find", logs,
+        stages.append(run("exact-find",
                            [ExactFindDedups(str(work / "exact-sigs"), str(work / "exact-dups"), exact)], 1))
-        stages.append(_run(ctx.runtime, "exact-filter", logs,
+        stages.append(run("exact-filter",
                            [*read(current), ExactDedupFilter(str(work / "exact-dups"), exact),
-                            JsonlWriter(str(work / "exact"))], n_shards))
+                            ShardWriter(str(work / "exact"))], n_shards))
         current = work / "exact"
 
     if cur.minhash:
         mh = cur.minhash
         config = MinhashConfig(n_grams=mh.n_grams, num_buckets=mh.num_buckets, hashes_per_bucket=mh.hashes_per_bucket)
-        stages.append(_run(ctx.runtime, "minhash-signature", logs,
+        stages.append(run("minhash-signature",
                            [*read(current), MinhashDedupSignature(str(work / "mh-sigs"), config)],
                            n_shards))
-        stages.append(_run(ctx.runtime, "minhash-buckets", logs,
+        stages.append(run("minhash-buckets",
                            [MinhashDedupBuckets(str(work / "mh-sigs"), str(work / "mh-buckets"), config=config)],
                            config.num_buckets))
-        stages.append(_run(ctx.runtime, "minhash-cluster", logs,
+        stages.append(run("minhash-cluster",
                            [MinhashDedupCluster(str(work / "mh-buckets"), str(work / "mh-remove"), config=config)], 1))
-        stages.append(_run(ctx.runtime, "minhash-filter", logs,
+        stages.append(run("minhash-filter",
                            [*read(current), MinhashDedupFilter(str(work / "mh-remove")),
-                            JsonlWriter(str(work / "minhash"))], n_shards))
+                            ShardWriter(str(work / "minhash"))], n_shards))
         current = work / "minhash"
 
-    stages.append(_run(ctx.runtime, "split", logs,
+    stages.append(run("split",
                        [*read(current), SplitTagger(cur.heldout_fraction),
-                        JsonlWriter(str(ctx.out), output_filename="${split}/${rank}.jsonl.gz",
+                        ShardWriter(str(work / "split"), output_filename="${split}/${rank}.jsonl.gz",
                                     adapter=portable_record)], n_shards))
+    _link_tree(work / "split", ctx.out)
 
     curated = CuratedArtifact(ctx.out)
     before = _counted(stages, Measure)
     after = {split: _counted(stages[-1:], SplitTagger, f"{split}_") for split in SPLITS}
     kept = {k: after[TRAIN][k] + after[HELDOUT][k] for k in before}
     reasons = _removal_reasons(stages)
-    stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons, "stages": stages,
+    stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons,
+             "stages": [s.model_dump() for s in stages],
              "dropped_at_ingest": ctx.inputs["raw"].manifest.metrics.get("dropped", {})}
     curated.stats.write_text(json.dumps(stats, indent=2))
     if kept["documents"] == 0:
@@ -161,65 +169,27 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     return StepResult(metrics=metrics, summary=summary, tables={"curation": rows})
 
 
-def _run(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int) -> dict[str, Any]:
-    """Run one datatrove pipeline with the executor the step's placement says (datatrove's Ray executor for
-    ray_tasks, else its local one with the phase's CPUs) and return its merged block statistics."""
-    logging_dir = logs / stage
-    orch = runtime.how.orchestration
-    placement = runtime.placement
-    if placement.mode == "ray_tasks":
-        from datatrove.executor import RayPipelineExecutor
-
-        executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=orch.workers,
-                                       logging_dir=str(logging_dir), skip_completed=False)
-    else:
-        import multiprocess
-        from datatrove.executor import LocalPipelineExecutor
-
-        multiprocess.set_forkserver_preload(["compass.infra.forkserver_preload"])  # its workers die with this run
-        workers = placement.shape.cpus_per_node if placement.shape and placement.shape.cpus_per_node else orch.workers
-        executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, workers),
-                                         logging_dir=str(logging_dir), skip_completed=False)
-    with children_die_with_this_thread():  # datatrove's Manager process too
-        executor.run()
-    missing = executor.get_incomplete_ranks(range(tasks), skip_completed=True)
-    if missing:  # Ray's executor logs a lost task group and returns: an incomplete stage must not be committed
-        raise RuntimeError(f"datatrove stage {stage} finished without ranks {missing} of {tasks}; "
-                           f"see {logging_dir / 'logs'}")
-    blocks = _merged_block_stats(logging_dir, tasks)
-    return {"stage": stage, "blocks": [{"name": b.get("name"), "stats": _plain_stats(b.get("stats", {}))}
-                                       for b in blocks]}
+def _link_tree(src: Path, dst: Path) -> None:
+    """The files under `src` into `dst`: hard links where both are on one file system (the work folder keeps its
+    copy until the commit, for a relaunch), else copies."""
+    for path in sorted(src.rglob("*")):
+        if path.is_file():
+            target = dst / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
 
 
-def _merged_block_stats(logging_dir: Path, tasks: int) -> list[dict[str, Any]]:
-    """The stage's statistics, merged from every rank's file: Ray's executor skips the merged stats.json when it
-    counted a resubmitted task as failed, though every rank completed."""
-    from datatrove.utils.stats import PipelineStats
-
-    merged = logging_dir / "stats.json"
-    if merged.exists():
-        return json.loads(merged.read_text())
-    total = PipelineStats()
-    for rank in range(tasks):
-        total += PipelineStats.from_json(json.loads((logging_dir / "stats" / f"{rank:05d}.json").read_text()))
-    return json.loads(total.to_json())
-
-
-def _plain_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in stats.items():
-        out[key] = value.get("total", value) if isinstance(value, dict) else value
-    return out
-
-
-def _removal_reasons(stages: list[dict[str, Any]]) -> dict[str, int]:
+def _removal_reasons(stages: list[StageStats]) -> dict[str, int]:
     """Documents each block removed: `dropped_<reason>` counts where a filter gives reasons, else `dropped`."""
     reasons: dict[str, int] = {}
     for stage in stages:
-        for block in stage["blocks"]:
-            stats = block["stats"]
+        for block in stage.blocks:
+            stats = block.stats
             detailed = {k.removeprefix("dropped_"): v for k, v in stats.items() if k.startswith("dropped_")}
-            name = _block_label(str(block["name"]))
+            name = _block_label(block.name)
             if detailed:
                 for reason, n in detailed.items():
                     reasons[f"{name}: {reason}"] = int(n)
@@ -236,14 +206,14 @@ def _block_label(name: str) -> str:
     return "_".join(words).lower() or name
 
 
-def _counted(stages: list[dict[str, Any]], block: type, prefix: str = "") -> dict[str, int]:
+def _counted(stages: list[StageStats], block: type, prefix: str = "") -> dict[str, int]:
     """Documents, words and bytes the first `block` of `stages` counted (datatrove's merged statistics, named as
     datatrove names a block: `<type>: <name>`)."""
     name = f"{block.type}: {block.name}"
-    stats = next((b["stats"] for stage in stages for b in stage["blocks"] if b["name"] == name), {})
+    stats = next((b.stats for stage in stages for b in stage.blocks if b.name == name), {})
     return {m: int(stats.get(f"{prefix}{m}", 0)) for m in ("documents", "words", "bytes")}
 
 
-KIND = StepKind("curate", CurateConfig, run_curate, build, version="3", resources=phase("data"), tags=("data",),
-                check_machine=check_machine)
+KIND = StepKind("curate", CurateConfig, run_curate, build, version="4", resources=phase("data"), tags=("data",),
+                check_machine=check_machine, fans_out=True)
 STEP_KINDS = (KIND,)

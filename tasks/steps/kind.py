@@ -89,6 +89,8 @@ class StepKind:
     tags: tuple[str, ...] = ()  # shown in the UI
     check_machine: MachineCheck | None = None  # checks of this machine (paths, libraries, caches) before any work
     imports: tuple[str, ...] = ()  # "module:name" resolved in the main thread before steps run in threads
+    # its work is datatrove stages: under a cluster they run as Slurm job arrays, the step's own job only drives them
+    fans_out: bool = False
 
     def import_names(self) -> None:
         """Resolve `imports` now. transformers 5 resolves its top-level names lazily and not thread-safely: two

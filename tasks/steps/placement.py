@@ -8,7 +8,9 @@ mode they are handed (the trainer's launcher, datatrove's executor). Nothing els
 - local_ranks: the orchestrating machine launches its ranks with torchrun (or over ssh to how.hardware.hosts);
 - ray_tasks: a data step whose datatrove work spreads over Ray (task_runner: ray), its driver here;
 - slurm_job: a Slurm job of the step's shape runs it whole and commits it; the orchestrator submits, follows
-  and reads what it committed (every step that computes, with a cluster);
+  and reads what it committed (every step that computes, with a cluster). A kind that fans out (its work is
+  datatrove stages) gets a one-CPU driver job instead, and its stages run as Slurm job arrays of the phase's
+  shape (Placement.tasks: datatrove's SlurmPipelineExecutor, tasks/data/datatrove_stages.py);
 - in_slurm_job: what the step sees inside that job: its ranks start with srun over the job's nodes.
 """
 
@@ -41,6 +43,7 @@ def phase(name: Phase) -> Resources:
 class Placement:
     mode: Mode
     shape: Shape | None  # None: a step that only reads other steps' manifests (comparisons, curves, reports)
+    tasks: Shape | None = None  # a fanning-out step under a cluster: what its Slurm job arrays share out, one CPU each
 
     @property
     def computes(self) -> bool:
@@ -58,7 +61,7 @@ class Placement:
 
     def inside_job(self) -> Placement:
         """The placement the step itself sees once its Slurm job runs it."""
-        return Placement("in_slurm_job", self.shape)
+        return Placement("in_slurm_job", self.shape, self.tasks)
 
 
 HERE = Placement("in_process", None)
@@ -70,9 +73,21 @@ def place(kind: StepKind, config: StepConfig, how: How) -> Placement:
         return HERE  # bookkeeping: it reads manifests, never a model or a corpus
     shape = kind.resources(config, how)
     if how.orchestration.cluster is not None:
+        if kind.fans_out:
+            return Placement("slurm_job", driver(shape), tasks=shape)
         return Placement("slurm_job", shape)
     if shape.phase == "data" and how.orchestration.task_runner == "ray":
         return Placement("ray_tasks", shape)
     if shape.ranks > 1:
         return Placement("local_ranks", shape)
     return Placement("in_process", shape)
+
+
+DRIVER_MEMORY_GB = 2.0
+
+
+def driver(tasks: Shape) -> Shape:
+    """The job of a step whose work runs in Slurm job arrays: one CPU on one node that submits the arrays, waits
+    for them, merges their statistics and commits; the phase's nodes and CPUs go to the arrays."""
+    return Shape(phase=tasks.phase, nodes=1, devices_per_node=0, cpus_per_node=1, memory_gb=DRIVER_MEMORY_GB,
+                 time_limit=tasks.time_limit, whole_nodes=False)

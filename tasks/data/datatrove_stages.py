@@ -1,0 +1,190 @@
+"""One datatrove stage, run by the executor the step's placement names: datatrove's LocalPipelineExecutor with the
+phase's CPUs, its RayPipelineExecutor on Ray tasks, or, under a Slurm cluster, its SlurmPipelineExecutor as a job
+array submitted from the step's driver job (one CPU per task, the data phase's nodes x CPUs at once).
+
+A stage's datatrove logging folder (completion markers, per-rank statistics, Slurm logs) lives in the step's work
+folder, which survives a failed attempt: a relaunched step skips the ranks that completed and redoes only the rest.
+A stage's array job id is recorded there when it is submitted, so a relaunched driver follows an array that is
+still running rather than submitting its ranks twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from compass.infra import interrupt
+from compass.infra.die_with_parent import children_die_with_this_thread
+from compass.specs.how import Shape, SlurmCluster
+from compass.tasks.steps.context import Runtime
+
+ARRAY_RECORD = "array_job.json"
+DEFAULT_MEMORY_PER_CPU_GB = 2
+
+
+class BlockStats(BaseModel):
+    """One pipeline block's counters, summed over the stage's ranks (datatrove's merged statistics)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    stats: dict[str, Any]
+
+
+class StageStats(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    tasks: int
+    blocks: list[BlockStats]
+
+
+class StageIncomplete(RuntimeError):
+    """Some ranks of a stage did not complete: the step fails, and its relaunch redoes only those ranks."""
+
+
+def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int,
+              log: logging.Logger | logging.LoggerAdapter) -> StageStats:
+    """Run one datatrove pipeline of `tasks` ranks with the executor the placement says and return its merged
+    block statistics; raises StageIncomplete naming the ranks that did not complete."""
+    logging_dir = logs / stage
+    placement = runtime.placement
+    orch = runtime.how.orchestration
+    if placement.tasks is not None and orch.cluster is not None:
+        executor = _run_as_array(pipeline, tasks, logging_dir, placement.tasks, orch.cluster,
+                                 f"{runtime.run}-{stage}", log)
+    else:
+        if placement.mode == "ray_tasks":
+            from datatrove.executor import RayPipelineExecutor
+
+            executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=orch.workers,
+                                           logging_dir=str(logging_dir), skip_completed=True)
+        else:
+            import multiprocess
+            from datatrove.executor import LocalPipelineExecutor
+
+            multiprocess.set_forkserver_preload(["compass.infra.forkserver_preload"])  # workers die with this run
+            shape = placement.shape
+            workers = shape.cpus_per_node if shape and shape.cpus_per_node else orch.workers
+            executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, workers),
+                                             logging_dir=str(logging_dir), skip_completed=True)
+        with children_die_with_this_thread():  # datatrove's Manager process too
+            executor.run()
+    missing = executor.get_incomplete_ranks(range(tasks), skip_completed=True)
+    if missing:  # Ray's executor logs a lost task group and returns; an array task may be cancelled or fail
+        raise StageIncomplete(f"datatrove stage {stage} finished without ranks {missing} of {tasks}; see "
+                              f"{logging_dir / 'logs'}; run again to redo only those ranks")
+    blocks = _merged_block_stats(logging_dir, tasks)
+    return StageStats(stage=stage, tasks=tasks,
+                      blocks=[BlockStats(name=str(b.get("name")), stats=_plain(b.get("stats", {}))) for b in blocks])
+
+
+def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, cluster: SlurmCluster, name: str,
+                  log: logging.Logger | logging.LoggerAdapter):
+    """Submit the stage as a Slurm job array (or follow the one an earlier attempt submitted) and wait for it."""
+    from compass.tasks.data.slurm_arrays import ArrayExecutor
+
+    memory_per_cpu = DEFAULT_MEMORY_PER_CPU_GB
+    if shape.memory_gb and shape.cpus_per_node:
+        memory_per_cpu = max(1, -(-int(shape.memory_gb) // shape.cpus_per_node))
+    sbatch = {"account": cluster.account, "constraint": cluster.constraint,
+              "exclude": ",".join(cluster.exclude) or None}
+    executor = ArrayExecutor(
+        pipeline, tasks=tasks, time=shape.time_limit, partition=cluster.partition, qos=cluster.qos,
+        cpus_per_task=1, mem_per_cpu_gb=memory_per_cpu,
+        workers=shape.nodes * shape.cpus_per_node if shape.cpus_per_node else -1,
+        job_name=f"compass-{name}"[:60], requeue=cluster.requeue,
+        env_command=f"export PATH={Path(sys.executable).parent}:$PATH",
+        sbatch_args={k: v for k, v in sbatch.items() if v}, logging_dir=str(logging_dir), skip_completed=True)
+    record = logging_dir / ARRAY_RECORD
+    job_id = _recorded_live_job(record)
+    if job_id:
+        log.info("stage %s: following Slurm array %s submitted by an earlier attempt", logging_dir.name, job_id)
+    else:
+        logging_dir.mkdir(parents=True, exist_ok=True)
+        with _outside_this_job():
+            executor.launch_job()
+        job_id = str(executor.job_id) if executor.job_id not in (None, -1) else ""
+        if not job_id:
+            log.info("stage %s: every one of its %d tasks completed in an earlier attempt", logging_dir.name, tasks)
+            return executor
+        record.write_text(json.dumps({"job_id": job_id, "submitted_at": time.time()}))
+        log.info("stage %s: Slurm array %s of %d tasks (logs %s)", logging_dir.name, job_id,
+                 len(executor.get_incomplete_ranks()), executor.slurm_logs_folder)
+    stop = interrupt.on_stop(lambda: _cancel(job_id))
+    try:
+        _wait(job_id, cluster.poll_seconds, log, logging_dir.name)
+    finally:
+        interrupt.remove_on_stop(stop)
+    return executor
+
+
+@contextlib.contextmanager
+def _outside_this_job() -> Iterator[None]:
+    """sbatch from inside the driver's job: the array must not inherit the driver's own SLURM_*/SBATCH_* settings
+    (srun in each array task reads SLURM_MEM_PER_NODE, SLURM_CPUS_PER_TASK, ... and they would contradict the
+    array's). SLURM_CONF stays: it names the cluster."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SBATCH_")) and k != "SLURM_CONF"}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _queued(job_id: str) -> list[str]:
+    """The array's tasks the controller still holds (pending, running, completing), as `id state` lines."""
+    done = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True,
+                          timeout=60)
+    return [line for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
+
+
+def _recorded_live_job(record: Path) -> str:
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+        job_id = str(json.loads(record.read_text())["job_id"])
+        return job_id if _queued(job_id) else ""
+    return ""
+
+
+def _wait(job_id: str, poll_s: float, log: logging.Logger | logging.LoggerAdapter, stage: str) -> None:
+    last = ""
+    while queued := _queued(job_id):
+        states: dict[str, int] = {}
+        for line in queued:
+            state = line.split()[-1]
+            states[state] = states.get(state, 0) + 1
+        summary = ", ".join(f"{n} {state.lower()}" for state, n in sorted(states.items()))
+        if summary != last:
+            log.info("stage %s: Slurm array %s: %s", stage, job_id, summary)
+            last = summary
+        time.sleep(poll_s)
+
+
+def _cancel(job_id: str) -> None:
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+
+
+def _merged_block_stats(logging_dir: Path, tasks: int) -> list[dict[str, Any]]:
+    """The stage's statistics merged from every rank's file, whichever attempt ran it (an executor's own
+    stats.json covers only the ranks it ran, and Ray's is missing when it counted a resubmitted task as failed)."""
+    from datatrove.utils.stats import PipelineStats
+
+    total = PipelineStats()
+    for rank in range(tasks):
+        total += PipelineStats.from_json(json.loads((logging_dir / "stats" / f"{rank:05d}.json").read_text()))
+    return json.loads(total.to_json())
+
+
+def _plain(stats: dict[str, Any]) -> dict[str, Any]:
+    return {key: value.get("total", value) if isinstance(value, dict) else value for key, value in stats.items()}

@@ -1,0 +1,134 @@
+"""Curation on the suite's real one-node Slurm cluster runs as datatrove Slurm job arrays (its SlurmPipelineExecutor)
+from a one-CPU driver job: every stage is an array of the data phase's tasks; an array task cancelled mid-array
+fails the step, and the relaunch redoes only that task (datatrove's completion markers in the step's work folder)
+while the finished ones are not run again; the curated shards equal an in-process run's bit for bit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from compass.infra.store import Store
+from tests.conftest import REPO, VENV_BIN, base_env
+
+pytestmark = pytest.mark.slow
+SHARDS = 3  # ingest writes 500 documents per shard: 1,200 documents make three tasks per stage
+
+SPEC = """name: arrays
+why: {reason: research, question: Does curation run as Slurm job arrays?, hypothesis: Every stage is an array,
+      success_criteria: [{metric: "val_ppl:web", op: "<=", threshold: 1000, checkpoint: final}]}
+what:
+  architecture: {num_layers: 2, hidden_size: 64, ffn_size: 128, num_heads: 4, num_kv_heads: 2,
+                 positions: {kind: rope, rope_theta: 10000}}
+  tokenizer: {candidates: [{kind: bpe, vocab_size: 300}], train_chars: 100000, eval_chars: 20000}
+  data:
+    sources:
+      - name: web
+        uri: SOURCE
+        include: ["*.txt"]
+        format: text
+        language: en
+        domain: web
+        curation:
+          filters: [{name: gopher_repetition}, {name: gopher_quality, params: {min_doc_words: 20}}]
+          exact_dedup: true
+          heldout_fraction: 0.2
+  pretraining:
+    schedule: {kind: wsd, warmup_steps: 2}
+    stages: [{name: stage1, tokens: 20000, sequence_length: 64, global_batch_size: 4, mixture: {web: 1.0}}]
+how:
+  parallelism: {micro_batch_size: 2}
+  resources: {data: {cpus_per_node: 1}}
+  orchestration: {retries: 0, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED}}
+"""
+
+
+def _source(folder: Path) -> Path:
+    """1,200 documents of README words (a few exact duplicates, for the dedup stage to find)."""
+    words = (REPO / "README.md").read_text().split()
+    rng = random.Random(0)
+    folder.mkdir()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 120))) for _ in range(1190)]
+    for i, text in enumerate(texts + texts[:10]):
+        (folder / f"doc{i:05d}.txt").write_text(text)
+    return folder
+
+
+def _queued(name: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-r", "-n", name, "-o", "%i %T"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def _array_tasks(slurm: dict[str, str], name: str) -> list[dict[str, str]]:
+    """The array tasks named `name` the controller finished (jobcomp/filetxt), in the order they ended."""
+    log = Path(slurm["SLURM_CONF"]).with_name("jobcomp.log")
+    jobs = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in log.read_text().splitlines()]
+    return [j for j in jobs if j.get("Name") == name]
+
+
+def _curated_files(store: Path) -> dict[str, str]:
+    (manifest,) = store.glob("curate/web-*/manifest.json")
+    return {f["path"]: f["sha256"] for f in json.loads(manifest.read_text())["files"]}
+
+
+def test_curation_runs_as_slurm_arrays_redoes_only_a_cancelled_task_and_equals_a_local_run(
+        slurm, prefect_server: str, tmp_path: Path):
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import run_in_process
+    from compass.specs import load_spec
+    from compass.tasks.steps.context import Runtime
+
+    text = SPEC.replace("SOURCE", str(_source(tmp_path / "web"))).replace("SHARED", str(tmp_path / "shared"))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(text)
+    local_spec = tmp_path / "local.yaml"
+    local_spec.write_text("\n".join(line for line in text.splitlines() if not line.startswith(("  orchestration", "  resources"))))
+    loaded = load_spec(local_spec)
+    plan = compile_spec(loaded.spec)
+    run_in_process(plan.restricted_to({"ingest", "curate"}), Store(str(tmp_path / "local")),
+                   loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir),
+                   logging.getLogger("test"))
+
+    store = tmp_path / "store"
+    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
+    argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store),
+            "--until", "curate:web"]
+    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while not (queued := _queued("compass-arrays-filter")):  # the first stage's array, one task at a time (%1)
+        assert first.poll() is None, first.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no filter array was submitted"
+        time.sleep(0.2)
+    array = queued[0].split()[0].split("_")[0]
+    subprocess.run(["scancel", f"{array}_1"], check=True)  # one task of the array, before it finished
+    out, _ = first.communicate(timeout=900)
+    said = " ".join(out.split())
+    assert first.returncode != 0 and "finished without ranks [1] of 3" in said, said[-4000:]
+    assert not any(store.glob("curate/web-*/manifest.json"))
+    done = {j["JobId"] for j in _array_tasks(slurm, "compass-arrays-filter") if j["JobState"] == "COMPLETED"}
+    assert len(done) == SHARDS - 1  # the cancelled task never ran
+
+    second = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
+    redone = [j for j in _array_tasks(slurm, "compass-arrays-filter") if j["JobId"] not in done]
+    assert len(redone) == 1 and redone[0]["JobState"] == "COMPLETED", redone  # only the cancelled task, once
+    said = " ".join((second.stdout + second.stderr).split())
+    assert "stage filter: Slurm array" in said and " of 1 tasks" in said, said[-4000:]
+    for stage in ("exact-signature", "exact-filter", "split"):  # every later stage is an array of three tasks
+        tasks = _array_tasks(slurm, f"compass-arrays-{stage}")
+        assert len(tasks) == SHARDS and len({t["JobId"] for t in tasks}) == SHARDS, (stage, tasks)
+        assert all(t["JobState"] == "COMPLETED" for t in tasks)
+
+    cluster = Store(str(store))
+    manifest = cluster.read_manifest(cluster.uri("curate", "web", plan.fingerprints["curate:web"]))
+    assert manifest.execution.mode == "in_slurm_job" and manifest.execution.slurm_job  # the driver
+    driver = [j for j in _array_tasks(slurm, "compass-curate-web") if j["JobState"] == "COMPLETED"]
+    assert [j["JobId"] for j in driver] == [manifest.execution.slurm_job] and driver[0]["ProcCnt"] == "1"
+    assert manifest.metrics["documents_in"] == 1200 and manifest.metrics["documents_out"] < 1200  # dedup removed
+    assert _curated_files(store) == _curated_files(tmp_path / "local")  # bit for bit
