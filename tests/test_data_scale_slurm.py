@@ -1,7 +1,8 @@
-"""Curation on the suite's real one-node Slurm cluster runs as datatrove Slurm job arrays (its SlurmPipelineExecutor)
-from a one-CPU driver job: every stage is an array of the data phase's tasks; an array task cancelled mid-array
-fails the step, and the relaunch redoes only that task (datatrove's completion markers in the step's work folder)
-while the finished ones are not run again; the curated shards equal an in-process run's bit for bit."""
+"""Curation and tokenization on the suite's real one-node Slurm cluster run as datatrove Slurm job arrays (its
+SlurmPipelineExecutor) from one-CPU driver jobs: every stage is an array of the data phase's tasks; an array task
+cancelled mid-array fails the step, and the relaunch redoes only that task (datatrove's completion markers in the
+step's work folder) while the finished ones are not run again; the curated shards and the token shards equal an
+in-process run's bit for bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from compass.infra.layout import SPLITS
 from compass.infra.store import Store
 from tests.conftest import REPO, VENV_BIN, base_env
 
@@ -72,12 +74,12 @@ def _array_tasks(slurm: dict[str, str], name: str) -> list[dict[str, str]]:
     return [j for j in jobs if j.get("Name") == name]
 
 
-def _curated_files(store: Path) -> dict[str, str]:
-    (manifest,) = store.glob("curate/web-*/manifest.json")
+def _files(store: Path, kind: str) -> dict[str, str]:
+    (manifest,) = store.glob(f"{kind}/web-*/manifest.json")
     return {f["path"]: f["sha256"] for f in json.loads(manifest.read_text())["files"]}
 
 
-def test_curation_runs_as_slurm_arrays_redoes_only_a_cancelled_task_and_equals_a_local_run(
+def test_data_steps_run_as_slurm_arrays_redo_only_a_cancelled_task_and_equal_a_local_run(
         slurm, prefect_server: str, tmp_path: Path):
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import run_in_process
@@ -88,17 +90,18 @@ def test_curation_runs_as_slurm_arrays_redoes_only_a_cancelled_task_and_equals_a
     spec = tmp_path / "spec.yaml"
     spec.write_text(text)
     local_spec = tmp_path / "local.yaml"
-    local_spec.write_text("\n".join(line for line in text.splitlines() if not line.startswith(("  orchestration", "  resources"))))
+    here = [line for line in text.splitlines() if not line.startswith(("  orchestration", "  resources"))]
+    local_spec.write_text("\n".join(here))  # the same spec on this machine
     loaded = load_spec(local_spec)
     plan = compile_spec(loaded.spec)
-    run_in_process(plan.restricted_to({"ingest", "curate"}), Store(str(tmp_path / "local")),
+    run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), Store(str(tmp_path / "local")),
                    loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir),
                    logging.getLogger("test"))
 
     store = tmp_path / "store"
     env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
     argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store),
-            "--until", "curate:web"]
+            "--until", "tokenize:web"]
     first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while not (queued := _queued("compass-arrays-filter")):  # the first stage's array, one task at a time (%1)
@@ -120,9 +123,12 @@ def test_curation_runs_as_slurm_arrays_redoes_only_a_cancelled_task_and_equals_a
     assert len(redone) == 1 and redone[0]["JobState"] == "COMPLETED", redone  # only the cancelled task, once
     said = " ".join((second.stdout + second.stderr).split())
     assert "stage filter: Slurm array" in said and " of 1 tasks" in said, said[-4000:]
-    for stage in ("exact-signature", "exact-filter", "split"):  # every later stage is an array of three tasks
+    curated = _files(store, "curate")
+    later = {"exact-signature": SHARDS, "exact-filter": SHARDS, "split": SHARDS,  # one task per shard
+             **{f"tokenize-{split}": sum(p.startswith(f"{split}/") for p in curated) for split in SPLITS}}
+    for stage, n in later.items():
         tasks = _array_tasks(slurm, f"compass-arrays-{stage}")
-        assert len(tasks) == SHARDS and len({t["JobId"] for t in tasks}) == SHARDS, (stage, tasks)
+        assert len(tasks) == n > 0 and len({t["JobId"] for t in tasks}) == n, (stage, tasks)
         assert all(t["JobState"] == "COMPLETED" for t in tasks)
 
     cluster = Store(str(store))
@@ -131,4 +137,8 @@ def test_curation_runs_as_slurm_arrays_redoes_only_a_cancelled_task_and_equals_a
     driver = [j for j in _array_tasks(slurm, "compass-curate-web") if j["JobState"] == "COMPLETED"]
     assert [j["JobId"] for j in driver] == [manifest.execution.slurm_job] and driver[0]["ProcCnt"] == "1"
     assert manifest.metrics["documents_in"] == 1200 and manifest.metrics["documents_out"] < 1200  # dedup removed
-    assert _curated_files(store) == _curated_files(tmp_path / "local")  # bit for bit
+    assert curated == _files(tmp_path / "local", "curate")  # bit for bit
+    tokens = _files(store, "tokenize")
+    assert tokens == _files(tmp_path / "local", "tokenize")
+    assert sorted(p for p in tokens if p.startswith("train/")) == [
+        f"train/{i:05d}.{ext}" for i in range(SHARDS) for ext in ("offsets.npy", "tokens")]

@@ -29,7 +29,7 @@ def heldout_losses(model: torch.nn.Module, sources: dict[str, Path], seq_len: in
         if held.n_documents == 0:
             continue
         packer = Packer({name: held}, {name: 1.0}, seq_len, seed=0)
-        n = min(max_sequences, max(1, len(held.tokens) // seq_len))
+        n = min(max_sequences, max(1, held.n_tokens // seq_len))
         losses = [float(scorer(**packer.next_batch(1, masking).inputs(device, lengths))[1]) for _ in range(n)]
         out[name] = sum(losses) / len(losses)
     scorer.train(was_training)

@@ -1,6 +1,7 @@
-"""The tokenized-source format: per split, `<split>.tokens` (uint16 or uint32 ids, each document followed by EOS)
-and `<split>.offsets.npy` (int64 document starts, plus the end), with `meta.json`. Written by the tokenize step,
-memory-mapped by the packer and the evaluation."""
+"""The tokenized-source format: per split a shard set, `<split>/NNNNN.tokens` (uint16 or uint32 ids, each document
+followed by EOS) with `<split>/NNNNN.offsets.npy` (int64 document starts in the shard, plus its end), and one
+`meta.json`. Each shard is written by one task of the tokenize step (one curated shard each); the packer and the
+evaluation memory-map them, and a document's global index runs through the shards in order."""
 
 from __future__ import annotations
 
@@ -19,15 +20,24 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
 
 
-def write_split(folder: Path, split: str, documents: Iterable[list[int]], eos: int, dtype: np.dtype) -> tuple[int, int]:
-    """Write one split from token-id lists (EOS appended to each), streamed: tokens and document ends go to disk
-    in blocks of about FLUSH_TOKENS as they come, so memory does not grow with the split; returns (documents,
-    tokens)."""
-    ends = folder / f"{split}.ends.tmp"  # int64 document ends, raw; the .npy is written once their count is known
+def shard_paths(folder: Path, split: str, shard: int) -> tuple[Path, Path]:
+    """The tokens and offsets files of one shard of a split."""
+    stem = folder / split / f"{shard:05d}"
+    return stem.with_suffix(".tokens"), stem.with_suffix(".offsets.npy")
+
+
+def write_split(folder: Path, split: str, documents: Iterable[list[int]], eos: int, dtype: np.dtype,
+                shard: int = 0) -> tuple[int, int]:
+    """Write one shard of a split from token-id lists (EOS appended to each), streamed: tokens and document ends
+    go to disk in blocks of about FLUSH_TOKENS as they come, so memory does not grow with the shard; returns
+    (documents, tokens)."""
+    tokens_path, offsets_path = shard_paths(folder, split, shard)
+    tokens_path.parent.mkdir(parents=True, exist_ok=True)
+    ends = tokens_path.with_suffix(".ends.tmp")  # int64 document ends, raw; the .npy is written once counted
     pending: list[np.ndarray] = []
     pending_ends: list[int] = []
     total = documents_seen = flushed = 0
-    with open(folder / f"{split}.tokens", "wb") as out, open(ends, "wb") as out_ends:
+    with open(tokens_path, "wb") as out, open(ends, "wb") as out_ends:
         for ids in documents:
             row = np.empty(len(ids) + 1, dtype=dtype)
             row[:-1], row[-1] = ids, eos
@@ -40,7 +50,7 @@ def write_split(folder: Path, split: str, documents: Iterable[list[int]], eos: i
                 pending, pending_ends = [], []
         documents_seen += len(pending_ends)
         _flush(out, out_ends, pending, pending_ends)
-    offsets = np.lib.format.open_memmap(folder / f"{split}.offsets.npy", mode="w+", dtype=np.int64,
+    offsets = np.lib.format.open_memmap(offsets_path, mode="w+", dtype=np.int64,
                                         shape=(documents_seen + 1,))
     offsets[0] = 0
     if documents_seen:
@@ -69,19 +79,41 @@ def write_meta(folder: Path, dtype: np.dtype, eos: int, vocab_size: int) -> None
 
 
 class TokenizedSource:
-    """Read-only, memory-mapped view of one tokenized split."""
+    """Read-only, memory-mapped view of one tokenized split: its shards in order, one document index across them."""
 
     def __init__(self, folder: Path, split: str = TRAIN):
         meta = json.loads((folder / META).read_text())
         self.eos = meta["eos"]
-        path = folder / f"{split}.tokens"
-        dtype = np.dtype(meta["dtype"])
-        self.tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
-        self.offsets = np.load(folder / f"{split}.offsets.npy")
+        self.dtype = np.dtype(meta["dtype"])
+        self.shards = sorted((folder / split).glob("*.tokens"))
+        self._offsets = [np.load(p.with_suffix(".offsets.npy"), mmap_mode="r") for p in self.shards]
+        self._tokens: list[np.ndarray | None] = [None] * len(self.shards)  # mapped when first read
+        counts = [len(o) - 1 for o in self._offsets]
+        self._first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # first document of each shard
 
     @property
     def n_documents(self) -> int:
-        return len(self.offsets) - 1
+        return int(self._first[-1])
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(int(o[-1]) for o in self._offsets)
 
     def document(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]: self.offsets[i + 1]]
+        shard = int(np.searchsorted(self._first, i, side="right")) - 1
+        offsets, local = self._offsets[shard], i - int(self._first[shard])
+        return self._shard(shard)[int(offsets[local]): int(offsets[local + 1])]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the split in one array, in memory: for held-out splits (a haystack, a loss sample)."""
+        parts = [self._shard(i) for i in range(len(self.shards))]
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def _shard(self, i: int) -> np.ndarray:
+        mapped = self._tokens[i]
+        if mapped is None:
+            path = self.shards[i]
+            mapped = np.memmap(path, dtype=self.dtype, mode="r") if path.stat().st_size else np.zeros(0, self.dtype)
+            self._tokens[i] = mapped
+        return mapped

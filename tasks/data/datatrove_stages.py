@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -87,6 +88,19 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
     blocks = _merged_block_stats(logging_dir, tasks)
     return StageStats(stage=stage, tasks=tasks,
                       blocks=[BlockStats(name=str(b.get("name")), stats=_plain(b.get("stats", {}))) for b in blocks])
+
+
+def link_outputs(src: Path, dst: Path) -> None:
+    """The files the stages wrote under `src` into the artifact folder `dst`: hard links where both are on one
+    file system (the work folder keeps its copy until the commit, for a relaunch), else copies."""
+    for path in sorted(src.rglob("*")):
+        if path.is_file():
+            target = dst / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
 
 
 def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, cluster: SlurmCluster, name: str,

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from compass.infra.layout import DOCUMENTS, HELDOUT, SPLITS, TRAIN, CuratedArtif
 from compass.specs.base import Issue
 from compass.specs.data import Curation
 from compass.specs.spec import TrainingSpec
-from compass.tasks.data.datatrove_stages import StageStats, run_stage
+from compass.tasks.data.datatrove_stages import StageStats, link_outputs, run_stage
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -140,7 +138,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
                        [*read(current), SplitTagger(cur.heldout_fraction),
                         ShardWriter(str(work / "split"), output_filename="${split}/${rank}.jsonl.gz",
                                     adapter=portable_record)], n_shards))
-    _link_tree(work / "split", ctx.out)
+    link_outputs(work / "split", ctx.out)
 
     curated = CuratedArtifact(ctx.out)
     before = _counted(stages, Measure)
@@ -167,19 +165,6 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
                f"({after['train']['documents']:,} train, {after['heldout']['documents']:,} held out); "
                f"removed by: {reasons or 'nothing'}")
     return StepResult(metrics=metrics, summary=summary, tables={"curation": rows})
-
-
-def _link_tree(src: Path, dst: Path) -> None:
-    """The files under `src` into `dst`: hard links where both are on one file system (the work folder keeps its
-    copy until the commit, for a relaunch), else copies."""
-    for path in sorted(src.rglob("*")):
-        if path.is_file():
-            target = dst / path.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copy2(path, target)
 
 
 def _removal_reasons(stages: list[StageStats]) -> dict[str, int]:

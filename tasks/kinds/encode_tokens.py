@@ -1,4 +1,8 @@
-"""Tokenize one curated source with the chosen tokenizer into memory-mappable arrays (model/token_files.py).
+"""Tokenize one curated source with the chosen tokenizer into a shard set of memory-mappable arrays
+(model/training/token_files.py): per split, a datatrove pipeline (its JsonlReader streaming the curated shards from
+the store, then TokenShards) of one task per curated shard, run by the executor the step's placement names, as
+curation's stages are (tasks/data/datatrove_stages.py: Slurm job arrays under a cluster). Each task writes one
+token shard, streamed, so a task's memory is one batch of documents and one block of tokens whatever the size.
 
 Tokenize steps are added on demand: a kind that trains or measures on a source asks for its tokens with
 `tokens_of`, so a source nobody trains on is never tokenized.
@@ -6,20 +10,16 @@ Tokenize steps are added on demand: a kind that trains or measures on a source a
 
 from __future__ import annotations
 
-import gzip
-import json
-from collections.abc import Iterator
+import logging
 from pathlib import Path
 
 from compass.infra.layout import SPLITS, TokenizerArtifact
+from compass.tasks.data.datatrove_stages import StageStats, link_outputs, run_stage
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
-from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
+from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
-
-BATCH = 256
-BATCH_CHARS = 1 << 23  # 8M characters
 
 
 def tokens_of(plan: PlanBuilder, source: str) -> str:
@@ -35,61 +35,46 @@ def data_inputs(plan: PlanBuilder, sources: list[str]) -> dict[str, str]:
     return {"tokenizer": tokenizer_step(plan), **{f"tokens:{n}": tokens_of(plan, n) for n in sorted(sources)}}
 
 
-def _texts(curated: InputArtifact, split: str) -> Iterator[str]:
-    """The split's documents, each shard streamed from the store in turn (checked as it is read)."""
-    for entry in curated.files(split, ".jsonl.gz"):
-        with curated.open(entry) as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)["text"]
-
-
-def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
-    """Texts in batches of at most BATCH documents and about BATCH_CHARS characters: what is held at once."""
-    batch: list[str] = []
-    chars = 0
-    for text in texts:
-        batch.append(text)
-        chars += len(text)
-        if len(batch) == BATCH or chars >= BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
-
-
-def _ids(tok, texts: Iterator[str]) -> Iterator[list[int]]:
-    for batch in _batches(texts):  # encoded in parallel by the tokenizer's threads, without character offsets
-        yield from (enc.ids for enc in tok.encode_batch_fast(batch))
-
-
-def tokenize_curated(tokenizer: Path, curated: InputArtifact, out: Path) -> dict[str, int]:
-    """Every split of a curated source into token files in `out`, streamed: memory is one batch of documents and
-    one block of tokens whatever the source's size, and no copy of the source is made. Returns documents and
-    tokens per split."""
+def tokenize_curated(tokenizer: Path, curated: InputArtifact, out: Path, work: Path, runtime: Runtime,
+                     log: logging.Logger | logging.LoggerAdapter) -> dict[str, int]:
+    """Every split of a curated source into token shards in `out`, one datatrove task per curated shard; no copy of
+    the source is made. `work` keeps the stages' completion markers and shards across attempts. Returns documents
+    and tokens per split."""
+    from datatrove.pipeline.readers import JsonlReader
     from tokenizers import Tokenizer
 
-    from compass.model.training.token_files import token_dtype, write_meta, write_split
+    from compass.model.training.token_files import token_dtype, write_meta
+    from compass.tasks.data.token_shards import TokenShards
 
-    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size()
     eos = tokenizer_ids(tokenizer).eos
-    dtype = token_dtype(tok.get_vocab_size())
+    dtype = token_dtype(vocab)
     counts: dict[str, int] = {}
     for split in SPLITS:
-        documents, tokens = write_split(out, split, _ids(tok, _texts(curated, split)), eos, dtype)
-        counts[f"{split}_documents"] = documents
-        counts[f"{split}_tokens"] = tokens
-    write_meta(out, dtype, eos, tok.get_vocab_size())
+        tasks = len(curated.files(split, ".jsonl.gz"))
+        stats = StageStats(stage=split, tasks=0, blocks=[])
+        if tasks:
+            reader = JsonlReader(curated.folder_url(split), glob_pattern="*.jsonl.gz", doc_progress=False)
+            stats = run_stage(runtime, f"tokenize-{split}", work / "logs",
+                              [reader, TokenShards(str(tokenizer / "tokenizer.json"), str(work / "tokens"), split,
+                                                   eos, dtype.name)], tasks, log)
+        counted = next((b.stats for b in stats.blocks if b.name == f"{TokenShards.type}: {TokenShards.name}"), {})
+        counts[f"{split}_documents"] = int(counted.get("documents", 0))
+        counts[f"{split}_tokens"] = int(counted.get("tokens", 0))
+    link_outputs(work / "tokens", out)
+    write_meta(out, dtype, eos, vocab)
     return counts
 
 
 def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     tokenizer = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
-    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx.out)
+    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx.out, ctx.workdir / "datatrove", ctx.runtime,
+                               ctx.log)
     summary = (f"### tokenize `{ctx.name}`\n\n{metrics['train_tokens']:,} training tokens in "
                f"{metrics['train_documents']:,} documents; {metrics['heldout_tokens']:,} held-out tokens")
     return StepResult(metrics=metrics, summary=summary)
 
 
-KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="1", resources=phase("data"), tags=("data",),
-                imports=TRANSFORMERS)
+KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="2", resources=phase("data"), tags=("data",),
+                imports=TRANSFORMERS, fans_out=True)
 STEP_KINDS = (KIND,)
