@@ -26,6 +26,7 @@ lint: setup
 
 bench: setup
 	cd benchmarks && ../.venv/bin/python curation_throughput.py
+	cd benchmarks && ../.venv/bin/python data_throughput.py
 	cd benchmarks && ../.venv/bin/python cached_rerun.py
 	cd benchmarks && ../.venv/bin/python pretrain_throughput.py --engine torch
 	cd benchmarks && ../.venv/bin/python pretrain_throughput.py --engine deepspeed --variants "bare torch loop,compass trainer,HF Trainer"
