@@ -171,7 +171,9 @@ def placement_section(spec: TrainingSpec) -> Section:
         if phase not in present:
             continue
         shape = how.shape(phase)
-        if cluster is not None:
+        if cluster is not None and phase == "data":
+            runs = "Slurm jobs; curation and tokenization as job arrays of 1-CPU tasks"
+        elif cluster is not None:
             runs = "Slurm job" + (", whole nodes" if shape.whole_nodes and not shape.cpus_per_node else "")
         elif phase == "data" and how.orchestration.task_runner == "ray":
             runs = "Ray tasks"

@@ -89,7 +89,8 @@ def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
     assert {phase: (row[1], row[3]) for phase, row in placed.items()} == {
         "data": (1, 0), "ablation": (1, 8), "pretraining": (48, 384), "long context": (3, 24),
         "mid training": (48, 384), "post training": (1, 1), "evaluation": (1, 1)}
-    assert all(row[-1] == "Slurm job" for row in placed.values())
+    assert all(row[-1] == "Slurm job" for phase, row in placed.items() if phase != "data")
+    assert placed["data"][-1] == "Slurm jobs; curation and tokenization as job arrays of 1-CPU tasks"
     compute = {row[0]: row for row in sections["Training compute"]["rows"]}
     columns = sections["Training compute"]["columns"]
     gpus, days = columns.index("GPUs"), columns.index("days")
