@@ -1,8 +1,15 @@
 """Data throughput: compass's ingest -> curate (no filters: the split) -> tokenize steps against datatrove's own
-pipeline (JsonlReader -> DocumentTokenizer) on the same JSONL files with the same tokenizer and workers. Documents
-per second over the whole path, tokens per second, and how each scales from 1 to 2 workers.
+pipelines on the same JSONL files with the same tokenizer, executor and workers. Documents per second over the
+whole path, tokens per second, and how each scales from 1 to 2 workers.
 
-Both read the same generated source (`--files` JSONL files of `--documents` documents); compass's steps run as a
+Two datatrove baselines:
+- "datatrove stages": the same three passes as datatrove pipelines written by hand (JsonlReader -> JsonlWriter;
+  JsonlReader -> train/held-out split -> JsonlWriter; JsonlReader -> DocumentTokenizer per split). The ratio to
+  it is what compass's own work costs: the store, manifests and hashes, verified reads, the steps' glue.
+- "datatrove": one pass, JsonlReader -> DocumentTokenizer, keeping no documents: what keeping the ingested and
+  curated documents as artifacts costs.
+
+All read the same generated source (`--files` JSONL files of `--documents` documents); compass's steps run as a
 run would (store, manifests, verification), each round in a fresh store with the tokenizer already chosen.
 
     python benchmarks/data_throughput.py [--files 8] [--documents 2000] [--rounds 3]
@@ -25,8 +32,8 @@ from harness import child, interleave, report, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = "notes"
-VARIANTS = {"datatrove, 1 worker": ("datatrove", 1), "compass, 1 worker": ("compass", 1),
-            "datatrove, 2 workers": ("datatrove", 2), "compass, 2 workers": ("compass", 2)}
+ENGINES = ("datatrove stages", "compass", "datatrove")
+VARIANTS = {f"{engine}, {n} worker{'s' * (n > 1)}": (engine, n) for n in (1, 2) for engine in ENGINES}
 
 
 def generate(folder: Path, files: int, documents: int) -> int:
@@ -117,6 +124,38 @@ def run_datatrove(ctx: dict, workers: int, out: Path) -> tuple[float, int]:
     return seconds, tokens
 
 
+def run_datatrove_stages(ctx: dict, workers: int, out: Path) -> tuple[float, int]:
+    """Seconds of the same three passes as compass's steps, as datatrove pipelines run by hand; the tokens."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens import DocumentTokenizer
+    from datatrove.pipeline.writers import JsonlWriter
+
+    from compass.tasks.data.curate_blocks import REPRODUCIBLE_GZIP, SplitTagger  # gzip level 6, as compass's
+
+    files = len(list((Path(ctx["work"]) / "source").glob("*.jsonl")))
+    start = time.perf_counter()
+    LocalPipelineExecutor([JsonlReader(str(Path(ctx["work"]) / "source")),
+                           JsonlWriter(str(out / "ingested"), compression=REPRODUCIBLE_GZIP)],
+                          tasks=files, workers=workers, logging_dir=str(out / "logs-ingest")).run()
+    LocalPipelineExecutor([JsonlReader(str(out / "ingested")), SplitTagger(0.05),
+                           JsonlWriter(str(out / "split"), output_filename="${split}/${rank}.jsonl.gz",
+                                       compression=REPRODUCIBLE_GZIP)],
+                          tasks=files, workers=workers, logging_dir=str(out / "logs-split")).run()
+    tokens = 0
+    for split in ("train", "heldout"):
+        LocalPipelineExecutor([JsonlReader(str(out / "split" / split)),
+                               DocumentTokenizer(str(out / "tokens" / split), tokenizer_name_or_path=ctx["tokenizer"],
+                                                 eos_token="<|endoftext|>", shuffle_documents=False)],
+                              tasks=files, workers=workers, logging_dir=str(out / f"logs-{split}")).run()
+        stats = json.loads((out / f"logs-{split}" / "stats.json").read_text())
+        tokens += next(b["stats"]["tokens"]["total"] for b in stats if "tokens" in b.get("stats", {}))
+    return time.perf_counter() - start, tokens
+
+
+RUNNERS = {"compass": run_compass, "datatrove": run_datatrove, "datatrove stages": run_datatrove_stages}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=8)
@@ -129,7 +168,7 @@ def main() -> None:
         ctx = json.loads(Path(ctx_path).read_text())
         engine, workers = VARIANTS[name]
         with tempfile.TemporaryDirectory(prefix="compass-data-", dir=ctx["work"]) as out:
-            seconds, tokens = (run_compass if engine == "compass" else run_datatrove)(ctx, workers, Path(out))
+            seconds, tokens = RUNNERS[engine](ctx, workers, Path(out))
         write_result(result, ctx["documents"] / seconds, tokens_per_s=tokens / seconds)
         return
     work = Path(tempfile.mkdtemp(prefix="compass-data-throughput-"))
@@ -141,9 +180,9 @@ def main() -> None:
         title = f"data: {ctx['documents']:,} documents in {args.files} JSONL files, ingest..tokenize"
         for workers in (1, 2):
             pair = {name: runs for name, runs in results.items() if VARIANTS[name][1] == workers}
-            report(f"{title}, {workers} worker(s)", pair, f"datatrove, {workers} worker{'s' * (workers > 1)}",
-                   "docs/s")
-        for engine in ("datatrove", "compass"):
+            report(f"{title}, {workers} worker(s)", pair,
+                   f"datatrove stages, {workers} worker{'s' * (workers > 1)}", "docs/s")
+        for engine in ENGINES:
             speeds = [statistics.median([r.details["tokens_per_s"] for r in results[name]])
                       for name, (e, _) in VARIANTS.items() if e == engine]
             print(f"  {engine}: {speeds[0]:,.0f} -> {speeds[1]:,.0f} tokens/s from 1 to 2 workers "

@@ -67,11 +67,10 @@ def test_the_placement_follows_the_cluster_the_ranks_and_the_task_runner(tmp_pat
         "ingest": "data", "ablate": "ablation", "pretrain": "pretraining", "long_context": "long_context",
         "post_train": "post_training", "evaluate": "evaluation"}
     arrays = {k for k, p in placed.items() if p.tasks is not None}  # datatrove stages as Slurm job arrays
-    assert arrays == {"curate", "tokenize"}
+    assert arrays == {"ingest", "curate", "tokenize"}
     for kind in arrays:  # a one-CPU driver job; the data phase's shape goes to the arrays
         assert (placed[kind].shape.nodes, placed[kind].shape.cpus_per_node) == (1, 1)
         assert placed[kind].tasks == cluster.shape("data")
-    assert placed["ingest"].shape == cluster.shape("data") and placed["ingest"].tasks is None
     assert all(p.tasks is None for p in (place(registry.kind(k), s.config, how) for k, s in kinds.items()))
 
 def test_a_new_kind_declares_its_resources_in_its_own_module(tmp_path: Path):

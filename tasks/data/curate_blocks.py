@@ -128,9 +128,9 @@ def _quiet_console_task_logger():
     if getattr(executor_base.add_task_logger, "_compass_quiet", False):
         return
 
-    def quiet_console() -> None:
+    def quiet_console() -> None:  # one line a message: a failed rank's traceback is in its log file
         logger.remove()
-        logger.add(sys.stderr, level="WARNING", format="datatrove {level}: {message}")
+        logger.add(sys.stderr, level="WARNING", format=lambda _: "datatrove {level}: {message}\n")
 
     def add_quiet_task_logger(logging_dir, rank: int, local_rank: int = 0, node_rank: int = -1):
         logfile = add_task_logger(logging_dir, rank, local_rank, node_rank=node_rank)

@@ -72,16 +72,23 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
                                            logging_dir=str(logging_dir), skip_completed=True)
         else:
             import multiprocess
-            from datatrove.executor import LocalPipelineExecutor
+
+            from compass.tasks.data.executors import LocalExecutor
 
             multiprocess.set_forkserver_preload(["compass.infra.forkserver_preload"])  # workers die with this run
             shape = placement.shape
             workers = shape.cpus_per_node if shape and shape.cpus_per_node else orch.workers
-            executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(tasks, workers),
+            executor = LocalExecutor(pipeline, tasks=tasks, workers=min(tasks, workers),
                                              logging_dir=str(logging_dir), skip_completed=True)
         with children_die_with_this_thread():  # datatrove's Manager process too
             executor.run()
+    from compass.tasks.data.executors import rank_failure
+
     missing = executor.get_incomplete_ranks(range(tasks), skip_completed=True)
+    failures = [e for e in (rank_failure(logging_dir, r) for r in missing) if e is not None]
+    if failures:  # the first failed rank's own error (a broken record names its file and line)
+        log.warning("datatrove stage %s: ranks %s of %d failed; run again to redo only those", stage, missing, tasks)
+        raise failures[0]
     if missing:  # Ray's executor logs a lost task group and returns; an array task may be cancelled or fail
         raise StageIncomplete(f"datatrove stage {stage} finished without ranks {missing} of {tasks}; see "
                               f"{logging_dir / 'logs'}; run again to redo only those ranks")
@@ -106,7 +113,7 @@ def link_outputs(src: Path, dst: Path) -> None:
 def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, cluster: SlurmCluster, name: str,
                   log: logging.Logger | logging.LoggerAdapter):
     """Submit the stage as a Slurm job array (or follow the one an earlier attempt submitted) and wait for it."""
-    from compass.tasks.data.slurm_arrays import ArrayExecutor
+    from compass.tasks.data.executors import ArrayExecutor
 
     memory_per_cpu = DEFAULT_MEMORY_PER_CPU_GB
     if shape.memory_gb and shape.cpus_per_node:

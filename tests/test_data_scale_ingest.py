@@ -1,0 +1,103 @@
+"""Ingest as a datatrove stage: the source's files cut into contiguous groups of about equal bytes, one task and one
+shard each; how many from the data and the spec (not from a fixed number of documents per shard); the shards in
+order hold the documents in file order; a relaunch after a failed task redoes only that task, and what it writes
+is byte-identical to an undisturbed run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from compass.infra.errors import MalformedData
+from compass.specs.how import How
+from compass.tasks.kinds import ingest as ingest_kind
+from compass.tasks.kinds.ingest import IngestConfig, file_groups, run_ingest, task_count
+from compass.tasks.steps.context import Runtime, StepContext
+
+
+def _context(source: Path, work: Path, how: How | None = None, max_documents: int | None = None) -> StepContext:
+    config = IngestConfig(uri=str(source), include=["*.jsonl"], exclude=[], format="jsonl", text_key="text",
+                          split="file", section_chars=4000, language=None, domain="web", max_documents=max_documents)
+    out = work / "out"
+    out.mkdir(parents=True)
+    return StepContext("ingest", "web", config, {}, out, work, work, Runtime(how=how or How(), base_dir=work),
+                       logging.getLogger("test"))
+
+
+def _source(folder: Path, files: int = 5, per_file: int = 40) -> list[str]:
+    folder.mkdir()
+    texts = []
+    for i in range(files):
+        lines = [f"document {j} of file {i}: " + "words " * (10 + j) for j in range(per_file)]
+        (folder / f"part-{i:02d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+        texts += lines
+    return texts
+
+
+def _shards(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "documents").glob("*.jsonl.gz"))}
+
+
+def _texts(shards: dict[str, bytes]) -> list[str]:
+    return [json.loads(line)["text"] for data in shards.values() for line in gzip.decompress(data).splitlines()]
+
+
+def test_files_are_cut_into_contiguous_groups_of_about_equal_bytes():
+    assert file_groups({"a": 10, "b": 10, "c": 10, "d": 10}, 2) == [["a", "b"], ["c", "d"]]
+    assert file_groups({"a": 100, "b": 1, "c": 1, "d": 1}, 3) == [["a"], ["b"], ["c", "d"]]  # a big file alone
+    assert file_groups({"a": 5}, 4) == [["a"]]  # a file is never split
+    groups = file_groups({f"{i:03d}": 1 + i % 7 for i in range(100)}, 8)
+    assert len(groups) == 8 and [f for g in groups for f in g] == [f"{i:03d}" for i in range(100)]
+
+
+def test_tasks_come_from_the_data_size_and_the_data_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    files = {f"{i:02d}.jsonl": 1000 for i in range(20)}
+    local = _context(tmp_path / "src", tmp_path / "a")
+    assert task_count(files, local) == 2  # small data: the data phase's CPUs (orchestration.workers)
+    wide = How.model_validate({"resources": {"data": {"nodes": 2, "cpus_per_node": 4}}})
+    assert task_count(files, _context(tmp_path / "src", tmp_path / "b", wide)) == 8  # the same wherever it runs
+    monkeypatch.setattr(ingest_kind, "TASK_BYTES", 2000)
+    assert task_count(files, local) == 10  # more data: a task per TASK_BYTES, at most one per file
+    assert task_count({"one.jsonl": 10**9}, local) == 1
+    assert task_count(files, _context(tmp_path / "src", tmp_path / "c", max_documents=5)) == 1
+
+
+def test_ingest_runs_one_task_per_group_and_a_relaunch_redoes_only_the_failed_task(tmp_path: Path):
+    source = tmp_path / "source"
+    texts = _source(source)
+    good = (source / "part-04.jsonl").read_text()
+    (source / "part-04.jsonl").write_text(good + '{"text": "broken\n')  # in the second group: rank 1 fails
+    ctx = _context(source, tmp_path / "run")
+    with pytest.raises(MalformedData, match=r"part-04.jsonl:41: not a JSON record"):
+        run_ingest(ctx)
+    work = tmp_path / "run" / "datatrove"
+    done = sorted(p.name for p in (work / "logs" / "ingest" / "completions").iterdir())
+    assert done == ["00000"]
+    first = (work / "documents" / "00000.jsonl.gz").stat()
+
+    (source / "part-04.jsonl").write_text(good)  # fixed; the relaunch reads the same files
+    result = run_ingest(ctx)
+    again = (work / "documents" / "00000.jsonl.gz").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # rank 0 was not redone
+    assert result.metrics["tasks"] == 2 and result.metrics["shards"] == 2 and result.metrics["documents"] == 200
+    shards = _shards(ctx.out)
+    assert list(shards) == ["00000.jsonl.gz", "00001.jsonl.gz"]
+    assert _texts(shards) == texts  # the shards in order: the source's files in order
+    ids = [json.loads(line)["id"] for data in shards.values() for line in gzip.decompress(data).splitlines()]
+    assert ids[0] == "web/part-00.jsonl#0" and ids[-1] == "web/part-04.jsonl#39"
+
+    undisturbed = _context(source, tmp_path / "fresh")
+    run_ingest(undisturbed)
+    assert _shards(undisturbed.out) == shards  # byte for byte: gzip without timestamps
+
+
+def test_max_documents_takes_the_first_documents_in_file_order(tmp_path: Path):
+    source = tmp_path / "source"
+    texts = _source(source)
+    ctx = _context(source, tmp_path / "run", max_documents=50)
+    result = run_ingest(ctx)
+    assert result.metrics["tasks"] == 1 and _texts(_shards(ctx.out)) == texts[:50]
