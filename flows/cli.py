@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.tree import Tree
@@ -20,6 +20,9 @@ from compass.flows.cli_ops import ops
 from compass.flows.cli_preflight import preflight
 from compass.infra.environment import prepare_environment
 from compass.infra.temporary_server import start_tied_temporary_server
+
+if TYPE_CHECKING:
+    from compass.infra.store import Store
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -96,6 +99,7 @@ def run(spec: SpecArg,
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
     checked = load(spec, until, smoke=smoke)
     loaded = checked.loaded
+    root = store_root(checked, store)  # a root that cannot hold a store stops here, before any server starts
     prepare_environment()
     start_tied_temporary_server()
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
@@ -114,7 +118,7 @@ def run(spec: SpecArg,
     try:
         with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
             summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
-                           store_root=store_root(checked, store), until=until, smoke=smoke,
+                           store_root=root, until=until, smoke=smoke,
                            no_recompute=no_recompute)
     except RunStopped as stopped:  # the gate: an existing model already does the job
         err.print(f"[yellow]stopped:[/yellow] {spec}: {stopped}", highlight=False)
@@ -191,9 +195,8 @@ def verify(store: Annotated[str, typer.Argument(help="Store root (local folder o
            as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Check every committed artifact's files against its manifest; exit 1 when any is damaged."""
     from compass.infra import verify as check
-    from compass.infra.store import Store
 
-    target = Store(store)
+    target = _existing_store(store)
     report = {uri: check.damage(target, uri, "full" if full else "stamped") for uri in check.committed(target)}
     damaged = {uri: problems for uri, problems in report.items() if problems}
     moved = {uri: check.set_aside(target, uri) for uri in damaged} if set_aside else {}
@@ -207,6 +210,25 @@ def verify(store: Annotated[str, typer.Argument(help="Store root (local folder o
         out.print(f"{len(report)} artifacts checked, {len(damaged)} damaged")
     if damaged:
         raise typer.Exit(1)
+
+
+def _existing_store(root: str) -> Store:
+    """The store at `root`, or exit 2: verifying a mistyped path must not make an empty store there and report it
+    undamaged."""
+    from compass.infra.store import Store, root_problem
+
+    missing = "no store here, nothing to verify (give the root a run wrote: how.storage.root or its --store)"
+    problem = root_problem(root)
+    remote = "://" in root and not root.startswith("file://")
+    if problem is None and not remote and not Path(root.removeprefix("file://")).expanduser().is_dir():
+        problem = missing
+    if problem is None:
+        target = Store(root)  # a local root exists by now, so Store makes no folder
+        if not remote or target.fs.exists(target.root_path):
+            return target
+        problem = missing
+    err.print(f"{root}: {problem}", markup=False, highlight=False)
+    raise typer.Exit(EXIT_BAD_INPUT)
 
 
 def _label(node: dict) -> str:
@@ -248,7 +270,7 @@ def evaluate_schedule(
     if not benchmarks:
         err.print(f"{spec}: what.evaluation.benchmarks is empty: nothing to evaluate (add benchmarks to the suite)")
         raise typer.Exit(EXIT_BAD_INPUT)
-    params = {"checkpoint_root": store_root(checked, root), "benchmarks": benchmarks,
+    params = {"checkpoint_root": store_root(checked, root, "--root"), "benchmarks": benchmarks,
               "credentials_block": loaded.spec.how.storage.credentials_block}
     if once:
         print(json.dumps(evaluate_new_checkpoints(**params), indent=2))

@@ -46,11 +46,23 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
     return checked
 
 
-def store_root(checked: CheckedSpec, store: str | None) -> str:
+def store_root(checked: CheckedSpec, store: str | None, option: str = "--store") -> str:
     """`--store` if given, else the spec's `how.storage.root` (relative to the working directory); a smoke run
-    writes beside it, to `<root>-smoke`, never among real artifacts."""
+    writes beside it, to `<root>-smoke`, never among real artifacts. Exit 2 when it cannot hold a store."""
     from compass.flows.lifecycle import resolve_root
+    from compass.infra.store import root_problem
 
     if store and checked.loaded.smoke_changes:
         store = store.rstrip("/") + "-smoke"
-    return store or resolve_root(checked.spec.how.storage.root)
+    root = store or resolve_root(checked.spec.how.storage.root)
+    problem = root_problem(root)
+    if problem is None:
+        return root
+    if store:
+        err.print(f"{option} {store}: {problem}", markup=False, highlight=False)
+    else:
+        from compass.specs.base import Issue
+
+        (located,) = checked.loaded.problems([Issue(("how", "storage", "root"), problem, "set another root")])
+        err.print(str(located), markup=False, highlight=False)
+    raise typer.Exit(EXIT_BAD_INPUT)

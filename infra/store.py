@@ -61,6 +61,26 @@ def _owner_alive(pid: int, folder: Path) -> bool:
     return started <= changed + 1.0  # create_time is rounded to the clock tick
 
 
+STORE_SCHEMES = ("s3",)  # besides local folders (plain paths or file://): what the store writes and commits to
+
+
+def root_problem(root: str) -> str | None:
+    """Why `root` cannot hold a store, or None: checked before Store() makes folders or opens a filesystem, so a
+    wrong `--store` ends in one sentence instead of a traceback from mkdir or from an HTTP client."""
+    if "://" in root and not root.startswith("file://"):
+        scheme = root.split("://", 1)[0]
+        if scheme not in STORE_SCHEMES:
+            return (f"{scheme}:// cannot hold a store (compass writes and commits artifacts there): give a local "
+                    "folder or s3://bucket/prefix")
+        return None
+    path = Path(root.removeprefix("file://")).expanduser().absolute()
+    for folder in (path, *path.parents):
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            return (f"{folder} is a file, not a folder" if folder == path else
+                    f"{folder} is a file, so there can be no folder {path} under it")
+    return None
+
+
 def _cache_home() -> Path:
     return Path(os.environ.get("COMPASS_CACHE", Path.home() / ".cache" / "compass"))
 

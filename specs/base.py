@@ -1,10 +1,13 @@
-"""Shared base for every spec model: unknown keys are errors, so a typo never passes silently."""
+"""Shared base for every spec model: unknown keys are errors, so a typo never passes silently; numbers are
+finite, so no value turns into `null` in the spec hash (two different specs, one identity) or into a crash."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 Loc = tuple[str | int, ...]
 
@@ -12,7 +15,29 @@ Loc = tuple[str | int, ...]
 class SpecModel(BaseModel):
     """Strict, immutable spec node."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, validate_default=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite_inside(cls, value: Any) -> Any:
+        """Free-form fields (filter params, ablation changes) hold numbers the float fields' check never sees."""
+        where = _non_finite(value)
+        if where is not None:
+            raise ValueError(f"{where or 'the value'} is not a finite number (.inf and .nan are not allowed)")
+        return value
+
+
+def _non_finite(value: Any, where: str = "") -> str | None:
+    """The key path to an infinite or NaN float inside plain dicts and lists, or None."""
+    if isinstance(value, float):
+        return where if not math.isfinite(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]")
+        if found is not None:
+            return found.lstrip(".")
+    return None
 
 
 class HintedError(ValueError):

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.comments import CommentedMap, CommentedSeq, merge_attrib
+from ruamel.yaml.constructor import ConstructorError
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from compass.specs import yaml_limits
@@ -114,19 +114,16 @@ def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = 
 
 
 def _parse_yaml(text: str, filename: str) -> Any:
-    problem = yaml_limits.size_problem(len(text.encode("utf-8", errors="replace"))) or yaml_limits.scan(text)
+    problem = yaml_limits.size_problem(len(text.encode("utf-8", errors="replace")))
     if problem:
         raise SpecError([SpecProblem(filename, problem.line + 1, "<yaml>", problem.message, problem.hint)])
-    yaml = YAML(typ="rt")
-    yaml.allow_duplicate_keys = False
     try:
-        data = yaml.load(text)
+        data = yaml_limits.load(text)
+    except yaml_limits.LimitError as exc:
+        limit = exc.problem
+        raise SpecError([SpecProblem(filename, limit.line + 1, "<yaml>", limit.message, limit.hint)]) from None
     except MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 1
-        problem = exc.problem or exc.context or "invalid YAML"
-        hint = "duplicate keys are not allowed" if "duplicate" in str(exc) else "check indentation and quoting"
-        raise SpecError([SpecProblem(filename, line, "<yaml>", problem, hint)]) from None
+        raise SpecError([_yaml_problem(exc, filename)]) from None
     except YAMLError as exc:
         raise SpecError([SpecProblem(filename, 1, "<yaml>", str(exc), "check the YAML syntax")]) from None
     if not isinstance(data, CommentedMap):
@@ -134,6 +131,19 @@ def _parse_yaml(text: str, filename: str) -> Any:
         raise SpecError([SpecProblem(filename, line, "<spec>", "the spec must be a mapping with why, what, how",
                                      "start from specs/examples/tiny.yaml")])
     return data
+
+
+def _yaml_problem(exc: MarkedYAMLError, filename: str) -> SpecProblem:
+    mark = exc.problem_mark or exc.context_mark
+    line = mark.line + 1 if mark else 1
+    problem = exc.problem or exc.context or "invalid YAML"
+    if "duplicate" in str(exc):
+        hint = "duplicate keys are not allowed"
+    elif isinstance(exc, ConstructorError):
+        hint = "fix the value, or quote it to keep it text"
+    else:
+        hint = "check indentation and quoting"
+    return SpecProblem(filename, line, "<yaml>", problem, hint)
 
 
 class _LineIndex:
@@ -146,8 +156,7 @@ class _LineIndex:
     def _walk(self, node: Any, loc: Loc) -> None:
         if isinstance(node, CommentedMap):
             for key, value in node.items():
-                line, _ = node.lc.key(key)
-                self._lines[(*loc, str(key))] = line + 1
+                self._lines[(*loc, str(key))] = _key_line(node, key) + 1
                 self._walk(value, (*loc, str(key)))
         elif isinstance(node, CommentedSeq):
             for i, value in enumerate(node):
@@ -159,6 +168,16 @@ class _LineIndex:
         while loc not in self._lines:
             loc = loc[:-1]
         return self._lines[loc]
+
+
+def _key_line(node: CommentedMap, key: Any) -> int:
+    """0-based line of a key; a key a merge (`<<: *anchor`) brought in is on the line of the mapping it came from."""
+    if key in node.lc.data:
+        return node.lc.key(key)[0]
+    for merged in getattr(node, merge_attrib, []):
+        if isinstance(merged, CommentedMap) and key in merged:
+            return _key_line(merged, key)
+    return node.lc.line
 
 
 def _to_plain(node: Any) -> Any:
@@ -247,6 +266,7 @@ _HINTS = {
     "int_parsing": "write a whole number",
     "int_from_float": "write a whole number",
     "float_parsing": "write a number such as 2e-4",
+    "finite_number": "write a finite number: .inf and .nan are not allowed",
     "bool_parsing": "write true or false",
     "greater_than": "use a larger value",
     "greater_than_equal": "use a larger value",
