@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu", help="h100 on a GPU node: NCCL, one rank per GPU, bf16")
+    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES),
+                        help="the engines to compare (DDP, the baseline, always runs)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -79,7 +81,8 @@ def main() -> None:
            "accelerator": args.accelerator}
     (work / "ctx.json").write_text(json.dumps(ctx))
     results = interleave({name: (lambda name=name: child(__file__, [name, str(work / "ctx.json")], cwd=REPO))
-                          for name in ENGINES if args.ranks % ENGINES[name].get("tensor_parallel", 1) == 0},
+                          for name in ENGINES if args.ranks % ENGINES[name].get("tensor_parallel", 1) == 0
+                          and (name == "DDP" or name in args.engines)},
                          args.rounds)
     where = ("CPU, gloo: sharding's collectives cost what they cost here; rerun on a GPU node"
              if args.accelerator == "cpu" else f"{args.accelerator}, NCCL, bf16")

@@ -75,8 +75,10 @@ def test_submission_overhead():
 
 @pytest.mark.slow
 def test_engines():
-    out = bench("engines.py", "--steps", "6", "--seq", "64", "--rounds", "1")
+    out = bench("engines.py", "--steps", "6", "--seq", "64", "--rounds", "1",  # each engine: tests/test_fsdp2*.py,
+                "--engines", "DeepSpeed ZeRO-3", "FSDP2 + TP 2")                  # test_gpu_path_zero.py
     assert "DeepSpeed ZeRO-3" in out and "FSDP2 + TP 2" in out and "ratio" in out
+    assert "ZeRO-1" not in out
 
 
 @pytest.mark.slow

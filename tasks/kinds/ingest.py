@@ -12,14 +12,17 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import os
 import platform
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from compass.infra.errors import DataError
 from compass.infra.layout import DOCUMENTS
 from compass.infra.packages import fetch_package
+from compass.infra.store import Store
 from compass.specs.base import Issue
 from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
@@ -92,7 +95,11 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
         path = (ctx.runtime.base_dir / uri.path).expanduser().resolve()
         fs, base = _local_fs(), str(path)
         provenance = {"kind": "local", "path": str(path)}
-    files = _select(fs, base.rstrip("/"), cfg.include, cfg.exclude)
+    selection = _select(fs, base.rstrip("/"), cfg.include, cfg.exclude, ctx.store)
+    files = selection.files
+    if selection.left_out:
+        ctx.log.warning("ingest %s: left out %d files: %s", ctx.name, len(selection.left_out),
+                        "; ".join(f"{k} ({v})" for k, v in list(selection.left_out.items())[:5]))
     if not files:
         where = cfg.uri if uri.scheme == "s3" else base
         raise DataError(f"source {ctx.name}: no files under {where} match include={cfg.include} "
@@ -100,7 +107,7 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     groups = file_groups(files, task_count(files, ctx))
     ctx.log.info("ingest %s: %d files (%s bytes) under %s, read by %d tasks", ctx.name, len(files),
                  f"{sum(files.values()):,}", base, len(groups))
-    return _read_files(ctx, base.rstrip("/"), groups, provenance | {"files": len(files)})
+    return _read_files(ctx, base.rstrip("/"), groups, provenance | {"files": len(files)}, selection.left_out)
 
 
 def task_count(files: dict[str, int], ctx: StepContext[IngestConfig]) -> int:
@@ -131,7 +138,8 @@ def file_groups(files: dict[str, int], tasks: int) -> list[list[str]]:
     return groups
 
 
-def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str]], provenance: dict) -> StepResult:
+def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str]], provenance: dict,
+                left_out: dict[str, str]) -> StepResult:
     from compass.tasks.data.curate_blocks import ShardWriter
     from compass.tasks.data.source_files import SourceReader
 
@@ -146,7 +154,7 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
     stage = run_stage(ctx.runtime, "ingest", work / "logs", [reader, ShardWriter(str(work / DOCUMENTS))],
                       len(groups), ctx.log)
     stats = next(b.stats for b in stage.blocks if b.name.endswith(SourceReader.name))
-    skipped: dict[str, str] = {}
+    skipped = dict(left_out)
     for path in sorted((work / "skipped").glob("*.json")):
         skipped |= json.loads(path.read_text())
     dropped = {k.removeprefix("dropped_"): int(v) for k, v in stats.items() if k.startswith("dropped_") and v}
@@ -231,16 +239,43 @@ def _local_fs():
     return fsspec.filesystem("file")
 
 
-def _select(fs, base: str, include: list[str], exclude: list[str]) -> dict[str, int]:
-    """The source's files matching include and not exclude, path under `base` -> size in bytes (one listing)."""
+@dataclass(frozen=True)
+class Selection:
+    """The files a step reads (path under the source -> bytes) and those it leaves out with the reason: links that
+    lead outside the source folder, files of the store itself."""
+
+    files: dict[str, int]
+    left_out: dict[str, str]
+
+
+def _select(fs, base: str, include: list[str], exclude: list[str], store: Store | None = None) -> Selection:
+    """The source's files matching include and not exclude, from one listing. In a local folder, a file that
+    resolves outside the folder (a link to /etc/passwd) is left out, and so is the store's own folder when the
+    source holds it (its manifests and shards are no training text)."""
     found: dict[str, int] = {}
+    left_out: dict[str, str] = {}
     root = fs._strip_protocol(base)
+    local = "file" in fs.protocol
+    real_root = os.path.realpath(root) if local else ""
+    store_root = (os.path.realpath(store.root_path) if local and store is not None and not store.is_remote
+                  else None)
     for pattern in include:
         for path, info in fs.glob(f"{root}/{pattern}", detail=True).items():
             rel = path[len(root) + 1:]
-            if info.get("type") == "file" and not any(fnmatch.fnmatch(rel, ex) for ex in exclude):
-                found[rel] = int(info.get("size") or 0)
-    return dict(sorted(found.items()))
+            if local and info.get("islink"):  # the listing describes the link; what counts is where it leads
+                info = {"type": "file" if os.path.isfile(path) else "other", "size": os.path.getsize(path)}
+            if info.get("type") != "file" or any(fnmatch.fnmatch(rel, ex) for ex in exclude):
+                continue
+            if local:
+                real = os.path.realpath(path)
+                if os.path.commonpath([real, real_root]) != real_root:
+                    left_out[rel] = "a link to a file outside the source folder"
+                    continue
+                if store_root and os.path.commonpath([real, store_root]) == store_root:
+                    left_out[rel] = "a file of the store"
+                    continue
+            found[rel] = int(info.get("size") or 0)
+    return Selection(dict(sorted(found.items())), dict(sorted(left_out.items())))
 
 
 # 2: binary and non-UTF-8 files are skipped (they were decoded with U+FFFD replacements)
