@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.tree import Tree
 
 from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, SpecArg, err, load, out, store_root
@@ -204,7 +205,8 @@ def verify(store: Annotated[str, typer.Argument(help="Store root (local folder o
         print(json.dumps({"checked": len(report), "damaged": damaged, "set_aside": moved}, indent=2))
     else:
         for uri, problems in damaged.items():
-            out.print(f"[red]damaged[/red] {uri}" + (f" -> set aside at {moved[uri]}" if uri in moved else ""))
+            aside = f" -> set aside at {escape(moved[uri])}" if uri in moved else ""
+            out.print(f"[red]damaged[/red] {escape(uri)}{aside}")
             for problem in problems:
                 out.print(f"  {problem}", markup=False)
         out.print(f"{len(report)} artifacts checked, {len(damaged)} damaged")
@@ -232,17 +234,19 @@ def _existing_store(root: str) -> Store:
 
 
 def _label(node: dict) -> str:
-    label = f"[bold]{node['step']}[/bold] [dim]{node['fingerprint'][:12]}[/dim] {node['uri']}"
+    """A tree node's text: everything read from manifests is escaped, so a '[/x]' in a path or a name prints as
+    written instead of being taken for rich markup (and failing the command)."""
+    label = f"[bold]{escape(node['step'])}[/bold] [dim]{escape(node['fingerprint'][:12])}[/dim] {escape(node['uri'])}"
     for p in node.get("provenance", []):
         if "weights_sha256" in p:  # a checkpoint from outside the run (starting point, gate)
-            label += (f"\n  checkpoint: {p.get('source')} revision {p.get('revision', '-')} "
-                      f"weights sha256 {p['weights_sha256'][:16]}")
+            label += escape(f"\n  checkpoint: {p.get('source')} revision {p.get('revision', '-')} "
+                            f"weights sha256 {str(p['weights_sha256'])[:16]}")
             continue
         what = p.get("package") or p.get("path") or p.get("uri") or p.get("kind")
-        label += f"\n  source: {p.get('kind')} {what} {p.get('version', '')} " + (
-            f"sha256 {p['archive_sha256'][:16]}" if "archive_sha256" in p else "")
+        label += escape(f"\n  source: {p.get('kind')} {what} {p.get('version', '')} " + (
+            f"sha256 {str(p['archive_sha256'])[:16]}" if "archive_sha256" in p else ""))
     if node.get("missing"):
-        label += " [red](missing)[/red]"
+        label += " [red](missing)[/red]" + (f" [dim]{escape(node['why'])}[/dim]" if node.get("why") else "")
     return label
 
 

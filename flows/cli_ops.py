@@ -76,12 +76,23 @@ def _weak_auth(auth: str) -> str:
 
 
 @ops.command()
-def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")] = "compass") -> None:
-    """Start a process worker on the work pool (created when missing); it runs submitted specs."""
+def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")] = "compass",
+           store: Annotated[str | None, typer.Option(
+               help="This worker's store: submitted specs may read local files under it (a local folder).")] = None,
+           specs: Annotated[Path | None, typer.Option(
+               help="The folder this worker keeps submitted specs in: they may read local files under it.")] = None
+           ) -> None:
+    """Start a process worker on the work pool (created when missing); it runs submitted specs, which read local
+    files only under its --store, its --specs and COMPASS_ALLOWED_ROOTS (never where the submitter says)."""
     need_server("compass worker")
+    from compass.flows.confinement import WORKER_SPECS, WORKER_STORE
     from compass.flows.deployments import ensure_pool
 
     ensure_pool(pool)
+    if store:  # the flow runs the worker starts inherit its environment
+        os.environ[WORKER_STORE] = store if "://" in store else str(Path(store).expanduser().resolve())
+    if specs:
+        os.environ[WORKER_SPECS] = str(specs.expanduser().resolve())
     sys.stdout.flush()
     prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
     os.execvp(prefect, [prefect, "worker", "start", "--pool", pool, "--type", "process"])

@@ -2,9 +2,11 @@
 
 A person running their own spec may point a source anywhere. A spec submitted to a worker runs with the
 worker's files: a local `uri: /etc` would copy them into an artifact the submitter can download. A run started
-by a deployment therefore reads local sources and datasets only under allowed roots: the spec's folder, a local
-store, and the folders listed in the worker's COMPASS_ALLOWED_ROOTS (os.pathsep-separated). Packages and S3
-are not affected.
+by a deployment therefore reads local sources and datasets only under the worker's own roots, from its
+environment (`compass worker --store --specs` sets the first two): its store (COMPASS_WORKER_STORE), the folder
+it keeps submitted specs in (COMPASS_WORKER_SPECS) and the folders in COMPASS_ALLOWED_ROOTS (os.pathsep-separated).
+The flow's parameters (base_dir, store_root) are the submitter's: they never widen them. Packages and S3 are not
+affected.
 """
 
 from __future__ import annotations
@@ -18,12 +20,22 @@ from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
 
 ALLOWED_ROOTS = "COMPASS_ALLOWED_ROOTS"
+WORKER_STORE = "COMPASS_WORKER_STORE"
+WORKER_SPECS = "COMPASS_WORKER_SPECS"
 
 
-def allowed_roots(base_dir: Path, store_root: str) -> list[Path]:
-    roots = [base_dir] + ([] if "://" in store_root else [Path(store_root)])
+def allowed_roots(spec_folder: Path | None, store_root: str | None) -> list[Path]:
+    """A spec folder, a local store (an s3:// one holds no local files) and COMPASS_ALLOWED_ROOTS, resolved."""
+    local_store = (store_root or "").removeprefix("file://")
+    roots = [r for r in (spec_folder, Path(local_store) if local_store and "://" not in local_store else None) if r]
     roots += [Path(p) for p in os.environ.get(ALLOWED_ROOTS, "").split(os.pathsep) if p]
     return [r.expanduser().resolve() for r in roots]
+
+
+def worker_roots() -> list[Path]:
+    """The roots of a run a deployment started: the worker's own, from its environment alone."""
+    specs = os.environ.get(WORKER_SPECS)
+    return allowed_roots(Path(specs) if specs else None, os.environ.get(WORKER_STORE) or None)
 
 
 def local_paths(spec: TrainingSpec, base_dir: Path) -> list[tuple[Loc, str, Path]]:
@@ -46,5 +58,6 @@ def outside_roots(spec: TrainingSpec, base_dir: Path, roots: list[Path]) -> Iter
     for loc, uri, path in local_paths(spec, base_dir):
         if not any(path.is_relative_to(root) for root in roots):
             yield Issue(loc, f"{uri} resolves to {path}, outside the folders this worker reads for submitted specs "
-                        f"({', '.join(str(r) for r in roots)})", f"put the data under the spec's folder or on "
-                        f"S3, or add its folder to {ALLOWED_ROOTS} in the worker's environment")
+                        f"({', '.join(str(r) for r in roots) or 'none'})", f"put the data on S3 or under the "
+                        f"worker's store or spec folder ({WORKER_STORE}, {WORKER_SPECS}), or add its folder to "
+                        f"{ALLOWED_ROOTS} in the worker's environment")

@@ -19,7 +19,7 @@ from prefect.runtime import deployment
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from compass.flows.compiler import Plan
-from compass.flows.confinement import allowed_roots, outside_roots
+from compass.flows.confinement import outside_roots, worker_roots
 from compass.flows.mixture_report import consumption_section, source_sizes
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
@@ -222,8 +222,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     plan = full.up_to(until) if until else full
     cluster = spec.how.orchestration.cluster
     store = Store(store_root or resolve_root(spec.how.storage.root), cluster.shared_root if cluster else None)
-    if deployment.id:  # submitted to a shared worker: read local files only under its allowed roots
-        outside = list(outside_roots(spec, base, allowed_roots(base, store.root)))
+    if deployment.id:  # submitted to a shared worker: read local files only under its own roots, never the submitter's
+        outside = list(outside_roots(spec, base, worker_roots()))
         if outside:
             raise SpecError(loaded.problems(outside))
     statuses = plan_status(full, store)

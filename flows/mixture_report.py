@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from compass.flows.compiler import Plan
 from compass.flows.plan_report import Section, human
 from compass.flows.plan_status import StepStatus
+from compass.infra.manifest import DamagedManifest
 from compass.infra.store import Store
 from compass.specs.spec import TrainingSpec
 
@@ -32,15 +33,25 @@ def source_sizes(plan: Plan, statuses: list[StepStatus], store: Store) -> dict[s
         if step.kind != "ingest":
             continue
         name = step.name
-        if f"tokenize:{name}" in done:
-            sizes[name] = SourceSize(store.read_manifest(done[f"tokenize:{name}"]).metrics["train_tokens"],
-                                     "tokenized")
-        elif f"ingest:{name}" in done:
-            characters = store.read_manifest(done[f"ingest:{name}"]).metrics["characters"]
-            sizes[name] = SourceSize(characters / CHARS_PER_TOKEN, "estimated from ingest")
-        else:
-            sizes[name] = SourceSize(None, "unknown")
+        tokens = _metric(store, done.get(f"tokenize:{name}"), "train_tokens")
+        if tokens is not None:
+            sizes[name] = SourceSize(tokens, "tokenized")
+            continue
+        characters = _metric(store, done.get(f"ingest:{name}"), "characters")
+        sizes[name] = (SourceSize(characters / CHARS_PER_TOKEN, "estimated from ingest") if characters is not None
+                       else SourceSize(None, "unknown"))
     return sizes
+
+
+def _metric(store: Store, uri: str | None, key: str) -> float | None:
+    """One metric of a cached step, or None when there is none or its manifest is damaged: the run sets that
+    artifact aside and recomputes it, so its report must not stop the run first."""
+    if uri is None:
+        return None
+    try:
+        return store.read_manifest(uri).metrics[key]
+    except DamagedManifest:
+        return None
 
 
 def consumption_section(spec: TrainingSpec, sizes: dict[str, SourceSize]) -> Section:

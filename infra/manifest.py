@@ -10,7 +10,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from compass.infra.errors import DamagedArtifact
 
 MANIFEST = "manifest.json"
 TRACKED_LIBRARIES = ("compass-lifecycle", "torch", "deepspeed", "prefect", "datatrove", "tokenizers", "transformers",
@@ -24,10 +26,30 @@ class InputRef(BaseModel):
     fingerprint: str
 
 
+def stays_inside(relative: str) -> bool:
+    """Whether a relative path (a manifest entry, an object key under a prefix) names something inside its folder:
+    an absolute path or a '..' part would make a check read, or a copy write, outside it."""
+    if not relative or "\0" in relative or relative.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in relative.split("/"))
+
+
+class DamagedManifest(DamagedArtifact):
+    """A manifest that cannot describe its artifact (unparsable, truncated, an entry outside its folder, another
+    artifact's, or in a folder that is a link): the artifact is damaged like one whose files changed."""
+
+
 class FileEntry(BaseModel):
     path: str
     size: int
     sha256: str
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_artifact(cls, path: str) -> str:
+        if not stays_inside(path):
+            raise ValueError(f"{path!r} leaves the artifact's folder (absolute, or an empty, '.' or '..' part)")
+        return path
 
 
 class Execution(BaseModel):
@@ -73,6 +95,18 @@ class Manifest(BaseModel):
     @property
     def duration_s(self) -> float:
         return self.finished_at - self.started_at
+
+
+def parse_manifest(data: bytes | str, where: str) -> Manifest:
+    """A manifest read from `where` (an artifact's URI), or DamagedManifest naming the first problem: a damaged
+    manifest must end in one line about that artifact, not in a validation traceback that stops every run."""
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "the file"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise DamagedManifest(f"{where}/{MANIFEST}: not a readable manifest: {field}: {first['msg']}{more}") from None
 
 
 @cache

@@ -16,10 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from compass.infra.errors import DataError
+from compass.infra.manifest import stays_inside
 
 
 class RemoteMissing(FileNotFoundError, DataError):
     """A URI with nothing under it."""
+
+
+class UnsafeKey(DataError, ValueError):
+    """An object whose key under the URI has a '..' part or makes an absolute path: copied, it would land
+    outside the local copy (anywhere this user can write)."""
 
 
 def cache_root() -> Path:
@@ -46,6 +52,10 @@ def listing(uri: str) -> tuple[Any, dict[str, dict[str, Any]]]:
 def local_copy(uri: str) -> Path:
     """A local folder holding the objects under `uri` (downloaded when missing or changed)."""
     fs, files = listing(uri)
+    unsafe = sorted(rel for rel in files if not stays_inside(rel))
+    if unsafe:
+        raise UnsafeKey(f"{uri}: objects whose keys leave the prefix ({', '.join(unsafe[:3])}"
+                        f"{f' and {len(unsafe) - 3} more' if len(unsafe) > 3 else ''}): nothing copied; rename them")
     signature = hashlib.sha256(json.dumps({p: [i.get("size"), str(i.get("ETag") or i.get("etag") or "")]
                                            for p, i in sorted(files.items())}).encode()).hexdigest()[:16]
     folder = cache_root() / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{signature}"

@@ -22,11 +22,32 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from compass.infra.fingerprint import sha256_file
-from compass.infra.manifest import MANIFEST, FileEntry, Manifest, relocated
+from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
 
 
 def artifact_folder(kind: str, name: str, fingerprint: str) -> str:
     return f"{kind}/{name}-{fingerprint[:12]}"
+
+
+def checked_manifest(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> Manifest:
+    """The manifest of the artifact folder at `path` (on `fs`) that `uri` names, relocated there; DamagedManifest
+    when it cannot describe that folder: a folder (or its kind's folder) that is a link, a manifest that does not
+    parse, or one naming another kind, name or fingerprint (another artifact's data taken for this one)."""
+    if _is_link(fs, path):
+        raise DamagedManifest(f"{uri} is a link to {os.path.realpath(path)}, not an artifact folder of its own")
+    manifest = parse_manifest(fs.cat_file(f"{path}/{MANIFEST}"), uri)
+    named = artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)
+    if not uri.rstrip("/").endswith(f"/{named}"):
+        raise DamagedManifest(f"{uri}: its manifest describes another artifact ({named})")
+    return relocated(manifest, uri)
+
+
+def _is_link(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether a local artifact folder or its kind's folder is a symbolic link (objects on S3 are never links)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    folder = path.rstrip("/")
+    return isinstance(fs, LocalFileSystem) and (os.path.islink(folder) or os.path.islink(os.path.dirname(folder)))
 
 
 _STAGED = re.compile(r"(step|scratch)-(?P<pid>\d+)@(?P<host>.*)-[A-Za-z0-9_]+(\.moving)?")
@@ -118,20 +139,23 @@ class Store:
         return self.fs.exists(f"{self._path(uri)}/{MANIFEST}")
 
     def read_manifest(self, uri: str) -> Manifest:
-        with self.fs.open(f"{self._path(uri)}/{MANIFEST}", "r") as f:
-            return relocated(Manifest.model_validate_json(f.read()), uri)
+        """The artifact's manifest; DamagedManifest when it cannot describe the artifact (`checked_manifest`)."""
+        return checked_manifest(self.fs, self._path(uri), uri)
 
     def committed_versions(self, kind: str, name: str) -> list[Manifest]:
-        """Committed artifacts of one step name (any fingerprint), newest first."""
+        """Committed artifacts of one step name (any fingerprint), newest first; a damaged manifest is none (its
+        step sets it aside when it runs), so it never stops a plan."""
         pattern = f"{self.root_path}/{kind}/{name}-*/{MANIFEST}"
         manifests = []
         for path in self.fs.glob(pattern):
             folder = path.rsplit("/", 2)[-2]
             if folder[: -13] != name:  # 'name-<12 hex>': reject names that merely start alike
                 continue
-            with self.fs.open(path, "r") as f:
-                where = self.root + path[len(self.root_path):].removesuffix(f"/{MANIFEST}")
-                manifests.append(relocated(Manifest.model_validate_json(f.read()), where))
+            where = self.root + path[len(self.root_path):].removesuffix(f"/{MANIFEST}")
+            try:
+                manifests.append(self.read_manifest(where))
+            except DamagedManifest:
+                continue
         return sorted(manifests, key=lambda m: m.finished_at, reverse=True)
 
     def read_bytes(self, uri: str, relative: str) -> bytes:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from compass.infra.fingerprint import sha256_file
-from compass.infra.manifest import MANIFEST, Manifest
+from compass.infra.manifest import MANIFEST, DamagedManifest, Manifest
 from compass.infra.store import Store, artifact_folder
 from compass.infra.verified_read import ChangedSinceCommit
 
@@ -32,8 +32,12 @@ Depth = Literal["sizes", "stamped", "full"]
 
 
 def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
-    """What differs between a committed artifact's files and its manifest (empty: intact)."""
-    manifest = store.read_manifest(uri)
+    """What differs between a committed artifact's files and its manifest (empty: intact); a manifest that cannot
+    describe the artifact (store.checked_manifest) is the one problem."""
+    try:
+        manifest = store.read_manifest(uri)
+    except DamagedManifest as exc:
+        return [str(exc)]
     if store.is_remote:
         return _remote_damage(store, uri, manifest, depth)
     folder = store.local_path(uri)
@@ -71,13 +75,21 @@ def describe(problems: list[str]) -> str:
 
 
 def committed(store: Store) -> list[str]:
-    """Every committed artifact's URI in the store (its <kind>/<name>-<fp> folders holding a manifest)."""
+    """Every committed artifact's URI in the store (its <kind>/<name>-<fp> folders holding a manifest), links to
+    folders included (fsspec's local glob skips them), so a linked artifact is checked and found damaged."""
     uris = []
-    for path in store.fs.glob(f"{store.root_path}/*/*/{MANIFEST}"):
+    for path in _manifest_paths(store):
         relative = path[len(store.root_path):].strip("/").removesuffix(f"/{MANIFEST}")
         if not any(part.startswith(".") for part in relative.split("/")):  # staging, locks, set aside
             uris.append(f"{store.root.rstrip('/')}/{relative}")
     return sorted(uris)
+
+
+def _manifest_paths(store: Store) -> list[str]:
+    pattern = f"*/*/{MANIFEST}"
+    if store.is_remote:
+        return store.fs.glob(f"{store.root_path}/{pattern}")
+    return [p.as_posix() for p in Path(store.root_path).glob(pattern)]  # pathlib follows linked folders
 
 
 def stamp(store: Store, manifest: Manifest) -> None:
@@ -97,18 +109,18 @@ def stamp(store: Store, manifest: Manifest) -> None:
 
 
 def set_aside(store: Store, uri: str) -> str:
-    """Make a damaged artifact uncommitted, keeping its files for inspection; returns where they went."""
-    manifest = store.read_manifest(uri)
-    folder = artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)
+    """Make a damaged artifact uncommitted, keeping its files for inspection; returns where they went. Named by its
+    URI, not its manifest, which may be the damaged part (a linked folder is moved as the link)."""
+    path = store._path(uri)
+    folder = path[len(store.root_path):].strip("/")
     suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     if store.is_remote:  # the files stay and are overwritten by the next commit; the manifest marks the damage
-        target = f"{store.root}/{folder}/{MANIFEST}.damaged-{suffix}"
-        store.fs.mv(f"{store.root_path}/{folder}/{MANIFEST}", target.removeprefix("s3://"))
-        return target
+        store.fs.mv(f"{path}/{MANIFEST}", f"{path}/{MANIFEST}.damaged-{suffix}")
+        return f"{uri.rstrip('/')}/{MANIFEST}.damaged-{suffix}"
     target = Path(store.root_path) / SET_ASIDE / f"{folder}-{suffix}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    store.local_path(uri).rename(target)
-    _stamps_file(store, manifest).unlink(missing_ok=True)
+    Path(path).rename(target)
+    (Path(store.root_path) / STAMPS / f"{folder}.json").unlink(missing_ok=True)
     return str(target)
 
 

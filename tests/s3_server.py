@@ -47,6 +47,9 @@ class RestartableS3:
         return self._app(environ, start_response)
 
     def start(self) -> None:
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()  # a cached instance may still talk to an earlier, stopped server
         self._released.clear()
         self._server = make_server("127.0.0.1", self.port, self._wsgi, threaded=True,
                                    request_handler=MotoRequestHandler)

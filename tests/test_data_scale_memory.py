@@ -23,19 +23,42 @@ SHARDS = 20
 SHARD_CHARS = 2**30 // 10 + 1  # 20 shards of ~107 MB: 2 GiB of text in all
 DOC_WORDS = 2000
 
+# Peaks are each process's VmHWM (the high-water mark of its own memory map), this process's and its descendants'
+# sampled while they run. Not ru_maxrss: Linux carries it across exec, so a child forked from a large parent (a
+# pytest worker holding torch) reports the parent's size.
 MEASURE = """
-import json, logging, resource, sys
+import json, logging, sys, threading, time
 from pathlib import Path
+import psutil
 from compass.infra.store import Store
 from compass.tasks.kinds.encode_tokens import tokenize_curated
 from compass.tasks.steps.context import InputArtifact, Runtime
 
+def hwm_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+peak = {"kib": 0}
+seen = set()
+done = threading.Event()
+def sample():
+    while not done.is_set():
+        pids = [c.pid for c in psutil.Process().children(recursive=True)]
+        seen.update(pids)
+        peak["kib"] = max([peak["kib"], hwm_kib("self"), *(hwm_kib(p) for p in pids)])
+        time.sleep(0.1)
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
 store = Store(sys.argv[2])
 curated = InputArtifact("curated", "curate:big", sys.argv[3], store.read_manifest(sys.argv[3]), store)
 counts = tokenize_curated(Path(sys.argv[1]), curated, Path(sys.argv[4]), Path(sys.argv[5]), Runtime(),
                           logging.getLogger("measure"))
-peaks = [resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-print(json.dumps({**counts, "peak_kib": max(peaks)}))
+done.set()
+sampler.join()
+print(json.dumps({**counts, "peak_kib": max(peak["kib"], hwm_kib("self")), "processes": len(seen)}))
 """
 
 
@@ -90,6 +113,7 @@ def _check(tmp_path: Path, uri: str, shard_documents: int, chars: int) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert SHARDS * chars >= 2**31  # 2 GiB of text went through
     assert result["train_documents"] == SHARDS * shard_documents and result["heldout_documents"] == 1
+    assert result["processes"] >= 3  # measured: the datatrove workers, not this process alone
     assert result["peak_kib"] * 1024 < 1.5e9, f"peak RSS {result['peak_kib'] / 2**20:.2f} GiB"
     from compass.model.training.token_files import TokenizedSource
 
