@@ -129,18 +129,17 @@ def run_datatrove_stages(ctx: dict, workers: int, out: Path) -> tuple[float, int
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.tokens import DocumentTokenizer
-    from datatrove.pipeline.writers import JsonlWriter
 
-    from compass.tasks.data.curate_blocks import REPRODUCIBLE_GZIP, SplitTagger  # gzip level 6, as compass's
+    # datatrove's JsonlWriter with gzip at level 6 and no timestamp, as compass writes (ShardWriter is exactly that)
+    from compass.tasks.data.curate_blocks import ShardWriter, SplitTagger
 
     files = len(list((Path(ctx["work"]) / "source").glob("*.jsonl")))
     start = time.perf_counter()
     LocalPipelineExecutor([JsonlReader(str(Path(ctx["work"]) / "source")),
-                           JsonlWriter(str(out / "ingested"), compression=REPRODUCIBLE_GZIP)],
+                           ShardWriter(str(out / "ingested"))],
                           tasks=files, workers=workers, logging_dir=str(out / "logs-ingest")).run()
     LocalPipelineExecutor([JsonlReader(str(out / "ingested")), SplitTagger(0.05),
-                           JsonlWriter(str(out / "split"), output_filename="${split}/${rank}.jsonl.gz",
-                                       compression=REPRODUCIBLE_GZIP)],
+                           ShardWriter(str(out / "split"), output_filename="${split}/${rank}.jsonl.gz")],
                           tasks=files, workers=workers, logging_dir=str(out / "logs-split")).run()
     tokens = 0
     for split in ("train", "heldout"):

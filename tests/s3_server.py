@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
@@ -77,3 +79,18 @@ class RestartableS3:
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
+
+
+@contextmanager
+def s3_on_loopback(*buckets: str) -> Iterator[RestartableS3]:
+    """A started server on a free loopback port holding `buckets`, stopped afterwards (a module's fixture)."""
+    from compass.infra.net import free_port
+
+    server = RestartableS3(free_port())
+    server.start()
+    try:
+        for bucket in buckets:
+            server.create_bucket(bucket)
+        yield server
+    finally:
+        server.stop()

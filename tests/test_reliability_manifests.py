@@ -25,7 +25,7 @@ from compass.infra.manifest import MANIFEST, InputRef, Manifest
 from compass.infra.net import free_port
 from compass.infra.store import Store
 from compass.tasks.steps.context import StepResult
-from tests.s3_server import RestartableS3
+from tests.s3_server import RestartableS3, s3_on_loopback
 from tests.test_store import manifest_for, one_step
 
 
@@ -233,12 +233,8 @@ def test_lineage_prints_paths_and_names_with_brackets_as_written(tmp_path: Path)
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[RestartableS3]:
-    server = RestartableS3(free_port())
-    server.start()
-    try:
+    with s3_on_loopback() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_remote_copy_refuses_keys_that_leave_its_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

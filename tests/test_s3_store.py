@@ -12,21 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from compass.infra.net import free_port
 from tests.conftest import VENV_BIN, Cli, write_minimal_spec
-from tests.s3_server import KEY_ID, SECRET, RestartableS3
+from tests.s3_server import KEY_ID, SECRET, RestartableS3, s3_on_loopback
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[RestartableS3]:
-    server = RestartableS3(free_port())
-    server.start()
-    try:
+    with s3_on_loopback() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, tmp_path: Path, s3: RestartableS3):
