@@ -4,7 +4,7 @@ from typing import Any
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from compass.specs.base import SpecModel
+from compass.specs.base import NAME_MAX, SpecModel
 
 
 class AblationBaseline(SpecModel):
@@ -23,7 +23,7 @@ class AblationBaseline(SpecModel):
 class AblationVariant(SpecModel):
     """One change against the baseline, as a dotted path (e.g. architecture.tied_embeddings) and value."""
 
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$")
     change: dict[str, Any] = Field(min_length=1)
 
 

@@ -9,6 +9,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+# A name becomes part of artifact folder names (`<kind>/<name>-<fingerprint>`, evaluation steps join two names):
+# capped so those stay well under a file system's 255 bytes per name.
+NAME_MAX = 64
+
 Loc = tuple[str | int, ...]
 
 

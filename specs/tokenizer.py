@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, PositiveInt
 
-from compass.specs.base import SpecModel
+from compass.specs.base import NAME_MAX, SpecModel
 
 
 class BpeCandidate(SpecModel):
@@ -24,7 +24,7 @@ class LocalCandidate(SpecModel):
     """An existing tokenizer in Hugging Face format (a folder with tokenizer.json) on local disk."""
 
     kind: Literal["local"]
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z0-9][a-z0-9_.-]*$")
     path: str
 
     @property

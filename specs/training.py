@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from compass.specs.base import SpecModel
+from compass.specs.base import NAME_MAX, SpecModel
 
 
 class Optimizer(SpecModel):
@@ -35,7 +35,7 @@ class Schedule(SpecModel):
 class PretrainStage(SpecModel):
     """A stage: a token budget over a data mixture at one sequence length."""
 
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$")
     tokens: PositiveFloat = Field(description="Token budget of the stage (e.g. 8e12).")
     sequence_length: PositiveInt
     global_batch_size: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
@@ -108,7 +108,7 @@ class Yarn(SpecModel):
 class LongContextStage(SpecModel):
     """A context-extension stage: a longer sequence length and a larger RoPE base."""
 
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$")
     sequence_length: PositiveInt
     rope_theta: PositiveFloat
     tokens: PositiveFloat

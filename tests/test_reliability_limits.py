@@ -4,9 +4,8 @@ hold a store end in exit 2 with the reason. A bad input ends in exit 2 with its 
 
 from __future__ import annotations
 
-import os
-import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,18 +27,27 @@ def alias_bomb(levels: int = 9) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Started from a small launcher process: Linux carries ru_maxrss across fork and exec, so a child forked straight
+# from this test process (a pytest worker holding torch) would report this process's size as its own.
+CAPPED = """
+import os, resource, subprocess, sys
+def cap():
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+with open(sys.argv[1], "w") as out:
+    proc = subprocess.Popen(sys.argv[3:], stdout=out, stderr=subprocess.STDOUT, preexec_fn=cap)
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory, not all children's
+open(sys.argv[2], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def compass_capped(*args: str, cwd: Path) -> tuple[int, str, int]:
     """`compass ...` under a 1 GiB address-space cap (a runaway fails fast instead of taking the machine):
     exit code, stderr and stdout, and the child's own peak resident memory in MB."""
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-
-    with open(cwd / "out.txt", "w") as out:
-        proc = subprocess.Popen([str(VENV_BIN / "compass"), *args], cwd=cwd, env=base_env(cwd / "home"),
-                                stdout=out, stderr=subprocess.STDOUT, preexec_fn=cap)
-        _, status, usage = os.wait4(proc.pid, 0)  # wait4: this child's own peak memory, not all children's
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, (cwd / "out.txt").read_text(), usage.ru_maxrss // 1024
+    done = subprocess.run([sys.executable, "-c", CAPPED, str(cwd / "out.txt"), str(cwd / "peak.txt"),
+                           str(VENV_BIN / "compass"), *args], cwd=cwd, env=base_env(cwd / "home"))
+    peak_kib = int((cwd / "peak.txt").read_text())
+    return done.returncode, (cwd / "out.txt").read_text(), peak_kib // 1024
 
 
 def test_alias_bomb_after_a_flow_colon_exits_2_fast_and_small(tmp_path: Path):
