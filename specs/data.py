@@ -70,6 +70,10 @@ class DataSource(SpecModel):
         description="Longer documents are dropped and counted (a dump or a minified bundle is no training text); "
                     "files and JSONL lines are read with a matching byte cap, so memory follows this cap.")
     curation: Curation = Curation()
+    listing: str | None = Field(
+        default=None, description="Filled in by compass when it loads the spec (never written by hand): for a "
+        "local folder, a digest of the selected files' paths, sizes and modification times. It is part of the "
+        "ingest step's identity, so an edited, added or removed file ingests the source again.")
     max_epochs: PositiveFloat = Field(
         default=4.0, description="How many times training may read this source over all its stages (pretraining, "
         "long context): `compass plan` flags a mixture that draws more (repeating data stops helping after a few "

@@ -19,6 +19,7 @@ from compass.specs import yaml_limits
 from compass.specs.base import Issue, Loc
 from compass.specs.checkpoint_config import resolve_named_models, resolve_starting_model
 from compass.specs.how import SLURM_WORD
+from compass.specs.source_listing import resolve_local_sources
 from compass.specs.spec import TrainingSpec
 
 
@@ -104,6 +105,8 @@ def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = 
     spec, issues = resolve_starting_model(spec, base)
     if not issues:
         spec, issues = resolve_named_models(spec, base)
+    if not issues:
+        spec, issues = resolve_local_sources(spec, base)
     if issues:
         raise SpecError(loaded.problems(issues))
     loaded = replace(loaded, spec=spec)

@@ -1,11 +1,8 @@
-"""Ingest's datatrove reader: the files of a raw source (a package, a local folder, an s3:// prefix) read as streams
-into documents, one rank's group of files per task. Formats compass reads that datatrove's readers do not (HTML
-pages cut into sections, whole text and code files) and the checks a raw source needs (byte caps, binary and
-non-UTF-8 files skipped and named, broken records named with file and line) live here; sharding over ranks,
-completion markers and statistics are datatrove's.
-
-Module-level and importable on its own, because datatrove's workers and Slurm array tasks unpickle the reader.
-"""
+"""The texts of a raw source's files (a package, a local folder, an s3:// prefix), read as streams: formats compass
+reads that datatrove's readers do not (HTML pages cut into sections, whole text and code files) and the checks a
+raw source needs (byte caps, binary and non-UTF-8 files skipped and named, broken records named with file and
+line). No datatrove here: the ingest kind imports it where the orchestrator loads the registry; the reader block
+that runs it in datatrove's tasks is tasks/data/source_reader.py."""
 
 from __future__ import annotations
 
@@ -16,11 +13,7 @@ import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
-
-from datatrove.data import Document, DocumentsPipeline
-from datatrove.pipeline.readers.base import BaseDiskReader
 
 from compass.infra.errors import MalformedData
 
@@ -55,49 +48,6 @@ class ReadSettings:
     domain: str
     language: str | None
     max_document_chars: int
-
-
-class SourceReader(BaseDiskReader):
-    """Reads rank r's group of files (`groups[r]`, paths under `data_folder`, contiguous in the source's sorted
-    order) and yields its documents that are training text. Statistics: `documents`, `characters`, and
-    `dropped_<reason>` for records dropped unread or by content; files that are not text are skipped and named in
-    `skipped_folder/<rank>.json` (datatrove's statistics hold numbers only)."""
-
-    name = "📂 source files"
-    type = "📖 - READER"
-
-    def __init__(self, data_folder: str, groups: list[list[str]], settings: ReadSettings, skipped_folder: str,
-                 limit: int = -1):
-        super().__init__(data_folder, limit=limit, doc_progress=False, file_progress=False)
-        self.groups, self.settings, self.skipped_folder = groups, settings, skipped_folder
-        self.skipped: dict[str, str] = {}
-
-    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        if data:
-            yield from data
-        self.skipped = {}
-        for doc in self.read_files_shard(self.groups[rank]):
-            self.update_doc_stats(doc)
-            yield doc
-        folder = Path(self.skipped_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{rank:05d}.json").write_text(json.dumps(self.skipped))
-
-    def read_file(self, filepath: str) -> DocumentsPipeline:
-        s = self.settings
-        meta = {"source": s.source, "domain": s.domain} | ({"language": s.language} if s.language else {})
-        dropped: dict[str, int] = {}
-        for i, text in enumerate(file_texts(self.data_folder, filepath, s, self.skipped, dropped)):
-            if not text:
-                continue
-            reason = drop_reason(text, s.max_document_chars)
-            if reason:
-                dropped[reason] = dropped.get(reason, 0) + 1
-                continue
-            self.stat_update("characters", value=len(text))
-            yield Document(text=text, id=f"{s.source}/{filepath}#{i}", metadata={**meta, "path": filepath})
-        for reason, n in dropped.items():
-            self.stat_update(f"dropped_{reason}", value=n)
 
 
 def file_texts(fs, rel: str, s: ReadSettings, skipped: dict[str, str], dropped: dict[str, int]) -> Iterator[str]:

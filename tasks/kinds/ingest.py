@@ -1,6 +1,6 @@
 """Ingest: turn a raw source (package, local folder, s3 prefix) into datatrove documents (jsonl.gz shards).
 
-A datatrove pipeline (tasks/data/source_files.SourceReader -> a reproducible JSONL shard writer) run by the executor
+A datatrove pipeline (tasks/data/source_reader.SourceReader -> a reproducible JSONL shard writer) run by the executor
 the step's placement names, like every data step: each task reads a contiguous group of the source's files, as
 streams, and writes one shard. How many tasks comes from the data and the spec: one per TASK_BYTES of input, at
 least the data phase's CPUs (how.resources.data), at most one per file. The stage's completion markers live in
@@ -38,7 +38,7 @@ TASK_BYTES = 1 << 30  # input bytes a task reads at most, where the files allow 
 class IngestConfig(StepConfig):
     """Where the raw files are and how they become documents (curation is the next step's)."""
 
-    omit_when_none = frozenset({"python"})
+    omit_when_none = frozenset({"python", "listing"})
 
     uri: str
     include: list[str]
@@ -52,6 +52,7 @@ class IngestConfig(StepConfig):
     max_documents: int | None
     max_document_chars: int = MAX_DOCUMENT_CHARS
     python: str | None = None  # stdlib:// sources: the standard library differs between Python versions
+    listing: str | None = None  # local folders: their files' paths, sizes and mtimes (specs/source_listing.py)
 
 
 def build(plan: PlanBuilder) -> None:
@@ -152,7 +153,7 @@ def file_groups(files: dict[str, int], tasks: int) -> list[list[str]]:
 def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str]], provenance: dict,
                 left_out: dict[str, str]) -> StepResult:
     from compass.tasks.data.curate_blocks import ShardWriter
-    from compass.tasks.data.source_files import SourceReader
+    from compass.tasks.data.source_reader import SourceReader
 
     cfg = ctx.config
     work = ctx.workdir / "datatrove"
