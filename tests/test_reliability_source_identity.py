@@ -26,6 +26,15 @@ def _spec(folder: Path, source: Path, extra: str = "") -> Path:
     return spec
 
 
+def _one_page(tmp_path: Path, text: str) -> tuple[Path, Path]:
+    """(the page, the minimal spec whose `notes` source is a folder holding only that page)."""
+    source = tmp_path / "notes"
+    source.mkdir()
+    page = source / "a.txt"
+    page.write_text(text)
+    return page, _spec(tmp_path, source)
+
+
 def _ingest_fingerprint(spec: Path) -> str:
     from compass.flows.compiler import compile_spec
 
@@ -34,11 +43,8 @@ def _ingest_fingerprint(spec: Path) -> str:
 
 
 def test_an_edited_added_or_removed_file_changes_the_ingest_identity(tmp_path: Path):
-    source = tmp_path / "notes"
-    source.mkdir()
-    page = source / "a.txt"
-    page.write_text("The first version of a document about learning rates.")
-    spec = _spec(tmp_path, source)
+    page, spec = _one_page(tmp_path, "The first version of a document about learning rates.")
+    source = page.parent
     first = _ingest_fingerprint(spec)
     assert _ingest_fingerprint(spec) == first  # untouched: the same identity, the cache holds
     (source / "notes.md").write_text("not selected by include: *.txt")
@@ -61,11 +67,7 @@ def test_an_edited_source_is_ingested_again_with_its_new_text(tmp_path: Path):
     from compass.infra.store import Store
     from compass.tasks.steps.context import Runtime
 
-    source = tmp_path / "notes"
-    source.mkdir()
-    page = source / "a.txt"
-    page.write_text("Warmup then decay: the old text of the only document.")
-    spec = _spec(tmp_path, source)
+    page, spec = _one_page(tmp_path, "Warmup then decay: the old text of the only document.")
     store = Store(str(tmp_path / "store"))
 
     def ingest() -> str:
