@@ -194,6 +194,11 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
 
 
 def device_memory_bytes(how: How) -> float:
+    """A GPU's memory by its kind; on CPU the ranks share this machine's memory, read from it."""
+    if how.hardware.accelerator == "cpu":
+        import psutil
+
+        return float(psutil.virtual_memory().total)
     return MEMORY_GIB[how.hardware.accelerator] * GIB
 
 

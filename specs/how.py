@@ -14,7 +14,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 # Dense bf16 peak TFLOP/s per device, used for GPU-hours and MFU (CPU: measured at run time instead).
 PEAK_TFLOPS: dict[str, float] = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "l40s": 362.0, "cpu": 0.5}
-MEMORY_GIB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "l40s": 48.0, "cpu": 24.0}
+MEMORY_GIB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "l40s": 48.0}  # cpu: this machine's
 
 
 class Hardware(SpecModel):

@@ -110,3 +110,14 @@ def test_ablation_cost_counts_every_run(smollm3):
     expected = 4 * costs.flops_per_token(proxy, 128256, 4096) * 45e9
     assert abl.flops == pytest.approx(expected)
     assert 0 < abl.share_of_main < 0.05
+
+
+def test_cpu_device_memory_is_read_from_this_machine():
+    import psutil
+
+    from compass.specs.costs import device_memory_bytes
+    from compass.specs.how import How
+
+    assert device_memory_bytes(How()) == psutil.virtual_memory().total  # not a constant: the machine's own
+    h100 = How.model_validate({"hardware": {"accelerator": "h100"}})
+    assert device_memory_bytes(h100) == 80 * 2**30
