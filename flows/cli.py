@@ -229,7 +229,7 @@ def _existing_store(root: str) -> Store:
         if not remote or target.fs.exists(target.root_path):
             return target
         problem = missing
-    err.print(f"{root}: {problem}", markup=False, highlight=False)
+    err.print(f"{root}: {problem}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 

@@ -59,7 +59,7 @@ def store_root(checked: CheckedSpec, store: str | None, option: str = "--store")
     if problem is None:
         return root
     if store:
-        err.print(f"{option} {store}: {problem}", markup=False, highlight=False)
+        err.print(f"{option} {store}: {problem}", markup=False, highlight=False, soft_wrap=True)
     else:
         from compass.specs.base import Issue
 

@@ -33,6 +33,7 @@ from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 TASK_BYTES = 1 << 30  # input bytes a task reads at most, where the files allow (a file is never split)
+FILES_PER_TASK = 500  # and files: a source of many small files (a page or a code file each) still fans out
 
 
 class IngestConfig(StepConfig):
@@ -123,14 +124,15 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
 
 
 def task_count(files: dict[str, int], ctx: StepContext[IngestConfig]) -> int:
-    """One task per TASK_BYTES of input, at least the data phase's CPUs (how.resources.data, the same for a
-    spec wherever it runs, so its shards are too), at most one per file; one when max_documents caps the source
-    (the first documents in file order)."""
+    """One task per TASK_BYTES of input or FILES_PER_TASK files, at least the data phase's CPUs
+    (how.resources.data), at most one per file; one when max_documents caps the source (the first documents in
+    file order)."""
     if ctx.config.max_documents:
         return 1
     shape = ctx.runtime.how.shape("data")
     cpus = shape.nodes * (shape.cpus_per_node or ctx.runtime.how.orchestration.workers)
-    return max(1, min(len(files), max(cpus, math.ceil(sum(files.values()) / TASK_BYTES))))
+    by_data = max(math.ceil(sum(files.values()) / TASK_BYTES), math.ceil(len(files) / FILES_PER_TASK))
+    return max(1, min(len(files), max(cpus, by_data)))
 
 
 def file_groups(files: dict[str, int], tasks: int) -> list[list[str]]:
