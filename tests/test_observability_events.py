@@ -5,6 +5,7 @@ fallback, finds nothing left to evaluate."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, Cli, prefect_client, stop_group, write_minimal_spec
+from tests.conftest import FIXTURES, REPO, VENV_BIN, Cli, prefect_client, stop_group, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 SCREENSHOTS = REPO / "test-artifacts"
@@ -24,14 +25,19 @@ HOW = "how:\n  checkpoints: {every_steps: 600, keep_last: 2}\n  monitoring: {pro
 DEPLOYMENT = "compass-checkpoint-evaluation/on-checkpoint-minimal"
 
 
+STARTED = datetime.datetime.now(datetime.UTC)
+
+
 def _artifact(api_url: str, key: str):
+    """The latest artifact under `key` made after this module started: the server is shared with the other tests
+    of this pytest worker, and an earlier test's run of the same spec writes under the same key."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
     with prefect_client(api_url) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
                                       sort=ArtifactSort.CREATED_DESC, limit=1)
-    return found[0] if found else None
+    return found[0] if found and found[0].created and found[0].created > STARTED else None
 
 
 def _evaluation_runs(api_url: str) -> list:
@@ -54,8 +60,10 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
     api = server_cli.env["PREFECT_API_URL"]
     deployed = server_cli.json("deploy", str(spec), "--pool", "events")  # the store: how.storage.root, here
     assert DEPLOYMENT in {d["name"] for d in deployed["deployments"]}
-    worker = subprocess.Popen([str(VENV_BIN / "compass"), "worker", "--pool", "events"], cwd=tmp_path,
-                              env=server_cli.env, start_new_session=True, stdout=subprocess.DEVNULL,
+    worker = subprocess.Popen([str(VENV_BIN / "compass"), "worker", "--pool", "events", "--store", str(store),
+                               "--specs", str(tmp_path)], cwd=tmp_path,  # its own roots, and the fixtures':
+                              env=server_cli.env | {"COMPASS_ALLOWED_ROOTS": str(FIXTURES)},
+                              start_new_session=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     run = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--until", "pretrain:stage1",
                             "--store", str(store)], cwd=tmp_path, env=server_cli.env, stdout=subprocess.PIPE,
