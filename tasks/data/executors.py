@@ -8,6 +8,7 @@ the rank ran. The local executor also lets the other ranks finish: a relaunch th
 
 from __future__ import annotations
 
+import os
 import pickle
 
 from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
@@ -32,9 +33,16 @@ class RecordsFailures:
 
 class LocalExecutor(RecordsFailures, LocalPipelineExecutor):
     """datatrove's local executor whose failed ranks do not stop the others (its pool ends at the first failure
-    and kills the ranks still running, which a relaunch would then redo)."""
+    and kills the ranks still running, which a relaunch would then redo). Its ranks see the environment of the
+    step that runs them: multiprocess's forkserver lives as long as the process that started it and forks
+    workers with the environment it had then (credentials set since, an S3 endpoint, would be missing)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.environment = dict(os.environ)
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1) -> PipelineStats:
+        os.environ.update(self.environment)
         try:
             return super()._run_for_rank(rank, local_rank, node_rank)
         except Exception as exc:
