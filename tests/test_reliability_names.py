@@ -14,7 +14,8 @@ from tests.conftest import Cli, base_env, write_minimal_spec
 def _refused(tmp_path: Path, spec: Path, command: str = "validate") -> str:
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    done = Cli(work, base_env(tmp_path / "home"))(command, str(spec), check=False, timeout=300)
+    env = base_env(tmp_path / "home") | {"COLUMNS": "400"}  # long temporary paths on one line, however run
+    done = Cli(work, env)(command, str(spec), check=False, timeout=300)
     assert done.returncode == 2, done.stdout[-1000:] + done.stderr[-2000:]
     assert "Traceback" not in done.stderr + done.stdout
     assert not list(work.iterdir())  # nothing written
