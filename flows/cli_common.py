@@ -12,8 +12,9 @@ from rich.console import Console
 
 from compass.flows.validation import CheckedSpec
 
-out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+# Piped output (logs, CI, scripts) keeps each message on one line: tables render 200 wide, text never wraps.
+out = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=not sys.stdout.isatty())
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, soft_wrap=not sys.stderr.isatty())
 
 SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)]
 SmokeOption = Annotated[bool, typer.Option(

@@ -25,19 +25,17 @@ HOW = "how:\n  checkpoints: {every_steps: 600, keep_last: 2}\n  monitoring: {pro
 DEPLOYMENT = "compass-checkpoint-evaluation/on-checkpoint-minimal"
 
 
-STARTED = datetime.datetime.now(datetime.UTC)
-
-
-def _artifact(api_url: str, key: str):
-    """The latest artifact under `key` made after this module started: the server is shared with the other tests
-    of this pytest worker, and an earlier test's run of the same spec writes under the same key."""
+def _artifact(api_url: str, key: str, since: datetime.datetime):
+    """The latest artifact under `key` made since the test started: the server is shared with the other tests of
+    this pytest worker, and an earlier test's run of the same spec writes under the same key. (Not the module's
+    import time: pytest-xdist imports every module when its worker starts.)"""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
     with prefect_client(api_url) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
                                       sort=ArtifactSort.CREATED_DESC, limit=1)
-    return found[0] if found and found[0].created and found[0].created > STARTED else None
+    return found[0] if found and found[0].created and found[0].created > since else None
 
 
 def _evaluation_runs(api_url: str) -> list:
@@ -54,6 +52,7 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
 
     from tests.browser import chromium, wait_for_text
 
+    started = datetime.datetime.now(datetime.UTC)
     store = tmp_path / "store"
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SUITE, "{name: stage1, tokens: 20000,": LONGER_STAGE,
                                            "how:\n": HOW})
@@ -71,7 +70,7 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
     try:
         # the live artifact, in the UI, while the stage still trains
         deadline = time.monotonic() + 600
-        while (live := _artifact(api, "minimal-pretrain-stage1-live")) is None \
+        while (live := _artifact(api, "minimal-pretrain-stage1-live", started)) is None \
                 or int(re.search(r"step (\d+) of", live.data).group(1)) < 100:  # a curve, not its first point
             assert run.poll() is None, run.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "no live artifact"
@@ -91,10 +90,10 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
                 time.sleep(0.5)
             browser.save_screenshot(str(SCREENSHOTS / "live-training.png"))
         # (the version shown was published mid-stage: step done < total; the run itself may have finished since)
-        progress = _artifact(api, "minimal-pretrain-stage1-progress")
+        progress = _artifact(api, "minimal-pretrain-stage1-progress", started)
         assert progress is not None and progress.type == "progress"
         assert run.wait(timeout=900) == 0, run.stdout.read()[-3000:]
-        assert float(_artifact(api, "minimal-pretrain-stage1-progress").data) == 100.0
+        assert float(_artifact(api, "minimal-pretrain-stage1-progress", started).data) == 100.0
 
         # two checkpoints committed (steps 600 and 1171): two evaluation runs, started by their events
         manifest = json.loads(next(store.glob("pretrain/stage1-*/manifest.json")).read_text())
