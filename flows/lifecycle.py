@@ -28,6 +28,7 @@ from compass.flows.validation import check, smoke_of
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError
 from compass.infra.interrupt import stop_run
+from compass.infra.run_records import end_dead_runs, run_record
 from compass.infra.store import Store
 from compass.specs.how import Orchestration
 from compass.specs.loader import SpecError, load_spec_text
@@ -226,34 +227,45 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         outside = list(outside_roots(spec, base, worker_roots()))
         if outside:
             raise SpecError(loaded.problems(outside))
-    statuses = plan_status(full, store)
-    create_markdown_artifact(
-        key=artifact_key(spec.name, "plan"),
-        markdown=f"## compass plan: {spec.name}\n\nspec hash `{loaded.spec_hash[:16]}`, store `{store.root}`\n\n"
-                 + to_markdown([dag_section(full, statuses, store.root), *cost_sections(spec),
-                                consumption_section(spec, source_sizes(full, statuses, store))]),
-        description=f"plan of {spec.name}")
-    left_out = [s.id for s in full.steps if s.id not in plan.fingerprints]
-    if left_out:
-        logger.info("left out (--until %s): %s", " ".join(until or []), ", ".join(left_out))
-    orch = spec.how.orchestration
-    how = spec.how
-    if no_recompute:
-        how = how.model_copy(update={"storage": how.storage.model_copy(update={"on_damage": "stop"})})
-    runtime = Runtime(how=how, base_dir=base, run=spec.name)
-    ctx = RunContext(plan, store, loaded.spec_hash, runtime)
-    results = run_plan(plan, ctx, orch)
-    ran = [r["step"] for r in results if r["executed"]]
-    logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
-    summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
-               "flow_pid": os.getpid()}
-    if smoke:
-        from compass.flows.smoke_report import smoke_table
+    with _recorded_run(store):
+        statuses = plan_status(full, store)
+        create_markdown_artifact(
+            key=artifact_key(spec.name, "plan"),
+            markdown=f"## compass plan: {spec.name}\n\nspec hash `{loaded.spec_hash[:16]}`, store `{store.root}`\n\n"
+                     + to_markdown([dag_section(full, statuses, store.root), *cost_sections(spec),
+                                    consumption_section(spec, source_sizes(full, statuses, store))]),
+            description=f"plan of {spec.name}")
+        left_out = [s.id for s in full.steps if s.id not in plan.fingerprints]
+        if left_out:
+            logger.info("left out (--until %s): %s", " ".join(until or []), ", ".join(left_out))
+        orch = spec.how.orchestration
+        how = spec.how
+        if no_recompute:
+            how = how.model_copy(update={"storage": how.storage.model_copy(update={"on_damage": "stop"})})
+        runtime = Runtime(how=how, base_dir=base, run=spec.name)
+        ctx = RunContext(plan, store, loaded.spec_hash, runtime)
+        results = run_plan(plan, ctx, orch)
+        ran = [r["step"] for r in results if r["executed"]]
+        logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
+        summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
+                   "flow_pid": os.getpid()}
+        if smoke:
+            from compass.flows.smoke_report import smoke_table
 
-        summary["smoke"] = smoke_table(plan, spec, loaded.smoke_changes)
-        create_table_artifact(key=artifact_key(spec.name, "smoke"), table=summary["smoke"],
-                              description=f"smoke run of {original.spec.name}: what each step exercised and shrank")
-    return summary
+            summary["smoke"] = smoke_table(plan, spec, loaded.smoke_changes)
+            create_table_artifact(key=artifact_key(spec.name, "smoke"), table=summary["smoke"],
+                                  description=f"smoke run of {original.spec.name}: what each step exercised and shrank")
+        return summary
+
+
+def _recorded_run(store: Store):
+    """First end the flow runs of this store that a kill left Running, then hold this run's own record."""
+    from prefect.runtime import flow_run
+
+    for run in end_dead_runs(store):
+        get_run_logger().warning("flow run %s of this store was left Running by a killed process (%s pid %d): "
+                                 "marked Crashed", run.flow_run_id, run.host, run.pid)
+    return run_record(store, str(flow_run.id)) if flow_run.id else nullcontext()
 
 
 def task_runner_for(orch: Orchestration) -> Any:

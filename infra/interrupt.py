@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 log = logging.getLogger("compass")
 _on_stop: dict[int, Callable[[], None]] = {}  # work started outside this process (Slurm jobs) to end with the run
@@ -70,25 +70,31 @@ def stop_run(exc: BaseException) -> NoReturn:
 
 
 def record_final_states(reason: str) -> None:
-    """The flow run Cancelled (if a cancellation was asked for) or Crashed, and its running task runs Crashed."""
+    """This flow run Cancelled (if a cancellation was asked for) or Crashed, and its running task runs Crashed."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
     from prefect.context import FlowRunContext
-    from prefect.states import Cancelled, Crashed
 
     ctx = FlowRunContext.get()
     if ctx is None or ctx.flow_run is None:
         return
-    run_id = ctx.flow_run.id
     with get_client(sync_client=True) as client:
-        running = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}),
-                                        task_run_filter=TaskRunFilter(state={"type": {"any_": ["RUNNING"]}}))
-        for task_run in running:
-            client.set_task_run_state(task_run.id, Crashed(message=reason), force=True)
-        current = client.read_flow_run(run_id).state
-        final = Cancelled(message=reason) if current is not None and current.is_cancelling() else Crashed(
-            message=reason)
-        client.set_flow_run_state(run_id, final, force=True)
+        end_flow_run(client, ctx.flow_run.id, reason)
+
+
+def end_flow_run(client: Any, run_id: Any, reason: str) -> None:
+    """Through a sync Prefect client: the flow run's running task runs Crashed, then the flow run Cancelled if a
+    cancellation was asked for, else Crashed."""
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+    from prefect.states import Cancelled, Crashed
+
+    running = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}),
+                                    task_run_filter=TaskRunFilter(state={"type": {"any_": ["RUNNING", "PENDING"]}}))
+    for task_run in running:
+        client.set_task_run_state(task_run.id, Crashed(message=reason), force=True)
+    current = client.read_flow_run(run_id).state
+    final = Cancelled(message=reason) if current is not None and current.is_cancelling() else Crashed(
+        message=reason)
+    client.set_flow_run_state(run_id, final, force=True)
 
 
 def end_children(timeout: float = 5.0) -> None:

@@ -100,7 +100,7 @@ class StepLock:
                 else:
                     time.sleep(0.05)
                 continue
-            if time.time() - holder.get("heartbeat", 0) > self.stale_after_s or _dead_here(holder):
+            if time.time() - holder.get("heartbeat", 0) > self.stale_after_s or holder_dead_here(holder):
                 if self._break_stale(holder):  # a dead holder on this machine is known at once: no heartbeat wait
                     self.on_take_over(holder)
                 continue
@@ -155,7 +155,7 @@ def _process_start(pid: int) -> float | None:
         return None
 
 
-def _dead_here(holder: dict) -> bool:
+def holder_dead_here(holder: dict) -> bool:
     """Whether the holder ran on this machine and its process is gone (a reused PID has another start time)."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False

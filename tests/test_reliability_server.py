@@ -1,10 +1,13 @@
 """kill -9 of `compass run` leaves no process behind: Prefect's temporary server (a uvicorn subprocess Prefect
-stops only through atexit) and the run's helpers are tied to it and end with it."""
+stops only through atexit) and the run's helpers are tied to it and end with it. The flow run it leaves Running in
+Prefect's database is marked Crashed by the next run of the same store."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -43,12 +46,43 @@ def test_kill_9_of_compass_run_takes_the_temporary_server_with_it(tmp_path: Path
         servers = _uvicorn(parent.children(recursive=True))
         time.sleep(0.5)
     assert servers, f"no temporary server was started: {run.stderr.read() if run.poll() is not None else ''}"
-    time.sleep(8)  # the flow is running steps now
+    database = tmp_path / "prefect-home" / "prefect.db"
+    while time.time() < deadline and run.poll() is None and _states(database) != ["RUNNING"]:
+        time.sleep(0.5)
+    time.sleep(5)  # the flow is running steps now
+    assert run.poll() is None, run.stderr.read()[-3000:]
     started = parent.children(recursive=True)
     run.send_signal(signal.SIGKILL)
     run.wait()
     _, alive = psutil.wait_procs(started, timeout=20)
     assert not alive, f"outlived compass: {[(p.pid, p.cmdline()) for p in alive if p.is_running()]}"
+
+    assert _states(database) == ["RUNNING"], _flow_runs(database)  # nothing in the killed process could report
+    again = subprocess.run([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store",
+                            str(tmp_path / "store"), "--until", "ingest:notes"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    killed, latest = _flow_runs(database)
+    assert killed[0] == "CRASHED" and f"pid {run.pid}) is gone" in killed[1], killed
+    assert latest[0] == "COMPLETED", latest
+    assert "left Running by a killed process" in again.stderr and "marked Crashed" in again.stderr
+    assert not list((tmp_path / "store" / ".locks" / "runs").iterdir())  # both records gone: one dropped, one ended
+
+
+def _states(database: Path) -> list[str]:
+    return [kind for kind, _ in _flow_runs(database)]
+
+
+def _flow_runs(database: Path) -> list[tuple[str, str | None]]:
+    """(state type, state message) of every flow run in a temporary server's database, oldest first."""
+    if not database.exists():
+        return []
+    with contextlib.closing(sqlite3.connect(database, timeout=30)) as db, \
+            contextlib.suppress(sqlite3.OperationalError):  # its tables are not made yet
+        return [(kind, message) for kind, message in db.execute(
+            "SELECT flow_run.state_type, flow_run_state.message FROM flow_run LEFT JOIN flow_run_state "
+            "ON flow_run.state_id = flow_run_state.id ORDER BY flow_run.created")]
+    return []
 
 
 def test_a_configured_server_is_left_alone(monkeypatch: pytest.MonkeyPatch):
