@@ -114,7 +114,7 @@ def run(spec: SpecArg,
         raise typer.Exit(2) from None
     started = time.time()
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
-    from compass.infra.errors import RunStopped
+    from compass.infra.errors import DataError, RunStopped
 
     try:
         with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
@@ -124,6 +124,9 @@ def run(spec: SpecArg,
     except RunStopped as stopped:  # the gate: an existing model already does the job
         err.print(f"[yellow]stopped:[/yellow] {spec}: {stopped}", highlight=False)
         raise typer.Exit(3) from None
+    except DataError as failed:  # its message says where (file:line, the full disk's path); committed steps stay
+        err.print(f"failed: {spec}: {failed}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(summary, indent=2))
         return

@@ -28,6 +28,7 @@ from compass.flows.validation import check, smoke_of
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError
 from compass.infra.interrupt import stop_run
+from compass.infra.quiet_failures import quiet_data_errors
 from compass.infra.run_records import end_dead_runs, run_record
 from compass.infra.store import Store
 from compass.specs.how import Orchestration
@@ -205,6 +206,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     `spec_hash`, when given (`compass submit` gives it), must be the hash of `spec_yaml`: a run never trains
     a spec other than the one its submitter validated. `smoke` runs the spec at smoke size (compass.specs.smoke);
     `no_recompute` stops at a damaged cached artifact (how.storage.on_damage: stop)."""
+    quiet_data_errors()
     logger = get_run_logger()
     base = Path(base_dir) if base_dir else Path.cwd()
     original = load_spec_text(spec_yaml, spec_path, base_dir=base)

@@ -200,3 +200,22 @@ def test_parquet_records_of_a_megabyte_are_held_a_batch_of_bytes_at_a_time(tmp_p
         tracemalloc.stop()
     assert result.metrics["documents"] == 120
     assert peak < 40 << 20, f"peak {peak / 2**20:.0f} MiB of Python objects for 120 MB of records"
+
+
+@pytest.mark.slow
+def test_compass_run_of_a_malformed_jsonl_line_prints_one_message_and_no_traceback(tmp_path: Path):
+    from tests.conftest import Cli, base_env, write_minimal_spec
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "docs.jsonl").write_text('{"text": "A fine first document."}\n{"text": "broken\n')
+    spec = write_minimal_spec(tmp_path, **{"        include: [\"*.txt\"]\n        format: text":
+                                           "        include: [\"*.jsonl\"]\n        format: jsonl"})
+    spec.write_text(spec.read_text().replace(spec.read_text().split("uri: ")[1].split("\n")[0], str(data), 1))
+    done = Cli(tmp_path, base_env(tmp_path / "home") | {"COLUMNS": "400"})(
+        "run", str(spec), "--until", "ingest:notes", "--store", str(tmp_path / "store"), check=False, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert f"failed: {spec}: " in done.stderr and "docs.jsonl:2: not a JSON record" in done.stderr, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert not list((tmp_path / "store").glob("ingest/notes-*/manifest.json"))  # nothing committed for it
