@@ -193,6 +193,7 @@ def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_c
         if proc.poll() is None:
             proc.kill()
     assert "interrupted (TerminationSignal)" in log.read_text()
+    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]  # one message, not a thread's traceback
     committed = {p.parent.parent.name + ":" + p.parent.name.rsplit("-", 1)[0] for p in store.glob("*/*/manifest.json")}
     assert {"curate:notes", "curate:code", "tokenizer:select", "tokenize:notes"} <= committed
     assert not any(c.startswith("pretrain:") for c in committed)  # the step in flight never committed
