@@ -13,11 +13,11 @@ demo: setup
 # Two pytest workers, a test file each at a time (module fixtures stay in one worker): most end-to-end tests wait on
 # one core (imports, servers, subprocesses), so two files at once roughly halve the suite's time on 2 cores.
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=30 -m "not gpu" tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 -m "not gpu" tests
 
 # Everything not marked slow (no end-to-end flows): a few minutes, for iterating.
 test-fast: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not slow and not gpu" tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not gpu" tests
 
 # The CUDA path on a GPU node (fails without CUDA): NCCL collectives, the first thing to run on a new GPU node.
 test-gpu: setup

@@ -20,6 +20,7 @@ from compass.model.training.job import TrainJob
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+pytest_plugins = ["tests.scheduling"]
 VENV_BIN = Path(sys.executable).parent
 
 

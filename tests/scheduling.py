@@ -1,0 +1,43 @@
+"""The suite's order on two workers: longest files first, and each file's time printed at the end.
+
+`make test` gives pytest-xdist one file at a time per worker (`--dist loadfile`). The suite ends when the last
+file ends, so a 7-minute file started last keeps one core busy alone for 7 minutes: the longest files go first
+(the longest-processing-time rule), and the rest keep their order. The list holds the files' measured totals
+from the last full run (printed by this plugin as "slowest files"); update it when they change.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+# Seconds per file, `make test` on 2 cores (the "slowest files" table of the last full run), longest first.
+LONGEST_FIRST = (
+    "test_lifecycle.py", "test_smoke.py", "test_production.py", "test_placement_slurm.py", "test_s3_store.py",
+    "test_slurm.py", "test_post_training_scale.py", "test_observability_events.py", "test_ray.py",
+    "test_data_scale_memory.py", "test_benchmarks_flows.py", "test_benchmarks_training.py",
+    "test_data_scale_slurm.py", "test_ablations.py", "test_post_training_scale_slurm.py", "test_fsdp2.py",
+    "test_scheduled_eval.py", "test_post_training.py", "test_concurrency.py", "test_long_context.py",
+    "test_fsdp2_tensor_parallel.py", "test_data_scale_s3.py",
+)
+
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[report.nodeid.split("::")[0]] += report.duration  # setup, call and teardown
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _seconds:
+        return
+    terminalreporter.write_sep("=", "slowest files (setup + call + teardown)")
+    for path, seconds in sorted(_seconds.items(), key=lambda kv: -kv[1])[:30]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    terminalreporter.write_line(f"{sum(_seconds.values()):8.1f}s  in all test files")

@@ -1,0 +1,28 @@
+"""The training benchmarks at a tiny size (a file of their own, so the suite's two workers share them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.benchmark_script import bench
+
+
+def test_async_checkpoint():
+    out = bench("async_checkpoint.py", "--steps", "6", "--every", "3", "--rounds", "1", "--hidden", "64",
+                "--layers", "2")
+    assert "async" in out and "sync" in out and "ratio" in out
+
+
+@pytest.mark.slow
+def test_pretrain_throughput():  # the compiled variants' code path is tested in test_training_core
+    out = bench("pretrain_throughput.py", "--steps", "6", "--warmup", "2", "--seq", "64", "--batch", "4",
+                "--rounds", "1", "--variants", "bare torch loop,compass trainer,HF Trainer")
+    assert "compass trainer vs HF Trainer" in out
+
+
+@pytest.mark.slow
+def test_engines():
+    out = bench("engines.py", "--steps", "6", "--seq", "64", "--rounds", "1",  # each engine: tests/test_fsdp2*.py,
+                "--engines", "DeepSpeed ZeRO-3", "FSDP2 + TP 2")                  # test_gpu_path_zero.py
+    assert "DeepSpeed ZeRO-3" in out and "FSDP2 + TP 2" in out and "ratio" in out
+    assert "ZeRO-1" not in out
