@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compass.flows.compiler import Plan
+from compass.infra.manifest import DamagedManifest
 from compass.infra.store import Store
 from compass.tasks.steps.kind import Step
 
@@ -44,10 +45,22 @@ def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
     for step in plan.steps:
         uri = store.uri(step.kind, step.name, plan.fingerprints[step.id])
         if store.is_committed(uri):
-            out.append(StepStatus(step.id, uri, "cached", "committed"))
+            damaged = _damaged_manifest(store, uri)
+            out.append(StepStatus(step.id, uri, "run", damaged) if damaged else
+                       StepStatus(step.id, uri, "cached", "committed"))
             continue
         out.append(StepStatus(step.id, uri, "run", _why_run(plan, step, store)))
     return out
+
+
+def _damaged_manifest(store: Store, uri: str) -> str | None:
+    """Why a committed artifact's manifest cannot be used (the run sets the artifact aside and recomputes it, or
+    stops with `on_damage: stop`), or None when it reads."""
+    try:
+        store.read_manifest(uri)
+    except DamagedManifest as exc:
+        return f"damaged manifest, set aside when run: {str(exc).removeprefix(uri + '/')}"
+    return None
 
 
 def _why_run(plan: Plan, step: Step, store: Store) -> str:
