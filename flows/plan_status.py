@@ -64,7 +64,7 @@ def _damaged_manifest(store: Store, uri: str) -> str | None:
 
 
 def _why_run(plan: Plan, step: Step, store: Store) -> str:
-    previous = store.committed_versions(step.kind, step.name)
+    previous = store.committed(step.kind, step.name)
     if not previous:
         return "new"
     last = previous[0]

@@ -25,7 +25,6 @@ from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLi
 from compass.infra.fingerprint import canonical_json, sha256_file
 from compass.infra.layout import WEIGHTS, ModelArtifact
 from compass.infra.locks import step_lock
-from compass.infra.manifest import Manifest
 from compass.infra.store import Store
 from compass.specs.evaluation import Benchmark
 from compass.tasks.steps import registry
@@ -46,9 +45,7 @@ def discover(store: Store) -> list[dict[str, Any]]:
     """Every Hugging Face checkpoint inside committed model artifacts, with the sha256 of its weights."""
     found = []
     for kind in registry.model_kinds():
-        for path in store.fs.glob(f"{store.root_path}/{kind}/*/manifest.json"):
-            with store.fs.open(path, "r") as f:
-                manifest = Manifest.model_validate_json(f.read())
+        for manifest in store.committed(kind):  # through the store's checks: a damaged manifest is none
             for entry in manifest.files:
                 if ModelArtifact.holds_weights(entry.path):
                     folder = entry.path.rsplit("/", 1)[0]

@@ -142,14 +142,13 @@ class Store:
         """The artifact's manifest; DamagedManifest when it cannot describe the artifact (`checked_manifest`)."""
         return checked_manifest(self.fs, self._path(uri), uri)
 
-    def committed_versions(self, kind: str, name: str) -> list[Manifest]:
-        """Committed artifacts of one step name (any fingerprint), newest first; a damaged manifest is none (its
-        step sets it aside when it runs), so it never stops a plan."""
-        pattern = f"{self.root_path}/{kind}/{name}-*/{MANIFEST}"
+    def committed(self, kind: str, name: str | None = None) -> list[Manifest]:
+        """Committed artifacts of one kind (of one step name, any fingerprint, when given), newest first; a damaged
+        manifest is none (the step that owns it sets it aside when it runs), so it never stops a plan."""
         manifests = []
-        for path in self.fs.glob(pattern):
+        for path in self.fs.glob(f"{self.root_path}/{kind}/{name + '-' if name else ''}*/{MANIFEST}"):
             folder = path.rsplit("/", 2)[-2]
-            if folder[: -13] != name:  # 'name-<12 hex>': reject names that merely start alike
+            if name is not None and folder[: -13] != name:  # 'name-<12 hex>': reject names that merely start alike
                 continue
             where = self.root + path[len(self.root_path):].removesuffix(f"/{MANIFEST}")
             try:

@@ -144,7 +144,7 @@ def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Pa
         monkeypatch.setenv(key, value)
     s3fs.S3FileSystem.clear_instance_cache()  # instances remember the endpoint of an earlier test's server
     store = Store(ROOT)
-    (manifest,) = store.committed_versions("tokenizer", "select")
+    (manifest,) = store.committed("tokenizer", "select")
     local = store.local_path(manifest.uri, cache_dir=tmp_path, only="chosen") / "chosen"
     assert not (local.parent / "comparison.json").exists()  # only the sub-folder asked for came down
     tok = AutoTokenizer.from_pretrained(str(local))

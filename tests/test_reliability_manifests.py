@@ -134,8 +134,22 @@ def test_a_damaged_manifest_does_not_stop_the_plan(tmp_path: Path):
     assert statuses["ingest:notes"].state == "run"  # not shown as cached: the run sets it aside and recomputes it
     assert statuses["ingest:notes"].reason.startswith("damaged manifest, set aside when run: manifest.json: not a")
     assert statuses["curate:notes"].state == "run" and statuses["curate:notes"].reason == "new"
-    assert store.committed_versions("curate", "notes") == []
+    assert store.committed("curate", "notes") == []
     assert source_sizes(plan, list(statuses.values()), store)["notes"].how == "unknown"
+
+
+def test_scheduled_evaluation_skips_a_damaged_model_manifest(tmp_path: Path):
+    """The scheduled evaluation reads manifests through the store's checks: a damaged one is no checkpoint (it
+    stopped every scheduled run with a ValidationError traceback when the evaluation parsed manifests itself)."""
+    from compass.flows.scheduled_eval import discover
+    from compass.infra.layout import WEIGHTS
+
+    store = Store(str(tmp_path / "store"))
+    good = _commit(store, "pretrain", "stage1", "a" * 64, {f"final/{WEIGHTS}": "weights"})
+    damaged = Path(store.uri("pretrain", "stage2", "b" * 64))
+    damaged.mkdir(parents=True)
+    (damaged / MANIFEST).write_text('{"kind": "pretrain", "name": "sta')
+    assert [(c["artifact"], c["folder"]) for c in discover(store)] == [(good.uri, "final")]
 
 
 def test_a_linked_artifact_folder_is_damaged_and_its_target_left_alone(tmp_path: Path,

@@ -67,7 +67,7 @@ def test_committed_versions_match_name_exactly(tmp_path: Path):
     for name, fp in (("web", "c" * 64), ("web_fr", "d" * 64)):
         with store.staging() as out:
             store.commit(out, manifest_for(store, "curate", name, fp))
-    assert [m.name for m in store.committed_versions("curate", "web")] == ["web"]
+    assert [m.name for m in store.committed("curate", "web")] == ["web"]
 
 
 def test_lock_excludes_a_second_holder_and_stale_locks_are_taken_over(tmp_path: Path):
@@ -174,7 +174,7 @@ def test_lineage_walks_manifests_to_the_source(tmp_path: Path):
     tree = lineage(f"{uri}/train/0.jsonl")
     assert tree["uri"] == uri and tree["inputs"][0]["uri"] == there.uri("ingest", "web", "e" * 64)
     assert there.read_manifest(uri).inputs[0].uri.startswith(str(moved))
-    assert there.committed_versions("curate", "web")[0].uri == uri
+    assert there.committed("curate", "web")[0].uri == uri
 
 
 def test_a_sibling_folder_with_the_store_as_prefix_is_not_inside_it(tmp_path: Path):
