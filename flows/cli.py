@@ -38,7 +38,8 @@ def validate(spec: SpecArg, smoke: SmokeOption = False) -> None:
     checked = load(spec, smoke=smoke)
     s = checked.spec
     start = f", from {s.what.model.init_from}" if s.what.model else ""
-    out.print(f"[green]ok[/green] {spec}: '{s.name}' ({s.why.reason}){start}, {len(s.what.data.sources)} sources, "
+    out.print(f"[green]ok[/green] {escape(str(spec))}: '{s.name}' ({s.why.reason}){escape(start)}, "
+              f"{len(s.what.data.sources)} sources, "
               f"{len(s.what.pretraining.stages)} pretraining stages, {len(checked.plan.steps)} steps, spec hash "
               f"{checked.loaded.spec_hash[:12]}")
 
@@ -81,7 +82,8 @@ def plan(spec: SpecArg,
                           "sections": [{"title": s.title, "columns": s.columns, "rows": s.rows, "notes": s.notes}
                                        for s in sections]}, indent=2, default=str))
         return
-    out.print(f"[bold]compass plan[/bold] {spec}: '{loaded.spec.name}', spec hash {loaded.spec_hash[:12]}\n")
+    out.print(f"[bold]compass plan[/bold] {escape(str(spec))}: '{loaded.spec.name}', spec hash "
+              f"{loaded.spec_hash[:12]}\n")
     print_sections(sections, out)
 
 
@@ -110,7 +112,7 @@ def run(spec: SpecArg,
         runner = task_runner_for(loaded.spec.how.orchestration)
         apply_credentials_block(loaded.spec.how.storage.credentials_block)  # fail here, before any flow run
     except (RayNeedsServer, CredentialsBlockError) as exc:
-        err.print(f"[red]error:[/red] {spec}: {exc}")
+        err.print(f"[red]error:[/red] {escape(str(spec))}: {escape(str(exc))}")
         raise typer.Exit(2) from None
     started = time.time()
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
@@ -122,7 +124,7 @@ def run(spec: SpecArg,
                            store_root=root, until=until, smoke=smoke,
                            no_recompute=no_recompute)
     except RunStopped as stopped:  # the gate: an existing model already does the job
-        err.print(f"[yellow]stopped:[/yellow] {spec}: {stopped}", highlight=False)
+        err.print(f"[yellow]stopped:[/yellow] {escape(str(spec))}: {escape(str(stopped))}", highlight=False)
         raise typer.Exit(3) from None
     except DataError as failed:  # its message says where (file:line, the full disk's path); committed steps stay
         err.print(f"failed: {spec}: {failed}", markup=False, highlight=False)
@@ -132,25 +134,25 @@ def run(spec: SpecArg,
         return
     from rich.table import Table
 
-    table = Table(title=f"compass run: {summary['spec']}", title_justify="left")
+    table = Table(title=f"compass run: {escape(summary['spec'])}", title_justify="left")
     for col in ("step", "state", "seconds", "output"):
         table.add_column(col, overflow="fold")
     for r in summary["steps"]:
         table.add_row(r["step"], "[green]ran[/green]" if r["executed"] else "cached",
-                      str(r["seconds"]) if r["executed"] else "-", r["uri"])
+                      str(r["seconds"]) if r["executed"] else "-", escape(r["uri"]))
     out.print(table)
     if summary.get("smoke"):
-        smoke_table = Table(title=f"smoke run of {spec}: what each step exercised and what was shrunk",
+        smoke_table = Table(title=f"smoke run of {escape(str(spec))}: what each step exercised and what was shrunk",
                             title_justify="left", show_lines=True)
         for col in ("step", "exercised", "shrunk"):
             smoke_table.add_column(col, overflow="fold")
         for row in summary["smoke"]:
-            smoke_table.add_row(row["step"], row["exercised"], row["shrunk"])
+            smoke_table.add_row(row["step"], escape(row["exercised"]), escape(row["shrunk"]))
         out.print(smoke_table)
     ran = sum(r["executed"] for r in summary["steps"])
     left_out = f", {len(summary['left_out'])} left out by --until" if summary["left_out"] else ""
     out.print(f"{ran} ran, {len(summary['steps']) - ran} cached{left_out}; {time.time() - started:.0f}s. "
-              f"Results: {summary['store']}")
+              f"Results: {summary['store']}", markup=False)
 
 
 @contextmanager
@@ -275,7 +277,8 @@ def evaluate_schedule(
 
     benchmarks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.benchmarks]
     if not benchmarks:
-        err.print(f"{spec}: what.evaluation.benchmarks is empty: nothing to evaluate (add benchmarks to the suite)")
+        err.print(f"{spec}: what.evaluation.benchmarks is empty: nothing to evaluate (add benchmarks to the suite)",
+                  markup=False)
         raise typer.Exit(EXIT_BAD_INPUT)
     params = {"checkpoint_root": store_root(checked, root, "--root"), "benchmarks": benchmarks,
               "credentials_block": loaded.spec.how.storage.credentials_block}
@@ -286,11 +289,12 @@ def evaluate_schedule(
     interval = interval or (None if cron else ev.schedule_interval_seconds)
     cron = cron or ev.schedule_cron
     if not interval and not cron:
-        err.print(f"{spec}: no schedule: pass --interval or --cron, or set how.evaluation.schedule_interval_seconds")
+        err.print(f"{spec}: no schedule: pass --interval or --cron, or set how.evaluation.schedule_interval_seconds",
+                  markup=False)
         raise typer.Exit(EXIT_BAD_INPUT)
     when = f"every {interval}s" if interval else cron
     out.print(f"serving deployment 'evaluate-{loaded.spec.name}' ({when}) over {params['checkpoint_root']}; "
-              "Ctrl-C stops it")
+              "Ctrl-C stops it", markup=False)
     evaluate_new_checkpoints.serve(name=f"evaluate-{loaded.spec.name}", interval=interval, cron=cron,
                                    parameters=params, global_limit=SCAN_ONE_AT_A_TIME)
 
@@ -324,7 +328,7 @@ def ablate_promote(
         err.print("\n".join(str(p) for p in exc.problems), markup=False)
         target.unlink(missing_ok=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    out.print(f"promoted '{chosen}' ({change}) into {target}")
+    out.print(f"promoted '{chosen}' ({change}) into {target}", markup=False)
 
 
 @app.command()

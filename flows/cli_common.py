@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from compass.flows.validation import CheckedSpec
 
@@ -36,7 +37,8 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
         for problem in exc.problems:
             err.print(str(problem), markup=False, highlight=False)
         n = len(exc.problems)
-        err.print(f"[red]{n} problem{'s' if n != 1 else ''} in {path}[/red]; nothing was run or written.")
+        err.print(f"[red]{n} problem{'s' if n != 1 else ''} in {escape(str(path))}[/red]; nothing was run or "
+                  "written.")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     if until:
         try:

@@ -134,10 +134,11 @@ def deploy(spec: Annotated[Path | None, typer.Argument(
         print(json.dumps({"pool": pool, "pool_created": created, "gpu_slots": slots,
                           "deployments": [{"name": d.name, "schedule": d.schedule} for d in made]}))
         return
-    out.print(f"work pool '{pool}' {'created' if created else 'exists'}; at most {slots} GPU step(s) at once")
+    out.print(f"work pool '{pool}' {'created' if created else 'exists'}; at most {slots} GPU step(s) at once",
+              markup=False)
     for d in made:
-        out.print(f"deployment {d.name}" + (f" ({d.schedule})" if d.schedule else ""))
-    out.print(f"start a worker: compass worker --pool {pool}")
+        out.print(f"deployment {d.name}" + (f" ({d.schedule})" if d.schedule else ""), markup=False)
+    out.print(f"start a worker: compass worker --pool {pool}", markup=False)
 
 @ops.command()
 def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)],
@@ -165,7 +166,7 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
         raise typer.Exit(EXIT_BAD_INPUT) from None
     url = ui_url(run.id)
     if not as_json:
-        out.print(f"submitted {run.name} ({run.id}) to {deployment}\n{url}")
+        out.print(f"submitted {run.name} ({run.id}) to {deployment}\n{url}", markup=False)
     final = run
     if watch:
         final = follow(run.id, (lambda line: print(line, file=sys.stderr)) if as_json else
@@ -174,7 +175,7 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
     if as_json:
         print(json.dumps({"id": str(run.id), "name": run.name, "url": url, "state": state}))
     elif watch:
-        out.print(f"{run.name}: {state}")
+        out.print(f"{run.name}: {state}", markup=False)
     if watch and not (final.state and final.state.is_completed()):
         raise typer.Exit(1)
 
@@ -189,11 +190,13 @@ def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 1
     if as_json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="compass runs", title_justify="left")
     for col in ("run", "state", "started", "step", "done", "store", "deployment"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r.name, r.state, r.started, r.current_step, str(r.steps_done), r.store, r.deployment)
+        table.add_row(*(escape(str(value)) for value in (r.name, r.state, r.started, r.current_step, r.steps_done,
+                                                         r.store, r.deployment)))
     out.print(table)

@@ -63,6 +63,7 @@ def preflight(spec: SpecArg,
 
 
 def _print(verdict, expected: dict[str, float]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="compass preflight", title_justify="left")
@@ -72,7 +73,7 @@ def _print(verdict, expected: dict[str, float]) -> None:
     for r in verdict.rows:
         gpu = r.get("gpu") or {}
         io = {k: f"{r[k]['write_mbps']:.0f}/{r[k]['read_mbps']:.0f}" if k in r else "-" for k in ("store", "staging")}
-        table.add_row(r["node"], str(r["rank"]), r["device"], f"{r['matmul_tflops']:.3g}",
+        table.add_row(escape(r["node"]), str(r["rank"]), escape(r["device"]), f"{r['matmul_tflops']:.3g}",
                       "-" if r["allreduce_busbw_gbps"] is None else f"{r['allreduce_busbw_gbps']:.3g}",
                       io["store"], io["staging"],
                       f"{gpu['temperature_c']}C {gpu['sm_clock_mhz']}MHz" if gpu else "-")
@@ -80,5 +81,5 @@ def _print(verdict, expected: dict[str, float]) -> None:
     if expected:
         out.print(f"expected matmul: {expected['matmul_tflops']:.0f} TFLOPS ({ACHIEVABLE:.0%} of the data sheet)")
     for node, why in verdict.flagged.items():
-        out.print(f"[red]{node}[/red]: " + "; ".join(why))
+        out.print(f"[red]{escape(node)}[/red]: " + escape("; ".join(why)))
     out.print(verdict.exclude or "every rank within tolerance")

@@ -230,17 +230,19 @@ def to_markdown(sections: list[Section]) -> str:
 
 
 def print_sections(sections: list[Section], console: Any) -> None:
+    """As rich tables; every value escaped (paths and names are data, never markup)."""
+    from rich.markup import escape
     from rich.table import Table
 
     for s in sections:
-        table = Table(title=s.title, title_justify="left", show_lines=False, header_style="bold")
+        table = Table(title=escape(s.title), title_justify="left", show_lines=False, header_style="bold")
         for c in s.columns:
-            table.add_column(c, overflow="fold")
+            table.add_column(escape(c), overflow="fold")
         for row in s.rows:
-            table.add_row(*[str(c) for c in row])
+            table.add_row(*[escape(str(c)) for c in row])
         console.print(table)
         for n in s.notes:
-            console.print(f"  [dim]{n}[/dim]")
+            console.print(f"  [dim]{escape(n)}[/dim]")
         console.print()
 
 

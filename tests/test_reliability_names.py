@@ -51,3 +51,19 @@ def test_a_store_inside_a_local_source_folder_is_refused(tmp_path: Path):
     stderr = _refused(tmp_path, spec, "plan")
     assert f"how.storage.root: the store {source / 'store'} lies inside the local source 'notes'" in stderr
     assert "put the store outside the source folder" in stderr
+
+
+def test_paths_with_brackets_are_printed_as_written(tmp_path: Path):
+    """Rich reads `[...]` as markup: a spec folder named `a[/x]b` once crashed the CLI with a MarkupError, and
+    `[bold]` in a path would vanish from what is printed."""
+    folder = tmp_path / "a[/x]b[bold]"  # a folder `a[` and, inside it, `x]b[bold]`
+    folder.mkdir(parents=True)
+    spec = write_minimal_spec(folder)
+    cli = Cli(folder, base_env(tmp_path / "home") | {"COLUMNS": "400"})
+    validated = cli("validate", str(spec))
+    assert f"ok {spec}: 'minimal'" in validated.stdout
+    planned = cli("plan", str(spec), "--store", str(folder / "store"))
+    assert f"compass plan {spec}: 'minimal'" in planned.stdout and "Traceback" not in planned.stderr
+    spec.write_text(spec.read_text().replace("num_layers: 2", "num_layers: -2"))
+    refused = cli("validate", str(spec), check=False)
+    assert refused.returncode == 2 and f"1 problem in {spec}; nothing was run or written." in refused.stderr
