@@ -214,13 +214,25 @@ def _s3_uris(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], str]]:
 
 
 def _s3_credentials() -> bool:
-    """Whether the AWS credential chain can find credentials here (environment, profile, files, web identity or
-    container roles); the instance metadata service is not asked."""
+    """Whether the AWS credential chain finds credentials here: the environment, profiles and files, web identity
+    and container roles at once; else botocore's whole chain, which ends with the instance role of the metadata
+    service (one try of a second; none where AWS_EC2_METADATA_DISABLED is set)."""
     keys = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
             "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
     files = [Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", Path.home() / ".aws" / "credentials")),
              Path(os.environ.get("AWS_CONFIG_FILE", Path.home() / ".aws" / "config"))]
-    return any(os.environ.get(k) for k in keys) or any(f.exists() for f in files)
+    if any(os.environ.get(k) for k in keys) or any(f.exists() for f in files):
+        return True
+    import botocore.exceptions
+    import botocore.session
+
+    session = botocore.session.get_session()
+    session.set_config_variable("metadata_service_timeout", 1)
+    session.set_config_variable("metadata_service_num_attempts", 1)
+    try:
+        return session.get_credentials() is not None
+    except botocore.exceptions.BotoCoreError:
+        return False
 
 
 def _step_kind_names(spec: TrainingSpec) -> Iterator[Issue]:
