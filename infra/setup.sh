@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything compass needs into .venv, in the order that works offline-from-hubs on a CPU machine:
 # torch's CPU wheel first, DeepSpeed built without isolation against it, then the project and its pins.
-# Idempotent: a stamp keyed on pyproject.toml and this script skips the work when nothing changed.
+# Idempotent: the Python packages sit behind a stamp (keyed on pyproject.toml and this script); each system
+# package is checked on every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,24 +10,29 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+# Python packages: a stamp keyed on pyproject.toml and this script skips them when nothing changed.
 stamp=".venv/.compass-setup-$(cat pyproject.toml infra/setup.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ]; then
-  exit 0
+if [ ! -f "$stamp" ]; then
+  echo "compass: installing dependencies into .venv (first run takes a few minutes)" >&2
+  . .venv/bin/activate
+  export PIP_DISABLE_PIP_VERSION_CHECK=1
+  pip install -q --upgrade pip wheel setuptools
+  pip install -q torch==2.13.0                      # the CPU wheel; an open 'torch' pulls a CUDA build
+  if ! python -c "import deepspeed" 2>/dev/null; then
+    DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8
+  fi
+  # Before the namespace move this checkout installed as the distribution `compass` with top-level `specs`,
+  # `flows`, ... packages; remove that install so only `compass.*` imports.
+  if pip show compass 2>/dev/null | grep -qx "Editable project location: $PWD"; then
+    pip uninstall -q -y compass
+  fi
+  pip install -q -e ".[dev]"
+  rm -f .venv/.compass-setup-*
+  touch "$stamp"
 fi
-echo "compass: installing dependencies into .venv (first run takes a few minutes)" >&2
-. .venv/bin/activate
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip install -q --upgrade pip wheel setuptools
-pip install -q torch==2.13.0                      # the CPU wheel; an open 'torch' pulls a CUDA build
-if ! python -c "import deepspeed" 2>/dev/null; then
-  DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8
-fi
-# Before the namespace move this checkout installed as the distribution `compass` with top-level `specs`, `flows`,
-# ... packages; remove that install so only `compass.*` imports.
-if pip show compass 2>/dev/null | grep -qx "Editable project location: $PWD"; then
-  pip uninstall -q -y compass
-fi
-pip install -q -e ".[dev]"
+
+# System packages: each checked on every run (`command -v` costs milliseconds), never behind the stamp, so a
+# machine first set up without root gets them when the set-up runs again as root.
 
 # Debian package lists, so deb:// sources can be downloaded (apt-get download); skipped where apt is absent.
 if command -v apt-get >/dev/null 2>&1; then
@@ -46,7 +52,7 @@ if command -v apt-get >/dev/null 2>&1; then
   if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null \
-        || echo "compass: could not install slurm-wlm and munge; the Slurm tests will be skipped" >&2
+        || echo "compass: could not install slurm-wlm and munge; the Slurm tests will fail" >&2
     else
       echo "compass: run 'apt-get install slurm-wlm munge' as root for the Slurm tests" >&2
     fi
@@ -63,5 +69,3 @@ if command -v apt-get >/dev/null 2>&1; then
 else
   echo "compass: apt-get not found: deb:// sources, the web-UI test's browser and Slurm are unavailable" >&2
 fi
-rm -f .venv/.compass-setup-*
-touch "$stamp"

@@ -20,15 +20,21 @@ from tests.conftest import REPO
 
 RULES = REPO / "infra" / "observability" / "compass-alerts.rules.yml"
 RULE_TESTS = REPO / "tests" / "prometheus" / "compass-alerts.test.yml"
-needs_prometheus = pytest.mark.skipif(not shutil.which("promtool") or not shutil.which("prometheus"),
-                                      reason="Debian's prometheus is not installed (make setup installs it as root)")
+
+
+@pytest.fixture
+def prometheus_installed() -> None:
+    """Fails (never skips) where Debian's prometheus is missing, with the command that installs it."""
+    absent = [name for name in ("prometheus", "promtool") if not shutil.which(name)]
+    if absent:
+        pytest.fail(f"{', '.join(absent)} not installed: run `bash infra/setup.sh` as root", pytrace=False)
 
 
 def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\bcompass_[a-z_]+", expr))
 
 
-@needs_prometheus
+@pytest.mark.usefixtures("prometheus_installed")
 def test_alert_rules_check_and_pass_their_unit_tests(tmp_path: Path):
     check = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
@@ -142,7 +148,7 @@ def _get(url: str) -> str:
 
 
 @pytest.mark.slow
-@needs_prometheus
+@pytest.mark.usefixtures("prometheus_installed")
 def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: Path):
     """Two ranks (torchrun, gloo) each serve their metrics and register them; a real Prometheus on loopback
     discovers both and answers for the step and the loss of each through its HTTP API while the stage trains.
@@ -220,7 +226,7 @@ def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: 
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "time/data_wait_s"} <= set(events.Tags()["scalars"])
 
 
-@needs_prometheus
+@pytest.mark.usefixtures("prometheus_installed")
 def test_compass_monitor_serves_prometheus_over_the_runs_targets(tmp_path: Path):
     """`compass monitor SPEC` on loopback: ready, reading the spec's monitoring folder with the alert rules loaded;
     SIGTERM stops it (and Prometheus with it)."""
