@@ -198,12 +198,27 @@ def _machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
                         f"{accelerator} (activations {estimate.activations / costs.GIB:.0f} GiB), more than its "
                         f"{device / costs.GIB:.0f} GiB", "turn on parallelism.activation_checkpointing, raise "
                         "zero_stage or tensor_parallel, or lower the micro-batch")
+    yield from _trackers(spec)
     s3 = _s3_uris(spec)
     if s3 and not spec.how.storage.credentials_block and not _s3_credentials():
         loc, uri = s3[0]
         yield Issue(loc, f"{uri} is on S3 and no S3 credentials are set on this machine",
                     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for S3-compatible "
                     "stores), an AWS profile, or how.storage.credentials_block")
+
+
+def _trackers(spec: TrainingSpec) -> Iterator[Issue]:
+    """A tracker the spec lists must have somewhere to report before any step trains."""
+    mon = spec.how.monitoring
+    loc = ("how", "monitoring", "trackers")
+    if "mlflow" in mon.trackers and not (mon.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        yield Issue(loc, "mlflow is listed and no MLflow server is named",
+                    "set how.monitoring.mlflow_tracking_uri (http://host:5000) or MLFLOW_TRACKING_URI")
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    if "wandb" in mon.trackers and mon.wandb_mode == "online" and not os.environ.get("WANDB_API_KEY") \
+            and not (netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="replace")):
+        yield Issue(("how", "monitoring", "wandb_mode"), "W&B online needs an API key and none is set here",
+                    "set WANDB_API_KEY (or `wandb login`), or wandb_mode: offline and `wandb sync` later")
 
 
 def _s3_uris(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], str]]:

@@ -268,9 +268,12 @@ class EvaluationCadence(SpecModel):
     schedule_interval_seconds: PositiveInt | None = None
 
 
+Tracker = Literal["tensorboard", "mlflow", "wandb", "trackio"]
+
+
 class Monitoring(SpecModel):
     """Watching a run while it trains: a Prometheus endpoint on every training rank (registered for Prometheus's
-    file service discovery), TensorBoard event files per training step, and the Prefect UI's live progress and
+    file service discovery), a run per step in each experiment tracker, and the Prefect UI's live progress and
     loss plot. `compass monitor SPEC` starts a Prometheus that reads the endpoints and the shipped alert rules."""
 
     prometheus: bool = True
@@ -279,7 +282,21 @@ class Monitoring(SpecModel):
     port: int | None = Field(default=None, ge=1024, le=65000,
                              description="Port of each node's first rank; rank r of a node uses port + r. None: a "
                                          "free port per rank (the service-discovery files say which).")
-    tensorboard: bool = True
+    trackers: list[Tracker] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers every training, post-training and evaluation step reports to: one run per "
+                    "step, named after it and grouped by the spec's run (name and hash), with the step's config and "
+                    "the spec hash as parameters and every metric against tokens seen. tensorboard: event files "
+                    "under the monitoring folder; mlflow: the server at mlflow_tracking_uri; wandb: Weights & "
+                    "Biases (wandb_mode); trackio: trackio's local database (TRACKIO_DIR).")
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="The MLflow tracking server (http://host:5000) when trackers lists mlflow; "
+                                  "None: MLFLOW_TRACKING_URI of the environment the steps run in.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        default="offline", description="offline: W&B run folders under the monitoring folder's wandb/, sent later "
+                                       "with `wandb sync`; online: streamed live (needs WANDB_API_KEY).")
+    project: str | None = Field(default=None, min_length=1, max_length=120, description="The trackers' project "
+                                "(MLflow experiment, W&B and trackio project); None: the spec's name.")
     progress_every_s: PositiveFloat = Field(default=10, le=3600, description="How often a running training "
                                             "step updates its Prefect progress artifact and loss plot.")
     checkpoint_events: bool = Field(default=True, description="Emit a Prefect event for each committed "
@@ -289,9 +306,24 @@ class Monitoring(SpecModel):
                                   "thread's stack to the step's log, naming its rank and node, and exits non-zero "
                                   "for a retry from the newest checkpoint; the first step after a start or a "
                                   "rollback gets 3x. The process group's own timeout is four times this.")
-    folder: str | None = Field(default=None, description="Where targets/, tensorboard/ and Prometheus's data "
+    folder: str | None = Field(default=None, description="Where targets/, tensorboard/, wandb/ and Prometheus's data "
                                "live (default: monitoring/<spec name> beside a local store, else under "
                                "~/.cache/compass).")
+
+    @field_validator("trackers")
+    @classmethod
+    def _each_tracker_once(cls, trackers: list[str]) -> list[str]:
+        twice = sorted({t for t in trackers if trackers.count(t) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed twice: name each tracker once")
+        return trackers
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _mlflow_server(cls, uri: str | None) -> str | None:
+        if uri is not None and not re.match(r"^(https?|databricks|sqlite|postgresql|mysql|file)[:+]", uri):
+            raise ValueError(f"{uri!r} is not an MLflow tracking URI: give the server as http://host:5000")
+        return uri
 
 
 AttentionBackend = Literal["auto", "flash", "flex", "sdpa", "eager"]

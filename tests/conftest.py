@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 pytest_plugins = ["tests.scheduling"]
 VENV_BIN = Path(sys.executable).parent
+if "TRACKIO_DIR" not in os.environ:  # trackio reads it once, when first imported: the session's own database folder
+    os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="compass-trackio-")  # xdist workers inherit it
+    atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], True)
 
 
 def base_env(tmp_home: Path) -> dict[str, str]:

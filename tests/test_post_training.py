@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from compass.tasks.post_training.datasets import (
     length_penalty,
 )
 from tests.conftest import write_minimal_spec
+from tests.tracker_servers import mlflow_server, wandb_offline_history
 
 POST = """  post_training:
     - {method: mid_training, name: mid, dataset: code, tokens: 2048, lr: 1.0e-3, batch_size: 4}
@@ -76,7 +80,14 @@ def test_arithmetic_verifier_computes_the_answer():
 
 
 @pytest.fixture(scope="module")
-def post_trained(tmp_path_factory: pytest.TempPathFactory):
+def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        yield uri
+
+
+@pytest.fixture(scope="module")
+def post_trained(tmp_path_factory: pytest.TempPathFactory, mlflow_uri: str):
+    """Every TRL method after a two-stage pretraining, each step evaluated, reporting to every tracker."""
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
@@ -86,7 +97,9 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("post")
     (folder / "prefs").mkdir()
     (folder / "prefs" / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PREFERENCES))
-    spec = write_minimal_spec(folder, **{"  pretraining:": POST})
+    trackers = (f"  monitoring: {{trackers: [tensorboard, mlflow, wandb, trackio], "
+                f"mlflow_tracking_uri: '{mlflow_uri}'}}\n")
+    spec = write_minimal_spec(folder, **{"  pretraining:": POST, "how:\n": f"how:\n{trackers}"})
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec)
     ctx = RunContext(plan, Store(str(folder / "store")), loaded.spec_hash,
@@ -114,6 +127,45 @@ def test_every_training_step_has_a_tensorboard_run(post_trained):
     ppl = events.Scalars("eval/val_ppl:notes")  # evaluation scores beside the training curves, against tokens
     assert ppl and all(p.value > 1 for p in ppl) and ppl[-1].step == post_trained["pretrain:stage1"].manifest.metrics[
         "tokens"]
+
+
+@pytest.mark.slow
+def test_every_training_step_reports_to_mlflow_wandb_and_trackio(post_trained, mlflow_uri: str):
+    """Pretraining stages, every TRL method and every evaluation: one run per step in each tracker, named after the
+    step, grouped by the spec's run, with the step's config and the spec hash, its metrics against tokens."""
+    from mlflow import MlflowClient
+
+    reported = {sid: o for sid, o in post_trained.items() if sid.split(":")[0] in ("pretrain", "post_train",
+                                                                                  "evaluate")}
+    spec_hash = post_trained["pretrain:stage1"].manifest.spec_hash
+    group = f"compass-{spec_hash[:8]}"
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name("compass").experiment_id
+    runs = {r.info.run_name: r for r in client.search_runs([experiment], max_results=200)}
+    assert set(reported) <= set(runs), set(reported) - set(runs)
+    monitoring = Path(post_trained["pretrain:stage1"].uri).parents[1] / "monitoring" / "compass"
+    wandb_runs = {p.name.rsplit("-", 1)[-1]: p for p in (monitoring / "wandb").glob("offline-run-*")}
+    with sqlite3.connect(Path(os.environ["TRACKIO_DIR"]) / "compass.db") as db:
+        trackio_runs = {name for (name,) in db.execute("SELECT DISTINCT run_name FROM metrics")}
+    for sid, outcome in reported.items():
+        found = runs[sid]
+        assert found.info.status == "FINISHED" and found.data.tags["compass.group"] == group, sid
+        assert found.data.params["compass.spec_hash"] == spec_hash, sid
+        metric = next(m for m in ("train/loss", "train/reward", "eval/val_ppl:notes") if m in found.data.metrics)
+        points = client.get_metric_history(found.info.run_id, metric)
+        assert points and [p.step for p in points] == sorted(p.step for p in points), (sid, metric)
+        if sid == "pretrain:stage1":  # against tokens seen, over the stages
+            assert points[-1].step == outcome.manifest.metrics["tokens"], sid
+        if sid == "pretrain:stage2":
+            before = reported["pretrain:stage1"].manifest.metrics["tokens"]
+            assert points[0].step > before and points[-1].step == before + outcome.manifest.metrics["tokens"]
+        if sid.startswith("evaluate:"):
+            assert points[-1].step == outcome.manifest.metrics["tokens_seen"], sid
+        run_id = found.data.tags["compass.run_id"]
+        assert any(metric in row and row["tokens"] == points[-1].step
+                   for row in wandb_offline_history(wandb_runs[run_id] / f"run-{run_id}.wandb")), sid
+        assert f"{sid}-{run_id[:8]}" in trackio_runs, sid
+    assert runs["post_train:sft"].data.params["method"] == "sft"
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
+from compass.model.training.trackers import TrackerRun
 from compass.specs.architecture import Architecture
 from compass.specs.how import PEAK_TFLOPS, AttentionBackend, Checkpoints, Hardware, LossKernel, Parallelism, Precision
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
@@ -68,6 +69,7 @@ class Telemetry(BaseModel):
     listen: str = "127.0.0.1"
     port: int | None = None
     tensorboard: bool = True
+    trackers: TrackerRun | None = None  # MLflow, W&B, trackio (how.monitoring.trackers)
 
 
 class TrainJob(BaseModel):

@@ -5,7 +5,8 @@ utilisation, memory, throttling, ECC through NVML on CUDA).
 - `PrometheusExporter`: one endpoint per rank (prometheus-client), registered for Prometheus's file service
   discovery under the run's monitoring folder while the rank trains, removed when it ends;
 - `TensorBoardLog`: event files per training step (rank 0), tokens on the x axis so stages and ablation
-  variants compare in one TensorBoard.
+  variants compare in one TensorBoard;
+- `TrackerLog`: the same scalars to the spec's other trackers (MLflow, W&B, trackio: model/training/trackers.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from compass.model.training.callbacks import Callback
 from compass.model.training.job import Telemetry
 from compass.model.training.records import PHASES, MetricsRow
+from compass.model.training.trackers import TrackerRun, Trackers
 
 if TYPE_CHECKING:
     from compass.model.training.trainer import Trainer
@@ -212,13 +214,8 @@ class TensorBoardLog(Callback):
     def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         if self.writer is None:
             return
-        at = row.tokens
-        for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
-            if getattr(row, key) is not None:
-                self.writer.add_scalar(f"train/{key}", getattr(row, key), at)
-        for phase in PHASES:
-            if getattr(row, f"{phase}_s") is not None:
-                self.writer.add_scalar(f"time/{phase}_s", row.seconds(phase), at)
+        for name, value in step_scalars(row).items():
+            self.writer.add_scalar(name, value, row.tokens)
 
     def on_end(self, trainer: Trainer) -> None:
         self.close()
@@ -232,11 +229,47 @@ class TensorBoardLog(Callback):
             self.writer = None
 
 
+def step_scalars(row: MetricsRow) -> dict[str, float]:
+    """What every tracker plots of one optimizer step: the algorithm's numbers and where the step's time went."""
+    out = {f"train/{key}": getattr(row, key) for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
+           if getattr(row, key) is not None}
+    out |= {f"time/{phase}_s": row.seconds(phase) for phase in PHASES if getattr(row, f"{phase}_s") is not None}
+    return out
+
+
+class TrackerLog(Callback):
+    """Rank 0 reports every step to the spec's MLflow, W&B and trackio runs, against tokens seen."""
+
+    def __init__(self, run: TrackerRun):
+        self.run = run
+        self.trackers: Trackers | None = None
+
+    def on_start(self, trainer: Trainer) -> None:
+        if trainer.rank == 0:
+            self.trackers = Trackers(self.run)
+
+    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+        if self.trackers is not None:
+            self.trackers.log(step_scalars(row), row.tokens)
+
+    def on_end(self, trainer: Trainer) -> None:
+        self._close(failed=False)
+
+    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+        self._close(failed=True)
+
+    def _close(self, failed: bool) -> None:
+        if self.trackers is not None:
+            self.trackers.close(failed)
+            self.trackers = None
+
+
 def telemetry_callbacks(telemetry: Telemetry | None) -> list[Callback]:
     if telemetry is None:
         return []
     return ([PrometheusExporter(telemetry)] if telemetry.prometheus else []) + (
-        [TensorBoardLog(telemetry)] if telemetry.tensorboard else [])
+        [TensorBoardLog(telemetry)] if telemetry.tensorboard else []) + (
+        [TrackerLog(telemetry.trackers)] if telemetry.trackers is not None else [])
 
 
 def _dist() -> tuple[int, int, int]:

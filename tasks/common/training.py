@@ -24,6 +24,7 @@ from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
 from compass.model.training.records import MetricsRow, TrainResult, read_metrics, write_metrics
 from compass.specs.how import Shape, SlurmCluster
+from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.steps.context import Runtime, StepContext, StepResult
 from compass.tasks.steps.placement import HERE, Placement
@@ -68,7 +69,8 @@ def telemetry_of(ctx: StepContext) -> Telemetry:
     mon = ctx.runtime.how.monitoring
     return Telemetry(run=ctx.runtime.run, step=f"{ctx.kind}:{ctx.name}",
                      folder=ctx.runtime.monitoring_dir(ctx.store, ctx.workdir), prometheus=mon.prometheus,
-                     listen=mon.listen, port=mon.port, tensorboard=mon.tensorboard)
+                     listen=mon.listen, port=mon.port, tensorboard="tensorboard" in mon.trackers,
+                     trackers=tracker_run_of(ctx))
 
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -14,11 +14,13 @@ from pydantic import BaseModel, ConfigDict
 
 from compass.infra.layout import FINAL, HELDOUT, ModelArtifact
 from compass.model.training.history import kept_checkpoints, tokens_seen
+from compass.model.training.trackers import Trackers
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
 from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
 from compass.tasks.common.devices import Device, device_for
+from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.kinds.encode_tokens import tokens_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
@@ -200,6 +202,7 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
                "curve": curve}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
     _to_tensorboard(ctx, model.step_id, curve)
+    _to_trackers(ctx, curve)
     summary = (f"### evaluate `{model.step_id}`\n\n{_shown(final_metrics)}\n\n"
                f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}")
     return StepResult(metrics=metrics, summary=summary, tables={"evaluation": rows}, provenance=provenance)
@@ -223,7 +226,7 @@ def _lighteval_on_ranks(ctx: StepContext[EvaluateConfig], where: Device) -> Ligh
 
 def _to_tensorboard(ctx: StepContext[EvaluateConfig], model_step: str, curve: list[dict[str, Any]]) -> None:
     """Scores against tokens in the evaluated step's TensorBoard run, beside its training curves."""
-    if not ctx.runtime.how.monitoring.tensorboard:
+    if "tensorboard" not in ctx.runtime.how.monitoring.trackers:
         return
     from torch.utils.tensorboard import SummaryWriter
 
@@ -237,6 +240,21 @@ def _to_tensorboard(ctx: StepContext[EvaluateConfig], model_step: str, curve: li
             for metric, value in point.items():
                 if isinstance(value, float) and "/depth" not in metric:
                     writer.add_scalar(f"eval/{metric}", value, int(point["tokens"]))
+
+
+def _to_trackers(ctx: StepContext[EvaluateConfig], curve: list[dict[str, Any]]) -> None:
+    """The scores of every evaluated checkpoint in this step's tracker run, against the tokens it had seen."""
+    run = tracker_run_of(ctx)
+    if run is None:
+        return
+    trackers = Trackers(run)
+    try:
+        for point in curve:
+            if point.get("tokens") is not None:
+                trackers.log({f"eval/{k}": v for k, v in point.items() if isinstance(v, float) and "/depth" not in k},
+                             int(point["tokens"]))
+    finally:
+        trackers.close()
 
 
 def _shown(values: dict[str, Any]) -> str:

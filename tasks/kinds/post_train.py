@@ -19,6 +19,7 @@ from compass.model.training.records import MetricsRow, read_metrics, write_metri
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.common.devices import Device, device_for
+from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import chat_examples, dataset_root, fenced, training_arithmetic
@@ -87,8 +88,8 @@ MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many char
 
 
 def _tensorboard_run(ctx: StepContext[TrlConfig]) -> Path | None:
-    """A TensorBoard run per post-training step, beside the pretraining ones (how.monitoring.tensorboard)."""
-    if not ctx.runtime.how.monitoring.tensorboard:
+    """A TensorBoard run per post-training step, beside the pretraining ones (how.monitoring.trackers)."""
+    if "tensorboard" not in ctx.runtime.how.monitoring.trackers:
         return None
     from compass.model.training.telemetry import tensorboard_run
 
@@ -299,7 +300,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     job = TrlJob(step=f"{ctx.kind}:{ctx.name}", section=cfg.model_dump(exclude={"seed", "vibe_prompts"}),
                  seed=cfg.seed, how=ctx.runtime.how, work=work.root, world=world, device=where.device, bf16=where.bf16,
                  teacher=ModelArtifact(ctx.inputs["teacher"].local()).final if "teacher" in ctx.inputs else None,
-                 tensorboard=_tensorboard_run(ctx))
+                 tensorboard=_tensorboard_run(ctx), trackers=tracker_run_of(ctx))
     if cfg.peft is not None or world > 1:  # the ranks' start (and the base an adapter merges into)
         model.save_pretrained(str(work.trl_start), safe_serialization=True)
         tokenizer.save_pretrained(str(work.trl_start))

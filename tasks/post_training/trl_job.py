@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from compass.model.training.trackers import TrackerRun
 from compass.specs.how import How
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
 
@@ -28,6 +29,7 @@ class TrlJob(BaseModel):
     bf16: bool
     teacher: Path | None = None  # distillation: the teacher's exported folder
     tensorboard: Path | None = None  # the step's TensorBoard run
+    trackers: TrackerRun | None = None  # its MLflow, W&B and trackio run (how.monitoring.trackers)
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=1))

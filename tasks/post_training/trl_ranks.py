@@ -93,6 +93,10 @@ def _callbacks(job: TrlJob) -> list[Any]:
         from transformers.integrations import TensorBoardCallback
 
         out.append(TensorBoardCallback(SummaryWriter(str(job.tensorboard))))
+    if job.trackers is not None and _rank() == 0:
+        from compass.tasks.post_training.trl_trackers import tracker_callback
+
+        out.append(tracker_callback(job.trackers))
     return out
 
 
@@ -257,7 +261,13 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -
         global_batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps * job.world
         trainer.args.dataloader_drop_last = len(trainer.train_dataset) >= global_batch
     resume = newest_complete(work.trl_checkpoints)
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except BaseException:
+        for callback in trainer.callback_handler.callbacks:  # the tracker runs end as failed
+            if hasattr(callback, "close_trackers"):
+                callback.close_trackers(failed=True)
+        raise
     if trainer.is_deepspeed_enabled:  # the stage DeepSpeed's engine ran (what the spec asked for, or not)
         facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
     result = TrlResult(log_history=trainer.state.log_history, global_step=trainer.state.global_step,

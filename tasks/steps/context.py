@@ -79,6 +79,7 @@ class StepContext(Generic[ConfigT]):
     log: logging.Logger | logging.LoggerAdapter
     store: Store | None = None
     work_key: str = ""  # <kind>/<name>-<fingerprint[:12]>: names this step's recovery copies in the store
+    spec_hash: str = ""  # the spec's run: groups its steps' tracker runs
 
     def inputs_with_prefix(self, prefix: str) -> dict[str, InputArtifact]:
         return inputs_with_prefix(self.inputs, prefix)

@@ -102,7 +102,7 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
     with store.staging() as out, \
             tempfile.TemporaryDirectory(prefix=owned_prefix("scratch"), dir=out.parent) as scratch:
         sctx = StepContext(run.kind, run.name, run.config, run.inputs, out, Path(scratch), run.workdir, run.runtime,
-                           log, store=store, work_key=run.work_key)
+                           log, store=store, work_key=run.work_key, spec_hash=run.spec_hash)
         with _default_grad_mode(), disk_full_named(run.step_id, out):
             result = kind.run(sctx)
         if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
