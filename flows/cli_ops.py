@@ -43,9 +43,25 @@ def need_server(what: str) -> str:
 
 @ops.command()
 def server(host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-           port: Annotated[int, typer.Option(help="Port for the API and the UI.")] = 4200) -> None:
+           port: Annotated[int, typer.Option(help="Port for the API and the UI.")] = 4200,
+           database: Annotated[str | None, typer.Option(
+               help="The server's database: postgresql://user:password@host:5432/db for a team's shared server "
+                    "(default: SQLite in the Prefect home, or PREFECT_API_DATABASE_CONNECTION_URL). "
+                    "COMPASS_DATABASE_URL keeps the password off the command line.",
+               envvar="COMPASS_DATABASE_URL", show_envvar=False)] = None) -> None:
     """Start a Prefect server (API and web UI) on 127.0.0.1; another address needs basic auth set."""
+    from compass.flows.server_database import DatabaseError, prefect_database_url, redacted, unreachable
+
     env = dict(os.environ)
+    if database:
+        try:
+            env["PREFECT_API_DATABASE_CONNECTION_URL"] = prefect_database_url(database)
+        except DatabaseError as exc:
+            err.print(str(exc), markup=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        if why := unreachable(env["PREFECT_API_DATABASE_CONNECTION_URL"]):
+            err.print(f"cannot use the database {redacted(database)}: {why}", markup=False)
+            raise typer.Exit(1)
     if not _is_loopback(host) and not env.get("PREFECT_SERVER_API_AUTH_STRING"):
         err.print(f"refusing to listen on {host} without authentication: set "
                   "PREFECT_SERVER_API_AUTH_STRING='user:password' here and PREFECT_API_AUTH_STRING to the "
@@ -59,8 +75,9 @@ def server(host: Annotated[str, typer.Option(help="Address to listen on.")] = "1
     reachable = socket.getfqdn() if host in ("0.0.0.0", "::") else host  # a browser elsewhere cannot call 0.0.0.0
     env.setdefault("PREFECT_SERVER_UI_API_URL", f"http://{reachable}:{port}/api")  # the UI calls the API here
     env.setdefault("DO_NOT_TRACK", "1")
-    out.print(f"Prefect server on http://{host}:{port} (UI); clients: "
-              f"export PREFECT_API_URL=http://{host}:{port}/api")
+    stored = redacted(database) if database else "SQLite in the Prefect home"
+    out.print(f"Prefect server on http://{host}:{port} (UI), its database {stored}; clients: "
+              f"export PREFECT_API_URL=http://{host}:{port}/api", markup=False)
     sys.stdout.flush()
     prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
     os.execvpe(prefect, [prefect, "server", "start", "--host", host, "--port", str(port)], env)

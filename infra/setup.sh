@@ -66,6 +66,16 @@ if command -v apt-get >/dev/null 2>&1; then
       echo "compass: run 'apt-get install prometheus' as root for compass monitor and its tests" >&2
     fi
   fi
+  # PostgreSQL, for `compass server --database` and the team-server tests (a cluster of their own on loopback, run
+  # as the package's `postgres` user when the tests run as root: PostgreSQL refuses to run as root).
+  if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null \
+        || echo "compass: could not install postgresql; the team-server tests will fail" >&2
+    else
+      echo "compass: run 'apt-get install postgresql' as root for the team-server tests" >&2
+    fi
+  fi
 else
-  echo "compass: apt-get not found: deb:// sources, the web-UI test's browser and Slurm are unavailable" >&2
+  echo "compass: apt-get not found: deb:// sources, the web-UI test's browser, Slurm and PostgreSQL are unavailable" >&2
 fi
