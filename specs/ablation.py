@@ -13,24 +13,34 @@ class AblationBaseline(SpecModel):
     architecture: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of what.architecture for a proxy model (empty = target size)."
     )
-    tokens: PositiveFloat
-    sequence_length: PositiveInt
-    global_batch_size: PositiveInt
-    mixture: dict[str, float] = Field(min_length=1)
-    lr: PositiveFloat | None = None
+    tokens: PositiveFloat = Field(description="Token budget of each ablation run.")
+    sequence_length: PositiveInt = Field(description="Tokens per training sequence.")
+    global_batch_size: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
+    mixture: dict[str, float] = Field(min_length=1, description="Source name -> sampling weight; sums to 1.")
+    lr: PositiveFloat | None = Field(default=None,
+                                     description="Peak learning rate (None: what.pretraining.optimizer.lr).")
 
 
 class AblationVariant(SpecModel):
     """One change against the baseline, as a dotted path (e.g. architecture.tied_embeddings) and value."""
 
-    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$")
-    change: dict[str, Any] = Field(min_length=1)
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$",
+                      description="Variant name; its runs are the steps ablate:<name>-s<seed>.")
+    change: dict[str, Any] = Field(
+        min_length=1, description="Exactly one dotted field of the baseline and its new value, e.g. "
+                                  "{architecture.tied_embeddings: false}.")
 
 
 class Ablations(SpecModel):
-    baseline: AblationBaseline
-    variants: list[AblationVariant] = Field(min_length=1)
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    """Short proxy runs: the baseline and each variant trained once per seed with the pretraining optimizer,
+    schedule and monitors, then compared metric by metric against the seed noise."""
+
+    baseline: AblationBaseline = Field(description="The proxy run every variant is compared against.")
+    variants: list[AblationVariant] = Field(min_length=1, description="The changes to try, one field each.")
+    seeds: list[int] = Field(
+        default_factory=lambda: [0], min_length=1,
+        description="Each run is repeated once per seed (weights and data order); a difference under twice the "
+                    "seeds' standard deviation is judged within noise.")
     metrics: list[str] = Field(
         default_factory=lambda: ["val_loss"], min_length=1,
         description="Metrics compared; the first decides the verdict: val_loss, val_loss:<source>, or a benchmark "

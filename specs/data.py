@@ -14,8 +14,9 @@ FilterName = Literal["gopher_quality", "gopher_repetition", "c4_quality", "finew
 class FilterSpec(SpecModel):
     """One datatrove filter; `params` go to the filter's constructor and are checked against it."""
 
-    name: FilterName
-    params: dict[str, Any] = Field(default_factory=dict)
+    name: FilterName = Field(description="The datatrove filter to apply.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the filter's constructor (empty: its defaults).")
 
 
 class LanguageId(SpecModel):
@@ -28,18 +29,23 @@ class LanguageId(SpecModel):
 class MinhashSpec(SpecModel):
     """MinHash near-duplicate removal (datatrove): ~ Jaccard threshold set by buckets x hashes."""
 
-    n_grams: PositiveInt = 5
-    num_buckets: PositiveInt = 14
-    hashes_per_bucket: PositiveInt = 8
+    n_grams: PositiveInt = Field(default=5, description="Words per shingle (the n-grams documents are compared on).")
+    num_buckets: PositiveInt = Field(
+        default=14, description="Buckets of hashes: documents whose hashes all match in any one bucket are "
+                                "near-duplicates (more buckets catch less similar pairs).")
+    hashes_per_bucket: PositiveInt = Field(
+        default=8, description="Hashes per bucket (more make a bucket match stricter).")
 
 
 class Curation(SpecModel):
     """The pipeline a source goes through, in this order: filters, language id, exact dedup, MinHash."""
 
-    filters: list[FilterSpec] = Field(default_factory=list)
-    language_id: LanguageId | None = None
-    exact_dedup: bool = True
-    minhash: MinhashSpec | None = None
+    filters: list[FilterSpec] = Field(default_factory=list, description="datatrove filters, applied first and in "
+                                                                        "order.")
+    language_id: LanguageId | None = Field(default=None, description="Language identification (None: none).")
+    exact_dedup: bool = Field(
+        default=True, description="Remove documents whose text exactly repeats another's, keeping one copy.")
+    minhash: MinhashSpec | None = Field(default=None, description="Near-duplicate removal (None: none).")
     heldout_fraction: float = Field(
         default=0.05, ge=0, lt=0.5, description="Documents kept aside (by id hash) for held-out measurement."
     )
@@ -55,8 +61,12 @@ class DataSource(SpecModel):
         description="Local path, s3://bucket/prefix, deb://PACKAGE, pypi://NAME==VERSION or stdlib://.",
     )
     include: list[str] = Field(default_factory=lambda: ["**/*"], description="Glob patterns inside the source.")
-    exclude: list[str] = Field(default_factory=list)
-    format: Literal["jsonl", "parquet", "text", "html", "code"] = "text"
+    exclude: list[str] = Field(
+        default_factory=list, description="Glob patterns of files to leave out, matched against their paths inside "
+                                          "the source.")
+    format: Literal["jsonl", "parquet", "text", "html", "code"] = Field(
+        default="text", description="How files are read: jsonl/parquet records (the text_key column), plain text, "
+                                    "html (its text extracted), or code (each file as it is).")
     text_key: str = Field(default="text", description="jsonl/parquet: the column holding the text.")
     split: Literal["file", "sections"] = Field(
         default="file", description="One document per file, or per section (html headings, text paragraphs)."
@@ -69,7 +79,7 @@ class DataSource(SpecModel):
         default=2_000_000, le=100_000_000,
         description="Longer documents are dropped and counted (a dump or a minified bundle is no training text); "
                     "files and JSONL lines are read with a matching byte cap, so memory follows this cap.")
-    curation: Curation = Curation()
+    curation: Curation = Field(default=Curation(), description="The curation pipeline this source goes through.")
     listing: str | None = Field(
         default=None, description="Filled in by compass when it loads the spec (never written by hand): for a "
         "local folder, a digest of the selected files' paths, sizes and modification times. It is part of the "
@@ -81,4 +91,7 @@ class DataSource(SpecModel):
 
 
 class Data(SpecModel):
-    sources: list[DataSource] = Field(default_factory=list)
+    """The raw sources the run reads; each is ingested and curated on its own, and mixtures name them."""
+
+    sources: list[DataSource] = Field(default_factory=list,
+                                      description="The raw sources (at least one when training from random weights).")

@@ -20,7 +20,7 @@ class Benchmark(SpecModel):
         default="cf", description="cf: each answer scored as a continuation; mcf: lettered options; gen: the model "
                                   "writes its answer (nq_open, trivia_qa: exact match and F1; arithmetic: the GRPO "
                                   "verifier's accuracy on problems GRPO does not train on).")
-    fewshot: int = Field(default=0, ge=0)
+    fewshot: int = Field(default=0, ge=0, description="Solved examples put before each question (0 = zero-shot).")
     limit: PositiveInt | None = Field(default=None, description="Evaluate the first N samples only.")
 
     @property
@@ -30,7 +30,12 @@ class Benchmark(SpecModel):
 
 
 class Evaluation(SpecModel):
-    benchmarks: list[Benchmark] = Field(default_factory=list)
+    """What every model step is evaluated on (benchmarks, validation perplexities, passkey retrieval after long
+    context), and the prompts each TRL post-training step answers for a person to read."""
+
+    benchmarks: list[Benchmark] = Field(
+        default_factory=list, description="Benchmarks each model step is scored on; the gate and ablation metrics "
+                                          "draw on them too.")
     perplexity_sources: list[str] = Field(
         default_factory=list, description="Curated sources whose held-out split gives a validation perplexity."
     )

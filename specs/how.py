@@ -18,9 +18,14 @@ MEMORY_GIB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "l40s
 
 
 class Hardware(SpecModel):
-    accelerator: Accelerator = "cpu"
-    devices_per_node: PositiveInt = 1
-    nodes: PositiveInt = 1
+    """The machines the run trains on, and the numbers the planner estimates time and cost with."""
+
+    accelerator: Accelerator = Field(
+        default="cpu", description="cpu, or the GPU model: steps then use CUDA, and the plan its peak TFLOP/s and "
+                                   "memory.")
+    devices_per_node: PositiveInt = Field(default=1, description="GPUs per node (ranks per node on CPU).")
+    nodes: PositiveInt = Field(default=1, description="Nodes; pretraining, long context and mid-training use all of "
+                                                      "them unless how.resources says otherwise.")
     peak_tflops: PositiveFloat | None = Field(default=None, description="Overrides the accelerator's table value.")
     assumed_mfu: float = Field(default=0.3, gt=0, le=1, description="Model FLOPs utilisation for cost estimates.")
     hosts: list[str] = Field(default_factory=list, description="One address per node; the first hosts the "
@@ -32,7 +37,9 @@ class Hardware(SpecModel):
         default=None, description="CPUs of a node a job may use (e.g. 88 of 96, the rest left to the system): the "
                                   "default of every phase's cpus_per_node. None: a job that takes every device of a "
                                   "node takes the whole node (--exclusive), others Slurm's default.")
-    rendezvous_port: int = Field(default=29500, ge=1024, le=65535)
+    rendezvous_port: int = Field(default=29500, ge=1024, le=65535,
+                                 description="Port of the ranks' rendezvous on the first host when a job spans "
+                                             "several nodes (a single node takes a free port).")
     internode_busbw_gbps: PositiveFloat = Field(
         default=100.0, description="All-reduce bus bandwidth across nodes, GB/s (compass preflight measures it; "
                                    "~100 on 8x400 Gb/s InfiniBand or EFA): the planner's communication estimate.")
@@ -49,22 +56,35 @@ class Hardware(SpecModel):
 
 
 class Parallelism(SpecModel):
+    """How training is spread over the devices: the engine, what it shards, and the parallel sizes."""
+
     engine: Literal["deepspeed", "ddp", "fsdp2"] | None = Field(
         default=None, description="What trains the pretraining-like phases: DeepSpeed (ZeRO 0-3, AutoTP), torch DDP, "
         "or FSDP2 (torch's fully_shard per transformer block: parameters, gradients and optimizer states sharded "
         "over the data-parallel ranks, checkpoints written by every rank with torch.distributed.checkpoint). "
         "Default: deepspeed when `deepspeed` is true, else ddp.")
-    deepspeed: bool = True
-    zero_stage: Literal[0, 1, 2, 3] = 0
+    deepspeed: bool = Field(default=True, description="Train with DeepSpeed (false: torch DDP); set from engine "
+                                                      "when engine is given.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        default=0, description="DeepSpeed's ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 "
+                               "also gradients, 3 also weights; 0 shards nothing. Multi-rank TRL steps use it too.")
     shard_group: PositiveInt | None = Field(
         default=None, description="FSDP2 only: shard over groups of this many data-parallel ranks and replicate "
         "across the groups (HSDP on a 2-D device mesh: set it to the GPUs of one node, so that the per-layer "
         "gathers stay inside the node and only gradient all-reduces cross nodes). Default: shard over all ranks.")
-    data_parallel: PositiveInt = 1
-    tensor_parallel: PositiveInt = 1
-    pipeline_parallel: PositiveInt = 1
-    micro_batch_size: PositiveInt = 1
-    activation_checkpointing: bool = False
+    data_parallel: PositiveInt = Field(
+        default=1, description="Data-parallel ranks of pretraining; data x tensor x pipeline parallel must equal its "
+                               "devices (other phases derive theirs from their own devices).")
+    tensor_parallel: PositiveInt = Field(
+        default=1, description="Ranks each layer is split over (DeepSpeed AutoTP or FSDP2); must divide num_heads "
+                               "and num_kv_heads.")
+    pipeline_parallel: PositiveInt = Field(
+        default=1, description="Pipeline stages; only 1 is supported (a larger value is refused).")
+    micro_batch_size: PositiveInt = Field(
+        default=1, description="Sequences per rank per forward pass; micro-batches accumulate up to the global batch.")
+    activation_checkpointing: bool = Field(
+        default=False, description="Recompute each layer's activations in the backward pass: less memory, more "
+                                   "compute (TRL steps too).")
 
     reshard_after_forward: bool = Field(
         default=True, description="FSDP2 only: free each block's gathered weights after its forward and gather them "
@@ -101,6 +121,8 @@ SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/
 
 
 class Storage(SpecModel):
+    """Where the artifacts live and how they are checked before use."""
+
     root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact.")
     credentials_block: str | None = Field(
         default=None, description="Prefect Secret block holding {aws_access_key_id, aws_secret_access_key, "
@@ -153,15 +175,20 @@ class SlurmCluster(SpecModel):
         default="srun", description="How a job starts its ranks: srun, one Slurm task per rank bound to its GPU and "
                                     "an equal share of the node's CPUs; torchrun, one task per node that starts the "
                                     "node's ranks and shares the node's CPUs among them.")
-    partition: str | None = Field(default=None, pattern=SLURM_WORD)
-    account: str | None = Field(default=None, pattern=SLURM_WORD)
-    qos: str | None = Field(default=None, pattern=SLURM_WORD)
+    partition: str | None = Field(default=None, pattern=SLURM_WORD,
+                                  description="Slurm partition of every job (None: the cluster's default).")
+    account: str | None = Field(default=None, pattern=SLURM_WORD,
+                                description="Slurm account jobs are charged to (None: the user's default).")
+    qos: str | None = Field(default=None, pattern=SLURM_WORD,
+                            description="Slurm quality of service of every job (None: the default).")
     constraint: str | None = Field(default=None, pattern=SLURM_WORD, description="Node features, e.g. h100.")
     exclude: list[str] = Field(default_factory=list, description="Nodes to avoid (compass preflight names them).")
     time_limit: str | None = Field(default=None, pattern=SLURM_TIME,
                                    description="Slurm's --time of every job (a phase's own time_limit wins): minutes, "
                                                "H:MM:SS or D-HH:MM:SS.")
-    requeue: bool = True
+    requeue: bool = Field(
+        default=True, description="Submit with --requeue and a USR1 signal before the time limit, so a job "
+                                  "checkpoints and requeues itself; false: --no-requeue.")
     signal_before_s: PositiveInt = Field(default=120, le=3600, description="USR1 this long before the time limit.")
     poll_seconds: PositiveFloat = Field(default=5, le=300, description="How often the step reads the job's state.")
     probe_timeout_s: PositiveInt = Field(
@@ -188,7 +215,8 @@ class PhaseShape(SpecModel):
     and mid-training its nodes and devices; ablations one node of its devices; post-training and evaluation one
     device (TRL and lighteval run one process); the data phase no device."""
 
-    nodes: PositiveInt | None = None
+    nodes: PositiveInt | None = Field(default=None, description="Nodes per job of the phase (default: "
+                                      "how.hardware.nodes for pretraining, long context and mid-training, else 1).")
     devices_per_node: NonNegativeInt | None = Field(
         default=None, description="GPUs per node (ranks per node on CPU), each one rank of the phase's steps.")
     cpus_per_node: PositiveInt | None = Field(
@@ -203,13 +231,16 @@ class Resources(SpecModel):
     """Per-phase shapes, e.g. long context on 3 nodes while pretraining takes 48, ablations on 1, evaluation on
     one GPU."""
 
-    data: PhaseShape = PhaseShape()
-    ablation: PhaseShape = PhaseShape()
-    pretraining: PhaseShape = PhaseShape()
-    long_context: PhaseShape = PhaseShape()
-    mid_training: PhaseShape = PhaseShape()
-    post_training: PhaseShape = PhaseShape()
-    evaluation: PhaseShape = PhaseShape()
+    data: PhaseShape = Field(
+        default=PhaseShape(), description="Ingest, curation, tokenizer selection, tokenization and copies of "
+                                          "starting models (no device).")
+    ablation: PhaseShape = Field(default=PhaseShape(), description="Ablation runs (one node of how.hardware's "
+                                                                   "devices).")
+    pretraining: PhaseShape = Field(default=PhaseShape(), description="Pretraining stages (how.hardware).")
+    long_context: PhaseShape = Field(default=PhaseShape(), description="Long-context stages (how.hardware).")
+    mid_training: PhaseShape = Field(default=PhaseShape(), description="Mid-training steps (how.hardware).")
+    post_training: PhaseShape = Field(default=PhaseShape(), description="TRL post-training steps (one device).")
+    evaluation: PhaseShape = Field(default=PhaseShape(), description="Evaluations and gates (one device).")
 
 
 @dataclass(frozen=True)
@@ -230,17 +261,23 @@ class Shape:
 
 
 class Orchestration(SpecModel):
-    retries: int = Field(default=1, ge=0)
-    retry_delay_seconds: float = Field(default=10, ge=0)
+    """How the plan's steps run: retries and timeouts, the task runner, an optional Slurm cluster, and how many
+    steps run at once."""
+
+    retries: int = Field(default=1, ge=0, description="Times a failed step is retried (faults only: a data or spec "
+                                                      "error fails at once).")
+    retry_delay_seconds: float = Field(default=10, ge=0, description="Seconds to wait before a retry.")
     timeout_seconds: PositiveFloat | None = Field(default=None, description="Per-step limit (none = no limit).")
     step_timeouts: dict[str, PositiveFloat] = Field(
         default_factory=dict, description="Per-kind overrides, e.g. {pretrain: 86400}."
     )
-    task_runner: Literal["local", "ray"] = "local"
+    task_runner: Literal["local", "ray"] = Field(
+        default="local", description="local: steps run on threads of this process; ray: Prefect's Ray task runner "
+                                     "(needs a Prefect server).")
     ray_address: str | None = Field(default=None, description="An existing Ray cluster (None = start one locally).")
     ray_num_cpus: PositiveInt | None = Field(default=None, description="CPUs of a locally started Ray (None = all).")
     workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
-    max_parallel_steps: PositiveInt = 2
+    max_parallel_steps: PositiveInt = Field(default=2, description="Steps running at once.")
     cluster: SlurmCluster | None = Field(
         default=None, description="Run every step that computes as a Slurm job (None: on this machine, in this "
                                   "process or launched with torchrun/deepspeed per how.hardware).")
@@ -251,8 +288,12 @@ class Orchestration(SpecModel):
 
 
 class Checkpoints(SpecModel):
-    every_steps: PositiveInt = 1000
-    keep_last: PositiveInt = 2
+    """When training steps checkpoint, and how many checkpoints they keep."""
+
+    every_steps: PositiveInt = Field(default=1000, description="Optimizer steps between checkpoints (a stage's last "
+                                                               "step is always saved); TRL steps save at it too.")
+    keep_last: PositiveInt = Field(default=2, description="Newest checkpoints kept in a step's work folder (a "
+                                                          "stage's last is also kept).")
     asynchronous: bool = Field(default=True, description="Copy the state to host memory and write it on a "
                                "background thread while training goes on (at most one write in flight).")
     hf_export_every: PositiveInt | None = Field(
@@ -263,9 +304,17 @@ class Checkpoints(SpecModel):
 
 
 class EvaluationCadence(SpecModel):
-    every_checkpoint: bool = True
-    schedule_cron: str | None = None
-    schedule_interval_seconds: PositiveInt | None = None
+    """When checkpoints are evaluated besides each model step's final weights."""
+
+    every_checkpoint: bool = Field(
+        default=True, description="Also evaluate every checkpoint a model step kept (the evaluation curves against "
+                                  "tokens); with compass deploy and monitoring.checkpoint_events, each committed "
+                                  "checkpoint as it comes.")
+    schedule_cron: str | None = Field(
+        default=None, description="Cron schedule on which compass evaluate-schedule (or compass deploy) evaluates new "
+                                  "checkpoints in the store (None: none).")
+    schedule_interval_seconds: PositiveInt | None = Field(
+        default=None, description="The same schedule as an interval in seconds (set one of the two).")
 
 
 Tracker = Literal["tensorboard", "mlflow", "wandb", "trackio"]
@@ -276,7 +325,7 @@ class Monitoring(SpecModel):
     file service discovery), a run per step in each experiment tracker, and the Prefect UI's live progress and
     loss plot. `compass monitor SPEC` starts a Prometheus that reads the endpoints and the shipped alert rules."""
 
-    prometheus: bool = True
+    prometheus: bool = Field(default=True, description="Serve a Prometheus metrics endpoint on every training rank.")
     listen: str = Field(default="127.0.0.1", pattern=r"^[0-9a-fA-F.:]+$",
                         description="Address the ranks' endpoints bind (an IP; loopback unless set).")
     port: int | None = Field(default=None, ge=1024, le=65000,
@@ -331,10 +380,17 @@ LossKernel = Literal["auto", "chunked", "liger"]
 
 
 class How(SpecModel):
-    hardware: Hardware = Hardware()
-    resources: Resources = Resources()
-    parallelism: Parallelism = Parallelism()
-    precision: Precision = "fp32"
+    """How the run executes: hardware, per-phase resources, parallelism, precision, storage, orchestration,
+    checkpoints, evaluation cadence and monitoring."""
+
+    hardware: Hardware = Field(default=Hardware(), description="Accelerator, nodes and devices, and the launch.")
+    resources: Resources = Field(default=Resources(), description="Per-phase nodes, devices, CPUs, memory and time "
+                                                                  "limits.")
+    parallelism: Parallelism = Field(default=Parallelism(), description="Training engine, sharding and parallel "
+                                                                        "sizes.")
+    precision: Precision = Field(
+        default="fp32", description="Training precision: fp32, bf16 mixed precision, or fp16 (DeepSpeed); CPU trains "
+                                    "in fp32 only.")
     attention: AttentionBackend = Field(
         default="auto", description="Packed-document attention: flash (flash-attn varlen, CUDA), flex "
         "(FlexAttention, CUDA for training), sdpa (compass's per-document SDPA, memory-linear), eager (reference); "
@@ -346,11 +402,13 @@ class How(SpecModel):
     generation: Literal["transformers", "vllm"] = Field(
         default="transformers", description="What generates GRPO's rollouts and runs lighteval: transformers, or "
         "vLLM on GPU nodes (colocated with the trainer for GRPO; the vllm package on the nodes).")
-    storage: Storage = Storage()
-    orchestration: Orchestration = Orchestration()
-    checkpoints: Checkpoints = Checkpoints()
-    evaluation: EvaluationCadence = EvaluationCadence()
-    monitoring: Monitoring = Monitoring()
+    storage: Storage = Field(default=Storage(), description="Where artifacts are stored and how they are checked.")
+    orchestration: Orchestration = Field(default=Orchestration(), description="Retries, timeouts, task runner, "
+                                                                              "cluster and concurrency.")
+    checkpoints: Checkpoints = Field(default=Checkpoints(), description="Checkpoint cadence and retention.")
+    evaluation: EvaluationCadence = Field(default=EvaluationCadence(), description="When checkpoints are evaluated.")
+    monitoring: Monitoring = Field(default=Monitoring(), description="Metrics endpoints, experiment trackers and "
+                                                                     "progress reports.")
 
     def shape(self, phase: Phase) -> Shape:
         """The phase's shape with every default filled in (see PhaseShape)."""

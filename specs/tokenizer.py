@@ -12,7 +12,8 @@ class BpeCandidate(SpecModel):
 
     kind: Literal["bpe"]
     vocab_size: PositiveInt = Field(ge=260, description="Includes the 256 byte symbols and special tokens.")
-    min_frequency: PositiveInt = 2
+    min_frequency: PositiveInt = Field(
+        default=2, description="A pair seen fewer times than this in the training text is not merged.")
 
     @property
     def key(self) -> str:
@@ -24,8 +25,9 @@ class LocalCandidate(SpecModel):
     """An existing tokenizer in Hugging Face format (a folder with tokenizer.json) on local disk."""
 
     kind: Literal["local"]
-    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z0-9][a-z0-9_.-]*$")
-    path: str
+    name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z0-9][a-z0-9_.-]*$",
+                      description="The candidate's name in the comparison and its folder in the artifact.")
+    path: str = Field(description="Folder holding tokenizer.json, relative to the spec's folder.")
 
     @property
     def key(self) -> str:
@@ -37,7 +39,8 @@ class HubCandidate(SpecModel):
     `hf download REPO` on a machine with network, then copy the cache)."""
 
     kind: Literal["hub"]
-    repo: str = Field(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
+    repo: str = Field(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$",
+                      description="Hugging Face repository id (owner/name), e.g. meta-llama/Llama-3.2-1B.")
     revision: str = Field(default="main", description="Branch, tag or commit of the cached snapshot.")
     vocab_size: PositiveInt = Field(description="Its vocabulary size, for planning before it is loaded.")
 
@@ -52,15 +55,24 @@ TokenizerCandidate = Annotated[BpeCandidate | LocalCandidate | HubCandidate, Fie
 class Selection(SpecModel):
     """How to choose: lowest mean fertility, or the smallest vocabulary within a tolerance of the best."""
 
-    rule: Literal["lowest_fertility", "smallest_within"] = "smallest_within"
+    rule: Literal["lowest_fertility", "smallest_within"] = Field(
+        default="smallest_within", description="lowest_fertility: the lowest mean tokens per word on held-out text; "
+        "smallest_within: the smallest vocabulary whose fertility is within tolerance of the lowest.")
     tolerance: float = Field(default=0.05, ge=0, le=1, description="smallest_within: relative fertility slack.")
 
 
 class Tokenizer(SpecModel):
-    candidates: list[TokenizerCandidate] = Field(min_length=1)
+    """Candidate tokenizers, each measured on held-out text of every language/domain group, and the rule that picks
+    the one the run uses."""
+
+    candidates: list[TokenizerCandidate] = Field(
+        min_length=1, description="Tokenizers to compare: BPE trained here, local folders or hub repositories.")
     train_chars: PositiveInt = Field(
         default=20_000_000, description="Characters of curated training text each BPE candidate is trained on."
     )
     eval_chars: PositiveInt = Field(default=2_000_000, description="Held-out characters measured per group.")
-    selection: Selection = Selection()
-    special_tokens: list[str] = Field(default_factory=lambda: ["<|endoftext|>", "<|pad|>"])
+    selection: Selection = Field(default=Selection(), description="How the winner is chosen.")
+    special_tokens: list[str] = Field(
+        default_factory=lambda: ["<|endoftext|>", "<|pad|>"],
+        description="Special tokens of each trained BPE candidate: the first is its BOS and EOS, the second its "
+                    "padding (the first when only one is given).")

@@ -11,8 +11,9 @@ class SuccessCriterion(SpecModel):
     """A metric threshold on a named checkpoint, checked by the final evaluation."""
 
     metric: str = Field(min_length=1, description="Evaluation metric, e.g. 'arc_easy:cf/acc' or 'val_ppl:web'.")
-    op: Literal[">=", ">", "<=", "<"] = ">="
-    threshold: float
+    op: Literal[">=", ">", "<=", "<"] = Field(
+        default=">=", description="How the measured value must compare with threshold for the criterion to pass.")
+    threshold: float = Field(description="The value the measured metric is compared with.")
     checkpoint: str = Field(
         default="final", description="'final', or a step such as 'pretrain:stage2' or 'post_train:sft'."
     )
@@ -41,8 +42,9 @@ class ExistingModelTried(SpecModel):
     before any training (the gate). `metric`, `score` and `required` record what its authors measured."""
 
     model: str = Field(min_length=1, description="Hub id (from the local Hugging Face cache), folder or s3:// URI.")
-    metric: str | None = None
-    score: float | None = None
+    metric: str | None = Field(default=None, description="The metric its authors report (recorded only: the gate "
+                                                         "measures the spec's own benchmarks).")
+    score: float | None = Field(default=None, description="Its authors' score on that metric (recorded only).")
     required: float | None = Field(default=None, description="The score the production need requires.")
 
 
