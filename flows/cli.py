@@ -24,6 +24,7 @@ from compass.infra.temporary_server import start_tied_temporary_server
 
 if TYPE_CHECKING:
     from compass.infra.store import Store
+    from compass.specs.loader import LoadedSpec
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -97,13 +98,34 @@ def run(spec: SpecArg,
         smoke: SmokeOption = False,
         no_recompute: Annotated[bool, typer.Option(
             "--no-recompute", help="Stop at a cached artifact whose files changed since its commit, instead of "
-                                   "setting it aside and recomputing it (how.storage.on_damage: stop).")] = False
+                                   "setting it aside and recomputing it (how.storage.on_damage: stop).")] = False,
+        verbose: Annotated[bool, typer.Option(
+            "--verbose", help="Show everything the run prints (libraries' progress bars and warnings, datatrove's "
+                              "logs, the ranks' output) instead of writing it to the run's log file.")] = False
         ) -> None:
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
     checked = load(spec, until, smoke=smoke)
     loaded = checked.loaded
     root = store_root(checked, store)  # a root that cannot hold a store stops here, before any server starts
     prepare_environment()
+    started = time.time()
+    if verbose:
+        with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
+            summary = _run(spec, loaded, root, until, smoke, no_recompute)
+    else:
+        from compass.flows.quiet_console import quiet_console
+
+        log_path = Path(".compass") / "logs" / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        err.print(f"everything else the run prints: {log_path} (--verbose shows it here)", markup=False,
+                  highlight=False)
+        with quiet_console(log_path.resolve(), (out, err)):
+            summary = _run(spec, loaded, root, until, smoke, no_recompute)
+    _print_summary(spec, summary, as_json, started, table=verbose)
+
+
+def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, smoke: bool,
+         no_recompute: bool) -> dict:
+    """The lifecycle flow on the embedded (or PREFECT_API_URL's) server; exits 2, 3 or 1 as `compass run` says."""
     start_tied_temporary_server()
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
     from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
@@ -114,33 +136,37 @@ def run(spec: SpecArg,
     except (RayNeedsServer, CredentialsBlockError) as exc:
         err.print(f"[red]error:[/red] {escape(str(spec))}: {escape(str(exc))}")
         raise typer.Exit(2) from None
-    started = time.time()
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
     from compass.infra.errors import DataError, RunStopped
 
     try:
-        with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
-            summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir),
-                           store_root=root, until=until, smoke=smoke,
-                           no_recompute=no_recompute)
+        summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir), store_root=root,
+                       until=until, smoke=smoke, no_recompute=no_recompute)
     except RunStopped as stopped:  # the gate: an existing model already does the job
         err.print(f"[yellow]stopped:[/yellow] {escape(str(spec))}: {escape(str(stopped))}", highlight=False)
         raise typer.Exit(3) from None
     except DataError as failed:  # its message says where (file:line, the full disk's path); committed steps stay
         err.print(f"failed: {spec}: {failed}", markup=False, highlight=False)
         raise typer.Exit(1) from None
+    return summary
+
+
+def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, table: bool) -> None:
+    """The run's outcome: JSON, or a line (each step's commit line said where it went), with a table of every step
+    under --verbose."""
     if as_json:
         print(json.dumps(summary, indent=2))
         return
     from rich.table import Table
 
-    table = Table(title=f"compass run: {escape(summary['spec'])}", title_justify="left")
-    for col in ("step", "state", "seconds", "output"):
-        table.add_column(col, overflow="fold")
-    for r in summary["steps"]:
-        table.add_row(r["step"], "[green]ran[/green]" if r["executed"] else "cached",
-                      str(r["seconds"]) if r["executed"] else "-", escape(r["uri"]))
-    out.print(table)
+    if table:
+        steps = Table(title=f"compass run: {escape(summary['spec'])}", title_justify="left")
+        for col in ("step", "state", "seconds", "output"):
+            steps.add_column(col, overflow="fold")
+        for r in summary["steps"]:
+            steps.add_row(r["step"], "[green]ran[/green]" if r["executed"] else "cached",
+                          str(r["seconds"]) if r["executed"] else "-", escape(r["uri"]))
+        out.print(steps)
     if summary.get("smoke"):
         smoke_table = Table(title=f"smoke run of {escape(str(spec))}: what each step exercised and what was shrunk",
                             title_justify="left", show_lines=True)

@@ -27,16 +27,34 @@ def read_ids(folder: Path) -> set[str]:
     return ids
 
 
+def quiet_terminal(terminal: str, steps: set[str], cwd: Path) -> None:
+    """The terminal holds compass's lines (each step's start, its commit with key numbers, training progress);
+    datatrove's logs, progress bars and library warnings are in the run's log file, named on the first line."""
+    first, *lines = terminal.splitlines()
+    assert first.startswith("everything else the run prints: .compass/logs/minimal-"), first
+    for step in steps:
+        assert any(f"{step} running; commits to" in line for line in lines), step
+        assert any(f"{step} committed to" in line for line in lines), step
+    assert any("curate:notes committed to" in line and "documents_in 44, documents_out 40" in line for line in lines)
+    assert any("pretrain:stage1: step" in line and "tokens/s" in line for line in lines)  # its progress line
+    assert not [line for line in lines if "datatrove" in line or "it/s]" in line or "Launching pipeline" in line]
+    assert len(lines) < 5 * len(steps) + 12, terminal  # a few lines per step, not hundreds
+    log = (cwd / first.split(": ", 1)[1].split(" (")[0]).read_text()
+    assert "datatrove" in log and "Launching pipeline" in log  # what the terminal left out is kept
+
+
 def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
-    spec = write_minimal_spec(tmp_path)
+    spec = write_minimal_spec(tmp_path, **{"how:\n": "how:\n  monitoring: {progress_every_s: 1}\n"})  # progress lines
     store = tmp_path / "store"
     data_steps = {"ingest:notes", "curate:notes", "ingest:code", "curate:code"}
     trained = {"tokenize:notes", "tokenize:code", "pretrain:stage1", "pretrain:stage2"}
     all_steps = data_steps | {"tokenizer:select"} | trained
 
-    first = server_cli.json("run", str(spec), "--store", str(store))
+    done = server_cli("run", str(spec), "--store", str(store), "--json")
+    first = json.loads(done.stdout)
     assert executed(first) == all_steps
     assert first["left_out"] == []  # no --until: every step of the plan is in the run
+    quiet_terminal(done.stderr, all_steps, server_cli.cwd)
 
     # two stages trained, the second continuing the first; the final checkpoint loads in transformers
     stage1 = json.loads(next(store.glob("pretrain/stage1-*/manifest.json")).read_text())["metrics"]

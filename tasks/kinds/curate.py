@@ -200,5 +200,6 @@ def _counted(stages: list[StageStats], block: type, prefix: str = "") -> dict[st
 
 
 KIND = StepKind("curate", CurateConfig, run_curate, build, version="4", resources=phase("data"), tags=("data",),
-                check_machine=check_machine, fans_out=True)
+                check_machine=check_machine, fans_out=True,
+                headline=("documents_in", "documents_out"))
 STEP_KINDS = (KIND,)

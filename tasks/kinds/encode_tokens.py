@@ -76,5 +76,6 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
 
 
 KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="2", resources=phase("data"), tags=("data",),
-                imports=TRANSFORMERS, fans_out=True)
+                imports=TRANSFORMERS, fans_out=True,
+                headline=("train_tokens", "heldout_tokens"))
 STEP_KINDS = (KIND,)

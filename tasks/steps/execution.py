@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from compass.infra.errors import DiskFull
 from compass.infra.manifest import Execution, InputRef, Manifest, code_version, host_facts, library_versions
@@ -118,8 +119,31 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
         with disk_full_named(run.step_id, Path(store.root_path) if not store.is_remote else out):
             manifest = store.commit(out, manifest)
         stamp(store, manifest)
-    log.info("%s committed to %s in %.1fs", run.step_id, run.uri, manifest.duration_s)
+    log.info("%s committed to %s in %.1fs%s", run.step_id, run.uri, manifest.duration_s,
+             headline(kind.headline, manifest.metrics))
     return manifest, result
+
+
+def headline(names: tuple[str, ...], metrics: dict[str, Any], most: int = 6) -> str:
+    """`: final_loss 2.31, tokens_per_s 1,840`: the step's key numbers for its commit line; a name may be a
+    pattern (`val_ppl:*`)."""
+    import fnmatch
+
+    shown = []
+    for name in [m for pattern in names for m in fnmatch.filter(metrics, pattern)][:most]:
+        value = metrics.get(name)
+        if value is None or isinstance(value, dict | list):
+            continue
+        if isinstance(value, bool):
+            text = "yes" if value else "no"
+        elif isinstance(value, float):
+            text = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+        elif isinstance(value, int):
+            text = f"{value:,}"
+        else:
+            text = str(value)
+        shown.append(f"{name} {text}")
+    return f": {', '.join(shown)}" if shown else ""
 
 
 def clear_work(run_store: Store, work_key: str, workdir: Path) -> None:

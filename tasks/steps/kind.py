@@ -91,6 +91,7 @@ class StepKind:
     imports: tuple[str, ...] = ()  # "module:name" resolved in the main thread before steps run in threads
     # its work is datatrove stages: under a cluster they run as Slurm job arrays, the step's own job only drives them
     fans_out: bool = False
+    headline: tuple[str, ...] = ()  # the metrics its commit line shows (the run's terminal, the Prefect logs)
 
     def import_names(self) -> None:
         """Resolve `imports` now. transformers 5 resolves its top-level names lazily and not thread-safely: two
