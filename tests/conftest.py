@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -154,6 +155,17 @@ def prefect_client(api_url: str) -> Iterator:
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         yield client
+
+
+def remove_gpu_limit(api_url: str) -> None:
+    """The session's server is shared by a worker's test files: `compass deploy` sets the `gpu` tag limit on it,
+    and a test that deploys takes it away again, so no later test runs its GPU steps one at a time unawares."""
+    from prefect.exceptions import ObjectNotFound
+
+    from compass.flows.deployments import GPU_TAG
+
+    with prefect_client(api_url) as client, contextlib.suppress(ObjectNotFound):  # none set: nothing to remove
+        client.delete_concurrency_limit_by_tag(GPU_TAG)
 
 
 def run_up_to(spec_path: Path, target: str | list[str], store: Path) -> tuple[Any, dict[str, Any]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cli, prefect_client, write_minimal_spec
+from tests.conftest import Cli, prefect_client, remove_gpu_limit, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 TWO_GPU_STEPS = """  ablations:
@@ -42,6 +42,7 @@ def test_gpu_tag_limit_serialises_gpu_steps_across_the_server(server_cli: Cli, p
         "  pretraining:": TWO_GPU_STEPS,
         "how:\n": "how:\n  orchestration: {max_parallel_steps: 2, max_parallel_gpu_steps: 2}\n"})
     kinds = [arg for kind in ("ingest", "curate", "tokenizer", "tokenize", "ablate") for arg in ("--until", kind)]
+    remove_gpu_limit(prefect_server)  # whatever an earlier test on this server deployed
 
     free = tmp_path / "free"
     server_cli("run", str(spec), "--store", str(free), *kinds)

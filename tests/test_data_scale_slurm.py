@@ -17,7 +17,7 @@ import pytest
 
 from compass.infra.layout import SPLITS
 from compass.infra.store import Store
-from tests.conftest import REPO, VENV_BIN, base_env
+from tests.conftest import FIXTURES, REPO, VENV_BIN, base_env
 
 pytestmark = pytest.mark.slow
 SHARDS = 3  # ingest writes 500 documents per shard: 1,200 documents make three tasks per stage
@@ -52,8 +52,9 @@ how:
 
 
 def _source(folder: Path) -> Path:
-    """1,200 documents of README words (a few exact duplicates, for the dedup stage to find)."""
-    words = (REPO / "README.md").read_text().split()
+    """1,200 documents of the fixture notes' words (a few exact duplicates, for the dedup stage to find): prose
+    that passes the quality filters, and fixed (the README's words changed with the README)."""
+    words = " ".join(p.read_text() for p in sorted((FIXTURES / "corpus" / "en").glob("*.txt"))).split()
     rng = random.Random(0)
     folder.mkdir()
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 120))) for _ in range(1190)]

@@ -44,7 +44,7 @@ def quiet_terminal(terminal: str, steps: set[str], cwd: Path) -> None:
 
 
 def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
-    spec = write_minimal_spec(tmp_path, **{"how:\n": "how:\n  monitoring: {progress_every_s: 1}\n"})  # progress lines
+    spec = write_minimal_spec(tmp_path, **{"how:\n": "how:\n  monitoring: {progress_every_s: 3}\n"})  # progress lines
     store = tmp_path / "store"
     data_steps = {"ingest:notes", "curate:notes", "ingest:code", "curate:code"}
     trained = {"tokenize:notes", "tokenize:code", "pretrain:stage1", "pretrain:stage2"}

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES, REPO, VENV_BIN, Cli, prefect_client, stop_group, write_minimal_spec
+from tests.conftest import (
+    FIXTURES,
+    REPO,
+    VENV_BIN,
+    Cli,
+    prefect_client,
+    remove_gpu_limit,
+    stop_group,
+    write_minimal_spec,
+)
 
 pytestmark = pytest.mark.slow
 SCREENSHOTS = REPO / "test-artifacts"
@@ -121,3 +130,4 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
         if run.poll() is None:
             stop_group(run)
         stop_group(worker)
+        remove_gpu_limit(api)

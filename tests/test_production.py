@@ -17,7 +17,7 @@ import pytest
 
 from compass.flows.lifecycle import artifact_key
 from compass.infra.net import free_port
-from tests.conftest import REPO, VENV_BIN, Cli, base_env, prefect_client, stop_group
+from tests.conftest import REPO, VENV_BIN, Cli, base_env, prefect_client, remove_gpu_limit, stop_group
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow
@@ -70,16 +70,8 @@ def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         stop_group(worker)
         log.close()
-        _remove_gpu_limit(prefect_server)
+        remove_gpu_limit(prefect_server)
         s3.stop()
-
-
-def _remove_gpu_limit(api_url: str) -> None:
-    """The session's server is shared: leave no tag limit behind for the other tests."""
-    from compass.flows.deployments import GPU_TAG
-
-    with prefect_client(api_url) as client:
-        client.delete_concurrency_limit_by_tag(GPU_TAG)
 
 
 def test_submitted_demo_runs_every_phase_with_its_store_on_s3(production: Production):
