@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmark_script import bench
 from tests.conftest import REPO
 
 
+@pytest.mark.slow  # a curation step end to end, twice
 def test_curation_throughput(tmp_path: Path):
     out = bench("curation_throughput.py", "--spec", str(REPO / "tests/specs/minimal.yaml"), "--source", "notes",
                 "--rounds", "1", "--store", str(tmp_path / "store"))

@@ -7,6 +7,7 @@ import pytest
 from tests.benchmark_script import bench
 
 
+@pytest.mark.slow  # training runs, synchronous and in the background
 def test_async_checkpoint():
     out = bench("async_checkpoint.py", "--steps", "6", "--every", "3", "--rounds", "1", "--hidden", "64",
                 "--layers", "2")

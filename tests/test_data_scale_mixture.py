@@ -54,6 +54,7 @@ def _plan_sizes(spec: Path, store: Path) -> dict[str, tuple[str, str]]:
     return {r[1]: (r[4], r[5]) for r in section["rows"] if r[0] == "pretraining stage1"}
 
 
+@pytest.mark.slow  # the data steps end to end
 def test_compass_plan_reads_source_sizes_from_the_store_as_the_data_steps_commit(tmp_path: Path):
     from compass.flows.compiler import compile_spec
     from compass.flows.plan_report import human
