@@ -184,13 +184,9 @@ def example_text(model: type[BaseModel], name: str, paths: tuple[str, ...], exam
 
 
 def model_docs(root: type[BaseModel] | None = None) -> list[ModelDoc]:
-    if root is None:
-        from compass.specs.spec import TrainingSpec
-
-        root = TrainingSpec
     examples = _examples()
     docs = []
-    for model, places in walk(root).items():
+    for model, places in walk(root or _root()).items():
         fields = []
         for name, info in model.model_fields.items():
             paths = tuple(dict.fromkeys(f"{p}.{name}" if p else name for p, n, _ in places if n == name))
@@ -199,9 +195,13 @@ def model_docs(root: type[BaseModel] | None = None) -> list[ModelDoc]:
                 description = "Selects this variant."
             fields.append(FieldDoc(model.__name__, name, paths, type_name(info.annotation), default_text(info),
                                    constraints(info), description, example_text(model, name, paths, examples)))
-        doc = " ".join((model.__doc__ or "").split()) if model.__doc__ != BaseModel.__doc__ else ""
-        docs.append(ModelDoc(model.__name__, doc, tuple(fields)))
+        docs.append(ModelDoc(model.__name__, _doc(model), tuple(fields)))
     return docs
+
+
+def _doc(model: type[BaseModel]) -> str:
+    """The model's own docstring on one line ('' when it has none: pydantic's BaseModel's does not count)."""
+    return " ".join((model.__doc__ or "").split()) if model.__doc__ != BaseModel.__doc__ else ""
 
 
 def _is_discriminator(info: FieldInfo) -> bool:
@@ -211,15 +211,10 @@ def _is_discriminator(info: FieldInfo) -> bool:
 def undocumented(root: type[BaseModel] | None = None) -> list[str]:
     """`Model.field` of every field without a description (a one-value Literal, a union's tag, needs none) and
     `Model` of every model without a docstring."""
-    missing = []
-    for model in model_docs(root):
-        if not model.doc:
-            missing.append(model.name)
-    for model_cls in walk(root or _root()):
-        for name, info in model_cls.model_fields.items():
-            if not info.description and not _is_discriminator(info):
-                missing.append(f"{model_cls.__name__}.{name}")
-    return missing
+    models = walk(root or _root())
+    missing = [model.__name__ for model in models if not _doc(model)]
+    return missing + [f"{model.__name__}.{name}" for model in models for name, info in model.model_fields.items()
+                      if not info.description and not _is_discriminator(info)]
 
 
 def _root() -> type[BaseModel]:
