@@ -48,6 +48,16 @@ def synthetic_source(folder: Path, documents: int = 4000) -> Path:
     return folder
 
 
+def word_level_tokenizer(folder: Path) -> None:
+    """A tokenizer of the model's vocabulary: the stage's final checkpoint exports a Hugging Face folder, which
+    needs one (its words are never read: the source is synthetic tokens)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1")).save(str(folder / "tokenizer.json"))
+
+
 def job(work: Path, steps: int, micro: int):
     from compass.model.training.job import SpecialIds, StageRecipe, TrainJob
     from compass.specs.how import Checkpoints, Hardware, Parallelism
@@ -58,7 +68,7 @@ def job(work: Path, steps: int, micro: int):
     recipe = StageRecipe(architecture=architecture(), optimizer=Optimizer(), schedule=Schedule(kind="constant"),
                          stages=[stage], stage="bench", seed=0, intra_document_masking=True,
                          monitors=Monitors(throughput=None, spike=None, slow_rise=None, plateau=None))
-    (work / "tokenizer").mkdir(exist_ok=True)
+    word_level_tokenizer(work / "tokenizer")
     return TrainJob(recipe=recipe, workdir=work / "run", tokenizer_dir=work / "tokenizer", vocab_size=VOCAB,
                     special_ids=SpecialIds(eos=0, pad=0), sources={"web": synthetic_source(work / "web")},
                     micro_batch_size=micro, parallelism=Parallelism(deepspeed=False, micro_batch_size=micro),
@@ -170,6 +180,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", type=int, default=1)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: "
+                        + ", ".join(VARIANTS) + " (the bare torch loop is the baseline)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -192,11 +204,17 @@ def main() -> None:
         def go() -> Run:
             run_dir = Path(tempfile.mkdtemp(dir=work))
             bench_job.model_copy(update={"workdir": run_dir}).write(run_dir / "job.json")
-            return child(__file__, [name, str(run_dir / "job.json"), str(args.warmup)])
+            run = child(__file__, [name, str(run_dir / "job.json"), str(args.warmup)])
+            print(f"  measured {name}: {run.value * tokens:,.0f} tokens/s, GPU {run.details['gpu_mib']:,.0f} MiB",
+                  flush=True)  # a round's numbers survive a later variant's failure
+            return run
         return go
 
-    results = interleave({name: variant(name) for name in VARIANTS}, args.rounds)
+    chosen = [name.strip() for name in args.variants.split(",")]
+    if "bare torch loop" not in chosen or not set(chosen) <= set(VARIANTS):
+        parser.error(f"--variants: a subset of {', '.join(VARIANTS)} that holds the baseline, bare torch loop")
     tokens = args.micro * SEQ
+    results = interleave({name: variant(name) for name in chosen}, args.rounds)
     peak = 989e12  # H100 SXM dense bf16
     for runs in results.values():
         for r in runs:

@@ -131,14 +131,18 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
+@torch.compiler.disable
 def liger_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear,
                   z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Liger's fused linear cross-entropy (with its z-loss term), on CUDA."""
+    """Liger's fused linear cross-entropy (with its z-loss term), on CUDA. Left out of torch.compile's graph: its
+    Triton kernels are already fused, and dynamo fails tracing its `addmm(..., out_dtype=)` (seen on an H200 with
+    torch 2.11 and liger-kernel 0.8.5)."""
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
     h, target = shifted(hidden, labels)
     fused = LigerFusedLinearCrossEntropyLoss(lse_square_scale=z_loss, return_z_loss=True)
-    loss, z = fused(head.weight, h, target, head.bias)
+    out = fused(head.weight, h, target, head.bias)
+    loss, z = (out.loss, out.z_loss) if hasattr(out, "loss") else out  # liger >= 0.7 returns CrossEntropyOutput
     return loss, loss - z_loss * z if z_loss > 0 else loss
 
 

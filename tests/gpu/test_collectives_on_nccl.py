@@ -24,6 +24,8 @@ def nccl(monkeypatch: pytest.MonkeyPatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     torch.cuda.set_device(0)
+    if torch.distributed.is_initialized():  # a group of one that an in-process FSDP2 or DeepSpeed test left open
+        torch.distributed.destroy_process_group()
     torch.distributed.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         yield collectives

@@ -42,6 +42,7 @@ def test_preflight_measures_every_gpu_of_this_node_on_nccl(tmp_path: Path):
     done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "preflight", str(spec), "--ranks", str(n),
                            "--duration", "5", "--megabytes", "64", "--json"], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
+    assert done.stdout.strip(), f"compass preflight exited {done.returncode} with no report:\n{done.stderr[-3000:]}"
     report = json.loads(done.stdout)
     rows = report["rows"]
     assert [r["rank"] for r in rows] == list(range(n))
