@@ -31,6 +31,9 @@ from compass.tasks.steps.context import Runtime
 
 ARRAY_RECORD = "array_job.json"
 DEFAULT_MEMORY_PER_CPU_GB = 2
+# Below this much input a local stage runs its ranks one after another in this process: starting a pool of workers
+# (each importing the pipeline's libraries) costs more than the work. The ranks and their shards are the same.
+IN_PROCESS_BYTES = 4 * 2**20
 
 
 class BlockStats(BaseModel):
@@ -55,9 +58,10 @@ class StageIncomplete(RuntimeError):
 
 
 def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int,
-              log: logging.Logger | logging.LoggerAdapter) -> StageStats:
+              log: logging.Logger | logging.LoggerAdapter, input_bytes: int | None = None) -> StageStats:
     """Run one datatrove pipeline of `tasks` ranks with the executor the placement says and return its merged
-    block statistics; raises StageIncomplete naming the ranks that did not complete."""
+    block statistics; raises StageIncomplete naming the ranks that did not complete. `input_bytes`, when known:
+    a local stage with less than IN_PROCESS_BYTES to read runs in this process."""
     logging_dir = logs / stage
     placement = runtime.placement
     orch = runtime.how.orchestration
@@ -78,6 +82,8 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
             multiprocess.set_forkserver_preload(["compass.infra.forkserver_preload"])  # workers die with this run
             shape = placement.shape
             workers = shape.cpus_per_node if shape and shape.cpus_per_node else orch.workers
+            if input_bytes is not None and input_bytes < IN_PROCESS_BYTES:
+                workers = 1
             executor = LocalExecutor(pipeline, tasks=tasks, workers=min(tasks, workers),
                                              logging_dir=str(logging_dir), skip_completed=True)
         with children_die_with_this_thread():  # datatrove's Manager process too
