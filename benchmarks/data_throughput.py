@@ -62,7 +62,8 @@ def plan_for(source: Path, workers: int):
                                         "filters": [], "language_id": None, "minhash": None, "exact_dedup": False,
                                         "heldout_fraction": 0.05})}) if s.name == SOURCE else s
                for s in spec.what.data.sources]
-    orchestration = spec.how.orchestration.model_copy(update={"workers": workers})
+    # the same executor as the baselines: a pool of `workers` even for small inputs
+    orchestration = spec.how.orchestration.model_copy(update={"workers": workers, "in_process_below_mib": 0})
     spec = spec.model_copy(update={"what": spec.what.model_copy(update={"data": spec.what.data.model_copy(
         update={"sources": sources})}), "how": spec.how.model_copy(update={"orchestration": orchestration})})
     return dataclasses.replace(loaded, spec=spec), compile_spec(spec)

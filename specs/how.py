@@ -5,7 +5,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from compass.specs.base import SpecModel
 
@@ -277,6 +285,11 @@ class Orchestration(SpecModel):
     ray_address: str | None = Field(default=None, description="An existing Ray cluster (None = start one locally).")
     ray_num_cpus: PositiveInt | None = Field(default=None, description="CPUs of a locally started Ray (None = all).")
     workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
+    in_process_below_mib: NonNegativeFloat = Field(
+        default=4, description="A local data stage with less input than this runs its datatrove ranks one after "
+                               "another in the step's own process: starting a pool of workers, each importing the "
+                               "pipeline's libraries, costs more than such work. The ranks and their shards are the "
+                               "same either way. 0: always a pool of `workers`.")
     max_parallel_steps: PositiveInt = Field(default=2, description="Steps running at once.")
     cluster: SlurmCluster | None = Field(
         default=None, description="Run every step that computes as a Slurm job (None: on this machine, in this "

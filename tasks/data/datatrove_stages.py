@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,9 @@ from compass.tasks.steps.context import Runtime
 
 ARRAY_RECORD = "array_job.json"
 DEFAULT_MEMORY_PER_CPU_GB = 2
+# datatrove runs a local stage of one worker in the calling process, and each of its ranks resets loguru's global
+# sinks to its own task log: two such stages on parallel step threads would write into each other's logs.
+_IN_PROCESS = threading.Lock()
 
 
 class BlockStats(BaseModel):
@@ -55,10 +59,12 @@ class StageIncomplete(RuntimeError):
 
 
 def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int,
-              log: logging.Logger | logging.LoggerAdapter) -> StageStats:
+              log: logging.Logger | logging.LoggerAdapter, input_bytes: int | None = None) -> StageStats:
     """Run one datatrove pipeline of `tasks` ranks with the executor the placement says and return its merged
-    block statistics; raises StageIncomplete naming the ranks that did not complete."""
+    block statistics; raises StageIncomplete naming the ranks that did not complete. `input_bytes`, when known:
+    a local stage with less than how.orchestration.in_process_below_mib to read runs in this process."""
     logging_dir = logs / stage
+    in_process = False
     placement = runtime.placement
     orch = runtime.how.orchestration
     if placement.tasks is not None and orch.cluster is not None:
@@ -78,10 +84,14 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
             multiprocess.set_forkserver_preload(["compass.infra.forkserver_preload"])  # workers die with this run
             shape = placement.shape
             workers = shape.cpus_per_node if shape and shape.cpus_per_node else orch.workers
-            executor = LocalExecutor(pipeline, tasks=tasks, workers=min(tasks, workers),
-                                             logging_dir=str(logging_dir), skip_completed=True)
-        with children_die_with_this_thread():  # datatrove's Manager process too
-            executor.run()
+            if input_bytes is not None and input_bytes < orch.in_process_below_mib * 2**20:
+                workers = 1
+            workers = min(tasks, workers)
+            executor = LocalExecutor(pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir),
+                                     skip_completed=True)
+            in_process = workers == 1
+        with _IN_PROCESS if in_process else contextlib.nullcontext(), children_die_with_this_thread():
+            executor.run()  # children_die_with_this_thread: datatrove's Manager process too
     from compass.tasks.data.executors import rank_failure
 
     missing = executor.get_incomplete_ranks(range(tasks), skip_completed=True)

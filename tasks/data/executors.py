@@ -40,9 +40,11 @@ class LocalExecutor(RecordsFailures, LocalPipelineExecutor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.environment = dict(os.environ)
+        self.launcher = os.getpid()
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1) -> PipelineStats:
-        os.environ.update(self.environment)
+        if os.getpid() != self.launcher:  # a worker; ranks run in the launcher (one worker) already see its env
+            os.environ.update(self.environment)
         try:
             return super()._run_for_rank(rank, local_rank, node_rank)
         except Exception as exc:

@@ -88,10 +88,13 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
             return [JsonlReader(str(folder)), unmeasured.pop()]
         return [JsonlReader(str(folder))]
 
-    def run(stage: str, pipeline: list, tasks: int) -> StageStats:
-        return run_stage(ctx.runtime, stage, logs, pipeline, tasks, ctx.log)
+    raw_shards = ctx.inputs["raw"].files(DOCUMENTS, ".jsonl.gz")
+    raw_bytes = sum(e.size for e in raw_shards)  # every stage reads at most this much (filtered copies of it)
 
-    n_shards = max(1, len(ctx.inputs["raw"].files(DOCUMENTS, ".jsonl.gz")))
+    def run(stage: str, pipeline: list, tasks: int) -> StageStats:
+        return run_stage(ctx.runtime, stage, logs, pipeline, tasks, ctx.log, raw_bytes)
+
+    n_shards = max(1, len(raw_shards))
 
     blocks = [FILTERS[f.name](**f.params) for f in cur.filters]
     if cur.language_id is not None:

@@ -57,7 +57,8 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, out: Path, work: P
             reader = JsonlReader(curated.folder_url(split), glob_pattern="*.jsonl.gz", doc_progress=False)
             stats = run_stage(runtime, f"tokenize-{split}", work / "logs",
                               [reader, TokenShards(str(tokenizer / "tokenizer.json"), str(work / "tokens"), split,
-                                                   eos, dtype.name)], tasks, log)
+                                                   eos, dtype.name)], tasks, log,
+                              sum(e.size for e in curated.files(split, ".jsonl.gz")))
         counted = next((b.stats for b in stats.blocks if b.name == f"{TokenShards.type}: {TokenShards.name}"), {})
         counts[f"{split}_documents"] = int(counted.get("documents", 0))
         counts[f"{split}_tokens"] = int(counted.get("tokens", 0))

@@ -120,7 +120,8 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     groups = file_groups(files, task_count(files, ctx))
     ctx.log.info("ingest %s: %d files (%s bytes) under %s, read by %d tasks", ctx.name, len(files),
                  f"{sum(files.values()):,}", base, len(groups))
-    return _read_files(ctx, base.rstrip("/"), groups, provenance | {"files": len(files)}, selection.left_out)
+    return _read_files(ctx, base.rstrip("/"), groups, provenance | {"files": len(files)}, selection.left_out,
+                       sum(files.values()))
 
 
 def task_count(files: dict[str, int], ctx: StepContext[IngestConfig]) -> int:
@@ -153,7 +154,7 @@ def file_groups(files: dict[str, int], tasks: int) -> list[list[str]]:
 
 
 def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str]], provenance: dict,
-                left_out: dict[str, str]) -> StepResult:
+                left_out: dict[str, str], input_bytes: int | None = None) -> StepResult:
     from compass.tasks.data.curate_blocks import ShardWriter
     from compass.tasks.data.source_reader import SourceReader
 
@@ -166,7 +167,7 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
                               "limit": cfg.max_documents})
     reader = SourceReader(base, groups, settings, str(work / "skipped"), limit=cfg.max_documents or -1)
     stage = run_stage(ctx.runtime, "ingest", work / "logs", [reader, ShardWriter(str(work / DOCUMENTS))],
-                      len(groups), ctx.log)
+                      len(groups), ctx.log, input_bytes)
     stats = next(b.stats for b in stage.blocks if b.name.endswith(SourceReader.name))
     skipped = dict(left_out)
     for path in sorted((work / "skipped").glob("*.json")):

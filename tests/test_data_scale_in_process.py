@@ -1,0 +1,79 @@
+"""Small local data stages run their datatrove ranks in the step's own process (no pool of workers to start), one
+at a time: datatrove's task logger resets loguru's global sinks, so two at once would write into each other's
+logs. how.orchestration.in_process_below_mib: 0 keeps the pool."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from datatrove.pipeline.base import PipelineStep
+
+from compass.specs.how import How
+from compass.tasks.data.datatrove_stages import run_stage
+from compass.tasks.steps.context import Runtime
+
+
+class RecordRank(PipelineStep):
+    """Writes the process that ran each rank and logs a few lines through datatrove's logger."""
+
+    name = "record rank"
+
+    def __init__(self, folder: str, label: str, pause_s: float = 0.0):
+        super().__init__()
+        self.folder, self.label, self.pause_s = folder, label, pause_s
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        from loguru import logger
+
+        Path(self.folder, f"{rank}.pid").write_text(str(os.getpid()))
+        for line in range(5):
+            logger.info(f"{self.label} rank {rank} line {line}")
+            time.sleep(self.pause_s)
+        yield from data or []
+
+
+def runtime(in_process_below_mib: float) -> Runtime:
+    return Runtime(how=How.model_validate({"orchestration": {"workers": 2,
+                                                             "in_process_below_mib": in_process_below_mib}}))
+
+
+def pids(folder: Path) -> set[int]:
+    return {int(p.read_text()) for p in folder.glob("*.pid")}
+
+
+def test_a_small_stage_runs_its_ranks_here_and_a_pool_when_turned_off(tmp_path: Path):
+    log = logging.getLogger("test")
+    here, pool = tmp_path / "here", tmp_path / "pool"
+    here.mkdir(), pool.mkdir()
+    run_stage(runtime(4), "small", tmp_path / "logs", [RecordRank(str(here), "small")], 2, log, input_bytes=1000)
+    assert pids(here) == {os.getpid()} and len(list(here.glob("*.pid"))) == 2
+    run_stage(runtime(0), "pooled", tmp_path / "logs", [RecordRank(str(pool), "pooled")], 2, log, input_bytes=1000)
+    assert len(list(pool.glob("*.pid"))) == 2 and os.getpid() not in pids(pool)
+
+
+def test_two_in_process_stages_at_once_keep_their_own_task_logs(tmp_path: Path):
+    log = logging.getLogger("test")
+    errors: list[BaseException] = []
+
+    def stage(label: str) -> None:
+        try:
+            (tmp_path / label).mkdir()
+            run_stage(runtime(4), label, tmp_path / "logs", [RecordRank(str(tmp_path / label), label, 0.05)], 1,
+                      log, input_bytes=10)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stage, args=(label,)) for label in ("alpha", "beta")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for label, other in (("alpha", "beta"), ("beta", "alpha")):
+        text = (tmp_path / "logs" / label / "logs" / "task_00000.log").read_text()
+        assert all(f"{label} rank 0 line {i}" in text for i in range(5)), text
+        assert other not in text, text
