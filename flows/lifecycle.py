@@ -73,8 +73,8 @@ def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
     head = outcome.result.summary if outcome.result else _cached_summary(ctx.store, step, m)
     inputs = "\n".join(f"- {i.role}: `{i.uri}`" for i in m.inputs) or "- none (raw source)"
     body = (f"{head}\n\n**output** `{m.uri}`  \n**fingerprint** `{m.fingerprint[:16]}`  \n"
-            f"**took** {m.duration_s:.1f}s on {m.host}  \n**files** {len(m.files)}, "
-            f"{sum(f.size for f in m.files):,} bytes\n\n**inputs**\n{inputs}\n{_embedded_plots(ctx.store, m)}")
+            f"**took** {m.duration_s:.1f}s on {m.host}  \n**files** {m.file_count:,}, "
+            f"{m.total_bytes:,} bytes\n\n**inputs**\n{inputs}\n{_embedded_plots(ctx.store, m)}")
     create_markdown_artifact(key=key, markdown=body, description=f"{step.id}: {m.uri}")
     if outcome.result:
         for name, rows in outcome.result.tables.items():

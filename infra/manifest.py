@@ -52,6 +52,18 @@ class FileEntry(BaseModel):
         return path
 
 
+class ShardSet(BaseModel):
+    """A folder of many files listed in a sidecar index instead of the manifest (infra/shard_index.py): the
+    manifest keeps the folder's count, bytes and the index's sha256 (which covers the shard list and every shard's
+    digest), so it stays small at a million shards. The index is itself one of the manifest's files."""
+
+    folder: str
+    count: int
+    bytes: int
+    index: str
+    sha256: str
+
+
 class Execution(BaseModel):
     """Where the step ran: its placement's mode (in_process, local_ranks, ray_tasks, in_slurm_job), its shape, and
     inside a Slurm job the job's id and nodes."""
@@ -86,11 +98,21 @@ class Manifest(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict)
     provenance: list[dict[str, Any]] = Field(default_factory=list, description="Raw sources: package, sha256...")
     files: list[FileEntry] = Field(default_factory=list)
+    shard_sets: list[ShardSet] = Field(default_factory=list)
     execution: Execution | None = None
 
     @property
     def step_id(self) -> str:
         return f"{self.kind}:{self.name}"
+
+    @property
+    def file_count(self) -> int:
+        """Every file of the artifact, those of its shard sets included."""
+        return len(self.files) + sum(s.count for s in self.shard_sets)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files) + sum(s.bytes for s in self.shard_sets)
 
     @property
     def duration_s(self) -> float:

@@ -21,6 +21,7 @@ from typing import BinaryIO
 import fsspec
 from fsspec.core import url_to_fs
 
+from compass.infra import shard_index
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
 
@@ -123,6 +124,7 @@ class Store:
         self.fs, self.root_path = url_to_fs(self.root)
         if not self.is_remote:
             Path(self.root).mkdir(parents=True, exist_ok=True)
+        self._indexes: dict[tuple[str, str], list[FileEntry]] = {}  # shard indexes read, by (uri, their sha256)
 
     # --- addressing -------------------------------------------------------------------------------------
     def uri(self, kind: str, name: str, fingerprint: str) -> str:
@@ -192,8 +194,7 @@ class Store:
     def staged_path(self, uri: str, cache_dir: Path, only: str | None = None) -> Path:
         """Where `copy_verified` puts (or has put) the artifact under `cache_dir`."""
         manifest = self.read_manifest(uri)
-        prefix = only.strip("/") + "/" if only else ""
-        files = [e for e in manifest.files if e.path.startswith(prefix)]
+        files = self.entries(manifest, only)
         # keyed by the files' checksums too: a store rebuilt under the same fingerprints (its sources changed
         # underneath) must not be served from an older copy
         content = hashlib.sha256("".join(f"{e.path}\0{e.sha256}\0" for e in files).encode()).hexdigest()[:12]
@@ -204,8 +205,7 @@ class Store:
         store), each checked against the manifest's sha256 as it arrives; a complete copy (its manifest written
         last) whose file sizes still match is reused."""
         manifest = self.read_manifest(uri)
-        prefix = only.strip("/") + "/" if only else ""
-        files = [e for e in manifest.files if e.path.startswith(prefix)]
+        files = self.entries(manifest, only)
         cache = self.staged_path(uri, cache_dir, only)
         done = cache / MANIFEST
         if done.exists() and any(not (cache / e.path).is_file() or (cache / e.path).stat().st_size != e.size
@@ -257,12 +257,23 @@ class Store:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def commit(self, staged: Path, manifest: Manifest) -> Manifest:
-        """Record file checksums in the manifest and publish the artifact atomically (manifest last)."""
+    def commit(self, staged: Path, manifest: Manifest, index_above: int | None = None) -> Manifest:
+        """Record file checksums in the manifest and publish the artifact atomically (manifest last). A top-level
+        folder of more than `index_above` files is listed in a sidecar shard index (infra/shard_index.py)."""
         files = sorted(p for p in staged.rglob("*") if p.is_file() and p.name != MANIFEST)
         entries = [FileEntry(path=p.relative_to(staged).as_posix(), size=p.stat().st_size,
                              sha256=sha256_file(str(p))) for p in files]
-        manifest = manifest.model_copy(update={"files": entries})
+        listed, sets = entries, []
+        if index_above is not None:
+            listed, large = shard_index.split_large_folders(entries, index_above)
+            for folder, members in large.items():
+                body = shard_index.encode(members)
+                (staged / shard_index.index_name(folder)).write_bytes(body)
+                sets.append(shard_index.shard_set(folder, members, body))
+                listed.append(FileEntry(path=sets[-1].index, size=len(body), sha256=sets[-1].sha256))
+                entries.append(listed[-1])
+            listed.sort(key=lambda e: e.path)
+        manifest = manifest.model_copy(update={"files": listed, "shard_sets": sets})
         body = manifest.model_dump_json(indent=2)
         target = self._path(manifest.uri)
         if self.is_remote:
@@ -270,6 +281,32 @@ class Store:
         else:
             self._move_into_place(staged, Path(target), body)
         return manifest
+
+    def shard_members(self, manifest: Manifest, folder: str | None = None, cached: bool = True) -> list[FileEntry]:
+        """The files of the artifact's shard sets (of the one for `folder` alone, when given), read from their
+        indexes and checked against the manifest; DamagedManifest when an index is not the committed one.
+        `cached`: an index this store read before is not read again (a check of the artifact reads it afresh)."""
+        members: list[FileEntry] = []
+        for shards in manifest.shard_sets:
+            if folder is None or shards.folder == folder:
+                key = (manifest.uri, shards.sha256)
+                if key not in self._indexes or not cached:
+                    try:
+                        body = self.read_bytes(manifest.uri, shards.index)
+                    except FileNotFoundError:
+                        raise DamagedManifest(f"{manifest.uri}/{shards.index}: the shard index is missing") from None
+                    self._indexes[key] = shard_index.decode(body, shards, manifest.uri)
+                members += self._indexes[key]
+        return members
+
+    def entries(self, manifest: Manifest, under: str | None = None) -> list[FileEntry]:
+        """Every file of the artifact (under the sub-folder `under`, when given), shard sets included, in path
+        order."""
+        prefix = under.strip("/") + "/" if under else ""
+        listed = [e for e in manifest.files if e.path.startswith(prefix)]
+        top = prefix.split("/", 1)[0] if prefix else None
+        return sorted(listed + [e for e in self.shard_members(manifest, top) if e.path.startswith(prefix)],
+                      key=lambda e: e.path)
 
     def _move_into_place(self, staged: Path, target: Path, body: str) -> None:
         (staged / MANIFEST).write_text(body)

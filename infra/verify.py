@@ -21,8 +21,9 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
+from compass.infra import shard_index
 from compass.infra.fingerprint import sha256_file
-from compass.infra.manifest import MANIFEST, DamagedManifest, Manifest
+from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest
 from compass.infra.store import Store, artifact_folder
 from compass.infra.verified_read import ChangedSinceCommit
 
@@ -32,18 +33,33 @@ Depth = Literal["sizes", "stamped", "full"]
 
 
 def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
-    """What differs between a committed artifact's files and its manifest (empty: intact); a manifest that cannot
-    describe the artifact (store.checked_manifest) is the one problem."""
+    """What differs between a committed artifact's files and its manifest (empty: intact); a manifest (or a shard
+    index) that cannot describe the artifact (store.checked_manifest) is the one problem. The files of shard sets
+    (infra/shard_index.py) are all compared by size and hashed by sample, or all under `full`; their stamps are
+    not kept (a million of them would make the stamps file the large manifest the index avoids)."""
     try:
         manifest = store.read_manifest(uri)
+        members = store.shard_members(manifest, cached=False)
     except DamagedManifest as exc:
         return [str(exc)]
+    to_hash = _hashed_members(manifest, members, depth)
     if store.is_remote:
-        return _remote_damage(store, uri, manifest, depth)
+        return _remote_damage(store, uri, manifest, depth, members, to_hash)
     folder = store.local_path(uri)
     stamps_file = _stamps_file(store, manifest)
     stamps = _read_stamps(stamps_file)
     problems: list[str] = []
+    for entry in members:
+        path = folder / entry.path
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{entry.path}: missing")
+            continue
+        if size != entry.size:
+            problems.append(f"{entry.path}: {size:,} bytes, committed with {entry.size:,}")
+        elif entry.path in to_hash and sha256_file(str(path)) != entry.sha256:
+            problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
     fresh: dict[str, list[int]] = {}
     for entry in manifest.files:
         path = folder / entry.path
@@ -61,11 +77,21 @@ def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
             problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
             continue
         fresh[entry.path] = key
-    listed = {e.path for e in manifest.files}
+    listed = {e.path for e in manifest.files} | {e.path for e in members}
     problems += [f"{rel}: not part of the committed artifact" for rel in _files(folder) if rel not in listed]
     if not problems and fresh != stamps and depth != "sizes":
         _write_stamps(stamps_file, fresh)
     return problems
+
+
+def _hashed_members(manifest: Manifest, members: list[FileEntry], depth: Depth) -> set[str]:
+    """The shard-set files a check hashes: all under `full`, a random sample of each set under `stamped`."""
+    if depth == "full":
+        return {e.path for e in members}
+    if depth == "sizes":
+        return set()
+    return set().union(*(shard_index.sample([e for e in members if e.path.startswith(f"{s.folder}/")])
+                         for s in manifest.shard_sets))
 
 
 def describe(problems: list[str]) -> str:
@@ -124,10 +150,18 @@ def set_aside(store: Store, uri: str) -> str:
     return str(target)
 
 
-def _remote_damage(store: Store, uri: str, manifest: Manifest, depth: Depth) -> list[str]:
+def _remote_damage(store: Store, uri: str, manifest: Manifest, depth: Depth, members: list[FileEntry],
+                   to_hash: set[str]) -> list[str]:
     found = _remote_listing(store, manifest)
     stamps = _read_remote_stamps(store, manifest)
     problems = []
+    for entry in members:
+        if entry.path not in found:
+            problems.append(f"{entry.path}: missing")
+        elif found[entry.path][0] != entry.size:
+            problems.append(f"{entry.path}: {found[entry.path][0]:,} bytes, committed with {entry.size:,}")
+        elif entry.path in to_hash and not _streams_intact(store, uri, entry):
+            problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
     fresh: dict[str, list] = {}
     for entry in manifest.files:
         if entry.path not in found:
@@ -137,16 +171,12 @@ def _remote_damage(store: Store, uri: str, manifest: Manifest, depth: Depth) -> 
         if size != entry.size:
             problems.append(f"{entry.path}: {size:,} bytes, committed with {entry.size:,}")
             continue
-        if depth == "full" or (depth == "stamped" and stamps.get(entry.path) != [size, etag]):
-            try:
-                with store.open_committed(uri, entry) as f:  # hashed as it streams, checked at its end
-                    while f.read(1 << 22):
-                        pass
-            except ChangedSinceCommit:
-                problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
-                continue
+        if (depth == "full" or (depth == "stamped" and stamps.get(entry.path) != [size, etag])) and \
+                not _streams_intact(store, uri, entry):
+            problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
+            continue
         fresh[entry.path] = [size, etag]
-    listed = {e.path for e in manifest.files} | {MANIFEST}
+    listed = {e.path for e in manifest.files} | {e.path for e in members} | {MANIFEST}
     problems += [f"{rel}: not part of the committed artifact" for rel in sorted(found)
                  if rel not in listed and not rel.startswith(f"{MANIFEST}.damaged-")]
     if not problems and fresh != stamps and depth != "sizes":
@@ -154,10 +184,23 @@ def _remote_damage(store: Store, uri: str, manifest: Manifest, depth: Depth) -> 
     return problems
 
 
+def _streams_intact(store: Store, uri: str, entry: FileEntry) -> bool:
+    """Whether the object's bytes hash to the manifest's sha256 (streamed, not copied)."""
+    try:
+        with store.open_committed(uri, entry) as f:  # hashed as it streams, checked at its end
+            while f.read(1 << 22):
+                pass
+    except ChangedSinceCommit:
+        return False
+    return True
+
+
 def _remote_listing(store: Store, manifest: Manifest) -> dict[str, tuple[int, str]]:
     """{relative path: (size, ETag)} of an artifact's objects, listed afresh (not from s3fs's listing cache)."""
     root = f"{store.root_path}/{artifact_folder(manifest.kind, manifest.name, manifest.fingerprint)}"
-    store.fs.invalidate_cache(root)
+    store.fs.invalidate_cache(root)  # the root and its parents; its sub-folders' listings (ETags) go below
+    for cached in [key for key in store.fs.dircache if key.startswith(f"{root}/")]:
+        store.fs.dircache.pop(cached, None)
     return {p[len(root) + 1:]: (info.get("size"), str(info.get("ETag") or info.get("etag") or ""))
             for p, info in store.fs.find(root, detail=True).items()}
 

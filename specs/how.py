@@ -145,6 +145,13 @@ class Storage(SpecModel):
         description="How a cached artifact or a step's input is checked against its manifest before use: "
                     "'stamped' hashes a file again only when its size, mtime or inode changed since it was last "
                     "hashed; 'full' hashes every file every time; 'sizes' compares the file list and sizes only.")
+    shard_index_above: PositiveInt = Field(
+        default=1000,
+        description="A top-level folder of an artifact with more files than this (token or document shards) is "
+                    "listed in a sidecar index, `<folder>.shards.jsonl` (path, size, sha256 per file), that the "
+                    "manifest names with the folder's file count, bytes and the index's sha256: manifests stay "
+                    "small at a million shards. Checks then compare every such file's size and hash a fresh random "
+                    "sample of 32 per folder ('full' hashes them all).")
     on_damage: Literal["recompute", "stop"] = Field(
         default="recompute",
         description="A cached artifact altered after its commit is set aside and recomputed, or stops the run "

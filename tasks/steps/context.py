@@ -55,8 +55,7 @@ class InputArtifact:
 
     def files(self, under: str, suffix: str = "") -> list[FileEntry]:
         """The committed files under the folder `under` (ending with `suffix`), in path order."""
-        return sorted((e for e in self.manifest.files if e.path.startswith(f"{under}/") and e.path.endswith(suffix)),
-                      key=lambda e: e.path)
+        return [e for e in self.store.entries(self.manifest, under) if e.path.endswith(suffix)]
 
     def open(self, entry: FileEntry) -> AbstractContextManager[BinaryIO]:
         """One of its files streamed from the store, no whole-artifact copy (Store.open_committed)."""

@@ -117,7 +117,7 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
             started_at=started, finished_at=time.time(), metrics=result.metrics, provenance=result.provenance,
             execution=execution_record(run.runtime))
         with disk_full_named(run.step_id, Path(store.root_path) if not store.is_remote else out):
-            manifest = store.commit(out, manifest)
+            manifest = store.commit(out, manifest, run.runtime.how.storage.shard_index_above)
         stamp(store, manifest)
     log.info("%s committed to %s in %.1fs%s", run.step_id, run.uri, manifest.duration_s,
              headline(kind.headline, manifest.metrics))
