@@ -13,7 +13,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -164,6 +164,11 @@ class Store:
         with self.fs.open(f"{self._path(uri)}/{relative}", "rb") as f:
             return f.read()
 
+    def read_head(self, uri: str, relative: str, size: int) -> bytes:
+        """The first `size` bytes of one file of an artifact (a header), without reading the rest."""
+        with self.fs.open(f"{self._path(uri)}/{relative}", "rb", block_size=size) as f:
+            return f.read(size)
+
     def folder_url(self, uri: str, under: str) -> str:
         """A committed artifact's sub-folder as a URL a library reads directly (a local path, or s3://...)."""
         return f"{self._path(uri)}/{under}" if not self.is_remote else f"{uri.rstrip('/')}/{under}"
@@ -191,22 +196,25 @@ class Store:
         return self.copy_verified(uri, cache_dir or self._local_base("cache", Path(tempfile.gettempdir()) /
                                                                      "compass-cache"), only)
 
-    def staged_path(self, uri: str, cache_dir: Path, only: str | None = None) -> Path:
+    def staged_path(self, uri: str, cache_dir: Path, only: str | None = None,
+                    select: Callable[[str], bool] | None = None) -> Path:
         """Where `copy_verified` puts (or has put) the artifact under `cache_dir`."""
         manifest = self.read_manifest(uri)
-        files = self.entries(manifest, only)
+        files = self._selected(manifest, only, select)
         # keyed by the files' checksums too: a store rebuilt under the same fingerprints (its sources changed
         # underneath) must not be served from an older copy
         content = hashlib.sha256("".join(f"{e.path}\0{e.sha256}\0" for e in files).encode()).hexdigest()[:12]
         return cache_dir / f"{manifest.fingerprint}-{content}"
 
-    def copy_verified(self, uri: str, cache_dir: Path, only: str | None = None) -> Path:
+    def copy_verified(self, uri: str, cache_dir: Path, only: str | None = None,
+                      select: Callable[[str], bool] | None = None) -> Path:
         """The artifact's files copied under `cache_dir` (a download from S3, or node-local staging from any
         store), each checked against the manifest's sha256 as it arrives; a complete copy (its manifest written
-        last) whose file sizes still match is reused."""
+        last) whose file sizes still match is reused. `select`: only the files whose relative paths it accepts
+        (a copy of another selection is another folder)."""
         manifest = self.read_manifest(uri)
-        files = self.entries(manifest, only)
-        cache = self.staged_path(uri, cache_dir, only)
+        files = self._selected(manifest, only, select)
+        cache = self.staged_path(uri, cache_dir, only, select)
         done = cache / MANIFEST
         if done.exists() and any(not (cache / e.path).is_file() or (cache / e.path).stat().st_size != e.size
                                  for e in files):
@@ -227,6 +235,10 @@ class Store:
             except OSError:  # another process finished the same copy first
                 shutil.rmtree(partial, ignore_errors=True)
         return cache
+
+    def _selected(self, manifest: Manifest, only: str | None,
+                  select: Callable[[str], bool] | None) -> list[FileEntry]:
+        return [e for e in self.entries(manifest, only) if select is None or select(e.path)]
 
     def work_dir(self, kind: str, name: str, fingerprint: str) -> Path:
         """A local folder that survives a crashed attempt of one step (checkpoints), keyed by its identity."""

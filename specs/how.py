@@ -137,7 +137,8 @@ class Storage(SpecModel):
                                   "endpoint_url, region_name, aws_session_token}; otherwise the environment's.")
     local_cache: str | None = Field(
         default=None, description="A node-local folder (NVMe, /scratch): before training, each node copies the "
-                                  "tokenized sources it reads there, verified against their manifests, and the "
+                                  "token shards its ranks' rows read (and every source's small files) there, "
+                                  "verified against their manifests, and the "
                                   "trainer reads only from there (a shared file system evicting shards cannot "
                                   "stall it); a verified copy is reused.")
     verify: Literal["sizes", "stamped", "full"] = Field(

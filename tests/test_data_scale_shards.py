@@ -10,6 +10,7 @@ import numpy as np
 
 from compass.model.training.packing import RowPacker, merge_states
 from compass.model.training.token_files import TokenizedSource, token_dtype, write_meta, write_split
+from tests.test_remote_data import s3  # noqa: F401 - the S3 server fixture
 
 EOS = 0
 DOCUMENTS = 300
@@ -64,3 +65,62 @@ def test_two_ranks_see_each_document_once_per_epoch_and_resume_at_the_same_docum
     for rank in resumed:
         rank.load_state_dict(saved)
     assert (_documents(resumed, 40) == seen[30:70]).all()  # the same documents an uninterrupted reader packs
+
+
+def test_node_local_staging_copies_only_the_shards_its_rows_read(tmp_path: Path):
+    """Rows read contiguous blocks of documents, so each node copies only the token shards of its ranks' rows (and
+    every shard's offsets); its ranks read whole epochs from that copy, the same documents as from the store."""
+    import pytest
+
+    from compass.infra.store import Store
+    from compass.model.training.job import Staging
+    from compass.model.training.staging import stage_sources
+    from tests.test_store import manifest_for
+
+    store = Store(str(tmp_path / "store"))
+    with store.staging() as out:
+        _shard_set(out)
+        manifest = store.commit(out, manifest_for(store, "tokenize", "web", "d" * 64))
+    staging = Staging(store_root=store.root, cache=tmp_path / "nvme", uris={"web": manifest.uri})
+    nodes = [stage_sources(staging, 0, range(2 * n, 2 * n + 2), ROWS)["web"] for n in range(2)]
+    assert [sorted(p.name for p in (node / "train").glob("*.tokens")) for node in nodes] == [
+        ["00000.tokens", "00001.tokens"], ["00001.tokens", "00002.tokens"]]  # documents 0-149 and 150-299
+    assert all(len(list((node / "train").glob("*.offsets.npy"))) == 3 for node in nodes)
+
+    from_nodes = [RowPacker({"web": TokenizedSource(node)}, {"web": 1.0}, LENGTH, seed=7, rows=ROWS,
+                            owned=range(2 * n, 2 * n + 2)) for n, node in enumerate(nodes)]
+    per_row = DOCUMENTS // ROWS
+    whole = _documents(_ranks(TokenizedSource(Path(store.local_path(manifest.uri)))), 2 * per_row)
+    assert (_documents(from_nodes, 2 * per_row) == whole).all()
+    elsewhere = RowPacker({"web": TokenizedSource(nodes[0])}, {"web": 1.0}, LENGTH, seed=7, rows=ROWS,
+                          owned=range(2, 4))  # another node's rows on this node's copy: refused, not misread
+    with pytest.raises(FileNotFoundError, match="not in the folder"):
+        for _ in range(per_row):
+            elsewhere.next_batch()
+
+
+def test_a_nodes_rows_are_those_of_its_ranks():
+    from compass.model.training.packing import node_rows, rank_rows
+
+    # 2 nodes x 4 GPUs, tensor parallel 2: 4 data-parallel ranks of 4 rows each; a node holds 2 of them
+    assert [rank_rows(d, 4, 16) for d in range(4)] == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
+    assert {node_rows(rank, rank % 4, 4, 8, 2, 16) for rank in range(4)} == {range(0, 8)}
+    assert {node_rows(rank, rank % 4, 4, 8, 2, 16) for rank in range(4, 8)} == {range(8, 16)}
+    assert node_rows(0, 0, 1, 1, 1, 16) == range(0, 16)  # one process reads every row
+
+
+def test_a_node_stages_its_shards_from_s3(s3, tmp_path: Path):  # noqa: F811
+    from compass.infra.store import Store
+    from compass.model.training.job import Staging
+    from compass.model.training.staging import documents_per_shard, stage_sources
+    from tests.test_store import manifest_for
+
+    store = Store("s3://data/runs")
+    with store.staging() as out:
+        _shard_set(out)
+        manifest = store.commit(out, manifest_for(store, "tokenize", "web", "e" * 64))
+    assert list(documents_per_shard(store, manifest.uri).values()) == [100, 100, 100]  # from the headers alone
+    staging = Staging(store_root=store.root, cache=tmp_path / "nvme", uris={"web": manifest.uri})
+    node = stage_sources(staging, 0, range(2, 4), ROWS)["web"]
+    assert sorted(p.name for p in (node / "train").glob("*.tokens")) == ["00001.tokens", "00002.tokens"]
+    assert TokenizedSource(node).document(299).tolist() == [300] * (LENGTH - 1) + [EOS]

@@ -85,22 +85,40 @@ def varlen_kwargs(starts: list[list[int]], length: int, device: torch.device) ->
 PADDING = -1  # segment id of padding: its own block in the mask, never a label
 
 
+def row_documents(total: int, row: int, rows: int) -> range:
+    """The documents row `row` of `rows` reads from a source of `total`: a contiguous block of its document index,
+    so that a row, and a node's rows, read only the token shards holding that block (node-local staging copies
+    only those: model/training/staging.py). A source with fewer documents than rows gives every row one document
+    (row r modulo its size): tiny sources repeat sooner, nothing else changes."""
+    if total >= rows:
+        return range(row * total // rows, (row + 1) * total // rows)
+    return range(row % total, row % total + 1) if total else range(0)
+
+
+def rank_rows(dp_rank: int, dp: int, rows: int) -> range:
+    """The rows of every global batch of `rows` that data-parallel rank `dp_rank` of `dp` packs (its tensor-parallel
+    peers pack the same)."""
+    return range(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
+
+
+def node_rows(rank: int, local_rank: int, local_world: int, world: int, tp: int, rows: int) -> range:
+    """The rows a node's ranks pack: ranks are numbered node by node, `local_world` to a node (torchrun's
+    LOCAL_WORLD_SIZE), tensor-parallel groups inside a node."""
+    first = rank - local_rank
+    last = min(first + local_world, world) - 1
+    return range(rank_rows(first // tp, world // tp, rows).start, rank_rows(last // tp, world // tp, rows).stop)
+
+
 class Shard:
-    """Documents r, r + n, r + 2n, ... of a source (n shards). A source with fewer documents than shards gives
-    every shard one document (shard r modulo its size): tiny sources repeat sooner, nothing else changes."""
+    """Row `shard`'s block of a source's documents (row_documents), indexed from 0."""
 
     def __init__(self, source: Documents, shard: int, shards: int):
         self.source = source
-        total = source.n_documents
-        if total >= shards:
-            self.first, self.stride = shard, shards
-            self.n_documents = (total - shard + shards - 1) // shards
-        else:
-            self.first, self.stride = (shard % total if total else 0), shards
-            self.n_documents = 1 if total else 0
+        block = row_documents(source.n_documents, shard, shards)
+        self.first, self.n_documents = block.start, len(block)
 
     def document(self, i: int) -> np.ndarray:
-        return self.source.document(self.first + i * self.stride)
+        return self.source.document(self.first + i)
 
 
 class Packer:

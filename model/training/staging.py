@@ -1,37 +1,95 @@
 """Node-local staging of the training data, done by the trainer itself so that it happens on every node.
 
 SmolLM3's run lost throughput to a shared file system that evicted dataset shards until the data was moved to
-local NVMe on every node. With `how.storage.local_cache`, the first rank of each node copies the tokenized sources
-from the store (local or S3) into that folder, each file checked against its manifest's sha256, before any rank
-reads; the node's other ranks wait for the copies. A complete copy whose sizes still match is reused, so a
-requeued job or the next stage starts at once.
+local NVMe on every node. With `how.storage.local_cache`, the first rank of each node copies from the store (local
+or S3) into that folder, each file checked against its manifest's sha256, before any rank reads; the node's other
+ranks wait for the copies. A node copies only what its ranks read: every source's small files (metadata, each
+shard's document offsets, the held-out split) first, then the training token shards that hold the documents of
+its ranks' rows (model/training/packing.py: a row reads a contiguous block of documents), so a corpus far larger
+than one node's disk is spread over the nodes. A complete copy whose sizes still match is reused, so a requeued
+job or the next stage with the same rows starts at once.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
+from compass.infra.layout import TRAIN
 from compass.infra.manifest import MANIFEST
 from compass.infra.store import Store
 from compass.model.training.job import Staging
+from compass.model.training.packing import row_documents
+from compass.model.training.token_files import OFFSETS_SUFFIX, TOKENS_SUFFIX
 
 log = logging.getLogger("compass.train")
+NPY_HEADER_BYTES = 512  # numpy pads an .npy header to a multiple of 64 bytes; a 1-D array's fits in 128
 
 
-def stage_sources(staging: Staging, local_rank: int, timeout_s: float = 6 * 3600) -> dict[str, Path]:
-    """The node-local copy of every source (made here on local rank 0, awaited on the others)."""
+def is_training_tokens(path: str) -> bool:
+    return path.startswith(f"{TRAIN}/") and path.endswith(TOKENS_SUFFIX)
+
+
+def stage_sources(staging: Staging, local_rank: int, rows: range, total_rows: int,
+                  timeout_s: float = 6 * 3600) -> dict[str, Path]:
+    """The node-local copy of every source for the node's rows `rows` of `total_rows` (made here on local rank
+    0, awaited on the others)."""
     store = Store(staging.store_root)
     staged: dict[str, Path] = {}
     for name, uri in staging.uris.items():
+        start = time.perf_counter()
+        documents = documents_per_shard(store, uri)
+        needed = needed_shards(documents, rows, total_rows)
+        staged[name] = _copied(store, uri, staging.cache, _all_but_other_shards(needed), local_rank, timeout_s)
         if local_rank == 0:
-            start = time.perf_counter()
-            staged[name] = store.copy_verified(uri, staging.cache)
-            log.info("staged %s at %s (%.1fs)", name, staged[name], time.perf_counter() - start)
-        else:
-            staged[name] = _wait_for(store.staged_path(uri, staging.cache), timeout_s)
+            log.info("staged %s at %s: %d of %d training shards, for rows %d-%d of %d (%.1fs)", name, staged[name],
+                     len(needed), len(documents), rows.start, rows.stop - 1, total_rows, time.perf_counter() - start)
     return staged
+
+
+def documents_per_shard(store: Store, uri: str) -> dict[str, int]:
+    """{training token shard: its documents}, from the shape in each offsets file's header (a few hundred bytes
+    read per shard, not the offsets themselves); the copy then checks every file it takes in full."""
+    counts = {}
+    for entry in store.entries(store.read_manifest(uri), TRAIN):
+        if entry.path.endswith(OFFSETS_SUFFIX):
+            head = io.BytesIO(store.read_head(uri, entry.path, NPY_HEADER_BYTES))
+            version = np.lib.format.read_magic(head)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            (ends,), _, _ = read_header(head)
+            counts[entry.path.removesuffix(OFFSETS_SUFFIX) + TOKENS_SUFFIX] = ends - 1
+    return dict(sorted(counts.items()))
+
+
+def needed_shards(documents: dict[str, int], rows: range, total_rows: int) -> set[str]:
+    """The training token shards (in document order, with their documents) holding the documents rows `rows` of
+    `total_rows` read."""
+    total = sum(documents.values())
+    blocks = [b for b in (row_documents(total, r, total_rows) for r in rows) if len(b)]
+    needed, first = set(), 0
+    for shard, count in documents.items():
+        if count and any(b.start < first + count and first < b.stop for b in blocks):
+            needed.add(shard)
+        first += count
+    return needed
+
+
+def _all_but_other_shards(shards: set[str]) -> Callable[[str], bool]:
+    """Every file but the training token shards, and those of `shards`."""
+    return lambda path: not is_training_tokens(path) or path in shards
+
+
+def _copied(store: Store, uri: str, cache: Path, select: Callable[[str], bool], local_rank: int,
+            timeout_s: float) -> Path:
+    if local_rank == 0:
+        return store.copy_verified(uri, cache, select=select)
+    return _wait_for(store.staged_path(uri, cache, select=select), timeout_s)
 
 
 def _wait_for(copy: Path, timeout_s: float) -> Path:

@@ -14,6 +14,7 @@ import numpy as np
 from compass.infra.layout import TRAIN
 
 META = "meta.json"
+TOKENS_SUFFIX, OFFSETS_SUFFIX = ".tokens", ".offsets.npy"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -23,7 +24,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def shard_paths(folder: Path, split: str, shard: int) -> tuple[Path, Path]:
     """The tokens and offsets files of one shard of a split."""
     stem = folder / split / f"{shard:05d}"
-    return stem.with_suffix(".tokens"), stem.with_suffix(".offsets.npy")
+    return stem.with_suffix(TOKENS_SUFFIX), stem.with_suffix(OFFSETS_SUFFIX)
 
 
 def write_split(folder: Path, split: str, documents: Iterable[list[int]], eos: int, dtype: np.dtype,
@@ -85,8 +86,10 @@ class TokenizedSource:
         meta = json.loads((folder / META).read_text())
         self.eos = meta["eos"]
         self.dtype = np.dtype(meta["dtype"])
-        self.shards = sorted((folder / split).glob("*.tokens"))
-        self._offsets = [np.load(p.with_suffix(".offsets.npy"), mmap_mode="r") for p in self.shards]
+        # listed by their offsets: node-local staging leaves out the token files of shards this node never reads
+        offsets = sorted((folder / split).glob(f"*{OFFSETS_SUFFIX}"))
+        self.shards = [p.with_name(p.name.removesuffix(OFFSETS_SUFFIX) + TOKENS_SUFFIX) for p in offsets]
+        self._offsets = [np.load(p, mmap_mode="r") for p in offsets]
         self._tokens: list[np.ndarray | None] = [None] * len(self.shards)  # mapped when first read
         counts = [len(o) - 1 for o in self._offsets]
         self._first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # first document of each shard
@@ -114,6 +117,9 @@ class TokenizedSource:
         mapped = self._tokens[i]
         if mapped is None:
             path = self.shards[i]
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: this token shard is not in the folder (node-local staging copies "
+                                        "only the shards of the rows this node's ranks read)")
             mapped = np.memmap(path, dtype=self.dtype, mode="r") if path.stat().st_size else np.zeros(0, self.dtype)
             self._tokens[i] = mapped
         return mapped

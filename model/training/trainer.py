@@ -57,7 +57,7 @@ from compass.model.training.export_check import check_export, probe_batch, train
 from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
-from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states
+from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states, node_rows, rank_rows
 from compass.model.training.records import MetricsRow, MonitorEvent, RankPlace, TrainingSetup, TrainResult
 from compass.model.training.schedules import schedule_shape
 from compass.model.training.staging import stage_sources
@@ -108,20 +108,22 @@ class Trainer:
     starts from `init_from`), trains to the stage's last step and returns the stage's result."""
 
     def __init__(self, job: TrainJob, callbacks: list[Callback] | None = None):
-        if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
-            job = job.model_copy(update={"sources": stage_sources(job.staging, rank_env()[2])})
-        self.job = job
-        self.rank, self.world, _ = rank_env()
+        self.rank, self.world, local_rank = rank_env()
         recipe = job.recipe
         self.stage = recipe.current
+        self.tp = job.parallelism.tensor_parallel
+        gbs = self.stage.global_batch_size
+        if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
+            rows = node_rows(self.rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), self.world,
+                             self.tp, gbs)
+            job = job.model_copy(update={"sources": stage_sources(job.staging, local_rank, rows, gbs)})
+        self.job = job
         self.shape = schedule_shape(recipe.schedule, recipe.stages)
         names = [s.name for s in self.shape.stages]
         self.offset = sum(s.steps for s in self.shape.stages[: names.index(self.stage.name)])
         self.stage_steps = self.shape.stages[names.index(self.stage.name)].steps
-        self.tp = job.parallelism.tensor_parallel
         self.resumed: Path | None = None
         self.dp, self.dp_rank, self.tp_rank = self.world // self.tp, self.rank // self.tp, self.rank % self.tp
-        gbs = self.stage.global_batch_size
         if gbs % (job.micro_batch_size * self.dp):
             raise ValueError(f"global batch {gbs} is not a multiple of micro-batch {job.micro_batch_size} x data "
                              f"parallel {self.dp}")
@@ -143,7 +145,7 @@ class Trainer:
                                    prefetch=job.prefetch,
                                    async_checkpoints=job.checkpoints.asynchronous,
                                    data_from=str(job.staging.cache) if job.staging else "store")
-        rows = range(self.dp_rank * gbs // self.dp, (self.dp_rank + 1) * gbs // self.dp)  # TP peers: the same rows
+        rows = rank_rows(self.dp_rank, self.dp, gbs)  # TP peers: the same rows
         self.packer = RowPacker({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
                                 self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
                                 owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
