@@ -124,3 +124,18 @@ def test_a_node_stages_its_shards_from_s3(s3, tmp_path: Path):  # noqa: F811
     node = stage_sources(staging, 0, range(2, 4), ROWS)["web"]
     assert sorted(p.name for p in (node / "train").glob("*.tokens")) == ["00001.tokens", "00002.tokens"]
     assert TokenizedSource(node).document(299).tolist() == [300] * (LENGTH - 1) + [EOS]
+
+
+def test_sequences_are_shuffled_across_the_whole_stage_not_read_in_document_order(tmp_path: Path):
+    """The playbook's loader bug: sequences read in document order. Here the first batches already draw from every
+    shard, no row reads its block in order, and each epoch's order is fresh."""
+    source = _shard_set(tmp_path)
+    per_row = DOCUMENTS // ROWS
+    seen = _documents(_ranks(source), 2 * per_row)
+    first = seen[:5].ravel()
+    assert {int(d) // (DOCUMENTS // 3) for d in first} == {0, 1, 2}  # 5 batches touch all 3 shards
+    for row in range(ROWS):
+        epoch = seen[:per_row, row]
+        assert not (np.diff(epoch) > 0).all()  # not in document order
+        assert sorted(epoch.tolist()) == sorted(seen[per_row:, row].tolist())  # the same block again...
+        assert (epoch != seen[per_row:, row]).any()  # ...in a fresh order
