@@ -29,6 +29,11 @@ def rank_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def local_world_size() -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's launcher's LOCAL_SIZE, else every rank."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or rank_env()[1])
+
+
 def active() -> bool:
     return dist.is_available() and dist.is_initialized()
 

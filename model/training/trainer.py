@@ -51,7 +51,7 @@ from compass.model.training.callbacks import (
     StopRequested,
     StopWhenAsked,
 )
-from compass.model.training.collectives import rank_env
+from compass.model.training.collectives import local_world_size, rank_env
 from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, tensors_digest
 from compass.model.training.export_check import check_export, probe_batch, trained_loss
 from compass.model.training.heldout import heldout_losses
@@ -114,8 +114,7 @@ class Trainer:
         self.tp = job.parallelism.tensor_parallel
         gbs = self.stage.global_batch_size
         if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
-            rows = node_rows(self.rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), self.world,
-                             self.tp, gbs)
+            rows = node_rows(self.rank, local_rank, local_world_size(), self.world, self.tp, gbs)
             job = job.model_copy(update={"sources": stage_sources(job.staging, local_rank, rows, gbs)})
         self.job = job
         self.shape = schedule_shape(recipe.schedule, recipe.stages)
