@@ -25,6 +25,8 @@ from compass.infra import shard_index
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
 
+INDEXES_KEPT = 8  # shard indexes a Store keeps decoded
+
 
 def artifact_folder(kind: str, name: str, fingerprint: str) -> str:
     return f"{kind}/{name}-{fingerprint[:12]}"
@@ -307,6 +309,8 @@ class Store:
                         body = self.read_bytes(manifest.uri, shards.index)
                     except FileNotFoundError:
                         raise DamagedManifest(f"{manifest.uri}/{shards.index}: the shard index is missing") from None
+                    if len(self._indexes) >= INDEXES_KEPT:  # a million entries each: keep the last few read
+                        self._indexes.pop(next(iter(self._indexes)))
                     self._indexes[key] = shard_index.decode(body, shards, manifest.uri)
                 members += self._indexes[key]
         return members
