@@ -58,7 +58,7 @@ def word_level_tokenizer(folder: Path) -> None:
     Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1")).save(str(folder / "tokenizer.json"))
 
 
-def job(work: Path, steps: int, micro: int):
+def job(work: Path, steps: int, micro: int, attention: str = "auto"):
     from compass.model.training.job import SpecialIds, StageRecipe, TrainJob
     from compass.specs.how import Checkpoints, Hardware, Parallelism
     from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
@@ -73,7 +73,7 @@ def job(work: Path, steps: int, micro: int):
                     special_ids=SpecialIds(eos=0, pad=0), sources={"web": synthetic_source(work / "web")},
                     micro_batch_size=micro, parallelism=Parallelism(deepspeed=False, micro_batch_size=micro),
                     precision="bf16", hardware=Hardware(accelerator="h100"),
-                    checkpoints=Checkpoints(every_steps=10**9, keep_last=1), attention="auto", compile=True,
+                    checkpoints=Checkpoints(every_steps=10**9, keep_last=1), attention=attention, compile=True,
                     loss="auto")
 
 
@@ -124,7 +124,7 @@ def run_bare(job, warmup: int) -> float:
     from compass.model.lm import CausalLMWithLoss
     from compass.model.loss import resolve
 
-    lm = CausalLMWithLoss(hf_model(job, implementation("auto", cuda=True)), loss=resolve("auto")).cuda()
+    lm = CausalLMWithLoss(hf_model(job, implementation(job.attention, cuda=True)), loss=resolve("auto")).cuda()
     lm.compile()
     opt = torch.optim.AdamW(lm.parameters(), lr=2e-4, betas=(0.9, 0.95), fused=True)
     data = batches(job, int(job.recipe.current.tokens // (job.micro_batch_size * SEQ)))
@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: "
                         + ", ".join(VARIANTS) + " (the bare torch loop is the baseline)")
+    parser.add_argument("--attention", default="auto", choices=["auto", "flash", "flex", "sdpa"],
+                        help="how.attention for compass's trainer and the bare loop (HF's Trainer keeps its own)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -198,7 +200,7 @@ def main() -> None:
         write_result(out, steps_per_s, peak_mib=peak_rss_mib(), gpu_mib=torch.cuda.max_memory_allocated() / 2**20)
         return
     work = Path(tempfile.mkdtemp(prefix="compass-gpu-bench-"))
-    bench_job = job(work, args.steps, args.micro)
+    bench_job = job(work, args.steps, args.micro, args.attention)
 
     def variant(name: str):
         def go() -> Run:
@@ -222,6 +224,7 @@ def main() -> None:
             r.value *= tokens
     n = sum(p.numel() for p in hf_model(bench_job, "sdpa").parameters())
     report(f"GPU throughput: SmolLM3-shaped {n / 1e9:.2f}B, {SEQ} tokens/row, micro-batch {args.micro}, bf16, compile, "
+           f"attention {args.attention}, "
            f"{torch.cuda.get_device_name()}", results, "bare torch loop", "tokens/s",
            notes=["MFU = tokens/s x FLOPs per token / 989 TFLOP/s (H100 SXM dense BF16); FLOPs per token = 6 N "
                   "(N: every matmul weight, the output head included) + 12 L H Q T for attention (PaLM's "

@@ -68,6 +68,19 @@ def test_flash_varlen_equals_per_document_sdpa_on_a_packed_micro_batch_of_3(cuda
     assert torch.nn.functional.cosine_similarity(flash[1], expected[1], dim=0) > 0.99
 
 
+def test_flex_attention_equals_per_document_sdpa_on_a_packed_micro_batch_of_3(cuda):
+    """FlexAttention (its block mask from the position ids, compiled kernels) trains like compass's SDPA: the
+    candidate for `auto` where flash-attn is not installed."""
+    from compass.model.attention import DOCUMENT_SDPA, implementation
+
+    batch = packed_micro_batch()
+    expected = loss_and_grads(tiny_model(DOCUMENT_SDPA, cuda, torch.bfloat16), batch, cuda, lengths=False)
+    flex = loss_and_grads(tiny_model(implementation("flex", cuda=True), cuda, torch.bfloat16), batch, cuda,
+                          lengths=False)
+    torch.testing.assert_close(flex[0], expected[0], atol=2e-2, rtol=2e-2)
+    assert torch.nn.functional.cosine_similarity(flex[1], expected[1], dim=0) > 0.99
+
+
 def test_liger_loss_equals_the_chunked_loss(cuda):
     from compass.model.attention import DOCUMENT_SDPA
 
