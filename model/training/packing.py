@@ -1,7 +1,8 @@
 """Mixture sampling and sequence packing, one independent stream per row of the global batch.
 
-Row r of every global batch comes from its own stream: a Packer over shard r of every source (the documents
-whose index is r modulo the number of rows), with its own random generator. So a data-parallel rank packs only
+Row r of every global batch comes from its own stream: a Packer over block r of every source (the r-th
+contiguous part of its document index, read in a fresh shuffled order each epoch), with its own random
+generator. So a data-parallel rank packs only
 its own rows, deterministically, and the union of all ranks' rows is exactly the batch one process would pack.
 A stream's state (generator, per-source epoch and cursor, the partly consumed document) is small and does not
 grow with the step: it goes into every checkpoint, and resuming continues with exactly the sequences an
@@ -109,12 +110,12 @@ def node_rows(rank: int, local_rank: int, local_world: int, world: int, tp: int,
     return range(rank_rows(first // tp, world // tp, rows).start, rank_rows(last // tp, world // tp, rows).stop)
 
 
-class Shard:
-    """Row `shard`'s block of a source's documents (row_documents), indexed from 0."""
+class RowBlock:
+    """Row `row`'s block of a source's documents (row_documents), indexed from 0."""
 
-    def __init__(self, source: Documents, shard: int, shards: int):
+    def __init__(self, source: Documents, row: int, rows: int):
         self.source = source
-        block = row_documents(source.n_documents, shard, shards)
+        block = row_documents(source.n_documents, row, rows)
         self.first, self.n_documents = block.start, len(block)
 
     def document(self, i: int) -> np.ndarray:
@@ -220,7 +221,7 @@ class RowPacker:
         self.rows, self.masking = rows, masking
         self.owned = owned if owned is not None else range(rows)
         names = sorted(weights)
-        self.streams = {r: Packer({n: Shard(sources[n], r, rows) for n in names}, weights, seq_len, seed,
+        self.streams = {r: Packer({n: RowBlock(sources[n], r, rows) for n in names}, weights, seq_len, seed,
                                   whole_from, pad_id, stream=r) for r in self.owned}
 
     def next_batch(self) -> PackedBatch:
