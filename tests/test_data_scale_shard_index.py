@@ -6,6 +6,8 @@ Locally, on S3 (moto's server on loopback), and through real data steps, node-lo
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,13 @@ def test_data_steps_commit_shard_sets_that_curation_tokenization_and_training_re
     assert trained.metrics["tokens"] > 0
     staged = [json.loads(p.read_text()) for p in (tmp_path / "nvme").glob(f"*/{MANIFEST}")]
     assert {m["name"] for m in staged} == {"notes", "code"}  # the token sources copied to the node first
+
+    tokens = Path(store.local_path(store.uri("tokenize", "notes", plan.fingerprints["tokenize:notes"])))
+    shard = sorted((tokens / "train").glob("*.tokens"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-2])  # truncated after its commit
+    verify = [sys.executable, "-m", "compass.flows.cli", "verify", str(tmp_path / "store"), "--full", "--json"]
+    done = subprocess.run(verify, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    (problems,) = json.loads(done.stdout)["damaged"].values()
+    assert problems == [f"train/{shard.name}: {shard.stat().st_size:,} bytes, committed with "
+                        f"{shard.stat().st_size + 2:,}"]
