@@ -13,7 +13,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -271,12 +271,21 @@ class Store:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def commit(self, staged: Path, manifest: Manifest, index_above: int | None = None) -> Manifest:
+    def commit(self, staged: Path, manifest: Manifest, index_above: int | None = None,
+               published: Sequence[FileEntry] = ()) -> Manifest:
         """Record file checksums in the manifest and publish the artifact atomically (manifest last). A top-level
-        folder of more than `index_above` files is listed in a sidecar shard index (infra/shard_index.py)."""
+        folder of more than `index_above` files is listed in a sidecar shard index (infra/shard_index.py).
+        `published` (a remote store only): files a step's writers already put in the artifact's folder, with the
+        digests they recorded; checked against the store's listing, not read again."""
+        if published and not self.is_remote:
+            raise ValueError("files are published in place only into a remote store's artifact folder")
         files = sorted(p for p in staged.rglob("*") if p.is_file() and p.name != MANIFEST)
-        entries = [FileEntry(path=p.relative_to(staged).as_posix(), size=p.stat().st_size,
-                             sha256=sha256_file(str(p))) for p in files]
+        uploaded = [FileEntry(path=p.relative_to(staged).as_posix(), size=p.stat().st_size,
+                              sha256=sha256_file(str(p))) for p in files]
+        clash = {e.path for e in uploaded} & {e.path for e in published}
+        if clash:
+            raise ValueError(f"{sorted(clash)[:3]} both staged and published in place")
+        entries = [*uploaded, *published]
         listed, sets = entries, []
         if index_above is not None:
             listed, large = shard_index.split_large_folders(entries, index_above)
@@ -285,13 +294,13 @@ class Store:
                 (staged / shard_index.index_name(folder)).write_bytes(body)
                 sets.append(shard_index.shard_set(folder, members, body))
                 listed.append(FileEntry(path=sets[-1].index, size=len(body), sha256=sets[-1].sha256))
-                entries.append(listed[-1])
-            listed.sort(key=lambda e: e.path)
+                uploaded.append(listed[-1])
+        listed.sort(key=lambda e: e.path)
         manifest = manifest.model_copy(update={"files": listed, "shard_sets": sets})
         body = manifest.model_dump_json(indent=2)
         target = self._path(manifest.uri)
         if self.is_remote:
-            self._upload(staged, entries, target, body)
+            self._upload(staged, uploaded, target, body, published)
         else:
             self._move_into_place(staged, Path(target), body)
         return manifest
@@ -336,10 +345,34 @@ class Store:
         os.replace(moved, target)
         os.makedirs(staged, exist_ok=True)
 
-    def _upload(self, staged: Path, entries: list[FileEntry], target: str, body: str) -> None:
+    def _upload(self, staged: Path, entries: list[FileEntry], target: str, body: str,
+                published: Sequence[FileEntry]) -> None:
         if self.fs.exists(f"{target}/{MANIFEST}"):
             return
+        if published:
+            self._check_published(target, published, {e.path for e in entries})
         for entry in entries:
             self.fs.put_file(str(staged / entry.path), f"{target}/{entry.path}")
         with self.fs.open(f"{target}/{MANIFEST}", "w") as f:
             f.write(body)
+
+    def _check_published(self, target: str, published: Sequence[FileEntry], staged: set[str]) -> None:
+        """Every published file is in the artifact's folder at its recorded size (an upload that never finished
+        is missing), and the folders they were written to hold nothing else: a shard left there by an earlier
+        attempt that read the source in other groups is removed, so a reader listing the folder finds only what
+        the manifest lists."""
+        self.fs.invalidate_cache(target)
+        sizes = {path[len(target) + 1:]: int(info["size"])
+                 for path, info in self.fs.find(target, detail=True).items()}
+        wrong = [f"{e.path} ({f'{sizes[e.path]:,} bytes' if e.path in sizes else 'missing'}, its writer recorded "
+                 f"{e.size:,})" for e in published if sizes.get(e.path) != e.size]
+        if wrong:
+            raise OSError(f"{self.root}: files a step wrote into {target} are not as recorded: {'; '.join(wrong[:3])}"
+                          f"{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}; remove the step's work "
+                          "folder and run it again")
+        folders = {e.path.split("/", 1)[0] for e in published if "/" in e.path}
+        expected = staged | {e.path for e in published}
+        stale = [f"{target}/{path}" for path in sizes
+                 if "/" in path and path.split("/", 1)[0] in folders and path not in expected]
+        if stale:
+            self.fs.rm(stale)

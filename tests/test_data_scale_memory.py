@@ -32,7 +32,8 @@ from pathlib import Path
 import psutil
 from compass.infra.store import Store
 from compass.tasks.kinds.encode_tokens import tokenize_curated
-from compass.tasks.steps.context import InputArtifact, Runtime
+from compass.tasks.steps.context import InputArtifact, Runtime, StepContext
+from compass.tasks.steps.kind import EmptyConfig
 
 def hwm_kib(pid):
     try:
@@ -54,8 +55,10 @@ sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
 store = Store(sys.argv[2])
 curated = InputArtifact("curated", "curate:big", sys.argv[3], store.read_manifest(sys.argv[3]), store)
-counts = tokenize_curated(Path(sys.argv[1]), curated, Path(sys.argv[4]), Path(sys.argv[5]), Runtime(),
-                          logging.getLogger("measure"))
+work = Path(sys.argv[5])
+ctx = StepContext("tokenize", "big", EmptyConfig(), {}, Path(sys.argv[4]), work, work, Runtime(),
+                  logging.getLogger("measure"), store=store)
+counts = tokenize_curated(Path(sys.argv[1]), curated, ctx)
 done.set()
 sampler.join()
 print(json.dumps({**counts, "peak_kib": max(peak["kib"], hwm_kib("self")), "processes": len(seen)}))

@@ -174,7 +174,25 @@ register_compression(REPRODUCIBLE_GZIP, _reproducible_gzip, [], force=True)  # h
 
 class ShardWriter(JsonlWriter):
     """datatrove's JsonlWriter writing reproducible gzip shards (importing this module registers the codec, also in
-    a Slurm array task that unpickles the pipeline)."""
+    a Slurm array task that unpickles the pipeline). `written_records`: a folder where each rank records the
+    path, size and sha256 of the shards it wrote (tasks/data/written_files.py), for a commit that does not read
+    them back."""
 
-    def __init__(self, output_folder: str, output_filename: str = "${rank}.jsonl.gz", **kwargs):
+    def __init__(self, output_folder: str, output_filename: str = "${rank}.jsonl.gz",
+                 written_records: str | None = None, **kwargs):
         super().__init__(output_folder, output_filename=output_filename, compression=REPRODUCIBLE_GZIP, **kwargs)
+        self.written_records = written_records
+        if written_records:
+            from compass.tasks.data.written_files import DigestingOutputFiles
+
+            self.output_mg = DigestingOutputFiles(self.output_folder, mode="wb", compression=REPRODUCIBLE_GZIP)
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        if not self.written_records:
+            yield from super().run(data, rank, world_size)
+            return
+        from compass.tasks.data.written_files import record
+
+        self.output_mg.written = []  # in-process ranks share this writer
+        yield from super().run(data, rank, world_size)  # closes (and so digests) every shard at its end
+        record(self.written_records, rank, self.output_mg.written)

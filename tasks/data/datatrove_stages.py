@@ -107,17 +107,20 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
                       blocks=[BlockStats(name=str(b.get("name")), stats=_plain(b.get("stats", {}))) for b in blocks])
 
 
-def link_outputs(src: Path, dst: Path) -> None:
+def link_outputs(src: Path, dst: Path) -> int:
     """The files the stages wrote under `src` into the artifact folder `dst`: hard links where both are on one
-    file system (the work folder keeps its copy until the commit, for a relaunch), else copies."""
+    file system (the work folder keeps its copy until the commit, for a relaunch), else copies. Returns how many."""
+    count = 0
     for path in sorted(src.rglob("*")):
         if path.is_file():
+            count += 1
             target = dst / path.relative_to(src)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(path, target)
             except OSError:
                 shutil.copy2(path, target)
+    return count
 
 
 def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, cluster: SlurmCluster, name: str,

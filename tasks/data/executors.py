@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 
 from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 from datatrove.utils.stats import PipelineStats
@@ -45,6 +46,7 @@ class LocalExecutor(RecordsFailures, LocalPipelineExecutor):
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1) -> PipelineStats:
         if os.getpid() != self.launcher:  # a worker; ranks run in the launcher (one worker) already see its env
             os.environ.update(self.environment)
+            tempfile.tempdir = None  # the step's TMPDIR, not the one the forkserver found (rank-local files)
         try:
             return super()._run_for_rank(rank, local_rank, node_rank)
         except Exception as exc:

@@ -15,6 +15,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Literal
 
+from fsspec.spec import AbstractBufferedFile
+
 from compass.infra.errors import MalformedData
 
 # a document is a page, a file, a book: ~1 MB of text at most. A 100 MB single-line "document" (a dump, a
@@ -58,6 +60,8 @@ def file_texts(fs, rel: str, s: ReadSettings, skipped: dict[str, str], dropped: 
     max_bytes = s.max_document_chars * BYTES_PER_CHAR
     with ExitStack() as stack:
         stream = stack.enter_context(fs.open(rel, "rb"))
+        if isinstance(stream, AbstractBufferedFile):  # an object store's file: its readline takes no size cap
+            stream = stack.enter_context(io.BufferedReader(stream, buffer_size=1 << 20))
         if rel.endswith(".gz"):
             stream = stack.enter_context(gzip.GzipFile(fileobj=stream))
         if s.format in ("jsonl", "parquet"):

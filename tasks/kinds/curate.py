@@ -19,7 +19,8 @@ from compass.infra.layout import DOCUMENTS, HELDOUT, SPLITS, TRAIN, CuratedArtif
 from compass.specs.base import Issue
 from compass.specs.data import Curation
 from compass.specs.spec import TrainingSpec
-from compass.tasks.data.datatrove_stages import StageStats, link_outputs, run_stage
+from compass.tasks.data.datatrove_stages import StageStats, run_stage
+from compass.tasks.data.places import DataPlaces
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -78,15 +79,15 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     cfg = ctx.config
     cur = cfg.curation
     raw = ctx.inputs["raw"].folder_url(DOCUMENTS)  # read in place by datatrove (s3:// or a local folder)
-    work = ctx.workdir / "datatrove"  # kept across attempts: completed ranks are not redone
-    logs = work / "logs"
+    places = DataPlaces.of(ctx)  # kept across attempts: completed ranks are not redone
+    logs = places.logs / "logs"
     stages: list[StageStats] = []
     unmeasured = [Measure()]  # the first pass over the raw documents counts them, once
 
-    def read(folder: Path | str) -> list:
+    def read(folder: str) -> list:
         if folder == raw and unmeasured:
-            return [JsonlReader(str(folder)), unmeasured.pop()]
-        return [JsonlReader(str(folder))]
+            return [JsonlReader(folder), unmeasured.pop()]
+        return [JsonlReader(folder)]
 
     raw_shards = ctx.inputs["raw"].files(DOCUMENTS, ".jsonl.gz")
     raw_bytes = sum(e.size for e in raw_shards)  # every stage reads at most this much (filtered copies of it)
@@ -100,48 +101,44 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     if cur.language_id is not None:
         lid = cur.language_id
         blocks.append(LanguageIdFilter(lid.keep, lid.min_score, cfg.language))
-    current: Path | str = raw
+    current = raw
     if blocks:
-        current = work / "filtered"
+        current = places.intermediate("filtered")
         stages.append(run("filter",
-                           [*read(raw), *blocks, ShardWriter(str(current))], n_shards))
-        if not any(current.glob("*.jsonl.gz")):
+                           [*read(raw), *blocks, ShardWriter(current)], n_shards))
+        if not _written(stages[-1]):
             raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                              "loosen its filters")
 
     if cur.exact_dedup:
         exact = ExactDedupConfig(content_getter=document_text)
-        stages.append(run("exact-signature",
-                           [*read(current), ExactDedupSignature(str(work / "exact-sigs"), exact)],
-                           n_shards))
-        stages.append(run("exact-find",
-                           [ExactFindDedups(str(work / "exact-sigs"), str(work / "exact-dups"), exact)], 1))
+        sigs, dups = places.intermediate("exact-sigs"), places.intermediate("exact-dups")
+        stages.append(run("exact-signature", [*read(current), ExactDedupSignature(sigs, exact)], n_shards))
+        stages.append(run("exact-find", [ExactFindDedups(sigs, dups, exact)], 1))
         stages.append(run("exact-filter",
-                           [*read(current), ExactDedupFilter(str(work / "exact-dups"), exact),
-                            ShardWriter(str(work / "exact"))], n_shards))
-        current = work / "exact"
+                           [*read(current), ExactDedupFilter(dups, exact),
+                            ShardWriter(places.intermediate("exact"))], n_shards))
+        current = places.intermediate("exact")
 
     if cur.minhash:
         mh = cur.minhash
         config = MinhashConfig(n_grams=mh.n_grams, num_buckets=mh.num_buckets, hashes_per_bucket=mh.hashes_per_bucket)
-        stages.append(run("minhash-signature",
-                           [*read(current), MinhashDedupSignature(str(work / "mh-sigs"), config)],
-                           n_shards))
-        stages.append(run("minhash-buckets",
-                           [MinhashDedupBuckets(str(work / "mh-sigs"), str(work / "mh-buckets"), config=config)],
-                           config.num_buckets))
-        stages.append(run("minhash-cluster",
-                           [MinhashDedupCluster(str(work / "mh-buckets"), str(work / "mh-remove"), config=config)], 1))
+        sigs, buckets = places.intermediate("mh-sigs"), places.intermediate("mh-buckets")
+        remove = places.intermediate("mh-remove")
+        stages.append(run("minhash-signature", [*read(current), MinhashDedupSignature(sigs, config)], n_shards))
+        stages.append(run("minhash-buckets", [MinhashDedupBuckets(sigs, buckets, config=config)],
+                          config.num_buckets))
+        stages.append(run("minhash-cluster", [MinhashDedupCluster(buckets, remove, config=config)], 1))
         stages.append(run("minhash-filter",
-                           [*read(current), MinhashDedupFilter(str(work / "mh-remove")),
-                            ShardWriter(str(work / "minhash"))], n_shards))
-        current = work / "minhash"
+                           [*read(current), MinhashDedupFilter(remove),
+                            ShardWriter(places.intermediate("minhash"))], n_shards))
+        current = places.intermediate("minhash")
 
     stages.append(run("split",
                        [*read(current), SplitTagger(cur.heldout_fraction),
-                        ShardWriter(str(work / "split"), output_filename="${split}/${rank}.jsonl.gz",
-                                    adapter=portable_record)], n_shards))
-    link_outputs(work / "split", ctx.out)
+                        ShardWriter(places.output("split"), output_filename="${split}/${rank}.jsonl.gz",
+                                    adapter=portable_record, written_records=places.records("split"))], n_shards))
+    places.publish(ctx, ["split"], "split")
 
     curated = CuratedArtifact(ctx.out)
     before = _counted(stages, Measure)
@@ -184,6 +181,14 @@ def _removal_reasons(stages: list[StageStats]) -> dict[str, int]:
             elif stats.get("dropped"):
                 reasons[name] = int(stats["dropped"])
     return {k: v for k, v in reasons.items() if v}
+
+
+def _written(stage: StageStats) -> int:
+    """Documents the stage's shard writer wrote (datatrove counts each as its writer's `total`)."""
+    from compass.tasks.data.curate_blocks import ShardWriter
+
+    name = f"{ShardWriter.type}: {ShardWriter.name}"
+    return sum(int(b.stats.get("total", 0)) for b in stage.blocks if b.name == name)
 
 
 def _block_label(name: str) -> str:

@@ -10,14 +10,14 @@ Tokenize steps are added on demand: a kind that trains or measures on a source a
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from compass.infra.layout import SPLITS, TokenizerArtifact
-from compass.tasks.data.datatrove_stages import StageStats, link_outputs, run_stage
+from compass.tasks.data.datatrove_stages import StageStats, run_stage
+from compass.tasks.data.places import DataPlaces
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
-from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
+from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
 
@@ -35,11 +35,10 @@ def data_inputs(plan: PlanBuilder, sources: list[str]) -> dict[str, str]:
     return {"tokenizer": tokenizer_step(plan), **{f"tokens:{n}": tokens_of(plan, n) for n in sorted(sources)}}
 
 
-def tokenize_curated(tokenizer: Path, curated: InputArtifact, out: Path, work: Path, runtime: Runtime,
-                     log: logging.Logger | logging.LoggerAdapter) -> dict[str, int]:
-    """Every split of a curated source into token shards in `out`, one datatrove task per curated shard; no copy of
-    the source is made. `work` keeps the stages' completion markers and shards across attempts. Returns documents
-    and tokens per split."""
+def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) -> dict[str, int]:
+    """Every split of a curated source into token shards of the step's artifact, one datatrove task per curated
+    shard; no copy of the source is made. The step's work folder keeps the stages' completion markers (and, with a
+    local store, the shards) across attempts. Returns documents and tokens per split."""
     from datatrove.pipeline.readers import JsonlReader
     from tokenizers import Tokenizer
 
@@ -49,28 +48,29 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, out: Path, work: P
     vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size()
     eos = tokenizer_ids(tokenizer).eos
     dtype = token_dtype(vocab)
+    places = DataPlaces.of(ctx)
+    tokens = places.output("tokens")
     counts: dict[str, int] = {}
     for split in SPLITS:
         tasks = len(curated.files(split, ".jsonl.gz"))
         stats = StageStats(stage=split, tasks=0, blocks=[])
         if tasks:
             reader = JsonlReader(curated.folder_url(split), glob_pattern="*.jsonl.gz", doc_progress=False)
-            stats = run_stage(runtime, f"tokenize-{split}", work / "logs",
-                              [reader, TokenShards(str(tokenizer / "tokenizer.json"), str(work / "tokens"), split,
-                                                   eos, dtype.name)], tasks, log,
-                              sum(e.size for e in curated.files(split, ".jsonl.gz")))
+            writer = TokenShards(str(tokenizer / "tokenizer.json"), tokens, split, eos, dtype.name,
+                                 written_records=places.records(f"tokenize-{split}"))
+            stats = run_stage(ctx.runtime, f"tokenize-{split}", places.logs / "logs", [reader, writer], tasks,
+                              ctx.log, sum(e.size for e in curated.files(split, ".jsonl.gz")))
         counted = next((b.stats for b in stats.blocks if b.name == f"{TokenShards.type}: {TokenShards.name}"), {})
         counts[f"{split}_documents"] = int(counted.get("documents", 0))
         counts[f"{split}_tokens"] = int(counted.get("tokens", 0))
-    link_outputs(work / "tokens", out)
-    write_meta(out, dtype, eos, vocab)
+    places.publish(ctx, [f"tokenize-{split}" for split in SPLITS], "tokens")
+    write_meta(ctx.out, dtype, eos, vocab)
     return counts
 
 
 def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     tokenizer = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
-    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx.out, ctx.workdir / "datatrove", ctx.runtime,
-                               ctx.log)
+    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx)
     summary = (f"### tokenize `{ctx.name}`\n\n{metrics['train_tokens']:,} training tokens in "
                f"{metrics['train_documents']:,} documents; {metrics['heldout_tokens']:,} held-out tokens")
     return StepResult(metrics=metrics, summary=summary)

@@ -26,7 +26,7 @@ from compass.infra.store import Store
 from compass.specs.base import Issue
 from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
-from compass.tasks.data.datatrove_stages import link_outputs, run_stage
+from compass.tasks.data.datatrove_stages import run_stage
 from compass.tasks.data.source_files import MAX_DOCUMENT_CHARS, MAX_REPLACEMENT_SHARE, ReadSettings, drop_reason
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
@@ -156,18 +156,20 @@ def file_groups(files: dict[str, int], tasks: int) -> list[list[str]]:
 def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str]], provenance: dict,
                 left_out: dict[str, str], input_bytes: int | None = None) -> StepResult:
     from compass.tasks.data.curate_blocks import ShardWriter
+    from compass.tasks.data.places import DataPlaces
     from compass.tasks.data.source_reader import SourceReader
 
     cfg = ctx.config
-    work = ctx.workdir / "datatrove"
+    places = DataPlaces.of(ctx)
+    work = places.logs
     settings = ReadSettings(source=ctx.name, uri=cfg.uri, format=cfg.format, text_key=cfg.text_key, split=cfg.split,
                             section_chars=cfg.section_chars, domain=cfg.domain, language=cfg.language,
                             max_document_chars=cfg.max_document_chars)
     _fresh_unless_same(work, {"base": base, "groups": groups, "settings": settings.__dict__,
                               "limit": cfg.max_documents})
     reader = SourceReader(base, groups, settings, str(work / "skipped"), limit=cfg.max_documents or -1)
-    stage = run_stage(ctx.runtime, "ingest", work / "logs", [reader, ShardWriter(str(work / DOCUMENTS))],
-                      len(groups), ctx.log, input_bytes)
+    writer = ShardWriter(places.output(DOCUMENTS, DOCUMENTS), written_records=places.records("ingest"))
+    stage = run_stage(ctx.runtime, "ingest", work / "logs", [reader, writer], len(groups), ctx.log, input_bytes)
     stats = next(b.stats for b in stage.blocks if b.name.endswith(SourceReader.name))
     skipped = dict(left_out)
     for path in sorted((work / "skipped").glob("*.json")):
@@ -180,8 +182,8 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
                         + (f" ({len(skipped)} skipped as binary or not UTF-8)" if skipped else "")
                         + (f"; documents dropped: {dropped} (max_document_chars is {cfg.max_document_chars:,})"
                            if dropped else ""))
-    link_outputs(work / DOCUMENTS, ctx.out / DOCUMENTS)
-    return _result(ctx, n_files, n_docs, n_chars, len(groups), skipped, dropped, provenance)
+    shards = places.publish(ctx, ["ingest"], DOCUMENTS, DOCUMENTS)
+    return _result(ctx, n_files, n_docs, n_chars, len(groups), shards, skipped, dropped, provenance)
 
 
 def _fresh_unless_same(work: Path, plan: dict) -> None:
@@ -224,10 +226,12 @@ def _write_generated(ctx: StepContext[IngestConfig], documents: Iterator[dict], 
             writer.write(document, rank=0)
     if counts["documents"] == 0:
         raise DataError(f"source {ctx.name}: no documents generated")
-    return _result(ctx, 0, counts["documents"], counts["characters"], 1, {}, dropped, provenance | {"files": 0})
+    shards = len(list((ctx.out / DOCUMENTS).glob("*.jsonl.gz")))
+    return _result(ctx, 0, counts["documents"], counts["characters"], 1, shards, {}, dropped,
+                   provenance | {"files": 0})
 
 
-def _result(ctx: StepContext[IngestConfig], n_files: int, n_docs: int, n_chars: int, tasks: int,
+def _result(ctx: StepContext[IngestConfig], n_files: int, n_docs: int, n_chars: int, tasks: int, shards: int,
             skipped: dict[str, str], dropped: dict[str, int], provenance: dict) -> StepResult:
     cfg = ctx.config
     if dropped:
@@ -236,7 +240,6 @@ def _result(ctx: StepContext[IngestConfig], n_files: int, n_docs: int, n_chars: 
     if skipped:
         ctx.log.warning("ingest %s: skipped %d of %d files that are not text: %s", ctx.name, len(skipped),
                         n_files, "; ".join(f"{k} ({v})" for k, v in list(skipped.items())[:5]))
-    shards = len(list((ctx.out / DOCUMENTS).glob("*.jsonl.gz")))
     stats = {"files": n_files, "documents": n_docs, "characters": n_chars, "tasks": tasks, "shards": shards,
              "dropped_documents": dropped, "skipped_files": skipped}
     (ctx.out / "stats.json").write_text(json.dumps(stats, indent=2))

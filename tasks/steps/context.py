@@ -79,6 +79,10 @@ class StepContext(Generic[ConfigT]):
     store: Store | None = None
     work_key: str = ""  # <kind>/<name>-<fingerprint[:12]>: names this step's recovery copies in the store
     spec_hash: str = ""  # the spec's run: groups its steps' tracker runs
+    uri: str = ""  # where the artifact will be committed
+    # files the step's writers put straight into the artifact's folder on a remote store, with the digests they
+    # recorded as they wrote them (tasks/data/places.py): the commit lists them without reading them back
+    published: list[FileEntry] = field(default_factory=list)
 
     def inputs_with_prefix(self, prefix: str) -> dict[str, InputArtifact]:
         return inputs_with_prefix(self.inputs, prefix)

@@ -103,7 +103,7 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
     with store.staging() as out, \
             tempfile.TemporaryDirectory(prefix=owned_prefix("scratch"), dir=out.parent) as scratch:
         sctx = StepContext(run.kind, run.name, run.config, run.inputs, out, Path(scratch), run.workdir, run.runtime,
-                           log, store=store, work_key=run.work_key, spec_hash=run.spec_hash)
+                           log, store=store, work_key=run.work_key, spec_hash=run.spec_hash, uri=run.uri)
         with _default_grad_mode(), disk_full_named(run.step_id, out):
             result = kind.run(sctx)
         if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
@@ -117,7 +117,7 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
             started_at=started, finished_at=time.time(), metrics=result.metrics, provenance=result.provenance,
             execution=execution_record(run.runtime))
         with disk_full_named(run.step_id, Path(store.root_path) if not store.is_remote else out):
-            manifest = store.commit(out, manifest, run.runtime.how.storage.shard_index_above)
+            manifest = store.commit(out, manifest, run.runtime.how.storage.shard_index_above, sctx.published)
         stamp(store, manifest)
     log.info("%s committed to %s in %.1fs%s", run.step_id, run.uri, manifest.duration_s,
              headline(kind.headline, manifest.metrics))
