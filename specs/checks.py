@@ -125,7 +125,7 @@ def _sources(spec: TrainingSpec) -> Iterator[Issue]:
         except SourceUriError as exc:
             yield Issue((*at, "uri"), str(exc), exc.hint)
             continue
-        if src.format in ("jsonl", "parquet") and uri.scheme in ("deb", "stdlib"):
+        if src.format in ("jsonl", "parquet", "warc") and uri.scheme in ("deb", "stdlib"):
             yield Issue((*at, "format"), f"format {src.format} does not fit a {uri.scheme}:// source",
                         "packages hold text, html or code files")
         yield from _unused(src, "text_key", at, src.format in ("jsonl", "parquet"),

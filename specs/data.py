@@ -64,9 +64,10 @@ class DataSource(SpecModel):
     exclude: list[str] = Field(
         default_factory=list, description="Glob patterns of files to leave out, matched against their paths inside "
                                           "the source.")
-    format: Literal["jsonl", "parquet", "text", "html", "code"] = Field(
+    format: Literal["jsonl", "parquet", "text", "html", "code", "warc"] = Field(
         default="text", description="How files are read: jsonl/parquet records (the text_key column), plain text, "
-                                    "html (its text extracted), or code (each file as it is).")
+                                    "html (its text extracted), code (each file as it is), or warc (web "
+                                    "archives, .warc or .warc.gz: each HTML response's text, with its URL).")
     text_key: str = Field(default="text", description="jsonl/parquet: the column holding the text.")
     split: Literal["file", "sections"] = Field(
         default="file", description="One document per file, or per section (html headings, text paragraphs)."

@@ -101,3 +101,54 @@ def test_max_documents_takes_the_first_documents_in_file_order(tmp_path: Path):
     ctx = _context(source, tmp_path / "run", max_documents=50)
     result = run_ingest(ctx)
     assert result.metrics["tasks"] == 1 and _texts(_shards(ctx.out)) == texts[:50]
+
+
+def _warc(path: Path, pages: list[tuple[str, str]], image: bool = True) -> None:
+    """A gzipped web archive as crawlers write it: per page a request and its HTML response, and an image."""
+    from io import BytesIO
+
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    with open(path, "wb") as f:
+        writer = WARCWriter(f, gzip=True)
+        for url, html in pages:
+            request = StatusAndHeaders("GET / HTTP/1.1", [("Host", "example.org")], is_http_request=True)
+            writer.write_record(writer.create_warc_record(url, "request", http_headers=request))
+            headers = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")], protocol="HTTP/1.1")
+            writer.write_record(writer.create_warc_record(url, "response", payload=BytesIO(html.encode()),
+                                                          http_headers=headers))
+        if image:
+            headers = StatusAndHeaders("200 OK", [("Content-Type", "image/png")], protocol="HTTP/1.1")
+            writer.write_record(writer.create_warc_record("https://example.org/logo.png", "response",
+                                                          payload=BytesIO(b"\x89PNG\r\n\x1a\n" + bytes(64)),
+                                                          http_headers=headers))
+
+
+def test_web_archives_become_one_document_per_html_page_with_its_url(tmp_path: Path):
+    source = tmp_path / "crawl"
+    source.mkdir()
+    pages = [(f"https://example.org/{i}", f"<html><head><script>var x = {i};</script></head><body><nav>menu</nav>"
+              f"<h1>Page {i}</h1><p>{'text of the page ' * 20}{i}</p></body></html>") for i in range(5)]
+    _warc(source / "CC-MAIN-0000.warc.gz", pages[:3])
+    _warc(source / "CC-MAIN-0001.warc.gz", pages[3:], image=False)
+    (source / "broken.warc.gz").write_bytes(gzip.compress(b"this is no web archive\n"))
+    config = IngestConfig(uri=str(source), include=["CC-MAIN-*.warc.gz"], exclude=[], format="warc",
+                          text_key="text", split="file", section_chars=4000, language="en", domain="web",
+                          max_documents=None)
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StepContext("ingest", "crawl", config, {}, out, tmp_path, tmp_path, Runtime(how=How(), base_dir=tmp_path),
+                      logging.getLogger("test"))
+    result = run_ingest(ctx)
+    assert result.metrics["documents"] == 5 and result.metrics["dropped"] == {"not_html": 1}
+    records = [json.loads(line) for shard in _shards(out).values() for line in gzip.decompress(shard).splitlines()]
+    assert [r["metadata"]["url"] for r in records] == [url for url, _ in pages]
+    assert records[0]["text"].startswith("Page 0") and "var x" not in records[0]["text"]
+    assert "menu" not in records[0]["text"] and records[0]["metadata"]["date"]
+    config = config.model_copy(update={"include": ["broken.warc.gz"]})
+    broken = StepContext("ingest", "broken", config, {}, tmp_path / "out2", tmp_path / "w2", tmp_path / "w2",
+                         Runtime(how=How(), base_dir=tmp_path), logging.getLogger("test"))
+    (tmp_path / "out2").mkdir()
+    with pytest.raises(MalformedData, match=r"broken.warc.gz: not a web archive \(WARC\)"):
+        run_ingest(broken)

@@ -204,6 +204,8 @@ def test_a_source_on_s3_becomes_shards_on_s3_with_no_local_copy_of_it(
     """Ingest (datatrove readers streaming S3 objects), curation (its dedup stages' intermediates under the step's
     work prefix in the store) and tokenization write their shards straight into the artifacts' folders on S3:
     the step's disk holds logs, the tokenizer and at most a rank's token shard at a time, never a source."""
+    import itertools
+    import json
     import logging
     import tempfile
 
@@ -243,6 +245,15 @@ def test_a_source_on_s3_becomes_shards_on_s3_with_no_local_copy_of_it(
         SOURCE_FILES * LINES_PER_FILE
     train_tokens = [e for e in manifests["tokenize"].files if e.path.startswith("train/")]
     assert len(train_tokens) == 2 * 6  # a tokens and an offsets file per curated shard
+    counts = json.loads(store.read_bytes(manifests["tokenize"].uri, "train.counts.json"))  # per shard, in order
+    assert len(counts["documents"]) == 6 and all(counts["documents"])
+    assert sum(counts["documents"]) == manifests["tokenize"].metrics["train_documents"]
+    assert sum(counts["tokens"]) == manifests["tokenize"].metrics["train_tokens"]
+    from compass.model.training.token_files import TokenizedSource
+
+    source = TokenizedSource(store.local_path(manifests["tokenize"].uri))
+    for first in itertools.accumulate([0, *counts["documents"][:-1]]):  # each shard's counts agree with it
+        assert source.document(first)[-1] == source.eos
     for manifest in manifests.values():  # the digests the writers recorded are the bytes on S3
         assert verify.damage(store, manifest.uri, "full") == [], manifest.uri
         on_s3 = {p.rsplit(manifest.uri.split("://", 1)[1] + "/", 1)[1] for p in store.fs.find(manifest.uri)}

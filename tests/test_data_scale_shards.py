@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from compass.model.training.packing import RowPacker, merge_states
 from compass.model.training.token_files import TokenizedSource, token_dtype, write_meta, write_split
@@ -124,6 +125,42 @@ def test_a_node_stages_its_shards_from_s3(s3, tmp_path: Path):  # noqa: F811
     node = stage_sources(staging, 0, range(2, 4), ROWS)["web"]
     assert sorted(p.name for p in (node / "train").glob("*.tokens")) == ["00001.tokens", "00002.tokens"]
     assert TokenizedSource(node).document(299).tolist() == [300] * (LENGTH - 1) + [EOS]
+
+
+def test_a_splits_counts_file_indexes_its_shards_without_opening_them_until_a_document_is_read(s3, tmp_path: Path):  # noqa: F811
+    """With `train.counts.json` (written by the tokenize step), node staging reads one small file of the store to
+    pick its shards, and a reader maps a shard's offsets only when it reads one of its documents; a count that
+    disagrees with its shard is found there."""
+    from compass.infra.errors import DamagedArtifact
+    from compass.infra.store import Store
+    from compass.model.training.job import Staging
+    from compass.model.training.staging import documents_per_shard, stage_sources
+    from compass.model.training.token_files import write_counts
+    from tests.test_store import manifest_for
+
+    store = Store("s3://data/counted")
+    with store.staging() as out:
+        _shard_set(out)
+        write_counts(out, "train", [100, 100, 100], [400, 400, 400])
+        manifest = store.commit(out, manifest_for(store, "tokenize", "web", "f" * 64))
+    heads = []
+    store.read_head = lambda *args: heads.append(args)  # type: ignore[method-assign]  # headers: not read
+    assert documents_per_shard(store, manifest.uri) == {f"train/0000{i}.tokens": 100 for i in range(3)}
+    assert heads == []
+    node = stage_sources(Staging(store_root=store.root, cache=tmp_path / "nvme", uris={"web": manifest.uri}), 0,
+                         range(2, 4), ROWS)["web"]
+    source = TokenizedSource(node)
+    assert source.n_documents == 300 and source.n_tokens == 1200 and source._offsets == [None] * 3
+    assert source.document(150).tolist() == [151] * (LENGTH - 1) + [EOS]
+    assert [o is not None for o in source._offsets] == [False, True, False]  # only the shard read
+
+    _shard_set(tmp_path / "local")
+    write_counts(tmp_path / "local", "train", [100, 99, 100], [400, 400, 400])  # shard 1 miscounted
+    wrong = TokenizedSource(tmp_path / "local")
+    assert wrong.document(0).tolist() == [1] * (LENGTH - 1) + [EOS]
+    with pytest.raises(DamagedArtifact, match=r"00001.offsets.npy: 100 documents and 400 tokens, its split's "
+                                              r"counts say 99 and 400"):
+        wrong.document(150)
 
 
 def test_sequences_are_shuffled_across_the_whole_stage_not_read_in_document_order(tmp_path: Path):

@@ -82,13 +82,18 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
     again = server_cli.json("run", str(spec), "--store", str(store))
     assert executed(again) == set()
 
-    # one tokenizer field: only the tokenizer re-runs; plan says why
+    # one tokenizer field: only the tokenizer and what it feeds re-run; plan says why. (The later runs stop at the
+    # tokenizer: the first run trained already, and the plan's reasons show what training would re-run.)
     spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000"})
     plan = server_cli.json("plan", str(spec), "--store", str(store))
     dag = {row[0]: row for row in plan["sections"][0]["rows"]}
     assert dag["tokenizer:select"][3:5] == ["run", "config changed: train_chars"]
     assert dag["curate:notes"][3] == "cached"
-    assert executed(server_cli.json("run", str(spec), "--store", str(store))) == {"tokenizer:select"} | trained
+    assert {step for step, row in dag.items() if row[3] == "run"} == {"tokenizer:select"} | trained
+    assert dag["tokenize:notes"][4] == "input changed: tokenizer:select"
+    until_tokenizer = ("--until", "tokenizer:select")
+    assert executed(server_cli.json("run", str(spec), "--store", str(store), *until_tokenizer)) == {
+        "tokenizer:select"}
 
     # one curation field of one source: that curation and its descendants re-run, nothing else
     spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000",
@@ -97,22 +102,24 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
     dag = {row[0]: row for row in plan["sections"][0]["rows"]}
     assert dag["curate:code"][4] == "config changed: curation.heldout_fraction"
     assert dag["tokenizer:select"][4] == "input changed: curate:code"
-    assert executed(server_cli.json("run", str(spec), "--store", str(store))) == {
-        "curate:code", "tokenizer:select"} | trained
+    assert {step for step, row in dag.items() if row[3] == "run"} == {"curate:code", "tokenizer:select"} | trained
+    assert executed(server_cli.json("run", str(spec), "--store", str(store), *until_tokenizer)) == {
+        "curate:code", "tokenizer:select"}
 
     # orchestration settings are not part of any fingerprint
     spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000",
                                            "curation: {heldout_fraction: 0.2}": "curation: {heldout_fraction: 0.25}",
                                            "parallelism: {micro_batch_size: 2}":
                                            "parallelism: {micro_batch_size: 2}\n  orchestration: {retries: 4}"})
-    assert executed(server_cli.json("run", str(spec), "--store", str(store))) == set()
+    assert executed(server_cli.json("run", str(spec), "--store", str(store), *until_tokenizer)) == set()
 
     # a local tokenizer folder competes as a candidate next to freshly trained ones
     previous = next(store.glob("tokenizer/select-*")) / "chosen"
     spec = write_minimal_spec(tmp_path, **{"      - {kind: bpe, vocab_size: 400}":
                                            f"      - {{kind: bpe, vocab_size: 400}}\n"
                                            f"      - {{kind: local, name: earlier, path: '{previous}'}}"})
-    assert "tokenizer:select" in executed(server_cli.json("run", str(spec), "--store", str(store)))
+    assert executed(server_cli.json("run", str(spec), "--store", str(store), *until_tokenizer)) == {
+        "tokenizer:select"}
     newest = max(store.glob("tokenizer/select-*/comparison.json"), key=lambda p: p.stat().st_mtime)
     candidates = {r["candidate"] for r in json.loads(newest.read_text())["results"]}
     assert candidates == {"bpe-300", "bpe-400", "earlier"}

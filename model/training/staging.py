@@ -25,7 +25,7 @@ from compass.infra.manifest import MANIFEST
 from compass.infra.store import Store
 from compass.model.training.job import Staging
 from compass.model.training.packing import row_documents
-from compass.model.training.token_files import OFFSETS_SUFFIX, TOKENS_SUFFIX
+from compass.model.training.token_files import OFFSETS_SUFFIX, TOKENS_SUFFIX, counts_path, read_counts
 
 log = logging.getLogger("compass.train")
 NPY_HEADER_BYTES = 512  # numpy pads an .npy header to a multiple of 64 bytes; a 1-D array's fits in 128
@@ -53,10 +53,16 @@ def stage_sources(staging: Staging, local_rank: int, rows: range, total_rows: in
 
 
 def documents_per_shard(store: Store, uri: str) -> dict[str, int]:
-    """{training token shard: its documents}, from the shape in each offsets file's header (a few hundred bytes
-    read per shard, not the offsets themselves); the copy then checks every file it takes in full."""
+    """{training token shard: its documents}, from the split's counts file (one small read), or, for a source
+    tokenized without one, from the shape in each offsets file's header (a few hundred bytes read per shard); the
+    copy then checks every file it takes in full."""
+    manifest = store.read_manifest(uri)
+    counted = counts_path(Path(), TRAIN).as_posix()
+    if any(e.path == counted for e in manifest.files):
+        documents, _ = read_counts(store.read_bytes(uri, counted).decode(), f"{uri}/{counted}")
+        return {f"{TRAIN}/{i:05d}{TOKENS_SUFFIX}": n for i, n in enumerate(documents)}
     counts = {}
-    for entry in store.entries(store.read_manifest(uri), TRAIN):
+    for entry in store.entries(manifest, TRAIN):
         if entry.path.endswith(OFFSETS_SUFFIX):
             head = io.BytesIO(store.read_head(uri, entry.path, NPY_HEADER_BYTES))
             version = np.lib.format.read_magic(head)

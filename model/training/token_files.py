@@ -1,7 +1,12 @@
 """The tokenized-source format: per split a shard set, `<split>/NNNNN.tokens` (uint16 or uint32 ids, each document
 followed by EOS) with `<split>/NNNNN.offsets.npy` (int64 document starts in the shard, plus its end), and one
 `meta.json`. Each shard is written by one task of the tokenize step (one curated shard each); the packer and the
-evaluation memory-map them, and a document's global index runs through the shards in order."""
+evaluation memory-map them, and a document's global index runs through the shards in order.
+
+The tokenize step also writes `<split>.counts.json`, the documents and tokens of every shard of the split, so a
+reader knows the whole index from one small file: node-local staging picks its shards with one read of the store
+(not a header read per shard), and a reader maps a shard's offsets only when it reads one of its documents (a
+process may hold only so many memory maps: 65,530 by default on Linux)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,30 @@ from compass.infra.layout import TRAIN
 
 META = "meta.json"
 TOKENS_SUFFIX, OFFSETS_SUFFIX = ".tokens", ".offsets.npy"
+COUNTS_SUFFIX = ".counts.json"
+
+
+def counts_path(folder: Path, split: str) -> Path:
+    return folder / f"{split}{COUNTS_SUFFIX}"
+
+
+def write_counts(folder: Path, split: str, documents: list[int], tokens: list[int]) -> None:
+    """The documents and tokens of shards 0..n-1 of a split (shard i is `<split>/<i:05d>`)."""
+    counts_path(folder, split).write_text(json.dumps({"documents": documents, "tokens": tokens}))
+
+
+def read_counts(text: str, where: str) -> tuple[list[int], list[int]]:
+    """(documents, tokens) per shard from a counts file's text; DamagedArtifact when it does not hold them."""
+    from compass.infra.errors import DamagedArtifact
+
+    try:
+        data = json.loads(text)
+        documents, tokens = [int(n) for n in data["documents"]], [int(n) for n in data["tokens"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DamagedArtifact(f"{where}: not a token shard count file ({exc})") from None
+    if len(documents) != len(tokens):
+        raise DamagedArtifact(f"{where}: {len(documents)} document counts for {len(tokens)} token counts")
+    return documents, tokens
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -86,13 +115,22 @@ class TokenizedSource:
         meta = json.loads((folder / META).read_text())
         self.eos = meta["eos"]
         self.dtype = np.dtype(meta["dtype"])
-        # listed by their offsets: node-local staging leaves out the token files of shards this node never reads
-        offsets = sorted((folder / split).glob(f"*{OFFSETS_SUFFIX}"))
-        self.shards = [p.with_name(p.name.removesuffix(OFFSETS_SUFFIX) + TOKENS_SUFFIX) for p in offsets]
-        self._offsets = [np.load(p, mmap_mode="r") for p in offsets]
-        self._tokens: list[np.ndarray | None] = [None] * len(self.shards)  # mapped when first read
-        counts = [len(o) - 1 for o in self._offsets]
-        self._first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # first document of each shard
+        counted = counts_path(folder, split)
+        if counted.exists():
+            documents, tokens = read_counts(counted.read_text(), str(counted))
+            stems = [folder / split / f"{i:05d}" for i in range(len(documents))]
+        else:  # written without counts (a test's folder): from the offsets files' headers
+            # listed by their offsets: node-local staging leaves out the token files of shards this node never reads
+            stems = [p.with_name(p.name.removesuffix(OFFSETS_SUFFIX))
+                     for p in sorted((folder / split).glob(f"*{OFFSETS_SUFFIX}"))]
+            ends = [np.load(s.with_name(s.name + OFFSETS_SUFFIX), mmap_mode="r") for s in stems]
+            documents, tokens = [len(e) - 1 for e in ends], [int(e[-1]) for e in ends]
+        self.shards = [s.with_name(s.name + TOKENS_SUFFIX) for s in stems]
+        self._counts = list(zip(documents, tokens, strict=True))
+        self._offsets: list[np.ndarray | None] = [None] * len(stems)  # mapped when first read, as the tokens
+        self._tokens: list[np.ndarray | None] = [None] * len(self.shards)
+        self._first = np.concatenate([[0], np.cumsum(documents, dtype=np.int64)])  # first document of each shard
+        self._n_tokens = sum(tokens)
 
     @property
     def n_documents(self) -> int:
@@ -100,12 +138,25 @@ class TokenizedSource:
 
     @property
     def n_tokens(self) -> int:
-        return sum(int(o[-1]) for o in self._offsets)
+        return self._n_tokens
 
     def document(self, i: int) -> np.ndarray:
         shard = int(np.searchsorted(self._first, i, side="right")) - 1
-        offsets, local = self._offsets[shard], i - int(self._first[shard])
+        offsets, local = self._shard_offsets(shard), i - int(self._first[shard])
         return self._shard(shard)[int(offsets[local]): int(offsets[local + 1])]
+
+    def _shard_offsets(self, i: int) -> np.ndarray:
+        offsets = self._offsets[i]
+        if offsets is None:
+            path = self.shards[i].with_name(self.shards[i].name.removesuffix(TOKENS_SUFFIX) + OFFSETS_SUFFIX)
+            offsets = np.load(path, mmap_mode="r")
+            if (len(offsets) - 1, int(offsets[-1])) != self._counts[i]:
+                from compass.infra.errors import DamagedArtifact
+
+                raise DamagedArtifact(f"{path}: {len(offsets) - 1} documents and {int(offsets[-1])} tokens, its "
+                                      f"split's counts say {self._counts[i][0]} and {self._counts[i][1]}")
+            self._offsets[i] = offsets
+        return offsets
 
     @property
     def tokens(self) -> np.ndarray:

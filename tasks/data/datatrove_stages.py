@@ -220,5 +220,17 @@ def _merged_block_stats(logging_dir: Path, tasks: int) -> list[dict[str, Any]]:
     return json.loads(total.to_json())
 
 
+def rank_block_stats(logs: Path, stage: str, tasks: int, block: str) -> list[dict[str, Any]]:
+    """One block's counters for each rank of a completed stage, in rank order (a rank's shard is its own)."""
+    from datatrove.utils.stats import PipelineStats
+
+    found = []
+    for rank in range(tasks):
+        stats = PipelineStats.from_json(json.loads((logs / stage / "stats" / f"{rank:05d}.json").read_text()))
+        blocks = json.loads(stats.to_json())
+        found.append(next((_plain(b.get("stats", {})) for b in blocks if b.get("name") == block), {}))
+    return found
+
+
 def _plain(stats: dict[str, Any]) -> dict[str, Any]:
     return {key: value.get("total", value) if isinstance(value, dict) else value for key, value in stats.items()}

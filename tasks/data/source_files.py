@@ -43,7 +43,7 @@ class ReadSettings:
 
     source: str
     uri: str
-    format: Literal["jsonl", "parquet", "text", "html", "code"]
+    format: Literal["jsonl", "parquet", "text", "html", "code", "warc"]
     text_key: str
     split: Literal["file", "sections"]
     section_chars: int
@@ -88,6 +88,49 @@ def file_texts(fs, rel: str, s: ReadSettings, skipped: dict[str, str], dropped: 
     if s.split == "sections":
         parts = _group(parts, s.section_chars)
     yield from (p.strip() for p in parts if p.strip())
+
+
+@dataclass(frozen=True)
+class WebPage:
+    """One HTML response of a web archive, as text (empty when nothing but markup), with where it came from."""
+
+    text: str
+    url: str
+    date: str
+
+
+def warc_pages(fs, rel: str, s: ReadSettings, dropped: dict[str, int]) -> Iterator[WebPage]:
+    """The HTML responses of one WARC file (.warc or .warc.gz, read by warcio as a stream, record by record), each
+    page's text extracted as `format: html` does (split into sections when asked: then one WebPage per section).
+    Requests, metadata and non-HTML responses are passed over; a response longer than the byte cap is dropped
+    unread (`dropped['too_long']`); a file that is not a web archive is a MalformedData error naming it."""
+    from warcio.archiveiterator import ArchiveIterator
+    from warcio.exceptions import ArchiveLoadFailed
+
+    max_bytes = s.max_document_chars * BYTES_PER_CHAR
+    where = f"{s.uri.rstrip('/')}/{rel}"
+    with fs.open(rel, "rb") as raw:
+        stream = io.BufferedReader(raw, buffer_size=1 << 20) if isinstance(raw, AbstractBufferedFile) else raw
+        try:
+            for record in ArchiveIterator(stream):
+                if record.format != "warc":  # warcio reads any text line as a legacy ARC header: not ours
+                    raise ArchiveLoadFailed(f"a {record.format.upper()} record, not a WARC record")
+                if record.rec_type != "response" or record.http_headers is None:
+                    continue
+                kind = (record.http_headers.get_header("Content-Type") or "").split(";")[0].strip().lower()
+                if kind not in ("text/html", "application/xhtml+xml"):
+                    dropped["not_html"] = dropped.get("not_html", 0) + 1
+                    continue
+                body = record.content_stream().read(max_bytes + 1)
+                if len(body) > max_bytes:
+                    dropped["too_long"] = dropped.get("too_long", 0) + 1
+                    continue
+                url = record.rec_headers.get_header("WARC-Target-URI") or ""
+                date = record.rec_headers.get_header("WARC-Date") or ""
+                parts = _group(_html_sections(body), s.section_chars) if s.split == "sections" else [html_text(body)]
+                yield from (WebPage(part.strip(), url, date) for part in (parts or [""]))
+        except ArchiveLoadFailed as exc:
+            raise MalformedData(f"{where}: not a web archive (WARC): {str(exc).strip()}") from None
 
 
 def drop_reason(text: str, max_chars: int) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.readers.base import BaseDiskReader
 
-from compass.tasks.data.source_files import ReadSettings, drop_reason, file_texts
+from compass.tasks.data.source_files import ReadSettings, drop_reason, file_texts, warc_pages
 
 
 class SourceReader(BaseDiskReader):
@@ -45,7 +45,12 @@ class SourceReader(BaseDiskReader):
         s = self.settings
         meta = {"source": s.source, "domain": s.domain} | ({"language": s.language} if s.language else {})
         dropped: dict[str, int] = {}
-        for i, text in enumerate(file_texts(self.data_folder, filepath, s, self.skipped, dropped)):
+        if s.format == "warc":  # a page keeps its URL (datatrove's URL filter reads it) and its crawl date
+            texts = ((page.text, {"url": page.url, "date": page.date})
+                     for page in warc_pages(self.data_folder, filepath, s, dropped))
+        else:
+            texts = ((text, {}) for text in file_texts(self.data_folder, filepath, s, self.skipped, dropped))
+        for i, (text, origin) in enumerate(texts):
             if not text:
                 continue
             reason = drop_reason(text, s.max_document_chars)
@@ -53,6 +58,6 @@ class SourceReader(BaseDiskReader):
                 dropped[reason] = dropped.get(reason, 0) + 1
                 continue
             self.stat_update("characters", value=len(text))
-            yield Document(text=text, id=f"{s.source}/{filepath}#{i}", metadata={**meta, "path": filepath})
+            yield Document(text=text, id=f"{s.source}/{filepath}#{i}", metadata={**meta, "path": filepath, **origin})
         for reason, n in dropped.items():
             self.stat_update(f"dropped_{reason}", value=n)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from compass.infra.layout import SPLITS, TokenizerArtifact
-from compass.tasks.data.datatrove_stages import StageStats, run_stage
+from compass.tasks.data.datatrove_stages import StageStats, rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
@@ -42,7 +42,7 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) 
     from datatrove.pipeline.readers import JsonlReader
     from tokenizers import Tokenizer
 
-    from compass.model.training.token_files import token_dtype, write_meta
+    from compass.model.training.token_files import token_dtype, write_counts, write_meta
     from compass.tasks.data.token_shards import TokenShards
 
     vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size()
@@ -60,9 +60,13 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) 
                                  written_records=places.records(f"tokenize-{split}"))
             stats = run_stage(ctx.runtime, f"tokenize-{split}", places.logs / "logs", [reader, writer], tasks,
                               ctx.log, sum(e.size for e in curated.files(split, ".jsonl.gz")))
-        counted = next((b.stats for b in stats.blocks if b.name == f"{TokenShards.type}: {TokenShards.name}"), {})
+        block = f"{TokenShards.type}: {TokenShards.name}"
+        counted = next((b.stats for b in stats.blocks if b.name == block), {})
         counts[f"{split}_documents"] = int(counted.get("documents", 0))
         counts[f"{split}_tokens"] = int(counted.get("tokens", 0))
+        shards = rank_block_stats(places.logs / "logs", f"tokenize-{split}", tasks, block) if tasks else []
+        write_counts(ctx.out, split, [int(r.get("documents", 0)) for r in shards],
+                     [int(r.get("tokens", 0)) for r in shards])
     places.publish(ctx, [f"tokenize-{split}" for split in SPLITS], "tokens")
     write_meta(ctx.out, dtype, eos, vocab)
     return counts
@@ -76,7 +80,7 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     return StepResult(metrics=metrics, summary=summary)
 
 
-KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="2", resources=phase("data"), tags=("data",),
+KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="3", resources=phase("data"), tags=("data",),
                 imports=TRANSFORMERS, fans_out=True,
                 headline=("train_tokens", "heldout_tokens"))
 STEP_KINDS = (KIND,)

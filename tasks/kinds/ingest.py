@@ -44,7 +44,7 @@ class IngestConfig(StepConfig):
     uri: str
     include: list[str]
     exclude: list[str]
-    format: Literal["jsonl", "parquet", "text", "html", "code"]
+    format: Literal["jsonl", "parquet", "text", "html", "code", "warc"]
     text_key: str
     split: Literal["file", "sections"]
     section_chars: int
