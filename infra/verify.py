@@ -14,10 +14,12 @@ check; steps can then read their inputs straight from S3.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -35,8 +37,10 @@ Depth = Literal["sizes", "stamped", "full"]
 def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
     """What differs between a committed artifact's files and its manifest (empty: intact); a manifest (or a shard
     index) that cannot describe the artifact (store.checked_manifest) is the one problem. The files of shard sets
-    (infra/shard_index.py) are all compared by size and hashed by sample, or all under `full`; their stamps are
-    not kept (a million of them would make the stamps file the large manifest the index avoids)."""
+    (infra/shard_index.py) are all compared by size, and hashed all under `full`, by a fresh sample under `stamped`
+    unless every file of the set still has the stamp key it had when the set was last wholly hashed: one digest
+    per set is kept, not a stamp per file (a million of them would make the stamps file the large manifest the
+    index avoids)."""
     try:
         manifest = store.read_manifest(uri)
         members = store.shard_members(manifest, cached=False)
@@ -48,19 +52,15 @@ def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
     folder = store.local_path(uri)
     stamps_file = _stamps_file(store, manifest)
     stamps = _read_stamps(stamps_file)
-    problems: list[str] = []
+    keys: dict[str, list] = {}
     for entry in members:
-        path = folder / entry.path
         try:
-            size = path.stat().st_size
+            st = (folder / entry.path).stat()
         except FileNotFoundError:
-            problems.append(f"{entry.path}: missing")
             continue
-        if size != entry.size:
-            problems.append(f"{entry.path}: {size:,} bytes, committed with {entry.size:,}")
-        elif entry.path in to_hash and sha256_file(str(path)) != entry.sha256:
-            problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
-    fresh: dict[str, list[int]] = {}
+        keys[entry.path] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    problems, fresh = _member_damage(manifest, members, keys, stamps, depth, to_hash,
+                                     lambda entry: sha256_file(str(folder / entry.path)) == entry.sha256)
     for entry in manifest.files:
         path = folder / entry.path
         try:
@@ -82,6 +82,38 @@ def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
     if not problems and fresh != stamps and depth != "sizes":
         _write_stamps(stamps_file, fresh)
     return problems
+
+
+def _member_damage(manifest: Manifest, members: list[FileEntry], keys: dict[str, list], stamps: dict[str, list],
+                   depth: Depth, to_hash: set[str], intact: Callable[[FileEntry], bool]) -> tuple[list[str], dict]:
+    """Problems of the shard sets' files (`keys`: each present file's stamp key, its size first) and the set stamps
+    to keep. A set whose members' keys all equal those stamped when it was last wholly hashed (at its commit, or by
+    a `full` check) is not sampled under `stamped`: its shards are then only listed, however large they are."""
+    now = _set_stamps(manifest, keys)
+    unchanged = {folder for folder, value in now.items() if stamps.get(folder) == value} if depth == "stamped" \
+        else set()
+    problems = []
+    for entry in members:
+        key = keys.get(entry.path)
+        if key is None:
+            problems.append(f"{entry.path}: missing")
+        elif key[0] != entry.size:
+            problems.append(f"{entry.path}: {key[0]:,} bytes, committed with {entry.size:,}")
+        elif entry.path in to_hash and entry.path.split("/", 1)[0] + "/" not in unchanged and not intact(entry):
+            problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
+    kept = now if depth == "full" and not problems else {folder: now[folder] for folder in unchanged}
+    return problems, kept
+
+
+def _set_stamps(manifest: Manifest, keys: dict[str, list]) -> dict[str, list]:
+    """{'<folder>/': [files, digest]} per shard set: the digest of its files' (path, stamp key) pairs. A key ends
+    in '/', which no file's path does."""
+    stamps = {}
+    for shards in manifest.shard_sets:
+        prefix = f"{shards.folder}/"
+        pairs = sorted((path, key) for path, key in keys.items() if path.startswith(prefix))
+        stamps[prefix] = [len(pairs), hashlib.sha256(json.dumps(pairs).encode()).hexdigest()]
+    return stamps
 
 
 def _hashed_members(manifest: Manifest, members: list[FileEntry], depth: Depth) -> set[str]:
@@ -121,17 +153,20 @@ def _manifest_paths(store: Store) -> list[str]:
 def stamp(store: Store, manifest: Manifest) -> None:
     """Record the files just committed (their hashes were computed for the manifest): later checks only stat
     (list, on S3)."""
+    members = store.shard_members(manifest)
     if store.is_remote:
         listing = _remote_listing(store, manifest)
-        _write_remote_stamps(store, manifest, {e.path: [listing[e.path][0], listing[e.path][1]]
-                                               for e in manifest.files if e.path in listing})
+        stamps = {e.path: [listing[e.path][0], listing[e.path][1]] for e in manifest.files if e.path in listing}
+        keys = {e.path: list(listing[e.path]) for e in members if e.path in listing}
+        _write_remote_stamps(store, manifest, stamps | _set_stamps(manifest, keys))
         return
     folder = store.local_path(manifest.uri)
-    stamps = {}
-    for entry in manifest.files:
-        st = (folder / entry.path).stat()
-        stamps[entry.path] = [st.st_size, st.st_mtime_ns, st.st_ino]
-    _write_stamps(_stamps_file(store, manifest), stamps)
+    stamps, keys = {}, {}
+    for entries, into in ((manifest.files, stamps), (members, keys)):
+        for entry in entries:
+            st = (folder / entry.path).stat()
+            into[entry.path] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    _write_stamps(_stamps_file(store, manifest), stamps | _set_stamps(manifest, keys))
 
 
 def set_aside(store: Store, uri: str) -> str:
@@ -154,15 +189,9 @@ def _remote_damage(store: Store, uri: str, manifest: Manifest, depth: Depth, mem
                    to_hash: set[str]) -> list[str]:
     found = _remote_listing(store, manifest)
     stamps = _read_remote_stamps(store, manifest)
-    problems = []
-    for entry in members:
-        if entry.path not in found:
-            problems.append(f"{entry.path}: missing")
-        elif found[entry.path][0] != entry.size:
-            problems.append(f"{entry.path}: {found[entry.path][0]:,} bytes, committed with {entry.size:,}")
-        elif entry.path in to_hash and not _streams_intact(store, uri, entry):
-            problems.append(f"{entry.path}: contents changed since the commit (sha256 differs)")
-    fresh: dict[str, list] = {}
+    keys = {e.path: list(found[e.path]) for e in members if e.path in found}
+    problems, fresh = _member_damage(manifest, members, keys, stamps, depth, to_hash,
+                                     lambda entry: _streams_intact(store, uri, entry))
     for entry in manifest.files:
         if entry.path not in found:
             problems.append(f"{entry.path}: missing")
@@ -229,14 +258,14 @@ def _stamps_file(store: Store, manifest: Manifest) -> Path:
     return Path(store.root_path) / STAMPS / f"{folder}.json"
 
 
-def _read_stamps(path: Path) -> dict[str, list[int]]:
+def _read_stamps(path: Path) -> dict[str, list]:
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return {}
 
 
-def _write_stamps(path: Path, stamps: dict[str, list[int]]) -> None:
+def _write_stamps(path: Path, stamps: dict[str, list]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}")
     partial.write_text(json.dumps(stamps))

@@ -77,15 +77,61 @@ def test_a_sampled_check_finds_a_changed_shard_once_it_is_drawn(tmp_path: Path):
     assert len(problems) == 32 and all("sha256 differs" in p for p in problems)
 
 
-def test_a_shard_set_on_s3_is_checked_and_staged_through_its_index(s3, tmp_path: Path):  # noqa: F811
+def _every_shard_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    from compass.infra import verify
+
+    monkeypatch.setattr(verify.shard_index, "sample", lambda members, k=32: {e.path for e in members})
+
+
+def test_a_shard_set_unchanged_since_it_was_wholly_hashed_is_only_listed(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """GB-sized shards: a step's check of its inputs must not read 32 of them each time. The commit stamps one
+    digest of the set's (path, size, mtime, inode); while it holds, a `stamped` check hashes no shard."""
+    from compass.infra import verify
+
+    store = Store(str(tmp_path / "store"))
+    manifest = commit_shards(store)
+    verify.stamp(store, manifest)  # as every step's commit does
+    hashed: list[str] = []
+    real = verify.sha256_file
+    monkeypatch.setattr(verify, "sha256_file", lambda path: hashed.append(path) or real(path))
+    _every_shard_drawn(monkeypatch)
+    assert damage(store, manifest.uri) == [] and not [p for p in hashed if "/train/" in p]
+
+    shard = Path(store.local_path(manifest.uri)) / "train" / "00003.tokens"
+    original = shard.read_bytes()
+    shard.write_bytes(b"\xfe" * len(original))  # same size: only its stamp key tells
+    assert damage(store, manifest.uri) == ["train/00003.tokens: contents changed since the commit (sha256 differs)"]
+    shard.write_bytes(original)
+    hashed.clear()
+    assert damage(store, manifest.uri) == [] and len([p for p in hashed if "/train/" in p]) == SHARDS
+    hashed.clear()
+    assert damage(store, manifest.uri) == [] and hashed, "a sampled check must not bless the shards it did not hash"
+    assert damage(store, manifest.uri, "full") == []  # every shard hashed: the set is stamped again
+    hashed.clear()
+    assert damage(store, manifest.uri) == [] and not [p for p in hashed if "/train/" in p]
+
+
+def test_a_shard_set_on_s3_is_checked_and_staged_through_its_index(s3, tmp_path: Path,  # noqa: F811
+                                                                    monkeypatch: pytest.MonkeyPatch):
     store = Store("s3://data/runs")
     manifest = commit_shards(store)
     assert damage(store, manifest.uri, "full") == []
     copy = store.copy_verified(manifest.uri, tmp_path / "node", only="train")  # node-local staging of one folder
     assert sorted(p.name for p in (copy / "train").iterdir()) == [f"{i:05d}.tokens" for i in range(SHARDS)]
     assert not (copy / "heldout").exists()
+    from compass.infra import verify
+
+    verify.stamp(store, manifest)
+    streamed: list[str] = []
+    real = verify._streams_intact
+    monkeypatch.setattr(verify, "_streams_intact", lambda st, uri, e: streamed.append(e.path) or real(st, uri, e))
+    _every_shard_drawn(monkeypatch)
+    assert damage(store, manifest.uri) == [] and not [p for p in streamed if p.startswith("train/")]  # ETags hold
     key = f"runs/tokenize/web-{'c' * 12}/train/00003.tokens"
     s3.client().put_object(Bucket="data", Key=key, Body=b"\x00" * 103)  # same size, other bytes
+    assert damage(store, manifest.uri) == ["train/00003.tokens: contents changed since the commit "
+                                           "(sha256 differs)"]  # its ETag changed: the set is sampled
     assert damage(store, manifest.uri, "full") == ["train/00003.tokens: contents changed since the commit "
                                                    "(sha256 differs)"]
     with pytest.raises(OSError, match=r"checksum mismatch for .*train/00003.tokens"):
