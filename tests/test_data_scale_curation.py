@@ -25,6 +25,11 @@ def _files_count(folder: Path) -> dict[str, int]:
     return {"documents": docs, "words": words, "bytes": size}
 
 
+def _lines(shard: Path) -> int:
+    with gzip.open(shard, "rt", encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
 def test_curation_counts_in_its_datatrove_passes_what_the_files_hold(tmp_path: Path):
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import run_in_process
@@ -53,6 +58,12 @@ def test_curation_counts_in_its_datatrove_passes_what_the_files_hold(tmp_path: P
         assert routed["train_words"] == stats["splits"]["train"]["words"]
         for split, counted in stats["splits"].items():
             assert counted == _files_count(curated.split(split)), split
+        on_disk = {f"{split}/{shard.name}": _lines(shard) for split in stats["splits"]
+                   for shard in sorted(curated.split(split).glob("*.jsonl.gz"))}
+        assert stats["per_shard"] == on_disk  # each shard's documents, from the ranks' own counts
+        raw = json.loads((store.local_path(raw_uri) / "stats.json").read_text())["per_shard"]
+        assert {name: c["documents"] for name, c in raw.items()} == {
+            shard.name: _lines(shard) for shard in sorted((store.local_path(raw_uri) / "documents").glob("*.gz"))}
         metrics = store.read_manifest(uri).metrics
         assert metrics["words_in"] == stats["before"]["words"] > 0
         assert metrics["train_documents"] == stats["splits"]["train"]["documents"] > 0

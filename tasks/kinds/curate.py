@@ -19,7 +19,7 @@ from compass.infra.layout import DOCUMENTS, HELDOUT, SPLITS, TRAIN, CuratedArtif
 from compass.specs.base import Issue
 from compass.specs.data import Curation
 from compass.specs.spec import TrainingSpec
-from compass.tasks.data.datatrove_stages import StageStats, run_stage
+from compass.tasks.data.datatrove_stages import StageStats, rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
@@ -145,7 +145,10 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     after = {split: _counted(stages[-1:], SplitTagger, f"{split}_") for split in SPLITS}
     kept = {k: after[TRAIN][k] + after[HELDOUT][k] for k in before}
     reasons = _removal_reasons(stages)
-    stats = {"before": before, "after": kept, "splits": after, "removed_by": reasons,
+    tagged = rank_block_stats(logs, "split", n_shards, f"{SplitTagger.type}: {SplitTagger.name}")
+    per_shard = {f"{split}/{rank:05d}.jsonl.gz": int(r[f"{split}_documents"])
+                 for split in SPLITS for rank, r in enumerate(tagged) if r.get(f"{split}_documents")}
+    stats = {"before": before, "after": kept, "splits": after, "per_shard": per_shard, "removed_by": reasons,
              "stages": [s.model_dump() for s in stages],
              "dropped_at_ingest": ctx.inputs["raw"].manifest.metrics.get("dropped", {})}
     curated.stats.write_text(json.dumps(stats, indent=2))

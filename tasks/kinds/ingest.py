@@ -4,7 +4,8 @@ A datatrove pipeline (tasks/data/source_reader.SourceReader -> a reproducible JS
 the step's placement names, like every data step: each task reads a contiguous group of the source's files, as
 streams, and writes one shard. How many tasks comes from the data and the spec: one per TASK_BYTES of input, at
 least the data phase's CPUs (how.resources.data), at most one per file. The stage's completion markers live in
-the step's work folder, so a relaunch redoes only the tasks that did not complete.
+the step's work folder, so a relaunch redoes only the tasks that did not complete. stats.json records each
+shard's documents and characters (the ranks' own counts).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from compass.infra.store import Store
 from compass.specs.base import Issue
 from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
-from compass.tasks.data.datatrove_stages import run_stage
+from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.source_files import MAX_DOCUMENT_CHARS, MAX_REPLACEMENT_SHARE, ReadSettings, drop_reason
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
@@ -182,8 +183,13 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
                         + (f" ({len(skipped)} skipped as binary or not UTF-8)" if skipped else "")
                         + (f"; documents dropped: {dropped} (max_document_chars is {cfg.max_document_chars:,})"
                            if dropped else ""))
-    shards = places.publish(ctx, ["ingest"], DOCUMENTS, DOCUMENTS)
-    return _result(ctx, n_files, n_docs, n_chars, len(groups), shards, skipped, dropped, provenance)
+    places.publish(ctx, ["ingest"], DOCUMENTS, DOCUMENTS)
+    block = f"{SourceReader.type}: {SourceReader.name}"
+    ranks = rank_block_stats(work / "logs", "ingest", len(groups), block)
+    per_shard = {f"{rank:05d}.jsonl.gz": {"documents": int(r.get("documents", 0)),
+                                          "characters": int(r.get("characters", 0))}
+                 for rank, r in enumerate(ranks) if r.get("documents")}  # a rank with no documents writes no shard
+    return _result(ctx, n_files, n_docs, n_chars, len(groups), per_shard, skipped, dropped, provenance)
 
 
 def _fresh_unless_same(work: Path, plan: dict) -> None:
@@ -226,13 +232,14 @@ def _write_generated(ctx: StepContext[IngestConfig], documents: Iterator[dict], 
             writer.write(document, rank=0)
     if counts["documents"] == 0:
         raise DataError(f"source {ctx.name}: no documents generated")
-    shards = len(list((ctx.out / DOCUMENTS).glob("*.jsonl.gz")))
-    return _result(ctx, 0, counts["documents"], counts["characters"], 1, shards, {}, dropped,
+    return _result(ctx, 0, counts["documents"], counts["characters"], 1, {"00000.jsonl.gz": counts}, {}, dropped,
                    provenance | {"files": 0})
 
 
-def _result(ctx: StepContext[IngestConfig], n_files: int, n_docs: int, n_chars: int, tasks: int, shards: int,
-            skipped: dict[str, str], dropped: dict[str, int], provenance: dict) -> StepResult:
+def _result(ctx: StepContext[IngestConfig], n_files: int, n_docs: int, n_chars: int, tasks: int,
+            per_shard: dict[str, dict[str, int]], skipped: dict[str, str], dropped: dict[str, int],
+            provenance: dict) -> StepResult:
+    """The step's report; stats.json keeps the documents and characters of each shard (`per_shard`)."""
     cfg = ctx.config
     if dropped:
         ctx.log.warning("ingest %s: dropped %s documents (%s characters at most, no NUL, at most %.0f%% U+FFFD)",
@@ -240,8 +247,9 @@ def _result(ctx: StepContext[IngestConfig], n_files: int, n_docs: int, n_chars: 
     if skipped:
         ctx.log.warning("ingest %s: skipped %d of %d files that are not text: %s", ctx.name, len(skipped),
                         n_files, "; ".join(f"{k} ({v})" for k, v in list(skipped.items())[:5]))
+    shards = len(per_shard)
     stats = {"files": n_files, "documents": n_docs, "characters": n_chars, "tasks": tasks, "shards": shards,
-             "dropped_documents": dropped, "skipped_files": skipped}
+             "per_shard": per_shard, "dropped_documents": dropped, "skipped_files": skipped}
     (ctx.out / "stats.json").write_text(json.dumps(stats, indent=2))
     metrics = {"files": n_files, "documents": n_docs, "characters": n_chars, "shards": shards, "tasks": tasks,
                "skipped_files": len(skipped), "skipped": dict(list(skipped.items())[:20]),
