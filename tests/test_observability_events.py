@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 SCREENSHOTS = REPO / "test-artifacts"
 SUITE = ("  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n"
          "    perplexity_sources: [notes]\n  pretraining:")
-LONGER_STAGE = "{name: stage1, tokens: 300000,"  # 1,171 steps: long enough to be watched
-HOW = "how:\n  checkpoints: {every_steps: 600, keep_last: 2}\n  monitoring: {progress_every_s: 1}\n"
+LONGER_STAGE = "{name: stage1, tokens: 150000,"  # 585 steps: long enough to be watched
+HOW = "how:\n  checkpoints: {every_steps: 300, keep_last: 2}\n  monitoring: {progress_every_s: 1}\n"
 DEPLOYMENT = "compass-checkpoint-evaluation/on-checkpoint-minimal"
 
 
@@ -90,7 +90,7 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
             wait_for_text(browser, "training, live")
             text = browser.find_element(By.TAG_NAME, "body").text
             done, total = map(int, re.search(r"step (\d+) of (\d+)", text).groups())
-            assert 0 < done < total == 1171, text  # shown before the stage's end
+            assert 0 < done < total == 585, text  # shown before the stage's end
             deadline = time.monotonic() + 30
             while not [browser.execute_script("return arguments[0].naturalWidth", img)
                        for img in browser.find_elements(By.CSS_SELECTOR, "img[alt='loss']")
@@ -104,11 +104,11 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
         assert run.wait(timeout=900) == 0, run.stdout.read()[-3000:]
         assert float(_artifact(api, "minimal-pretrain-stage1-progress", started).data) == 100.0
 
-        # two checkpoints committed (steps 600 and 1171): two evaluation runs, started by their events
+        # two checkpoints committed (steps 300 and 585): two evaluation runs, started by their events
         manifest = json.loads(next(store.glob("pretrain/stage1-*/manifest.json")).read_text())
         weights = {e["path"].split("/")[1]: e["sha256"] for e in manifest["files"]
                    if e["path"].startswith("checkpoints/") and e["path"].endswith("model.safetensors")}
-        assert sorted(weights) == ["step-00000600", "step-00001171"]
+        assert sorted(weights) == ["step-00000300", "step-00000585"]
         deadline = time.monotonic() + 600
         while len([r for r in _evaluation_runs(api) if r.state and r.state.is_final()]) < 2:
             assert time.monotonic() < deadline, [(r.name, r.state_name) for r in _evaluation_runs(api)]
@@ -123,7 +123,7 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
         assert len(results) == 2
         assert {json.loads(p.read_text())["checkpoint"]["weights_sha256"] for p in results} == set(weights.values())
 
-        # the schedule stays as the fallback: it finds every checkpoint evaluated (the final is step 1171's weights)
+        # the schedule stays as the fallback: it finds every checkpoint evaluated (the final is step 585's weights)
         scan = json.loads(server_cli("evaluate-schedule", str(spec), "--root", str(store), "--once").stdout)
         assert scan["checkpoints"] == 2 and scan["evaluated"] == []
     finally:
