@@ -21,21 +21,26 @@ from compass.tasks.steps.context import StepContext
 
 @dataclass(frozen=True)
 class DataPlaces:
-    logs: Path  # the stages' logging folders, per-rank records of written files, small side files
+    local: Path  # the step's local work folder: the stages' logs, per-rank records of written files, side files
     work: str  # the folder (local path or URL) under which intermediate stages write
     artifact: str | None  # a remote store: the artifact's folder URL, where the last stage writes; else None
 
     @classmethod
     def of(cls, ctx: StepContext) -> DataPlaces:
-        logs = ctx.workdir / "datatrove"
+        local = ctx.workdir / "datatrove"
         store = ctx.store
         if store is None or not store.is_remote:
-            return cls(logs=logs, work=str(logs), artifact=None)
-        return cls(logs=logs, work=f"{store.root}/.work/{ctx.work_key}/datatrove", artifact=ctx.uri.rstrip("/"))
+            return cls(local=local, work=str(local), artifact=None)
+        return cls(local=local, work=f"{store.root}/.work/{ctx.work_key}/datatrove", artifact=ctx.uri.rstrip("/"))
 
     @property
     def remote(self) -> bool:
         return self.artifact is not None
+
+    @property
+    def stage_logs(self) -> Path:
+        """Where each stage keeps datatrove's logging folder (completion markers, statistics, logs)."""
+        return self.local / "logs"
 
     def intermediate(self, name: str) -> str:
         """An intermediate stage's output folder."""
@@ -50,14 +55,17 @@ class DataPlaces:
 
     def records(self, stage: str) -> str | None:
         """Where a stage's writers record what they wrote: only on a remote store, whose commit takes them."""
-        return str(self.logs / "written" / stage) if self.remote else None
+        return str(self._records(stage)) if self.remote else None
+
+    def _records(self, stage: str) -> Path:
+        return self.local / "written" / stage
 
     def publish(self, ctx: StepContext, stages: list[str], work_name: str, under: str = "") -> int:
         """Make the last stages' shards part of the artifact; returns how many files. Local: linked from the work
         folder into the staging folder. Remote: already in place; their recorded digests go to the commit."""
         if self.artifact is None:
             return link_outputs(Path(self.intermediate(work_name)), ctx.out / under)
-        written = [e for stage in stages for e in recorded(str(self.logs / "written" / stage), under)]
+        written = [e for stage in stages for e in recorded(str(self._records(stage)), under)]
         ctx.published.extend(written)
         return len(written)
 

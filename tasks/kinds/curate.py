@@ -80,7 +80,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     cur = cfg.curation
     raw = ctx.inputs["raw"].folder_url(DOCUMENTS)  # read in place by datatrove (s3:// or a local folder)
     places = DataPlaces.of(ctx)  # kept across attempts: completed ranks are not redone
-    logs = places.logs / "logs"
+    logs = places.stage_logs
     stages: list[StageStats] = []
     unmeasured = [Measure()]  # the first pass over the raw documents counts them, once
 

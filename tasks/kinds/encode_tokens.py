@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from compass.infra.layout import SPLITS, TokenizerArtifact
-from compass.tasks.data.datatrove_stages import StageStats, rank_block_stats, run_stage
+from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
@@ -49,24 +49,22 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) 
     eos = tokenizer_ids(tokenizer).eos
     dtype = token_dtype(vocab)
     places = DataPlaces.of(ctx)
-    tokens = places.output("tokens")
+    shard_folder = places.output("tokens")
     counts: dict[str, int] = {}
     for split in SPLITS:
         tasks = len(curated.files(split, ".jsonl.gz"))
-        stats = StageStats(stage=split, tasks=0, blocks=[])
+        ranks = []  # rank r wrote token shard r
         if tasks:
             reader = JsonlReader(curated.folder_url(split), glob_pattern="*.jsonl.gz", doc_progress=False)
-            writer = TokenShards(str(tokenizer / "tokenizer.json"), tokens, split, eos, dtype.name,
+            writer = TokenShards(str(tokenizer / "tokenizer.json"), shard_folder, split, eos, dtype.name,
                                  written_records=places.records(f"tokenize-{split}"))
-            stats = run_stage(ctx.runtime, f"tokenize-{split}", places.logs / "logs", [reader, writer], tasks,
-                              ctx.log, sum(e.size for e in curated.files(split, ".jsonl.gz")))
-        block = f"{TokenShards.type}: {TokenShards.name}"
-        counted = next((b.stats for b in stats.blocks if b.name == block), {})
-        counts[f"{split}_documents"] = int(counted.get("documents", 0))
-        counts[f"{split}_tokens"] = int(counted.get("tokens", 0))
-        shards = rank_block_stats(places.logs / "logs", f"tokenize-{split}", tasks, block) if tasks else []
-        write_counts(ctx.out, split, [int(r.get("documents", 0)) for r in shards],
-                     [int(r.get("tokens", 0)) for r in shards])
+            run_stage(ctx.runtime, f"tokenize-{split}", places.stage_logs, [reader, writer], tasks, ctx.log,
+                      sum(e.size for e in curated.files(split, ".jsonl.gz")))
+            ranks = rank_block_stats(places.stage_logs, f"tokenize-{split}", tasks,
+                                     f"{TokenShards.type}: {TokenShards.name}")
+        documents, tokens = [int(r.get("documents", 0)) for r in ranks], [int(r.get("tokens", 0)) for r in ranks]
+        write_counts(ctx.out, split, documents, tokens)
+        counts[f"{split}_documents"], counts[f"{split}_tokens"] = sum(documents), sum(tokens)
     places.publish(ctx, [f"tokenize-{split}" for split in SPLITS], "tokens")
     write_meta(ctx.out, dtype, eos, vocab)
     return counts

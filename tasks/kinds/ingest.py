@@ -162,7 +162,7 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
 
     cfg = ctx.config
     places = DataPlaces.of(ctx)
-    work = places.logs
+    work = places.local
     settings = ReadSettings(source=ctx.name, uri=cfg.uri, format=cfg.format, text_key=cfg.text_key, split=cfg.split,
                             section_chars=cfg.section_chars, domain=cfg.domain, language=cfg.language,
                             max_document_chars=cfg.max_document_chars)
@@ -170,7 +170,7 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
                               "limit": cfg.max_documents})
     reader = SourceReader(base, groups, settings, str(work / "skipped"), limit=cfg.max_documents or -1)
     writer = ShardWriter(places.output(DOCUMENTS, DOCUMENTS), written_records=places.records("ingest"))
-    stage = run_stage(ctx.runtime, "ingest", work / "logs", [reader, writer], len(groups), ctx.log, input_bytes)
+    stage = run_stage(ctx.runtime, "ingest", places.stage_logs, [reader, writer], len(groups), ctx.log, input_bytes)
     stats = next(b.stats for b in stage.blocks if b.name.endswith(SourceReader.name))
     skipped = dict(left_out)
     for path in sorted((work / "skipped").glob("*.json")):
@@ -185,7 +185,7 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
                            if dropped else ""))
     places.publish(ctx, ["ingest"], DOCUMENTS, DOCUMENTS)
     block = f"{SourceReader.type}: {SourceReader.name}"
-    ranks = rank_block_stats(work / "logs", "ingest", len(groups), block)
+    ranks = rank_block_stats(places.stage_logs, "ingest", len(groups), block)
     per_shard = {f"{rank:05d}.jsonl.gz": {"documents": int(r.get("documents", 0)),
                                           "characters": int(r.get("characters", 0))}
                  for rank, r in enumerate(ranks) if r.get("documents")}  # a rank with no documents writes no shard
