@@ -73,15 +73,32 @@ def stop_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 class Cli:
     """Runs `compass ...` in a subprocess, the way a user does."""
 
     def __init__(self, cwd: Path, env: dict[str, str]):
         self.cwd, self.env = cwd, env
 
-    def __call__(self, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(VENV_BIN / "compass"), *args], cwd=self.cwd, env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+    def __call__(self, *args: str, check: bool = True, timeout: int = 840) -> subprocess.CompletedProcess:
+        """`timeout` stays under pytest's own (900 s): a command that hangs fails with what it printed and its
+        whole process group (Ray's, datatrove's workers) stopped, not with pytest's stack of this thread."""
+        proc = subprocess.Popen([str(VENV_BIN / "compass"), *args], cwd=self.cwd, env=self.env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired as exc:  # a process outside the group still holds the pipes
+                stdout, stderr = _text(exc.stdout), _text(exc.stderr)
+            raise AssertionError(f"compass {' '.join(args)} still ran after {timeout} s:\n{stdout[-3000:]}\n"
+                                 f"{stderr[-8000:]}") from None
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         if check and done.returncode != 0:
             raise AssertionError(f"compass {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
                                  f"{done.stderr[-5000:]}")

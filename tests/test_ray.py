@@ -73,3 +73,19 @@ def test_ray_without_a_server_is_refused_clearly(tmp_path: Path):
     done = Cli(tmp_path, base_env(tmp_path / "home"))("run", str(spec), check=False)
     assert done.returncode == 2 and "needs a Prefect server" in done.stderr and "PREFECT_API_URL" in done.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_a_local_ray_instance_runs_its_workers_at_the_drivers_priority():
+    """Ray's default niceness 15 starved the run's workers behind any other busy process on the node."""
+    import os
+
+    import ray
+
+    from compass.flows.lifecycle import local_ray_init_kwargs
+    from compass.specs.how import Orchestration
+
+    ray.init(**local_ray_init_kwargs(Orchestration(task_runner="ray", ray_num_cpus=1)), include_dashboard=False)
+    try:
+        assert ray.get(ray.remote(lambda: os.nice(0)).remote()) == os.nice(0)
+    finally:
+        ray.shutdown()
