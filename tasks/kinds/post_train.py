@@ -110,7 +110,8 @@ def sft_rows(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[list[dict[s
     """SFT's conversations; a hybrid reasoner's mix of worked arithmetic in /think mode and the dataset in
     /no_think mode (its template set on the tokenizer)."""
     cfg = ctx.config
-    conversations = _conversations(ctx, seed=0, limit=None if cfg.reasoning else cfg.max_samples)
+    # a hybrid mix takes at most max_samples of these too: parsing a package's million lines for eight took 20 s
+    conversations = _conversations(ctx, seed=0, limit=cfg.max_samples)
     facts: dict[str, Any] = {}
     if cfg.reasoning:
         from compass.infra.packages import fetch_package
