@@ -101,6 +101,7 @@ how:
   hardware: {devices_per_node: 2}
   parallelism: {micro_batch_size: 1, data_parallel: 2, deepspeed: false}
   resources:
+    data: {cpus_per_node: 1}  # one task per array (array tasks of many: tests/test_data_scale_slurm.py)
     pretraining: {cpus_per_node: 2}
     ablation: {devices_per_node: 1}
     mid_training: {devices_per_node: 1}
