@@ -148,9 +148,6 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str,
 
 
 def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
-    here = [s for s in plan.steps if placement_of(ctx, s).mode != "slurm_job"]  # jobs import in their own process
-    for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in here}.values():
-        kind.import_names()  # before any step's thread asks for them (see StepKind.imports)
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}

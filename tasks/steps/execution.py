@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -93,10 +94,15 @@ def execution_record(runtime: Runtime) -> Execution:
                      node_list=os.environ.get("SLURM_JOB_NODELIST") if placement.mode == "in_slurm_job" else None)
 
 
+_RESOLVING = threading.Lock()
+
+
 def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[Manifest, StepResult]:
     """Compute the step into a staging folder and commit it; returns the committed manifest and what the step
     reported. Torch is imported only here, when a step runs in this process."""
     kind = registry.kind(run.kind)
+    with _RESOLVING:  # one thread at a time (StepKind.import_names), and only for steps that compute here
+        kind.import_names()
     store = run.store
     started = time.time()
     log.info("%s running; commits to %s", run.step_id, run.uri)

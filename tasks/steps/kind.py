@@ -88,7 +88,7 @@ class StepKind:
     deployment: str | None = None  # "ablations": part of the ablation-only deployment
     tags: tuple[str, ...] = ()  # shown in the UI
     check_machine: MachineCheck | None = None  # checks of this machine (paths, libraries, caches) before any work
-    imports: tuple[str, ...] = ()  # "module:name" resolved in the main thread before steps run in threads
+    imports: tuple[str, ...] = ()  # "module:name" resolved, one thread at a time, before one of its steps computes
     # its work is datatrove stages: under a cluster they run as Slurm job arrays, the step's own job only drives them
     fans_out: bool = False
     headline: tuple[str, ...] = ()  # the metrics its commit line shows (the run's terminal, the Prefect logs)

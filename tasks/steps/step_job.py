@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict
 from compass.infra.layout import WorkFolder
 from compass.infra.store import Store
 from compass.specs.how import How
-from compass.tasks.steps import registry
 from compass.tasks.steps.context import InputArtifact, Runtime, StepResult
 from compass.tasks.steps.execution import StepRun, execute
 from compass.tasks.steps.placement import Placement
@@ -72,7 +71,6 @@ class StepJob(BaseModel):
                    scratch_root=run.store.scratch_root, spec_hash=run.spec_hash, spec_name=run.spec_name)
 
     def step_run(self) -> StepRun:
-        registry.kind(self.kind).import_names()
         module, _, name = self.config_type.partition(":")
         config_class = getattr(importlib.import_module(module), name)
         store = Store(self.store_root, self.scratch_root)
