@@ -15,6 +15,9 @@ from tests.conftest import Cli, prefect_client, write_minimal_spec
 pytestmark = pytest.mark.slow
 
 
+UI_NAME = {"name: minimal": "name: minimal-ui"}
+
+
 def executed(summary: dict) -> set[str]:
     return {s["step"] for s in summary["steps"] if s["executed"]}
 
@@ -43,8 +46,9 @@ def quiet_terminal(terminal: str, steps: set[str], cwd: Path) -> None:
     assert "datatrove" in log and "Launching pipeline" in log  # what the terminal left out is kept
 
 
-def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
-    spec = write_minimal_spec(tmp_path, **{"how:\n": "how:\n  monitoring: {progress_every_s: 3}\n"})  # progress lines
+def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path, prefect_server: str):
+    spec = write_minimal_spec(tmp_path, **{"how:\n": "how:\n  monitoring: {progress_every_s: 3}\n",  # progress lines
+                                           "name: minimal": "name: minimal-ui"})  # its own artifacts on the server
     store = tmp_path / "store"
     data_steps = {"ingest:notes", "curate:notes", "ingest:code", "curate:code"}
     trained = {"tokenize:notes", "tokenize:code", "pretrain:stage1", "pretrain:stage2"}
@@ -81,10 +85,11 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
 
     again = server_cli.json("run", str(spec), "--store", str(store))
     assert executed(again) == set()
+    artifacts_and_task_runs_reached_the_server(prefect_server)
 
     # one tokenizer field: only the tokenizer and what it feeds re-run; plan says why. (The later runs stop at the
     # tokenizer: the first run trained already, and the plan's reasons show what training would re-run.)
-    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000"})
+    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000", **UI_NAME})
     plan = server_cli.json("plan", str(spec), "--store", str(store))
     dag = {row[0]: row for row in plan["sections"][0]["rows"]}
     assert dag["tokenizer:select"][3:5] == ["run", "config changed: train_chars"]
@@ -96,7 +101,7 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
         "tokenizer:select"}
 
     # one curation field of one source: that curation and its descendants re-run, nothing else
-    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000",
+    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000", **UI_NAME,
                                            "curation: {heldout_fraction: 0.2}": "curation: {heldout_fraction: 0.25}"})
     plan = server_cli.json("plan", str(spec), "--store", str(store))
     dag = {row[0]: row for row in plan["sections"][0]["rows"]}
@@ -107,7 +112,7 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
         "curate:code", "tokenizer:select"}
 
     # orchestration settings are not part of any fingerprint
-    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000",
+    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000", **UI_NAME,
                                            "curation: {heldout_fraction: 0.2}": "curation: {heldout_fraction: 0.25}",
                                            "parallelism: {micro_batch_size: 2}":
                                            "parallelism: {micro_batch_size: 2}\n  orchestration: {retries: 4}"})
@@ -115,7 +120,7 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
 
     # a local tokenizer folder competes as a candidate next to freshly trained ones
     previous = next(store.glob("tokenizer/select-*")) / "chosen"
-    spec = write_minimal_spec(tmp_path, **{"      - {kind: bpe, vocab_size: 400}":
+    spec = write_minimal_spec(tmp_path, **UI_NAME, **{"      - {kind: bpe, vocab_size: 400}":
                                            f"      - {{kind: bpe, vocab_size: 400}}\n"
                                            f"      - {{kind: local, name: earlier, path: '{previous}'}}"})
     assert executed(server_cli.json("run", str(spec), "--store", str(store), *until_tokenizer)) == {
@@ -135,11 +140,8 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path):
     assert "ingest:notes" in text and "curate:code" in text
 
 
-def test_artifacts_and_task_runs_reach_the_server(server_cli: Cli, tmp_path: Path, prefect_server: str,
-                                                  monkeypatch: pytest.MonkeyPatch):
-    spec = write_minimal_spec(tmp_path, **{"name: minimal": "name: minimal-ui"})
-    server_cli.json("run", str(spec), "--store", str(tmp_path / "store"))
-    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+def artifacts_and_task_runs_reached_the_server(prefect_server: str) -> None:
+    """The run's task runs and artifacts, as the UI shows them: after a run and its cached re-run."""
 
     async def query():
         from prefect.client.orchestration import get_client
@@ -173,7 +175,6 @@ def test_artifacts_and_task_runs_reach_the_server(server_cli: Cli, tmp_path: Pat
     assert "Training compute" in by_key["minimal-ui-plan"].data
 
     # a cached re-run publishes each step's summary again, with its plots inlined for the UI
-    server_cli.json("run", str(spec), "--store", str(tmp_path / "store"))
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
