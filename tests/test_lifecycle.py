@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cli, prefect_client, write_minimal_spec
+from tests.conftest import REPO, Cli, prefect_client, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +85,13 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path, prefec
     assert not {"notes/note40.txt#0", "notes/note41.txt#0", "notes/note43.txt#0"} & kept
     assert len({"notes/note02.txt#0", "notes/note42.txt#0"} & kept) == 1  # MinHash kept one of the pair
 
-    again = server_cli.json("run", str(spec), "--store", str(store))
-    assert executed(again) == set()
+    record = tmp_path / "cached-run.json"  # the model libraries the cached re-run's process imported
+    cached = subprocess.run([sys.executable, "-m", "tests.watched_cli", str(record), "run", str(spec), "--store",
+                             str(store), "--json"], cwd=REPO, env=server_cli.env, capture_output=True, text=True,
+                            timeout=600)
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    assert executed(json.loads(cached.stdout)) == set()
+    assert json.loads(record.read_text())["heavy_modules"] == []  # finding everything committed loads no model code
     artifacts_and_task_runs_reached_the_server(prefect_server)
 
     # one tokenizer field: only the tokenizer and what it feeds re-run; plan says why. (The later runs stop at the

@@ -99,3 +99,14 @@ def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
     assert pretraining == pytest.approx(25, rel=0.10)  # published: 24 days on 384 H100s
     long_context = float(compute["long_context:ctx32k"][days]) + float(compute["long_context:ctx64k"][days])
     assert 5 < long_context < 20  # 99B tokens at 32-64k on 24 GPUs
+
+
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_checking_and_planning_a_cpu_spec_load_no_model_library(command: str, tmp_path: Path):
+    """Validation imports torch only for what the spec asks of it (a GPU, flash attention, the liger loss): every
+    validate, plan, run and submit of a CPU spec paid 3 s of torch's import before."""
+    record = tmp_path / "record.json"
+    done = subprocess.run([sys.executable, "-m", "tests.watched_cli", str(record), command,
+                           str(EXAMPLES / "tiny.yaml")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(record.read_text())["heavy_modules"] == []
