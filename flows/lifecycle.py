@@ -23,7 +23,7 @@ from compass.flows.confinement import outside_roots, worker_roots
 from compass.flows.mixture_report import consumption_section, source_sizes
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
-from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step
+from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
 from compass.flows.validation import check, smoke_of
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError
@@ -148,6 +148,7 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str,
 
 
 def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
+    _resolve_imports_of_steps_to_compute(plan, ctx)
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}
@@ -187,6 +188,16 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
     if failure is not None:
         raise failure
     return results
+
+
+def _resolve_imports_of_steps_to_compute(plan: Plan, ctx: RunContext) -> None:
+    """In the main thread, before any step's thread starts: imports racing in threads hand out partially initialized
+    modules (torch, transformers' lazy names). Only the kinds with a step to compute in this process: a step found
+    committed imports nothing, and a step run as a Slurm job imports in its own process."""
+    to_compute = [s for s in plan.steps
+                  if placement_of(ctx, s).mode != "slurm_job" and not ctx.store.is_committed(step_uri(ctx, s))]
+    for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in to_compute}.values():
+        kind.import_names()
 
 
 def _drives_arrays(ctx: RunContext, step: Step) -> bool:

@@ -60,9 +60,10 @@ class StepRun:
 def _default_grad_mode() -> Iterator[None]:
     """Steps run on reused worker threads, and torch's grad mode is per thread: a library that switches it off
     and never back (lighteval does) would leave the next step on that thread unable to train. A process that has
-    not imported torch has nothing to restore (and an orchestrator under a cluster never imports it)."""
+    not imported torch has nothing to restore (and an orchestrator under a cluster never imports it); nor has one
+    whose torch another thread is still importing (a partially initialized module, without enable_grad yet)."""
     torch = sys.modules.get("torch")
-    if torch is None:
+    if torch is None or getattr(torch.__spec__, "_initializing", False):
         yield
         return
     with torch.enable_grad():
