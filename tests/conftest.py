@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -128,23 +128,20 @@ def write_minimal_spec(folder: Path, **replacements: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stage1_job(tmp_path_factory: pytest.TempPathFactory):
-    """The minimal spec's data steps run for real; returns a factory of pretrain:stage1 jobs."""
+def stage1_job(data_store: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A factory of the minimal spec's pretrain:stage1 jobs, reading their inputs from a copy of `data_store`."""
     import logging
 
-    from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.specs.how import Checkpoints
     from compass.tasks.common.training import build_job
     from compass.tasks.steps.context import InputArtifact, Runtime, StepContext
 
-    loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml")
+    folder = tmp_path_factory.mktemp("stage1-job")
+    loaded = load_spec(write_minimal_spec(folder))
     plan = compile_spec(loaded.spec)
-    store = Store(str(tmp_path_factory.mktemp("store")))
-    runtime = Runtime(how=loaded.spec.how, base_dir=loaded.base_dir)
-    run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), store, loaded.spec_hash,
-                   runtime)
+    store = Store(str(seeded(folder / "store", data_store)))
     step = plan.step("pretrain:stage1")
 
     def make(workdir: Path, local_cache: Path | None = None, **parallelism) -> TrainJob:
@@ -221,21 +218,65 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                 os.environ["SLURM_CONF"] = saved
 
 
-@pytest.fixture(scope="session")
-def data_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A store holding the minimal spec's data steps (ingest, curation, tokenizer, tokens), run once in this process;
-    tests copy it and train from it."""
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder built once per test session and shared by every xdist worker: the first worker to ask builds it
+    (under a lock in the session's common temporary folder), the others wait for it. Tests never write into it:
+    they copy it (`seeded`)."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base folders are siblings under the session's own
+    folder, done = root / f"prepared-{name}", root / f"prepared-{name}.done"
+    with open(root / f"prepared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when a worker dies
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that died mid-build left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
+def seeded(store: Path, prepared: Path) -> Path:
+    """`store` holding a copy of a prepared store's artifacts: a test's steps whose fingerprints match them are
+    found committed, every other step runs."""
+    store.mkdir(parents=True, exist_ok=True)
+    for kind in (prepared / "store").iterdir():  # artifacts only: no work folders, locks or monitoring of the build
+        if kind.is_dir() and not kind.name.startswith(".") and kind.name != "monitoring":
+            shutil.copytree(kind, store / kind.name, dirs_exist_ok=True)
+    return store
+
+
+def _prepare(folder: Path, until: list[str] | set[str], seed: Path | None = None, **replacements: str) -> None:
+    """The minimal spec (absolute fixture paths, as every test's spec has them) run in this process into
+    `folder`/store, up to `until` (step ids or kinds)."""
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec
     from compass.tasks.steps.context import Runtime
 
-    folder = tmp_path_factory.mktemp("data-store")
-    loaded = load_spec(write_minimal_spec(folder))  # the fixtures' absolute paths, as every test's spec has them
-    root = folder / "store"
-    plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize"})
-    run_in_process(plan, Store(str(root)), loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
-    return root
+    loaded = load_spec(write_minimal_spec(folder, **replacements))
+    store = seeded(folder / "store", seed) if seed else folder / "store"
+    run_in_process(compile_spec(loaded.spec).up_to(list(until)), Store(str(store)), loaded.spec_hash,
+                   Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+
+
+DATA_KINDS = ["ingest", "curate", "tokenizer", "tokenize"]
+
+
+@pytest.fixture(scope="session")
+def data_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The minimal spec's data steps (ingest, curation, tokenizer, tokens), run once per session: `seeded(store,
+    data_store)` gives a test a store where they are committed."""
+    return built_once(tmp_path_factory, "data", lambda folder: _prepare(folder, DATA_KINDS))
+
+
+@pytest.fixture(scope="session")
+def trained_store(data_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`data_store` and the minimal spec's two pretraining stages, trained once per session."""
+    return built_once(tmp_path_factory, "trained",
+                      lambda folder: _prepare(folder, ["pretrain:stage2"], seed=data_store))
 
 
 CHECKPOINTED_STAGE = {  # the minimal spec's first stage, long enough to be caught mid-run, a checkpoint every 10 steps
@@ -264,17 +305,6 @@ def final_weights_sha(store: Path, step_id: str) -> str:
 @pytest.fixture(scope="session")
 def stage1_reference(data_store: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final weights' sha256 of the checkpointed first stage trained undisturbed, in this process."""
-    import shutil
-
-    from compass.flows.runner import run_in_process
-    from compass.infra.store import Store
-    from compass.specs import load_spec
-    from compass.tasks.steps.context import Runtime
-
-    folder = tmp_path_factory.mktemp("stage1-reference")
-    store = folder / "store"
-    shutil.copytree(data_store, store)
-    loaded = load_spec(write_minimal_spec(folder, **CHECKPOINTED_STAGE))
-    run_in_process(compile_spec(loaded.spec).up_to(["pretrain:stage1"]), Store(str(store)), loaded.spec_hash,
-                   Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
-    return final_weights_sha(store, "pretrain:stage1")
+    folder = built_once(tmp_path_factory, "stage1-reference",
+                        lambda folder: _prepare(folder, ["pretrain:stage1"], seed=data_store, **CHECKPOINTED_STAGE))
+    return final_weights_sha(folder / "store", "pretrain:stage1")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Cli, base_env
+from tests.conftest import REPO, Cli, base_env, seeded
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ ABLATIONS = """  ablations:
   pretraining:"""
 
 
-def test_ablation_runs_comparison_and_promotion(tmp_path: Path):
+def test_ablation_runs_comparison_and_promotion(trained_store: Path, tmp_path: Path):
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
@@ -34,7 +34,7 @@ def test_ablation_runs_comparison_and_promotion(tmp_path: Path):
                     .replace("../fixtures/", f"{REPO}/tests/fixtures/").replace("  pretraining:", ABLATIONS))
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec)
-    store = tmp_path / "store"
+    store = seeded(tmp_path / "store", trained_store)  # the data and the main stages committed: the ablations run
     ctx = RunContext(plan, Store(str(store)), loaded.spec_hash,
                      Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}

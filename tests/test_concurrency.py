@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cli, prefect_client, remove_gpu_limit, write_minimal_spec
+from tests.conftest import Cli, prefect_client, remove_gpu_limit, seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 TWO_GPU_STEPS = """  ablations:
@@ -37,21 +37,21 @@ def overlap(intervals: list[tuple[float, float]]) -> float:
 
 
 def test_gpu_tag_limit_serialises_gpu_steps_across_the_server(server_cli: Cli, prefect_server: str,
-                                                              tmp_path: Path):
+                                                              data_store: Path, tmp_path: Path):
     spec = write_minimal_spec(tmp_path, **{
         "  pretraining:": TWO_GPU_STEPS,
         "how:\n": "how:\n  orchestration: {max_parallel_steps: 2, max_parallel_gpu_steps: 2}\n"})
     kinds = [arg for kind in ("ingest", "curate", "tokenizer", "tokenize", "ablate") for arg in ("--until", kind)]
     remove_gpu_limit(prefect_server)  # whatever an earlier test on this server deployed
 
-    free = tmp_path / "free"
+    free = seeded(tmp_path / "free", data_store)  # the data steps committed: the run's work is the two ablations
     server_cli("run", str(spec), "--store", str(free), *kinds)
     assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec))) > 0  # the spec alone lets both run together
 
     deployed = server_cli.json("deploy", "--gpu-slots", "1")
     assert deployed["gpu_slots"] == 1
     try:
-        server_cli("run", str(spec), "--store", str(tmp_path / "limited"), *kinds)
+        server_cli("run", str(spec), "--store", str(seeded(tmp_path / "limited", data_store)), *kinds)
         assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec))) <= 0  # one at a time
     finally:
         with prefect_client(prefect_server) as client:

@@ -5,12 +5,11 @@ them (gloo here, NCCL on GPUs); the scores are exactly one process's."""
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_up_to, write_minimal_spec
+from tests.conftest import seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +28,12 @@ def spec(folder: Path, devices: int) -> Path:
                                                                                 f"{{devices_per_node: {devices}}}}}\n"})
 
 
-def test_two_ranks_score_exactly_what_one_process_scores(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+def test_two_ranks_score_exactly_what_one_process_scores(trained_store: Path, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture):
     from tests.test_post_training_scale import run_steps
 
-    run_up_to(spec(tmp_path / "one", 1), "pretrain:stage2", tmp_path / "one" / "store")
-    shutil.copytree(tmp_path / "one" / "store", tmp_path / "two" / "store")
+    for folder in ("one", "two"):  # the minimal spec's pretraining, committed
+        seeded(tmp_path / folder / "store", trained_store)
     one = run_steps(spec(tmp_path / "one", 1), tmp_path / "one" / "store", [STEP])[STEP].manifest.metrics
     with caplog.at_level(logging.INFO):
         two = run_steps(spec(tmp_path / "two", 2), tmp_path / "two" / "store", [STEP])[STEP].manifest.metrics

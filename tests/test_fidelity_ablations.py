@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_up_to, write_minimal_spec
+from tests.conftest import run_up_to, seeded, write_minimal_spec
 
 ABLATIONS = """  ablations:
     baseline: {tokens: 4096, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
@@ -26,9 +26,9 @@ ABLATIONS = """  ablations:
 
 
 @pytest.mark.slow
-def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(tmp_path: Path):
+def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(data_store: Path, tmp_path: Path):
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": ABLATIONS})
-    _, outcomes = run_up_to(spec, "compare:ablations", tmp_path / "store")
+    _, outcomes = run_up_to(spec, "compare:ablations", seeded(tmp_path / "store", data_store))
 
     runs = {sid: o.manifest.metrics for sid, o in outcomes.items() if sid.startswith("ablate:")}
     assert len(runs) == 4

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VENV_BIN, base_env, write_minimal_spec
+from tests.conftest import VENV_BIN, base_env, seeded, write_minimal_spec
 from tests.hub_cache import COMMIT, seed_model, tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -43,8 +43,9 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "cache"
 
 
-def test_an_existing_model_that_meets_the_criteria_stops_the_run(hub_cache: Path, tmp_path: Path):
+def test_an_existing_model_that_meets_the_criteria_stops_the_run(hub_cache: Path, data_store: Path, tmp_path: Path):
     spec = spec_with(tmp_path, threshold=0.0)  # any accuracy meets it
+    seeded(tmp_path / "store", data_store)
     env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(hub_cache)}
     done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--until", "pretrain:stage1", "--store",
                            str(tmp_path / "store")], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -59,7 +60,8 @@ def test_an_existing_model_that_meets_the_criteria_stops_the_run(hub_cache: Path
     assert 0.0 <= report["scores"]["arc_easy:cf/acc"] <= 1.0 and report["criteria"][0]["met"]
 
 
-def test_falling_short_trains_and_an_override_goes_on_with_its_reason(hub_cache: Path, tmp_path: Path,
+def test_falling_short_trains_and_an_override_goes_on_with_its_reason(hub_cache: Path, data_store: Path,
+                                                                        tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch):
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import run_in_process
@@ -69,7 +71,7 @@ def test_falling_short_trains_and_an_override_goes_on_with_its_reason(hub_cache:
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub_cache))
     monkeypatch.setitem(os.environ, "HF_HUB_OFFLINE", "1")
-    store = Store(str(tmp_path / "store"))
+    store = Store(str(seeded(tmp_path / "store", data_store)))
     reason = "we need a model whose training data we can audit end to end"
     for folder, threshold, override, verdict in ((tmp_path / "short", 1.01, None, "justified"),
                                                   (tmp_path / "over", 0.0, reason, "overridden")):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_up_to, write_minimal_spec
+from tests.conftest import run_up_to, seeded, write_minimal_spec
 
 SFT_LORA = """  post_training:
     - {method: sft, name: sft_lora, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 32,
@@ -17,7 +17,7 @@ SFT_LORA = """  post_training:
 
 
 @pytest.mark.slow
-def test_lora_sft_exports_merged_weights_and_its_adapter(tmp_path: Path):
+def test_lora_sft_exports_merged_weights_and_its_adapter(trained_store: Path, tmp_path: Path):
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -25,7 +25,7 @@ def test_lora_sft_exports_merged_weights_and_its_adapter(tmp_path: Path):
     from compass.tasks.post_training.chat import load_chat_model
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT_LORA})
-    plan, outcomes = run_up_to(spec, "post_train:sft_lora", tmp_path / "store")
+    plan, outcomes = run_up_to(spec, "post_train:sft_lora", seeded(tmp_path / "store", trained_store))
     lora = outcomes["post_train:sft_lora"]
     out = Path(lora.uri)
     metrics = lora.manifest.metrics

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_up_to, write_minimal_spec
+from tests.conftest import REPO, run_up_to, seeded, write_minimal_spec
 
 CONVERSATION = [{"role": "user", "content": "What is 12 + 7 * 2?"},
                 {"role": "assistant", "content": "<think>\n7 * 2 = 14\n12 + 14 = 26\n</think>\n26"}]
@@ -88,11 +88,11 @@ SFT = """  post_training:
 
 
 @pytest.mark.slow
-def test_hybrid_sft_trains_both_modes_on_the_tokens_the_template_renders(tmp_path: Path):
+def test_hybrid_sft_trains_both_modes_on_the_tokens_the_template_renders(trained_store: Path, tmp_path: Path):
     from transformers import AutoTokenizer
 
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SFT})
-    _, outcomes = run_up_to(spec, "post_train:hybrid", tmp_path / "store")
+    _, outcomes = run_up_to(spec, "post_train:hybrid", seeded(tmp_path / "store", trained_store))
     outcome = outcomes["post_train:hybrid"]
     out = Path(outcome.uri)
     assert outcome.manifest.metrics["think_examples"] == 20 and outcome.manifest.metrics["examples"] == 40

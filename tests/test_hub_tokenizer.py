@@ -15,7 +15,7 @@ from compass.flows.validation import load_checked
 from compass.infra.store import Store
 from compass.specs.loader import SpecError
 from compass.tasks.steps.context import Runtime
-from tests.conftest import FIXTURES, write_minimal_spec
+from tests.conftest import FIXTURES, seeded, write_minimal_spec
 from tests.hub_cache import seed_model
 
 REPO_ID = "test-org/tiny-bpe"
@@ -55,13 +55,14 @@ def test_hub_candidate_missing_from_the_cache_is_refused_before_anything_runs(tm
     assert f"hf download {REPO_ID}" in problem.hint and str(tmp_path / "empty-cache") in problem.hint
 
 
-def test_hub_candidate_from_the_cache_is_chosen_tokenizes_and_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_hub_candidate_from_the_cache_is_chosen_tokenizes_and_trains(data_store: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
     cache = tmp_path / "hub-cache"
     snapshot = seed_model(cache, REPO_ID, published_tokenizer(tmp_path / "published"))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     spec = write_minimal_spec(tmp_path, **{CANDIDATES: HUB_CANDIDATE})
     checked = load_checked(spec)
-    store = Store(str(tmp_path / "store"))
+    store = Store(str(seeded(tmp_path / "store", data_store)))  # the documents curated: the tokenizer differs
     plan = checked.plan.up_to(["pretrain:stage1"])
     outcomes = run_in_process(plan, store, checked.loaded.spec_hash,
                               Runtime(how=checked.spec.how, base_dir=checked.loaded.base_dir),

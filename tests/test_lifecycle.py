@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Cli, prefect_client, write_minimal_spec
+from tests.conftest import REPO, Cli, prefect_client, seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +196,7 @@ def artifacts_and_task_runs_reached_the_server(prefect_server: str) -> None:
 
 
 def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_cli: Cli, prefect_server: str,
-                                                                         tmp_path: Path):
+                                                                         data_store: Path, tmp_path: Path):
     """Prefect turns SIGTERM into an exception in the main thread, but the training step runs in a worker
     thread: the run must end without finishing (or committing) that step, record its state on the server, and
     lose nothing committed."""
@@ -210,7 +210,7 @@ def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_c
     from tests.conftest import VENV_BIN
 
     spec = write_minimal_spec(tmp_path, **{"tokens: 20000": "tokens: 400000"})  # a stage long enough to stop
-    store = tmp_path / "store"
+    store = seeded(tmp_path / "store", data_store)
     log = tmp_path / "run.log"
     with log.open("w") as out:
         proc = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store)],

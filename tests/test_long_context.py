@@ -14,7 +14,7 @@ import torch
 
 from compass.model.training.packing import PADDING, Packer
 from compass.tasks.evaluation.retrieval import NEEDLE, QUESTION, build_prompt
-from tests.conftest import REPO, write_minimal_spec
+from tests.conftest import REPO, seeded, write_minimal_spec
 
 LONG_CONTEXT = """  long_context:
     stages:
@@ -73,7 +73,7 @@ def test_passkey_prompt_puts_the_needle_at_its_depth():
 
 
 @pytest.mark.slow
-def test_extension_stages_export_yarn_and_measure_retrieval(tmp_path: Path):
+def test_extension_stages_export_yarn_and_measure_retrieval(trained_store: Path, tmp_path: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from compass.flows.compiler import compile_spec
@@ -86,7 +86,7 @@ def test_extension_stages_export_yarn_and_measure_retrieval(tmp_path: Path):
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec).restricted_to({"ingest", "curate", "tokenizer", "tokenize", "pretrain",
                                                     "long_context", "evaluate"})
-    ctx = RunContext(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
+    ctx = RunContext(plan, Store(str(seeded(tmp_path / "store", trained_store))), loaded.spec_hash,
                      Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     done = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
 

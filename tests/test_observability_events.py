@@ -21,6 +21,7 @@ from tests.conftest import (
     Cli,
     prefect_client,
     remove_gpu_limit,
+    seeded,
     stop_group,
     write_minimal_spec,
 )
@@ -56,13 +57,13 @@ def _evaluation_runs(api_url: str) -> list:
             any_=[deployment.name])), flow_run_filter=FlowRunFilter())
 
 
-def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: Cli, tmp_path: Path):
+def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: Cli, data_store: Path, tmp_path: Path):
     from selenium.webdriver.common.by import By
 
     from tests.browser import chromium, wait_for_text
 
     started = datetime.datetime.now(datetime.UTC)
-    store = tmp_path / "store"
+    store = seeded(tmp_path / "store", data_store)  # the data steps committed: the run is the stage that is watched
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SUITE, "{name: stage1, tokens: 20000,": LONGER_STAGE,
                                            "how:\n": HOW})
     api = server_cli.env["PREFECT_API_URL"]

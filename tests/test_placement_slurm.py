@@ -36,6 +36,7 @@ from tests.conftest import (
     base_env,
     cluster_spec,
     final_weights_sha,
+    seeded,
 )
 from tests.hub_cache import seed_model, tiny_llama
 
@@ -163,7 +164,7 @@ def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm
                                                                           stage1_reference: str, tmp_path: Path):
     spec = cluster_spec(tmp_path, tmp_path / "shared", **CHECKPOINTED_STAGE)
     store = tmp_path / "store"
-    shutil.copytree(data_store, store)
+    seeded(store, data_store)
     env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
     argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until", "pretrain:stage1"]
     first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -20,7 +20,7 @@ from compass.tasks.post_training.datasets import (
     first_number,
     length_penalty,
 )
-from tests.conftest import write_minimal_spec
+from tests.conftest import seeded, write_minimal_spec
 from tests.tracker_servers import mlflow_server, wandb_offline_history
 
 POST = """  post_training:
@@ -86,8 +86,9 @@ def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def post_trained(tmp_path_factory: pytest.TempPathFactory, mlflow_uri: str):
-    """Every TRL method after a two-stage pretraining, each step evaluated, reporting to every tracker."""
+def post_trained(tmp_path_factory: pytest.TempPathFactory, mlflow_uri: str, data_store: Path):
+    """Every TRL method after a two-stage pretraining, each step evaluated, reporting to every tracker (the data
+    steps come committed from the session's data store)."""
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import RunContext, run_step
     from compass.infra.store import Store
@@ -102,7 +103,7 @@ def post_trained(tmp_path_factory: pytest.TempPathFactory, mlflow_uri: str):
     spec = write_minimal_spec(folder, **{"  pretraining:": POST, "how:\n": f"how:\n{trackers}"})
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec)
-    ctx = RunContext(plan, Store(str(folder / "store")), loaded.spec_hash,
+    ctx = RunContext(plan, Store(str(seeded(folder / "store", data_store))), loaded.spec_hash,
                      Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     return {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from compass.tasks.post_training.trl_checkpoints import newest_complete
-from tests.conftest import REPO, write_minimal_spec
+from tests.conftest import REPO, seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -55,16 +55,9 @@ def spec_with_ranks(folder: Path, ranks: int, zero: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pretrained(trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with the minimal spec's pretraining done (what every variant's SFT continues from)."""
-    return pretrained_store(tmp_path_factory.mktemp("trl-scale"))
-
-
-def pretrained_store(folder: Path) -> Path:
-    from tests.conftest import run_up_to
-
-    run_up_to(spec_with_ranks(folder / "base", 1), "pretrain:stage2", folder / "store")
-    return folder / "store"
+    return seeded(tmp_path_factory.mktemp("trl-scale") / "store", trained_store)
 
 
 def run_steps(spec: Path, store: Path, steps: list[str]) -> dict:

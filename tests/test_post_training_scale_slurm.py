@@ -18,8 +18,8 @@ from compass.infra.store import Store
 from compass.specs import load_spec
 from compass.tasks.post_training.trl_checkpoints import newest_complete
 from compass.tasks.steps.context import Runtime
-from tests.conftest import cluster_spec, write_minimal_spec
-from tests.test_post_training_scale import POST, TRL_SHAPE, pretrained_store, run_steps, spec_with_ranks, weights
+from tests.conftest import cluster_spec, seeded, write_minimal_spec
+from tests.test_post_training_scale import POST, TRL_SHAPE, run_steps, spec_with_ranks, weights
 from tests.test_slurm import controller_log, release_when_pending, scontrol, wait_for
 
 pytestmark = pytest.mark.slow
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 LONGER = {"  pretraining:": POST.replace("max_samples: 48", "max_samples: 160"), "how:\n": TRL_SHAPE % 2}
 
 
-def test_a_requeued_trl_job_resumes_from_its_checkpoint(slurm, tmp_path: Path):
-    pretrained = pretrained_store(tmp_path / "pretrained")
+def test_a_requeued_trl_job_resumes_from_its_checkpoint(slurm, trained_store: Path, tmp_path: Path):
+    pretrained = seeded(tmp_path / "pretrained" / "store", trained_store)
     reference_store = tmp_path / "reference" / "store"
     shutil.copytree(pretrained, reference_store)
     spec_with_ranks(tmp_path / "reference", 2)  # the pairs file the spec names

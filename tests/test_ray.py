@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cli, base_env, write_minimal_spec
+from tests.conftest import Cli, base_env, seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def content(store, uri: str, rel: str) -> bytes:
     return gzip.decompress(data) if rel.endswith(".gz") else data
 
 
-def test_ray_fans_out_steps_with_the_same_results_as_local(server_cli: Cli, tmp_path: Path):
+def test_ray_fans_out_steps_with_the_same_results_as_local(server_cli: Cli, data_store: Path, tmp_path: Path):
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
@@ -48,12 +48,13 @@ def test_ray_fans_out_steps_with_the_same_results_as_local(server_cli: Cli, tmp_
     workers = {r["pid"] for r in steps.values()}
     assert summary["flow_pid"] not in workers  # every step ran in a Ray worker process, none in the flow's
 
-    # the same plan through the local executors, in this process
+    # the same plan through the local executors, in this process: its data steps are the session's data store,
+    # run that way
     loaded = load_spec(spec)
     plan = compile_spec(loaded.spec).restricted_to(set(KINDS))
     how = loaded.spec.how
     how = how.model_copy(update={"orchestration": how.orchestration.model_copy(update={"task_runner": "local"})})
-    local = Store(str(tmp_path / "local-store"))
+    local = Store(str(seeded(tmp_path / "local-store", data_store)))
     outcomes = run_in_process(plan, local, loaded.spec_hash, Runtime(how=how, base_dir=loaded.base_dir))
     ours = {step_id: outcome.manifest for step_id, outcome in outcomes.items()}
     ray_store = Store(str(tmp_path / "ray-store"))

@@ -65,10 +65,9 @@ def living_children(pid: int) -> dict[int, str]:
     return out
 
 
-def test_kill_9_at_several_points_then_finish(tmp_path: Path):
+def test_kill_9_at_several_points_then_finish(data_store: Path, tmp_path: Path):
     spec = write_minimal_spec(tmp_path)
-    straight = tmp_path / "straight"
-    assert start(spec, straight).wait(600) == 0
+    straight = data_store / "store"  # the same data steps run uninterrupted, once for the session
 
     store = tmp_path / "killed"
     orphans: dict[int, str] = {}

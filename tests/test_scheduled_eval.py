@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VENV_BIN, Cli, stop_group, write_minimal_spec
+from tests.conftest import VENV_BIN, Cli, seeded, stop_group, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 SUITE = ("  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 4}\n"
@@ -47,8 +47,8 @@ def wait_for_runs(store: Path, n: int, proc: subprocess.Popen, timeout: float = 
     return runs(store)
 
 
-def test_served_schedule_evaluates_each_checkpoint_once(server_cli: Cli, tmp_path: Path):
-    store = tmp_path / "store"
+def test_served_schedule_evaluates_each_checkpoint_once(server_cli: Cli, trained_store: Path, tmp_path: Path):
+    store = seeded(tmp_path / "store", trained_store)  # two stages trained: two checkpoints to evaluate
     spec = write_minimal_spec(tmp_path, **{"  pretraining:": SUITE})
     train(spec, store)
     proc = subprocess.Popen([str(VENV_BIN / "compass"), "evaluate-schedule", str(spec), "--root", str(store),

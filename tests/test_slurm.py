@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from compass.infra.layout import WorkFolder
 from compass.infra.store import Store
 from compass.specs import load_spec
 from compass.tasks.steps.context import Runtime
-from tests.conftest import CHECKPOINTED_STAGE, REPO, cluster_spec, final_weights_sha
+from tests.conftest import CHECKPOINTED_STAGE, REPO, cluster_spec, final_weights_sha, seeded
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +60,7 @@ class StageRun:
 
     def __init__(self, folder: Path, data_store: Path, **replacements: str):
         self.store = folder / "store"
-        shutil.copytree(data_store, self.store)
+        seeded(self.store, data_store)
         loaded = load_spec(cluster_spec(folder, folder / "shared", **{**CHECKPOINTED_STAGE, **replacements}))
         plan = compile_spec(loaded.spec).up_to(["pretrain:stage1"])
         how = loaded.spec.how
@@ -145,7 +144,7 @@ def test_a_failing_job_names_its_last_log_lines(slurm, data_store: Path, tmp_pat
 def test_stopping_the_run_cancels_its_slurm_job(slurm, data_store: Path, prefect_server: str, tmp_path: Path):
     spec = cluster_spec(tmp_path, tmp_path / "shared", **CHECKPOINTED_STAGE)
     store = tmp_path / "store"
-    shutil.copytree(data_store, store)
+    seeded(store, data_store)
     run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store", str(store),
                             "--until", "pretrain:stage1"], cwd=REPO, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True,
