@@ -12,7 +12,7 @@ Two datatrove baselines:
 All read the same generated source (`--files` JSONL files of `--documents` documents); compass's steps run as a
 run would (store, manifests, verification), each round in a fresh store with the tokenizer already chosen.
 
-    python benchmarks/data_throughput.py [--files 8] [--documents 2000] [--rounds 3]
+    python benchmarks/data_throughput.py [--files 8] [--documents 2000] [--rounds 3] [--variants NAME ...]
 """
 
 from __future__ import annotations
@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--documents", type=int, default=2000, help="per file")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="a subset of: "
+                        + "; ".join(VARIANTS))
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -175,18 +177,24 @@ def main() -> None:
     try:
         ctx = prepare(work, args.files, args.documents)
         (work / "ctx.json").write_text(json.dumps(ctx))
+        chosen = args.variants
+        unknown = sorted(set(chosen) - set(VARIANTS))
+        if unknown:
+            parser.error(f"unknown variants {unknown}: choose from {'; '.join(VARIANTS)}")
         results = interleave({name: (lambda name=name: child(__file__, [name, str(work / "ctx.json")], cwd=REPO))
-                              for name in VARIANTS}, args.rounds)
+                              for name in chosen}, args.rounds)
         title = f"data: {ctx['documents']:,} documents in {args.files} JSONL files, ingest..tokenize"
         for workers in (1, 2):
             pair = {name: runs for name, runs in results.items() if VARIANTS[name][1] == workers}
-            report(f"{title}, {workers} worker(s)", pair,
-                   f"datatrove stages, {workers} worker{'s' * (workers > 1)}", "docs/s")
+            baseline = f"datatrove stages, {workers} worker{'s' * (workers > 1)}"
+            if baseline in pair:
+                report(f"{title}, {workers} worker(s)", pair, baseline, "docs/s")
         for engine in ENGINES:
             speeds = [statistics.median([r.details["tokens_per_s"] for r in results[name]])
-                      for name, (e, _) in VARIANTS.items() if e == engine]
-            print(f"  {engine}: {speeds[0]:,.0f} -> {speeds[1]:,.0f} tokens/s from 1 to 2 workers "
-                  f"({speeds[1] / speeds[0]:.2f}x)")
+                      for name, (e, _) in VARIANTS.items() if e == engine and name in results]
+            if len(speeds) == 2:
+                print(f"  {engine}: {speeds[0]:,.0f} -> {speeds[1]:,.0f} tokens/s from 1 to 2 workers "
+                      f"({speeds[1] / speeds[0]:.2f}x)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -107,19 +107,28 @@ def current_rss_mib() -> float:
 def fixture_job(work: Path, *, steps: int, seq: int, batch: int, micro: int, architecture: dict, parallelism: dict,
                 checkpoints: dict):
     """A pretraining job on the test fixtures' corpus (the minimal spec's data steps run for real, once per
-    `work` folder), with the given architecture fields, steps, sequence length and `how` changes."""
+    `work` folder), with the given architecture fields, steps, sequence length and `how` changes.
+
+    COMPASS_BENCH_DATA_STORE, when set, names a store that holds those data steps already (the test suite's
+    prepared one, under the same fingerprints): it is copied instead of run again."""
     import logging
+    import shutil
 
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
-    from compass.specs import load_spec
+    from compass.specs.loader import load_spec_text
     from compass.tasks.common.training import build_job
     from compass.tasks.steps.context import InputArtifact, Runtime, StepContext
 
     repo = Path(__file__).resolve().parent.parent
-    loaded = load_spec(repo / "tests" / "specs" / "minimal.yaml")
+    specs = repo / "tests" / "specs"  # the fixtures' absolute paths, as the tests' specs name them
+    text = (specs / "minimal.yaml").read_text().replace("../fixtures/", f"{repo / 'tests' / 'fixtures'}/")
+    loaded = load_spec_text(text, str(specs / "minimal.yaml"), base_dir=specs)
     plan = compile_spec(loaded.spec)
+    prepared = os.environ.get("COMPASS_BENCH_DATA_STORE")
+    if prepared and not (work / "store").exists():
+        shutil.copytree(prepared, work / "store", ignore=shutil.ignore_patterns(".*", "monitoring"))
     store = Store(str(work / "store"))
     run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), store, loaded.spec_hash,
                    Runtime(how=loaded.spec.how, base_dir=loaded.base_dir), logging.getLogger("bench"))

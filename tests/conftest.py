@@ -248,6 +248,20 @@ def seeded(store: Path, prepared: Path) -> Path:
     return store
 
 
+def seeded_s3(fs: Any, root: str, prepared: Path) -> str:
+    """`seeded` for a store on S3: the prepared store's artifacts uploaded under `root` (s3://bucket/prefix) through
+    `fs` (an s3fs filesystem), each artifact's manifest last."""
+    base = prepared / "store"
+    for kind in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".") and
+                       p.name != "monitoring"):
+        for artifact in sorted(kind.iterdir()):
+            files = sorted(p for p in artifact.rglob("*") if p.is_file())
+            for path in sorted(files, key=lambda p: p.name == "manifest.json"):
+                fs.put_file(str(path), f"{root.removeprefix('s3://')}/{path.relative_to(base).as_posix()}")
+    fs.invalidate_cache()
+    return root
+
+
 def _prepare(folder: Path, until: list[str] | set[str], seed: Path | None = None, **replacements: str) -> None:
     """The minimal spec (absolute fixture paths, as every test's spec has them) run in this process into
     `folder`/store, up to `until` (step ids or kinds)."""

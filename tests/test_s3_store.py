@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VENV_BIN, Cli, write_minimal_spec
+from tests.conftest import VENV_BIN, Cli, seeded_s3, write_minimal_spec
 from tests.s3_server import KEY_ID, SECRET, RestartableS3, s3_on_loopback
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,8 @@ def s3() -> Iterator[RestartableS3]:
         yield server
 
 
-def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, tmp_path: Path, s3: RestartableS3):
+def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, data_store: Path, tmp_path: Path,
+                                                         s3: RestartableS3):
     """Kill -9 `compass run` mid-stage, lose the machine's local work folder, run again: the step resumes
     from the checkpoint mirrored to S3 in the background."""
     import os
@@ -40,6 +41,7 @@ def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, tmp_p
         "parallelism: {micro_batch_size: 2}": "parallelism: {micro_batch_size: 2}\n  checkpoints: {every_steps: 100}"})
     root = "s3://compass-resume/runs"
     fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
+    seeded_s3(fs, root, data_store)  # the data steps committed: the run is the stage that is killed
     proc = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", root], cwd=tmp_path,
                             env=server_cli.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -74,7 +76,8 @@ def verified(fs, manifest_path: str) -> dict:
     return manifest
 
 
-def test_s3_outage_mid_upload_loses_nothing_committed(server_cli: Cli, tmp_path: Path, s3: RestartableS3):
+def test_s3_outage_mid_upload_loses_nothing_committed(server_cli: Cli, data_store: Path, tmp_path: Path,
+                                                      s3: RestartableS3):
     """The S3 server dies in the middle of a checkpoint upload and comes back: what was committed before is
     intact, the interrupted artifact is never visible half-written, and a re-run finishes only what was left."""
     import s3fs
@@ -85,7 +88,8 @@ def test_s3_outage_mid_upload_loses_nothing_committed(server_cli: Cli, tmp_path:
     root = "s3://compass-outage/runs"
     fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
     data_kinds = ["--until", "ingest", "--until", "curate", "--until", "tokenizer", "--until", "tokenize"]
-    server_cli.json("run", str(spec), "--store", root, *data_kinds)
+    seeded_s3(fs, root, data_store)  # committed before the outage, then checked by a run
+    assert not [s for s in server_cli.json("run", str(spec), "--store", root, *data_kinds)["steps"] if s["executed"]]
     before = {path: verified(fs, path) for path in fs.glob("compass-outage/runs/*/*/manifest.json")}
     assert len(before) == 7
 
