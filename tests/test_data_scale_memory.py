@@ -1,7 +1,7 @@
 """Tokenizing a source is streamed: a curated source of 1 GiB of text (10 shards) is tokenized by the step and its
 datatrove worker processes, none of which peaks over 0.5 GB (under half the source; ~0.15 GB measured), a small
-constant times one batch, not a multiple of the source (the step once held a whole source's text in a list). The token shards hold every document, each
-ending with EOS, one shard per curated shard."""
+constant times one batch, not a multiple of the source (the step once held a whole source's text in a list). The
+token shards hold every document, each ending with EOS, one shard per curated shard."""
 
 from __future__ import annotations
 
