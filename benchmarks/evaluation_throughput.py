@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import child, interleave, peak_rss_mib, pin_threads, report, write_result
+from harness import child, interleave, minimal_spec, peak_rss_mib, pin_threads, report, seeded, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = "  evaluation:\n    benchmarks:\n      - {{name: arc_easy, formulation: cf, limit: {n}}}\n  pretraining:"
@@ -23,8 +23,7 @@ CRITERION = ('{metric: val_ppl:notes, op: "<=", threshold: 1000, checkpoint: fin
 
 def spec_text(samples: int) -> str:
     """The minimal spec evaluating arc_easy only (its criterion names that benchmark's metric)."""
-    text = (REPO / "tests" / "specs" / "minimal.yaml").read_text()
-    return text.replace("  pretraining:", SUITE.format(n=samples)).replace(*CRITERION)
+    return minimal_spec().replace("  pretraining:", SUITE.format(n=samples)).replace(*CRITERION)
 
 
 def prepare(work: Path, samples: int) -> dict:
@@ -37,7 +36,7 @@ def prepare(work: Path, samples: int) -> dict:
     text = spec_text(samples)
     checked = load_checked_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
     plan = checked.plan.up_to(["pretrain"])
-    store = Store(str(work / "store"))
+    store = Store(str(seeded(work / "store")))
     run_in_process(plan, store, checked.loaded.spec_hash, Runtime(how=checked.spec.how,
                                                                   base_dir=checked.loaded.base_dir),
                    logging.getLogger("bench"))

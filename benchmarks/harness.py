@@ -104,15 +104,31 @@ def current_rss_mib() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+SPECS = Path(__file__).resolve().parent.parent / "tests" / "specs"
+
+
+def minimal_spec() -> str:
+    """The tests' minimal spec with the fixtures' absolute paths, as the tests' own specs name them (so its steps'
+    fingerprints are those of the suite's prepared store)."""
+    return (SPECS / "minimal.yaml").read_text().replace("../fixtures/", f"{SPECS.parent / 'fixtures'}/")
+
+
+def seeded(store: Path) -> Path:
+    """`store`, holding a copy of COMPASS_BENCH_PREPARED_STORE's artifacts when that is set (the test suite's
+    prepared store of the minimal spec: a step found committed there is not run again), else as it is."""
+    import shutil
+
+    prepared = os.environ.get("COMPASS_BENCH_PREPARED_STORE")
+    if prepared and not store.exists():
+        shutil.copytree(prepared, store, ignore=shutil.ignore_patterns(".*", "monitoring"))
+    return store
+
+
 def fixture_job(work: Path, *, steps: int, seq: int, batch: int, micro: int, architecture: dict, parallelism: dict,
                 checkpoints: dict):
     """A pretraining job on the test fixtures' corpus (the minimal spec's data steps run for real, once per
-    `work` folder), with the given architecture fields, steps, sequence length and `how` changes.
-
-    COMPASS_BENCH_DATA_STORE, when set, names a store that holds those data steps already (the test suite's
-    prepared one, under the same fingerprints): it is copied instead of run again."""
+    `work` folder: `seeded`), with the given architecture fields, steps, sequence length and `how` changes."""
     import logging
-    import shutil
 
     from compass.flows.compiler import compile_spec
     from compass.flows.runner import run_in_process
@@ -121,15 +137,9 @@ def fixture_job(work: Path, *, steps: int, seq: int, batch: int, micro: int, arc
     from compass.tasks.common.training import build_job
     from compass.tasks.steps.context import InputArtifact, Runtime, StepContext
 
-    repo = Path(__file__).resolve().parent.parent
-    specs = repo / "tests" / "specs"  # the fixtures' absolute paths, as the tests' specs name them
-    text = (specs / "minimal.yaml").read_text().replace("../fixtures/", f"{repo / 'tests' / 'fixtures'}/")
-    loaded = load_spec_text(text, str(specs / "minimal.yaml"), base_dir=specs)
+    loaded = load_spec_text(minimal_spec(), str(SPECS / "minimal.yaml"), base_dir=SPECS)
     plan = compile_spec(loaded.spec)
-    prepared = os.environ.get("COMPASS_BENCH_DATA_STORE")
-    if prepared and not (work / "store").exists():
-        shutil.copytree(prepared, work / "store", ignore=shutil.ignore_patterns(".*", "monitoring"))
-    store = Store(str(work / "store"))
+    store = Store(str(seeded(work / "store")))
     run_in_process(plan.restricted_to({"ingest", "curate", "tokenizer", "tokenize"}), store, loaded.spec_hash,
                    Runtime(how=loaded.spec.how, base_dir=loaded.base_dir), logging.getLogger("bench"))
     step = plan.step("pretrain:stage1")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.benchmark_script import bench
 
 
 @pytest.mark.slow
-def test_evaluation_throughput():
-    out = bench("evaluation_throughput.py", "--samples", "8", "--rounds", "1")
+def test_evaluation_throughput(trained_store: Path):
+    out = bench("evaluation_throughput.py", "--samples", "8", "--rounds", "1", prepared=trained_store)
     assert "lighteval directly" in out and "compass evaluate step" in out
 
 

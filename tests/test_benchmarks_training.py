@@ -12,20 +12,20 @@ from tests.benchmark_script import bench
 @pytest.mark.slow  # training runs, synchronous and in the background
 def test_async_checkpoint(data_store: Path):
     out = bench("async_checkpoint.py", "--steps", "6", "--every", "3", "--rounds", "1", "--hidden", "64",
-                "--layers", "2", data_store=data_store)
+                "--layers", "2", prepared=data_store)
     assert "async" in out and "sync" in out and "ratio" in out
 
 
 @pytest.mark.slow
 def test_pretrain_throughput(data_store: Path):  # the compiled variants' code path is tested in test_training_core
     out = bench("pretrain_throughput.py", "--steps", "6", "--warmup", "2", "--seq", "64", "--batch", "4",
-                "--rounds", "1", "--variants", "bare torch loop,compass trainer,HF Trainer", data_store=data_store)
+                "--rounds", "1", "--variants", "bare torch loop,compass trainer,HF Trainer", prepared=data_store)
     assert "compass trainer vs HF Trainer" in out
 
 
 @pytest.mark.slow
 def test_engines(data_store: Path):
     out = bench("engines.py", "--steps", "6", "--seq", "64", "--rounds", "1",  # each engine: tests/test_fsdp2*.py,
-                "--engines", "DeepSpeed ZeRO-3", "FSDP2 + TP 2", data_store=data_store)  # test_gpu_path_zero.py
+                "--engines", "DeepSpeed ZeRO-3", "FSDP2 + TP 2", prepared=data_store)  # test_gpu_path_zero.py
     assert "DeepSpeed ZeRO-3" in out and "FSDP2 + TP 2" in out and "ratio" in out
     assert "ZeRO-1" not in out
