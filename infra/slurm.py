@@ -132,7 +132,10 @@ def sbatch_script(job: JobRequest, cluster: SlurmCluster) -> str:
              'on_time_limit() { echo "compass: time limit near: checkpoint and requeue"; '
              'touch "$COMPASS_STOP_FILE"; requeue=1; }',
              "trap on_time_limit USR1",
-             'export COMPASS_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             # the ranks' rendezvous: the first node's address as Slurm reaches it (NodeAddr), else its name
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             'COMPASS_HEAD=$(scontrol show node "$head_node" -o | sed -n "s/.* NodeAddr=\\([^ ]*\\).*/\\1/p")',
+             'export COMPASS_HEAD=${COMPASS_HEAD:-$head_node}',
              f"{shlex.join(job.command)} &",
              "step=$!",
              'while true; do wait "$step"; status=$?; kill -0 "$step" 2>/dev/null || break; done',
@@ -145,22 +148,28 @@ def sbatch_script(job: JobRequest, cluster: SlurmCluster) -> str:
 def ranks_command(module_argv: list[str], python: str, nodes: int, ranks_per_node: int, port: int,
                   launch: str, gpus: bool) -> list[str]:
     """From inside a job's batch step: srun starting `ranks_per_node` ranks of `python -m ...` on each of the job's
-    nodes, each rank told its rank, the world size and the rendezvous (the job's first node). With launch srun each
-    rank is a Slurm task bound to its share of the node's CPUs (and its GPU); with torchrun one task per node runs
-    torchrun over the node's CPUs."""
+    nodes, each rank told its rank, its node's rank count, the world size and the rendezvous (the job's first
+    node). With launch srun each rank is a Slurm task bound to its share of the node's CPUs; with torchrun one task
+    per node runs torchrun over the node's CPUs. Either way the step asks for `--gpus-per-node` and no GPU binding, so
+    Slurm gives every task all of its node's GPUs in CUDA_VISIBLE_DEVICES, and each rank opens the one at its local
+    rank (model/training/rank_device.py), as DeepSpeed, DDP and accelerate do by themselves: a task bound to its own
+    GPU (`--gpus-per-task=1`) sees it as cuda:0 while they open cuda:LOCAL_RANK. Not `--gpu-bind=none` either: Slurm
+    (22.05, rehearsed in tests/test_rehearsal_cluster.py) then sets no CUDA_VISIBLE_DEVICES at all, and a rank on a
+    node shared with other jobs would see their GPUs too."""
     cpus_on_node = int(os.environ.get("SLURM_CPUS_ON_NODE", "1"))
     head = os.environ.get("COMPASS_HEAD") or socket.gethostname()
     common = ["srun", "--kill-on-bad-exit=1", f"--nodes={nodes}"]
+    devices = [f"--gpus-per-node={ranks_per_node}"] if gpus else []
     if launch == "srun":
         rank = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
-                f'MASTER_ADDR={shlex.quote(head)} MASTER_PORT={port}; exec ' + shlex.join([python, *module_argv]))
+                f'LOCAL_WORLD_SIZE={ranks_per_node} MASTER_ADDR={shlex.quote(head)} MASTER_PORT={port}; exec '
+                + shlex.join([python, *module_argv]))
         return [*common, f"--ntasks-per-node={ranks_per_node}",
-                f"--cpus-per-task={max(1, cpus_on_node // ranks_per_node)}",
-                *(["--gpus-per-task=1", "--gpu-bind=closest"] if gpus else []), "bash", "-c", rank]
+                f"--cpus-per-task={max(1, cpus_on_node // ranks_per_node)}", *devices, "bash", "-c", rank]
     torchrun = [python, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
     per_node = ["--nproc-per-node", str(ranks_per_node), "--master-addr", head, "--master-port", str(port)]
     node = shlex.join(torchrun) + ' --node-rank "$SLURM_NODEID" ' + shlex.join([*per_node, *module_argv])
-    return [*common, "--ntasks-per-node=1", f"--cpus-per-task={cpus_on_node}", "bash", "-c", node]
+    return [*common, "--ntasks-per-node=1", f"--cpus-per-task={cpus_on_node}", *devices, "bash", "-c", node]
 
 
 def submit(script: Path) -> str:

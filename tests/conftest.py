@@ -199,14 +199,21 @@ def run_up_to(spec_path: Path, target: str | list[str], store: Path) -> tuple[An
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A real one-node Slurm cluster (tests/slurm_cluster.py) for one test module; SLURM_CONF points this process
-    and everything it starts at it, and is restored afterwards."""
+    """A real one-node Slurm cluster (tests/slurm_cluster.py) for one test module."""
+    with running_cluster(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
+
+
+@contextmanager
+def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0) -> Iterator[dict[str, str]]:
+    """A Slurm cluster (tests/slurm_cluster.py) started in `folder`; SLURM_CONF points this process and everything
+    it starts at it, and is restored afterwards."""
     from tests.slurm_cluster import missing, slurm_cluster
 
     why = missing()
     if why:
         raise RuntimeError(f"{why} (run `bash infra/setup.sh` as root)")
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
+    with slurm_cluster(folder, nodes, gpus_per_node) as env:
         saved = os.environ.get("SLURM_CONF")
         os.environ.update(env)
         try:

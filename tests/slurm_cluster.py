@@ -1,6 +1,14 @@
-"""A real one-node Slurm cluster on this machine for the tests: munged, slurmctld and slurmd with a generated
-slurm.conf in a temporary folder, on free loopback ports, stopped by PID. Needs root and Debian's slurm-wlm
-and munge (infra/setup.sh installs them)."""
+"""A real Slurm cluster on this machine for the tests: munged, slurmctld and slurmd with a generated slurm.conf in a
+temporary folder, on free loopback ports, stopped by PID. Needs root and Debian's slurm-wlm and munge
+(infra/setup.sh installs them).
+
+One node named after this host, or (`nodes` > 1) emulated nodes `node1`, `node2`, ...: one slurmd each, started with
+`-N` on a port of its own (Slurm's multiple-slurmd mode, built into Debian's slurmd), every one declaring
+`gpus_per_node` GPUs as GRES backed by device files of its own (links to /dev/null: slurmd requires character
+devices). Slurm then sets CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, SLURM_LOCALID and SLURMD_NODENAME for each task
+exactly as on a GPU node, which is what a rehearsal of a multi-node GPU launch needs; the CPUs are this machine's,
+declared by every node. One slurmd per network namespace would give each node its own host name, at the cost of
+root-only namespaces and a bridge; the jobs compass submits never depend on the host name, so `-N` suffices."""
 
 from __future__ import annotations
 
@@ -37,7 +45,37 @@ def _memory_mb() -> int:
     return 4096
 
 
-def _conf(folder: Path, host: str, socket_path: Path) -> str:
+def _nodes_conf(host: str, nodes: int, gpus_per_node: int) -> str:
+    gres = f" Gres=gpu:{gpus_per_node}" if gpus_per_node else ""
+    if nodes == 1:
+        return (f"NodeName={host} CPUs={os.cpu_count()} RealMemory={_memory_mb()}{gres} State=UNKNOWN\n"
+                f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP\n")
+    lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={os.cpu_count()} "
+             f"RealMemory={_memory_mb() // nodes}{gres} State=UNKNOWN" for name in node_names(nodes)]
+    partition = f"PartitionName=debug Nodes=node[1-{nodes}] Default=YES MaxTime=INFINITE State=UP"
+    return "\n".join([*lines, partition]) + "\n"
+
+
+def node_names(nodes: int) -> list[str]:
+    return [f"node{i + 1}" for i in range(nodes)]
+
+
+def _gres_conf(folder: Path, nodes: list[str], gpus_per_node: int) -> str:
+    """Each node's GPUs as device files of its own (slurmd checks they are character devices), GPU i close to CPU
+    core i (modulo the cores), as NVML reports a GPU node's topology: `--gpu-bind=closest` then binds as it does
+    there."""
+    cpus = os.cpu_count() or 1
+    lines = ["AutoDetect=off"]
+    for node in nodes:
+        devices = folder / "dev" / node
+        devices.mkdir(parents=True)
+        for index in range(gpus_per_node):
+            (devices / f"nvidia{index}").symlink_to("/dev/null")
+            lines.append(f"NodeName={node} Name=gpu File={devices}/nvidia{index} Cores={index % cpus}")
+    return "\n".join(lines) + "\n"
+
+
+def _conf(folder: Path, host: str, socket_path: Path, nodes: int, gpus_per_node: int) -> str:
     return f"""ClusterName=compass-test
 SlurmctldHost={host}
 SlurmctldPort={free_port()}
@@ -47,11 +85,11 @@ AuthType=auth/munge
 AuthInfo=socket={socket_path}
 CredType=cred/munge
 StateSaveLocation={folder}/state
-SlurmdSpoolDir={folder}/spool
+SlurmdSpoolDir={folder}/spool/%n
 SlurmctldPidFile={folder}/slurmctld.pid
-SlurmdPidFile={folder}/slurmd.pid
+SlurmdPidFile={folder}/slurmd-%n.pid
 SlurmctldLogFile={folder}/slurmctld.log
-SlurmdLogFile={folder}/slurmd.log
+SlurmdLogFile={folder}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
 JobCompType=jobcomp/filetxt
@@ -64,9 +102,8 @@ JobRequeue=1
 KillWait=10
 MinJobAge=600
 SchedulerType=sched/backfill
-NodeName={host} CPUs={os.cpu_count()} RealMemory={_memory_mb()} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
-"""
+{"GresTypes=gpu" if gpus_per_node else ""}
+{_nodes_conf(host, nodes, gpus_per_node)}"""
 
 
 def _wait(check, what: str, timeout: float = 60) -> None:
@@ -79,13 +116,14 @@ def _wait(check, what: str, timeout: float = 60) -> None:
 
 
 @contextmanager
-def slurm_cluster(folder: Path) -> Iterator[dict[str, str]]:
+def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0) -> Iterator[dict[str, str]]:
     """Start the cluster; yields the environment that points Slurm's commands at it (SLURM_CONF)."""
     host = socket.gethostname()
+    names = [host] if nodes == 1 else node_names(nodes)
     folder.mkdir(parents=True, exist_ok=True)
     munge = Path(tempfile.mkdtemp(prefix="compass-munge-"))  # the munge user cannot enter root's 0700 folders
-    for sub in ("state", "spool"):
-        (folder / sub).mkdir()
+    for sub in ["state", *(f"spool/{name}" for name in names)]:
+        (folder / sub).mkdir(parents=True)
     key = munge / "munge.key"
     key.write_bytes(os.urandom(1024))
     shutil.chown(munge, "munge", "munge")
@@ -94,7 +132,9 @@ def slurm_cluster(folder: Path) -> Iterator[dict[str, str]]:
     munge.chmod(0o755)  # munged insists that everyone may reach its socket
     sock = munge / "munge.socket"
     conf = folder / "slurm.conf"
-    conf.write_text(_conf(folder, host, sock))
+    conf.write_text(_conf(folder, host, sock, nodes, gpus_per_node))
+    if gpus_per_node:
+        (folder / "gres.conf").write_text(_gres_conf(folder, names, gpus_per_node))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     procs: list[subprocess.Popen] = []
     try:
@@ -106,12 +146,14 @@ def slurm_cluster(folder: Path) -> Iterator[dict[str, str]]:
         sock.chmod(0o777)
         procs.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        procs.append(subprocess.Popen(["slurmd", "-D", "-f", str(conf), "-N", host], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for name in names:
+            procs.append(subprocess.Popen(["slurmd", "-D", "-f", str(conf), "-N", name], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         def node_idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
-            return out.strip() in ("idle", "mixed", "allocated")
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+            states = out.split()
+            return len(states) == len(names) and all(s in ("idle", "mixed", "allocated") for s in states)
 
         _wait(node_idle, "the Slurm node", timeout=90)
         yield {"SLURM_CONF": str(conf)}

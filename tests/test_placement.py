@@ -120,15 +120,19 @@ def test_srun_binds_each_rank_to_its_share_of_the_node(monkeypatch: pytest.Monke
     monkeypatch.setenv("COMPASS_HEAD", "gpu-001")
     module = ["-m", "compass.model.training.trainer", "/fsx/job.json"]
     per_rank = ranks_command(module, "/venv/bin/python", 2, 8, 29500, "srun", gpus=True)
-    assert per_rank[:7] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=11",
-                            "--gpus-per-task=1", "--gpu-bind=closest"]
+    # every rank sees its node's 8 GPUs and opens the one at its local rank (a GPU bound per task would be its
+    # cuda:0, while DeepSpeed, DDP and accelerate open cuda:LOCAL_RANK)
+    assert per_rank[:6] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=11",
+                            "--gpus-per-node=8"]
+    assert not any(flag.startswith(("--gpu-bind", "--gpus-per-task")) for flag in per_rank)
     script = per_rank[-1]
     for variable in ("RANK=$SLURM_PROCID", "LOCAL_RANK=$SLURM_LOCALID", "WORLD_SIZE=$SLURM_NTASKS",
-                     "MASTER_ADDR=gpu-001 MASTER_PORT=29500"):
+                     "LOCAL_WORLD_SIZE=8", "MASTER_ADDR=gpu-001 MASTER_PORT=29500"):
         assert variable in script, variable
     assert script.endswith(shlex.join(["/venv/bin/python", *module]))
     per_node = ranks_command(module, "/venv/bin/python", 2, 8, 29500, "torchrun", gpus=True)
-    assert per_node[:5] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=88"]
+    assert per_node[:6] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=88",
+                            "--gpus-per-node=8"]
     assert '--node-rank "$SLURM_NODEID"' in per_node[-1] and "--nproc-per-node 8" in per_node[-1]
     assert "--master-addr gpu-001" in per_node[-1]
 

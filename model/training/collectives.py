@@ -68,7 +68,9 @@ def backend_device(backend: str | None = None) -> torch.device:
     """Where the group's collectives move tensors: this rank's GPU for NCCL, the CPU for gloo (or no group)."""
     backend = backend or (dist.get_backend() if active() else "gloo")
     if backend in CUDA_BACKENDS:
-        return torch.device("cuda", rank_env()[2])
+        from compass.model.training.rank_device import gpu_index
+
+        return torch.device("cuda", gpu_index())
     return torch.device("cpu")
 
 

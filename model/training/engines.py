@@ -42,12 +42,16 @@ class Engine(Protocol):
 
 
 def tensors_digest(tensors: Any) -> int:
-    """A short digest of the tensors' bytes (the start-of-run check compares it across ranks)."""
+    """A short digest of the tensors' dtypes and bytes (the start-of-run check compares it across ranks). Any dtype:
+    the bytes are read through a uint8 view, since numpy has no bfloat16 (DeepSpeed's bf16 engine holds bf16
+    weights: `.numpy()` of them raised before any bf16 run's first step)."""
     import hashlib
 
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        h.update(str(flat.dtype).encode())
+        h.update(flat.view(torch.uint8).numpy().tobytes())
     return int(h.hexdigest()[:12], 16)
 
 
@@ -73,10 +77,10 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int):
         self.module = model
-        _, world, local_rank = rank_env()
-        on_gpu = next(model.parameters()).is_cuda
-        self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if on_gpu else None)
-                      if world > 1 else model)
+        _, world, _ = rank_env()
+        device = next(model.parameters()).device  # the rank's own GPU (model/training/rank_device.py), or the CPU
+        self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type ==
+                                                                "cuda" else None) if world > 1 else model)
         self.optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
         self.accumulation = accumulation
         self.clip = opt.grad_clip

@@ -103,13 +103,15 @@ def io_throughput(folder: Path, megabytes: int) -> dict[str, float]:
     return {"write_mbps": round(write, 1), "read_mbps": round(read, 1)}
 
 
-def gpu_health(index: int) -> dict[str, Any]:
-    """NVML's view of one GPU (nvidia-ml-py, imported only here)."""
+def gpu_health(gpu: str) -> dict[str, Any]:
+    """NVML's view of one GPU (nvidia-ml-py, imported only here), named as CUDA_VISIBLE_DEVICES names it: NVML counts
+    the node's GPUs itself, regardless of that variable (an index), or a UUID."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(gpu) if gpu.startswith(("GPU-", "MIG-")) else
+                  pynvml.nvmlDeviceGetHandleByIndex(int(gpu)))
         reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
         try:
@@ -130,15 +132,16 @@ def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s
     """This rank's measurements (the worst over `duration_s` when it is a burn-in)."""
     import torch
 
-    from compass.model.training import collectives
+    from compass.model.training import collectives, rank_device
 
     rank, world, local_rank = collectives.rank_env()
-    cuda = torch.cuda.is_available()
+    place = rank_device.resolve("gpu")  # the rank's GPU, as training resolves it
+    cuda = place.type == "cuda"
     if cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        torch.cuda.set_device(place.index)
+    device = torch.device(place.torch_device)
     collectives.init("nccl" if cuda else "gloo")
-    row: dict[str, Any] = {"node": socket.gethostname(), "rank": rank, "local_rank": local_rank, "world": world,
+    row: dict[str, Any] = {"node": place.node, "rank": rank, "local_rank": local_rank, "world": world,
                            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     rounds: list[dict[str, Any]] = []
     deadline = time.monotonic() + duration_s
@@ -156,7 +159,7 @@ def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s
             if folder is not None:
                 row[name] = io_throughput(folder, megabytes)
     if cuda:
-        row["gpu"] = gpu_health(local_rank)
+        row["gpu"] = gpu_health(place.gpu or str(place.index))
     (out / f"rank-{rank}.json").write_text(json.dumps(row))
     collectives.leave()  # gloo's threads left running abort the process at exit
     return row

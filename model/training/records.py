@@ -94,7 +94,10 @@ class RankPlace(BaseModel):
     rank: int
     node: str
     cpus: list[int]
-    device: str
+    device: str  # what it computes on, and the GPU it opens (or would open, on CPU ranks: a rehearsal)
+    local_rank: int = 0
+    gpu: str | None = None  # that GPU as its node names it (CUDA_VISIBLE_DEVICES' entry)
+    visible: list[str] | None = None  # the GPUs the rank could open (CUDA_VISIBLE_DEVICES); None: unset, every GPU
 
 
 class TrainResult(BaseModel):

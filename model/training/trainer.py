@@ -40,7 +40,7 @@ from compass.model.architecture import build_model, hf_config, load_pretrained, 
 from compass.model.lm import CausalLMWithLoss
 from compass.model.loss import resolve as resolve_loss
 from compass.model.training import checkpoints as ckpt
-from compass.model.training import collectives
+from compass.model.training import collectives, rank_device
 from compass.model.training.callbacks import (
     Callback,
     Checkpointing,
@@ -58,6 +58,7 @@ from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
 from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states, node_rows, rank_rows
+from compass.model.training.rank_device import RankDevice
 from compass.model.training.records import MetricsRow, MonitorEvent, RankPlace, TrainingSetup, TrainResult
 from compass.model.training.schedules import schedule_shape
 from compass.model.training.staging import stage_sources
@@ -79,13 +80,13 @@ def cpu_peak_tflops() -> float:
     return 8 * 2 * 1024**3 / (time.perf_counter() - start) / 1e12
 
 
-def training_device(accelerator: str) -> torch.device:
-    """The local GPU of this rank when `how` names one and CUDA is present, else the CPU."""
-    _, _, local_rank = rank_env()
-    if accelerator != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def training_device(accelerator: str) -> tuple[torch.device, RankDevice]:
+    """This rank's GPU when `how` names one and CUDA is present, else the CPU (model/training/rank_device.py); with
+    the GPU it opens, or would open."""
+    place = rank_device.resolve(accelerator)
+    if place.type == "cuda":
+        torch.cuda.set_device(place.index)
+    return torch.device(place.torch_device), place
 
 
 LARGE_MODEL = 1_000_000_000  # parameters from which checkpoints export to Hugging Face every 10th time only
@@ -112,6 +113,7 @@ class Trainer:
         recipe = job.recipe
         self.stage = recipe.current
         self.tp = job.parallelism.tensor_parallel
+        self.held = held_dtype(job.parallelism.deepspeed, job.precision)  # the weights' dtype inside the engine
         gbs = self.stage.global_batch_size
         if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
             rows = node_rows(self.rank, local_rank, local_world_size(), self.world, self.tp, gbs)
@@ -129,7 +131,7 @@ class Trainer:
         self.accumulation = gbs // (job.micro_batch_size * self.dp)
         self.checkpoint_root = WorkFolder(job.workdir).checkpoints
         job.workdir.mkdir(parents=True, exist_ok=True)
-        self.device = training_device(job.hardware.accelerator)
+        self.device, self.place = training_device(job.hardware.accelerator)
         cuda = self.device.type == "cuda"
         loss = resolve_loss(job.loss)  # `auto` picks liger where installed: not under ZeRO-3 (below)
         if job.parallelism.sharding_stage == 3:  # ZeRO-3 or FSDP2
@@ -173,7 +175,7 @@ class Trainer:
                              recipe.seed, self.attention)
         if job.parallelism.activation_checkpointing:  # recompute each layer's activations in the backward pass
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        self.initial = state_digests(hf.state_dict()) if self.tp > 1 else {}
+        self.initial = state_digests(hf.state_dict(), self.held) if self.tp > 1 else {}
         lm = CausalLMWithLoss(hf, arch.z_loss, arch.moe.load_balancing_coef if arch.moe else 0.0, self.loss_kind)
         if job.compile:
             lm.compile()  # in place: parameter names (and so checkpoints) stay those of the eager model
@@ -455,8 +457,9 @@ class Trainer:
 
     def _places(self) -> list[RankPlace]:
         """Every rank's node, CPU affinity and device (gathered on every rank; rank 0 reports them)."""
-        mine = RankPlace(rank=self.rank, node=socket.gethostname(), cpus=sorted(os.sched_getaffinity(0)),
-                         device=str(self.device))
+        mine = RankPlace(rank=self.rank, node=self.place.node, cpus=sorted(os.sched_getaffinity(0)),
+                         device=self.place.describe(), local_rank=self.place.local_rank, gpu=self.place.gpu,
+                         visible=None if self.place.visible is None else list(self.place.visible))
         if self.world == 1:
             return [mine]
         return [RankPlace.model_validate(p) for p in collectives.all_gather_object(mine.model_dump())]
@@ -474,7 +477,7 @@ class Trainer:
             gathered = self.engine.export_state_dict()  # collective: rank 0 receives the whole model
             reference, what = self._reference() if self.rank == 0 else ({}, "")
             compared = self.rank == 0 and reference is not None
-            bad = torch.tensor([len(gathered_mismatch(reference, gathered)) if compared else 0])
+            bad = torch.tensor([len(gathered_mismatch(reference, gathered, self.held)) if compared else 0])
             bad = collectives.broadcast(bad, 0)
             if int(bad):
                 raise RuntimeError(f"{int(bad)} tensors' tensor-parallel shards, gathered, differ from {what}: the "
@@ -502,7 +505,7 @@ class Trainer:
             state |= load_file(str(path))
         if not state:
             raise RuntimeError(f"no safetensors under {folder} to check the tensor-parallel shards against")
-        return state_digests(state), what
+        return state_digests(state, self.held), what
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -519,8 +522,20 @@ def _digest(tensors) -> int:
     return tensors_digest(tensors)
 
 
-def state_digests(state: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {k: _digest([v]) for k, v in state.items()}
+def state_digests(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Each tensor's digest as an engine holding its weights in `dtype` holds it (floating tensors cast)."""
+    return {k: _digest([_held(v, dtype)]) for k, v in state.items()}
+
+
+def _held(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def held_dtype(deepspeed: bool, precision: str) -> torch.dtype:
+    """The dtype an engine keeps the model's weights in: DeepSpeed converts them to bf16 or fp16 (its optimizer keeps
+    fp32 masters); torch's engines keep fp32 weights and compute in bf16 under autocast."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32) if deepspeed else \
+        torch.float32
 
 
 def check_ranks(ranks: list[tuple[int, int, int, int]]) -> str:
@@ -546,9 +561,12 @@ def check_ranks(ranks: list[tuple[int, int, int, int]]) -> str:
             + (", distinct data" if dp > 1 else "") + (", distinct shards" if tp > 1 else ""))
 
 
-def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor]) -> list[str]:
-    """The tensors whose tensor-parallel shards, gathered, differ from the single-process initialisation."""
-    return sorted(k for k, digest in initial.items() if k not in gathered or _digest([gathered[k]]) != digest)
+def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor],
+                      dtype: torch.dtype | None = None) -> list[str]:
+    """The tensors whose tensor-parallel shards, gathered, differ from the single-process initialisation (both
+    compared in `dtype`, the one the engine holds: `initial` digested by state_digests in it)."""
+    return sorted(k for k, digest in initial.items()
+                  if k not in gathered or _digest([_held(gathered[k], dtype)]) != digest)
 
 
 def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, tokenizer_dir: Path,
