@@ -37,6 +37,8 @@ def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
     leaves out what depends on the machine it runs on (GPUs, GPU extras, memory, credentials): for planning a
     cluster's run from a laptop."""
     issues = list(_step_kind_names(loaded.spec))
+    if machine or loaded.spec.how.hardware.accelerator != "cpu":  # a GPU's memory is its kind's, wherever it runs
+        issues += _memory(loaded.spec)
     if machine:
         issues += _machine(loaded.spec, loaded.base_dir)
     for kind in registry.kinds():
@@ -178,7 +180,6 @@ def _machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     """What the spec's `how` needs from the machine it runs on: CUDA for GPUs, the GPU extras for the kernels it
     names, memory per device for every training stage, credentials for S3. With a cluster, the compute nodes'
     (by a probe job), and nothing here imports torch: this machine only plans, submits and follows."""
-    from compass.specs import costs
 
     how = spec.how
     accelerator = how.hardware.accelerator
@@ -201,13 +202,6 @@ def _machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     if how.attention == "flex" and accelerator == "cpu":
         yield Issue(("how", "attention"), "FlexAttention has no backward pass on CPU: it cannot train here",
                     "use attention: sdpa (or auto) on CPU")
-    device = costs.device_memory_bytes(how)
-    for loc, length, estimate in costs.training_memory(spec):
-        if estimate.total > device:
-            yield Issue(loc, f"a training step at {length} tokens needs ~{estimate.total / costs.GIB:.0f} GiB per "
-                        f"{accelerator} (activations {estimate.activations / costs.GIB:.0f} GiB), more than its "
-                        f"{device / costs.GIB:.0f} GiB", "turn on parallelism.activation_checkpointing, raise "
-                        "zero_stage or tensor_parallel, or lower the micro-batch")
     yield from _trackers(spec)
     s3 = _s3_uris(spec)
     if s3 and not spec.how.storage.credentials_block and not _s3_credentials():
@@ -215,6 +209,40 @@ def _machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
         yield Issue(loc, f"{uri} is on S3 and no S3 credentials are set on this machine",
                     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for S3-compatible "
                     "stores), an AWS profile, or how.storage.credentials_block")
+
+
+def _memory(spec: TrainingSpec) -> Iterator[Issue]:
+    """Every step that trains or evaluates fits its device: compass's training stages, TRL's steps and the passkey
+    evaluation, each by the estimate `compass plan` prints. Refused here, not weeks into the run."""
+    from compass.specs import costs
+
+    how = spec.how
+    accelerator = how.hardware.accelerator
+    device = costs.device_memory_bytes(how)
+    for loc, length, estimate in costs.training_memory(spec):
+        if estimate.total > device:
+            yield Issue(loc, f"a training step at {length} tokens needs ~{estimate.total / costs.GIB:.0f} GiB per "
+                        f"{accelerator} (activations {estimate.activations / costs.GIB:.0f} GiB), more than its "
+                        f"{device / costs.GIB:.0f} GiB", "turn on parallelism.activation_checkpointing, raise "
+                        "zero_stage or tensor_parallel, or lower the micro-batch")
+    names = {post.name: i for i, post in enumerate(spec.what.post_training)}
+    for step in costs.library_step_memory(spec):
+        if step.total <= device:
+            continue
+        what = (f"{step.step} needs ~{step.total / costs.GIB:.0f} GiB per {accelerator} (weights and optimizer "
+                f"{step.weights / costs.GIB:.0f}, activations {step.activations / costs.GIB:.0f}, logits "
+                f"{step.logits / costs.GIB:.0f} GiB: {step.micro_batch} rows of {step.length} tokens per pass on each "
+                f"of {step.ranks} devices), more than its {device / costs.GIB:.0f} GiB")
+        name = step.step.removeprefix("post_train:").split(" answers by ")[0]
+        if step.step.startswith("post_train:") and name in names:
+            yield Issue(("what", "post_training", names[name], "micro_batch_size"), what,
+                        "set micro_batch_size (rows per pass; the batch accumulates), lower max_length, give "
+                        "how.resources.post_training more devices with a higher zero_stage, turn on "
+                        "parallelism.activation_checkpointing, use loss: liger (no full-vocabulary logits) or peft")
+        else:
+            yield Issue(("what", "long_context", "stages"), what,
+                        "evaluate the passkey on a GPU with more memory (how.hardware.accelerator) or shorten the "
+                        "longest stage")
 
 
 def _trackers(spec: TrainingSpec) -> Iterator[Issue]:

@@ -15,6 +15,7 @@ Conventions (stated so a reader can redo them by hand):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from compass.specs.architecture import Architecture
@@ -294,7 +295,8 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         per_layer = 34 * seq * rows * d * act_bytes / 2
         acts = (2 * L * seq * rows * d * act_bytes + per_layer) if how.parallelism.activation_checkpointing \
             else L * per_layer
-        logits = rows * seq * vocab * 4 * (2 if post.method == "distill" else 1)
+        logits = (fused_logits(rows * seq, vocab, d) if how.loss == "liger" and post.method != "distill" else
+                  rows * seq * vocab * 4 * (2 if post.method == "distill" else 1))
         out.append(LibraryStepMemory(f"post_train:{post.name}", ranks, batch, per_rank, micro, seq, weights, acts,
                                      logits))
         pairs = getattr(post, "pairs", None)
@@ -311,6 +313,14 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         one_layer = longest * (3 * f + 4 * d) * act_bytes
         out.append(LibraryStepMemory("evaluate: passkey", 1, 1, 1, 1, longest, n * act_bytes, kv + one_layer, 0.0))
     return out
+
+
+def fused_logits(tokens: int, vocab: int, hidden: int) -> float:
+    """Bytes of fp32 logits Liger's fused linear cross-entropy holds at once: it walks the tokens in chunks of the
+    power of two nearest tokens / ceil(vocab / hidden), never the whole batch's logits."""
+    chunks = math.ceil(vocab / hidden)
+    chunk = 2 ** math.ceil(math.log2(max(1, math.ceil(tokens / chunks))))
+    return min(chunk, tokens) * vocab * 4
 
 
 @dataclass(frozen=True)

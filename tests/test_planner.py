@@ -75,7 +75,7 @@ def test_plan_uses_measured_throughput_from_a_preflight_report(tmp_path: Path):
 
 def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
     """The SmolLM3 example as published: pretraining on 48 nodes, long context on 3 (DP 12 x TP 2), ablations on
-    one node, post-training and evaluation on one GPU; each stage's days on its phase's GPUs."""
+    one node, post-training on one node of 8, evaluation on one GPU; each stage's days on its phase's GPUs."""
     from tests.hub_cache import llama_like_tokenizer, seed_model
 
     cache = tmp_path / "hub"
@@ -88,7 +88,7 @@ def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
     placed = {row[0]: row for row in sections["Where each phase runs"]["rows"]}
     assert {phase: (row[1], row[3]) for phase, row in placed.items()} == {
         "data": (1, 0), "ablation": (1, 8), "pretraining": (48, 384), "long context": (3, 24),
-        "mid training": (48, 384), "post training": (1, 1), "evaluation": (1, 1)}
+        "mid training": (48, 384), "post training": (1, 8), "evaluation": (1, 1)}
     assert all(row[-1] == "Slurm job" for phase, row in placed.items() if phase != "data")
     assert placed["data"][-1] == "Slurm jobs; curation and tokenization as job arrays of 1-CPU tasks"
     compute = {row[0]: row for row in sections["Training compute"]["rows"]}
