@@ -321,6 +321,9 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     if how.hardware.accelerator == "cpu" and how.precision != "fp32":
         yield Issue(("how", "precision"), f"{how.precision} is not supported on CPU: training there is fp32",
                     "use fp32 on CPU (bf16 is ~17x slower there; fp16 does not train)")
+    elif how.precision == "fp16" and par.engine_name != "deepspeed":
+        yield Issue(("how", "precision"), f"fp16 trains only under DeepSpeed (its loss scaler); the {par.engine_name} "
+                    "engine would train in fp32", "use bf16, or parallelism.engine: deepspeed")
     if par.pipeline_parallel > 1:
         yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
                     "use data and tensor parallelism (with ZeRO) instead")

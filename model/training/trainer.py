@@ -314,11 +314,7 @@ class Trainer:
             return self.engine(**inputs)
 
     def _precision(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast where the weights stay fp32 (the torch engine on CUDA; DeepSpeed holds bf16 weights
-        itself): training and the stage-end validation alike, since flash-attn refuses fp32 inputs."""
-        if self.device.type == "cuda" and self.job.precision == "bf16" and isinstance(self.engine, TorchEngine):
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast(self.device, self.job.precision, isinstance(self.engine, TorchEngine))
 
     def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
         """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both. A stop asked on
@@ -529,6 +525,16 @@ def state_digests(state: dict[str, torch.Tensor], dtype: torch.dtype | None = No
 
 def _held(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def autocast(device: torch.device, precision: str, torch_engine: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast where the weights stay fp32 (the torch engine; DeepSpeed holds bf16 weights itself, FSDP2 casts
+    by its policy): training and the stage-end validation alike, since flash-attn refuses fp32 inputs. On CUDA and
+    on the CPU ranks of a rehearsal alike (validation refuses bf16 on a CPU spec): bf16 is rehearsed, not swapped
+    for fp32."""
+    if precision == "bf16" and torch_engine:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def held_dtype(deepspeed: bool, precision: str) -> torch.dtype:
