@@ -83,6 +83,15 @@ def register() -> None:
     AttentionInterface.register(DOCUMENT_SDPA, torch.compiler.disable(document_sdpa))
 
 
+def forward_kwargs(implementation: str, training: bool) -> dict[str, Any]:
+    """What a backend needs on every forward besides the position ids. FlexAttention while training: its main
+    kernel (`FORCE_USE_FLEX_ATTENTION`). For queries under 128 tokens, or lengths inductor cannot bound, it picks the
+    decoding kernel, which has no backward: "NoValidChoicesError" on an H200 (torch 2.11) in the first GPU run."""
+    if implementation == "flex_attention" and training:
+        return {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}}
+    return {}
+
+
 def takes_sequence_lengths(implementation: str) -> bool:
     """Whether a transformers attention implementation needs the documents' lengths passed in (flash's varlen
     kernels at a micro-batch above one row; see model/training/packing.py `varlen_kwargs`). transformers tells a

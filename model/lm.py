@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from compass.model.attention import forward_kwargs
 from compass.model.loss import chunked_lm_loss, liger_lm_loss, recomputed_lm_loss
 
 LOSSES = {"chunked": chunked_lm_loss, "liger": liger_lm_loss, "recomputed": recomputed_lm_loss}
@@ -28,6 +29,7 @@ class CausalLMWithLoss(torch.nn.Module):
         `attention`: what the attention backend reads besides position ids (flash's sequence lengths)."""
         moe = self.moe_coef > 0
         kwargs = {"output_router_logits": True} if moe else {}
+        attention = {**forward_kwargs(self.hf.config._attn_implementation, self.training), **attention}
         out = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs, **attention)
         head = self.hf.get_output_embeddings()
         loss, ce = LOSSES[self.loss](out.last_hidden_state, labels, head, self.z_loss)

@@ -154,3 +154,34 @@ def test_flash_keeps_documents_apart_at_a_micro_batch_of_three(reference_flash: 
     torch.testing.assert_close(grads, expected_grads, atol=1e-5, rtol=1e-4)
     leaked_loss, _ = loss_and_grads(reference_flash, False)
     assert abs(leaked_loss - expected_loss) > 1e-3  # the bug this guards against: documents attend across
+
+
+def test_flex_trains_with_its_main_kernel_not_the_decoding_one(monkeypatch: pytest.MonkeyPatch):
+    """For queries under 128 tokens inductor picks FlexAttention's decoding kernel, which has no backward (the first
+    H200 run: NoValidChoicesError in training). In training mode compass's model asks for the main kernel; in
+    evaluation it leaves the choice to torch."""
+    from transformers.integrations import flex_attention as hf_flex
+
+    from compass.model.architecture import build_model, hf_config
+    from compass.model.lm import CausalLMWithLoss
+    from compass.specs.architecture import Architecture
+
+    seen: list[dict | None] = []
+    real = hf_flex.compile_friendly_flex_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", spy)
+    arch = Architecture(num_layers=2, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2)
+    lm = CausalLMWithLoss(build_model(hf_config(arch, 512, {"bos": 0, "eos": 0, "pad": 1}, 256), 7, "flex_attention"))
+    ids = torch.randint(2, 500, (2, 96))
+    positions = torch.cat([torch.arange(40), torch.arange(56)]).expand(2, -1)
+    with torch.no_grad():  # FlexAttention has no backward on CPU: the forward shows what the kernel is asked
+        lm.train()
+        lm(input_ids=ids, position_ids=positions, labels=ids)
+        assert seen == [{"FORCE_USE_FLEX_ATTENTION": True}] * 2  # each layer
+        lm.eval()
+        lm(input_ids=ids, position_ids=positions, labels=ids)
+        assert seen[2:] == [None, None]
