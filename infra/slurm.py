@@ -34,6 +34,7 @@ from compass.infra import interrupt
 from compass.infra.layout import WorkFolder
 from compass.specs.how import Shape, SlurmCluster
 
+log = logging.getLogger("compass.slurm")
 SUCCESS = "COMPLETED"
 FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
           "SPECIAL_EXIT", "REVOKED"}
@@ -179,12 +180,46 @@ def submit(script: Path) -> str:
     return done.stdout.strip().split(";")[0]
 
 
+class ControllerUnreachable(RuntimeError):
+    """Slurm's controller did not answer for longer than compass waits: the job's fate is unknown, not "done"."""
+
+
+FORGOTTEN = "Invalid job id"  # what squeue and scontrol say of a job the controller no longer holds
+CONTROLLER_PATIENCE_S = 900.0  # a controller restart or failover takes minutes; a three-week job outlives it
+
+
+def ask_controller(argv: list[str], patience_s: float | None = None) -> str | None:
+    """The output of a Slurm query about a job; None when the controller no longer knows the job. A query that
+    fails otherwise (controller restarting, overloaded, a network blip) is asked again with backoff for
+    `patience_s`, then raises ControllerUnreachable: it is never read as "the job is gone", which made a
+    follower take a running job, or a running array, for finished."""
+    deadline = time.monotonic() + (CONTROLLER_PATIENCE_S if patience_s is None else patience_s)
+    delay = 1.0
+    while True:
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if done.returncode == 0:
+                return done.stdout
+            if FORGOTTEN in done.stderr:
+                return None
+            why = done.stderr.strip() or f"exit {done.returncode}"
+        except subprocess.TimeoutExpired:
+            why = "no answer within 60 s"
+        if time.monotonic() + delay > deadline:
+            raise ControllerUnreachable(f"`{shlex.join(argv)}` failed for {patience_s or CONTROLLER_PATIENCE_S:.0f} "
+                                        f"s: {why}; the job may still run: `squeue`, then run compass again to "
+                                        "follow it")
+        log.warning("Slurm's controller did not answer (%s); asking again in %.0f s", why, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 30.0)
+
+
 def state_of(job_id: str) -> JobState | None:
     """The job's state from the controller (None once it has forgotten the job)."""
-    done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
-    if done.returncode or not done.stdout.strip():
+    out = ask_controller(["scontrol", "show", "job", "-o", job_id])
+    if not out or not out.strip():
         return None
-    return JobState.parse(done.stdout.strip().splitlines()[0])
+    return JobState.parse(out.strip().splitlines()[0])
 
 
 def cancel(job_id: str) -> None:

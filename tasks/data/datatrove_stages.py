@@ -178,10 +178,12 @@ def _outside_this_job() -> Iterator[None]:
 
 
 def _queued(job_id: str) -> list[str]:
-    """The array's tasks the controller still holds (pending, running, completing), as `id state` lines."""
-    done = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True,
-                          timeout=60)
-    return [line for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
+    """The array's tasks the controller still holds (pending, running, completing), as `id state` lines; a
+    controller that does not answer is asked again (infra/slurm.ask_controller), never taken for "none left"."""
+    from compass.infra.slurm import ask_controller
+
+    out = ask_controller(["squeue", "-h", "-r", "-j", job_id, "-o", "%i %T"])
+    return [line for line in (out or "").splitlines() if line.strip()]
 
 
 def _recorded_live_job(record: Path) -> str:
