@@ -62,12 +62,12 @@ PRODUCTION_HOW = """how:
 """
 
 
-def rehearse(tmp_path: Path, data_store: Path, launch: str) -> dict:
+def rehearse(tmp_path: Path, data_store: Path, launch: str, engine: str = "deepspeed: true, zero_stage: 0") -> dict:
     """`compass run` of the first pretraining stage, the SmolLM3 spec's `how` at 2 x 2 GPUs; its manifest's metrics."""
     spec = write_minimal_spec(tmp_path, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
                                            "tokens: 20000, sequence_length: 64": "tokens: 2048, sequence_length: 64"})
     how = PRODUCTION_HOW.replace("CACHE", str(tmp_path / "node-scratch")).replace("SHARED", str(tmp_path / "shared"))
-    spec.write_text(spec.read_text() + how.replace("LAUNCH", launch))
+    spec.write_text(spec.read_text() + how.replace("LAUNCH", launch).replace("deepspeed: true, zero_stage: 0", engine))
     seeded(tmp_path / "store", data_store)
     env = base_env(tmp_path / "prefect")
     done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(tmp_path / "store"),
@@ -81,7 +81,7 @@ def rehearse(tmp_path: Path, data_store: Path, launch: str) -> dict:
     return {"metrics": manifest.metrics, "log": done.stderr}  # the job's log streams into the step's
 
 
-def assert_production_ranks(metrics: dict, log: str) -> None:
+def assert_production_ranks(metrics: dict, log: str, engine: str = "deepspeed") -> None:
     ranks = metrics["ranks"]
     assert len(ranks) == NODES * GPUS
     by_node: dict[str, list[dict]] = {}
@@ -95,7 +95,7 @@ def assert_production_ranks(metrics: dict, log: str) -> None:
             assert rank["device"] == f"cpu (would open cuda:{rank['local_rank']} (GPU {rank['gpu']}))", rank
             assert rank["visible"] == ["0", "1"], rank  # Slurm's list of the node's GPUs, not unset, not one
     setup = metrics["setup"]
-    assert (setup["engine"], setup["precision"]) == ("deepspeed", "bf16"), setup
+    assert (setup["engine"], setup["precision"]) == (engine, "bf16"), setup
     # the start-of-run checks read the bf16 weights DeepSpeed holds (before: numpy has no bfloat16, a TypeError)
     assert metrics["parallel"] == ("4 ranks (2 data-parallel x 2 tensor-parallel): identical replicas, distinct data, "
                                    "distinct shards; shards gathered equal the initial weights")
@@ -114,6 +114,12 @@ def test_the_production_launch_with_torchrun_puts_every_rank_on_its_own_gpu(gpu_
                                                                             tmp_path: Path):
     result = rehearse(tmp_path, data_store, "torchrun")
     assert_production_ranks(result["metrics"], result["log"])
+
+
+def test_the_production_launch_with_fsdp2_puts_every_rank_on_its_own_gpu(gpu_cluster, data_store: Path,
+                                                                          tmp_path: Path):
+    result = rehearse(tmp_path, data_store, "srun", engine="engine: fsdp2")
+    assert_production_ranks(result["metrics"], result["log"], engine="fsdp2")
 
 
 def test_a_controller_that_does_not_answer_is_asked_again_not_read_as_a_finished_job(gpu_cluster, tmp_path: Path):

@@ -44,8 +44,8 @@ class FSDP2Engine:
 
             parallelize_blocks(model.hf, mesh["tp"])
         self.initial_digest = _whole_digest(model)  # before sharding: every rank of a TP rank's column built it
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if precision == "bf16" and device.type == "cuda" else MixedPrecisionPolicy())
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # a rehearsal's CPU
+                  if precision == "bf16" else MixedPrecisionPolicy())  # ranks too: bf16 rehearsed, not fp32
         for block in model.hf.model.layers:
             fully_shard(block, mesh=data_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=data_mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit
