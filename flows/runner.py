@@ -147,7 +147,8 @@ def _run_as_slurm_job(run: StepRun, log: logging.Logger | logging.LoggerAdapter,
     tmp.rename(work.step_job)
     label = f"{run.kind}-{run.name}"[:40]
     request = request_for(run.runtime.placement.shape, cluster, how.hardware.accelerator, run.workdir,
-                          (sys.executable, "-m", MODULE, str(work.step_job)), label)
+                          (sys.executable, "-m", MODULE, str(work.step_job)), label,
+                          fault_requeues=how.orchestration.retries)
     job_id = run_on_slurm(request, cluster, log, done=lambda: run.store.is_committed(run.uri), on_job=on_job)
     if not run.store.is_committed(run.uri):
         raise SlurmJobFailed(f"Slurm job {job_id} completed without committing {run.step_id}; see {work.slurm_log}")

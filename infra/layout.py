@@ -298,6 +298,16 @@ class WorkFolder:
         return self.root / "slurm.log"
 
     @property
+    def retriable(self) -> Path:
+        """Why ranks ended for faults a retry may cure, a file per rank (model/training/exits.py)."""
+        return self.root / "retriable"
+
+    @property
+    def failure_requeues(self) -> Path:
+        """How often the batch shell requeued the job for such faults (its budget: how.orchestration.retries)."""
+        return self.root / "failure-requeues"
+
+    @property
     def stop_file(self) -> Path:
         """Touched by the batch shell when Slurm signals the time limit: the trainer checkpoints and stops."""
         return self.root / "stop-requested"

@@ -59,17 +59,21 @@ class JobRequest:
     memory_gb: float | None
     time_limit: str | None
     exclusive: bool  # the job takes whole nodes (every device, no CPU count given)
+    whole_nodes: bool = False  # every device of its nodes: without memory_gb it asks for all their memory
+    fault_requeues: int = 0  # times the batch shell requeues the job for a retriable fault (model/training/exits.py)
 
 
 def request_for(shape: Shape, cluster: SlurmCluster, accelerator: str, workdir: Path, command: tuple[str, ...],
-                label: str) -> JobRequest:
-    """The job of a step of `shape` on this cluster."""
+                label: str, fault_requeues: int = 0) -> JobRequest:
+    """The job of a step of `shape` on this cluster; it requeues itself `fault_requeues` times for retriable faults
+    (with `cluster.requeue`)."""
     tasks = shape.devices_per_node if cluster.launch == "srun" and shape.devices_per_node else 1
     return JobRequest(workdir=workdir, command=command, label=label, nodes=shape.nodes, tasks_per_node=tasks,
                       cpus_per_task=max(1, shape.cpus_per_node // tasks) if shape.cpus_per_node else None,
                       gpus_per_node=shape.devices_per_node if accelerator != "cpu" and shape.devices_per_node else None,
                       memory_gb=shape.memory_gb, time_limit=shape.time_limit,
-                      exclusive=shape.whole_nodes and shape.cpus_per_node is None)
+                      exclusive=shape.whole_nodes and shape.cpus_per_node is None, whole_nodes=shape.whole_nodes,
+                      fault_requeues=fault_requeues if cluster.requeue else 0)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ def sbatch_script(job: JobRequest, cluster: SlurmCluster) -> str:
         options.append("--exclusive")
     if job.memory_gb:
         options.append(f"--mem={max(1, round(job.memory_gb * 1024))}M")
+    elif job.whole_nodes:  # every rank builds its model in fp32 on the host and snapshots checkpoints there: a
+        options.append("--mem=0")  # site's default memory per CPU (often a few GB) kills a 3B job; 0: the node's
     for flag, value in (("partition", cluster.partition), ("account", cluster.account), ("qos", cluster.qos),
                         ("constraint", cluster.constraint), ("time", job.time_limit)):
         if value is not None:
@@ -142,6 +148,7 @@ def sbatch_script(job: JobRequest, cluster: SlurmCluster) -> str:
              'while true; do wait "$step"; status=$?; kill -0 "$step" 2>/dev/null || break; done',
              'if [ "$requeue" = 1 ]; then echo "compass: requeueing job $SLURM_JOB_ID"; '
              'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+             *_fault_requeue(work, job.fault_requeues),
              'exit "$status"', ""]
     return "\n".join(lines)
 
@@ -171,6 +178,24 @@ def ranks_command(module_argv: list[str], python: str, nodes: int, ranks_per_nod
     per_node = ["--nproc-per-node", str(ranks_per_node), "--master-addr", head, "--master-port", str(port)]
     node = shlex.join(torchrun) + ' --node-rank "$SLURM_NODEID" ' + shlex.join([*per_node, *module_argv])
     return [*common, "--ntasks-per-node=1", f"--cpus-per-task={cpus_on_node}", *devices, "bash", "-c", node]
+
+
+def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
+    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, model/training/exits.py)
+    requeues its own job, at most `budget` times over the job's life (counted in the work folder: time-limit
+    requeues do not spend it), so a fault weeks into a stage resumes from the newest checkpoint with no
+    orchestrator alive."""
+    if budget <= 0:
+        return []
+    from compass.model.training.exits import RETRIABLE_EXIT
+
+    count = shlex.quote(str(work.failure_requeues))
+    return [f'if [ "$status" = {RETRIABLE_EXIT} ]; then',
+            f'  faults=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo "$faults" > {count}',
+            f'  if [ "$faults" -le {budget} ]; then echo "compass: a retriable fault (exit {RETRIABLE_EXIT}: a hung or '
+            f'broken collective): requeue $faults of {budget}"; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+            f'  echo "compass: retriable faults beyond the budget of {budget} (how.orchestration.retries)"',
+            "fi"]
 
 
 def submit(script: Path) -> str:

@@ -204,6 +204,13 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         yield env
 
 
+@pytest.fixture(scope="module")
+def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """An emulated GPU cluster (tests/slurm_cluster.py): two Slurm nodes with two GPUs each, for one test module."""
+    with running_cluster(tmp_path_factory.mktemp("gpu-cluster"), nodes=2, gpus_per_node=2) as env:
+        yield env
+
+
 @contextmanager
 def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0) -> Iterator[dict[str, str]]:
     """A Slurm cluster (tests/slurm_cluster.py) started in `folder`; SLURM_CONF points this process and everything

@@ -102,12 +102,17 @@ def test_each_shape_asks_slurm_for_what_it_says():
                  f"#SBATCH --output={work}/slurm.log", f"{shlex.join(command)} &"):
         assert line in script, line
     assert "#SBATCH --exclusive" not in script  # the spec named the CPUs: no need to ask for the whole node
+    assert "#SBATCH --mem=0" in script  # every GPU of its nodes and no memory_gb: all their memory, not the default
+    sized = how.model_validate({**how.model_dump(), "resources": {"pretraining": {"memory_gb": 1500}}})
+    sized_script = sbatch_script(request_for(sized.shape("pretraining"), cluster, "h100", work, command, "x"), cluster)
+    assert "#SBATCH --mem=1536000M" in sized_script and "#SBATCH --mem=0" not in sized_script
 
     whole = how.model_validate({**how.model_dump(), "hardware": {**H100S["hardware"], "cpus_per_node": None}})
     assert request_for(whole.shape("pretraining"), cluster, "h100", work, command, "x").exclusive
     evaluation = request_for(whole.shape("evaluation"), cluster, "h100", work, command, "x")
     assert (evaluation.nodes, evaluation.tasks_per_node, evaluation.gpus_per_node, evaluation.exclusive) == (
         1, 1, 1, False)  # one GPU of a node: the rest stays for others
+    assert "--mem" not in sbatch_script(evaluation, cluster)  # and so does its memory
     data = request_for(how.shape("data"), cluster, "h100", work, command, "x")
     assert (data.gpus_per_node, data.tasks_per_node, data.cpus_per_task) == (None, 1, 88)
     torchrun = request_for(how.shape("ablation"), cluster.model_copy(update={"launch": "torchrun"}), "h100", work,

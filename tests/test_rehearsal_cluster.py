@@ -19,18 +19,11 @@ from pathlib import Path
 import pytest
 
 from compass.infra.store import Store
-from tests.conftest import REPO, VENV_BIN, base_env, running_cluster, seeded, write_minimal_spec
+from tests.conftest import REPO, VENV_BIN, base_env, seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
 NODES, GPUS = 2, 2
-
-
-@pytest.fixture(scope="module")
-def gpu_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """Two emulated nodes with two GPUs each, for this module."""
-    with running_cluster(tmp_path_factory.mktemp("gpu-cluster"), nodes=NODES, gpus_per_node=GPUS) as env:
-        yield env
 
 
 def test_each_emulated_node_gives_its_tasks_its_own_gpus(gpu_cluster):
@@ -120,36 +113,3 @@ def test_the_production_launch_with_fsdp2_puts_every_rank_on_its_own_gpu(gpu_clu
                                                                           tmp_path: Path):
     result = rehearse(tmp_path, data_store, "srun", engine="engine: fsdp2")
     assert_production_ranks(result["metrics"], result["log"], engine="fsdp2")
-
-
-def test_a_controller_that_does_not_answer_is_asked_again_not_read_as_a_finished_job(gpu_cluster, tmp_path: Path):
-    """N8: squeue and scontrol failing (a controller restarting or overloaded: here stopped with SIGSTOP) read as
-    "the job is gone", so a follower took a running job or array for finished. Now they are asked again until the
-    controller answers."""
-    import signal
-    import threading
-    import time
-
-    from compass.infra.slurm import ask_controller, state_of
-    from compass.tasks.data.datatrove_stages import _queued
-
-    job = subprocess.run(["sbatch", "--parsable", "--cpus-per-task=1", f"--output={tmp_path}/out", "--wrap",
-                          "sleep 60"], env={**os.environ, **gpu_cluster}, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    controller = int(Path(gpu_cluster["SLURM_CONF"]).with_name("slurmctld.pid").read_text())
-    os.kill(controller, signal.SIGSTOP)
-    answers: dict[str, object] = {}
-    try:
-        threads = [threading.Thread(target=lambda: answers.update(state=state_of(job))),
-                   threading.Thread(target=lambda: answers.update(queued=_queued(job)))]
-        for thread in threads:
-            thread.start()
-        time.sleep(25)  # past squeue's and scontrol's own timeouts (MessageTimeout, 10 s)
-        assert answers == {}, answers  # still asking, not "gone"
-    finally:
-        os.kill(controller, signal.SIGCONT)
-    for thread in threads:
-        thread.join(120)
-    assert answers["state"].state in ("RUNNING", "PENDING") and len(answers["queued"]) == 1, answers
-    subprocess.run(["scancel", job], env={**os.environ, **gpu_cluster}, check=True)
-    assert ask_controller(["scontrol", "show", "job", "-o", "999999"]) is None  # a job it no longer holds

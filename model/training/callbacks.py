@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from compass.infra.layout import WorkFolder
 from compass.model.training import checkpoints as ckpt
+from compass.model.training import collectives
 from compass.model.training.monitors import Event, TrainingMonitor, TrainingStopped
 from compass.model.training.records import PHASES, MetricsRow, read_metrics, write_metrics
 from compass.specs.training import Monitors
@@ -74,6 +75,10 @@ class Monitoring(Callback):
         self.rollbacks = 0
 
     def before_update(self, trainer: Trainer, loss: float, grad_norm: float) -> None:
+        if trainer.monitor_stopped:  # a stop decided after the last step, on this rank or another: all stop here,
+            # each with the deciding rank's event (every rank is here together: one gather, only when stopping)
+            decided = [e for e in collectives.all_gather_object(trainer.monitor_stop) if e is not None]
+            raise TrainingStopped(decided[0])
         event = self.monitor.check_before_step(trainer.global_step + 1, loss, grad_norm)
         if event is None:
             return
@@ -90,8 +95,10 @@ class Monitoring(Callback):
         phases = {phase: row.seconds(phase) for phase in PHASES if getattr(row, f"{phase}_s") is not None}
         for event in self.monitor.record(row.step, row.loss, row.tokens_per_s or 0.0, phases):
             trainer.report(event)
-            if event.action == "stop":
-                raise TrainingStopped(event)
+            if event.action == "stop" and trainer.monitor_stop is None:
+                # decided from this rank's own timings (throughput): the others learn it in the next step's
+                # all-reduce and every rank stops before that update (raising here alone hung the rest)
+                trainer.monitor_stop = event
 
     def post_restore(self, trainer: Trainer, step: int) -> None:
         self.monitor.forget_since_rollback()

@@ -53,6 +53,7 @@ from compass.model.training.callbacks import (
 )
 from compass.model.training.collectives import local_world_size, rank_env
 from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, tensors_digest
+from compass.model.training.exits import RETRIABLE_EXIT, mark_retriable
 from compass.model.training.export_check import check_export, probe_batch, trained_loss
 from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob
@@ -98,7 +99,7 @@ def default_callbacks(job: TrainJob, parameters: int) -> list[Callback]:
     callbacks = [Monitoring(job.recipe.monitors), MetricsFile(WorkFolder(job.workdir).metrics), Progress(),
                  Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last, export_every)]
     callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
-    callbacks.append(HangWatchdog(job.hang_timeout_s))
+    callbacks.append(HangWatchdog(job.hang_timeout_s, workdir=job.workdir))
     if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)
         callbacks.append(StopWhenAsked(Path(os.environ["COMPASS_STOP_FILE"])))
     return callbacks
@@ -162,6 +163,8 @@ class Trainer:
         self.checkpoint_blocked_s = 0.0  # time the loop waited on checkpoints since the last metrics line
         self.stop_asked_here: Callable[[], bool] = lambda: False  # a scheduler's stop request (StopWhenAsked)
         self.stop_asked = False  # ... on any rank, as of the last step
+        self.monitor_stop: Event | None = None  # a monitor's stop decided on this rank (callbacks.Monitoring)
+        self.monitor_stopped = False  # ... on any rank, as of the last step
 
     # --- set-up -------------------------------------------------------------------------------------------
     def _model(self) -> CausalLMWithLoss:
@@ -318,16 +321,18 @@ class Trainer:
 
     def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
         """The loss (averaged over ranks) and gradient norm as numbers: one transfer for both. A stop asked on
-        any rank (`stop_asked_here`) rides in the loss's all-reduce: every rank learns it at no extra collective."""
-        asked = float(self.stop_asked_here())
+        any rank (`stop_asked_here`), and a monitor's stop decided on one rank from its own timings (`monitor_stop`),
+        ride in the loss's all-reduce: every rank learns them at no extra collective, and they stop together."""
+        flags = [float(self.stop_asked_here()), float(self.monitor_stop is not None)]
+        mine = torch.tensor(flags, dtype=torch.float64, device=loss.device)
         if self.world > 1:
-            both = collectives.all_reduce(torch.stack([loss.double(), torch.full((), asked, device=loss.device,
-                                                                                  dtype=torch.float64)]))
-            loss, asked_anywhere = both[0] / self.world, both[1]
+            summed = collectives.all_reduce(torch.cat([loss.double().reshape(1), mine]))
+            loss, anywhere = summed[0] / self.world, summed[1:]
         else:
-            asked_anywhere = torch.full((), asked, dtype=torch.float64, device=loss.device)
-        values = torch.stack([loss.double(), norm.to(loss.device).double(), asked_anywhere]).tolist()
+            anywhere = mine
+        values = torch.cat([torch.stack([loss.double(), norm.to(loss.device).double()]), anywhere]).tolist()
         self.stop_asked = values[2] > 0
+        self.monitor_stopped = values[3] > 0
         return values[0], values[1]
 
     def _record(self, loss: float, grad_norm: float, lr: float, times: dict[str, float], flops_tok: float,
@@ -620,6 +625,11 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", stopped)
         collectives.leave()
         return 0  # no result.json: the job is requeued and resumes from the checkpoint
+    except torch.distributed.DistError as broken:  # a peer lost or a collective broken (NCCL, gloo): retriable
+        why = f"rank {rank}: a collective failed ({type(broken).__name__}: {str(broken).splitlines()[0][:300]})"
+        log.error("%s; the job retries from its newest checkpoint", why)
+        mark_retriable(job.workdir, rank, why)
+        return RETRIABLE_EXIT
     if rank == 0:
         result.write(WorkFolder(job.workdir).train_result)
     collectives.leave()

@@ -11,21 +11,24 @@ timeout (compilation, the rank check, the first collectives' set-up).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from compass.model.training.callbacks import Callback
+from compass.model.training.exits import RETRIABLE_EXIT, mark_retriable
 
 if TYPE_CHECKING:
     from compass.model.training.records import MetricsRow
     from compass.model.training.trainer import Trainer
 
-HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: a retry may well succeed
+HUNG_EXIT_CODE = RETRIABLE_EXIT  # a retry may well succeed
 FIRST_STEP_ALLOWANCE = 3
 
 
@@ -36,11 +39,14 @@ def process_group_timeout_s(hang_timeout_s: float) -> float:
 
 
 class HangWatchdog(Callback):
-    def __init__(self, timeout_s: float, out: TextIO | None = None):
+    def __init__(self, timeout_s: float, out: TextIO | None = None, workdir: Path | None = None):
+        """`workdir`: where the firing rank says its exit is retriable (model/training/exits.py)."""
         self.timeout_s = timeout_s
         self.out = out or sys.stderr
         self.deadline = float("inf")
         self.where = ""
+        self.workdir = workdir
+        self.rank = 0
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -62,6 +68,7 @@ class HangWatchdog(Callback):
         self.stopped.set()
 
     def _arm(self, trainer: Trainer, seconds: float) -> None:
+        self.rank = trainer.rank
         self.where = (f"rank {trainer.rank} on node {socket.gethostname()} (stage {trainer.stage.name}, step "
                       f"{trainer.global_step + 1})")
         self.deadline = time.monotonic() + seconds
@@ -79,4 +86,8 @@ class HangWatchdog(Callback):
               file=self.out, flush=True)
         faulthandler.dump_traceback(file=self.out, all_threads=True)
         self.out.flush()
+        if self.workdir is not None:
+            with contextlib.suppress(OSError):  # the exit code still says it
+                mark_retriable(self.workdir, self.rank, f"hang watchdog: {self.where}: no step ended for "
+                                                        f"{self.timeout_s:g} s")
         os._exit(HUNG_EXIT_CODE)

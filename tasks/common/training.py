@@ -140,6 +140,7 @@ def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
     ends the step here without a result: the batch shell requeues the job."""
     from compass.infra.launcher import TRAINER_MODULE
     from compass.infra.slurm import ranks_command
+    from compass.model.training.exits import RetriableRanksFailure, clear_retriable, retriable_reasons
 
     work = WorkFolder(job.workdir)
     hw = job.hardware
@@ -148,6 +149,7 @@ def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
                          job.world_size // hw.nodes, port, launch, gpus=hw.accelerator != "cpu")
     log.info("starting %d ranks on %d node(s): %s", job.world_size, hw.nodes, " ".join(argv[:-1]))
     work.train_result.unlink(missing_ok=True)
+    clear_retriable(job.workdir)
     done = subprocess.run(argv, cwd=job.workdir)
     if work.train_result.exists():
         return TrainResult.read(work.train_result)
@@ -156,6 +158,9 @@ def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
         from compass.model.training.callbacks import StopRequested
 
         raise StopRequested(checkpoints[-1].step)
+    reasons = retriable_reasons(job.workdir)
+    if reasons:  # a hung or broken collective: the batch shell requeues the job under its budget
+        raise RetriableRanksFailure(reasons)
     raise RuntimeError(f"the training ranks ended ({done.returncode}) without a result; their output is above in "
                        f"{work.slurm_log}")
 

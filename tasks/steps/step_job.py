@@ -97,6 +97,7 @@ def read_result(workdir: Path) -> StepResult | None:
 
 def main(argv: list[str] | None = None) -> int:
     from compass.model.training.callbacks import StopRequested
+    from compass.model.training.exits import RETRIABLE_EXIT, RetriableRanksFailure
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job = StepJob.model_validate_json(Path((argv if argv is not None else sys.argv[1:])[0]).read_text())
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except StopRequested as stopped:
         log.warning("%s: %s; the requeued job resumes from the checkpoint", run.step_id, stopped)
         return 0
+    except RetriableRanksFailure as failed:
+        log.error("%s: %s", run.step_id, failed)
+        return RETRIABLE_EXIT  # the batch shell requeues the job under its budget
     write_result(run.workdir, result)
     return 0
 
