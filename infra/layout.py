@@ -299,7 +299,7 @@ class WorkFolder:
 
     @property
     def retriable(self) -> Path:
-        """Why ranks ended for faults a retry may cure, a file per rank (model/training/exits.py)."""
+        """Why ranks ended for faults a retry may cure, a file per rank (infra/exits.py)."""
         return self.root / "retriable"
 
     @property

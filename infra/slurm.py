@@ -60,7 +60,7 @@ class JobRequest:
     time_limit: str | None
     exclusive: bool  # the job takes whole nodes (every device, no CPU count given)
     whole_nodes: bool = False  # every device of its nodes: without memory_gb it asks for all their memory
-    fault_requeues: int = 0  # times the batch shell requeues the job for a retriable fault (model/training/exits.py)
+    fault_requeues: int = 0  # times the batch shell requeues the job for a retriable fault (infra/exits.py)
 
 
 def request_for(shape: Shape, cluster: SlurmCluster, accelerator: str, workdir: Path, command: tuple[str, ...],
@@ -181,13 +181,13 @@ def ranks_command(module_argv: list[str], python: str, nodes: int, ranks_per_nod
 
 
 def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
-    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, model/training/exits.py)
+    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, infra/exits.py)
     requeues its own job, at most `budget` times over the job's life (counted in the work folder: time-limit
     requeues do not spend it), so a fault weeks into a stage resumes from the newest checkpoint with no
     orchestrator alive."""
     if budget <= 0:
         return []
-    from compass.model.training.exits import RETRIABLE_EXIT
+    from compass.infra.exits import RETRIABLE_EXIT
 
     count = shlex.quote(str(work.failure_requeues))
     return [f'if [ "$status" = {RETRIABLE_EXIT} ]; then',

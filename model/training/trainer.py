@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
 from compass.infra.layout import (
     REQUIRED_TOKENIZER_FILES,
     TOKENIZER_FILES,
@@ -53,7 +54,6 @@ from compass.model.training.callbacks import (
 )
 from compass.model.training.collectives import local_world_size, rank_env
 from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, tensors_digest
-from compass.model.training.exits import RETRIABLE_EXIT, mark_retriable
 from compass.model.training.export_check import check_export, probe_batch, trained_loss
 from compass.model.training.heldout import heldout_losses
 from compass.model.training.job import TrainJob

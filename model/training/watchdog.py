@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
 from compass.model.training.callbacks import Callback
-from compass.model.training.exits import RETRIABLE_EXIT, mark_retriable
 
 if TYPE_CHECKING:
     from compass.model.training.records import MetricsRow
@@ -40,7 +40,7 @@ def process_group_timeout_s(hang_timeout_s: float) -> float:
 
 class HangWatchdog(Callback):
     def __init__(self, timeout_s: float, out: TextIO | None = None, workdir: Path | None = None):
-        """`workdir`: where the firing rank says its exit is retriable (model/training/exits.py)."""
+        """`workdir`: where the firing rank says its exit is retriable (infra/exits.py)."""
         self.timeout_s = timeout_s
         self.out = out or sys.stderr
         self.deadline = float("inf")

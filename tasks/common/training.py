@@ -138,9 +138,9 @@ def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
     """Inside the step's Slurm job: srun starts the ranks over the job's nodes, each with its share of CPUs (and its
     GPU); their output goes to the job's log. A stop asked before the time limit (the ranks checkpointed and left)
     ends the step here without a result: the batch shell requeues the job."""
+    from compass.infra.exits import RetriableRanksFailure, clear_retriable, retriable_reasons
     from compass.infra.launcher import TRAINER_MODULE
     from compass.infra.slurm import ranks_command
-    from compass.model.training.exits import RetriableRanksFailure, clear_retriable, retriable_reasons
 
     work = WorkFolder(job.workdir)
     hw = job.hardware
