@@ -31,6 +31,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from compass.infra import interrupt
+from compass.infra.exits import RETRIABLE_EXIT
 from compass.infra.layout import WorkFolder
 from compass.specs.how import Shape, SlurmCluster
 
@@ -187,8 +188,6 @@ def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
     orchestrator alive."""
     if budget <= 0:
         return []
-    from compass.infra.exits import RETRIABLE_EXIT
-
     count = shlex.quote(str(work.failure_requeues))
     return [f'if [ "$status" = {RETRIABLE_EXIT} ]; then',
             f'  faults=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo "$faults" > {count}',

@@ -255,7 +255,7 @@ class Resources(SpecModel):
     pretraining: PhaseShape = Field(default=PhaseShape(), description="Pretraining stages (how.hardware).")
     long_context: PhaseShape = Field(default=PhaseShape(), description="Long-context stages (how.hardware).")
     mid_training: PhaseShape = Field(default=PhaseShape(), description="Mid-training steps (how.hardware).")
-    post_training: PhaseShape = Field(default=PhaseShape(), description="TRL post-training steps (one device).")
+    post_training: PhaseShape = Field(default=PhaseShape(), description="TRL steps (one device unless set).")
     evaluation: PhaseShape = Field(default=PhaseShape(), description="Evaluations and gates (one device).")
 
 
