@@ -9,7 +9,9 @@ The module an engine trains is `CausalLMWithLoss` (model/lm.py): its forward ret
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -131,12 +133,29 @@ class TorchEngine:
         return False  # every rank holds the whole model: rank 0 writes it from export_state_dict
 
 
+def import_deepspeed() -> ModuleType:
+    """DeepSpeed, without the mlflow its autotuner imports when mlflow is installed (a tracker compass offers):
+    1.8 s of every DeepSpeed rank's start for a feature compass does not use. mlflow stays importable after."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
+    try:
+        import deepspeed
+    finally:
+        if hide:
+            sys.modules.pop("mlflow", None)
+    return deepspeed
+
+
 def keep_deepspeed_off_the_cpu_shm_op() -> None:
     """DeepSpeed JIT-compiles its shared-memory CPU allreduce op at every start, under a file lock in the torch
     extensions cache: a process ended while holding it (an interrupted run) leaves the lock behind and every
     later DeepSpeed start waits on it forever, and two environments sharing the cache rebuild it in turn. A
     single in-process rank needs no allreduce and several CPU ranks use gloo's, so compass marks the op
     unavailable (GPU accelerators do not use it)."""
+    import_deepspeed()
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -173,8 +192,7 @@ class DeepSpeedEngine:
 
     def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int,
                  micro_batch: int, zero_stage: int, precision: str, tensor_parallel: int = 1):
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         keep_deepspeed_off_the_cpu_shm_op()
         _, world, _ = rank_env()
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
