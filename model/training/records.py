@@ -4,6 +4,8 @@ and TensorBoard, evaluation curves, the next stage's token count) share these mo
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -100,6 +102,39 @@ class RankPlace(BaseModel):
     visible: list[str] | None = None  # the GPUs the rank could open (CUDA_VISIBLE_DEVICES); None: unset, every GPU
 
 
+class CompileReport(BaseModel):
+    """What torch.compile did on a rank (torch._dynamo's counters): the graphs it compiled and the graph breaks,
+    each of which runs the code around it eagerly between compiled regions (slow on a GPU)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    graphs: int
+    graph_breaks: int
+    break_reasons: list[str] = []  # the first few, as dynamo words them
+
+    @classmethod
+    def since(cls, start: DynamoCounts) -> CompileReport:
+        """What was compiled after `start` (dynamo's counters are per process: in-process runs add up)."""
+        now = DynamoCounts.read()
+        breaks = now.breaks - start.breaks
+        return cls(graphs=now.graphs - start.graphs, graph_breaks=sum(breaks.values()),
+                   break_reasons=[reason[:200] for reason in list(breaks)[:5]])
+
+
+@dataclass(frozen=True)
+class DynamoCounts:
+    """torch._dynamo's process-wide counters at one moment: graphs compiled, graph breaks by reason."""
+
+    graphs: int
+    breaks: Counter[str]
+
+    @classmethod
+    def read(cls) -> DynamoCounts:
+        from torch._dynamo.utils import counters
+
+        return cls(graphs=counters["stats"]["unique_graphs"], breaks=Counter(counters["graph_break"]))
+
+
 class TrainResult(BaseModel):
     """A finished stage: steps, tokens, final training loss, validation loss per source, where it resumed from,
     the ranks' consistency check, the monitors' events and how it ran (attention, loss kernel, engine, ...)."""
@@ -115,6 +150,7 @@ class TrainResult(BaseModel):
     events: list[MonitorEvent] = []
     setup: TrainingSetup
     ranks: list[RankPlace] = []
+    compiled: CompileReport | None = None  # with compile on
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=1))

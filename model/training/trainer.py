@@ -60,7 +60,15 @@ from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
 from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states, node_rows, rank_rows
 from compass.model.training.rank_device import RankDevice
-from compass.model.training.records import MetricsRow, MonitorEvent, RankPlace, TrainingSetup, TrainResult
+from compass.model.training.records import (
+    CompileReport,
+    DynamoCounts,
+    MetricsRow,
+    MonitorEvent,
+    RankPlace,
+    TrainingSetup,
+    TrainResult,
+)
 from compass.model.training.schedules import schedule_shape
 from compass.model.training.staging import stage_sources
 from compass.model.training.telemetry import telemetry_callbacks
@@ -139,6 +147,7 @@ class Trainer:
             loss = "recomputed"  # the head's weight is whole only inside its own forward (liger: refused)
         self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
         self.sequence_lengths = attention.takes_sequence_lengths(self.attention)
+        self.dynamo_start: DynamoCounts | None = None  # set where the model is compiled
         self.lm = self._model()
         self.parameters = sum(p.numel() for p in self.lm.parameters())  # whole: counted before any sharding
         self.engine = self._engine(self.lm)
@@ -181,6 +190,7 @@ class Trainer:
         self.initial = state_digests(hf.state_dict(), self.held) if self.tp > 1 else {}
         lm = CausalLMWithLoss(hf, arch.z_loss, arch.moe.load_balancing_coef if arch.moe else 0.0, self.loss_kind)
         if job.compile:
+            self.dynamo_start = DynamoCounts.read()  # the report counts what this stage compiles
             lm.compile()  # in place: parameter names (and so checkpoints) stay those of the eager model
         return lm
 
@@ -286,7 +296,8 @@ class Trainer:
         val = val if self.rank == 0 else {}
         return TrainResult(steps=self.stage_steps, tokens=self.stage_steps * gbs * seq, final_loss=self.last_loss,
                            val_loss=val, resumed_from=CheckpointFolder(resumed).step if resumed else None,
-                           rank_check=rank_check, events=self.events, setup=self.setup, ranks=places)
+                           rank_check=rank_check, events=self.events, setup=self.setup, ranks=places,
+                           compiled=CompileReport.since(self.dynamo_start) if self.dynamo_start else None)
 
     def _next_batch(self, batches: Prefetcher | None) -> tuple[PackedBatch, float]:
         if batches is None:
