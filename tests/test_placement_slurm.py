@@ -72,15 +72,32 @@ what:
   architecture: {num_layers: 2, hidden_size: 64, ffn_size: 128, num_heads: 4, num_kv_heads: 2,
                  positions: {kind: rope, rope_theta: 10000}}
   tokenizer:
-    candidates: [{kind: bpe, vocab_size: 400}]
+    candidates:
+      - {kind: bpe, vocab_size: 300}
+      - {kind: bpe, vocab_size: 400}
     train_chars: 100000
     eval_chars: 20000
   data:
     sources:
-      - {name: notes, uri: FIXTURES/corpus/en, include: ["*.txt"], format: text, language: en, domain: web,
-         curation: {heldout_fraction: 0.2}}
-      - {name: code, uri: FIXTURES/corpus/code, include: ["*.py"], format: code, domain: code,
-         curation: {heldout_fraction: 0.2}}
+      - name: notes
+        uri: FIXTURES/corpus/en
+        include: ["*.txt"]
+        format: text
+        language: en
+        domain: web
+        curation:
+          filters:
+            - {name: gopher_repetition}
+            - {name: gopher_quality, params: {min_doc_words: 20}}
+          language_id: {keep: [en], min_score: 0.3}
+          minhash: {n_grams: 5, num_buckets: 8, hashes_per_bucket: 8}
+          heldout_fraction: 0.2
+      - name: code
+        uri: FIXTURES/corpus/code
+        include: ["*.py"]
+        format: code
+        domain: code
+        curation: {heldout_fraction: 0.2}
   ablations:
     baseline: {tokens: 2048, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
     variants:
@@ -117,7 +134,11 @@ SHAPES = {"data": (1, 0), "ablation": (1, 1), "pretraining": (1, 2), "mid_traini
 
 
 def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_no_model(slurm, prefect_server: str,
-                                                                                      tmp_path: Path):
+                                                                                      data_store: Path, tmp_path: Path):
+    """The data section is the minimal spec's: its steps are the session's, committed, but for one, which runs
+    as the data phase's job (data steps as Slurm arrays: tests/test_data_scale_slurm.py)."""
+    (data_job,) = seeded(tmp_path / "store", data_store).glob("tokenize/code-*")
+    shutil.rmtree(data_job)
     hub = tmp_path / "hub"
     seed_model(hub / "cache", "acme/tiny-chat", tiny_llama(hub / "files"))
     spec = tmp_path / "spec.yaml"
@@ -130,6 +151,11 @@ def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_n
     assert done.returncode == 0, done.stderr[-4000:]
     steps = {s["step"]: s for s in json.loads(done.stdout)["steps"]}
     assert {k.split(":")[0] for k in steps} >= set(PHASE_OF) | {"compare", "curves", "report"}
+    cached = {k for k, s in steps.items() if not s["executed"]}
+    assert cached == {"ingest:notes", "ingest:code", "curate:notes", "curate:code", "tokenizer:select",
+                      "tokenize:notes"}
+    assert cached | {"tokenize:code"} == {k for k in steps if PHASE_OF.get(k.split(":")[0]) == "data"}
+    steps = {k: s for k, s in steps.items() if s["executed"]}  # each a job of its phase's shape (below)
 
     jobs = {j["JobId"]: j for j in history(slurm)}
     store = Store(str(tmp_path / "store"))
