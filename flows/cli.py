@@ -126,12 +126,12 @@ def run(spec: SpecArg,
 def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, smoke: bool,
          no_recompute: bool) -> dict:
     """The lifecycle flow on the embedded (or PREFECT_API_URL's) server; exits 2, 3 or 1 as `compass run` says."""
-    start_tied_temporary_server()
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
     from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 
     try:
-        runner = task_runner_for(loaded.spec.how.orchestration)
+        runner = task_runner_for(loaded.spec.how.orchestration)  # refused before a temporary server starts
+        start_tied_temporary_server()
         apply_credentials_block(loaded.spec.how.storage.credentials_block)  # fail here, before any flow run
     except (RayNeedsServer, CredentialsBlockError) as exc:
         err.print(f"[red]error:[/red] {escape(str(spec))}: {escape(str(exc))}")
