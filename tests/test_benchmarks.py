@@ -28,6 +28,14 @@ def test_loss_memory():
     assert "chunked needs" in out and "less memory" in out
 
 
-def test_gpu_throughput_skips_without_cuda():
-    out = bench("gpu_throughput.py")
+def test_gpu_throughput_says_it_needs_cuda_where_there_is_none():
+    """With no GPU visible (on a CUDA host too: this file runs in `make test`), the GPU benchmark says so."""
+    out = bench("gpu_throughput.py", env={"CUDA_VISIBLE_DEVICES": ""})
     assert out.strip() == "no CUDA device: skipped"
+
+
+@pytest.mark.gpu
+def test_gpu_throughput_measures_the_trainer_against_a_bare_loop_on_cuda():
+    out = bench("gpu_throughput.py", "--steps", "4", "--warmup", "2", "--rounds", "1", "--variants",
+                "bare torch loop,compass trainer")
+    assert "measured compass trainer" in out and "MFU" in out
