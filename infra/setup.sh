@@ -25,6 +25,9 @@ install_with_uv() {
   pip install -q "uv==0.13.9" || return 1
   local sources
   mapfile -t sources < <(uv_sources)
+  # Byte-compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine, CI) nothing is
+  # compiled later, and every process would compile torch and transformers again (an import of 29 s, not 6)
+  sources+=(--compile-bytecode)
   # torch first: DeepSpeed builds against it, without isolation
   uv pip install -q "${sources[@]}" "$(grep '^torch==' infra/requirements.lock)" || return 1
   DS_BUILD_OPS=0 uv pip install -q "${sources[@]}" --no-build-isolation-package deepspeed \

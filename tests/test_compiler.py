@@ -37,7 +37,7 @@ def descendants(plan, step_id: str) -> set[str]:
 
 
 def test_compiler_imports_no_prefect():
-    code = "import sys, flows.compiler; assert not [m for m in sys.modules if m.startswith('prefect')]"
+    code = "import sys, compass.flows.compiler; assert not [m for m in sys.modules if m.startswith('prefect')]"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

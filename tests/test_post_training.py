@@ -228,7 +228,17 @@ def test_grpo_and_every_post_trained_model_is_exported_and_evaluated(post_traine
 
     grpo = post_trained["post_train:grpo"].manifest
     assert grpo.metrics["problems"] == 8 and grpo.metrics["steps"] > 0
-    assert 0 <= grpo.metrics["final_reward"] <= 1 or grpo.metrics["final_reward"] < 0  # penalty may go below 0
+    assert grpo.metrics["tokens"] > 0  # counted from TRL's num_tokens (it once said 0)
+    from safetensors.torch import load_file
+
+    start = post_trained[{i.role: i.step for i in grpo.inputs}["previous"]]
+    before, after = (load_file(str(Path(o.uri) / "final" / "model.safetensors")) for o in (start, post_trained[
+        "post_train:grpo"]))
+    moved = any(not before[k].equal(after[k]) for k in before)
+    if grpo.metrics["max_reward"] > 0:  # a rewarded completion is a gradient: the weights moved
+        assert moved and "learnt_nothing" not in grpo.metrics
+    else:  # the tiny model solved nothing: said plainly, not a silent "final_reward 0"
+        assert "no completion was ever rewarded" in grpo.metrics["learnt_nothing"], grpo.metrics
     for name in ("sft", "apo", "grpo", "orpo", "kto", "distill"):
         folder = Path(post_trained[f"post_train:{name}"].uri)
         tokenizer = AutoTokenizer.from_pretrained(str(folder / "final"))

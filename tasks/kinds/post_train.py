@@ -329,13 +329,13 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     before = tokens_seen(previous.root) or 0
     logs = [h for h in result.log_history if "loss" in h]
     metric_rows = [MetricsRow(step=i + 1, stage=ctx.name, stage_step=h.get("step", i + 1), loss=h["loss"],
-                              tokens=before + int(h.get("num_input_tokens_seen", 0)), method=method)
+                              tokens=before + int(h.get("num_input_tokens_seen", h.get("num_tokens", 0))),
+                              method=method)  # GRPO logs its count as num_tokens
                    for i, h in enumerate(logs)]
     write_metrics(out.metrics, read_metrics(previous.metrics) + metric_rows)
     vibe = _vibe_check(ctx, exported, tokenizer)
     if method == "grpo":
-        rewards = [h["reward"] for h in result.log_history if "reward" in h]
-        facts |= {"first_reward": rewards[0] if rewards else None, "final_reward": rewards[-1] if rewards else None}
+        facts |= _reward_facts([h["reward"] for h in result.log_history if "reward" in h], ctx)
     metrics = {"method": method, "steps": result.global_step, "first_loss": logs[0]["loss"] if logs else None,
                "final_loss": logs[-1]["loss"] if logs else None,
                "tokens": metric_rows[-1].tokens - before if metric_rows else 0, "ranks": world,
@@ -347,6 +347,20 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
 
 
 TRL_RANKS_MODULE = "compass.tasks.post_training.trl_ranks"
+
+
+def _reward_facts(rewards: list[float], ctx: StepContext[PostTrainConfig]) -> dict[str, Any]:
+    """GRPO's rewards, first, last and best: a run whose verifier never rewarded a completion had no signal and
+    learnt nothing, which a final reward of 0 alone does not tell (said in the metrics and the log)."""
+    facts: dict[str, Any] = {"first_reward": rewards[0] if rewards else None,
+                             "final_reward": rewards[-1] if rewards else None,
+                             "max_reward": max(rewards) if rewards else None}
+    if not any(rewards):
+        facts["learnt_nothing"] = (f"no completion was ever rewarded ({len(rewards)} logged steps, every mean reward "
+                                   "0): GRPO had no signal; start from a model that solves some problems (SFT on "
+                                   "the task first), or sample more completions per prompt")
+        ctx.log.warning("post_train %s: %s", ctx.name, facts["learnt_nothing"])
+    return facts
 
 
 def _export(ctx: StepContext[PostTrainConfig], work: WorkFolder, out: ModelArtifact, lora: bool,
