@@ -1,70 +1,32 @@
 #!/usr/bin/env bash
 # Installs everything compass needs into .venv, in the order that works offline-from-hubs on a CPU machine:
-# torch's CPU wheel first, DeepSpeed built without isolation against it, then the locked set
-# (infra/requirements.lock) and the project. Idempotent: the Python packages sit behind a stamp (keyed on
-# pyproject.toml, the lock and this script); each system package is checked on every run.
+# torch's CPU wheel first, DeepSpeed built without isolation against it, then the project and its pins.
+# Idempotent: the Python packages sit behind a stamp (keyed on pyproject.toml and this script); each system
+# package is checked on every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-uv_sources() {  # pip's find-links and file/extra indexes (pip.conf, PIP_* variables) as uv arguments
-  local links extra index
-  links="$(pip config get global.find-links 2>/dev/null || true) ${PIP_FIND_LINKS:-}"
-  extra="$(pip config get global.extra-index-url 2>/dev/null || true) ${PIP_EXTRA_INDEX_URL:-}"
-  index="${PIP_INDEX_URL:-$(pip config get global.index-url 2>/dev/null || true)}"
-  for link in $links; do [ -e "${link#file://}" ] && printf -- '--find-links\n%s\n' "$link"; done
-  for url in $extra; do
-    case "$url" in file://*) [ -e "${url#file://}" ] || continue ;; esac
-    printf -- '--extra-index-url\n%s\n' "$url"
-  done
-  [ -n "$index" ] && printf -- '--index-url\n%s\n' "$index"
-  printf -- '--index-strategy\nunsafe-best-match\n'  # pip's way: the best version on any index
-  return 0
-}
-
-install_with_uv() {
-  pip install -q "uv==0.13.9" || return 1
-  local sources
-  mapfile -t sources < <(uv_sources)
-  # Byte-compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine, CI) nothing is
-  # compiled later, and every process would compile torch and transformers again (an import of 29 s, not 6)
-  sources+=(--compile-bytecode)
-  # torch first: DeepSpeed builds against it, without isolation
-  uv pip install -q "${sources[@]}" "$(grep '^torch==' infra/requirements.lock)" || return 1
-  DS_BUILD_OPS=0 uv pip install -q "${sources[@]}" --no-build-isolation-package deepspeed \
-    -r infra/requirements.lock || return 1
-  uv pip install -q "${sources[@]}" -e ".[dev]"
-}
-
-install_with_pip() {
-  pip install -q --upgrade pip wheel setuptools
-  pip install -q torch==2.13.0                      # the CPU wheel; an open 'torch' pulls a CUDA build
-  if ! python -c "import deepspeed" 2>/dev/null; then
-    DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8
-  fi
-  pip install -q -e ".[dev]"
-}
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-# Python packages: a stamp keyed on pyproject.toml, the lock and this script skips them when nothing changed.
-stamp=".venv/.compass-setup-$(cat pyproject.toml infra/setup.sh infra/requirements.lock | sha256sum | cut -c1-16)"
+# Python packages: a stamp keyed on pyproject.toml and this script skips them when nothing changed.
+stamp=".venv/.compass-setup-$(cat pyproject.toml infra/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  echo "compass: installing dependencies into .venv (first run takes a minute or two)" >&2
+  echo "compass: installing dependencies into .venv (first run takes a few minutes)" >&2
   . .venv/bin/activate
   export PIP_DISABLE_PIP_VERSION_CHECK=1
+  pip install -q --upgrade pip wheel setuptools
+  pip install -q torch==2.13.0                      # the CPU wheel; an open 'torch' pulls a CUDA build
+  if ! python -c "import deepspeed" 2>/dev/null; then
+    DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8
+  fi
   # Before the namespace move this checkout installed as the distribution `compass` with top-level `specs`,
   # `flows`, ... packages; remove that install so only `compass.*` imports.
   if pip show compass 2>/dev/null | grep -qx "Editable project location: $PWD"; then
     pip uninstall -q -y compass
   fi
-  # uv installs the locked set in parallel (~1 min against pip's ~6); pip's find-links and indexes are passed on.
-  # Where uv cannot (a machine without the CPU torch wheel the lock names), pip installs them as before.
-  if ! install_with_uv; then
-    echo "compass: uv could not install infra/requirements.lock; installing with pip" >&2
-    install_with_pip
-  fi
+  pip install -q -e ".[dev]"
   rm -f .venv/.compass-setup-*
   touch "$stamp"
 fi

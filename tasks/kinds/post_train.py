@@ -350,15 +350,17 @@ TRL_RANKS_MODULE = "compass.tasks.post_training.trl_ranks"
 
 
 def _reward_facts(rewards: list[float], ctx: StepContext[PostTrainConfig]) -> dict[str, Any]:
-    """GRPO's rewards, first, last and best: a run whose verifier never rewarded a completion had no signal and
-    learnt nothing, which a final reward of 0 alone does not tell (said in the metrics and the log)."""
+    """GRPO's rewards, first, last and best: a run whose verifier never rewarded a completion (every mean reward 0,
+    or below it from the length penalty alone) learnt nothing of the task, which a final reward of 0 alone does not
+    tell (said in the metrics and the log)."""
     facts: dict[str, Any] = {"first_reward": rewards[0] if rewards else None,
                              "final_reward": rewards[-1] if rewards else None,
                              "max_reward": max(rewards) if rewards else None}
-    if not any(rewards):
-        facts["learnt_nothing"] = (f"no completion was ever rewarded ({len(rewards)} logged steps, every mean reward "
-                                   "0): GRPO had no signal; start from a model that solves some problems (SFT on "
-                                   "the task first), or sample more completions per prompt")
+    if not rewards or max(rewards) <= 0:  # at best 0, or only the length penalty's negative rewards
+        facts["learnt_nothing"] = (f"no completion was ever rewarded ({len(rewards)} logged steps, the best mean "
+                                   f"reward {max(rewards, default=0):.3g}): GRPO had no signal from its verifier; "
+                                   "start from a model that solves some problems (SFT on the task first), or "
+                                   "sample more completions per prompt")
         ctx.log.warning("post_train %s: %s", ctx.name, facts["learnt_nothing"])
     return facts
 
