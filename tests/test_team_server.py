@@ -60,7 +60,8 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
     home = tmp_path_factory.mktemp("team")
     store = home / "store"
     specs = []
-    for name, tokens in (("team-a", 20000), ("team-b", 16000)):  # the same data steps, two trainings
+    # the same data steps, two trainings long enough (~600 steps) to be seen running side by side before either ends
+    for name, tokens in (("team-a", 150000), ("team-b", 140000)):
         folder = home / name
         folder.mkdir()
         stage = "{name: stage1, tokens: "
