@@ -29,15 +29,20 @@ test-gpu: setup
 lint: setup
 	.venv/bin/ruff check .
 
+# Every script of benchmarks/ at full size (bench_table.BENCHMARKS, in its order), each writing its result file to
+# benchmarks/results/; then the table in docs/development.md is rendered from those files.
 bench: setup
 	cd benchmarks && ../.venv/bin/python curation_throughput.py
 	cd benchmarks && ../.venv/bin/python data_throughput.py
 	cd benchmarks && ../.venv/bin/python cached_rerun.py
+	cd benchmarks && ../.venv/bin/python submission_overhead.py
 	cd benchmarks && ../.venv/bin/python pretrain_throughput.py --engine torch
 	cd benchmarks && ../.venv/bin/python pretrain_throughput.py --engine deepspeed --variants "bare torch loop,compass trainer,HF Trainer"
+	cd benchmarks && ../.venv/bin/python engines.py
 	cd benchmarks && ../.venv/bin/python long_sequence_memory.py
 	cd benchmarks && ../.venv/bin/python loss_memory.py
 	cd benchmarks && ../.venv/bin/python async_checkpoint.py
 	cd benchmarks && ../.venv/bin/python evaluation_throughput.py
-	cd benchmarks && ../.venv/bin/python submission_overhead.py
+	cd benchmarks && ../.venv/bin/python post_training_throughput.py
 	cd benchmarks && ../.venv/bin/python gpu_throughput.py
+	cd benchmarks && ../.venv/bin/python bench_table.py

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import Run, child, fixture_job, interleave, peak_rss_mib, pin_threads, write_result
+from harness import Run, child, fixture_job, interleave, peak_rss_mib, pin_threads, report, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,17 +79,15 @@ def main() -> None:
             return child(__file__, [mode, str(run_dir / "job.json")], cwd=REPO)
         return go
 
-    results = interleave({"async": variant("async"), "sync": variant("sync")}, args.rounds)
-    print(f"checkpoint cost per step: {args.layers} layers, hidden {args.hidden}, vocab 8192, a checkpoint every "
-          f"{args.every} steps, {args.steps} steps — {args.rounds} round(s) interleaved; median (min-max)")
-    for mode, runs in results.items():
-        ratios = [r.value for r in runs]
-        saving = statistics.median(r.details["saving_s"] for r in runs)
-        other = statistics.median(r.details["other_s"] for r in runs)
-        print(f"  {mode:6s} step that checkpoints {saving:6.2f} s, other steps {other:6.2f} s: ratio "
-              f"{statistics.median(ratios):5.2f} ({min(ratios):.2f}-{max(ratios):.2f})  peak RSS "
-              f"{statistics.median(r.peak_mib for r in runs):6.0f} MiB")
-    print("  goal: ratio <= 1.1 with async checkpoints")
+    results = interleave({"sync": variant("sync"), "async": variant("async")}, args.rounds)
+    seconds = {mode: (statistics.median(r.details["saving_s"] for r in runs),
+                      statistics.median(r.details["other_s"] for r in runs)) for mode, runs in results.items()}
+    report(f"checkpoint cost per step: {args.layers} layers, hidden {args.hidden}, vocab 8192, a checkpoint every "
+           f"{args.every} steps, {args.steps} steps; the value is the time of a step that checkpoints over that of "
+           "the other steps", results, "sync", "x an ordinary step", higher_is_better=False,
+           notes=[f"{mode}: a step that checkpoints {saving:.2f} s, other steps {other:.2f} s"
+                  for mode, (saving, other) in seconds.items()] + ["goal: <= 1.1x an ordinary step with async "
+                                                                   "checkpoints"])
 
 
 if __name__ == "__main__":

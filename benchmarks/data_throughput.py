@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import child, interleave, report, write_result
+from harness import child, interleave, note, report, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = "notes"
@@ -193,8 +193,8 @@ def main() -> None:
             speeds = [statistics.median([r.details["tokens_per_s"] for r in results[name]])
                       for name, (e, _) in VARIANTS.items() if e == engine and name in results]
             if len(speeds) == 2:
-                print(f"  {engine}: {speeds[0]:,.0f} -> {speeds[1]:,.0f} tokens/s from 1 to 2 workers "
-                      f"({speeds[1] / speeds[0]:.2f}x)")
+                note(f"{engine}: {speeds[0]:,.0f} -> {speeds[1]:,.0f} tokens/s from 1 to 2 workers "
+                     f"({speeds[1] / speeds[0]:.2f}x)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

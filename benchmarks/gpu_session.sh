@@ -12,7 +12,8 @@
 #   PY (python3) SITE (/tmp/site: where .whl installs) SKIP_INSTALL (unset; 1: use PY's own packages, e.g. a
 #   local .venv on a CPU machine, where the tests stop at "needs a CUDA device")
 # Files under $OUT: gpu_session.log (all of it, the summary last), kit_check.log, gpu_tests.log, gpu_tests.xml,
-#   gpu_throughput.log.
+#   gpu_throughput.log, results/ATTENTION/gpu_throughput.json (the benchmark's result file: copy the one to publish
+#   to benchmarks/results/ and run benchmarks/bench_table.py).
 set -uo pipefail  # no -e: a part that fails is reported, and the next part still runs
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -113,7 +114,7 @@ for attention in $BENCH_ATTN; do
   stamp "benchmark --attention $attention (${left} s left of ${BENCH_S} s)"
   echo "--- attention $attention: gpu_throughput.py --steps $BENCH_STEPS --warmup $BENCH_WARMUP --rounds $BENCH_ROUNDS" \
     "--variants '$BENCH_VARIANTS' (budget ${left} s)" >>"$OUT/gpu_throughput.log"
-  timeout -s INT -k 20 "$left" $PY benchmarks/gpu_throughput.py --attention "$attention" --steps "$BENCH_STEPS" \
+  COMPASS_BENCH_RESULTS="$OUT/results/$attention" timeout -s INT -k 20 "$left" $PY benchmarks/gpu_throughput.py --attention "$attention" --steps "$BENCH_STEPS" \
     --warmup "$BENCH_WARMUP" --rounds "$BENCH_ROUNDS" --variants "$BENCH_VARIANTS" </dev/null 2>&1 |
     tee -a "$OUT/gpu_throughput.log" | grep -a --line-buffered -v "^\s*$"
   BENCH_RC[$attention]=${PIPESTATUS[0]}

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench_results import BenchResult, Measured, Row, Section
+
 THREADS = int(os.environ.get("COMPASS_BENCH_THREADS", "2"))
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
@@ -70,23 +72,55 @@ def interleave(variants: dict[str, Callable[[], Run]], rounds: int) -> dict[str,
 
 def report(title: str, results: dict[str, list[Run]], baseline: str, unit: str, higher_is_better: bool = True,
            notes: Sequence[str] = ()) -> dict[str, float]:
-    """Print median (spread) and the ratio of medians to the baseline, with peak memory; returns the ratios."""
+    """Print median (spread) and the ratio of medians to the baseline, with peak memory, and record the comparison
+    in this script's result file (bench_results.py); returns the ratios."""
     base = statistics.median(r.value for r in results[baseline])
     base_mem = statistics.median(r.peak_mib for r in results[baseline])
     rounds = len(results[baseline])
     print(f"{title} — {rounds} round(s) interleaved, {THREADS} threads; median (min-max); ratio of medians vs "
           f"{baseline}" + ("" if higher_is_better else " (lower is better)"))
-    ratios = {}
+    ratios, rows = {}, []
     for name, runs in results.items():
         values = [r.value for r in runs]
         median = statistics.median(values)
         mem = statistics.median(r.peak_mib for r in runs)
         ratios[name] = median / base if base else float("nan")
+        rows.append(Row(variant=name, median=median, low=min(values), high=max(values), rounds=len(runs),
+                        ratio=ratios[name], peak_mib=mem, memory_ratio=mem / base_mem if base_mem else float("nan")))
         print(f"  {name:28s} {median:12,.2f} {unit} ({min(values):,.2f}-{max(values):,.2f})  "
               f"ratio {ratios[name]:6.3f}  peak RSS {mem:8,.0f} MiB  memory ratio {mem / base_mem:5.2f}")
-    for note in notes:
-        print(f"  {note}")
+    _record(Section(title=title, unit=unit, baseline=baseline, higher_is_better=higher_is_better, rows=tuple(rows)))
+    for line in notes:
+        note(line)
     return ratios
+
+
+def note(line: str) -> None:
+    """Print a finding derived from the last comparison (a ratio of ratios, a goal) and record it with it."""
+    print(f"  {line}")
+    if _sections:
+        _sections[-1] = _sections[-1].with_note(line)
+        _write()
+
+
+_sections: list[Section] = []
+_name: list[str] = []
+
+
+def name_results(name: str) -> None:
+    """The result file's name for a script that `make bench` runs more than one way (default: the script's)."""
+    _name[:] = [name]
+
+
+def _record(section: Section) -> None:
+    _sections.append(section)
+    _write()
+
+
+def _write() -> None:
+    """This script's result file, rewritten after each comparison: a run stopped half-way keeps what it measured."""
+    BenchResult(benchmark=(_name or [Path(sys.argv[0]).stem])[0], argv=tuple(sys.argv[1:]), measured=Measured.here(),
+                sections=tuple(_sections)).write()
 
 
 def write_result(out: str | Path, value: float, **details: object) -> None:

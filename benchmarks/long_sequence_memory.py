@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from harness import Run, child, current_rss_mib, interleave, peak_rss_mib, pin_threads, write_result
+from harness import Run, child, current_rss_mib, interleave, note, peak_rss_mib, pin_threads, report, write_result
 
 VOCAB = 8192
 DOCUMENT = 300
@@ -67,18 +67,17 @@ def main() -> None:
     variants = {f"{v} @ {n}": (lambda v=v, n=n: child(__file__, [v, str(n), str(args.rows)]))
                 for n in lengths for v in ("compass", "dense mask")}
     results: dict[str, list[Run]] = interleave(variants, args.rounds)
-    print(f"peak memory of one training step: 4 layers, hidden 256, vocab {VOCAB}, {args.rows} rows of documents of "
-          f"{DOCUMENT} tokens, fp32 CPU — median of {args.rounds} round(s), MiB above the process before the step")
     medians = {k: statistics.median(r.value for r in v) for k, v in results.items()}
-    print(f"  {'tokens/row':>10s} {'compass':>10s} {'dense mask':>11s} {'ratio':>7s}")
     for n in lengths:
-        ours, dense = medians[f"compass @ {n}"], medians[f"dense mask @ {n}"]
-        print(f"  {n:10d} {ours:10.0f} {dense:11.0f} {dense / ours:7.2f}")
+        report(f"peak memory of one training step at {n} tokens/row: 4 layers, hidden 256, vocab {VOCAB}, "
+               f"{args.rows} rows of documents of {DOCUMENT} tokens, fp32 CPU; MiB above the process before the step",
+               {v: results[f"{v} @ {n}"] for v in ("dense mask", "compass")}, "dense mask", "MiB",
+               higher_is_better=False)
     first, last = lengths[0], lengths[-1]
     growth = medians[f"compass @ {last}"] / medians[f"compass @ {first}"]
     dense_growth = medians[f"dense mask @ {last}"] / medians[f"dense mask @ {first}"]
-    print(f"  growth {first} -> {last} tokens ({last // first}x longer): compass {growth:.1f}x (goal <= "
-          f"{12 * last / first / 8:.1f}x), dense mask {dense_growth:.1f}x")
+    note(f"growth {first} -> {last} tokens ({last // first}x longer): compass {growth:.1f}x (goal <= "
+         f"{12 * last / first / 8:.1f}x), dense mask {dense_growth:.1f}x")
 
 
 if __name__ == "__main__":

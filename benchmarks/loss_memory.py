@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 
-from harness import child, current_rss_mib, interleave, peak_rss_mib, pin_threads, report, write_result
+from harness import child, current_rss_mib, interleave, note, peak_rss_mib, pin_threads, report, write_result
 
 
 def loss_memory(variant: str, tokens: int, vocab: int, hidden: int) -> tuple[float, float]:
@@ -56,17 +56,17 @@ def main() -> None:
                  f"the batch: {tokens * args.vocab * 4 / 2**30:.1f} GiB)")
         if needs > 0.8 * ram:
             run = interleave({"chunked": lambda s=shape: child(__file__, ["chunked", *s])}, args.rounds)["chunked"]
-            print(f"{title}\n  full fp32 logits: not run, needs ~{needs / 2**30:.0f} GiB of this machine's "
-                  f"{ram / 2**30:.0f} GiB\n  chunked {statistics.median(r.value for r in run):,.0f} MiB above the "
-                  f"inputs: {needs / 2**20 / statistics.median(r.value for r in run):.0f}x less than the full "
-                  "logits would need")
+            report(title, {"chunked": run}, "chunked", "MiB above the inputs", higher_is_better=False,
+                   notes=[f"full fp32 logits: not run, estimated (not measured) to need ~{needs / 2**30:.0f} GiB, "
+                          f"more than this machine's {ram / 2**30:.0f} GiB: "
+                          f"{needs / 2**20 / statistics.median(r.value for r in run):.0f}x what chunked took"])
             continue
         results = interleave({v: (lambda v=v, s=shape: child(__file__, [v, *s]))
                               for v in ("full fp32 logits", "chunked")}, args.rounds)
         seconds = {k: statistics.median(r.details["seconds"] for r in v) for k, v in results.items()}
         ratios = report(title, results, "full fp32 logits", "MiB above the inputs", higher_is_better=False,
                         notes=["seconds (median): " + ", ".join(f"{k} {s:.1f}" for k, s in seconds.items())])
-        print(f"  chunked needs {1 / ratios['chunked']:.1f}x less memory for the loss (goal >= 4x)")
+        note(f"chunked needs {1 / ratios['chunked']:.1f}x less memory for the loss (goal >= 4x)")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import Run, child, fixture_job, interleave, peak_rss_mib, pin_threads, report, write_result
+from harness import (
+    Run,
+    child,
+    fixture_job,
+    interleave,
+    name_results,
+    note,
+    peak_rss_mib,
+    pin_threads,
+    report,
+    write_result,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 8192  # the demo's largest tokenizer candidate: the loss costs what it costs at that size
@@ -157,6 +168,7 @@ def main() -> None:
 
     prepare_environment()
     work = Path(tempfile.mkdtemp(prefix="compass-bench-"))
+    name_results(f"pretrain_throughput-{args.engine}")
     job = prepare(work, args.steps, args.engine, args.seq, args.batch)
     chosen = [v for v in args.variants.split(",") if v]
 
@@ -174,10 +186,10 @@ def main() -> None:
     for ours, theirs in (("compass trainer", "HF Trainer"), ("compass trainer + compile", "HF Trainer + compile"),
                          ("compass trainer + compile", "HF Trainer")):
         if {ours, theirs} <= set(chosen):
-            print(f"  {ours} vs {theirs}: {ratios[ours] / ratios[theirs]:.3f}")
+            note(f"{ours} vs {theirs}: {ratios[ours] / ratios[theirs]:.3f}")
     if {"compass trainer + compile", "bare torch loop + compile"} <= set(chosen):
         compiled = ratios["compass trainer + compile"] / ratios["bare torch loop + compile"]
-        print(f"  compiled: compass vs bare loop {compiled:.3f} (goal >= 0.95)")
+        note(f"compiled: compass vs bare loop {compiled:.3f} (goal >= 0.95)")
     sys.stdout.flush()
 
 

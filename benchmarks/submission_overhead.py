@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from harness import Run, report
+
 from compass.infra.net import free_port, wait_for_http
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,18 +127,14 @@ def main() -> None:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
-    base = statistics.median(times["baseline"])
-    print(f"submission overhead: minimal spec, steps up to {', '.join(args.until)}, fresh store each time — "
-          f"{args.rounds} round(s) "
-          "interleaved; median (min-max)")
-    labels = {"baseline": "baseline: compass run, embedded", "server": "compass run, local server",
+    labels = {"baseline": "compass run, embedded", "server": "compass run, local server",
               "submitted": "compass submit --watch, worker"}
-    for key, label in labels.items():
-        xs = times[key]
-        print(f"  {label:34s} {statistics.median(xs):7.1f} s ({min(xs):.1f}-{max(xs):.1f})   ratio "
-              f"{statistics.median(xs) / base:.2f}")
-    print(f"  worker + flow run peak RSS {statistics.median(peaks):6.0f} MiB; largest client command peak RSS "
-          f"{client_rss:6.0f} MiB")
+    peak = {"baseline": client_rss, "server": client_rss, "submitted": statistics.median(peaks)}
+    results = {labels[key]: [Run(seconds, peak[key]) for seconds in xs] for key, xs in times.items()}
+    report(f"submission overhead: minimal spec, steps up to {', '.join(args.until)}, fresh store each time",
+           results, labels["baseline"], "s", higher_is_better=False,
+           notes=[f"peak memory: the worker and the flow run it started (sampled) for submit; the largest client "
+                  f"command ({client_rss:,.0f} MiB) for the others"])
 
 
 if __name__ == "__main__":
