@@ -62,9 +62,10 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
 
-    from compass.tasks.data.curate_blocks import LanguageIdFilter, SplitTagger, document_text
+    from compass.tasks.data.curate_blocks import REPRODUCIBLE_GZIP, LanguageIdFilter, SplitTagger, document_text
 
     n = len(list(docs.glob("*.jsonl.gz")))
+    gzip6 = REPRODUCIBLE_GZIP  # compass's shards' gzip (level 6): datatrove's default, level 9, costs more
     logs, work = out / "logs", out / "work"
     exact = ExactDedupConfig(content_getter=document_text)
     mh = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8)
@@ -74,16 +75,16 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
                               skip_completed=False).run()
 
     go([JsonlReader(str(docs)), GopherRepetitionFilter(), GopherQualityFilter(min_doc_words=30),
-        LanguageIdFilter(["en"], 0.5), JsonlWriter(str(work / "filtered"))], n, "filter")
+        LanguageIdFilter(["en"], 0.5), JsonlWriter(str(work / "filtered"), compression=gzip6)], n, "filter")
     go([JsonlReader(str(work / "filtered")), ExactDedupSignature(str(work / "es"), exact)], n, "es")
     go([ExactFindDedups(str(work / "es"), str(work / "ed"), exact)], 1, "ef")
     go([JsonlReader(str(work / "filtered")), ExactDedupFilter(str(work / "ed"), exact),
-        JsonlWriter(str(work / "exact"))], n, "ex")
+        JsonlWriter(str(work / "exact"), compression=gzip6)], n, "ex")
     go([JsonlReader(str(work / "exact")), MinhashDedupSignature(str(work / "ms"), mh)], n, "ms")
     go([MinhashDedupBuckets(str(work / "ms"), str(work / "mb"), config=mh)], mh.num_buckets, "mb")
     go([MinhashDedupCluster(str(work / "mb"), str(work / "mr"), config=mh)], 1, "mc")
     go([JsonlReader(str(work / "exact")), MinhashDedupFilter(str(work / "mr")), SplitTagger(0.05),
-        JsonlWriter(str(out / "curated"), output_filename="${split}/${rank}.jsonl.gz")], n, "mf")
+        JsonlWriter(str(out / "curated"), output_filename="${split}/${rank}.jsonl.gz", compression=gzip6)], n, "mf")
 
 
 def run_through_compass(docs: Path, out: Path, workers: int) -> None:

@@ -77,6 +77,27 @@ def job(work: Path, steps: int, micro: int, attention: str = "auto"):
                     loss="auto")
 
 
+DEVICE_PEAK = "device peak"  # the child that measures the device's dense bf16 matmul rate
+MATMUL, MATMUL_ITERS = 8192, 50
+NOMINAL_BF16 = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}  # dense, vendor data sheets
+
+
+def matmul_flops_per_s() -> float:
+    """The device's dense bf16 matmul rate, measured: what its kernels reach, the ceiling MFU is read against."""
+    import torch
+
+    a, b = (torch.randn(MATMUL, MATMUL, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(10):  # warm-up: clocks up, cuBLAS's choice made
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(MATMUL_ITERS):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * MATMUL**3 * MATMUL_ITERS / (start.elapsed_time(end) / 1000)
+
+
 def flops_per_step(job) -> float:
     from compass.specs.costs import flops_per_token
 
@@ -191,6 +212,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA device: skipped")
         return
+    if args.child and args.child[0] == DEVICE_PEAK:
+        write_result(args.child[3], matmul_flops_per_s(), peak_mib=peak_rss_mib())
+        return
     if args.child:
         from compass.model.training.job import TrainJob
 
@@ -217,20 +241,31 @@ def main() -> None:
         parser.error(f"--variants: a subset of {', '.join(VARIANTS)} that holds the baseline, bare torch loop")
     tokens = args.micro * SEQ
     results = interleave({name: variant(name) for name in chosen}, args.rounds)
-    peak = 989e12  # H100 SXM dense bf16
+    device = torch.cuda.get_device_name()
+    measured = child(__file__, [DEVICE_PEAK, "-", "0"]).value  # in a process of its own: no memory held here
+    nominal = next((flops for prefix, flops in NOMINAL_BF16.items() if prefix in device), None)
+    peak = nominal or measured
     for runs in results.values():
         for r in runs:
             r.details["mfu"] = r.value * flops_per_step(bench_job) / peak
+            r.details["mfu_measured"] = r.value * flops_per_step(bench_job) / measured
             r.value *= tokens
     n = sum(p.numel() for p in hf_model(bench_job, "sdpa").parameters())
     report(f"GPU throughput: SmolLM3-shaped {n / 1e9:.2f}B, {SEQ} tokens/row, micro-batch {args.micro}, bf16, compile, "
            f"attention {args.attention}, "
            f"{torch.cuda.get_device_name()}", results, "bare torch loop", "tokens/s",
-           notes=["MFU = tokens/s x FLOPs per token / 989 TFLOP/s (H100 SXM dense BF16); FLOPs per token = 6 N "
+           notes=[f"device peak: {device}'s dense bf16 matmul measured here at {measured / 1e12:,.0f} TFLOP/s "
+                  f"({MATMUL}^3, {MATMUL_ITERS} timed); nominal "
+                  + (f"{nominal / 1e12:,.0f} TFLOP/s" if nominal else "unknown for this device (MFU is against the "
+                     "measured peak)"),
+                  f"MFU = tokens/s x FLOPs per token / {peak / 1e12:,.0f} TFLOP/s; FLOPs per token = 6 N "
                   "(N: every matmul weight, the output head included) + 12 L H Q T for attention (PaLM's "
                   "convention: the full T x T product, twice what a causal kernel computes), specs/costs.py",
                   "MFU (median): " + ", ".join(f"{k} {sorted(r.details['mfu'] for r in v)[len(v) // 2]:.1%}"
                                                 for k, v in results.items()),
+                  "MFU against the measured matmul peak (median): " + ", ".join(
+                      f"{k} {sorted(r.details['mfu_measured'] for r in v)[len(v) // 2]:.1%}"
+                      for k, v in results.items()),
                   "GPU memory (median MiB): " + ", ".join(
                       f"{k} {sorted(r.details['gpu_mib'] for r in v)[len(v) // 2]:,.0f}" for k, v in results.items())])
 

@@ -1,7 +1,8 @@
 """Pretraining throughput: compass's trainer against a bare torch loop with the same settings (the same model,
 attention backend, chunked loss, AdamW and clipping: what compass adds is its loop, callbacks, metrics,
 prefetching and checkpoints), with torch.compile off and on, and against Hugging Face's Trainer on the same model
-and packed data (transformers' own attention and loss). Tokens/s over the timed steps after warm-up.
+and packed data, with transformers' own attention and loss and with compass's (then only the loops differ).
+Tokens/s over the timed steps after warm-up.
 
     python benchmarks/pretrain_throughput.py [--steps 40] [--engine torch|deepspeed] [--rounds 3] [--seq 256]
 """
@@ -13,6 +14,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from harness import (
@@ -111,9 +113,10 @@ def run_bare(job, warmup: int, compile_: bool) -> float:
     return (len(batches) - warmup) * tokens_per_step(job) / (time.perf_counter() - start)
 
 
-def run_hf_trainer(job, warmup: int, compile_: bool) -> float:
+def run_hf_trainer(job, warmup: int, compile_: bool, same_core: bool = False) -> float:
     """Hugging Face's Trainer on the same model and packed rows: transformers' sdpa attention (documents told
-    apart by the position ids, a mask built per batch) and its cross-entropy on full logits."""
+    apart by the position ids, a mask built per batch) and its cross-entropy on full logits; with `same_core`,
+    compass's attention and chunked loss instead (the Trainer's loop alone differs from compass's)."""
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -135,14 +138,27 @@ def run_hf_trainer(job, warmup: int, compile_: bool) -> float:
         max_steps=len(batches), learning_rate=job.recipe.optimizer.lr, report_to="none", save_strategy="no",
         logging_strategy="no", dataloader_drop_last=True, max_grad_norm=1.0, dataloader_num_workers=0,
         lr_scheduler_type="constant", remove_unused_columns=False, seed=job.recipe.seed, torch_compile=compile_)
-    model = hf_model(job, "sdpa")
+    model = hf_model(job, None if same_core else "sdpa")
+    if same_core:
+        from compass.model.lm import CausalLMWithLoss
+
+        class WithLoss(torch.nn.Module):  # what the Trainer calls: a module whose output holds the loss
+            def __init__(self, hf: torch.nn.Module):
+                super().__init__()
+                self.lm = CausalLMWithLoss(hf)
+
+            def forward(self, input_ids, position_ids, labels):  # noqa: ANN001 - the Trainer's batch
+                return {"loss": self.lm(input_ids=input_ids, position_ids=position_ids, labels=labels)[0]}
+
+        model = WithLoss(model)
     Trainer(model=model, args=args, train_dataset=rows, callbacks=[clock], data_collator=collate).train()
     return (len(batches) - warmup) * tokens_per_step(job) / (time.perf_counter() - clock.start)
 
 
 VARIANTS = {"bare torch loop": (run_bare, False), "compass trainer": (run_compass, False),
             "bare torch loop + compile": (run_bare, True), "compass trainer + compile": (run_compass, True),
-            "HF Trainer": (run_hf_trainer, False), "HF Trainer + compile": (run_hf_trainer, True)}
+            "HF Trainer": (run_hf_trainer, False), "HF Trainer + compile": (run_hf_trainer, True),
+            "HF Trainer with compass attention and loss": (partial(run_hf_trainer, same_core=True), False)}
 
 
 def main() -> None:
@@ -184,7 +200,8 @@ def main() -> None:
              f"{args.steps} steps ({args.warmup} warm-up), compass engine {args.engine}, fp32 CPU")
     ratios = report(title, results, chosen[0], "tokens/s")
     for ours, theirs in (("compass trainer", "HF Trainer"), ("compass trainer + compile", "HF Trainer + compile"),
-                         ("compass trainer + compile", "HF Trainer")):
+                         ("compass trainer + compile", "HF Trainer"),
+                         ("compass trainer", "HF Trainer with compass attention and loss")):
         if {ours, theirs} <= set(chosen):
             note(f"{ours} vs {theirs}: {ratios[ours] / ratios[theirs]:.3f}")
     if {"compass trainer + compile", "bare torch loop + compile"} <= set(chosen):

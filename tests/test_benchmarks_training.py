@@ -11,16 +11,18 @@ from tests.benchmark_script import bench
 
 @pytest.mark.slow  # training runs, synchronous and in the background
 def test_async_checkpoint(data_store: Path):
-    out = bench("async_checkpoint.py", "--steps", "6", "--every", "3", "--rounds", "1", "--hidden", "64",
+    out = bench("async_checkpoint.py", "--steps", "7", "--every", "3", "--rounds", "1", "--hidden", "64",
                 "--layers", "2", prepared=data_store)
-    assert "async" in out and "sync" in out and "ratio" in out
+    assert "no checkpoints" in out and "async checkpoints" in out and "sync checkpoints" in out and "ratio" in out
 
 
 @pytest.mark.slow
 def test_pretrain_throughput(data_store: Path):  # the compiled variants' code path is tested in test_training_core
     out = bench("pretrain_throughput.py", "--steps", "6", "--warmup", "2", "--seq", "64", "--batch", "4",
-                "--rounds", "1", "--variants", "bare torch loop,compass trainer,HF Trainer", prepared=data_store)
-    assert "compass trainer vs HF Trainer" in out
+                "--rounds", "1", "--variants",
+                "bare torch loop,compass trainer,HF Trainer,HF Trainer with compass attention and loss",
+                prepared=data_store)
+    assert "compass trainer vs HF Trainer:" in out and "compass trainer vs HF Trainer with compass attention" in out
 
 
 @pytest.mark.slow
