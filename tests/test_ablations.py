@@ -52,7 +52,11 @@ def test_ablation_runs_comparison_and_promotion(trained_store: Path, tmp_path: P
     assert rows["baseline"]["val_loss"] == pytest.approx(base, abs=1e-4)
     assert rows["untied"]["delta"] == pytest.approx(rows["untied"]["val_loss"] - rows["baseline"]["val_loss"],
                                                     abs=2e-4)
-    assert (Path(outcomes["compare:ablations"].uri) / "comparison.png").stat().st_size > 1000
+    from compass.tasks.common.plots import PlotDescription
+
+    (panel,) = PlotDescription.read(Path(outcomes["compare:ablations"].uri) / "comparison.png").panels
+    assert panel.ylabel == comparison["metric"]  # one bar per variant, as tall as its comparison row
+    assert panel.bars == pytest.approx({v: r[comparison["metric"]] for v, r in rows.items()}, abs=1e-6)
 
     cli = Cli(tmp_path, base_env(tmp_path / "prefect-home"))
     out = tmp_path / "next.yaml"

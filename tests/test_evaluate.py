@@ -88,6 +88,8 @@ def test_every_model_step_gets_its_evaluation(evaluated):
 def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
     from PIL import Image
 
+    from compass.tasks.common.plots import PlotDescription
+
     # stage1: 78 steps, a checkpoint every 30, the last two kept (60, 78); stage2: 39 steps (30, 39)
     curves = {s: evaluated[f"evaluate:pretrain-{s}"].manifest.metrics["curve"] for s in ("stage1", "stage2")}
     assert [p["checkpoint"] for p in curves["stage1"]] == ["step-00000060", "step-00000078"]
@@ -103,6 +105,10 @@ def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
                                                            [117 * 256, final["arc_easy:cf/acc"]]]
     with Image.open(Path(drawn.uri) / "curves.png") as image:
         assert image.width > 400 and image.height > 200
+    panels = {p.title: p for p in PlotDescription.read(Path(drawn.uri) / "curves.png").panels}
+    assert set(panels) == set(points) and panels["val_ppl:notes"].yscale == "log"  # a panel per metric
+    assert {s.label: [list(pt) for pt in zip(s.x, s.y, strict=True)] for s in panels["arc_easy:cf/acc"].series} \
+        == points["arc_easy:cf/acc"]  # a line per model step, its points the evaluated checkpoints
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

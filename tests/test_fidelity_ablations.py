@@ -51,7 +51,17 @@ def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(data_store: 
     expected = "within noise" if abs(delta) <= 2 * spread else ("better" if delta > 0 else "worse")
     assert row["verdict"] == expected
     assert row["val_loss:notes verdict"] in ("better", "worse", "within noise")
-    assert (out / "probes.png").stat().st_size > 1000
+    from compass.tasks.common.plots import PlotDescription
+
+    panels = {p.title: p for p in PlotDescription.read(out / "probes.png").panels}
+    assert set(panels) == {"arc_easy:cf/acc"}  # one line per variant: its probes' mean over the seeds
+    drawn = {s.label: (s.x, s.y) for s in panels["arc_easy:cf/acc"].series}
+    expected = {v: (tuple(float(p["tokens"]) for p in runs[f"ablate:{v}-s0"]["probes"]),
+                    tuple((a["arc_easy:cf/acc"] + b["arc_easy:cf/acc"]) / 2 for a, b in
+                          zip(runs[f"ablate:{v}-s0"]["probes"], runs[f"ablate:{v}-s1"]["probes"], strict=True)))
+                for v in ("baseline", "untied")}
+    assert drawn.keys() == expected.keys()
+    assert all(drawn[v][0] == expected[v][0] and drawn[v][1] == pytest.approx(expected[v][1]) for v in expected)
 
 
 def test_a_metric_no_run_produces_is_refused_at_validation(tmp_path: Path):

@@ -71,7 +71,14 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path, prefec
 
     final = next(store.glob("pretrain/stage2-*/final"))
     assert AutoModelForCausalLM.from_pretrained(str(final)).config.model_type == "smollm3"
-    assert (final.parent / "loss.png").stat().st_size > 1000
+    from compass.tasks.common.plots import PlotDescription
+
+    (panel,) = PlotDescription.read(final.parent / "loss.png").panels  # the loss drawn is the loss logged
+    rows = [json.loads(line) for line in (final.parent / "metrics.jsonl").read_text().splitlines()]
+    assert panel.ylabel == "training loss" and panel.xlabel == "tokens seen"
+    assert {s.label: (list(s.x), list(s.y)) for s in panel.series} == {
+        stage: ([r["tokens"] for r in rows if r["stage"] == stage], [r["loss"] for r in rows if r["stage"] == stage])
+        for stage in dict.fromkeys(r["stage"] for r in rows)}
 
     # curation removed exactly what was planted: 2 exact copies, 1 near copy, 1 French note
     curated = next(store.glob("curate/notes-*"))

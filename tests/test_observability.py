@@ -127,7 +127,11 @@ def test_token_axes_read_at_a_glance(tmp_path: Path):
     # two post-training steps evaluated at the same tokens: both visible (different markers, shifted)
     points = {"acc": {"post_train:apo": [(1_000_000, 0.5)], "post_train:grpo": [(1_000_000, 0.5)]}}
     plot_curves(points, tmp_path / "curves.png", "t")
-    assert (tmp_path / "curves.png").stat().st_size > 1000
+    from compass.tasks.common.plots import PlotDescription
+
+    (panel,) = PlotDescription.read(tmp_path / "curves.png").panels
+    assert panel.title == "acc" and [(s.label, s.x, s.y) for s in panel.series] == [
+        ("post_train:apo", (1_000_000.0,), (0.5,)), ("post_train:grpo", (1_000_000.0,), (0.5,))]
 
 
 def _wait_ready(url: str, process: subprocess.Popen, why: Callable[[], str]) -> None:

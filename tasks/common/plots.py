@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
 
@@ -21,3 +25,77 @@ def use_token_axis(ax: Any) -> None:
 
     ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: token_axis(x)))
+
+
+PLOT_KEY = "compass:plot"  # the PNG text chunk that describes what a plot draws
+
+
+class Series(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    label: str
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+
+
+class Panel(BaseModel):
+    """One axes of a figure, as drawn: titles, scale, its lines (series) and its bars (label -> height)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    title: str
+    xlabel: str
+    ylabel: str
+    yscale: str
+    series: tuple[Series, ...]
+    bars: dict[str, float]
+
+
+class PlotDescription(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    title: str
+    panels: tuple[Panel, ...]
+
+    @classmethod
+    def read(cls, png: Path | bytes) -> PlotDescription:
+        """The description a PNG written by `figure_png` carries (PIL reads PNG text chunks)."""
+        from PIL import Image
+
+        with Image.open(io.BytesIO(png) if isinstance(png, bytes) else png) as image:
+            return cls.model_validate_json(image.text[PLOT_KEY])
+
+
+def describe(fig: Any) -> PlotDescription:
+    """What the figure draws, read back from matplotlib's own artists (not from the data handed to it): a plot that
+    lost a series, a point or a bar shows it here."""
+    panels = []
+    for ax in fig.axes:
+        if not ax.axison:
+            continue
+        series = tuple(Series(label=str(line.get_label()), x=tuple(float(v) for v in line.get_xdata()),
+                              y=tuple(float(v) for v in line.get_ydata()))
+                       for line in ax.get_lines() if not str(line.get_label()).startswith("_"))
+        bars: dict[str, float] = {}
+        for container in ax.containers:
+            patches = getattr(container, "patches", None)
+            if patches:
+                labels = [t.get_text() for t in ax.get_xticklabels()]
+                bars.update({labels[i] if i < len(labels) else str(i): float(p.get_height())
+                             for i, p in enumerate(patches)})
+        panels.append(Panel(title=ax.get_title(), xlabel=ax.get_xlabel(), ylabel=ax.get_ylabel(),
+                            yscale=ax.get_yscale(), series=series, bars=bars))
+    title = fig._suptitle.get_text() if fig._suptitle is not None else ""  # noqa: SLF001 - matplotlib's own field
+    return PlotDescription(title=title, panels=tuple(panels))
+
+
+def figure_png(fig: Any, dpi: int) -> bytes:
+    """The figure as PNG bytes, carrying its description (`PlotDescription.read`); the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    fig.canvas.draw()  # tick labels exist once drawn
+    description = describe(fig).model_dump_json()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, metadata={PLOT_KEY: description})
+    plt.close(fig)
+    return buffer.getvalue()

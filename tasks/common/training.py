@@ -232,14 +232,13 @@ def plot_loss(metrics: Path, out: Path, title: str) -> None:
 
 def loss_png(rows: list[MetricsRow], title: str, dpi: int = 100) -> bytes:
     """Training loss against tokens seen, one line per stage (points marked while there are few)."""
-    import io
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from compass.tasks.common.plots import use_token_axis
+    from compass.tasks.common.plots import figure_png, use_token_axis
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for stage in dict.fromkeys(r.stage for r in rows):
@@ -251,10 +250,7 @@ def loss_png(rows: list[MetricsRow], title: str, dpi: int = 100) -> bytes:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
-    plt.close(fig)
-    return buffer.getvalue()
+    return figure_png(fig, dpi)
 
 
 def train_and_export(ctx: StepContext, job: TrainJob, label: str,

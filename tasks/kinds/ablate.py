@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 import statistics
+from pathlib import Path
 from typing import Any
 
 from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
@@ -199,14 +200,14 @@ def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
     return StepResult(metrics={"metric": first, "rows": rows}, summary=summary, tables={"ablations": rows})
 
 
-def _plot_probes(probes: dict[str, list[list[dict[str, Any]]]], metrics: list[str], out) -> None:
+def _plot_probes(probes: dict[str, list[list[dict[str, Any]]]], metrics: list[str], out: Path) -> None:
     """Each benchmark metric against tokens during the runs, one line per variant (mean over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from compass.tasks.common.plots import use_token_axis
+    from compass.tasks.common.plots import figure_png, use_token_axis
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.2), squeeze=False)
     for ax, metric in zip(axes.flat, metrics, strict=True):
@@ -219,15 +220,16 @@ def _plot_probes(probes: dict[str, list[list[dict[str, Any]]]], metrics: list[st
         use_token_axis(ax)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    out.write_bytes(figure_png(fig, dpi=90))
 
 
-def _plot(rows: list[dict], metric: str, out) -> None:
+def _plot(rows: list[dict], metric: str, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from compass.tasks.common.plots import figure_png
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [r["variant"] for r in rows]
@@ -239,8 +241,7 @@ def _plot(rows: list[dict], metric: str, out) -> None:
     ax.set_ylabel(metric)
     ax.set_title("ablations (error bars: seed std)")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    out.write_bytes(figure_png(fig, dpi=100))
 
 
 ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", resources=phase("ablation"),

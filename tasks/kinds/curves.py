@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from compass.tasks.common.plots import use_token_axis
+from compass.tasks.common.plots import figure_png, use_token_axis
 from compass.tasks.kinds.evaluate import step_name
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
@@ -74,8 +74,7 @@ def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path
     fig.legend(handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize=8)
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    out.write_bytes(figure_png(fig, dpi=90))
 
 
 def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
