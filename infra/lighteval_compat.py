@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 BROKEN_OFFLINE = (
     "lighteval.tasks.tasks.tiny_benchmarks",
@@ -36,7 +38,24 @@ def install() -> None:
     import nltk
 
     nltk.download = _offline_download
-    _cache_beside_not_inside_the_model()
+    with grad_mode_kept():  # imported here, once, so that its module-level set_grad_enabled(False) is undone
+        import lighteval.models.transformers.transformers_model  # noqa: F401
+
+        _cache_beside_not_inside_the_model()
+
+
+@contextmanager
+def grad_mode_kept() -> Iterator[None]:
+    """lighteval turns autograd off process-wide and never back on (`torch.set_grad_enabled(False)` when its
+    transformers model module is imported and again when it loads a model); the calling thread gets its own mode
+    back, or a training that later runs in the same thread (a Prefect worker thread, a test) computes no gradient."""
+    import torch
+
+    before = torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(before)
 
 
 def _cache_beside_not_inside_the_model() -> None:

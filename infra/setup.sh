@@ -6,6 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Byte-compiles what is installed, on every core (pip compiles on one; hence its --no-compile below). Compiled here
+# or never: where PYTHONDONTWRITEBYTECODE is set (CI, this machine) nothing compiled later is kept, and every process
+# would compile torch and transformers again. A file that does not compile (a template shipped as .py) is skipped,
+# as pip skips it; files already compiled are checked, not compiled again.
+compile_installed() {
+  python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+    >/dev/null || true
+}
+
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -17,16 +26,19 @@ if [ ! -f "$stamp" ]; then
   . .venv/bin/activate
   export PIP_DISABLE_PIP_VERSION_CHECK=1
   pip install -q --upgrade pip wheel setuptools
-  pip install -q torch==2.13.0                      # the CPU wheel; an open 'torch' pulls a CUDA build
+  # --no-compile: everything is byte-compiled once at the end, on every core (pip compiles on one)
+  pip install -q --no-compile torch==2.13.0         # the CPU wheel; an open 'torch' pulls a CUDA build
+  compile_installed                                 # before DeepSpeed's build imports torch
   if ! python -c "import deepspeed" 2>/dev/null; then
-    DS_BUILD_OPS=0 pip install -q --no-build-isolation deepspeed==0.19.8
+    DS_BUILD_OPS=0 pip install -q --no-compile --no-build-isolation deepspeed==0.19.8
   fi
   # Before the namespace move this checkout installed as the distribution `compass` with top-level `specs`,
   # `flows`, ... packages; remove that install so only `compass.*` imports.
   if pip show compass 2>/dev/null | grep -qx "Editable project location: $PWD"; then
     pip uninstall -q -y compass
   fi
-  pip install -q -e ".[dev]"
+  pip install -q --no-compile -e ".[dev]"
+  compile_installed
   rm -f .venv/.compass-setup-*
   touch "$stamp"
 fi

