@@ -1,4 +1,4 @@
-"""The suite's order on two workers: longest files first, and each file's time printed at the end.
+"""The suite's order on two workers: longest files first, and each file's time and CPU printed at the end.
 
 `make test` gives pytest-xdist one file at a time per worker (`--dist loadfile`). The suite ends when the last
 file ends, so a 7-minute file started last keeps one core busy alone for 7 minutes: the longest files go first
@@ -8,6 +8,7 @@ from the last full run (printed by this plugin as "slowest files"); update it wh
 
 from __future__ import annotations
 
+import resource
 from collections import defaultdict
 
 import pytest
@@ -27,6 +28,31 @@ LONGEST_FIRST = (
 )
 
 _seconds: dict[str, float] = defaultdict(float)
+_cpu: dict[str, float] = defaultdict(float)
+CPU_KEY = "cpu_s"
+
+
+def cpu_now() -> float:
+    """CPU seconds of this process and of every process it (or they) started and waited for: a test's processes
+    (ranks, servers, commands) count once they end. With the machine busy, CPU and not wall time says what a test
+    costs the suite."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_START] = cpu_now()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    if call.when == "teardown" and _START in item.stash:  # the report travels to xdist's controller with its CPU
+        outcome.get_result().user_properties.append((CPU_KEY, cpu_now() - item.stash[_START]))
+
+
+_START = pytest.StashKey[float]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -35,13 +61,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _seconds[report.nodeid.split("::")[0]] += report.duration  # setup, call and teardown
+    path = report.nodeid.split("::")[0]
+    _seconds[path] += report.duration  # setup, call and teardown
+    _cpu[path] += sum(value for key, value in report.user_properties if key == CPU_KEY)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if not _seconds:
         return
-    terminalreporter.write_sep("=", "slowest files (setup + call + teardown)")
+    terminalreporter.write_sep("=", "slowest files (setup + call + teardown; CPU of the worker and what it waited for)")
     for path, seconds in sorted(_seconds.items(), key=lambda kv: -kv[1])[:30]:
-        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
-    terminalreporter.write_line(f"{sum(_seconds.values()):8.1f}s  in all test files")
+        terminalreporter.write_line(f"{seconds:8.1f}s  {_cpu[path]:8.1f}s CPU  {path}")
+    terminalreporter.write_line(f"{sum(_seconds.values()):8.1f}s  {sum(_cpu.values()):8.1f}s CPU  in all test files")
