@@ -66,6 +66,7 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
 
     n = len(list(docs.glob("*.jsonl.gz")))
     gzip6 = REPRODUCIBLE_GZIP  # compass's shards' gzip (level 6): datatrove's default, level 9, costs more
+    gz = "${rank}.jsonl.gz"  # named by hand: datatrove adds .gz for its own "gzip" only, and readers infer from it
     logs, work = out / "logs", out / "work"
     exact = ExactDedupConfig(content_getter=document_text)
     mh = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8)
@@ -75,11 +76,12 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
                               skip_completed=False).run()
 
     go([JsonlReader(str(docs)), GopherRepetitionFilter(), GopherQualityFilter(min_doc_words=30),
-        LanguageIdFilter(["en"], 0.5), JsonlWriter(str(work / "filtered"), compression=gzip6)], n, "filter")
+        LanguageIdFilter(["en"], 0.5), JsonlWriter(str(work / "filtered"), output_filename=gz, compression=gzip6)],
+       n, "filter")
     go([JsonlReader(str(work / "filtered")), ExactDedupSignature(str(work / "es"), exact)], n, "es")
     go([ExactFindDedups(str(work / "es"), str(work / "ed"), exact)], 1, "ef")
     go([JsonlReader(str(work / "filtered")), ExactDedupFilter(str(work / "ed"), exact),
-        JsonlWriter(str(work / "exact"), compression=gzip6)], n, "ex")
+        JsonlWriter(str(work / "exact"), output_filename=gz, compression=gzip6)], n, "ex")
     go([JsonlReader(str(work / "exact")), MinhashDedupSignature(str(work / "ms"), mh)], n, "ms")
     go([MinhashDedupBuckets(str(work / "ms"), str(work / "mb"), config=mh)], mh.num_buckets, "mb")
     go([MinhashDedupCluster(str(work / "mb"), str(work / "mr"), config=mh)], 1, "mc")
