@@ -104,12 +104,16 @@ def _embedded_plots(store: Store, manifest: Any) -> str:
     return "".join(parts)
 
 
-def _with_options(step: Step, orch: Orchestration, spec_name: str):
+def _with_options(step: Step, orch: Orchestration):
+    """A step's Prefect task: named by its kind, its run by its step id (the flow run is named by the spec), tagged
+    with its kind's tags only. Prefect asks the server for tag concurrency slots once per tag set a process meets
+    (again per task where a limit exists, as on `gpu`), and on a SQLite server that request often collides with
+    the server's own writes and is retried 2 s later: a tag set per kind cost a cached re-run ~2 s per kind."""
     timeout = orch.step_timeouts.get(step.kind, orch.timeout_seconds)
     return execute_step.with_options(
         name=f"{step.kind}", task_run_name=step.id, retries=orch.retries,
         retry_delay_seconds=orch.retry_delay_seconds, timeout_seconds=timeout, retry_condition_fn=worth_retrying,
-        tags=[f"compass:{step.kind}", *step.tags, f"spec:{spec_name}"],
+        tags=list(step.tags),
     )
 
 
@@ -172,7 +176,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
                 if drivers_running:
                     continue
                 drivers_running += 1
-            options = _with_options(step, orch, plan.spec_name)
+            options = _with_options(step, orch)
             with _ray_options(ctx, step):
                 running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
             pending.remove(step)
