@@ -75,6 +75,7 @@ def test_the_docs_table_is_the_rendering_of_the_committed_results(tmp_path: Path
     assert table.main(["--check", "--doc", str(doc)]) == 1  # a number typed into the table is caught
 
 
+@pytest.mark.slow  # a benchmark run (two rounds of two processes)
 def test_a_benchmark_writes_its_result_file_with_where_and_when(tmp_path: Path):
     done = subprocess.run([sys.executable, "loss_memory.py", "--tokens", "256", "--vocab", "2048", "--hidden", "16",
                            "--rounds", "2"], cwd=BENCH, capture_output=True, text=True,
