@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import statistics
 import subprocess
 import time
 from collections.abc import Iterator
@@ -183,6 +184,17 @@ def test_submitted_production_spec_runs_every_step_with_its_data_and_store_on_s3
     assert evaluation["val_ppl:fineweb_edu"] > 1
     comparison = p.one("compare/ablations-*/comparison.json")
     assert {r["variant"] for r in comparison["rows"]} == {"baseline", "untied", "rope_everywhere", "mha"}
+    metric = comparison["metric"]  # each verdict follows from the runs' own scores (twice the seed std is noise)
+    runs: dict[str, list[float]] = {}
+    for step, manifest in committed.items():
+        if step.startswith("ablate:"):
+            runs.setdefault(step.split(":", 1)[1].rsplit("-s", 1)[0], []).append(manifest["metrics"][metric])
+    for row in comparison["rows"][1:]:
+        delta = statistics.fmean(runs[row["variant"]]) - statistics.fmean(runs["baseline"])
+        noise = max(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (runs[row["variant"]], runs["baseline"]))
+        improved = delta < 0 if comparison["better_is"][metric] == "lower" else delta > 0
+        expected = "within noise" if abs(delta) <= 2 * noise else ("better" if improved else "worse")
+        assert row["verdict"] == expected and row["delta"] == pytest.approx(delta, abs=1e-4), (row, runs)
     config = p.one("long_context/ctx64k-*/final/config.json")
     assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 2.0
     curves = p.one("curves/evaluation-*/curves.json")
