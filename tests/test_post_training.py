@@ -332,6 +332,38 @@ def test_orpo_and_kto_raise_the_chosen_over_the_rejected(post_trained):
 
 
 @pytest.mark.slow
+def test_distillation_brings_the_student_closer_to_its_teacher(post_trained):
+    """The student starts as the previous model cut to one layer (keep_layers, as the step cuts it); after GKD its
+    next-token distributions are closer to the teacher's: a lower mean KL(teacher || student) on chat texts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compass.tasks.kinds.post_train import keep_layers
+
+    outcome = post_trained["post_train:distill"]
+    inputs = {i.role: Path(i.uri) / "final" for i in outcome.manifest.inputs}
+    teacher = AutoModelForCausalLM.from_pretrained(str(inputs["teacher"])).eval()
+    before = AutoModelForCausalLM.from_pretrained(str(inputs["previous"])).eval()
+    keep_layers(before, 1)
+    after = AutoModelForCausalLM.from_pretrained(str(Path(outcome.uri) / "final")).eval()
+    tok = AutoTokenizer.from_pretrained(str(Path(outcome.uri) / "final"))
+    chats = [[{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["chosen"]}]
+             for p in PREFERENCES] + [[{"role": "user", "content": "Say hello."}]]
+
+    def kl_to_teacher(student) -> float:
+        total = 0.0
+        for chat in chats:
+            ids = torch.tensor([tok.apply_chat_template(chat, return_dict=True)["input_ids"]])
+            with torch.no_grad():
+                t = torch.log_softmax(teacher(ids).logits.float(), -1)
+                s = torch.log_softmax(student(ids).logits.float(), -1)
+            total += float((t.exp() * (t - s)).sum(-1).mean())
+        return total / len(chats)
+
+    assert kl_to_teacher(after) < kl_to_teacher(before)
+
+
+@pytest.mark.slow
 def test_orpo_kto_and_distillation_train_from_their_inputs(post_trained):
     for name in ("orpo", "kto", "distill"):
         manifest = post_trained[f"post_train:{name}"].manifest
