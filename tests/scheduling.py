@@ -30,6 +30,7 @@ LONGEST_FIRST = (
 _seconds: dict[str, float] = defaultdict(float)
 _cpu: dict[str, float] = defaultdict(float)
 CPU_KEY = "cpu_s"
+_START = pytest.StashKey[float]()  # a test's CPU reading when its setup begins
 
 
 def cpu_now() -> float:
@@ -51,8 +52,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if call.when == "teardown" and _START in item.stash:  # the report travels to xdist's controller with its CPU
         outcome.get_result().user_properties.append((CPU_KEY, cpu_now() - item.stash[_START]))
 
-
-_START = pytest.StashKey[float]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
