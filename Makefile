@@ -1,6 +1,6 @@
 # The two commands: `make demo` runs the demo lifecycle, `make test` runs the test suite.
 # Both install what they need first (infra/setup.sh, idempotent).
-.PHONY: demo test test-fast test-gpu setup lint bench
+.PHONY: demo test test-fast test-gpu setup lint bench lock
 
 setup:
 	@bash infra/setup.sh
@@ -25,6 +25,11 @@ test-fast: setup
 # The CUDA path on a GPU node (fails without CUDA): NCCL collectives, the first thing to run on a new GPU node.
 test-gpu: setup
 	.venv/bin/python -m pytest -q -m gpu tests
+
+# After a dependency change passes the suite: pin what it passed with (infra/setup.sh installs the lock with uv).
+lock: setup
+	(sed -n 1,2p infra/requirements.lock; .venv/bin/pip freeze --exclude-editable | grep -v -E '^(uv|pip|setuptools|wheel)==') \
+		> infra/requirements.lock.new && mv infra/requirements.lock.new infra/requirements.lock
 
 lint: setup
 	.venv/bin/ruff check .

@@ -1,15 +1,72 @@
 #!/usr/bin/env bash
 # Installs everything compass needs into .venv, in the order that works offline-from-hubs on a CPU machine:
-# torch's CPU wheel first, DeepSpeed built without isolation against it, then the project and its pins.
-# Idempotent: the Python packages sit behind a stamp (keyed on pyproject.toml and this script); each system
-# package is checked on every run.
+# torch's CPU wheel first, DeepSpeed built without isolation against it, then the locked set
+# (infra/requirements.lock: what the suite last passed with) and the project. Idempotent: the Python packages sit
+# behind a stamp (keyed on pyproject.toml, the lock and this script); each system package is checked on every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Byte-compiles what is installed, on every core (pip compiles on one; hence its --no-compile below). Compiled here
-# or never: where PYTHONDONTWRITEBYTECODE is set (CI, this machine) nothing compiled later is kept, and every process
-# would compile torch and transformers again. A file that does not compile (a template shipped as .py) is skipped,
-# as pip skips it; files already compiled are checked, not compiled again.
+UV_VERSION=0.13.9
+
+uv_sources() {  # pip's find-links, indexes and constraints (pip.conf, PIP_* variables) as uv arguments
+  local links extra index constraint
+  links="$(pip config get global.find-links 2>/dev/null || true) ${PIP_FIND_LINKS:-}"
+  extra="$(pip config get global.extra-index-url 2>/dev/null || true) ${PIP_EXTRA_INDEX_URL:-}"
+  index="${PIP_INDEX_URL:-$(pip config get global.index-url 2>/dev/null || true)}"
+  constraint="$(pip config get global.constraint 2>/dev/null || true) ${PIP_CONSTRAINT:-}"
+  for link in $links; do [ -e "${link#file://}" ] && printf -- '--find-links\n%s\n' "$link"; done
+  for url in $extra; do
+    case "$url" in file://*) [ -e "${url#file://}" ] || continue ;; esac
+    printf -- '--extra-index-url\n%s\n' "$url"
+  done
+  [ -n "$index" ] && printf -- '--index-url\n%s\n' "$index"
+  for file in $constraint; do [ -e "$file" ] && printf -- '--constraint\n%s\n' "$file"; done
+  printf -- '--index-strategy\nunsafe-best-match\n'  # pip's way: the best version on any index
+  return 0
+}
+
+# uv takes each version's files from the first index holding it, pip the wheel this Python ranks highest: where a
+# local mirror holds only an older Python's wheel or only a pure-Python fallback, they differ (see
+# infra/wheel_choice.py). Each such distribution is installed again with pip, which chooses as a pip set-up would.
+reinstall_as_pip_chooses() {
+  local links extra stale
+  links="$(pip config get global.find-links 2>/dev/null || true) ${PIP_FIND_LINKS:-}"
+  extra="$(pip config get global.extra-index-url 2>/dev/null || true) ${PIP_EXTRA_INDEX_URL:-}"
+  # shellcheck disable=SC2086
+  stale=$(python infra/wheel_choice.py $links $extra)
+  if [ -n "$stale" ]; then
+    echo "compass: installing again as pip chooses: $(echo $stale)" >&2
+    # shellcheck disable=SC2086
+    pip install -q --no-compile --no-deps --force-reinstall $stale
+  fi
+}
+
+install_with_uv() {
+  pip install -q "uv==$UV_VERSION" || return 1
+  local sources
+  mapfile -t sources < <(uv_sources)
+  # torch first: DeepSpeed builds against it, without isolation
+  uv pip install -q "${sources[@]}" "$(grep '^torch==' infra/requirements.lock)" || return 1
+  DS_BUILD_OPS=0 uv pip install -q "${sources[@]}" --no-build-isolation-package deepspeed \
+    -r infra/requirements.lock || return 1
+  uv pip install -q "${sources[@]}" -e ".[dev]" || return 1
+  reinstall_as_pip_chooses
+}
+
+install_with_pip() {
+  pip install -q --upgrade pip wheel setuptools
+  pip install -q --no-compile torch==2.13.0         # the CPU wheel; an open 'torch' pulls a CUDA build
+  compile_installed                                 # before DeepSpeed's build imports torch
+  if ! python -c "import deepspeed" 2>/dev/null; then
+    DS_BUILD_OPS=0 pip install -q --no-compile --no-build-isolation deepspeed==0.19.8
+  fi
+  pip install -q --no-compile -e ".[dev]"
+}
+
+# Byte-compiles what is installed, on every core. Compiled here or never: where PYTHONDONTWRITEBYTECODE is set (CI,
+# this machine) nothing compiled later is kept, and every process would compile torch and transformers again (an
+# import of 29 s, not 6). A file that does not compile (a template shipped as .py) is skipped, as pip skips it;
+# files already compiled are checked, not compiled again.
 compile_installed() {
   python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
     >/dev/null || true
@@ -19,25 +76,23 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-# Python packages: a stamp keyed on pyproject.toml and this script skips them when nothing changed.
-stamp=".venv/.compass-setup-$(cat pyproject.toml infra/setup.sh | sha256sum | cut -c1-16)"
+# Python packages: a stamp keyed on pyproject.toml, the lock and this script skips them when nothing changed.
+stamp=".venv/.compass-setup-$(cat pyproject.toml infra/setup.sh infra/requirements.lock | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  echo "compass: installing dependencies into .venv (first run takes a few minutes)" >&2
+  echo "compass: installing dependencies into .venv (first run takes a minute or two)" >&2
   . .venv/bin/activate
   export PIP_DISABLE_PIP_VERSION_CHECK=1
-  pip install -q --upgrade pip wheel setuptools
-  # --no-compile: everything is byte-compiled once at the end, on every core (pip compiles on one)
-  pip install -q --no-compile torch==2.13.0         # the CPU wheel; an open 'torch' pulls a CUDA build
-  compile_installed                                 # before DeepSpeed's build imports torch
-  if ! python -c "import deepspeed" 2>/dev/null; then
-    DS_BUILD_OPS=0 pip install -q --no-compile --no-build-isolation deepspeed==0.19.8
-  fi
   # Before the namespace move this checkout installed as the distribution `compass` with top-level `specs`,
   # `flows`, ... packages; remove that install so only `compass.*` imports.
   if pip show compass 2>/dev/null | grep -qx "Editable project location: $PWD"; then
     pip uninstall -q -y compass
   fi
-  pip install -q --no-compile -e ".[dev]"
+  # uv installs the locked set in parallel (~1 min against pip's ~4); pip's find-links, indexes and constraints
+  # are passed on. Where uv cannot (no uv wheel, or no CPU torch wheel the lock names), pip installs them.
+  if ! install_with_uv; then
+    echo "compass: uv could not install infra/requirements.lock; installing with pip" >&2
+    install_with_pip
+  fi
   compile_installed
   rm -f .venv/.compass-setup-*
   touch "$stamp"
