@@ -15,7 +15,16 @@ import typer
 from rich.markup import escape
 from rich.tree import Tree
 
-from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, SpecArg, err, load, out, store_root
+from compass.flows.cli_common import (
+    EXIT_BAD_INPUT,
+    RehearseOption,
+    SmokeOption,
+    SpecArg,
+    err,
+    load,
+    out,
+    store_root,
+)
 from compass.flows.cli_monitor import monitor
 from compass.flows.cli_ops import ops
 from compass.flows.cli_preflight import preflight
@@ -34,9 +43,9 @@ app.command()(monitor)
 
 
 @app.command()
-def validate(spec: SpecArg, smoke: SmokeOption = False) -> None:
+def validate(spec: SpecArg, smoke: SmokeOption = False, rehearse: RehearseOption = False) -> None:
     """Check a spec: schema, cross-field rules and machine checks; every problem with its file:line."""
-    checked = load(spec, smoke=smoke)
+    checked = load(spec, smoke=smoke, rehearse=rehearse)
     s = checked.spec
     start = f", from {s.what.model.init_from}" if s.what.model else ""
     out.print(f"[green]ok[/green] {escape(str(spec))}: '{s.name}' ({s.why.reason}){escape(start)}, "
@@ -50,6 +59,7 @@ def plan(spec: SpecArg,
          store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
          smoke: SmokeOption = False,
+         rehearse: RehearseOption = False,
          machine_checks: Annotated[bool, typer.Option(
              help="Check this machine (GPUs, GPU extras, memory per device, S3 credentials); --no-machine-checks "
                   "plans a run for another machine, e.g. a cluster, from a laptop.")] = True,
@@ -57,7 +67,7 @@ def plan(spec: SpecArg,
              help="A `compass preflight --json` report: plan GPUs from its measured throughput instead of the "
                   "assumed MFU.")] = None) -> None:
     """Print the DAG (fingerprints, outputs, what would run and why) and the cost estimate."""
-    checked = load(spec, smoke=smoke, machine=machine_checks)
+    checked = load(spec, smoke=smoke, machine=machine_checks, rehearse=rehearse)
     loaded = checked.loaded
     tflops = None
     if preflight is not None:
@@ -96,6 +106,7 @@ def run(spec: SpecArg,
                  "steps they need (repeatable).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON.")] = False,
         smoke: SmokeOption = False,
+        rehearse: RehearseOption = False,
         no_recompute: Annotated[bool, typer.Option(
             "--no-recompute", help="Stop at a cached artifact whose files changed since its commit, instead of "
                                    "setting it aside and recomputing it (how.storage.on_damage: stop).")] = False,
@@ -104,14 +115,14 @@ def run(spec: SpecArg,
                               "logs, the ranks' output) instead of writing it to the run's log file.")] = False
         ) -> None:
     """Run the lifecycle as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
-    checked = load(spec, until, smoke=smoke)
+    checked = load(spec, until, smoke=smoke, rehearse=rehearse)
     loaded = checked.loaded
     root = store_root(checked, store)  # a root that cannot hold a store stops here, before any server starts
     prepare_environment()
     started = time.time()
     if verbose:
         with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
-            summary = _run(spec, loaded, root, until, smoke, no_recompute)
+            summary = _run(spec, loaded, root, until, no_recompute)
     else:
         from compass.flows.quiet_console import quiet_console
 
@@ -119,12 +130,11 @@ def run(spec: SpecArg,
         err.print(f"everything else the run prints: {log_path} (--verbose shows it here)", markup=False,
                   highlight=False)
         with quiet_console(log_path.resolve(), (out, err)):
-            summary = _run(spec, loaded, root, until, smoke, no_recompute)
+            summary = _run(spec, loaded, root, until, no_recompute)
     _print_summary(spec, summary, as_json, started, table=verbose)
 
 
-def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, smoke: bool,
-         no_recompute: bool) -> dict:
+def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, no_recompute: bool) -> dict:
     """The lifecycle flow on the embedded (or PREFECT_API_URL's) server; exits 2, 3 or 1 as `compass run` says."""
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
     from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
@@ -141,7 +151,8 @@ def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, smo
 
     try:
         summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir), store_root=root,
-                       until=until, smoke=smoke, no_recompute=no_recompute)
+                       until=until, smoke=loaded.size == "smoke", rehearse=loaded.size == "rehearsal",
+                       no_recompute=no_recompute)
     except RunStopped as stopped:  # the gate: an existing model already does the job
         err.print(f"[yellow]stopped:[/yellow] {escape(str(spec))}: {escape(str(stopped))}", highlight=False)
         raise typer.Exit(3) from None
@@ -167,14 +178,15 @@ def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, tab
             steps.add_row(r["step"], "[green]ran[/green]" if r["executed"] else "cached",
                           str(r["seconds"]) if r["executed"] else "-", escape(r["uri"]))
         out.print(steps)
-    if summary.get("smoke"):
-        smoke_table = Table(title=f"smoke run of {escape(str(spec))}: what each step exercised and what was shrunk",
-                            title_justify="left", show_lines=True)
-        for col in ("step", "exercised", "shrunk"):
-            smoke_table.add_column(col, overflow="fold")
-        for row in summary["smoke"]:
-            smoke_table.add_row(row["step"], escape(row["exercised"]), escape(row["shrunk"]))
-        out.print(smoke_table)
+    for size in ("smoke", "rehearsal"):
+        if summary.get(size):
+            shrunk = Table(title=f"{size} run of {escape(str(spec))}: what each step exercised and what was shrunk",
+                           title_justify="left", show_lines=True)
+            for col in ("step", "exercised", "shrunk"):
+                shrunk.add_column(col, overflow="fold")
+            for row in summary[size]:
+                shrunk.add_row(row["step"], escape(row["exercised"]), escape(row["shrunk"]))
+            out.print(shrunk)
     ran = sum(r["executed"] for r in summary["steps"])
     left_out = f", {len(summary['left_out'])} left out by --until" if summary["left_out"] else ""
     out.print(f"{ran} ran, {len(summary['steps']) - ran} cached{left_out}; {time.time() - started:.0f}s. "

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from compass.flows.validation import CheckedSpec
+from compass.specs.smoke import Size
 
 # Piped output (logs, CI, scripts) keeps each message on one line: tables render 200 wide, text never wraps.
 out = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=not sys.stdout.isatty())
@@ -21,18 +22,35 @@ SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_defa
 SmokeOption = Annotated[bool, typer.Option(
     "--smoke", help="The same DAG with every size shrunk to run on this CPU in minutes, in its own store "
                     "(<root>-smoke); ends with what each step exercised and what was shrunk.")]
+RehearseOption = Annotated[bool, typer.Option(
+    "--rehearse", help="The production launch at toy size, the first thing to run on a new cluster: `what` shrunk as "
+                       "--smoke does, `how` kept (accelerator, engine, ZeRO stage, TP, precision, kernels, Slurm "
+                       "launch, requeue, probe, staging, per-phase shapes; nodes and GPUs per node capped at 2), in "
+                       "its own store (<root>-rehearsal); ends with what each step exercised and what was shrunk.")]
 EXIT_BAD_INPUT = 2
 
 
-def load(path: Path, until: list[str] | None = None, smoke: bool = False, machine: bool = True) -> CheckedSpec:
+def size_of(path: Path, smoke: bool, rehearse: bool) -> Size:
+    """The size `--smoke` or `--rehearse` asks for; both at once is bad input (exit 2)."""
+    if smoke and rehearse:
+        err.print(f"{path}: --smoke and --rehearse exclude each other: --smoke runs on this CPU without `how`'s "
+                  "cluster, --rehearse keeps it", markup=False, highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    return "smoke" if smoke else "rehearsal" if rehearse else "full"
+
+
+def load(path: Path, until: list[str] | None = None, smoke: bool = False, machine: bool = True,
+         rehearse: bool = False) -> CheckedSpec:
     """The checked spec and its plan, or exit 2 with every problem; `until` names must match steps of the plan.
-    `smoke`: at smoke size; `machine=False`: without the checks of this machine (planning for another one)."""
+    `smoke`, `rehearse`: at smoke or rehearsal size; `machine=False`: without the checks of this machine (planning
+    for another one)."""
     from compass.flows.compiler import UnknownTarget
     from compass.flows.validation import load_checked
     from compass.specs.loader import SpecError
 
+    size = size_of(path, smoke, rehearse)
     try:
-        checked = load_checked(path, machine=machine, smoke=smoke)
+        checked = load_checked(path, machine=machine, size=size)
     except SpecError as exc:
         for problem in exc.problems:
             err.print(str(problem), markup=False, highlight=False)
@@ -50,13 +68,14 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
 
 
 def store_root(checked: CheckedSpec, store: str | None, option: str = "--store") -> str:
-    """`--store` if given, else the spec's `how.storage.root` (relative to the working directory); a smoke run
-    writes beside it, to `<root>-smoke`, never among real artifacts. Exit 2 when it cannot hold a store."""
+    """`--store` if given, else the spec's `how.storage.root` (relative to the working directory); a smoke run or a
+    rehearsal writes beside it, to `<root>-smoke` or `<root>-rehearsal`, never among real artifacts. Exit 2 when it
+    cannot hold a store."""
     from compass.flows.lifecycle import resolve_root
     from compass.infra.store import root_problem
 
-    if store and checked.loaded.smoke_changes:
-        store = store.rstrip("/") + "-smoke"
+    if store and checked.loaded.size != "full":
+        store = store.rstrip("/") + f"-{checked.loaded.size}"
     root = store or resolve_root(checked.spec.how.storage.root)
     problem = root_problem(root)
     if problem is None:

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from compass.flows.cli_common import EXIT_BAD_INPUT, SmokeOption, err, load, out, store_root
+from compass.flows.cli_common import EXIT_BAD_INPUT, RehearseOption, SmokeOption, err, load, out, store_root
 
 ops = typer.Typer()
 LOOPBACK_NAMES = {"localhost"}
@@ -165,10 +165,10 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
                help="Run only these steps (kind or step id) and the steps they need (repeatable).")] = None,
            watch: Annotated[bool, typer.Option(help="Follow state and logs until the run ends.")] = False,
            as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-           smoke: SmokeOption = False) -> None:
+           smoke: SmokeOption = False, rehearse: RehearseOption = False) -> None:
     """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment (the
     worker checks its own machine: GPUs, extras, memory, credentials)."""
-    checked = load(spec, until, smoke=smoke, machine=False)
+    checked = load(spec, until, smoke=smoke, machine=False, rehearse=rehearse)
     need_server("compass submit")
     from prefect.exceptions import ObjectNotFound
 

@@ -24,7 +24,7 @@ from compass.flows.mixture_report import consumption_section, source_sizes
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
-from compass.flows.validation import check, smoke_of
+from compass.flows.validation import check, shrunk
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError
 from compass.infra.interrupt import stop_run
@@ -212,11 +212,13 @@ def _drives_arrays(ctx: RunContext, step: Step) -> bool:
       persist_result=False)
 def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None = None,
               store_root: str | None = None, until: list[str] | None = None,
-              spec_hash: str | None = None, smoke: bool = False, no_recompute: bool = False) -> dict[str, Any]:
+              spec_hash: str | None = None, smoke: bool = False, no_recompute: bool = False,
+              rehearse: bool = False) -> dict[str, Any]:
     """Validate the spec, compile it, publish the plan, then run every step compass can execute.
 
     `spec_hash`, when given (`compass submit` gives it), must be the hash of `spec_yaml`: a run never trains
-    a spec other than the one its submitter validated. `smoke` runs the spec at smoke size (compass.specs.smoke);
+    a spec other than the one its submitter validated. `smoke` runs the spec at smoke size, `rehearse` at rehearsal
+    size (compass.specs.smoke);
     `no_recompute` stops at a damaged cached artifact (how.storage.on_damage: stop)."""
     quiet_data_errors()
     logger = get_run_logger()
@@ -225,14 +227,14 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     if spec_hash and spec_hash != original.spec_hash:
         raise ValueError(f"{spec_path}: spec_hash {spec_hash[:12]} does not match the spec text "
                          f"({original.spec_hash[:12]}); submit the spec again")
-    checked = check(smoke_of(original) if smoke else original)
+    checked = check(shrunk(original, "smoke" if smoke else "rehearsal" if rehearse else "full"))
     loaded, spec = checked.loaded, checked.spec
     if apply_credentials_block(spec.how.storage.credentials_block):
         logger.info("store credentials from Prefect Secret block '%s'", spec.how.storage.credentials_block)
     if _needs_ray_runner(spec.how.orchestration):  # a deployment starts this flow with its default runner
         return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
             spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until,
-            smoke=smoke, no_recompute=no_recompute)
+            smoke=smoke, no_recompute=no_recompute, rehearse=rehearse)
     full = checked.plan
     plan = full.up_to(until) if until else full
     cluster = spec.how.orchestration.cluster
@@ -263,12 +265,13 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
         summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
                    "flow_pid": os.getpid()}
-        if smoke:
+        if loaded.size != "full":
             from compass.flows.smoke_report import smoke_table
 
-            summary["smoke"] = smoke_table(plan, spec, loaded.smoke_changes)
-            create_table_artifact(key=artifact_key(spec.name, "smoke"), table=summary["smoke"],
-                                  description=f"smoke run of {original.spec.name}: what each step exercised and shrank")
+            summary[loaded.size] = smoke_table(plan, spec, loaded.size_changes, loaded.size, results, store)
+            create_table_artifact(key=artifact_key(spec.name, loaded.size), table=summary[loaded.size],
+                                  description=f"{loaded.size} run of {original.spec.name}: what each step exercised "
+                                              "and shrank")
         return summary
 
 

@@ -1,23 +1,42 @@
-"""The table a smoke run ends with: every step, what it exercised, and what smoke mode shrank for it and how."""
+"""The table a smoke run or a rehearsal ends with: every step, what it exercised, and what was shrunk for it."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from compass.flows.compiler import Plan
-from compass.specs.smoke import Shrink
+from compass.specs.smoke import Shrink, Size
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps.kind import Step
 
+if TYPE_CHECKING:
+    from compass.infra.store import Store
+
 TRAINING = ("pretrain", "long_context", "ablate")
+PHASE_OF = {"pretrain": "pretraining", "long_context": "long_context", "ablate": "ablation"}
 
 
-def exercised(step: Step, spec: TrainingSpec) -> str:
-    """What running this step at smoke size proves about the real spec's step."""
-    how, what = spec.how, spec.what
+def _engine(spec: TrainingSpec, step: Step, rehearsal: bool) -> str:
+    """The engine and where its ranks ran: gloo processes on this machine (smoke), or the phase's Slurm shape."""
+    how = spec.how
     par = how.parallelism
-    engine = {"deepspeed": f"DeepSpeed ZeRO-{par.zero_stage}", "ddp": "torch",
-              "fsdp2": "FSDP2"}[par.engine_name] + (
-        f" + AutoTP {par.tensor_parallel} on {par.tensor_parallel} gloo processes" if par.tensor_parallel > 1 else "")
-    core = f"{engine}, attention {how.attention}, loss {how.loss}, checkpoints and resume"
+    engine = {"deepspeed": f"DeepSpeed ZeRO-{par.zero_stage}", "ddp": "torch", "fsdp2": "FSDP2"}[par.engine_name]
+    tp = f" + TP {par.tensor_parallel}" if par.tensor_parallel > 1 else ""
+    if not rehearsal:
+        return engine + (f" + AutoTP {par.tensor_parallel} on {par.tensor_parallel} gloo processes" if tp else "")
+    shape = how.shape(PHASE_OF.get(step.kind, "mid_training"))  # type: ignore[arg-type]
+    cluster = how.orchestration.cluster
+    launch = f"Slurm, launch {cluster.launch}" if cluster else f"{how.hardware.launcher}"
+    return (f"{engine}{tp} in {how.precision} on {shape.ranks} ranks over {shape.nodes} node(s) x "
+            f"{shape.devices_per_node} {how.hardware.accelerator} ({launch})")
+
+
+def exercised(step: Step, spec: TrainingSpec, rehearsal: bool = False) -> str:
+    """What running this step at smoke or rehearsal size proves about the real spec's step."""
+    how, what = spec.how, spec.what
+    staging = ", node-local staging" if rehearsal and how.storage.local_cache else ""
+    core = (f"{_engine(spec, step, rehearsal)}, attention {how.attention}, loss {how.loss}{staging}, "
+            "checkpoints and resume")
     config = step.config
     if step.kind == "ingest":
         return f"reads {config.uri.split('://')[0] + '://' if '://' in config.uri else 'local'} {config.format}"
@@ -61,14 +80,34 @@ def _sections(step: Step) -> tuple[str, ...]:
     }.get(step.kind, ())
 
 
-def smoke_table(plan: Plan, spec: TrainingSpec, changes: tuple[Shrink, ...]) -> list[dict[str, str]]:
-    """One row per step, then one for what changed for every step (`how`: hardware, precision, parallelism)."""
+def substituted(result: dict[str, Any] | None, store: Store | None) -> list[str]:
+    """The CUDA-only kernels a training step's CPU ranks replaced (its manifest's setup), as the trainer said."""
+    if not result or not store or not result.get("uri"):
+        return []
+    try:
+        setup = (store.read_manifest(result["uri"]).metrics or {}).get("setup") or {}
+    except (OSError, ValueError):
+        return []
+    return list(setup.get("substituted") or [])
+
+
+def smoke_table(plan: Plan, spec: TrainingSpec, changes: tuple[Shrink, ...], size: Size = "smoke",
+                results: list[dict[str, Any]] | None = None, store: Store | None = None) -> list[dict[str, str]]:
+    """One row per step, then one for what changed for every step (`how`: hardware, precision, parallelism). A
+    rehearsal's training rows also say which CUDA-only kernels its CPU ranks replaced (read from `results`)."""
+    rehearsal = size == "rehearsal"
+    by_step = {r["step"]: r for r in results or []}
     rows = []
     for step in plan.steps:
         prefixes = _sections(step)
         mine = [str(c) for c in changes if any(c.section == p or c.section.startswith(p + ".") for p in prefixes)]
-        rows.append({"step": step.id, "exercised": exercised(step, spec), "shrunk": "; ".join(mine) or "-"})
+        said = exercised(step, spec, rehearsal)
+        replaced = substituted(by_step.get(step.id), store) if step.kind in TRAINING else []
+        if replaced:
+            said += "; on CPU ranks: " + "; ".join(replaced)
+        rows.append({"step": step.id, "exercised": said, "shrunk": "; ".join(mine) or "-"})
     everywhere = [f"{c.section.removeprefix('how.')}.{c}" if c.section != "how" else str(c)
                   for c in changes if c.section.startswith("how")]
-    rows.append({"step": "(every step)", "exercised": "how, on this machine", "shrunk": "; ".join(everywhere)})
+    where = "how, kept but for these" if rehearsal else "how, on this machine"
+    rows.append({"step": "(every step)", "exercised": where, "shrunk": "; ".join(everywhere) or "-"})
     return rows

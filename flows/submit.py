@@ -28,19 +28,19 @@ def ui_url(flow_run_id: UUID | str) -> str:
 def submit(loaded: Any, spec_path: str, deployment: str, store_root: str,
            until: list[str] | None = None) -> FlowRun:
     """Create a flow run of `deployment` for the loaded spec; returns at once (the worker picks it up). A spec
-    loaded at smoke size goes as its text, with `smoke` set: the flow shrinks it again."""
+    loaded at smoke or rehearsal size goes as its text, with `smoke` or `rehearse` set: the flow shrinks it again."""
     from prefect.deployments import run_deployment
 
     from compass.specs.loader import load_spec_text
 
-    text_hash = load_spec_text(loaded.text, spec_path, loaded.base_dir).spec_hash if loaded.smoke_changes else None
+    text_hash = load_spec_text(loaded.text, spec_path, loaded.base_dir).spec_hash if loaded.size != "full" else None
     parameters: dict[str, Any] = {"spec_yaml": loaded.text, "spec_path": spec_path,
                                   "base_dir": str(loaded.base_dir), "store_root": store_root,
                                   "spec_hash": text_hash or loaded.spec_hash}
     if until:
         parameters["until"] = until
-    if loaded.smoke_changes:
-        parameters["smoke"] = True
+    if loaded.size != "full":
+        parameters["smoke" if loaded.size == "smoke" else "rehearse"] = True
     return run_deployment(deployment, parameters=parameters, timeout=0,
                           flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}",
                           tags=[f"spec:{loaded.spec.name}"])

@@ -16,6 +16,7 @@ from pathlib import Path
 from compass.flows.compiler import Plan, PlanError, compile_spec
 from compass.specs.base import Issue
 from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text
+from compass.specs.smoke import Size
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps import registry
 
@@ -40,7 +41,7 @@ def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
     if machine or loaded.spec.how.hardware.accelerator != "cpu":  # a GPU's memory is its kind's, wherever it runs
         issues += _memory(loaded.spec)
     if machine:
-        issues += _machine(loaded.spec, loaded.base_dir)
+        issues += _machine(loaded.spec, loaded.base_dir, rehearsal=loaded.size == "rehearsal")
     for kind in registry.kinds():
         if kind.check_machine is not None:
             issues += kind.check_machine(loaded.spec, loaded.base_dir)
@@ -54,28 +55,31 @@ def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
     return CheckedSpec(loaded, plan)
 
 
-def load_checked(path: str | Path, machine: bool = True, smoke: bool = False) -> CheckedSpec:
+def load_checked(path: str | Path, machine: bool = True, size: Size = "full") -> CheckedSpec:
     loaded = load_spec(path)
-    return check(smoke_of(loaded) if smoke else loaded, machine)
+    return check(shrunk(loaded, size), machine)
 
 
 def load_checked_text(text: str, filename: str = "<spec>", base_dir: Path | None = None, machine: bool = True,
-                      smoke: bool = False) -> CheckedSpec:
+                      size: Size = "full") -> CheckedSpec:
     loaded = load_spec_text(text, filename, base_dir)
-    return check(smoke_of(loaded) if smoke else loaded, machine)
+    return check(shrunk(loaded, size), machine)
 
 
-def smoke_of(loaded: LoadedSpec) -> LoadedSpec:
-    """The spec at smoke size (compass.specs.smoke); problems still point at the lines of the spec file."""
+def shrunk(loaded: LoadedSpec, size: Size) -> LoadedSpec:
+    """The spec at smoke or rehearsal size (compass.specs.smoke); problems still point at the lines of the spec
+    file."""
     from compass.specs.checks import check_spec
-    from compass.specs.smoke import smoke_spec
+    from compass.specs.smoke import shrunk_spec
 
-    small, changes = smoke_spec(loaded.spec)
-    smoked = replace(loaded, spec=small, smoke_changes=tuple(changes))
+    if size == "full":
+        return loaded
+    small, changes = shrunk_spec(loaded.spec, size)
+    result = replace(loaded, spec=small, size=size, size_changes=tuple(changes))
     issues = check_spec(small)
     if issues:
-        raise SpecError(smoked.problems(issues))
-    return smoked
+        raise SpecError(result.problems(issues))
+    return result
 
 
 SMOKE_HINT = "or exercise the spec on this CPU first: compass run SPEC --smoke"
@@ -99,9 +103,10 @@ def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
                     "name one that `sinfo` lists")
 
 
-def _shared_paths(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -> Iterator[Issue]:
     """A probe job on a compute node proves the shared root is shared, and that the nodes see the local store and
-    the local data the steps read (compass.infra.shared_probe); nothing else is submitted until it does."""
+    the local data the steps read (compass.infra.shared_probe); nothing else is submitted until it does. With
+    `gpu_extras`, also that the nodes import the CUDA-only kernels the spec names."""
     import sys
 
     from compass.flows.confinement import local_paths
@@ -120,8 +125,8 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
         if path.exists():
             wanted[str(path)] = (loc, f"{uri} ({path})")
     how = spec.how
-    modules = {"flash_attn": ("how", "attention")} if how.attention == "flash" else {}
-    modules |= {"liger_kernel": ("how", "loss")} if how.loss == "liger" else {}
+    modules = {"flash_attn": ("how", "attention")} if how.attention == "flash" and gpu_extras else {}
+    modules |= {"liger_kernel": ("how", "loss")} if how.loss == "liger" and gpu_extras else {}
     result = probe(cluster, list(wanted), list(modules))
     at = ("how", "orchestration", "cluster", "shared_root")
     hint = "set shared_root to a folder every compute node mounts at the same path (Lustre, GPFS, NFS, FSx)"
@@ -176,10 +181,13 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "no output")[:160]
 
 
-def _machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Iterator[Issue]:
     """What the spec's `how` needs from the machine it runs on: CUDA for GPUs, the GPU extras for the kernels it
     names, memory per device for every training stage, credentials for S3. With a cluster, the compute nodes'
-    (by a probe job), and nothing here imports torch: this machine only plans, submits and follows."""
+    (by a probe job), and nothing here imports torch: this machine only plans, submits and follows. A `rehearsal`
+    leaves CUDA and the GPU extras to its ranks: CPU ranks (an emulated cluster, a laptop) compute on the CPU and
+    replace CUDA-only kernels by their reference, saying so; a GPU rank without the extras stops at its first step
+    with the command that installs them."""
 
     how = spec.how
     accelerator = how.hardware.accelerator
@@ -196,9 +204,10 @@ def _machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
             reachable = list(_slurm_partition(how.orchestration.cluster.partition, smoke_hint))
             yield from reachable
             if not reachable and how.orchestration.cluster.shared_root:
-                yield from _shared_paths(spec, base_dir)
+                yield from _shared_paths(spec, base_dir, gpu_extras=not rehearsal)
     else:
-        yield from _kernels_here(spec)
+        if not rehearsal:
+            yield from _kernels_here(spec)
     if how.attention == "flex" and accelerator == "cpu":
         yield Issue(("how", "attention"), "FlexAttention has no backward pass on CPU: it cannot train here",
                     "use attention: sdpa (or auto) on CPU")

@@ -58,7 +58,8 @@ class LoadedSpec:
     text: str
     lines: _LineIndex = field(repr=False, compare=False)
     data: Any = field(repr=False, compare=False)
-    smoke_changes: tuple[Any, ...] = ()  # set when the spec was shrunk to smoke size (compass.specs.smoke)
+    size: str = "full"  # "smoke" or "rehearsal" when the spec was shrunk (compass.specs.smoke.Size)
+    size_changes: tuple[Any, ...] = ()  # what shrinking it changed (compass.specs.smoke.Shrink)
 
     @property
     def spec_hash(self) -> str:

@@ -1,4 +1,6 @@
-"""Smoke mode: the same DAG as a spec, every size shrunk so the whole lifecycle runs on a laptop CPU in minutes.
+"""Smoke mode and rehearsals: the same DAG as a spec, every size shrunk so the whole lifecycle runs in minutes.
+
+Smoke mode (`--smoke`) runs on a laptop CPU.
 
 What it keeps: every step (sources, curation, tokenizer candidates, ablation variants, pretraining stages,
 long-context stages, post-training methods, evaluation suite), the architecture's features at tiny width and
@@ -8,15 +10,27 @@ to 2, on CPU processes with gloo). What it cannot keep on a CPU it says: GPUs be
 fp32, data parallelism becomes one rank, several nodes become one, Ray and Slurm become this process. It writes to its
 own store, next to the spec's (`<root>-smoke`), never among real artifacts.
 
+A rehearsal (`--rehearse`) shrinks `what` the same way but keeps `how`: the accelerator, the engine and its ZeRO
+stage, tensor parallelism (up to 2), the precision, the kernels, the Slurm cluster and its launch, requeue and probe,
+node-local staging, retries and the per-phase shapes, with nodes and devices per node capped at 2, data parallelism
+following from them and each stage's batch a whole number of micro-batches per rank (twice, so gradients
+accumulate). It is the first thing to run on a new cluster: on GPU nodes it is the real launch at toy size; on CPU
+ranks (an emulated cluster) every rank trains in the spec's precision and records the GPU it would open, and where a
+CUDA-only kernel cannot run (flash-attn, Liger) the trainer takes the reference kernel through the same dispatch and
+says so. It writes to `<root>-rehearsal`.
+
 Pure: a TrainingSpec in, a TrainingSpec and the list of what changed out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
+
+Size = Literal["full", "smoke", "rehearsal"]
 
 STEPS = 4  # optimizer steps per training stage
 SEQUENCE = 256  # the shortest trained length (benchmark prompts fit it); longer ones double it, in order
@@ -24,6 +38,8 @@ HEAD_DIM = 16
 SAMPLES = 8  # post-training examples, evaluation samples
 DOCUMENTS = 200  # documents read per source
 HELDOUT = 0.2  # held-out share of those, so every source keeps some for perplexity
+REHEARSAL_NODES = 2  # nodes per job at most in a rehearsal: what crosses nodes is exercised
+REHEARSAL_DEVICES = 2  # and devices per node: what shares a node is exercised
 
 
 @dataclass(frozen=True)
@@ -45,8 +61,9 @@ def _short(value: Any) -> str:
 
 
 class _Shrinker:
-    def __init__(self, spec: TrainingSpec):
+    def __init__(self, spec: TrainingSpec, size: Size):
         self.spec = spec
+        self.size = size
         self.data: dict[str, Any] = spec.model_dump(mode="json")
         self.changes: list[Shrink] = []
         how = spec.how
@@ -54,7 +71,8 @@ class _Shrinker:
         lengths = sorted({s.sequence_length for s in spec.what.pretraining.stages}
                          | {s.sequence_length for s in spec.what.long_context.stages} | {spec.what.trained_length})
         self.lengths = {n: SEQUENCE * 2**i for i, n in enumerate(lengths)}
-        self.batch = 2  # two micro-batches of one row: gradient accumulation is exercised
+        self.batch = 2  # smoke: two micro-batches of one row: gradient accumulation is exercised
+        self.shaped: How | None = None  # a rehearsal's `how` once capped: each phase's data parallelism
 
     def set(self, section: str, node: dict[str, Any], key: str, value: Any, label: str | None = None) -> None:
         if node.get(key) != value:
@@ -95,16 +113,26 @@ class _Shrinker:
         return value
 
     # --- phases -------------------------------------------------------------------------------------------
-    def stage(self, stage: dict[str, Any], section: str, batch_field: str = "global_batch_size") -> None:
+    def batch_of(self, phase: str, micro: int | None = None) -> int:
+        """Rows per optimizer step: smoke's two, or in a rehearsal two micro-batches on every data-parallel rank."""
+        if self.shaped is None:
+            return self.batch
+        micro = micro or self.shaped.parallelism.micro_batch_size
+        return 2 * micro * self.shaped.data_parallel(phase)  # type: ignore[arg-type]
+
+    def stage(self, stage: dict[str, Any], section: str, phase: str) -> None:
         seq = self.lengths[stage["sequence_length"]]
+        batch = self.batch_of(phase, stage.get("micro_batch_size"))
         self.set(section, stage, "sequence_length", seq)
-        self.set(section, stage, batch_field, self.batch)
-        self.set(section, stage, "tokens", float(STEPS * self.batch * seq))
+        self.set(section, stage, "global_batch_size", batch)
+        self.set(section, stage, "tokens", float(STEPS * batch * seq))
 
     def run(self) -> tuple[dict[str, Any], list[Shrink]]:
         d = self.data
-        self.set("spec", d, "name", f"{self.spec.name}-smoke")
+        self.set("spec", d, "name", f"{self.spec.name}-{self.size}")
         what, how = d["what"], d["how"]
+        if self.size == "rehearsal":  # first: the batches follow each phase's capped shape
+            self.rehearsal_how(how)
         real_arch = dict(what["architecture"])
         if what.get("model") is None:  # a starting checkpoint is what it is: its shape and tokenizer stay
             self.architecture(what["architecture"], "what.architecture")
@@ -120,13 +148,14 @@ class _Shrinker:
                          "curation.heldout_fraction")
         pt = what["pretraining"]
         for stage in pt["stages"]:
-            self.stage(stage, f"what.pretraining.stages.{stage['name']}")
+            self.stage(stage, f"what.pretraining.stages.{stage['name']}", "pretraining")
         schedule = pt["schedule"]
         self.set("what.pretraining.schedule", schedule, "warmup_steps", min(schedule["warmup_steps"], 1))
         lc = what["long_context"]
         for stage in lc["stages"]:
-            self.stage(stage, f"what.long_context.stages.{stage['name']}")
-            self.set(f"what.long_context.stages.{stage['name']}", stage, "micro_batch_size", 1)
+            if self.shaped is None:  # smoke: one row per micro-batch; a rehearsal keeps the stage's
+                self.set(f"what.long_context.stages.{stage['name']}", stage, "micro_batch_size", 1)
+            self.stage(stage, f"what.long_context.stages.{stage['name']}", "long_context")
             self.set(f"what.long_context.stages.{stage['name']}", stage, "warmup_steps", 0)
         if lc["stages"]:
             self.set("what.long_context", lc, "retrieval_samples", min(lc["retrieval_samples"], 2))
@@ -137,14 +166,16 @@ class _Shrinker:
                                                                                  SAMPLES))
         if what.get("ablations"):
             self.ablations(what["ablations"], real_arch)
-        self.how(how)
+        if self.size == "smoke":
+            self.how(how)
         return d, self.changes
 
     def post_step(self, step: dict[str, Any]) -> None:
         section = f"what.post_training.{step['name']}"
         if step["method"] == "mid_training":
-            self.set(section, step, "batch_size", self.batch)
-            self.set(section, step, "tokens", float(STEPS * self.batch * self.lengths[max(self.lengths)]))
+            batch = self.batch_of("mid_training", step.get("micro_batch_size"))
+            self.set(section, step, "batch_size", batch)
+            self.set(section, step, "tokens", float(STEPS * batch * self.lengths[max(self.lengths)]))
             return
         self.set(section, step, "max_samples", min(step.get("max_samples") or SAMPLES, SAMPLES))
         self.set(section, step, "max_length", min(step["max_length"], 2 * SEQUENCE))
@@ -171,8 +202,9 @@ class _Shrinker:
                  {k: v for k, v in proxy.items() if k in base["architecture"] or proxy[k] != real_arch.get(k)})
         seq = self.lengths.get(base["sequence_length"], SEQUENCE)
         self.set("what.ablations.baseline", base, "sequence_length", seq)
-        self.set("what.ablations.baseline", base, "global_batch_size", self.batch)
-        self.set("what.ablations.baseline", base, "tokens", float(STEPS * self.batch * seq))
+        batch = self.batch_of("ablation")
+        self.set("what.ablations.baseline", base, "global_batch_size", batch)
+        self.set("what.ablations.baseline", base, "tokens", float(STEPS * batch * seq))
         for variant in abl["variants"]:
             (path, value), = variant["change"].items()
             if path.startswith("architecture."):
@@ -211,9 +243,45 @@ class _Shrinker:
         self.set("how.storage", storage, "local_cache", None)  # a cluster's /scratch is not on this machine
 
 
+    def rehearsal_how(self, how: dict[str, Any]) -> None:
+        """`how` kept, its shapes capped at REHEARSAL_NODES x REHEARSAL_DEVICES (see the module's docstring)."""
+        hw, par = how["hardware"], how["parallelism"]
+        nodes = min(hw["nodes"], REHEARSAL_NODES)
+        self.set("how.hardware", hw, "nodes", nodes)
+        self.set("how.hardware", hw, "hosts", hw["hosts"][:nodes])
+        self.set("how.hardware", hw, "devices_per_node", min(hw["devices_per_node"], REHEARSAL_DEVICES))
+        for phase, shape in how["resources"].items():
+            if shape.get("nodes"):
+                self.set(f"how.resources.{phase}", shape, "nodes", min(shape["nodes"], REHEARSAL_NODES))
+            if shape.get("devices_per_node"):
+                self.set(f"how.resources.{phase}", shape, "devices_per_node",
+                         min(shape["devices_per_node"], REHEARSAL_DEVICES))
+        self.set("how.parallelism", par, "tensor_parallel", self.tp)
+        shaped = How.model_validate(how)
+        data_parallel = shaped.data_parallel("pretraining")
+        self.set("how.parallelism", par, "data_parallel", data_parallel)
+        if par.get("shard_group"):
+            self.set("how.parallelism", par, "shard_group", min(par["shard_group"], data_parallel))
+        self.set("how.checkpoints", how["checkpoints"], "every_steps", STEPS // 2)  # a resume point mid-stage
+        storage = how["storage"]
+        self.set("how.storage", storage, "root", storage["root"].rstrip("/") + "-rehearsal")
+        self.shaped = How.model_validate(how)
+
+
 def smoke_spec(spec: TrainingSpec) -> tuple[TrainingSpec, list[Shrink]]:
     """The spec at smoke size, and every change made to get there."""
-    data, changes = _Shrinker(spec).run()
+    return shrunk_spec(spec, "smoke")
+
+
+def rehearsal_spec(spec: TrainingSpec) -> tuple[TrainingSpec, list[Shrink]]:
+    """The spec at rehearsal size (its `how` kept, capped at 2 nodes x 2 devices), and every change made."""
+    return shrunk_spec(spec, "rehearsal")
+
+
+def shrunk_spec(spec: TrainingSpec, size: Size) -> tuple[TrainingSpec, list[Shrink]]:
+    if size == "full":
+        return spec, []
+    data, changes = _Shrinker(spec, size).run()
     return TrainingSpec.model_validate(_without_unset_defaults(data, spec)), changes
 
 

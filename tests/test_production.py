@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ from compass.flows.lifecycle import artifact_key
 from compass.infra.net import free_port
 from tests.conftest import REPO, VENV_BIN, Cli, base_env, prefect_client, remove_gpu_limit, stop_group
 from tests.hub_cache import llama_like_tokenizer, seed_model
+from tests.rehearsal_checks import NODES, assert_production_ranks
 from tests.s3_server import KEY_ID, SECRET, RestartableS3
 
 pytestmark = pytest.mark.slow
@@ -220,6 +222,64 @@ def test_the_run_ends_with_what_each_step_exercised_and_what_was_shrunk(producti
     assert "data_parallel 192 -> 1" in rows["(every step)"]["shrunk"]
     shown = production.cli("run", str(SPEC), "--smoke", "--until", "ingest:fineweb_edu").stdout  # as a table
     assert "what each step exercised and what was shrunk" in shown and "0 ran, 1 cached" in shown
+
+
+def site_copy(folder: Path) -> Path:
+    """The shipped spec as a team runs it on its own cluster: only what names the site changes (partition, QOS, the
+    shared root, the nodes' scratch folder and CPUs), here to the emulated cluster's."""
+    text = SPEC.read_text()
+    for old, new in {"partition: hopper-prod, qos: high,": "partition: debug,",
+                     "shared_root: /fsx/compass": f"shared_root: {folder / 'shared'}",
+                     "local_cache: /scratch/compass": f"local_cache: {folder / 'node-scratch'}",
+                     "cpus_per_node: 88": f"cpus_per_node: {os.cpu_count()}"}.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    copy = folder / SPEC.name
+    copy.write_text(text)
+    return copy
+
+
+def copy_artifacts(fs, source: str, target: str, kinds: tuple[str, ...]) -> None:
+    """Committed artifacts of `kinds` copied from one store root on S3 to another, each manifest last."""
+    for kind in kinds:
+        for artifact in fs.ls(f"{source}/{kind}"):
+            files = [f for f in fs.find(artifact) if "/.work/" not in f]
+            for path in sorted(files, key=lambda f: f.endswith("/manifest.json")):
+                fs.copy(path, target + path.removeprefix(source))
+    fs.invalidate_cache()
+
+
+def test_the_production_spec_rehearses_its_pretraining_on_two_gpu_nodes(production: Production, gpu_cluster,
+                                                                        tmp_path: Path):
+    """`compass run SPEC --rehearse`, the first thing to run on a new cluster: the SmolLM3 spec's own `how` (DeepSpeed
+    ZeRO-0 in bf16, TP 2, `launch: srun`, node-local staging, the shared-root probe, requeue) on 2 nodes x 2 GPUs of
+    the emulated cluster, `what` at smoke size. Its data steps are the smoke run's (the same fingerprints: copied, not
+    recomputed); its first stage trains as a Slurm job whose ranks compute on the CPU in bf16, each recording the GPU
+    it would open, and Liger's CUDA-only loss gives way to the chunked one through the same dispatch, as the run's
+    closing table says."""
+    fs = production.fs()
+    rehearsal_root = f"{RUNS}/smollm3-3b-rehearsal"
+    copy_artifacts(fs, ROOT.removeprefix("s3://"), rehearsal_root, ("ingest", "curate", "tokenizer", "tokenize"))
+    spec = site_copy(tmp_path)
+    env = production.cli.env | gpu_cluster
+    cli = Cli(tmp_path, env)
+    done = cli("run", str(spec), "--rehearse", "--until", "pretrain:stage1", "--json")
+    summary = json.loads(done.stdout)
+    ran = {s["step"] for s in summary["steps"] if s["executed"]}
+    assert ran == {"pretrain:stage1"}, ran  # every data step found committed: the smoke run's
+    assert summary["store"] == f"s3://{rehearsal_root}"
+    manifest = json.loads(fs.cat(next(f for f in fs.glob(f"{rehearsal_root}/pretrain/*/manifest.json"))))
+    assert manifest["execution"]["mode"] == "in_slurm_job" and manifest["execution"]["nodes"] == NODES
+    metrics = manifest["metrics"]
+    assert_production_ranks(metrics, done.stderr, rows=12)  # 2 micro-batches x 3 rows x 2 replicas
+    assert metrics["setup"]["substituted"] == ["loss liger -> chunked (Liger's fused kernel needs CUDA)"]
+    rows = {r["step"]: r for r in summary["rehearsal"]}
+    assert rows["pretrain:stage1"]["exercised"].startswith(
+        "DeepSpeed ZeRO-0 + TP 2 in bf16 on 4 ranks over 2 node(s) x 2 h100 (Slurm, launch srun), attention auto, "
+        "loss liger, node-local staging")
+    assert "on CPU ranks: loss liger -> chunked" in rows["pretrain:stage1"]["exercised"]
+    assert "hardware.nodes 48 -> 2" in rows["(every step)"]["shrunk"]
+    assert "accelerator" not in rows["(every step)"]["shrunk"] and "precision" not in rows["(every step)"]["shrunk"]
 
 
 def test_tokenizer_from_s3_round_trips_text(production: Production, tmp_path: Path,

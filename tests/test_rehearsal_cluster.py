@@ -1,8 +1,10 @@
 """The production launch rehearsed on an emulated GPU cluster: two Slurm nodes on this machine, each declaring two
 GPUs as GRES (tests/slurm_cluster.py), so Slurm sets CUDA_VISIBLE_DEVICES, SLURM_LOCALID and SLURMD_NODENAME per
 task exactly as on GPU nodes. The minimal spec's first pretraining stage runs the way the SmolLM3 spec trains:
-DeepSpeed in bf16 at ZeRO-0 with TP 2, on 2 nodes x 2 GPUs, node-local staging, `launch: srun` (and torchrun),
-submitted by `compass run`. The ranks compute on the CPU (no CUDA here) and record the GPU each would open.
+DeepSpeed in bf16 at ZeRO-0 with TP 2, on 2 nodes x 2 GPUs, node-local staging, with `launch: torchrun` (and FSDP2
+with srun), submitted by `compass run`. The ranks compute on the CPU (no CUDA here) and record the GPU each would
+open. The spec's own launch (`srun`) is rehearsed on the SmolLM3 spec itself, with `compass run --rehearse`
+(tests/test_production.py).
 
 Before: the launch bound a GPU per task (`--gpus-per-task=1 --gpu-bind=closest`), so every rank's GPU was its
 `cuda:0` while DeepSpeed and DDP open `cuda:LOCAL_RANK`; srun exported no LOCAL_WORLD_SIZE, so node 0 staged the
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 from pathlib import Path
 
@@ -20,11 +21,9 @@ import pytest
 
 from compass.infra.store import Store
 from tests.conftest import REPO, VENV_BIN, base_env, seeded, write_minimal_spec
+from tests.rehearsal_checks import GPUS, NODES, assert_production_ranks
 
 pytestmark = pytest.mark.slow
-
-NODES, GPUS = 2, 2
-
 
 def test_each_emulated_node_gives_its_tasks_its_own_gpus(gpu_cluster):
     """What the rehearsal relies on: Slurm, not the test, sets each task's GPUs, local id and node name."""
@@ -72,35 +71,6 @@ def rehearse(tmp_path: Path, data_store: Path, launch: str, engine: str = "deeps
     manifest = Store(str(tmp_path / "store")).read_manifest(step["uri"])
     assert manifest.execution.mode == "in_slurm_job" and manifest.execution.nodes == NODES
     return {"metrics": manifest.metrics, "log": done.stderr}  # the job's log streams into the step's
-
-
-def assert_production_ranks(metrics: dict, log: str, engine: str = "deepspeed") -> None:
-    ranks = metrics["ranks"]
-    assert len(ranks) == NODES * GPUS
-    by_node: dict[str, list[dict]] = {}
-    for rank in ranks:
-        by_node.setdefault(rank["node"], []).append(rank)
-    assert sorted(by_node) == ["node1", "node2"], ranks  # Slurm's nodes, not this host's name
-    for node, on_node in by_node.items():
-        assert sorted(r["local_rank"] for r in on_node) == list(range(GPUS)), (node, on_node)
-        assert sorted(r["gpu"] for r in on_node) == ["0", "1"], (node, on_node)  # distinct visible GPUs per node
-        for rank in on_node:
-            assert rank["device"] == f"cpu (would open cuda:{rank['local_rank']} (GPU {rank['gpu']}))", rank
-            assert rank["visible"] == ["0", "1"], rank  # Slurm's list of the node's GPUs, not unset, not one
-    setup = metrics["setup"]
-    assert (setup["engine"], setup["precision"]) == (engine, "bf16"), setup
-    # the start-of-run checks read the bf16 weights DeepSpeed holds (before: numpy has no bfloat16, a TypeError)
-    assert metrics["parallel"] == ("4 ranks (2 data-parallel x 2 tensor-parallel): identical replicas, distinct data, "
-                                   "distinct shards; shards gathered equal the initial weights")
-    # each node stages the rows of its own ranks: node 1 the first half, node 2 the second (LOCAL_WORLD_SIZE 2)
-    staged = sorted(set(re.findall(r"for rows (\d+)-(\d+) of (\d+)", log)))
-    assert staged == [("0", "1", "4"), ("2", "3", "4")], staged
-
-
-def test_the_production_launch_with_srun_puts_every_rank_on_its_own_gpu(gpu_cluster, data_store: Path,
-                                                                        tmp_path: Path):
-    result = rehearse(tmp_path, data_store, "srun")
-    assert_production_ranks(result["metrics"], result["log"])
 
 
 def test_the_production_launch_with_torchrun_puts_every_rank_on_its_own_gpu(gpu_cluster, data_store: Path,

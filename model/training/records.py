@@ -85,6 +85,7 @@ class TrainingSetup(BaseModel):
     prefetch: int
     async_checkpoints: bool
     data_from: str  # "store", or the node-local cache the sources were staged into
+    substituted: list[str] = []  # CUDA-only kernels a GPU spec's CPU rank (a rehearsal) replaced by their reference
 
 
 class RankPlace(BaseModel):

@@ -98,6 +98,23 @@ def training_device(accelerator: str) -> tuple[torch.device, RankDevice]:
     return torch.device(place.torch_device), place
 
 
+def cpu_rank_kernels(job: TrainJob, cuda: bool) -> tuple[TrainJob, list[str]]:
+    """A GPU spec's rank computing on the CPU (a rehearsal on CPU ranks: no CUDA here) keeps every setting but the
+    CUDA-only kernels, which give way to their reference through the same dispatch; what was replaced is said."""
+    if cuda or job.hardware.accelerator == "cpu":
+        return job, []
+    update: dict[str, str] = {}
+    said: list[str] = []
+    problem = attention.unavailable(job.attention, cuda=False)
+    if problem:
+        update["attention"] = "sdpa"
+        said.append(f"attention {job.attention} -> sdpa ({problem})")
+    if job.loss == "liger":
+        update["loss"] = "chunked"
+        said.append("loss liger -> chunked (Liger's fused kernel needs CUDA)")
+    return job.model_copy(update=update), said
+
+
 LARGE_MODEL = 1_000_000_000  # parameters from which checkpoints export to Hugging Face every 10th time only
 
 
@@ -142,6 +159,8 @@ class Trainer:
         job.workdir.mkdir(parents=True, exist_ok=True)
         self.device, self.place = training_device(job.hardware.accelerator)
         cuda = self.device.type == "cuda"
+        job, substituted = cpu_rank_kernels(job, cuda)
+        self.job = job
         loss = resolve_loss(job.loss)  # `auto` picks liger where installed: not under ZeRO-3 (below)
         if job.parallelism.sharding_stage == 3:  # ZeRO-3 or FSDP2
             loss = "recomputed"  # the head's weight is whole only inside its own forward (liger: refused)
@@ -155,7 +174,8 @@ class Trainer:
                                    engine=self.engine.name, sharding=self.engine.sharding,
                                    prefetch=job.prefetch,
                                    async_checkpoints=job.checkpoints.asynchronous,
-                                   data_from=str(job.staging.cache) if job.staging else "store")
+                                   data_from=str(job.staging.cache) if job.staging else "store",
+                                   substituted=substituted)
         rows = rank_rows(self.dp_rank, self.dp, gbs)  # TP peers: the same rows
         self.packer = RowPacker({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
                                 self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,

@@ -1,0 +1,89 @@
+"""`--rehearse`: the SmolLM3 spec with `what` shrunk as smoke mode shrinks it and `how` kept (compass.specs.smoke),
+and the trainer's CUDA-only kernels on a GPU spec's CPU ranks. The run itself on the emulated cluster:
+tests/test_production.py::test_the_production_spec_rehearses_its_pretraining_on_two_gpu_nodes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN
+from tests.hub_cache import llama_like_tokenizer, seed_model
+
+SPEC = REPO / "specs" / "examples" / "smollm3-3b.yaml"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tokenizer the spec names, in a Hugging Face cache of its own."""
+    folder = tmp_path_factory.mktemp("hub")
+    seed_model(folder / "hub", "meta-llama/Llama-3.2-1B", llama_like_tokenizer(folder / "tokenizer"))
+    return folder / "hub"
+
+
+def checked(size: str, hub_cache: Path, monkeypatch: pytest.MonkeyPatch):
+    from compass.flows.validation import load_checked
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    return load_checked(SPEC, machine=False, size=size)
+
+
+def test_a_rehearsal_keeps_how_and_caps_its_shapes_at_two_nodes_of_two_gpus(hub_cache: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    from compass.specs import load_spec
+
+    real = load_spec(SPEC).spec.how
+    rehearsal = checked("rehearsal", hub_cache, monkeypatch)
+    spec, how = rehearsal.spec, rehearsal.spec.how
+    assert spec.name == "smollm3-3b-rehearsal" and how.storage.root == real.storage.root + "-rehearsal"
+    kept = {"accelerator": how.hardware.accelerator, "precision": how.precision, "loss": how.loss,
+            "attention": how.attention, "engine": how.parallelism.engine_name, "zero": how.parallelism.zero_stage,
+            "tp": how.parallelism.tensor_parallel, "micro": how.parallelism.micro_batch_size,
+            "checkpointing": how.parallelism.activation_checkpointing, "cluster": how.orchestration.cluster,
+            "retries": how.orchestration.retries, "cache": how.storage.local_cache}
+    assert kept == {"accelerator": "h100", "precision": "bf16", "loss": "liger", "attention": real.attention,
+                    "engine": "deepspeed", "zero": 0, "tp": 2, "micro": 3, "checkpointing": True,
+                    "cluster": real.orchestration.cluster, "retries": 3, "cache": "/scratch/compass"}
+    shapes = {phase: (how.shape(phase).nodes, how.shape(phase).devices_per_node)
+              for phase in ("pretraining", "long_context", "ablation", "post_training", "evaluation")}
+    assert shapes == {"pretraining": (2, 2), "long_context": (2, 2), "ablation": (1, 2), "post_training": (1, 2),
+                      "evaluation": (1, 1)}
+    assert how.parallelism.data_parallel == 2  # 4 GPUs over TP 2
+    for stage in spec.what.pretraining.stages:  # two micro-batches of 3 rows on each of 2 replicas
+        assert stage.global_batch_size == 12 and stage.tokens == 4 * 12 * stage.sequence_length
+    for stage in spec.what.long_context.stages:
+        micro = stage.micro_batch_size or how.parallelism.micro_batch_size
+        assert stage.global_batch_size == 2 * micro * how.data_parallel("long_context")
+    smoke = checked("smoke", hub_cache, monkeypatch)
+    data = [s.id for s in rehearsal.plan.steps if s.kind in ("ingest", "curate", "tokenizer", "tokenize")]
+    assert len(data) == 19  # the smoke run's data steps, the same fingerprints: a rehearsal can reuse them
+    assert all(rehearsal.plan.fingerprints[s] == smoke.plan.fingerprints[s] for s in data)
+    assert rehearsal.plan.fingerprints["pretrain:stage1"] != smoke.plan.fingerprints["pretrain:stage1"]
+    changed = {(c.section, c.field) for c in rehearsal.loaded.size_changes if c.section.startswith("how")}
+    assert changed == {("how.hardware", "nodes"), ("how.hardware", "devices_per_node"),
+                       ("how.resources.long_context", "nodes"), ("how.resources.post_training", "devices_per_node"),
+                       ("how.parallelism", "data_parallel"), ("how.checkpoints", "every_steps"),
+                       ("how.storage", "root")}
+
+
+def test_smoke_and_rehearse_together_are_refused():
+    done = subprocess.run([str(VENV_BIN / "compass"), "validate", str(SPEC), "--smoke", "--rehearse"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--smoke and --rehearse exclude each other" in done.stderr
+
+
+def test_a_gpu_specs_cpu_rank_replaces_only_cuda_only_kernels_and_says_so(stage1_job, tmp_path: Path):
+    from compass.model.training.trainer import cpu_rank_kernels
+
+    job = stage1_job(tmp_path)
+    gpu = job.model_copy(update={"hardware": job.hardware.model_copy(update={"accelerator": "h100"}),
+                                 "loss": "liger", "attention": "flash"})
+    on_cpu, said = cpu_rank_kernels(gpu, cuda=False)
+    assert (on_cpu.loss, on_cpu.attention) == ("chunked", "sdpa")
+    assert said == ["attention flash -> sdpa (flash attention needs a CUDA GPU)",
+                    "loss liger -> chunked (Liger's fused kernel needs CUDA)"]
+    assert cpu_rank_kernels(gpu, cuda=True) == (gpu, [])  # a GPU rank keeps them (and fails without the extras)
+    kept = gpu.model_copy(update={"loss": "auto", "attention": "sdpa"})
+    assert cpu_rank_kernels(kept, cuda=False) == (kept, [])  # nothing CUDA-only: nothing said
