@@ -110,7 +110,7 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     import sys
 
     from compass.flows.confinement import local_paths
-    from compass.infra.shared_probe import probe
+    from compass.infra.shared_probe import verified
 
     cluster = spec.how.orchestration.cluster
     assert cluster is not None and cluster.shared_root is not None
@@ -127,7 +127,7 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     how = spec.how
     modules = {"flash_attn": ("how", "attention")} if how.attention == "flash" and gpu_extras else {}
     modules |= {"liger_kernel": ("how", "loss")} if how.loss == "liger" and gpu_extras else {}
-    result = probe(cluster, list(wanted), list(modules))
+    result = verified(cluster, list(wanted), list(modules))
     at = ("how", "orchestration", "cluster", "shared_root")
     hint = "set shared_root to a folder every compute node mounts at the same path (Lustre, GPFS, NFS, FSx)"
     if result.problem and "did not run" in result.problem and "No such file" in result.problem:

@@ -5,11 +5,18 @@ partition) reads it, writes one back, and reports which of the other paths the s
 (the store, local data, this Python). The login node then reads the node's file. A shared root that is only
 mounted here, or a path only this machine has, is named with the spec field to change, and nothing is submitted.
 
+Once a probe passes, its answer is recorded under the shared root (`.compass-probe/verified-<key>.json`) and reused
+for a day by every later check of the same question: the same cluster (Slurm's ClusterName), partition, account,
+QOS, constraint and excluded nodes, shared root, paths, modules and Python. So a `compass run` probes once (not
+again when its flow validates), and a `compass run` that comes back to follow a live job, on a partition that job
+fills, needs no free node.
+
 `python -m compass.infra.shared_probe FOLDER TOKEN PATH...` is the job's side.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -17,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +32,7 @@ from pathlib import Path
 from compass.specs.how import SlurmCluster
 
 FROM_LOGIN, FROM_NODE = "from-login", "from-node"
+VALID_S = 24 * 3600  # how long a passed probe answers for the same question
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,56 @@ class ProbeResult:
     problem: str  # why the probe could not run or the shared root is not shared ('' when it is)
     unseen: tuple[str, ...]  # paths the node does not see
     missing_modules: tuple[str, ...] = ()  # modules the node's Python cannot import
+    reused: bool = False  # answered by a recorded probe of the same question, no job submitted
+
+    @property
+    def passed(self) -> bool:
+        return not (self.problem or self.unseen or self.missing_modules)
+
+
+def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,
+             python: str = sys.executable) -> ProbeResult:
+    """The probe's answer: a recorded pass of the same question under a day old, else a probe job (recorded when it
+    passes)."""
+    assert cluster.shared_root is not None
+    question = _question(cluster, paths, modules, python)
+    record = Path(cluster.shared_root).expanduser() / ".compass-probe" / f"verified-{question}.json"
+    try:
+        seen = json.loads(record.read_text())
+        if time.time() - float(seen["at"]) < VALID_S:
+            return ProbeResult(str(seen["node"]), "", (), (), reused=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    result = probe(cluster, paths, modules, python)
+    if result.passed:
+        try:
+            partial = record.with_suffix(f".{uuid.uuid4().hex[:8]}.tmp")
+            partial.write_text(json.dumps({"node": result.node, "at": time.time()}))
+            partial.replace(record)
+        except OSError:
+            pass  # unrecorded: the next check probes again
+    return result
+
+
+def _question(cluster: SlurmCluster, paths: list[str], modules: list[str] | None, python: str) -> str:
+    """What a probe answers, as a key: the cluster it ran on and everything it was asked."""
+    asked = {"cluster": _cluster_name(), "slurm": cluster.model_dump(include={"shared_root", "partition", "account",
+                                                                               "qos", "constraint", "exclude"}),
+             "paths": sorted(paths), "modules": sorted(modules or []), "python": python}
+    return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _cluster_name() -> str:
+    """Slurm's ClusterName (another controller is another cluster); '' where scontrol does not say."""
+    try:
+        done = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    for line in done.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "ClusterName":
+            return value.strip()
+    return ""
 
 
 def probe(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,

@@ -193,6 +193,7 @@ def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm
     seeded(store, data_store)
     env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
     argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until", "pretrain:stage1"]
+    before = {j["JobId"] for j in history(slurm)}
     first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     records = lambda: list((store / ".work").glob(f"pretrain/stage1-*/{WorkFolder(Path()).job_record.name}"))  # noqa: E731
@@ -221,6 +222,10 @@ def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm
     assert [j["JobId"] for j in named] == [job] and named[0]["JobState"] == "COMPLETED"
     assert final_weights_sha(store, "pretrain:stage1") == stage1_reference  # as if nobody had been killed
     assert not work.exists()  # committed: its work folder is gone
+    # one probe job in all, before the stage's: the first run's flow and the second run reuse its recorded pass, so
+    # a run that follows a live job (on a partition that job may fill) needs no free node
+    probes = [j["JobId"] for j in history(slurm) if j["Name"] == "compass-probe" and j["JobId"] not in before]
+    assert len(probes) == 1 and int(probes[0]) < int(job), probes
 
 
 def resume_once_followed(job: str, store: Path) -> threading.Thread:
