@@ -4,17 +4,28 @@ with no orchestrator, and resume from its newest checkpoint (N6)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from compass.infra.store import Store
-from tests.conftest import REPO, VENV_BIN, base_env, seeded, write_minimal_spec
+from tests.conftest import REPO, VENV_BIN, base_env, running_cluster, seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The emulated 2 x 2 GPU cluster, declaring a silent node down after 30 s instead of Slurm's default 300: a
+    lost node's job is requeued by Slurm (NODE_FAIL) once its node is declared down."""
+    with running_cluster(tmp_path_factory.mktemp("gpu-cluster"), nodes=2, gpus_per_node=2,
+                         slurmd_timeout=30) as env:
+        yield env
 
 
 def test_a_controller_that_does_not_answer_is_asked_again_not_read_as_a_finished_job(gpu_cluster, tmp_path: Path):
@@ -101,3 +112,107 @@ def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_clust
     manifest = Store(str(store)).read_manifest(step["uri"])
     assert manifest.metrics["resumed_from"] >= 10 and manifest.metrics["steps"] == 40
     assert manifest.execution.slurm_job == job  # the same job, requeued by itself
+
+
+NODE_LOSS_HOW = """how:
+  hardware: {accelerator: h100, nodes: 2, devices_per_node: 1}
+  parallelism: {deepspeed: true, zero_stage: 0, data_parallel: 2, micro_batch_size: 1}
+  precision: bf16
+  checkpoints: {every_steps: 5}
+  monitoring: {hang_timeout_s: 20}
+  orchestration: {retries: 1, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED, launch: srun}}
+"""
+
+
+def node_loss_spec(folder: Path) -> Path:
+    spec = write_minimal_spec(folder, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
+                                         "tokens: 20000, sequence_length: 64": "tokens: 5120, sequence_length: 64"})
+    spec.write_text(spec.read_text() + NODE_LOSS_HOW.replace("SHARED", str(folder / "shared")))
+    return spec
+
+
+def lose_node(cluster: dict[str, str], node: str) -> None:
+    """A node dies: its slurmd, its job steps' slurmstepd and every task Slurm started there, killed at once (the
+    tasks name their node in SLURMD_NODENAME, the steps are their parents; only this cluster's, by SLURM_CONF)."""
+    import signal
+
+    import psutil
+
+    conf = cluster["SLURM_CONF"]
+    marks = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_CONF={conf}".encode()}
+    doomed: set[int] = {int(Path(conf).with_name(f"slurmd-{node}.pid").read_text())}
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if marks <= set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")):
+                doomed.add(proc.pid)
+                parent = proc.parent()
+                while parent is not None and "slurmstepd" not in " ".join(parent.cmdline()):
+                    parent = parent.parent()
+                if parent is not None:
+                    doomed.add(parent.pid)
+        except (OSError, psutil.Error):
+            continue
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes_to_the_same_weights(
+        gpu_cluster, data_store: Path, prefect_server: str, tmp_path: Path):
+    """(c) The stage's 2-node job (DeepSpeed bf16, a rank per node, `launch: srun`) loses its second node mid-stage:
+    that node's slurmd, step daemons and rank are killed after the orchestrator itself was. srun waits for the lost
+    node's tasks until the controller declares the node down (SlurmdTimeout) and requeues the job (`--requeue`: Slurm's
+    NODE_FAIL requeue; no orchestrator runs); the node comes back (its slurmd restarted, as after a reboot); the
+    requeued job resumes from its newest checkpoint and commits weights bitwise equal to the same stage run
+    undisturbed."""
+    import signal
+    import time
+
+    from compass.infra.slurm import read_record, state_of
+    from tests.conftest import final_weights_sha
+
+    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
+    undisturbed, lost = tmp_path / "undisturbed", tmp_path / "lost"
+    for folder in (undisturbed, lost):
+        folder.mkdir()
+        seeded(folder / "store", data_store)
+    argv = lambda folder: [str(VENV_BIN / "compass"), "run", str(node_loss_spec(folder)), "--store",  # noqa: E731
+                           str(folder / "store"), "--until", "pretrain:stage1"]
+    done = subprocess.run(argv(undisturbed), cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stderr[-6000:]
+
+    store = lost / "store"
+    run = subprocess.Popen(argv(lost), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not list(store.glob(".work/pretrain/stage1-*/checkpoints/step-00000005")):
+        assert run.poll() is None and time.monotonic() < deadline, "the stage ended before its checkpoint 5"
+        time.sleep(0.5)
+    (work,) = store.glob(".work/pretrain/stage1-*")
+    job = read_record(work).job_id
+    os.killpg(run.pid, signal.SIGKILL)  # no orchestrator from here on
+    run.wait()
+    lose_node(gpu_cluster, "node2")
+    slurmd = None
+    try:
+        while (state_of(job).state if state_of(job) else "") != "PENDING":  # requeued: the node failed
+            assert time.monotonic() < deadline, f"job {job} was not requeued: {state_of(job)}"
+            time.sleep(0.5)
+        slurmd = subprocess.Popen(["slurmd", "-D", "-f", gpu_cluster["SLURM_CONF"], "-N", "node2"],
+                                  env={**os.environ, **gpu_cluster}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)  # the node is back
+        time.sleep(2.5)  # Slurm's two-minute BeginTime for a requeued job, moved to now (tests/test_slurm.py)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        while not list(store.glob("pretrain/stage1-*/manifest.json")):  # the job commits the step itself
+            state = state_of(job)
+            assert time.monotonic() < deadline and (state is None or state.live), f"job {job}: {state}"
+            time.sleep(1)
+    finally:
+        if slurmd is not None:
+            slurmd.send_signal(signal.SIGTERM)
+            slurmd.wait(30)
+    (manifest,) = store.glob("pretrain/stage1-*/manifest.json")
+    committed = json.loads(manifest.read_text())
+    assert committed["execution"]["slurm_job"] == job  # the same job, requeued by itself
+    assert committed["metrics"]["resumed_from"] >= 5 and committed["metrics"]["steps"] == 20
+    assert final_weights_sha(store, "pretrain:stage1") == final_weights_sha(undisturbed / "store", "pretrain:stage1")
