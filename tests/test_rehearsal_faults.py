@@ -62,13 +62,24 @@ def test_a_controller_that_does_not_answer_is_asked_again_not_read_as_a_finished
 
 
 FAULTY_HOW = """how:
-  hardware: {accelerator: h100, nodes: 1, devices_per_node: 2}
+  hardware: {accelerator: h100, nodes: NODES, devices_per_node: DEVICES}
   parallelism: {deepspeed: true, zero_stage: 0, data_parallel: 2, micro_batch_size: 1}
   precision: bf16
   checkpoints: {every_steps: 5}
   monitoring: {hang_timeout_s: 20}
-  orchestration: {retries: 1, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED}}
+  orchestration: {retries: 1, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED, launch: srun}}
 """
+
+
+def faulty_spec(folder: Path, nodes: int, tokens: int) -> Path:
+    """The minimal spec's first stage as 2 DeepSpeed bf16 ranks on `nodes` nodes of the cluster, checkpointed
+    every 5 steps: `tokens` / 256 steps."""
+    stage = f"tokens: {tokens}, sequence_length: 64"
+    spec = write_minimal_spec(folder, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
+                                         "tokens: 20000, sequence_length: 64": stage})
+    how = FAULTY_HOW.replace("NODES", str(nodes)).replace("DEVICES", str(2 // nodes))
+    spec.write_text(spec.read_text() + how.replace("SHARED", str(folder / "shared")))
+    return spec
 
 
 def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_cluster, data_store: Path,
@@ -82,9 +93,7 @@ def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_clust
 
     from compass.infra.slurm import read_record, state_of
 
-    spec = write_minimal_spec(tmp_path, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
-                                           "tokens: 20000, sequence_length: 64": "tokens: 10240, sequence_length: 64"})
-    spec.write_text(spec.read_text() + FAULTY_HOW.replace("SHARED", str(tmp_path / "shared")))
+    spec = faulty_spec(tmp_path, nodes=1, tokens=10240)
     store = tmp_path / "store"
     seeded(store, data_store)
     run = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until",
@@ -112,23 +121,6 @@ def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_clust
     manifest = Store(str(store)).read_manifest(step["uri"])
     assert manifest.metrics["resumed_from"] >= 10 and manifest.metrics["steps"] == 40
     assert manifest.execution.slurm_job == job  # the same job, requeued by itself
-
-
-NODE_LOSS_HOW = """how:
-  hardware: {accelerator: h100, nodes: 2, devices_per_node: 1}
-  parallelism: {deepspeed: true, zero_stage: 0, data_parallel: 2, micro_batch_size: 1}
-  precision: bf16
-  checkpoints: {every_steps: 5}
-  monitoring: {hang_timeout_s: 20}
-  orchestration: {retries: 1, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED, launch: srun}}
-"""
-
-
-def node_loss_spec(folder: Path) -> Path:
-    spec = write_minimal_spec(folder, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
-                                         "tokens: 20000, sequence_length: 64": "tokens: 5120, sequence_length: 64"})
-    spec.write_text(spec.read_text() + NODE_LOSS_HOW.replace("SHARED", str(folder / "shared")))
-    return spec
 
 
 def lose_node(cluster: dict[str, str], node: str) -> None:
@@ -176,7 +168,7 @@ def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes
     for folder in (undisturbed, lost):
         folder.mkdir()
         seeded(folder / "store", data_store)
-    argv = lambda folder: [str(VENV_BIN / "compass"), "run", str(node_loss_spec(folder)), "--store",  # noqa: E731
+    argv = lambda folder: [str(VENV_BIN / "compass"), "run", str(faulty_spec(folder, nodes=2, tokens=5120)), "--store",  # noqa: E731
                            str(folder / "store"), "--until", "pretrain:stage1"]
     done = subprocess.run(argv(undisturbed), cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stderr[-6000:]
