@@ -104,8 +104,9 @@ def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
 
 
 def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -> Iterator[Issue]:
-    """A probe job on a compute node proves the shared root is shared, and that the nodes see the local store and
-    the local data the steps read (compass.infra.shared_probe); nothing else is submitted until it does. With
+    """A probe job on a compute node proves the shared root is shared, and that the nodes see the local store, the
+    local data and the Hugging Face cache's snapshots the steps read (compass.infra.shared_probe); nothing else is
+    submitted until it does. With
     `gpu_extras`, also that the nodes import the CUDA-only kernels the spec names."""
     import sys
 
@@ -124,6 +125,9 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     for loc, uri, path in local_paths(spec, base_dir):
         if path.exists():
             wanted[str(path)] = (loc, f"{uri} ({path})")
+    for kind in registry.kinds():  # the Hugging Face cache's snapshots the steps read (tokenizers, datasets, models)
+        for needed in kind.node_files(spec) if kind.node_files else ():
+            wanted[str(needed.path)] = (needed.loc, f"{needed.what} ({needed.path})")
     how = spec.how
     modules = {"flash_attn": ("how", "attention")} if how.attention == "flash" and gpu_extras else {}
     modules |= {"liger_kernel": ("how", "loss")} if how.loss == "liger" and gpu_extras else {}
@@ -140,10 +144,15 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
         yield Issue(modules[module], f"{module} is not installed on compute node {result.node} (the spec's "
                     f"{modules[module][-1]} needs it)", "pip install 'compass-lifecycle[gpu]' in the nodes' "
                     "environment, or choose auto")
+    from compass.infra.environment import hub_cache
+
     for path in result.unseen:
         loc, what = wanted[path]
+        fix = (f"set HF_HUB_CACHE to a folder under how.orchestration.cluster.shared_root ({cluster.shared_root}) "
+               f"and copy the cache ({hub_cache()}) there" if Path(path).is_relative_to(hub_cache()) else
+               f"move it under how.orchestration.cluster.shared_root ({cluster.shared_root}) or onto S3")
         yield Issue(loc, f"{what} is not visible on compute node {result.node}: the steps' jobs could not read it",
-                    f"move it under how.orchestration.cluster.shared_root ({cluster.shared_root}) or onto S3")
+                    fix)
 
 
 def _kernels_here(spec: TrainingSpec) -> Iterator[Issue]:

@@ -253,22 +253,51 @@ def resume_once_followed(job: str, store: Path) -> threading.Thread:
     return thread
 
 
-def test_a_shared_root_the_nodes_do_not_see_is_refused_before_anything_is_submitted(slurm, tmp_path: Path):
+def run_with_a_private_mount(folder: Path, spec: Path, cwd: Path, env: dict[str, str],
+                             filled_from: Path | None = None) -> subprocess.CompletedProcess:
+    """`compass run SPEC` with `folder` a tmpfs only its process sees (a mount namespace of its own), filled with a
+    copy of `filled_from` there: a folder the orchestrating machine has and the compute nodes do not."""
     if shutil.which("unshare") is None:
         raise RuntimeError("unshare (util-linux) is needed to give the orchestrator a mount of its own")
+    folder.mkdir(parents=True, exist_ok=True)
+    fill = f" && cp -r {filled_from}/. {folder}" if filled_from else ""
+    compass = f"{VENV_BIN / 'compass'} run {spec} --store {cwd}/store"
+    mount = f"mount -t tmpfs compass-private {folder}{fill} && exec {compass}"
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_shared_root_the_nodes_do_not_see_is_refused_before_anything_is_submitted(slurm, tmp_path: Path):
     shared = tmp_path / "private-shared"
-    shared.mkdir()
     spec = cluster_spec(tmp_path, shared)
     before = {j["JobId"] for j in history(slurm)}
-    env = base_env(tmp_path / "prefect")
-    compass = f"{VENV_BIN / 'compass'} run {spec} --store {tmp_path}/store"
-    mount = f"mount -t tmpfs compass-private {shared} && exec {compass}"
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = run_with_a_private_mount(shared, spec, tmp_path, base_env(tmp_path / "prefect"))
     assert done.returncode == 2, done.stderr[-3000:]
     said = " ".join(done.stderr.split())  # the terminal wraps long lines
     assert f"how.orchestration.cluster.shared_root: {shared} is not shared" in said
     assert "mounts at the same path" in said and f"{spec}:" in said
+    new = [j for j in history(slurm) if j["JobId"] not in before]
+    assert [j["Name"] for j in new] == ["compass-probe"]  # the probe, and no step's job
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_hub_cache_the_nodes_do_not_see_is_refused_before_anything_is_submitted(slurm, tmp_path: Path):
+    """N11: a hub tokenizer candidate read from a Hugging Face cache only the orchestrating machine mounts (a tmpfs
+    of its own mount namespace, filled there): the probe job finds its snapshot missing on the compute node and the
+    run stops with the spec field, the path and how to share the cache; nothing is submitted after the probe."""
+    from tests.test_hub_tokenizer import CANDIDATES, HUB_CANDIDATE, REPO_ID, published_tokenizer
+
+    filled = tmp_path / "filled-cache"
+    seed_model(filled, REPO_ID, published_tokenizer(tmp_path / "tokenizer"))
+    private = tmp_path / "private-cache"
+    spec = cluster_spec(tmp_path, tmp_path / "shared", **{CANDIDATES: HUB_CANDIDATE})
+    before = {j["JobId"] for j in history(slurm)}
+    env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(private)}
+    done = run_with_a_private_mount(private, spec, tmp_path, env, filled_from=filled)
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = " ".join(done.stderr.split())  # the terminal wraps long lines
+    assert f"what.tokenizer.candidates[0].repo: the tokenizer {REPO_ID} in the Hugging Face cache ({private}/" in said
+    assert "is not visible on compute node" in said and "set HF_HUB_CACHE to a folder under" in said
     new = [j for j in history(slurm) if j["JobId"] not in before]
     assert [j["Name"] for j in new] == ["compass-probe"]  # the probe, and no step's job
     assert not (tmp_path / "store").exists()

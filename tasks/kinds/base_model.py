@@ -9,15 +9,18 @@ again, and the steps after it train again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from compass.infra.layout import TOKENIZER_FILES, ModelArtifact
+from compass.specs.spec import TrainingSpec
 from compass.tasks.kinds.gate import gate_inputs, weights_digest
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 NOT_COPIED = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", ".cache", ".git*")
@@ -63,6 +66,15 @@ def local_copy(location: str, stamp: str, scratch: Path) -> Path:
     return Path(location)
 
 
+def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
+    """A hub starting checkpoint's snapshot in the Hugging Face cache (where the data phase's job copies it from)."""
+    model = spec.what.model
+    if model is not None and model.resolved is not None and model.resolved.location.startswith("hf://"):
+        with contextlib.suppress(OSError, ValueError):
+            yield NodeFile(("what", "model", "init_from"), f"the starting checkpoint {model.init_from} in the "
+                           "Hugging Face cache", local_copy(model.resolved.location, model.resolved.stamp, Path()))
+
+
 def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
     from compass.specs.checkpoint_config import read_checkpoint_config
     from compass.tasks.data.tokenizer_files import tokenizer_ids  # (transformers, when the step runs)
@@ -99,6 +111,6 @@ def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
 
 
 KIND = StepKind("base_model", BaseModelConfig, run_base_model, build, version="1", resources=phase("data"),
-                imports=TRANSFORMERS,
+                imports=TRANSFORMERS, node_files=node_files,
                 produces_model=True, tags=("model",))
 STEP_KINDS = (KIND,)

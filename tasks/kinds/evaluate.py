@@ -25,7 +25,7 @@ from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.kinds.encode_tokens import tokens_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -100,6 +100,19 @@ def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
                 locate(task.name, task.fewshot)
             except TaskDataMissing as e:
                 yield Issue(at, str(e), e.hint)
+
+
+def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
+    """Each lighteval task's dataset in the Hugging Face cache (one this machine lacks is check_machine's error)."""
+    from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
+
+    for i, task in enumerate(spec.what.evaluation.benchmarks):
+        if task.source == "lighteval":
+            try:
+                yield NodeFile(("what", "evaluation", "benchmarks", i, "name"),
+                               f"the dataset of lighteval task {task.name}", locate(task.name, task.fewshot).dataset)
+            except TaskDataMissing:
+                continue
 
 
 def trained_length(config: Any) -> int:
@@ -263,6 +276,6 @@ def _shown(values: dict[str, Any]) -> str:
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
 KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", resources=phase("evaluation"),
-                imports=TRANSFORMERS, tags=("evaluation",), check_machine=check_machine,
+                imports=TRANSFORMERS, tags=("evaluation",), check_machine=check_machine, node_files=node_files,
                 headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
 STEP_KINDS = (KIND,)

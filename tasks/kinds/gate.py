@@ -8,17 +8,20 @@ The verdict is part of the committed artifact, so a cached re-run stops the same
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from compass.specs.evaluation import Benchmark
+from compass.specs.spec import TrainingSpec
 from compass.specs.why import ProductionWhy, SuccessCriterion
 from compass.tasks.kinds.success_report import OPS
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 NOT_JUSTIFIED = "not justified"
@@ -81,6 +84,18 @@ def resolve_model(model: str, scratch: Path) -> tuple[Path, dict[str, Any]]:
     return snapshot, {"source": f"hf://{model}", "revision": snapshot.name}
 
 
+def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
+    """Each existing model the gate scores that comes from the Hugging Face cache."""
+    for i, existing in enumerate(getattr(spec.why, "existing_models", [])):
+        model = existing.model
+        if model.startswith("s3://") or Path(model).expanduser().is_dir():
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            path, _ = resolve_model(model, Path())
+            yield NodeFile(("why", "existing_models", i, "model"), f"the existing model {model} in the Hugging "
+                           "Face cache", path)
+
+
 def weights_digest(folder: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(folder.glob("*.safetensors")):
@@ -133,6 +148,6 @@ def stops_the_run(metrics: dict[str, Any]) -> str | None:
 
 
 KIND = StepKind("gate", GateConfig, run_gate, build, version="1", resources=phase("evaluation"),
-                imports=TRANSFORMERS,
+                imports=TRANSFORMERS, node_files=node_files,
                 tags=("gate",), stops_run=stops_the_run)
 STEP_KINDS = (KIND,)

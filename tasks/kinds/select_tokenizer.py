@@ -20,7 +20,7 @@ from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
 from compass.specs.tokenizer import HubCandidate, Tokenizer
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 STEP_ID = "tokenizer:select"
@@ -90,6 +90,17 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
                             f"Hugging Face cache ({hub_cache()}) and cannot be downloaded offline",
                             f"on a machine with network run `hf download {c.repo} {' '.join(TOKENIZER_FILES)} "
                             f"--revision {c.revision}` and copy its hub cache to {hub_cache()} (or set HF_HUB_CACHE)")
+
+
+def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
+    """Each hub candidate's snapshot in the Hugging Face cache (one this machine lacks is check_machine's error)."""
+    for i, c in enumerate(spec.what.tokenizer.candidates if spec.what.tokenizer else []):
+        if c.kind == "hub":
+            try:
+                yield NodeFile(("what", "tokenizer", "candidates", i, "repo"),
+                               f"the tokenizer {c.repo} in the Hugging Face cache", hub_snapshot(c))
+            except HubTokenizerMissing:
+                continue
 
 
 def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
@@ -279,6 +290,6 @@ def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
 
 KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="2", resources=phase("data"),
                 tags=("tokenizer",),
-                imports=TRANSFORMERS, check_machine=check_machine,
+                imports=TRANSFORMERS, check_machine=check_machine, node_files=node_files,
                 headline=("chosen", "mean_fertility"))
 STEP_KINDS = (KIND,)

@@ -65,6 +65,19 @@ class Step:
 MachineCheck = Callable[[TrainingSpec, Path], Iterable[Issue]]
 
 
+@dataclass(frozen=True)
+class NodeFile:
+    """A file or folder outside the store that a kind's steps read wherever they run (a snapshot in the Hugging Face
+    cache): under a cluster, the probe job proves a compute node sees it at the same path."""
+
+    loc: Loc  # the spec field that names it
+    what: str  # as the error names it
+    path: Path
+
+
+NodeFiles = Callable[[TrainingSpec], Iterable[NodeFile]]
+
+
 TRANSFORMERS = tuple(f"transformers:{name}" for name in (
     "PreTrainedTokenizerFast", "AutoTokenizer", "AutoModelForCausalLM", "AutoConfig", "PreTrainedModel",
     "PretrainedConfig", "AttentionInterface", "SmolLM3Config", "Qwen3Config", "Qwen3MoeConfig"))
@@ -88,6 +101,7 @@ class StepKind:
     deployment: str | None = None  # "ablations": part of the ablation-only deployment
     tags: tuple[str, ...] = ()  # shown in the UI
     check_machine: MachineCheck | None = None  # checks of this machine (paths, libraries, caches) before any work
+    node_files: NodeFiles | None = None  # what its steps read outside the store: probed on a compute node
     imports: tuple[str, ...] = ()  # "module:name" resolved, one thread at a time, before one of its steps computes
     # its work is datatrove stages: under a cluster they run as Slurm job arrays, the step's own job only drives them
     fans_out: bool = False
