@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from compass.infra.slurm import cluster_setting
 from compass.specs.how import SlurmCluster
 
 FROM_LOGIN, FROM_NODE = "from-login", "from-node"
@@ -74,23 +75,10 @@ def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None 
 
 def _question(cluster: SlurmCluster, paths: list[str], modules: list[str] | None, python: str) -> str:
     """What a probe answers, as a key: the cluster it ran on and everything it was asked."""
-    asked = {"cluster": _cluster_name(), "slurm": cluster.model_dump(include={"shared_root", "partition", "account",
-                                                                               "qos", "constraint", "exclude"}),
+    slurm = cluster.model_dump(include={"shared_root", "partition", "account", "qos", "constraint", "exclude"})
+    asked = {"cluster": cluster_setting("ClusterName"), "slurm": slurm,
              "paths": sorted(paths), "modules": sorted(modules or []), "python": python}
     return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _cluster_name() -> str:
-    """Slurm's ClusterName (another controller is another cluster); '' where scontrol does not say."""
-    try:
-        done = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    for line in done.stdout.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "ClusterName":
-            return value.strip()
-    return ""
 
 
 def probe(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,

@@ -238,6 +238,20 @@ def ask_controller(argv: list[str], patience_s: float | None = None) -> str | No
         delay = min(delay * 2, 30.0)
 
 
+def cluster_setting(key: str, patience_s: float = 60) -> str:
+    """One setting of the controller's configuration (`scontrol show config`: ClusterName, MaxArraySize, ...); ''
+    where it does not say or does not answer within `patience_s`."""
+    try:
+        out = ask_controller(["scontrol", "show", "config"], patience_s=patience_s) or ""
+    except (ControllerUnreachable, OSError):
+        return ""
+    for line in out.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == key:
+            return value.strip()
+    return ""
+
+
 def state_of(job_id: str) -> JobState | None:
     """The job's state from the controller (None once it has forgotten the job)."""
     out = ask_controller(["scontrol", "show", "job", "-o", job_id])

@@ -252,8 +252,8 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
 
 
 @contextmanager
-def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0,
-                    slurmd_timeout: int | None = None) -> Iterator[dict[str, str]]:
+def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_timeout: int | None = None,
+                    max_array_size: int | None = None) -> Iterator[dict[str, str]]:
     """A Slurm cluster (tests/slurm_cluster.py) started in `folder`; SLURM_CONF points this process and everything
     it starts at it, and is restored afterwards."""
     from tests.slurm_cluster import missing, slurm_cluster
@@ -261,7 +261,7 @@ def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0,
     why = missing()
     if why:
         raise RuntimeError(f"{why} (run `bash infra/setup.sh` as root)")
-    with slurm_cluster(folder, nodes, gpus_per_node, slurmd_timeout) as env:
+    with slurm_cluster(folder, nodes, gpus_per_node, slurmd_timeout, max_array_size) as env:
         saved = os.environ.get("SLURM_CONF")
         os.environ.update(env)
         try:

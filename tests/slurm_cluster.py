@@ -76,7 +76,7 @@ def _gres_conf(folder: Path, nodes: list[str], gpus_per_node: int) -> str:
 
 
 def _conf(folder: Path, host: str, socket_path: Path, nodes: int, gpus_per_node: int,
-          slurmd_timeout: int | None = None) -> str:
+          slurmd_timeout: int | None = None, max_array_size: int | None = None) -> str:
     return f"""ClusterName=compass-test
 SlurmctldHost={host}
 SlurmctldPort={free_port()}
@@ -104,6 +104,7 @@ KillWait=10
 MinJobAge=600
 SchedulerType=sched/backfill
 {f"SlurmdTimeout={slurmd_timeout}" if slurmd_timeout else ""}
+{f"MaxArraySize={max_array_size}" if max_array_size else ""}
 {"GresTypes=gpu" if gpus_per_node else ""}
 {_nodes_conf(host, nodes, gpus_per_node)}"""
 
@@ -118,10 +119,11 @@ def _wait(check, what: str, timeout: float = 60) -> None:
 
 
 @contextmanager
-def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0,
-                  slurmd_timeout: int | None = None) -> Iterator[dict[str, str]]:
+def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_timeout: int | None = None,
+                  max_array_size: int | None = None) -> Iterator[dict[str, str]]:
     """Start the cluster; yields the environment that points Slurm's commands at it (SLURM_CONF). `slurmd_timeout`:
-    seconds without an answer before the controller declares a node down (Slurm's default: 300)."""
+    seconds without an answer before the controller declares a node down (Slurm's default: 300);
+    `max_array_size`: tasks per job array at most (Slurm's default: 1001)."""
     host = socket.gethostname()
     names = [host] if nodes == 1 else node_names(nodes)
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,7 +138,7 @@ def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0,
     munge.chmod(0o755)  # munged insists that everyone may reach its socket
     sock = munge / "munge.socket"
     conf = folder / "slurm.conf"
-    conf.write_text(_conf(folder, host, sock, nodes, gpus_per_node, slurmd_timeout))
+    conf.write_text(_conf(folder, host, sock, nodes, gpus_per_node, slurmd_timeout, max_array_size))
     if gpus_per_node:
         (folder / "gres.conf").write_text(_gres_conf(folder, names, gpus_per_node))
     env = {**os.environ, "SLURM_CONF": str(conf)}

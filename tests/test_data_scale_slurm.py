@@ -1,8 +1,8 @@
-"""Curation and tokenization on the suite's real one-node Slurm cluster run as datatrove Slurm job arrays (its
-SlurmPipelineExecutor) from one-CPU driver jobs: every stage is an array of the data phase's tasks; an array task
-cancelled mid-array fails the step, and the relaunch redoes only that task (datatrove's completion markers in the
-step's work folder) while the finished ones are not run again; the curated shards and the token shards equal an
-in-process run's bit for bit."""
+"""Curation and tokenization on a real one-node Slurm cluster run as datatrove Slurm job arrays (its
+SlurmPipelineExecutor) from one-CPU driver jobs: every stage is an array of the data phase's tasks, or, beyond the
+cluster's MaxArraySize (2 here), several arrays submitted together; an array task cancelled mid-array fails the
+step, and the relaunch redoes only that task (datatrove's completion markers in the step's work folder) while the
+finished ones are not run again; the curated shards and the token shards equal an in-process run's bit for bit."""
 
 from __future__ import annotations
 
@@ -11,15 +11,24 @@ import logging
 import random
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from compass.infra.layout import SPLITS
 from compass.infra.store import Store
-from tests.conftest import FIXTURES, REPO, VENV_BIN, base_env
+from tests.conftest import FIXTURES, REPO, VENV_BIN, base_env, running_cluster
 
 pytestmark = pytest.mark.slow
+MAX_ARRAY = 2  # the cluster's MaxArraySize: a stage of 3 tasks is two arrays
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A one-node cluster whose job arrays hold MAX_ARRAY tasks at most."""
+    with running_cluster(tmp_path_factory.mktemp("slurm"), max_array_size=MAX_ARRAY) as env:
+        yield env
 SHARDS = 3  # ingest writes 500 documents per shard: 1,200 documents make three tasks per stage
 
 SPEC = """name: arrays
@@ -75,6 +84,18 @@ def _array_tasks(slurm: dict[str, str], name: str) -> list[dict[str, str]]:
     return [j for j in jobs if j.get("Name") == name]
 
 
+def launched(ranks: int) -> int:
+    """Array tasks a stage of `ranks` ranks submits: beyond MAX_ARRAY, datatrove's arrays are all MAX_ARRAY long
+    (the last one's extra tasks find no rank and end at once)."""
+    return ranks if ranks <= MAX_ARRAY else -(-ranks // MAX_ARRAY) * MAX_ARRAY
+
+
+def _seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp).timestamp()
+
+
 def _files(store: Path, kind: str) -> dict[str, str]:
     (manifest,) = store.glob(f"{kind}/web-*/manifest.json")
     return {f["path"]: f["sha256"] for f in json.loads(manifest.read_text())["files"]}
@@ -105,18 +126,21 @@ def test_data_steps_run_as_slurm_arrays_redo_only_a_cancelled_task_and_equal_a_l
             "--until", "tokenize:web"]
     first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
-    while not (queued := _queued("compass-arrays-filter")):  # the first stage's array, one task at a time (%1)
+    def second_task() -> str | None:  # rank 1: the first array's second task, pending behind its first (%1)
+        return next((line.split()[0] for line in _queued("compass-arrays-filter")
+                     if line.split()[0].endswith("_1")), None)
+
+    while not (task := second_task()):
         assert first.poll() is None, first.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "no filter array was submitted"
         time.sleep(0.2)
-    array = queued[0].split()[0].split("_")[0]
-    subprocess.run(["scancel", f"{array}_1"], check=True)  # one task of the array, before it finished
+    subprocess.run(["scancel", task], check=True)  # one task of the array, before it ran
     out, _ = first.communicate(timeout=900)
     said = " ".join(out.split())
     assert first.returncode != 0 and "finished without ranks [1] of 3" in said, said[-4000:]
     assert not any(store.glob("curate/web-*/manifest.json"))
     done = {j["JobId"] for j in _array_tasks(slurm, "compass-arrays-filter") if j["JobState"] == "COMPLETED"}
-    assert len(done) == SHARDS - 1  # the cancelled task never ran
+    assert len(done) == launched(SHARDS) - 1  # the cancelled task never ran
 
     second = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
@@ -129,8 +153,11 @@ def test_data_steps_run_as_slurm_arrays_redo_only_a_cancelled_task_and_equal_a_l
              **{f"tokenize-{split}": sum(p.startswith(f"{split}/") for p in curated) for split in SPLITS}}
     for stage, n in later.items():
         tasks = _array_tasks(slurm, f"compass-arrays-{stage}")
-        assert len(tasks) == n > 0 and len({t["JobId"] for t in tasks}) == n, (stage, tasks)
+        assert n > 0 and len(tasks) == launched(n) and len({t["JobId"] for t in tasks}) == len(tasks), (stage, tasks)
         assert all(t["JobState"] == "COMPLETED" for t in tasks)
+        firsts = [t for t in tasks if t["ArrayTaskId"] == "0"]
+        assert len(firsts) == -(-n // MAX_ARRAY), (stage, tasks)  # the stage's arrays, eligible when submitted:
+        assert all(_seconds(t["EligibleTime"]) - _seconds(t["SubmitTime"]) <= 2 for t in firsts), firsts  # not waves
 
     cluster = Store(str(store))
     manifest = cluster.read_manifest(cluster.uri("curate", "web", plan.fingerprints["curate:web"]))

@@ -1,11 +1,13 @@
 """One datatrove stage, run by the executor the step's placement names: datatrove's LocalPipelineExecutor with the
-phase's CPUs, its RayPipelineExecutor on Ray tasks, or, under a Slurm cluster, its SlurmPipelineExecutor as a job
-array submitted from the step's driver job (one CPU per task, the data phase's nodes x CPUs at once).
+phase's CPUs, its RayPipelineExecutor on Ray tasks, or, under a Slurm cluster, its SlurmPipelineExecutor as job
+arrays submitted from the step's driver job (one CPU per task, the data phase's nodes x CPUs at once). A stage of
+more tasks than the cluster's MaxArraySize is several arrays, submitted together (datatrove's
+max_array_launch_parallel), the data phase's CPUs shared among them: not waves, each waiting for the last to end.
 
 A stage's datatrove logging folder (completion markers, per-rank statistics, Slurm logs) lives in the step's work
 folder, which survives a failed attempt: a relaunched step skips the ranks that completed and redoes only the rest.
-A stage's array job id is recorded there when it is submitted, so a relaunched driver follows an array that is
-still running rather than submitting its ranks twice.
+A stage's array job ids are recorded there when they are submitted, so a relaunched driver follows arrays that are
+still running rather than submitting their ranks twice.
 """
 
 from __future__ import annotations
@@ -126,41 +128,54 @@ def link_outputs(src: Path, dst: Path) -> int:
 def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, cluster: SlurmCluster, name: str,
                   log: logging.Logger | logging.LoggerAdapter):
     """Submit the stage as a Slurm job array (or follow the one an earlier attempt submitted) and wait for it."""
-    from compass.tasks.data.executors import ArrayExecutor
+    from compass.tasks.data.executors import ArrayExecutor, JobIds
 
     memory_per_cpu = DEFAULT_MEMORY_PER_CPU_GB
     if shape.memory_gb and shape.cpus_per_node:
         memory_per_cpu = max(1, -(-int(shape.memory_gb) // shape.cpus_per_node))
     sbatch = {"account": cluster.account, "constraint": cluster.constraint,
               "exclude": ",".join(cluster.exclude) or None}
+    max_array = array_size_limit()
+    arrays = -(-tasks // max_array)
+    cpus = shape.nodes * shape.cpus_per_node if shape.cpus_per_node else -1
+    launched = JobIds()
     executor = ArrayExecutor(
         pipeline, tasks=tasks, time=shape.time_limit, partition=cluster.partition, qos=cluster.qos,
         cpus_per_task=1, mem_per_cpu_gb=memory_per_cpu,
-        workers=shape.nodes * shape.cpus_per_node if shape.cpus_per_node else -1,
+        workers=max(1, cpus // arrays) if cpus > 0 else -1,  # the phase's CPUs shared by the arrays running at once
+        max_array_size=max_array, max_array_launch_parallel=True, job_id_retriever=launched,
         job_name=f"compass-{name}"[:60], requeue=cluster.requeue,
         env_command=f"export PATH={Path(sys.executable).parent}:$PATH",
         sbatch_args={k: v for k, v in sbatch.items() if v}, logging_dir=str(logging_dir), skip_completed=True)
     record = logging_dir / ARRAY_RECORD
-    job_id = _recorded_live_job(record)
-    if job_id:
-        log.info("stage %s: following Slurm array %s submitted by an earlier attempt", logging_dir.name, job_id)
+    job_ids = _recorded_live_jobs(record)
+    if job_ids:
+        log.info("stage %s: following Slurm array %s submitted by an earlier attempt", logging_dir.name, job_ids)
     else:
         logging_dir.mkdir(parents=True, exist_ok=True)
         with _outside_this_job():
             executor.launch_job()
-        job_id = str(executor.job_id) if executor.job_id not in (None, -1) else ""
-        if not job_id:
+        job_ids = ",".join(launched.ids)
+        if not job_ids:
             log.info("stage %s: every one of its %d tasks completed in an earlier attempt", logging_dir.name, tasks)
             return executor
-        record.write_text(json.dumps({"job_id": job_id, "submitted_at": time.time()}))
-        log.info("stage %s: Slurm array %s of %d tasks (logs %s)", logging_dir.name, job_id,
+        record.write_text(json.dumps({"job_ids": launched.ids, "submitted_at": time.time()}))
+        log.info("stage %s: Slurm array %s of %d tasks (logs %s)", logging_dir.name, job_ids,
                  len(executor.get_incomplete_ranks()), executor.slurm_logs_folder)
-    stop = interrupt.on_stop(lambda: _cancel(job_id))
+    stop = interrupt.on_stop(lambda: _cancel(job_ids))
     try:
-        _wait(job_id, cluster.poll_seconds, log, logging_dir.name)
+        _wait(job_ids, cluster.poll_seconds, log, logging_dir.name)
     finally:
         interrupt.remove_on_stop(stop)
     return executor
+
+
+def array_size_limit() -> int:
+    """The cluster's MaxArraySize (tasks per array), Slurm's default 1001 where the controller does not say."""
+    from compass.infra.slurm import cluster_setting
+
+    value = cluster_setting("MaxArraySize")
+    return int(value) if value.isdigit() and int(value) > 0 else 1001
 
 
 @contextlib.contextmanager
@@ -178,7 +193,8 @@ def _outside_this_job() -> Iterator[None]:
 
 
 def _queued(job_id: str) -> list[str]:
-    """The array's tasks the controller still holds (pending, running, completing), as `id state` lines; a
+    """The arrays' tasks the controller still holds (pending, running, completing; `job_id` one id or several,
+    comma-separated), as `id state` lines; a
     controller that does not answer is asked again (infra/slurm.ask_controller), never taken for "none left"."""
     from compass.infra.slurm import ask_controller
 
@@ -186,10 +202,12 @@ def _queued(job_id: str) -> list[str]:
     return [line for line in (out or "").splitlines() if line.strip()]
 
 
-def _recorded_live_job(record: Path) -> str:
+def _recorded_live_jobs(record: Path) -> str:
+    """The recorded arrays' ids, comma-separated, while the controller still holds any of their tasks; ''."""
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-        job_id = str(json.loads(record.read_text())["job_id"])
-        return job_id if _queued(job_id) else ""
+        data = json.loads(record.read_text())
+        job_ids = ",".join(str(j) for j in data["job_ids"]) if "job_ids" in data else str(data["job_id"])
+        return job_ids if _queued(job_ids) else ""
     return ""
 
 

@@ -73,6 +73,20 @@ class ArrayExecutor(RecordsFailures, SlurmPipelineExecutor):
             raise
 
 
+class JobIds:
+    """datatrove's job id retriever, keeping every id: a stage of several arrays launched together has several
+    (datatrove's executor keeps only the last). Here because the executor, pickled with it, is unpickled by every
+    array task."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def __call__(self, sbatch_output: str) -> str:
+        job_id = sbatch_output.split()[-1]
+        self.ids.append(job_id)
+        return job_id
+
+
 def rank_failure(logging_dir, rank: int) -> BaseException | None:
     """The exception rank `rank` recorded when it last failed (None when it recorded none)."""
     path = logging_dir / FAILURES / f"{rank:05d}.pickle"
