@@ -1,6 +1,6 @@
 # The two commands: `make demo` runs the demo lifecycle, `make test` runs the test suite.
 # Both install what they need first (infra/setup.sh, idempotent).
-.PHONY: demo test test-fast test-gpu setup lint bench lock
+.PHONY: demo test test-fast test-gpu test-gpu-extras setup lint bench lock
 
 setup:
 	@bash infra/setup.sh
@@ -23,8 +23,13 @@ test-fast: setup
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not gpu" tests
 
 # The CUDA path on a GPU node (fails without CUDA): NCCL collectives, the first thing to run on a new GPU node.
+# On a GPU node: what needs CUDA alone (2-GPU tests skip on one GPU, saying so); the optional extras' tests apart,
+# each failing with its install command where its package is missing.
 test-gpu: setup
-	.venv/bin/python -m pytest -q -m gpu tests
+	.venv/bin/python -m pytest -q -m "gpu and not (gpu_extra or bitsandbytes or vllm)" tests
+
+test-gpu-extras: setup
+	.venv/bin/python -m pytest -q -m "gpu and (gpu_extra or bitsandbytes or vllm)" tests
 
 # After a dependency change passes the suite: pin what it passed with (infra/setup.sh installs the lock with uv).
 lock: setup

@@ -23,9 +23,9 @@ def cuda() -> torch.device:
     return torch.device("cuda", 0)
 
 
-def needs(package: str) -> None:
+def needs(package: str, install: str = GPU_EXTRAS) -> None:
     if importlib.util.find_spec(package) is None:
-        raise RuntimeError(f"{package} is not installed: {GPU_EXTRAS}")
+        raise RuntimeError(f"{package} is not installed: {install}")
 
 
 def tiny_model(implementation: str, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -56,6 +56,7 @@ def loss_and_grads(model, batch, device, lengths: bool, loss: str = "chunked"):
     return value.detach().float(), torch.cat([p.grad.float().flatten() for p in lm.parameters() if p.grad is not None])
 
 
+@pytest.mark.gpu_extra
 def test_flash_varlen_equals_per_document_sdpa_on_a_packed_micro_batch_of_3(cuda):
     from compass.model.attention import DOCUMENT_SDPA, flash_kernel
 
@@ -81,6 +82,7 @@ def test_flex_attention_equals_per_document_sdpa_on_a_packed_micro_batch_of_3(cu
     assert torch.nn.functional.cosine_similarity(flex[1], expected[1], dim=0) > 0.99
 
 
+@pytest.mark.gpu_extra
 def test_liger_loss_equals_the_chunked_loss(cuda):
     from compass.model.attention import DOCUMENT_SDPA
 
@@ -118,6 +120,7 @@ def test_compiled_model_equals_eager(cuda):
     torch.testing.assert_close(grads, eager[1], atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.gpu_extra
 def test_nvml_reads_this_gpu(cuda):
     needs("pynvml")
     import pynvml
@@ -128,6 +131,7 @@ def test_nvml_reads_this_gpu(cuda):
     assert 0 < pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU) < 120
 
 
+@pytest.mark.bitsandbytes
 def test_qlora_takes_one_step_on_a_4_bit_base_and_merges(cuda, tmp_path):
     """QLoRA: adapters on an NF4-quantised copy (bitsandbytes), one optimizer step moves only the adapters, and
     the merge into the full-precision base loads in transformers."""
@@ -138,7 +142,7 @@ def test_qlora_takes_one_step_on_a_4_bit_base_and_merges(cuda, tmp_path):
     from compass.tasks.post_training.adapters import export_merged, with_adapters
     from tests.hub_cache import tiny_llama
 
-    needs("bitsandbytes")
+    needs("bitsandbytes", "pip install bitsandbytes")
     folder = tiny_llama(tmp_path / "base")  # the step's start model, saved where the 4-bit copy is loaded from
     model = AutoModelForCausalLM.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

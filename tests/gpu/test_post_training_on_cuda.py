@@ -60,6 +60,7 @@ def test_generation_and_passkey_run_on_the_gpu(cuda, tmp_path: Path):
     assert torch.cuda.max_memory_allocated() < full_logits + 64 * 2**20
 
 
+@pytest.mark.vllm
 def test_lighteval_through_vllm_scores_on_the_gpu(cuda, tmp_path: Path):
     """how.generation: vllm runs the evaluate step's lighteval on vLLM (an optional package on GPU nodes)."""
     import importlib.util
