@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from compass.flows.compiler import Plan
+from compass.specs.how import Phase
 from compass.specs.smoke import Shrink, Size
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps.kind import Step
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from compass.infra.store import Store
 
 TRAINING = ("pretrain", "long_context", "ablate")
-PHASE_OF = {"pretrain": "pretraining", "long_context": "long_context", "ablate": "ablation"}
+PHASE_OF: dict[str, Phase] = {"pretrain": "pretraining", "long_context": "long_context", "ablate": "ablation"}
 
 
 def _engine(spec: TrainingSpec, step: Step, rehearsal: bool) -> str:
@@ -24,7 +25,7 @@ def _engine(spec: TrainingSpec, step: Step, rehearsal: bool) -> str:
     tp = f" + TP {par.tensor_parallel}" if par.tensor_parallel > 1 else ""
     if not rehearsal:
         return engine + (f" + AutoTP {par.tensor_parallel} on {par.tensor_parallel} gloo processes" if tp else "")
-    shape = how.shape(PHASE_OF.get(step.kind, "mid_training"))  # type: ignore[arg-type]
+    shape = how.shape(PHASE_OF.get(step.kind, "mid_training"))
     cluster = how.orchestration.cluster
     launch = f"Slurm, launch {cluster.launch}" if cluster else f"{how.hardware.launcher}"
     return (f"{engine}{tp} in {how.precision} on {shape.ranks} ranks over {shape.nodes} node(s) x "

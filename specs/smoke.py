@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from compass.specs.how import How
+from compass.specs.how import How, Phase
 from compass.specs.spec import TrainingSpec
 
 Size = Literal["full", "smoke", "rehearsal"]
@@ -113,14 +113,14 @@ class _Shrinker:
         return value
 
     # --- phases -------------------------------------------------------------------------------------------
-    def batch_of(self, phase: str, micro: int | None = None) -> int:
+    def batch_of(self, phase: Phase, micro: int | None = None) -> int:
         """Rows per optimizer step: smoke's two, or in a rehearsal two micro-batches on every data-parallel rank."""
         if self.shaped is None:
             return self.batch
         micro = micro or self.shaped.parallelism.micro_batch_size
-        return 2 * micro * self.shaped.data_parallel(phase)  # type: ignore[arg-type]
+        return 2 * micro * self.shaped.data_parallel(phase)
 
-    def stage(self, stage: dict[str, Any], section: str, phase: str) -> None:
+    def stage(self, stage: dict[str, Any], section: str, phase: Phase) -> None:
         seq = self.lengths[stage["sequence_length"]]
         batch = self.batch_of(phase, stage.get("micro_batch_size"))
         self.set(section, stage, "sequence_length", seq)
