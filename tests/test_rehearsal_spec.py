@@ -87,3 +87,14 @@ def test_a_gpu_specs_cpu_rank_replaces_only_cuda_only_kernels_and_says_so(stage1
     assert cpu_rank_kernels(gpu, cuda=True) == (gpu, [])  # a GPU rank keeps them (and fails without the extras)
     kept = gpu.model_copy(update={"loss": "auto", "attention": "sdpa"})
     assert cpu_rank_kernels(kept, cuda=False) == (kept, [])  # nothing CUDA-only: nothing said
+
+
+def test_a_gpu_specs_trl_ranks_on_the_cpu_take_trls_own_loss_instead_of_liger():
+    """Found by the SmolLM3 spec's whole rehearsal on the emulated cluster: its SFT ranks (CPU) asked TRL for Liger
+    (loss: liger) and failed in transformers' apply_liger_kernel."""
+    from compass.specs.how import How
+    from compass.tasks.post_training.trl_ranks import uses_liger
+
+    liger = How.model_validate({"hardware": {"accelerator": "h100"}, "precision": "bf16", "loss": "liger"})
+    assert uses_liger(liger, "cuda") and not uses_liger(liger, "cpu")
+    assert not uses_liger(How.model_validate({"loss": "auto"}), "cpu")

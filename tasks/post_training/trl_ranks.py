@@ -73,11 +73,14 @@ def deepspeed_config(stage: int) -> dict[str, Any]:
 
 def uses_liger(how: Any, device: str) -> bool:
     """Liger's fused kernels when the spec names them, or with `auto` on a GPU where Liger is installed (as the
-    pretraining loss picks them)."""
+    pretraining loss picks them). A GPU spec's rank on the CPU (a rehearsal on CPU ranks) takes TRL's own loss, as
+    the trainer takes the chunked one: Liger's kernels need CUDA."""
     import importlib.util
 
     if how.loss == "liger":
-        return True
+        if device != "cuda":
+            print("loss liger -> TRL's own loss on this CPU rank (Liger's fused kernels need CUDA)", file=sys.stderr)
+        return device == "cuda"
     return how.loss == "auto" and device == "cuda" and importlib.util.find_spec("liger_kernel") is not None
 
 
