@@ -13,8 +13,9 @@ from compass.tasks.steps.kind import Step
 if TYPE_CHECKING:
     from compass.infra.store import Store
 
-TRAINING = ("pretrain", "long_context", "ablate")
-PHASE_OF: dict[str, Phase] = {"pretrain": "pretraining", "long_context": "long_context", "ablate": "ablation"}
+TRAINING = ("pretrain", "long_context", "ablate", "mid_training")  # compass's trainer
+PHASE_OF: dict[str, Phase] = {"pretrain": "pretraining", "long_context": "long_context", "ablate": "ablation",
+                              "mid_training": "mid_training"}
 
 
 def _engine(spec: TrainingSpec, step: Step, rehearsal: bool) -> str:
@@ -76,6 +77,7 @@ def _sections(step: Step) -> tuple[str, ...]:
         "pretrain": (f"what.pretraining.stages.{name}", "what.pretraining.schedule", "what.architecture"),
         "long_context": (f"what.long_context.stages.{name}", "what.architecture"),
         "post_train": (f"what.post_training.{name}",),
+        "mid_training": (f"what.post_training.{name}", "what.architecture"),
         "ablate": ("what.ablations.baseline", f"what.ablations.variants.{name.rsplit('-s', 1)[0]}"),
         "evaluate": ("what.evaluation", "what.long_context"),
     }.get(step.kind, ())

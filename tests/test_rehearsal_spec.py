@@ -66,6 +66,13 @@ def test_a_rehearsal_keeps_how_and_caps_its_shapes_at_two_nodes_of_two_gpus(hub_
                        ("how.resources.long_context", "nodes"), ("how.resources.post_training", "devices_per_node"),
                        ("how.parallelism", "data_parallel"), ("how.checkpoints", "every_steps"),
                        ("how.storage", "root")}
+    from compass.flows.smoke_report import smoke_table
+
+    rows = {r["step"]: r for r in smoke_table(rehearsal.plan, spec, rehearsal.loaded.size_changes, "rehearsal")}
+    for step in ("pretrain:stage1", "mid_training:reasoning_mid"):  # compass's trainer, on the phase's shape
+        assert rows[step]["exercised"].startswith("DeepSpeed ZeRO-0 + TP 2 in bf16 on 4 ranks over 2 node(s) x 2 "
+                                                  "h100 (Slurm, launch srun)"), rows[step]
+    assert "batch_size 576 -> 12" in rows["mid_training:reasoning_mid"]["shrunk"]
 
 
 def test_smoke_and_rehearse_together_are_refused():
