@@ -42,6 +42,7 @@ def test_ablation_runs_comparison_and_promotion(trained_store: Path, tmp_path: P
     assert len(runs) == 6  # (baseline + 2 variants) x 2 seeds
     untied = [m for m in runs if m.name.startswith("untied")]
     assert all(m.metrics["change"] == {"architecture.tied_embeddings": False} for m in untied)
+    assert all(m.metrics["setup"]["engine"] and m.metrics["setup"]["substituted"] == [] for m in runs)  # as trained
     seeds = {m.name: m.metrics["val_loss"] for m in runs}
     assert seeds["baseline-s0"] != seeds["baseline-s1"]  # seeds differ: the noise is measured, not assumed
 

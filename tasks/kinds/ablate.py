@@ -106,7 +106,7 @@ def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
     metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,
                **{f"val_loss:{source}": loss for source, loss in val.items()},
                "final_loss": result.final_loss, "tokens": result.tokens, "seed": cfg.seed,
-               "change": cfg.change}
+               "change": cfg.change, "setup": result.setup.model_dump(mode="json")}  # kernels, engine, precision
     if cfg.benchmarks:
         probes = _probe_evaluations(ctx, job.recipe.current.global_batch_size * job.recipe.current.sequence_length)
         metrics |= {k: v for k, v in probes[-1].items() if k != "tokens"} | {"probes": probes}
