@@ -43,7 +43,7 @@ def micro_batch(step: int, rank: int, micro: int, bad: bool = False):
 def engine(stage: int) -> DeepSpeedEngine:
     lm = model()
     return DeepSpeedEngine(lm, parameter_groups(lm.hf, 0.1, False), Optimizer(lr=LR, grad_clip=1.0), ACCUMULATION,
-                           micro_batch=1, zero_stage=stage, precision="fp32")
+                           micro_batch=1, zero_stage=stage, precision="fp32", backend="gloo")
 
 
 def forward_backward(eng: DeepSpeedEngine, step: int, bad: bool = False) -> None:

@@ -3,6 +3,7 @@ server, even when a spec lets its own process run two of them together."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -18,17 +19,22 @@ TWO_GPU_STEPS = """  ablations:
 
 
 def gpu_intervals(api_url: str, run_name: str) -> list[tuple[float, float]]:
-    """Start and end of the ablation task runs of the latest flow run named `run_name`."""
+    """Start and end of the ablation task runs of the latest flow run named `run_name`. The server records task run
+    states from events, after the flow has returned: it is asked again until both ablations' times are in."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
-    with prefect_client(api_url) as client:
-        (run, *_) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])),
-                                         sort=FlowRunSort.START_TIME_DESC, limit=1)
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
-    ablations = [t for t in tasks if t.name.startswith("ablate:") and "gpu" in t.tags]
-    assert len(ablations) == 2
-    return sorted((t.start_time.timestamp(), t.end_time.timestamp()) for t in ablations)
+    deadline = time.monotonic() + 120
+    while True:
+        with prefect_client(api_url) as client:
+            (run, *_) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])),
+                                             sort=FlowRunSort.START_TIME_DESC, limit=1)
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+        ablations = [t for t in tasks if t.name.startswith("ablate:") and "gpu" in t.tags]
+        if len(ablations) == 2 and all(t.start_time and t.end_time for t in ablations):
+            return sorted((t.start_time.timestamp(), t.end_time.timestamp()) for t in ablations)
+        assert time.monotonic() < deadline, [(t.name, t.start_time, t.end_time) for t in ablations]
+        time.sleep(0.5)
 
 
 def overlap(intervals: list[tuple[float, float]]) -> float:

@@ -60,3 +60,51 @@ def test_kill_9_mid_stage_then_resume_is_bitwise_identical(stage1_job, tmp_path:
     assert all(a[k].equal(b[k]) for k in a)  # bitwise
     steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))  # metrics continue without gaps or repeats
+
+
+def losses(workdir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+TRAIN_IN_ONE_PROCESS = """
+import json, sys
+from pathlib import Path
+from compass.model.training.job import TrainJob
+from compass.model.training.trainer import train_stage
+for path in sys.argv[1:]:
+    result = train_stage(TrainJob.read(Path(path)))
+    print(json.dumps({"engine": result.setup.engine, "steps": result.steps, "resumed_from": result.resumed_from}))
+"""
+
+
+def test_a_deepspeed_stage_trains_and_resumes_in_a_process_no_launcher_started(stage1_job, tmp_path: Path):
+    """Found on an H200 (tests/gpu): `train_stage` called directly, in a process without a launcher's LOCAL_RANK and
+    rendezvous, failed in DeepSpeed's argument check, and a second engine in the process would have looked for MPI.
+    The engine opens the rank's group of one itself; two stages in one process, the second resumed, both train."""
+    import shutil
+
+    from compass.specs.how import Checkpoints
+
+    straight, resumed, fresh = tmp_path / "straight", tmp_path / "resumed", tmp_path / "fresh"
+    for folder in (straight, resumed, fresh):
+        folder.mkdir()
+        job = stage1_job(folder, deepspeed=True, zero_stage=0)
+        stage = job.recipe.stages[0].model_copy(update={"tokens": 12 * 4 * 64})  # 12 steps
+        recipe = job.recipe.model_copy(update={"stages": [stage, *job.recipe.stages[1:]]})
+        job.model_copy(update={"precision": "bf16", "recipe": recipe,
+                               "checkpoints": Checkpoints(every_steps=4, keep_last=2)}).write(folder / "job.json")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                            "LOCAL_RANK") and not k.startswith(("SLURM_", "OMPI_"))}
+    first = subprocess.run([sys.executable, "-c", TRAIN_IN_ONE_PROCESS, str(straight / "job.json")], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-4000:]
+    older = sorted((straight / "checkpoints").glob("step-*"))[0]  # kept: the last 2
+    shutil.copytree(older, resumed / "checkpoints" / older.name)
+    again = subprocess.run([sys.executable, "-c", TRAIN_IN_ONE_PROCESS, str(resumed / "job.json"),
+                            str(fresh / "job.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    runs = [json.loads(line) for line in again.stdout.splitlines() if line.startswith("{")]
+    assert [(r["engine"], r["resumed_from"]) for r in runs] == [("deepspeed", int(older.name[5:])),
+                                                                          ("deepspeed", None)], runs
+    assert losses(resumed) == losses(straight)[int(older.name[5:]):]  # the resume continues the run
+    assert losses(fresh) == losses(straight)  # the second engine of the process trains like the first

@@ -9,6 +9,7 @@ The module an engine trains is `CausalLMWithLoss` (model/lm.py): its forward ret
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from compass.model.training import collectives
 from compass.model.training.checkpoints import Write, to_host
 from compass.model.training.collectives import rank_env
 from compass.specs.training import Optimizer
@@ -69,6 +71,13 @@ def clipped_step(optimizer: torch.optim.Optimizer, module: torch.nn.Module, lr: 
     optimizer.zero_grad(set_to_none=True)
 
 
+def adamw(groups: list[dict], opt: Optimizer, device: torch.device) -> torch.optim.AdamW:
+    """torch's AdamW at the spec's settings: its fused kernel on a GPU (the whole update in a few kernels, as the
+    bare torch loop of benchmarks/gpu_throughput.py steps), the multi-tensor kernel on the CPU, where the suite's
+    bitwise references are computed."""
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=device.type == "cuda" or None)
+
+
 def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The Hugging Face model's own keys from the wrapper's state dict (`hf.` prefix dropped)."""
     return {k.removeprefix("hf."): v for k, v in state.items()}
@@ -83,7 +92,7 @@ class TorchEngine:
         device = next(model.parameters()).device  # the rank's own GPU (model/training/rank_device.py), or the CPU
         self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type ==
                                                                 "cuda" else None) if world > 1 else model)
-        self.optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+        self.optimizer = adamw(groups, opt, device)
         self.accumulation = accumulation
         self.clip = opt.grad_clip
         self.sharding = ""  # every rank holds every state
@@ -191,10 +200,15 @@ class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int,
-                 micro_batch: int, zero_stage: int, precision: str, tensor_parallel: int = 1):
+                 micro_batch: int, zero_stage: int, precision: str, backend: str, tensor_parallel: int = 1):
         deepspeed = import_deepspeed()
         keep_deepspeed_off_the_cpu_shm_op()
-        _, world, _ = rank_env()
+        _, world, local_rank = rank_env()
+        # DeepSpeed adopts the open group; a rank without a launcher (one process: `train_stage` called directly, as
+        # on a first GPU node) gets a group of its own here, else DeepSpeed would look for MPI. Its argument check
+        # asserts LOCAL_RANK, which compass resolved already (0 without a launcher).
+        collectives.group_of_one(backend)
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": micro_batch,
@@ -211,7 +225,7 @@ class DeepSpeedEngine:
         if tensor_parallel > 1:  # AutoTP shards the layers by the model's tp_plan (transformers' base_model_tp_plan)
             config["tensor_parallel"] = {"autotp_size": tensor_parallel}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                                                 dist_init_required=True)
+                                                                 dist_init_required=False)
         self.engine.checkpoint_engine = self.capture = _capturing_checkpoint_engine(self.engine._config)
         self.module = self.engine.module
         self.zero_stage = zero_stage

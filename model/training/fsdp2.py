@@ -21,7 +21,7 @@ import torch
 from compass.infra.layout import WEIGHTS
 from compass.model.training import collectives
 from compass.model.training.checkpoints import Write, to_host
-from compass.model.training.engines import clipped_step, hf_state, tensors_digest
+from compass.model.training.engines import adamw, clipped_step, hf_state, tensors_digest
 from compass.specs.training import Optimizer
 
 SHARDS = "dcp"  # the checkpoint's sub-folder of DCP files (`__<rank>_<n>.distcp`, `.metadata`)
@@ -50,8 +50,7 @@ class FSDP2Engine:
             fully_shard(block, mesh=data_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=data_mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit
         self.module = model
-        self.optimizer = torch.optim.AdamW(_one_mesh_each(groups_of(model.hf)), lr=opt.lr, betas=opt.betas,
-                                           eps=opt.eps)
+        self.optimizer = adamw(_one_mesh_each(groups_of(model.hf)), opt, device)
         self.accumulation = accumulation
         self.clip = opt.grad_clip
         self.checkpoint_group = collectives.side_group()  # DCP's writes talk here, off the training thread

@@ -231,7 +231,7 @@ class Trainer:
                                par.reshard_after_forward, par.tensor_parallel)  # groups of the sharded parameters
         if par.deepspeed:
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
-                                   par.zero_stage, job.precision, par.tensor_parallel)
+                                   par.zero_stage, job.precision, backend, par.tensor_parallel)
         return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
 
     @property
