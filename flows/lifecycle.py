@@ -31,6 +31,7 @@ from compass.infra.interrupt import stop_run
 from compass.infra.quiet_failures import quiet_data_errors
 from compass.infra.run_records import end_dead_runs, run_record
 from compass.infra.store import Store
+from compass.model.training.rank_device import REHEARSAL_ENV
 from compass.specs.how import Orchestration
 from compass.specs.loader import SpecError, load_spec_text
 from compass.tasks.steps import registry
@@ -258,6 +259,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         how = spec.how
         if no_recompute:
             how = how.model_copy(update={"storage": how.storage.model_copy(update={"on_damage": "stop"})})
+        if loaded.size == "rehearsal":  # its jobs inherit it: their ranks may compute on CPU nodes
+            os.environ[REHEARSAL_ENV] = "1"
         runtime = Runtime(how=how, base_dir=base, run=spec.name)
         ctx = RunContext(plan, store, loaded.spec_hash, runtime)
         results = run_plan(plan, ctx, orch)

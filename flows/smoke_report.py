@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from compass.infra.store import Store
 
 TRAINING = ("pretrain", "long_context", "ablate", "mid_training")  # compass's trainer
+SAYS_SETUP = (*TRAINING, "post_train", "evaluate")  # steps whose manifests record `setup` (substitutions included)
 PHASE_OF: dict[str, Phase] = {"pretrain": "pretraining", "long_context": "long_context", "ablate": "ablation",
                               "mid_training": "mid_training"}
 
@@ -84,7 +85,8 @@ def _sections(step: Step) -> tuple[str, ...]:
 
 
 def substituted(result: dict[str, Any] | None, store: Store | None) -> list[str]:
-    """The CUDA-only kernels a training step's CPU ranks replaced (its manifest's setup), as the trainer said."""
+    """What a step's CPU ranks replaced (its manifest's setup): the trainer's CUDA-only kernels, a library model's
+    bf16."""
     if not result or not store or not result.get("uri"):
         return []
     try:
@@ -97,7 +99,8 @@ def substituted(result: dict[str, Any] | None, store: Store | None) -> list[str]
 def smoke_table(plan: Plan, spec: TrainingSpec, changes: tuple[Shrink, ...], size: Size = "smoke",
                 results: list[dict[str, Any]] | None = None, store: Store | None = None) -> list[dict[str, str]]:
     """One row per step, then one for what changed for every step (`how`: hardware, precision, parallelism). A
-    rehearsal's training rows also say which CUDA-only kernels its CPU ranks replaced (read from `results`)."""
+    rehearsal's training, post-training and evaluation rows also say what its CPU ranks replaced (CUDA-only kernels,
+    bf16 for TRL and lighteval), read from the steps' manifests (`results`)."""
     rehearsal = size == "rehearsal"
     by_step = {r["step"]: r for r in results or []}
     rows = []
@@ -105,7 +108,7 @@ def smoke_table(plan: Plan, spec: TrainingSpec, changes: tuple[Shrink, ...], siz
         prefixes = _sections(step)
         mine = [str(c) for c in changes if any(c.section == p or c.section.startswith(p + ".") for p in prefixes)]
         said = exercised(step, spec, rehearsal)
-        replaced = substituted(by_step.get(step.id), store) if step.kind in TRAINING else []
+        replaced = substituted(by_step.get(step.id), store) if step.kind in SAYS_SETUP else []
         if replaced:
             said += "; on CPU ranks: " + "; ".join(replaced)
         rows.append({"step": step.id, "exercised": said, "shrunk": "; ".join(mine) or "-"})

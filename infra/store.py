@@ -243,9 +243,20 @@ class Store:
         return [e for e in self.entries(manifest, only) if select is None or select(e.path)]
 
     def work_dir(self, kind: str, name: str, fingerprint: str) -> Path:
-        """A local folder that survives a crashed attempt of one step (checkpoints), keyed by its identity."""
-        base = self._local_base("work", _cache_home() / "work") if self.is_remote else Path(self.root) / ".work"
+        """A local folder that survives a crashed attempt of one step (checkpoints), keyed by its identity and,
+        for a remote store, by the store: the same step of two stores (another bucket, or one bucket name on
+        another S3 server) never shares completion markers or written-file records on this machine."""
+        if not self.is_remote:
+            return Path(self.root) / ".work" / artifact_folder(kind, name, fingerprint)
+        base = self._local_base("work", _cache_home() / "work") / self._remote_key()
         return base / artifact_folder(kind, name, fingerprint)
+
+    def _remote_key(self) -> str:
+        """The remote store as this machine reaches it: its root URL and, for S3, its endpoint."""
+        kwargs = getattr(self.fs, "client_kwargs", None) or {}
+        endpoint = (getattr(self.fs, "endpoint_url", None) or kwargs.get("endpoint_url")
+                    or os.environ.get("AWS_ENDPOINT_URL", ""))
+        return hashlib.sha256(f"{endpoint}|{self.root}".encode()).hexdigest()[:12]
 
     def monitoring_dir(self, run: str) -> Path:
         """A run's live telemetry (Prometheus targets, TensorBoard runs): beside a local store, else in the cache."""

@@ -255,22 +255,28 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
 def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_timeout: int | None = None,
                     max_array_size: int | None = None) -> Iterator[dict[str, str]]:
     """A Slurm cluster (tests/slurm_cluster.py) started in `folder`; SLURM_CONF points this process and everything
-    it starts at it, and is restored afterwards."""
+    it starts at it (and, on emulated GPU nodes, COMPASS_REHEARSAL lets their GPU specs' ranks compute on the CPU),
+    restored afterwards."""
     from tests.slurm_cluster import missing, slurm_cluster
 
     why = missing()
     if why:
         raise RuntimeError(f"{why} (run `bash infra/setup.sh` as root)")
+    from compass.model.training.rank_device import REHEARSAL_ENV
+
     with slurm_cluster(folder, nodes, gpus_per_node, slurmd_timeout, max_array_size) as env:
-        saved = os.environ.get("SLURM_CONF")
+        if gpus_per_node:  # emulated GPUs: every job on these nodes is a rehearsal, its GPU spec's ranks on the CPU
+            env = {**env, REHEARSAL_ENV: "1"}
+        saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
             yield env
         finally:
-            if saved is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = saved
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:

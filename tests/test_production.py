@@ -176,6 +176,8 @@ def test_submitted_production_spec_runs_every_step_with_its_data_and_store_on_s3
     assert "equal the previous stage's exported model" in committed["pretrain:stage2"]["metrics"]["parallel"]
     assert committed["post_train:apo"]["metrics"]["pairs"] > 0  # preference pairs read from s3://
     assert committed["post_train:sft"]["metrics"]["examples"] == 8
+    for step in ("post_train:sft", "evaluate:pretrain-stage3"):  # what the library's model ran on, said (smoke: cpu)
+        assert committed[step]["metrics"]["setup"] == {"device": "cpu", "precision": "float32", "substituted": []}
     ingest = committed["ingest:fineweb_edu"]
     assert ingest["provenance"][0] == {"kind": "s3", "uri": f"s3://{DATA}/fineweb-edu", "files": 1}
     assert committed["tokenizer:select"]["metrics"]["chosen"] == "meta-llama--Llama-3.2-1B"
@@ -261,7 +263,10 @@ def test_the_production_spec_rehearses_its_pretraining_on_two_gpu_nodes(producti
     rehearsal_root = f"{RUNS}/smollm3-3b-rehearsal"
     copy_artifacts(fs, ROOT.removeprefix("s3://"), rehearsal_root, ("ingest", "curate", "tokenizer", "tokenize"))
     spec = site_copy(tmp_path)
-    env = production.cli.env | gpu_cluster
+    from compass.model.training.rank_device import REHEARSAL_ENV
+
+    # the cluster's GPUs are emulated, but only `--rehearse` itself may let the spec's ranks compute on the CPU
+    env = {k: v for k, v in (production.cli.env | gpu_cluster).items() if k != REHEARSAL_ENV}
     cli = Cli(tmp_path, env)
     done = cli("run", str(spec), "--rehearse", "--until", "pretrain:stage1", "--json")
     summary = json.loads(done.stdout)

@@ -1,7 +1,8 @@
 """One device resolution for every rank (model/training/rank_device.py), from what the launcher and Slurm give it:
 torchrun and compass's srun (`--gpus-per-node`, no GPU binding) let each rank see its node's GPUs and open the
 one at its local rank; a task bound to its own GPU opens it only as its node's one rank; anything else is refused
-with what the rank saw. On a machine without CUDA the rank records the GPU it would open."""
+with what the rank saw. On a machine without CUDA the rank records the GPU it would open, and computes on the CPU
+only in a rehearsal."""
 
 from __future__ import annotations
 
@@ -41,6 +42,36 @@ def test_without_cuda_a_rank_computes_on_the_cpu_and_records_the_gpu_it_would_op
     assert rehearsed.describe() == "cpu (would open cuda:1 (GPU 1))"
     plain = resolve("cpu", cuda_available=True, env=rank(1, 2, "0,1"))  # the spec asks for no GPU
     assert plain.describe() == "cpu" and plain.index is None
+
+
+def test_a_gpu_specs_rank_without_cuda_is_refused_unless_rehearsing(monkeypatch: pytest.MonkeyPatch):
+    """A node whose driver, job or torch build lost its GPUs must not train a GPU spec on its CPU without a word:
+    only a rehearsal's ranks (COMPASS_REHEARSAL, exported by `compass run --rehearse`) compute there. The trainer's
+    ranks and the libraries' (TRL, lighteval) refuse it alike."""
+    from compass.model.training.rank_device import REHEARSAL_ENV, refuse_cpu_ranks
+    from compass.model.training.trainer import training_device
+    from compass.specs.how import How
+    from compass.tasks.common.devices import device_for
+
+    with pytest.raises(DeviceError, match=r"rank 9 on gpu-007: how.hardware.accelerator is h100 but CUDA is not "
+                                          r"available here .*nvidia-smi.*--rehearse"):
+        refuse_cpu_ranks("h100", cuda_available=False, env=rank(1, 2, "0,1"))
+    refuse_cpu_ranks("h100", cuda_available=False, env=rank(1, 2, "0,1") | {REHEARSAL_ENV: "1"})  # rehearsing
+    refuse_cpu_ranks("h100", cuda_available=True, env=rank(1, 2, "0,1"))
+    refuse_cpu_ranks("cpu", cuda_available=False, env=rank(1, 2, "0,1"))  # the spec asks for no GPU
+
+    import torch
+
+    if torch.cuda.is_available():
+        return  # the entry points below reach their GPU here
+    monkeypatch.delenv(REHEARSAL_ENV, raising=False)
+    with pytest.raises(DeviceError, match="accelerator is h100 but CUDA is not available"):
+        training_device("h100")
+    with pytest.raises(DeviceError, match="accelerator is h100 but CUDA is not available"):
+        device_for(How.model_validate({"hardware": {"accelerator": "h100"}}))
+    monkeypatch.setenv(REHEARSAL_ENV, "1")
+    assert training_device("h100")[0].type == "cpu" and device_for(
+        How.model_validate({"hardware": {"accelerator": "h100"}})).device == "cpu"
 
 
 def test_nccl_collectives_move_tensors_to_the_ranks_own_gpu(monkeypatch: pytest.MonkeyPatch):

@@ -105,3 +105,37 @@ def test_a_gpu_specs_trl_ranks_on_the_cpu_take_trls_own_loss_instead_of_liger():
     liger = How.model_validate({"hardware": {"accelerator": "h100"}, "precision": "bf16", "loss": "liger"})
     assert uses_liger(liger, "cuda") and not uses_liger(liger, "cpu")
     assert not uses_liger(How.model_validate({"loss": "auto"}), "cpu")
+
+
+def test_a_rehearsals_library_steps_say_their_cpu_ranks_ran_fp32(hub_cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path):
+    """TRL and lighteval load their models in fp32 on a rank without CUDA: a GPU spec's post-training and
+    evaluation steps record it in their manifests (`setup.substituted`), and the rehearsal's table says it on their
+    rows, as it says the trainer's kernel substitutions. A smoke run (accelerator cpu) substitutes nothing."""
+    import torch
+
+    from compass.flows.smoke_report import smoke_table
+    from compass.infra.store import Store
+    from compass.tasks.common.devices import cpu_substitutions, setup_of
+    from tests.test_store import manifest_for
+
+    rehearsal = checked("rehearsal", hub_cache, monkeypatch)
+    fp32 = [] if torch.cuda.is_available() else ["precision bf16 -> fp32 (a library's model on a CPU rank)"]
+    assert cpu_substitutions(rehearsal.spec.how) == fp32
+    assert cpu_substitutions(checked("smoke", hub_cache, monkeypatch).spec.how) == []
+
+    store = Store(str(tmp_path / "store"))
+    results = []
+    for step_id in ("post_train:apo", "evaluate:pretrain-stage3"):
+        kind, name = step_id.split(":")
+        manifest = manifest_for(store, kind, name, rehearsal.plan.fingerprints[step_id],
+                                metrics={"setup": setup_of(rehearsal.spec.how)})
+        with store.staging() as out:
+            store.commit(out, manifest)
+        results.append({"step": step_id, "uri": manifest.uri})
+    rows = {r["step"]: r for r in smoke_table(rehearsal.plan, rehearsal.spec, rehearsal.loaded.size_changes,
+                                              "rehearsal", results, store)}
+    for step_id in ("post_train:apo", "evaluate:pretrain-stage3"):
+        said = rows[step_id]["exercised"]
+        assert said.endswith("; on CPU ranks: " + "; ".join(fp32)) if fp32 else "on CPU ranks" not in said, said
+    assert "on CPU ranks" not in rows["post_train:sft"]["exercised"]  # no manifest read: nothing said

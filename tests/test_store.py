@@ -351,3 +351,20 @@ def test_a_step_whose_input_was_altered_fails_naming_it_and_the_input_is_set_asi
     with pytest.raises(DamagedArtifact, match=r"its input slow:web at .* was altered.*set aside at"):
         runner.run_step(two, second, logging.getLogger())
     assert not ctx.store.is_committed(made.uri)  # the next run recomputes it
+
+
+def test_a_remote_stores_local_work_folders_are_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Seen with two smoke runs of one spec at once, each against its own S3 server: both kept the step's local work
+    folder (datatrove's completion markers, written-file records) in the machine's cache under the step's
+    fingerprint alone, so one run skipped stages the other had done and committed files its own bucket lacked. The
+    folder is keyed by the store too: its root and its S3 endpoint."""
+    monkeypatch.setenv("COMPASS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9001")
+    first = Store("s3://runs/smoke").work_dir("curate", "web", "f" * 64)
+    assert first == Store("s3://runs/smoke").work_dir("curate", "web", "f" * 64)  # a retry finds its attempt's work
+    assert first.is_relative_to(tmp_path / "cache" / "work") and first.name == "web-" + "f" * 12
+    assert Store("s3://runs/other").work_dir("curate", "web", "f" * 64) != first
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9002")
+    assert Store("s3://runs/smoke").work_dir("curate", "web", "f" * 64) != first  # the same bucket, another server
+    local = Store(str(tmp_path / "store"))
+    assert local.work_dir("curate", "web", "f" * 64) == tmp_path / "store" / ".work" / "curate" / ("web-" + "f" * 12)

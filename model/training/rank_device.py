@@ -9,7 +9,8 @@ open `cuda:LOCAL_RANK` beside it. Anything else is refused here, naming what the
 device ordinal" or two ranks on one GPU at the first collective.
 
 On a machine without CUDA (the tests, a rehearsal on CPU ranks) the same resolution runs: the rank records the GPU
-it would open, so a rehearsal under an emulated Slurm checks every rank's device, and computes on the CPU.
+it would open, so a rehearsal under an emulated Slurm checks every rank's device, and computes on the CPU. Only a
+rehearsal may: a GPU spec's rank elsewhere without CUDA is refused (`refuse_cpu_ranks`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,26 @@ class RankDevice:
         return opened if self.type == "cuda" else f"cpu (would open {opened})"
 
 
+REHEARSAL_ENV = "COMPASS_REHEARSAL"  # "1" in a rehearsal's jobs (`--rehearse`; the tests' emulated GPU clusters)
+
+
 class DeviceError(RuntimeError):
-    """A rank cannot tell which GPU is its own."""
+    """A rank cannot tell which GPU is its own, or has none."""
+
+
+def refuse_cpu_ranks(accelerator: str, cuda_available: bool, env: dict[str, str] | None = None) -> None:
+    """A GPU spec's rank where CUDA is not available computes on the CPU only in a rehearsal. Elsewhere it is a
+    node whose driver, job or torch build lost its GPUs, and a weeks-long run would train on its CPU without a word."""
+    import socket
+
+    env = dict(os.environ if env is None else env)
+    if accelerator == "cpu" or cuda_available or env.get(REHEARSAL_ENV) == "1":
+        return
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    raise DeviceError(f"rank {env.get('RANK', 0)} on {node}: how.hardware.accelerator is {accelerator} but CUDA is "
+                      "not available here (no driver, no GPU given to the job, or a CPU-only torch build): check the "
+                      "node with nvidia-smi and leave it out (how.orchestration.cluster.exclude), or rehearse the "
+                      "run on CPU nodes with `compass run --rehearse`")
 
 
 def visible_gpus(env: dict[str, str] | None = None) -> list[str] | None:

@@ -90,9 +90,10 @@ def cpu_peak_tflops() -> float:
 
 
 def training_device(accelerator: str) -> tuple[torch.device, RankDevice]:
-    """This rank's GPU when `how` names one and CUDA is present, else the CPU (model/training/rank_device.py); with
-    the GPU it opens, or would open."""
+    """This rank's GPU when `how` names one and CUDA is present, else the CPU (model/training/rank_device.py; a GPU
+    spec's rank only in a rehearsal); with the GPU it opens, or would open."""
     place = rank_device.resolve(accelerator)
+    rank_device.refuse_cpu_ranks(accelerator, place.type == "cuda")
     if place.type == "cuda":
         torch.cuda.set_device(place.index)
     return torch.device(place.torch_device), place

@@ -22,8 +22,28 @@ class Device:
 def device_for(how: How) -> Device:
     import torch
 
+    from compass.model.training.rank_device import refuse_cpu_ranks
+
+    refuse_cpu_ranks(how.hardware.accelerator, torch.cuda.is_available())  # a GPU spec on the CPU: rehearsals only
     cuda = how.hardware.accelerator != "cpu" and torch.cuda.is_available()
     return Device("cuda" if cuda else "cpu", cuda and how.precision == "bf16")
+
+
+def cpu_substitutions(how: How) -> list[str]:
+    """What a GPU spec's TRL or lighteval model gives up on a rank without CUDA (a rehearsal's CPU node): bf16, run
+    in fp32 there. The step's manifest records it (`setup.substituted`), and a rehearsal's table says it, as the
+    trainer's CPU ranks say which CUDA-only kernels they replaced."""
+    import torch
+
+    if how.hardware.accelerator == "cpu" or how.precision == "fp32" or torch.cuda.is_available():
+        return []
+    return [f"precision {how.precision} -> fp32 (a library's model on a CPU rank)"]
+
+
+def setup_of(how: How) -> dict[str, object]:
+    """The device, dtype and substitutions a library step's model ran with, for its manifest's metrics."""
+    where = device_for(how)
+    return {"device": where.device, "precision": where.dtype, "substituted": cpu_substitutions(how)}
 
 
 HF_ATTENTION = {"flash": "flash_attention_2", "flex": "flex_attention", "sdpa": "sdpa", "eager": "eager"}

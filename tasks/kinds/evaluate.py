@@ -19,7 +19,7 @@ from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
 from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
-from compass.tasks.common.devices import Device, device_for
+from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.kinds.encode_tokens import tokens_of
@@ -212,7 +212,7 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     else:
         curve.append({"checkpoint": FINAL, "tokens": tokens_seen(model_folder), **final_metrics})
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
-               "curve": curve}
+               "curve": curve, "setup": setup_of(ctx.runtime.how)}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
     _to_tensorboard(ctx, model.step_id, curve)
     _to_trackers(ctx, curve)

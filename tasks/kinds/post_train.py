@@ -18,7 +18,7 @@ from compass.model.training.history import tokens_seen
 from compass.model.training.records import MetricsRow, read_metrics, write_metrics
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
-from compass.tasks.common.devices import Device, device_for
+from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
@@ -339,8 +339,9 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     metrics = {"method": method, "steps": result.global_step, "first_loss": logs[0]["loss"] if logs else None,
                "final_loss": logs[-1]["loss"] if logs else None,
                "tokens": metric_rows[-1].tokens - before if metric_rows else 0, "ranks": world,
-               "resumed_from_step": result.resumed_from, **facts}
-    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+               "resumed_from_step": result.resumed_from, "setup": setup_of(ctx.runtime.how), **facts}
+    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+                      if k != "setup")
     summary = f"### {method} `{ctx.name}`\n\n{shown}" + (f"\n\n{vibe}" if vibe else "")
     table = [{"step": r.stage_step, "loss": round(r.loss, 4)} for r in metric_rows[:: max(1, len(metric_rows) // 20)]]
     return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
