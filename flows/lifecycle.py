@@ -17,6 +17,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import deployment
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
 
 from compass.flows.compiler import Plan
 from compass.flows.confinement import outside_roots, worker_roots
@@ -107,9 +108,11 @@ def _embedded_plots(store: Store, manifest: Any) -> str:
 
 def _with_options(step: Step, orch: Orchestration):
     """A step's Prefect task: named by its kind, its run by its step id (the flow run is named by the spec), tagged
-    with its kind's tags only. Prefect asks the server for tag concurrency slots once per tag set a process meets
-    (again per task where a limit exists, as on `gpu`), and on a SQLite server that request often collides with
-    the server's own writes and is retried 2 s later: a tag set per kind cost a cached re-run ~2 s per kind."""
+    `gpu` when it holds devices (the tag the deployment's concurrency limit counts) and otherwise not at all.
+    Prefect asks the server for concurrency slots for every tag a task carries, and on SQLite (the local server)
+    that request collides with the server's own writes and comes back 503, retried 2 s later: a kind tag on every
+    task cost a cached re-run of the minimal spec 1-4 s of its 1.1 s, and a flow of 40 steps a minute. The kind is
+    the task's name, which the UI filters and groups by."""
     timeout = orch.step_timeouts.get(step.kind, orch.timeout_seconds)
     return execute_step.with_options(
         name=f"{step.kind}", task_run_name=step.id, retries=orch.retries,
@@ -179,7 +182,9 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
                 drivers_running += 1
             options = _with_options(step, orch)
             with _ray_options(ctx, step):
-                running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
+                # quoted: Prefect would walk the whole plan and store in them, looking for futures, at every submit
+                running[step.id] = options.submit(quote(ctx), quote(step),
+                                                  wait_for=[finished[d] for d in step.inputs.values()])
             pending.remove(step)
         if not running:
             break

@@ -44,5 +44,5 @@ def resources(config: WordCountConfig, how: How) -> Shape:
     return replace(how.shape("data"), cpus_per_node=1)
 
 
-KIND = StepKind("word_count", WordCountConfig, run, build, version="1", resources=resources, tags=("data",))
+KIND = StepKind("word_count", WordCountConfig, run, build, version="1", resources=resources)
 STEP_KINDS = (KIND,)

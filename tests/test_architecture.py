@@ -260,7 +260,7 @@ def test_a_step_kind_added_in_one_module_compiles_plans_and_runs(word_count, pre
         (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["new-step-kind"])))
         tasks = {t.name: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
     assert run.state.is_completed() and tasks["word_count:notes"].state.is_completed()
-    assert tasks["word_count:notes"].tags == ["data"]  # its kind's tags
+    assert tasks["word_count:notes"].tags == []  # no tag: no concurrency slots asked for (flows/lifecycle.py)
     manifest = store.read_manifest(store.uri("word_count", "notes", plan.fingerprints["word_count:notes"]))
     assert manifest.config == {"min_length": 4} and manifest.phase_version == "1"
     counted = json.loads((Path(manifest.uri) / "counts.json").read_text())

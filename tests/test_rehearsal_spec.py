@@ -124,6 +124,9 @@ def test_a_rehearsals_library_steps_say_their_cpu_ranks_ran_fp32(hub_cache: Path
     assert cpu_substitutions(rehearsal.spec.how) == fp32
     assert cpu_substitutions(checked("smoke", hub_cache, monkeypatch).spec.how) == []
 
+    from compass.model.training.rank_device import REHEARSAL_ENV
+
+    monkeypatch.setenv(REHEARSAL_ENV, "1")  # as in the rehearsal's jobs: a GPU spec's step here computes on the CPU
     store = Store(str(tmp_path / "store"))
     results = []
     for step_id in ("post_train:apo", "evaluate:pretrain-stage3"):

@@ -246,7 +246,6 @@ def _plot(rows: list[dict], metric: str, out: Path) -> None:
 
 ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", resources=phase("ablation"),
                   trains=True,
-                  imports=TRANSFORMERS, deployment="ablations", tags=("ablation",), headline=("val_loss", "final_loss"))
-COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="2", deployment="ablations",
-                   tags=("ablation",))
+                  imports=TRANSFORMERS, deployment="ablations", headline=("val_loss", "final_loss"))
+COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="2", deployment="ablations")
 STEP_KINDS = (ABLATE, COMPARE)

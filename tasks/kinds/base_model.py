@@ -112,5 +112,5 @@ def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
 
 KIND = StepKind("base_model", BaseModelConfig, run_base_model, build, version="1", resources=phase("data"),
                 imports=TRANSFORMERS, node_files=node_files,
-                produces_model=True, tags=("model",))
+                produces_model=True)
 STEP_KINDS = (KIND,)

@@ -210,7 +210,7 @@ def _counted(stages: list[StageStats], block: type, prefix: str = "") -> dict[st
     return {m: int(stats.get(f"{prefix}{m}", 0)) for m in ("documents", "words", "bytes")}
 
 
-KIND = StepKind("curate", CurateConfig, run_curate, build, version="4", resources=phase("data"), tags=("data",),
+KIND = StepKind("curate", CurateConfig, run_curate, build, version="4", resources=phase("data"),
                 check_machine=check_machine, fans_out=True,
                 headline=("documents_in", "documents_out"))
 STEP_KINDS = (KIND,)

@@ -91,5 +91,5 @@ def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
     return StepResult(metrics={"metrics": sorted(points), "points": n}, summary=summary, tables={"curve_points": table})
 
 
-KIND = StepKind("curves", CurvesConfig, run_curves, build, version="1", tags=("report",))
+KIND = StepKind("curves", CurvesConfig, run_curves, build, version="1")
 STEP_KINDS = (KIND,)

@@ -78,7 +78,7 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     return StepResult(metrics=metrics, summary=summary)
 
 
-KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="3", resources=phase("data"), tags=("data",),
+KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="3", resources=phase("data"),
                 imports=TRANSFORMERS, fans_out=True,
                 headline=("train_tokens", "heldout_tokens"))
 STEP_KINDS = (KIND,)

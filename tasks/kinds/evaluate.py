@@ -276,6 +276,6 @@ def _shown(values: dict[str, Any]) -> str:
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
 KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", resources=phase("evaluation"),
-                imports=TRANSFORMERS, tags=("evaluation",), check_machine=check_machine, node_files=node_files,
+                imports=TRANSFORMERS, check_machine=check_machine, node_files=node_files,
                 headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
 STEP_KINDS = (KIND,)

@@ -148,6 +148,5 @@ def stops_the_run(metrics: dict[str, Any]) -> str | None:
 
 
 KIND = StepKind("gate", GateConfig, run_gate, build, version="1", resources=phase("evaluation"),
-                imports=TRANSFORMERS, node_files=node_files,
-                tags=("gate",), stops_run=stops_the_run)
+                imports=TRANSFORMERS, node_files=node_files, stops_run=stops_the_run)
 STEP_KINDS = (KIND,)

@@ -307,7 +307,7 @@ def _select(fs, base: str, include: list[str], exclude: list[str], store: Store 
 # 2: binary and non-UTF-8 files are skipped (they were decoded with U+FFFD replacements)
 # 3: records with NUL bytes or mostly U+FFFD are dropped; files and lines are read with a byte cap
 # 4: a datatrove pipeline: one shard per task (groups of files by bytes), reproducible gzip
-KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="4", resources=phase("data"), tags=("data",),
+KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="4", resources=phase("data"),
                 check_machine=check_machine, fans_out=True,
                 headline=("documents", "characters"))
 STEP_KINDS = (KIND,)

@@ -66,6 +66,6 @@ def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
 
 KIND = StepKind("mid_training", MidTrainingConfig, run_mid_training, None, version="1",
                 resources=phase("mid_training"),
-                trains=True, imports=TRANSFORMERS, produces_model=True, tags=("training",),
+                trains=True, imports=TRANSFORMERS, produces_model=True,
                 headline=("final_loss", "tokens_per_s"))
 STEP_KINDS = (KIND,)

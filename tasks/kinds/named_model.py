@@ -23,5 +23,5 @@ def build(plan: PlanBuilder) -> None:
 
 
 KIND = StepKind(NAMED_MODEL_PREFIX.rstrip(":"), BaseModelConfig, run_base_model, build, version="1",
-                resources=phase("data"), imports=TRANSFORMERS, tags=("model",))
+                resources=phase("data"), imports=TRANSFORMERS)
 STEP_KINDS = (KIND,)

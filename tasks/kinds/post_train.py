@@ -422,6 +422,6 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
 
 KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="3",
                 resources=phase("post_training"), trains=True,
-                imports=TRANSFORMERS, produces_model=True, tags=("training",),
+                imports=TRANSFORMERS, produces_model=True,
                 headline=("final_loss", "final_reward", "tokens"))
 STEP_KINDS = (KIND,)

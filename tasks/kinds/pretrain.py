@@ -42,6 +42,6 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
 KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", resources=phase("pretraining"),
                 trains=True,
-                imports=TRANSFORMERS, produces_model=True, tags=("training",),
+                imports=TRANSFORMERS, produces_model=True,
                 headline=("final_loss", "tokens_per_s", "mfu"))
 STEP_KINDS = (KIND,)

@@ -289,7 +289,6 @@ def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
 
 
 KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="2", resources=phase("data"),
-                tags=("tokenizer",),
                 imports=TRANSFORMERS, check_machine=check_machine, node_files=node_files,
                 headline=("chosen", "mean_fertility"))
 STEP_KINDS = (KIND,)

@@ -99,7 +99,6 @@ class StepKind:
     trains: bool = False  # runs compass's trainer: followed live (progress, loss plot, checkpoint events)
     produces_model: bool = False  # its artifact holds a Hugging Face model: evaluated, named by criteria
     deployment: str | None = None  # "ablations": part of the ablation-only deployment
-    tags: tuple[str, ...] = ()  # shown in the UI
     check_machine: MachineCheck | None = None  # checks of this machine (paths, libraries, caches) before any work
     node_files: NodeFiles | None = None  # what its steps read outside the store: probed on a compute node
     imports: tuple[str, ...] = ()  # "module:name" resolved, one thread at a time, before one of its steps computes
@@ -117,10 +116,11 @@ class StepKind:
                 getattr(loaded, name)
 
     def step_tags(self, config: StepConfig, how: How) -> tuple[str, ...]:
-        """The UI's tags of one step; `gpu` when it holds devices (Prefect's concurrency limit counts those)."""
+        """`gpu` when the step holds devices (Prefect's concurrency limit counts those), else none: each tag costs
+        a concurrency-slot request to the server per task (flows/lifecycle.py)."""
         from compass.tasks.steps.placement import place
 
-        return (*self.tags, GPU_TAG) if place(self, config, how).uses_devices else self.tags
+        return (GPU_TAG,) if place(self, config, how).uses_devices else ()
 
 
 class PlanBuilder:
