@@ -6,7 +6,8 @@ from __future__ import annotations
 import base64
 import os
 import re
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import deployment
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.annotations import quote
 
 from compass.flows.compiler import Plan
 from compass.flows.confinement import outside_roots, worker_roots
@@ -182,9 +182,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
                 drivers_running += 1
             options = _with_options(step, orch)
             with _ray_options(ctx, step):
-                # quoted: Prefect would walk the whole plan and store in them, looking for futures, at every submit
-                running[step.id] = options.submit(quote(ctx), quote(step),
-                                                  wait_for=[finished[d] for d in step.inputs.values()])
+                running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
             pending.remove(step)
         if not running:
             break
@@ -208,6 +206,24 @@ def _resolve_imports_of_steps_to_compute(plan: Plan, ctx: RunContext) -> None:
                   if placement_of(ctx, s).mode != "slurm_job" and not ctx.store.is_committed(step_uri(ctx, s))]
     for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in to_compute}.values():
         kind.import_names()
+
+
+@contextmanager
+def _rehearsing(rehearsal: bool) -> Iterator[None]:
+    """A rehearsal's steps, and the jobs and ranks they start (which inherit this process's environment), may
+    compute a GPU spec on CPU nodes (model/training/rank_device.py); only while the rehearsal runs."""
+    if not rehearsal:
+        yield
+        return
+    saved = os.environ.get(REHEARSAL_ENV)
+    os.environ[REHEARSAL_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(REHEARSAL_ENV, None)
+        else:
+            os.environ[REHEARSAL_ENV] = saved
 
 
 def _drives_arrays(ctx: RunContext, step: Step) -> bool:
@@ -264,11 +280,10 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         how = spec.how
         if no_recompute:
             how = how.model_copy(update={"storage": how.storage.model_copy(update={"on_damage": "stop"})})
-        if loaded.size == "rehearsal":  # its jobs inherit it: their ranks may compute on CPU nodes
-            os.environ[REHEARSAL_ENV] = "1"
         runtime = Runtime(how=how, base_dir=base, run=spec.name)
         ctx = RunContext(plan, store, loaded.spec_hash, runtime)
-        results = run_plan(plan, ctx, orch)
+        with _rehearsing(loaded.size == "rehearsal"):
+            results = run_plan(plan, ctx, orch)
         ran = [r["step"] for r in results if r["executed"]]
         logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
         summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
