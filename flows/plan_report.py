@@ -175,6 +175,8 @@ def placement_section(spec: TrainingSpec) -> Section:
             runs = "Slurm jobs; curation and tokenization as job arrays of 1-CPU tasks"
         elif cluster is not None:
             runs = "Slurm job" + (", whole nodes" if shape.whole_nodes and not shape.cpus_per_node else "")
+        if cluster is not None and shape.partition != cluster.partition:
+            runs += f" on partition {shape.partition}"
         elif phase == "data" and how.orchestration.task_runner == "ray":
             runs = "Ray tasks"
         else:

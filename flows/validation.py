@@ -9,12 +9,16 @@ Problems come back like the loader's, as `file:line: field: what (hint)`, all at
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compass.flows.compiler import Plan, PlanError, compile_spec
+from compass.infra.shared_probe import ProbeResult
 from compass.specs.base import Issue
+from compass.specs.checks import phases_of
+from compass.specs.how import PHASES, Phase, SlurmCluster
 from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text
 from compass.specs.smoke import Size
 from compass.specs.spec import TrainingSpec
@@ -107,9 +111,8 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     """A probe job on a compute node proves the shared root is shared, and that the nodes see the local store, the
     local data and the Hugging Face cache's snapshots the steps read (compass.infra.shared_probe); nothing else is
     submitted until it does. With
-    `gpu_extras`, also that the nodes import the CUDA-only kernels the spec names."""
-    import sys
-
+    `gpu_extras`, also that the nodes import the CUDA-only kernels the spec names (on the GPU nodes). Each partition
+    the jobs go to is probed, with and without a GPU as the jobs there ask (probed_partitions)."""
     from compass.flows.confinement import local_paths
     from compass.infra.shared_probe import verified
 
@@ -131,13 +134,57 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     how = spec.how
     modules = {"flash_attn": ("how", "attention")} if how.attention == "flash" and gpu_extras else {}
     modules |= {"liger_kernel": ("how", "loss")} if how.loss == "liger" and gpu_extras else {}
-    result = verified(cluster, list(wanted), list(modules))
+    for ask in probed_partitions(spec):
+        result = verified(cluster, list(wanted), list(modules) if ask.gpus or how.hardware.accelerator == "cpu" else [],
+                          partition=ask.partition, gpus=ask.gpus)
+        yield from _probe_issues(result, cluster, wanted, modules, ask)
+
+
+@dataclass(frozen=True)
+class ProbeAsk:
+    """One probe job's request: a partition (None: the cluster's default), GPUs or none, as the jobs of `phases`
+    ask there."""
+
+    partition: str | None
+    gpus: int
+    phases: tuple[Phase, ...]
+
+
+def probed_partitions(spec: TrainingSpec) -> list[ProbeAsk]:
+    """What the spec's jobs ask for, as probes: each partition they go to, once with a GPU where phases there ask
+    for GPUs and once without where phases there ask none. A site may refuse jobs that ask no GPU on its GPU
+    partitions: its data jobs are then refused here, before anything is submitted, and the GPU nodes the training
+    needs are the ones proven to see the shared root."""
+    how = spec.how
+    asked: dict[tuple[str | None, int], list[Phase]] = {}
+    for phase in sorted(phases_of(spec), key=PHASES.index):
+        shape = how.shape(phase)
+        gpus = 1 if how.hardware.accelerator != "cpu" and shape.devices_per_node else 0
+        asked.setdefault((shape.partition, gpus), []).append(phase)
+    default = how.orchestration.cluster.partition if how.orchestration.cluster else None
+    return [ProbeAsk(partition, gpus, tuple(phases)) for (partition, gpus), phases in asked.items()] or \
+        [ProbeAsk(default, 0, ())]
+
+
+def _probe_issues(result: ProbeResult, cluster: SlurmCluster, wanted: dict[str, tuple[tuple[str | int, ...], str]],
+                  modules: dict[str, tuple[str, ...]], ask: ProbeAsk) -> Iterator[Issue]:
+    """What a probe of one partition found, each at the spec field to change."""
+
     at = ("how", "orchestration", "cluster", "shared_root")
     hint = "set shared_root to a folder every compute node mounts at the same path (Lustre, GPFS, NFS, FSx)"
     if result.problem and "did not run" in result.problem and "No such file" in result.problem:
         yield Issue(("how", "orchestration", "cluster"), f"{result.problem}: the compute nodes do not see this "
                     f"Python ({sys.executable})", "install compass in a virtual environment under the shared root "
                     "(or an image every node has) and run compass from it")
+    elif result.problem and "did not run" in result.problem:
+        where = f"partition {ask.partition}" if ask.partition else "the default partition"
+        phase = ask.phases[0] if ask.phases else "data"
+        asked = "with a GPU" if ask.gpus else "without a GPU"
+        yield Issue(("how", "resources", phase, "partition"),
+                    f"{result.problem}: {where} did not take a one-task job {asked}, as the "
+                    f"{', '.join(ask.phases) or phase} jobs ask",
+                    f"give the phase a partition that takes such jobs (how.resources.{phase}.partition: e.g. a CPU "
+                    "partition for data where GPU partitions take only jobs that ask for GPUs), or free a node")
     elif result.problem:
         yield Issue(at, result.problem, hint)
     for module in result.missing_modules:

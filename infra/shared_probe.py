@@ -50,11 +50,12 @@ class ProbeResult:
 
 
 def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,
-             python: str = sys.executable) -> ProbeResult:
+             python: str = sys.executable, partition: str | None = None, gpus: int = 0) -> ProbeResult:
     """The probe's answer: a recorded pass of the same question under a day old, else a probe job (recorded when it
-    passes)."""
+    passes). `partition`: where to probe (None: the cluster's); `gpus`: GPUs the probe job asks for, on a partition
+    whose jobs ask for GPUs (sites refuse jobs that ask none there, and the GPU nodes are the ones to prove)."""
     assert cluster.shared_root is not None
-    question = _question(cluster, paths, modules, python)
+    question = _question(cluster, paths, modules, python, partition, gpus)
     record = Path(cluster.shared_root).expanduser() / ".compass-probe" / f"verified-{question}.json"
     try:
         seen = json.loads(record.read_text())
@@ -62,7 +63,7 @@ def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None 
             return ProbeResult(str(seen["node"]), "", (), (), reused=True)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    result = probe(cluster, paths, modules, python)
+    result = probe(cluster, paths, modules, python, partition, gpus)
     if result.passed:
         try:
             partial = record.with_suffix(f".{uuid.uuid4().hex[:8]}.tmp")
@@ -73,17 +74,19 @@ def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None 
     return result
 
 
-def _question(cluster: SlurmCluster, paths: list[str], modules: list[str] | None, python: str) -> str:
+def _question(cluster: SlurmCluster, paths: list[str], modules: list[str] | None, python: str,
+              partition: str | None, gpus: int) -> str:
     """What a probe answers, as a key: the cluster it ran on and everything it was asked."""
-    slurm = cluster.model_dump(include={"shared_root", "partition", "account", "qos", "constraint", "exclude"})
+    slurm = cluster.model_dump(include={"shared_root", "account", "qos", "constraint", "exclude"})
+    slurm |= {"partition": partition or cluster.partition, "gpus": gpus}
     asked = {"cluster": cluster_setting("ClusterName"), "slurm": slurm,
              "paths": sorted(paths), "modules": sorted(modules or []), "python": python}
     return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def probe(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,
-          python: str = sys.executable) -> ProbeResult:
-    """Run the probe job and judge what it saw (see the module docstring)."""
+          python: str = sys.executable, partition: str | None = None, gpus: int = 0) -> ProbeResult:
+    """Run the probe job and judge what it saw (see the module docstring and `verified`)."""
     assert cluster.shared_root is not None
     root = Path(cluster.shared_root).expanduser()
     folder = root / ".compass-probe" / uuid.uuid4().hex[:12]
@@ -95,10 +98,12 @@ def probe(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = N
     (folder / FROM_LOGIN).write_text(token)
     command = ["srun", f"--immediate={cluster.probe_timeout_s}", "--nodes=1", "--ntasks=1", "--time=5",
                "--job-name=compass-probe", "--quiet"]
-    for flag, value in (("partition", cluster.partition), ("account", cluster.account), ("qos", cluster.qos),
-                        ("constraint", cluster.constraint)):
+    for flag, value in (("partition", partition or cluster.partition), ("account", cluster.account),
+                        ("qos", cluster.qos), ("constraint", cluster.constraint)):
         if value is not None:
             command.append(f"--{flag}={value}")
+    if gpus:
+        command.append(f"--gpus-per-node={gpus}")
     if cluster.exclude:
         command.append(f"--exclude={','.join(cluster.exclude)}")
     command += [python, "-m", "compass.infra.shared_probe", str(folder), token, ",".join(modules or []), *paths]

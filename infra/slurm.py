@@ -62,6 +62,7 @@ class JobRequest:
     exclusive: bool  # the job takes whole nodes (every device, no CPU count given)
     whole_nodes: bool = False  # every device of its nodes: without memory_gb it asks for all their memory
     fault_requeues: int = 0  # times the batch shell requeues the job for a retriable fault (infra/exits.py)
+    partition: str | None = None  # the phase's partition (None: the cluster's default)
 
 
 def request_for(shape: Shape, cluster: SlurmCluster, accelerator: str, workdir: Path, command: tuple[str, ...],
@@ -74,7 +75,7 @@ def request_for(shape: Shape, cluster: SlurmCluster, accelerator: str, workdir: 
                       gpus_per_node=shape.devices_per_node if accelerator != "cpu" and shape.devices_per_node else None,
                       memory_gb=shape.memory_gb, time_limit=shape.time_limit,
                       exclusive=shape.whole_nodes and shape.cpus_per_node is None, whole_nodes=shape.whole_nodes,
-                      fault_requeues=fault_requeues if cluster.requeue else 0)
+                      fault_requeues=fault_requeues if cluster.requeue else 0, partition=shape.partition)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def sbatch_script(job: JobRequest, cluster: SlurmCluster) -> str:
         options.append(f"--mem={max(1, round(job.memory_gb * 1024))}M")
     elif job.whole_nodes:  # every rank builds its model in fp32 on the host and snapshots checkpoints there: a
         options.append("--mem=0")  # site's default memory per CPU (often a few GB) kills a 3B job; 0: the node's
-    for flag, value in (("partition", cluster.partition), ("account", cluster.account), ("qos", cluster.qos),
+    for flag, value in (("partition", job.partition), ("account", cluster.account), ("qos", cluster.qos),
                         ("constraint", cluster.constraint), ("time", job.time_limit)):
         if value is not None:
             options.append(f"--{flag}={value}")

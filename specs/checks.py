@@ -597,7 +597,7 @@ def _resources(spec: TrainingSpec) -> Iterator[Issue]:
             yield Issue((*at, phase), f"the spec has no {phase.replace('_', '-')} steps: this shape would be unused",
                         f"remove how.resources.{phase}")
             continue
-        for field in ("cpus_per_node", "memory_gb", "time_limit"):
+        for field in ("cpus_per_node", "memory_gb", "time_limit", "partition"):
             yield from _unused(given, field, (*at, phase), cluster is not None,
                                "it is a Slurm job's request: set how.orchestration.cluster, or remove it")
         shape = how.shape(phase)

@@ -241,6 +241,10 @@ class PhaseShape(SpecModel):
     memory_gb: PositiveFloat | None = Field(default=None, description="Memory per node (Slurm's --mem).")
     time_limit: str | None = Field(default=None, pattern=SLURM_TIME,
                                    description="Slurm's --time for the phase's jobs (default cluster.time_limit).")
+    partition: str | None = Field(
+        default=None, pattern=SLURM_WORD,
+        description="Slurm partition of the phase's jobs (default cluster.partition), e.g. a CPU partition for the "
+                    "data phase where the GPU partition takes only jobs that ask for GPUs.")
 
 
 class Resources(SpecModel):
@@ -270,6 +274,7 @@ class Shape:
     memory_gb: float | None
     time_limit: str | None
     whole_nodes: bool  # the job takes every device of its nodes: ask Slurm for them exclusively
+    partition: str | None = None  # the phase's Slurm partition (None: the cluster's default)
 
     @property
     def ranks(self) -> int:
@@ -438,11 +443,13 @@ class How(SpecModel):
         nodes = given.nodes or (hw.nodes if phase in TRAINING_PHASES else 1)
         default_devices = {"data": 0, "post_training": 1, "evaluation": 1}.get(phase, hw.devices_per_node)
         devices = given.devices_per_node if given.devices_per_node is not None else default_devices
-        limit = self.orchestration.cluster.time_limit if self.orchestration.cluster else None
+        cluster = self.orchestration.cluster
         cpus = given.cpus_per_node or hw.cpus_per_node or (self.orchestration.workers if phase == "data" else None)
+        limit = cluster.time_limit if cluster else None
         return Shape(phase=phase, nodes=nodes, devices_per_node=devices, cpus_per_node=cpus,
                      memory_gb=given.memory_gb, time_limit=given.time_limit or limit,
-                     whole_nodes=devices > 0 and devices >= hw.devices_per_node)
+                     whole_nodes=devices > 0 and devices >= hw.devices_per_node,
+                     partition=given.partition or (cluster.partition if cluster else None))
 
     def data_parallel(self, phase: Phase) -> int:
         """Data-parallel ranks of a training phase: its ranks over tensor x pipeline parallelism."""

@@ -253,7 +253,7 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
 
 @contextmanager
 def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_timeout: int | None = None,
-                    max_array_size: int | None = None) -> Iterator[dict[str, str]]:
+                    max_array_size: int | None = None, gpu_jobs_only: bool = False) -> Iterator[dict[str, str]]:
     """A Slurm cluster (tests/slurm_cluster.py) started in `folder`; SLURM_CONF points this process and everything
     it starts at it (and, on emulated GPU nodes, COMPASS_REHEARSAL lets their GPU specs' ranks compute on the CPU),
     restored afterwards."""
@@ -264,7 +264,7 @@ def running_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd
         raise RuntimeError(f"{why} (run `bash infra/setup.sh` as root)")
     from compass.model.training.rank_device import REHEARSAL_ENV
 
-    with slurm_cluster(folder, nodes, gpus_per_node, slurmd_timeout, max_array_size) as env:
+    with slurm_cluster(folder, nodes, gpus_per_node, slurmd_timeout, max_array_size, gpu_jobs_only) as env:
         if gpus_per_node:  # emulated GPUs: every job on these nodes is a rehearsal, its GPU spec's ranks on the CPU
             env = {**env, REHEARSAL_ENV: "1"}
         saved = {key: os.environ.get(key) for key in env}

@@ -45,15 +45,40 @@ def _memory_mb() -> int:
     return 4096
 
 
-def _nodes_conf(host: str, nodes: int, gpus_per_node: int) -> str:
+def _nodes_conf(host: str, nodes: int, gpus_per_node: int, cpu_partition: bool = False) -> str:
     gres = f" Gres=gpu:{gpus_per_node}" if gpus_per_node else ""
     if nodes == 1:
-        return (f"NodeName={host} CPUs={os.cpu_count()} RealMemory={_memory_mb()}{gres} State=UNKNOWN\n"
-                f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP\n")
-    lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={os.cpu_count()} "
-             f"RealMemory={_memory_mb() // nodes}{gres} State=UNKNOWN" for name in node_names(nodes)]
-    partition = f"PartitionName=debug Nodes=node[1-{nodes}] Default=YES MaxTime=INFINITE State=UP"
-    return "\n".join([*lines, partition]) + "\n"
+        lines = [f"NodeName={host} CPUs={os.cpu_count()} RealMemory={_memory_mb()}{gres} State=UNKNOWN"]
+        members = host
+    else:
+        lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={os.cpu_count()} "
+                 f"RealMemory={_memory_mb() // nodes}{gres} State=UNKNOWN" for name in node_names(nodes)]
+        members = f"node[1-{nodes}]"
+    lines.append(f"PartitionName=debug Nodes={members} Default=YES MaxTime=INFINITE State=UP")
+    if cpu_partition:
+        lines.append(f"PartitionName=cpu Nodes={members} MaxTime=INFINITE State=UP")
+    return "\n".join(lines) + "\n"
+
+
+# A site's rule (job_submit.lua, as many GPU sites have): the GPU partition `debug` takes only jobs that ask for
+# GPUs; jobs that ask none go to the partition `cpu`.
+GPU_JOBS_ONLY = """function slurm_job_submit(job_desc, part_list, submit_uid)
+  local partition = job_desc.partition or "debug"
+  local asked = (job_desc.tres_per_node or "") .. (job_desc.tres_per_job or "") ..
+                (job_desc.tres_per_task or "") .. (job_desc.tres_per_socket or "")
+  if partition == "debug" and not string.find(asked, "gpu") then
+    slurm.log_user("partition debug takes only jobs that ask for GPUs: use the partition cpu")
+    return slurm.ERROR
+  end
+  return slurm.SUCCESS
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  return slurm.SUCCESS
+end
+
+return slurm.SUCCESS
+"""
 
 
 def node_names(nodes: int) -> list[str]:
@@ -76,7 +101,7 @@ def _gres_conf(folder: Path, nodes: list[str], gpus_per_node: int) -> str:
 
 
 def _conf(folder: Path, host: str, socket_path: Path, nodes: int, gpus_per_node: int,
-          slurmd_timeout: int | None = None, max_array_size: int | None = None) -> str:
+          slurmd_timeout: int | None = None, max_array_size: int | None = None, gpu_jobs_only: bool = False) -> str:
     return f"""ClusterName=compass-test
 SlurmctldHost={host}
 SlurmctldPort={free_port()}
@@ -106,7 +131,8 @@ SchedulerType=sched/backfill
 {f"SlurmdTimeout={slurmd_timeout}" if slurmd_timeout else ""}
 {f"MaxArraySize={max_array_size}" if max_array_size else ""}
 {"GresTypes=gpu" if gpus_per_node else ""}
-{_nodes_conf(host, nodes, gpus_per_node)}"""
+{"JobSubmitPlugins=lua" if gpu_jobs_only else ""}
+{_nodes_conf(host, nodes, gpus_per_node, cpu_partition=gpu_jobs_only)}"""
 
 
 def _wait(check, what: str, timeout: float = 60) -> None:
@@ -120,10 +146,11 @@ def _wait(check, what: str, timeout: float = 60) -> None:
 
 @contextmanager
 def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_timeout: int | None = None,
-                  max_array_size: int | None = None) -> Iterator[dict[str, str]]:
+                  max_array_size: int | None = None, gpu_jobs_only: bool = False) -> Iterator[dict[str, str]]:
     """Start the cluster; yields the environment that points Slurm's commands at it (SLURM_CONF). `slurmd_timeout`:
     seconds without an answer before the controller declares a node down (Slurm's default: 300);
-    `max_array_size`: tasks per job array at most (Slurm's default: 1001)."""
+    `max_array_size`: tasks per job array at most (Slurm's default: 1001); `gpu_jobs_only`: the default partition
+    refuses jobs that ask for no GPU (GPU_JOBS_ONLY), a partition `cpu` of the same nodes takes them."""
     host = socket.gethostname()
     names = [host] if nodes == 1 else node_names(nodes)
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,7 +165,9 @@ def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_t
     munge.chmod(0o755)  # munged insists that everyone may reach its socket
     sock = munge / "munge.socket"
     conf = folder / "slurm.conf"
-    conf.write_text(_conf(folder, host, sock, nodes, gpus_per_node, slurmd_timeout, max_array_size))
+    conf.write_text(_conf(folder, host, sock, nodes, gpus_per_node, slurmd_timeout, max_array_size, gpu_jobs_only))
+    if gpu_jobs_only:
+        (folder / "job_submit.lua").write_text(GPU_JOBS_ONLY)  # slurmctld reads it beside slurm.conf
     if gpus_per_node:
         (folder / "gres.conf").write_text(_gres_conf(folder, names, gpus_per_node))
     env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -157,9 +186,9 @@ def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_t
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         def node_idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True).stdout
-            states = out.split()
-            return len(states) == len(names) and all(s in ("idle", "mixed", "allocated") for s in states)
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True).stdout
+            states = dict(line.split() for line in out.splitlines() if line.strip())  # a node of 2 partitions: 2 lines
+            return len(states) == len(names) and all(s in ("idle", "mixed", "allocated") for s in states.values())
 
         _wait(node_idle, "the Slurm node", timeout=90)
         yield {"SLURM_CONF": str(conf)}

@@ -15,7 +15,7 @@ from compass.infra.slurm import ranks_command, request_for, sbatch_script
 from compass.specs import load_spec
 from compass.specs.how import How, SlurmCluster
 from compass.tasks.steps import registry
-from compass.tasks.steps.placement import place
+from compass.tasks.steps.placement import driver, place
 from tests import step_kind_example
 from tests.conftest import REPO, write_minimal_spec
 
@@ -118,6 +118,12 @@ def test_each_shape_asks_slurm_for_what_it_says():
     torchrun = request_for(how.shape("ablation"), cluster.model_copy(update={"launch": "torchrun"}), "h100", work,
                            command, "x")
     assert (torchrun.tasks_per_node, torchrun.cpus_per_task, torchrun.time_limit) == (1, 88, "12:00:00")
+    # a phase with a partition of its own (data on CPU nodes, where GPU partitions take only GPU jobs); the driver
+    # of its job arrays goes there too
+    split = how.model_validate({**how.model_dump(), "resources": {"data": {"partition": "cpu-nodes"}}})
+    data_script = sbatch_script(request_for(split.shape("data"), cluster, "h100", work, command, "x"), cluster)
+    assert "#SBATCH --partition=cpu-nodes" in data_script and "#SBATCH --partition=hopper" not in data_script
+    assert driver(split.shape("data")).partition == "cpu-nodes" and split.shape("pretraining").partition == "hopper"
 
 
 def test_srun_binds_each_rank_to_its_share_of_the_node(monkeypatch: pytest.MonkeyPatch):

@@ -140,7 +140,7 @@ def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, c
     cpus = shape.nodes * shape.cpus_per_node if shape.cpus_per_node else -1
     launched = JobIds()
     executor = ArrayExecutor(
-        pipeline, tasks=tasks, time=shape.time_limit, partition=cluster.partition, qos=cluster.qos,
+        pipeline, tasks=tasks, time=shape.time_limit, partition=shape.partition, qos=cluster.qos,
         cpus_per_task=1, mem_per_cpu_gb=memory_per_cpu,
         workers=max(1, cpus // arrays) if cpus > 0 else -1,  # the phase's CPUs shared by the arrays running at once
         max_array_size=max_array, max_array_launch_parallel=True, job_id_retriever=launched,

@@ -90,4 +90,4 @@ def driver(tasks: Shape) -> Shape:
     """The job of a step whose work runs in Slurm job arrays: one CPU on one node that submits the arrays, waits
     for them, merges their statistics and commits; the phase's nodes and CPUs go to the arrays."""
     return Shape(phase=tasks.phase, nodes=1, devices_per_node=0, cpus_per_node=1, memory_gb=DRIVER_MEMORY_GB,
-                 time_limit=tasks.time_limit, whole_nodes=False)
+                 time_limit=tasks.time_limit, whole_nodes=False, partition=tasks.partition)
