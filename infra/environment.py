@@ -16,6 +16,11 @@ OFFLINE = {
 }
 
 
+# Prefect's temporary server gets this long to answer (Prefect's default, 20, is counted in 0.1-s polls and ran out
+# on a busy 2-core machine while the server migrated its database).
+SERVER_STARTUP_S = 180
+
+
 def prepare_environment(home: Path | None = None) -> None:
     """Offline Hugging Face, quiet telemetry, and a project-local Prefect home; never overrides the user."""
     for key, value in OFFLINE.items():
@@ -28,7 +33,7 @@ def prepare_environment(home: Path | None = None) -> None:
         os.environ["PREFECT_HOME"] = str(private)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(SERVER_STARTUP_S))
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "compass")  # training progress in the run's logs
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")

@@ -28,6 +28,7 @@ def start_tied_temporary_server() -> Any | None:
     from prefect.server.api import server as prefect_server
 
     from compass.infra.die_with_parent import parent_death_preexec
+    from compass.infra.environment import SERVER_STARTUP_S
 
     existing = prefect_server.SubprocessASGIServer._instances.get(None)
     if existing is not None:
@@ -47,5 +48,6 @@ def start_tied_temporary_server() -> Any | None:
                 prefect_server.subprocess = subprocess
 
     server = TiedServer()  # registers itself as the process's one temporary server
-    server.start()
+    # explicit: Prefect reads its own setting from the settings it loaded when first imported
+    server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", SERVER_STARTUP_S)))
     return server
