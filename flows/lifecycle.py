@@ -106,19 +106,38 @@ def _embedded_plots(store: Store, manifest: Any) -> str:
     return "".join(parts)
 
 
-def _with_options(step: Step, orch: Orchestration):
+def _with_options(step: Step, orch: Orchestration, limited: frozenset[str]):
     """A step's Prefect task: named by its kind, its run by its step id (the flow run is named by the spec), tagged
-    `gpu` when it holds devices (the tag the deployment's concurrency limit counts) and otherwise not at all.
-    Prefect asks the server for concurrency slots for every tag a task carries, and on SQLite (the local server)
-    that request collides with the server's own writes and comes back 503, retried 2 s later: a kind tag on every
-    task cost a cached re-run of the minimal spec 1-4 s of its 1.1 s, and a flow of 40 steps a minute. The kind is
-    the task's name, which the UI filters and groups by."""
+    `gpu` when it holds devices and the server has a concurrency limit on that tag (`compass deploy` sets one), and
+    otherwise not at all. Prefect asks the server for concurrency slots for every tag a task carries, and on SQLite
+    (the local server) that request collides with the server's own writes and comes back 503, retried 2 s later: a
+    kind tag on every task cost a cached re-run of the minimal spec 1-4 s of its 1.1 s, and a flow of 40 steps a
+    minute; a `gpu` tag no limit counts still cost each run 2 s. The kind is the task's name, which the UI filters
+    and groups by."""
     timeout = orch.step_timeouts.get(step.kind, orch.timeout_seconds)
     return execute_step.with_options(
         name=f"{step.kind}", task_run_name=step.id, retries=orch.retries,
         retry_delay_seconds=orch.retry_delay_seconds, timeout_seconds=timeout, retry_condition_fn=worth_retrying,
-        tags=list(step.tags),
+        tags=[tag for tag in step.tags if tag in limited],
     )
+
+
+def limited_tags(plan: Plan) -> frozenset[str]:
+    """The plan's task tags that a concurrency limit on the server counts (one request per tag, once per run)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    limited: set[str] = set()
+    tags = {tag for step in plan.steps for tag in step.tags}
+    if tags:
+        with get_client(sync_client=True) as client:
+            for tag in sorted(tags):
+                try:
+                    client.read_concurrency_limit_by_tag(tag)
+                    limited.add(tag)
+                except ObjectNotFound:
+                    pass
+    return frozenset(limited)
 
 
 def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
@@ -157,6 +176,7 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str,
 
 def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
     _resolve_imports_of_steps_to_compute(plan, ctx)
+    limited = limited_tags(plan)
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}
@@ -180,7 +200,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
                 if drivers_running:
                     continue
                 drivers_running += 1
-            options = _with_options(step, orch)
+            options = _with_options(step, orch, limited)
             with _ray_options(ctx, step):
                 running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
             pending.remove(step)

@@ -18,9 +18,10 @@ TWO_GPU_STEPS = """  ablations:
   pretraining:"""
 
 
-def gpu_intervals(api_url: str, run_name: str) -> list[tuple[float, float]]:
-    """Start and end of the ablation task runs of the latest flow run named `run_name`. The server records task run
-    states from events, after the flow has returned: it is asked again until both ablations' times are in."""
+def gpu_intervals(api_url: str, run_name: str, tags: list[str]) -> list[tuple[float, float]]:
+    """Start and end of the ablation task runs of the latest flow run named `run_name`, each tagged `tags`. The
+    server records task run states from events, after the flow has returned: it is asked again until both
+    ablations' times are in."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
@@ -30,7 +31,8 @@ def gpu_intervals(api_url: str, run_name: str) -> list[tuple[float, float]]:
             (run, *_) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])),
                                              sort=FlowRunSort.START_TIME_DESC, limit=1)
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
-        ablations = [t for t in tasks if t.name.startswith("ablate:") and "gpu" in t.tags]
+        ablations = [t for t in tasks if t.name.startswith("ablate:")]
+        assert [t.tags for t in ablations] == [tags] * len(ablations), [(t.name, t.tags) for t in ablations]
         if len(ablations) == 2 and all(t.start_time and t.end_time for t in ablations):
             return sorted((t.start_time.timestamp(), t.end_time.timestamp()) for t in ablations)
         assert time.monotonic() < deadline, [(t.name, t.start_time, t.end_time) for t in ablations]
@@ -52,13 +54,14 @@ def test_gpu_tag_limit_serialises_gpu_steps_across_the_server(server_cli: Cli, p
 
     free = seeded(tmp_path / "free", data_store)  # the data steps committed: the run's work is the two ablations
     server_cli("run", str(spec), "--store", str(free), *kinds)
-    assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec))) > 0  # the spec alone lets both run together
+    # the spec alone lets both run together; with no limit on the server no task is tagged (no slot asked for)
+    assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec), [])) > 0
 
     deployed = server_cli.json("deploy", "--gpu-slots", "1")
     assert deployed["gpu_slots"] == 1
     try:
         server_cli("run", str(spec), "--store", str(seeded(tmp_path / "limited", data_store)), *kinds)
-        assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec))) <= 0  # one at a time
+        assert overlap(gpu_intervals(prefect_server, "minimal-" + _hash(spec), ["gpu"])) <= 0  # one at a time
     finally:
         with prefect_client(prefect_server) as client:
             client.delete_concurrency_limit_by_tag("gpu")
