@@ -1,15 +1,16 @@
 """Proof that the cluster's compute nodes see what the orchestrating machine sees, before anything is submitted.
 
-The login node writes a token under the shared root; a one-task job (srun, on a compute node of the spec's
-partition) reads it, writes one back, and reports which of the other paths the steps will touch it cannot see
-(the store, local data, this Python). The login node then reads the node's file. A shared root that is only
-mounted here, or a path only this machine has, is named with the spec field to change, and nothing is submitted.
+The login node writes a token under the shared root; a one-task job (srun, on a compute node of a partition the
+spec's jobs go to, asking one GPU where they ask GPUs: flows/validation.probed_partitions) reads it, writes one
+back, and reports which of the other paths the steps will touch it cannot see (the store, local data, this Python).
+The login node then reads the node's file. A shared root that is only mounted here, or a path only this machine
+has, is named with the spec field to change, and nothing is submitted.
 
 Once a probe passes, its answer is recorded under the shared root (`.compass-probe/verified-<key>.json`) and reused
-for a day by every later check of the same question: the same cluster (Slurm's ClusterName), partition, account,
-QOS, constraint and excluded nodes, shared root, paths, modules and Python. So a `compass run` probes once (not
-again when its flow validates), and a `compass run` that comes back to follow a live job, on a partition that job
-fills, needs no free node.
+for a day by every later check of the same question: the same cluster (Slurm's ClusterName), partition, GPU or
+none, account, QOS, constraint and excluded nodes, shared root, paths, modules and Python. So a `compass run`
+probes once per question (not again when its flow validates), and a `compass run` that comes back to follow a live
+job, on a partition that job fills, needs no free node.
 
 `python -m compass.infra.shared_probe FOLDER TOKEN PATH...` is the job's side.
 """
