@@ -2,7 +2,8 @@
 
 A retry helps a killed process or a server that went away; it cannot help a malformed JSONL line, a binary
 file where text was promised, or a URI with nothing under it: those fail the same way every time. Such errors
-derive from DataError, and the flow does not spend its retry budget (and the retry delay) on them.
+derive from DataError, and the flow does not spend its retry budget (and the retry delay) on them. StopRequested
+is neither: a job asked to stop (its time limit near) that checkpointed and ends on purpose, to be requeued.
 """
 
 from __future__ import annotations
@@ -29,3 +30,12 @@ class DamagedArtifact(DataError):
 class RunStopped(DataError):
     """A step decided that what follows must not run (the gate found an existing model that already meets the
     success criteria). Its artifact is committed; running again stops the same way until the spec changes."""
+
+
+class StopRequested(Exception):
+    """The scheduler asked the trainer to stop (a time limit near): the state is checkpointed at `step`. Raised by
+    the trainer's StopWhenAsked callback and TRL's stop check; the job's entry points end cleanly on it."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step} on request; the checkpoint of step {step} is written")
+        self.step = step

@@ -267,3 +267,19 @@ def test_a_step_kind_added_in_one_module_compiles_plans_and_runs(word_count, pre
     assert counted["words"] > 100 and counted == {k: manifest.metrics[k] for k in ("words", "documents")}
     statuses = {s.step_id: s.state for s in plan_status(plan, store)}
     assert statuses["word_count:notes"] == "cached"
+
+
+def test_callbacks_use_the_trainers_public_face():
+    """Callbacks, monitors and telemetry see the trainer through its public methods and attributes (e.g.
+    `settle_checkpoint_writes`), never its private ones: the trainer may change its internals without them."""
+    own = REPO / "model" / "training" / "trainer.py"
+    problems = []
+    for layer in LAYERS:
+        for path in sorted((REPO / layer).rglob("*.py")):
+            if path == own:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                        node.value.id == "trainer" and node.attr.startswith("_"):
+                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert not problems, "\n".join(problems)

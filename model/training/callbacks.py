@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compass.infra.errors import StopRequested
 from compass.infra.layout import WorkFolder
 from compass.model.training import checkpoints as ckpt
 from compass.model.training import collectives
@@ -186,14 +187,6 @@ class Checkpointing(Callback):
             ckpt.prune(folder.parent, self.keep_last, keep={trainer.stage_steps})
 
 
-class StopRequested(Exception):
-    """The scheduler asked the trainer to stop (a time limit near): the state is checkpointed at `step`."""
-
-    def __init__(self, step: int):
-        super().__init__(f"stopped at step {step} on request; the checkpoint of step {step} is written")
-        self.step = step
-
-
 class StopWhenAsked(Callback):
     """A job near its time limit asks to stop (the batch shell touches `stop_file`, or the process gets SIGUSR1):
     after the current step every rank agrees (the flag rides in the step's loss all-reduce; only rank 0 looks at
@@ -213,9 +206,7 @@ class StopWhenAsked(Callback):
             return
         if trainer.written is None or trainer.written != ckpt.step_dir(trainer.checkpoint_root, trainer.step):
             trainer.save_checkpoint(export=False)  # for the requeued job to resume from
-        trainer.checkpoint_blocked_s += trainer.writer.wait()
-        trainer._barrier()
-        trainer._announce_written()
+        trainer.checkpoint_blocked_s += trainer.settle_checkpoint_writes()
         raise StopRequested(trainer.step)
 
 

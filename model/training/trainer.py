@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from compass.infra.errors import StopRequested
 from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
 from compass.infra.layout import (
     REQUIRED_TOKENIZER_FILES,
@@ -49,7 +50,6 @@ from compass.model.training.callbacks import (
     Monitoring,
     Progress,
     Rollback,
-    StopRequested,
     StopWhenAsked,
 )
 from compass.model.training.collectives import local_world_size, rank_env
@@ -296,9 +296,7 @@ class Trainer:
                 self.last_loss = loss
                 times = {"data_wait_s": wait, "forward_backward_s": ta - t0, "sync_s": t1 - ta, "optimizer_s": t2 - t1}
                 self._dispatch("post_step", self._record(loss, grad_norm, lr, times, flops_tok, peak))
-            self.checkpoint_blocked_s += self.writer.wait()
-            self._barrier()
-            self._announce_written()
+            self.checkpoint_blocked_s += self.settle_checkpoint_writes()
         except BaseException as exc:
             self._dispatch("on_error", exc)
             raise
@@ -411,9 +409,7 @@ class Trainer:
         writes, checksums and renames it into place (this returns as soon as the snapshot is taken). `export`:
         also a Hugging Face export of the whole model (gathered on rank 0)."""
         start = time.perf_counter()
-        self.writer.wait()  # at most one write in flight
-        self._barrier()
-        self._announce_written()
+        self.settle_checkpoint_writes()  # at most one write in flight
         self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         final = ckpt.step_dir(self.checkpoint_root, self.step)
         tmp = final.with_name(final.name + ".tmp")
@@ -460,6 +456,15 @@ class Trainer:
             if type(callback).__name__ in states:
                 callback.load_state_dict(states[type(callback).__name__])
 
+    def settle_checkpoint_writes(self) -> float:
+        """Wait for the checkpoint write in flight, then, every rank together, hand the written checkpoint to the
+        callbacks (post_checkpoint; on rank 0 it is committed). What a callback calls before it ends the stage.
+        Returns the seconds waited for the writer."""
+        waited = self.writer.wait()
+        self._barrier()
+        self._announce_written()
+        return waited
+
     def _announce_written(self) -> None:
         """Once the writer is done with a checkpoint, the callbacks hear of it (rank 0: it is committed)."""
         if self.written is not None and not self.writer.busy():
@@ -475,9 +480,7 @@ class Trainer:
 
     def restore_newest_checkpoint(self, event: Event) -> None:
         """Roll back: the newest good checkpoint's weights, optimizer and RNG; the step count returns there."""
-        self.writer.wait()
-        self._barrier()
-        self._announce_written()
+        self.settle_checkpoint_writes()
         self.engine.discard()
         good = self._newest_valid()
         if good is None:

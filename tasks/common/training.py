@@ -155,7 +155,7 @@ def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
         return TrainResult.read(work.train_result)
     checkpoints = work.complete_checkpoints()
     if work.stop_file.exists() and checkpoints:
-        from compass.model.training.callbacks import StopRequested
+        from compass.infra.errors import StopRequested
 
         raise StopRequested(checkpoints[-1].step)
     reasons = retriable_reasons(job.workdir)

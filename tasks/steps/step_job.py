@@ -96,8 +96,8 @@ def read_result(workdir: Path) -> StepResult | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from compass.infra.errors import StopRequested
     from compass.infra.exits import RETRIABLE_EXIT, RetriableRanksFailure
-    from compass.model.training.callbacks import StopRequested
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job = StepJob.model_validate_json(Path((argv if argv is not None else sys.argv[1:])[0]).read_text())
