@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -160,22 +161,31 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "gather", "scatter", "send", "recv", "init_process_group", "destroy_process_group", "monitored_barrier"}
 
 
-def test_only_the_collectives_module_calls_a_collective():
-    """NCCL moves CUDA tensors only and gloo (every CPU test) forgives CPU ones: one module puts every collective's
-    tensors on the backend's device, and nothing else calls torch.distributed's collectives."""
-    own = REPO / "model" / "training" / "collectives.py"
+def nodes_outside(own: Path, found: Callable[[ast.AST], str | None]) -> list[str]:
+    """`file:line: what` for every syntax node of the package's layers, `own` left out, that `found` names."""
     problems = []
     for layer in LAYERS:
         for path in sorted((REPO / layer).rglob("*.py")):
-            if path == own:
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and \
-                        ast.unparse(node.value) in ("dist", "torch.distributed", "distributed"):
-                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
-                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed") and \
-                        any(a.name in COLLECTIVES for a in node.names):
-                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: imports a collective")
+            if path != own:
+                problems += [f"{path.relative_to(REPO)}:{node.lineno}: {what}"
+                             for node in ast.walk(ast.parse(path.read_text())) if (what := found(node))]
+    return problems
+
+
+def test_only_the_collectives_module_calls_a_collective():
+    """NCCL moves CUDA tensors only and gloo (every CPU test) forgives CPU ones: one module puts every collective's
+    tensors on the backend's device, and nothing else calls torch.distributed's collectives."""
+
+    def collective(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and \
+                ast.unparse(node.value) in ("dist", "torch.distributed", "distributed"):
+            return ast.unparse(node)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed") and \
+                any(a.name in COLLECTIVES for a in node.names):
+            return "imports a collective"
+        return None
+
+    problems = nodes_outside(REPO / "model" / "training" / "collectives.py", collective)
     assert not problems, "\n".join(problems)
 
 
@@ -272,14 +282,10 @@ def test_a_step_kind_added_in_one_module_compiles_plans_and_runs(word_count, pre
 def test_callbacks_use_the_trainers_public_face():
     """Callbacks, monitors and telemetry see the trainer through its public methods and attributes (e.g.
     `settle_checkpoint_writes`), never its private ones: the trainer may change its internals without them."""
-    own = REPO / "model" / "training" / "trainer.py"
-    problems = []
-    for layer in LAYERS:
-        for path in sorted((REPO / layer).rglob("*.py")):
-            if path == own:
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
-                        node.value.id == "trainer" and node.attr.startswith("_"):
-                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+
+    def private(node: ast.AST) -> str | None:
+        return ast.unparse(node) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+            node.value.id == "trainer" and node.attr.startswith("_") else None
+
+    problems = nodes_outside(REPO / "model" / "training" / "trainer.py", private)
     assert not problems, "\n".join(problems)
