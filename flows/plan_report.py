@@ -175,12 +175,12 @@ def placement_section(spec: TrainingSpec) -> Section:
             runs = "Slurm jobs; curation and tokenization as job arrays of 1-CPU tasks"
         elif cluster is not None:
             runs = "Slurm job" + (", whole nodes" if shape.whole_nodes and not shape.cpus_per_node else "")
-        if cluster is not None and shape.partition != cluster.partition:
-            runs += f" on partition {shape.partition}"
         elif phase == "data" and how.orchestration.task_runner == "ray":
             runs = "Ray tasks"
         else:
             runs = f"{shape.ranks} ranks (torchrun)" if shape.ranks > 1 else "this process"
+        if cluster is not None and shape.partition != cluster.partition:
+            runs += f" on partition {shape.partition}"
         rows.append([phase.replace("_", " "), shape.nodes, shape.devices_per_node, shape.ranks,
                      shape.cpus_per_node or "-", f"{shape.memory_gb:g} GB" if shape.memory_gb else "-",
                      shape.time_limit or "-", runs])

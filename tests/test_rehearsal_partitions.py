@@ -73,7 +73,8 @@ def test_each_partition_is_probed_with_what_its_jobs_ask(gpu_only_cluster, tmp_p
         ("compass-probe", "cpu", "COMPLETED"), ("compass-probe", "debug", "COMPLETED")]
     (placement,) = [s for s in json.loads(done.stdout)["sections"] if s["title"] == "Where each phase runs"]
     runs_as = {row[0]: row[-1] for row in placement["rows"]}
-    assert runs_as["data"].endswith("on partition cpu") and "partition" not in runs_as["pretraining"]
+    assert runs_as["data"] == "Slurm jobs; curation and tokenization as job arrays of 1-CPU tasks on partition cpu"
+    assert runs_as["pretraining"] == "Slurm job, whole nodes"  # the cluster's partition: not repeated
 
 
 def test_data_jobs_the_gpu_partition_refuses_are_named_before_anything_is_submitted(gpu_only_cluster,
