@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compass.flows.compiler import Plan, PlanError, compile_spec
-from compass.infra.shared_probe import ProbeResult
+from compass.infra.shared_probe import ProbeResult, verified
 from compass.specs.base import Issue
 from compass.specs.checks import phases_of
 from compass.specs.how import PHASES, Phase, SlurmCluster
@@ -89,8 +89,9 @@ def shrunk(loaded: LoadedSpec, size: Size) -> LoadedSpec:
 SMOKE_HINT = "or exercise the spec on this CPU first: compass run SPEC --smoke"
 
 
-def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
-    """The Slurm controller answers, and knows the partition the spec names."""
+def _slurm_partition(partition: str | None, smoke_hint: str,
+                     at: tuple[str, ...] = ("how", "orchestration", "cluster", "partition")) -> Iterator[Issue]:
+    """The Slurm controller answers, and knows the partition the spec names (at `at`)."""
     import subprocess
 
     command = ["sinfo", "-h", "-o", "%P"] + (["-p", partition] if partition else [])
@@ -103,8 +104,7 @@ def _slurm_partition(partition: str | None, smoke_hint: str) -> Iterator[Issue]:
                     f"Slurm controller does not answer ({_first_line(done.stderr or done.stdout)})",
                     f"run compass on a Slurm login node (or set SLURM_CONF), {smoke_hint}")
     elif partition and not done.stdout.strip():
-        yield Issue(("how", "orchestration", "cluster", "partition"), f"Slurm has no partition '{partition}'",
-                    "name one that `sinfo` lists")
+        yield Issue(at, f"Slurm has no partition '{partition}'", "name one that `sinfo` lists")
 
 
 def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -> Iterator[Issue]:
@@ -114,7 +114,6 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     `gpu_extras`, also that the nodes import the CUDA-only kernels the spec names (on the GPU nodes). Each partition
     the jobs go to is probed, with and without a GPU as the jobs there ask (probed_partitions)."""
     from compass.flows.confinement import local_paths
-    from compass.infra.shared_probe import verified
 
     cluster = spec.how.orchestration.cluster
     assert cluster is not None and cluster.shared_root is not None
@@ -169,7 +168,6 @@ def probed_partitions(spec: TrainingSpec) -> list[ProbeAsk]:
 def _probe_issues(result: ProbeResult, cluster: SlurmCluster, wanted: dict[str, tuple[tuple[str | int, ...], str]],
                   modules: dict[str, tuple[str, ...]], ask: ProbeAsk) -> Iterator[Issue]:
     """What a probe of one partition found, each at the spec field to change."""
-
     at = ("how", "orchestration", "cluster", "shared_root")
     hint = "set shared_root to a folder every compute node mounts at the same path (Lustre, GPFS, NFS, FSx)"
     if result.problem and "did not run" in result.problem and "No such file" in result.problem:
@@ -258,6 +256,10 @@ def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Ite
                         f"run compass on a Slurm login node, {smoke_hint}")
         else:
             reachable = list(_slurm_partition(how.orchestration.cluster.partition, smoke_hint))
+            for phase in PHASES:  # a phase's own partition, where the spec names one
+                named = getattr(how.resources, phase).partition
+                if not reachable and named:
+                    reachable += _slurm_partition(named, smoke_hint, ("how", "resources", phase, "partition"))
             yield from reachable
             if not reachable and how.orchestration.cluster.shared_root:
                 yield from _shared_paths(spec, base_dir, gpu_extras=not rehearsal)

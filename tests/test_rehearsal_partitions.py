@@ -85,6 +85,9 @@ def test_data_jobs_the_gpu_partition_refuses_are_named_before_anything_is_submit
     said = " ".join(done.stderr.split())  # the terminal wraps long lines
     assert "how.resources.data.partition" in said and "takes only jobs that ask for GPUs" in said, said[-3000:]
     assert "did not take a one-task job without a GPU, as the data jobs ask" in said, said[-3000:]
+    unknown = plan(tmp_path, gpu_spec(tmp_path, "  resources: {data: {partition: cpu-nodes}}\n"))
+    assert unknown.returncode == 2 and "how.resources.data.partition: Slurm has no partition 'cpu-nodes'" in \
+        " ".join(unknown.stderr.split()), unknown.stderr[-3000:]
     new = [(j["Name"], j["Partition"]) for j in history(gpu_only_cluster) if j["JobId"] not in before]
     assert new == [("compass-probe", "debug")]  # the training phases' probe (with a GPU), and no step's job
     assert not (tmp_path / "store").exists()
