@@ -18,6 +18,7 @@ def test_curation_throughput(tmp_path: Path):
     assert "datatrove" in out and "compass" in out and "ratio" in out
 
 
+@pytest.mark.slow  # each variant in a process of its own, at two lengths: about a minute
 def test_long_sequence_memory():
     out = bench("long_sequence_memory.py", "--lengths", "128,256", "--rows", "1")
     assert "growth 128 -> 256 tokens" in out and "dense mask" in out
