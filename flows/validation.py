@@ -74,11 +74,15 @@ def shrunk(loaded: LoadedSpec, size: Size) -> LoadedSpec:
     """The spec at smoke or rehearsal size (compass.specs.smoke); problems still point at the lines of the spec
     file."""
     from compass.specs.checks import check_spec
-    from compass.specs.smoke import shrunk_spec
+    from compass.specs.smoke import Shrink, shrunk_spec
+    from compass.tasks.kinds.select_tokenizer import with_cached_vocabularies
 
     if size == "full":
         return loaded
     small, changes = shrunk_spec(loaded.spec, size)
+    small, stand_ins = with_cached_vocabularies(small)  # a small run uses the tokenizer this machine has cached
+    changes += [Shrink("what.tokenizer", f"candidates[{i}].vocab_size", declared, f"{cached} (the cached tokenizer's)")
+                for i, declared, cached in stand_ins]
     result = replace(loaded, spec=small, size=size, size_changes=tuple(changes))
     issues = check_spec(small)
     if issues:

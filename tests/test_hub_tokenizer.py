@@ -75,3 +75,27 @@ def test_hub_candidate_from_the_cache_is_chosen_tokenizes_and_trains(data_store:
     assert meta["eos"] == json.loads((snapshot / "tokenizer.json").read_text())["model"]["vocab"]["<|end_of_text|>"]
     trained = outcomes["pretrain:stage1"].manifest.metrics
     assert trained["final_loss"] < trained["first_loss"]
+
+
+def test_a_hub_candidate_whose_cached_vocabulary_differs_is_refused_and_a_smoke_run_reports_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The planner sizes the embedding and its costs from the declared vocabulary: a full run refuses a cached
+    tokenizer of another size; a smoke run takes the cached one (a stand-in is what a laptop has) and says so."""
+    from compass.flows.smoke_report import smoke_table
+
+    cache = tmp_path / "hub-cache"
+    seed_model(cache, REPO_ID, published_tokenizer(tmp_path / "published"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    spec = write_minimal_spec(tmp_path, **{CANDIDATES: HUB_CANDIDATE.replace("vocab_size: 320", "vocab_size: 4096")})
+    with pytest.raises(SpecError) as info:
+        load_checked(spec)
+    (problem,) = info.value.problems
+    assert problem.path == "what.tokenizer.candidates[0].vocab_size" and problem.line == 19
+    assert f"declares 4096 tokens, and the cached tokenizer '{REPO_ID}' (revision main" in problem.message
+    assert "has 320" in problem.message and problem.hint.startswith("set vocab_size: 320")
+
+    smoke = load_checked(spec, size="smoke")
+    (candidate,) = smoke.spec.what.tokenizer.candidates
+    assert candidate.vocab_size == 320
+    rows = {r["step"]: r for r in smoke_table(smoke.plan, smoke.spec, smoke.loaded.size_changes)}
+    assert "candidates[0].vocab_size 4096 -> 320 (the cached tokenizer's)" in rows["tokenizer:select"]["shrunk"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
 from compass.flows.lifecycle import artifact_key
 from compass.infra.net import free_port
@@ -105,6 +106,7 @@ class Production:
     submitted: dict
     api_url: str
     summary: dict  # the cached re-run's, as JSON
+    cached_vocabulary: int  # tokens of the hub tokenizer's stand-in
 
     def fs(self):
         import s3fs
@@ -133,7 +135,9 @@ def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     s3 = RestartableS3(free_port())
     s3.start()
     cache = home / "hub"
-    seed_model(cache, "meta-llama/Llama-3.2-1B", llama_like_tokenizer(home / "tokenizer"))
+    stand_in = llama_like_tokenizer(home / "tokenizer")
+    seed_model(cache, "meta-llama/Llama-3.2-1B", stand_in)
+    cached_vocabulary = Tokenizer.from_file(str(stand_in / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     env = base_env(home / "prefect-client") | s3.env | {"PREFECT_API_URL": prefect_server, "HF_HUB_CACHE": str(cache)}
     cli = Cli(home, env)
     worker = log = None
@@ -148,7 +152,7 @@ def production(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
         done = cli("submit", str(SPEC), "--smoke", "--watch", "--json", timeout=840)
         submitted = json.loads(done.stdout)
         summary = cli.json("run", str(SPEC), "--smoke")  # the cached re-run, here, against the same server
-        yield Production(cli, s3, submitted, prefect_server, summary)
+        yield Production(cli, s3, submitted, prefect_server, summary, cached_vocabulary)
     finally:
         if worker is not None:
             stop_group(worker)
@@ -222,6 +226,8 @@ def test_the_run_ends_with_what_each_step_exercised_and_what_was_shrunk(producti
     assert "TRL DPO (apo_zero)" in rows["post_train:apo"]["exercised"]
     assert "accelerator h100 -> cpu" in rows["(every step)"]["shrunk"]
     assert "data_parallel 192 -> 1" in rows["(every step)"]["shrunk"]
+    stand_in = production.cached_vocabulary  # the hub tokenizer cached here is a stand-in, said where it is used
+    assert f"vocab_size 128256 -> {stand_in} (the cached tokenizer's)" in rows["tokenizer:select"]["shrunk"]
     shown = production.cli("run", str(SPEC), "--smoke", "--until", "ingest:fineweb_edu").stdout  # as a table
     assert "what each step exercised and what was shrunk" in shown and "0 ran, 1 cached" in shown
 
@@ -411,12 +417,17 @@ def _latest_artifact(api_url: str, key: str) -> str:
         return str(artifact.id)
 
 
-def test_the_real_spec_is_refused_here_with_what_it_needs(production: Production):
+def test_the_real_spec_is_refused_here_with_what_it_needs(production: Production, tmp_path: Path):
     done = production.cli("plan", str(SPEC), check=False)
     assert done.returncode == 2
     assert "runs its steps as Slurm jobs" in done.stderr  # no Slurm controller here: no cluster to submit to
     assert "compass run SPEC --smoke" in done.stderr
-    costs = production.cli("plan", str(SPEC), "--no-machine-checks", "--json")  # planning from a laptop
+    refused = "what.tokenizer.candidates[0].vocab_size: declares 128256 tokens, and the cached tokenizer 'meta-llama"
+    assert refused in done.stderr and f"has {production.cached_vocabulary}" in done.stderr  # the stand-in
+    full = llama_like_tokenizer(tmp_path / "tokenizer", 128_256)  # a stand-in of the real tokenizer's size
+    seed_model(tmp_path / "hub", "meta-llama/Llama-3.2-1B", full)
+    laptop = Cli(tmp_path, production.cli.env | {"HF_HUB_CACHE": str(tmp_path / "hub")})
+    costs = laptop("plan", str(SPEC), "--no-machine-checks", "--json")  # planning from a laptop
     assert json.loads(costs.stdout)["spec"] == "smollm3-3b"
 
 

@@ -74,7 +74,8 @@ def hub_snapshot(candidate: HubCandidate) -> Path:
 
 
 def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
-    """Local candidates must be folders with a tokenizer.json; hub candidates must be in the local cache."""
+    """Local candidates must be folders with a tokenizer.json; hub candidates must be in the local cache, with the
+    vocabulary the spec declares (the planner sizes the embedding and its costs from the declaration)."""
     from compass.infra.environment import hub_cache
 
     for i, c in enumerate(spec.what.tokenizer.candidates if spec.what.tokenizer else []):
@@ -84,12 +85,48 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
                         "point to a folder saved with save_pretrained()")
         if c.kind == "hub":
             try:
-                hub_snapshot(c)
+                cached = cached_vocab_size(c)
             except HubTokenizerMissing:
                 yield Issue((*at, "repo"), f"the tokenizer '{c.repo}' (revision {c.revision}) is not in the local "
                             f"Hugging Face cache ({hub_cache()}) and cannot be downloaded offline",
                             f"on a machine with network run `hf download {c.repo} {' '.join(TOKENIZER_FILES)} "
                             f"--revision {c.revision}` and copy its hub cache to {hub_cache()} (or set HF_HUB_CACHE)")
+                continue
+            if cached != c.vocab_size:
+                yield Issue((*at, "vocab_size"), f"declares {c.vocab_size} tokens, and the cached tokenizer "
+                            f"'{c.repo}' (revision {c.revision}, in {hub_cache()}) has {cached}",
+                            f"set vocab_size: {cached}, or cache the revision the spec means")
+
+
+def cached_vocab_size(candidate: HubCandidate) -> int:
+    """Tokens of the hub candidate's cached tokenizer, its added special tokens included (what an embedding must
+    hold)."""
+    from tokenizers import Tokenizer as Loaded
+
+    return Loaded.from_file(str(hub_snapshot(candidate) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+def with_cached_vocabularies(spec: TrainingSpec) -> tuple[TrainingSpec, list[tuple[int, int, int]]]:
+    """A smoke or rehearsal spec whose hub candidates declare their cached tokenizers' sizes (a stand-in cached in
+    place of the real one is what a small run on this machine can use), and each change: (candidate index,
+    declared, cached). A full run keeps its declarations, and check_machine refuses a mismatch."""
+    tokenizer = spec.what.tokenizer
+    changes: list[tuple[int, int, int]] = []
+    candidates = list(tokenizer.candidates) if tokenizer else []
+    for i, c in enumerate(candidates):
+        if c.kind != "hub":
+            continue
+        try:
+            cached = cached_vocab_size(c)
+        except HubTokenizerMissing:  # check_machine's error
+            continue
+        if cached != c.vocab_size:
+            changes.append((i, c.vocab_size, cached))
+            candidates[i] = c.model_copy(update={"vocab_size": cached})
+    if not changes:
+        return spec, changes
+    what = spec.what.model_copy(update={"tokenizer": tokenizer.model_copy(update={"candidates": candidates})})
+    return spec.model_copy(update={"what": what}), changes
 
 
 def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
