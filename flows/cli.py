@@ -17,6 +17,7 @@ from rich.tree import Tree
 
 from compass.flows.cli_common import (
     EXIT_BAD_INPUT,
+    MachineChecksOption,
     RehearseOption,
     SmokeOption,
     SpecArg,
@@ -43,9 +44,11 @@ app.command()(monitor)
 
 
 @app.command()
-def validate(spec: SpecArg, smoke: SmokeOption = False, rehearse: RehearseOption = False) -> None:
-    """Check a spec: schema, cross-field rules and machine checks; every problem with its file:line."""
-    checked = load(spec, smoke=smoke, rehearse=rehearse)
+def validate(spec: SpecArg, smoke: SmokeOption = False, rehearse: RehearseOption = False,
+             machine_checks: MachineChecksOption = True) -> None:
+    """Check a spec: schema, cross-field rules and machine checks; every problem with its file:line. Exit 0: valid;
+    2: problems (nothing written)."""
+    checked = load(spec, smoke=smoke, machine=machine_checks, rehearse=rehearse)
     s = checked.spec
     start = f", from {s.what.model.init_from}" if s.what.model else ""
     out.print(f"[green]ok[/green] {escape(str(spec))}: '{s.name}' ({s.why.reason}){escape(start)}, "
@@ -60,9 +63,7 @@ def plan(spec: SpecArg,
          as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
          smoke: SmokeOption = False,
          rehearse: RehearseOption = False,
-         machine_checks: Annotated[bool, typer.Option(
-             help="Check this machine (GPUs, GPU extras, memory per device, S3 credentials); --no-machine-checks "
-                  "plans a run for another machine, e.g. a cluster, from a laptop.")] = True,
+         machine_checks: MachineChecksOption = True,
          preflight: Annotated[Path | None, typer.Option(
              help="A `compass preflight --json` report: plan GPUs from its measured throughput instead of the "
                   "assumed MFU.")] = None) -> None:

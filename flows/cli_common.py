@@ -22,6 +22,9 @@ SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_defa
 SmokeOption = Annotated[bool, typer.Option(
     "--smoke", help="The same DAG with every size shrunk to run on this CPU in minutes, in its own store "
                     "(<root>-smoke); ends with what each step exercised and what was shrunk.")]
+MachineChecksOption = Annotated[bool, typer.Option(
+    help="Check this machine too (Slurm, GPUs and their extras, memory per device, S3 credentials, local paths, the "
+         "Hugging Face cache); --no-machine-checks checks the spec alone, e.g. a cluster's spec from a laptop.")]
 RehearseOption = Annotated[bool, typer.Option(
     "--rehearse", help="The production launch at toy size, the first thing to run on a new cluster: `what` shrunk as "
                        "--smoke does, `how` kept (accelerator, engine, ZeRO stage, TP, precision, kernels, Slurm "

@@ -38,16 +38,18 @@ class CheckedSpec:
 
 
 def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
-    """Compile the plan and run every kind's machine checks; SpecError lists all problems found. `machine=False`
-    leaves out what depends on the machine it runs on (GPUs, GPU extras, memory, credentials): for planning a
-    cluster's run from a laptop."""
+    """Compile the plan and run every kind's checks; SpecError lists all problems found. `machine=False` leaves out
+    what depends on the machine it runs on (GPUs, GPU extras, memory, credentials, local paths, the Hugging Face
+    cache): for checking a spec alone, or planning a cluster's run from a laptop."""
     issues = list(_step_kind_names(loaded.spec))
     if machine or loaded.spec.how.hardware.accelerator != "cpu":  # a GPU's memory is its kind's, wherever it runs
         issues += _memory(loaded.spec)
     if machine:
         issues += _machine(loaded.spec, loaded.base_dir, rehearsal=loaded.size == "rehearsal")
     for kind in registry.kinds():
-        if kind.check_machine is not None:
+        if kind.check_spec is not None:
+            issues += kind.check_spec(loaded.spec, loaded.base_dir)
+        if machine and kind.check_machine is not None:
             issues += kind.check_machine(loaded.spec, loaded.base_dir)
     plan = None
     try:

@@ -60,10 +60,9 @@ def tiny_llama(folder: Path) -> Path:
     return folder
 
 
-def llama_like_tokenizer(folder: Path, vocab_size: int | None = None) -> Path:
-    """A byte-level BPE trained here, saved as the hub repository the spec names holds its tokenizer (~850 tokens:
-    a smoke run's stand-in, which the run reports). With `vocab_size`, padded to it with reserved special tokens the
-    way Llama 3 pads its own: a stand-in of the declared size, for what plans the full spec without training."""
+def llama_like_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE trained here (~850 tokens), saved as the hub repository the spec names holds its tokenizer: a
+    stand-in a smoke run reports in its table (the spec declares Llama 3's 128,256)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -76,8 +75,4 @@ def llama_like_tokenizer(folder: Path, vocab_size: int | None = None) -> Path:
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_token=special[1]).save_pretrained(
         str(folder))
-    if vocab_size is not None:
-        reserved = vocab_size - tok.get_vocab_size(with_added_tokens=True)
-        tok.add_special_tokens([f"<|reserved_special_token_{i}|>" for i in range(reserved)])
-        tok.save(str(folder / "tokenizer.json"))
     return folder

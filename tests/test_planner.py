@@ -79,7 +79,7 @@ def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
     from tests.hub_cache import llama_like_tokenizer, seed_model
 
     cache = tmp_path / "hub"
-    seed_model(cache, "meta-llama/Llama-3.2-1B", llama_like_tokenizer(tmp_path / "tokenizer", 128_256))
+    seed_model(cache, "meta-llama/Llama-3.2-1B", llama_like_tokenizer(tmp_path / "tokenizer"))
     env = {**os.environ, "HF_HUB_CACHE": str(cache)}
     done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "plan", str(EXAMPLES / "smollm3-3b.yaml"),
                            "--no-machine-checks", "--json"], capture_output=True, text=True, cwd=REPO, env=env,

@@ -28,7 +28,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory):
     from tests.hub_cache import llama_like_tokenizer, seed_model
 
     folder = tmp_path_factory.mktemp("hub")
-    seed_model(folder / "cache", "meta-llama/Llama-3.2-1B", llama_like_tokenizer(folder / "tokenizer", 128_256))
+    seed_model(folder / "cache", "meta-llama/Llama-3.2-1B", llama_like_tokenizer(folder / "tokenizer"))
     saved = os.environ.get("HF_HUB_CACHE")
     os.environ["HF_HUB_CACHE"] = str(folder / "cache")
     yield

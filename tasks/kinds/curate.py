@@ -38,7 +38,7 @@ def build(plan: PlanBuilder) -> None:
                  {"raw": f"ingest:{src.name}"})
 
 
-def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+def check_spec(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     """Every filter parameter must be one the installed datatrove filter's constructor takes."""
     from compass.tasks.data.curate_blocks import FILTERS
 
@@ -211,6 +211,6 @@ def _counted(stages: list[StageStats], block: type, prefix: str = "") -> dict[st
 
 
 KIND = StepKind("curate", CurateConfig, run_curate, build, version="4", resources=phase("data"),
-                check_machine=check_machine, fans_out=True,
+                check_spec=check_spec, fans_out=True,
                 headline=("documents_in", "documents_out"))
 STEP_KINDS = (KIND,)

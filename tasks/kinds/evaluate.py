@@ -78,10 +78,8 @@ def build(plan: PlanBuilder) -> None:
         plan.add(KIND, step_name(model_step), config, inputs)
 
 
-def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
-    """Every benchmark must be runnable on this machine before any work starts: compass's own from the offline
-    data it knows, lighteval's from a dataset the machine holds."""
-    from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
+def check_spec(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+    """Every benchmark of compass's own is one whose offline data compass knows, in a formulation it has."""
     from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, GENERATIVE, VERIFIED, formulations
 
     offline = [*BENCHMARKS, *GENERATIVE, *VERIFIED]
@@ -95,11 +93,18 @@ def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
             yield Issue(("what", "evaluation", "benchmarks", i, "formulation"),
                         f"{task.name} has no '{task.formulation}' formulation",
                         f"use formulation: {' or '.join(formulations(task.name))}")
+
+
+def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
+    """Every lighteval benchmark's dataset is on this machine before any work starts."""
+    from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
+
+    for i, task in enumerate(spec.what.evaluation.benchmarks):
         if task.source == "lighteval":
             try:
                 locate(task.name, task.fewshot)
             except TaskDataMissing as e:
-                yield Issue(at, str(e), e.hint)
+                yield Issue(("what", "evaluation", "benchmarks", i, "name"), str(e), e.hint)
 
 
 def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
@@ -276,6 +281,6 @@ def _shown(values: dict[str, Any]) -> str:
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
 KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", resources=phase("evaluation"),
-                imports=TRANSFORMERS, check_machine=check_machine, node_files=node_files,
-                headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
+                imports=TRANSFORMERS, check_spec=check_spec, check_machine=check_machine,
+                node_files=node_files, headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
 STEP_KINDS = (KIND,)

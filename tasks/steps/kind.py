@@ -62,7 +62,7 @@ class Step:
         return f"{self.kind}:{self.name}"
 
 
-MachineCheck = Callable[[TrainingSpec, Path], Iterable[Issue]]
+SpecCheck = Callable[[TrainingSpec, Path], Iterable[Issue]]  # the spec and the folder its relative paths start at
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,11 @@ class StepKind:
     trains: bool = False  # runs compass's trainer: followed live (progress, loss plot, checkpoint events)
     produces_model: bool = False  # its artifact holds a Hugging Face model: evaluated, named by criteria
     deployment: str | None = None  # "ablations": part of the ablation-only deployment
-    check_machine: MachineCheck | None = None  # checks of this machine (paths, libraries, caches) before any work
+    # checks against what this compass and its libraries accept (filter parameters, benchmark names): everywhere
+    check_spec: SpecCheck | None = None
+    # checks of this machine before any work (local paths, cached hub files and datasets); `--no-machine-checks`
+    # (planning a cluster's run from a laptop) leaves them out
+    check_machine: SpecCheck | None = None
     node_files: NodeFiles | None = None  # what its steps read outside the store: probed on a compute node
     imports: tuple[str, ...] = ()  # "module:name" resolved, one thread at a time, before one of its steps computes
     # its work is datatrove stages: under a cluster they run as Slurm job arrays, the step's own job only drives them
