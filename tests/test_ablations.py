@@ -58,6 +58,7 @@ def test_ablation_runs_comparison_and_promotion(trained_store: Path, tmp_path: P
     (panel,) = PlotDescription.read(Path(outcomes["compare:ablations"].uri) / "comparison.png").panels
     assert panel.ylabel == comparison["metric"]  # one bar per variant, as tall as its comparison row
     assert panel.bars == pytest.approx({v: r[comparison["metric"]] for v, r in rows.items()}, abs=1e-6)
+    assert panel.outside == []  # and each bar's top within the axes
 
     cli = Cli(tmp_path, base_env(tmp_path / "prefect-home"))
     out = tmp_path / "next.yaml"

@@ -124,6 +124,7 @@ def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
     assert set(panels) == set(points) and panels["val_ppl:notes"].yscale == "log"  # a panel per metric
     assert {s.label: [list(pt) for pt in zip(s.x, s.y, strict=True)] for s in panels["arc_easy:cf/acc"].series} \
         == points["arc_easy:cf/acc"]  # a line per model step, its points the evaluated checkpoints
+    assert all(p.outside == [] for p in panels.values())  # inside the axes: shown, not only held
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

@@ -62,6 +62,7 @@ def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(data_store: 
                 for v in ("baseline", "untied")}
     assert drawn.keys() == expected.keys()
     assert all(drawn[v][0] == expected[v][0] and drawn[v][1] == pytest.approx(expected[v][1]) for v in expected)
+    assert panels["arc_easy:cf/acc"].outside == []
 
 
 def test_a_metric_no_run_produces_is_refused_at_validation(tmp_path: Path):

@@ -79,6 +79,7 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path, prefec
     assert {s.label: (list(s.x), list(s.y)) for s in panel.series} == {
         stage: ([r["tokens"] for r in rows if r["stage"] == stage], [r["loss"] for r in rows if r["stage"] == stage])
         for stage in dict.fromkeys(r["stage"] for r in rows)}
+    assert panel.outside == []
 
     # curation removed exactly what was planted: 2 exact copies, 1 near copy, 1 French note
     curated = next(store.glob("curate/notes-*"))

@@ -132,6 +132,7 @@ def test_token_axes_read_at_a_glance(tmp_path: Path):
     (panel,) = PlotDescription.read(tmp_path / "curves.png").panels
     assert panel.title == "acc" and [(s.label, s.x, s.y) for s in panel.series] == [
         ("post_train:apo", (1_000_000.0,), (0.5,)), ("post_train:grpo", (1_000_000.0,), (0.5,))]
+    assert panel.outside == []  # matplotlib sizes the axes from the data, though the lines are shifted apart
 
 
 def _wait_ready(url: str, process: subprocess.Popen, why: Callable[[], str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,20 @@ class Panel(BaseModel):
     xlabel: str
     ylabel: str
     yscale: str
+    xlim: tuple[float, float]
+    ylim: tuple[float, float]
     series: tuple[Series, ...]
     bars: dict[str, float]
+
+    @property
+    def outside(self) -> list[str]:
+        """What the panel holds but does not show: points and bar tops beyond its axes' limits (an empty-looking
+        plot whose data is all there)."""
+        (x0, x1), (y0, y1) = sorted(self.xlim), sorted(self.ylim)
+        shown = [f"{s.label} at ({x:g}, {y:g})" for s in self.series for x, y in zip(s.x, s.y, strict=True)
+                 if math.isfinite(x) and math.isfinite(y) and not (x0 <= x <= x1 and y0 <= y <= y1)]
+        return shown + [f"bar {label} {height:g}" for label, height in self.bars.items()
+                        if math.isfinite(height) and not y0 <= height <= y1]
 
 
 class PlotDescription(BaseModel):
@@ -84,7 +97,8 @@ def describe(fig: Any) -> PlotDescription:
                 bars.update({labels[i] if i < len(labels) else str(i): float(p.get_height())
                              for i, p in enumerate(patches)})
         panels.append(Panel(title=ax.get_title(), xlabel=ax.get_xlabel(), ylabel=ax.get_ylabel(),
-                            yscale=ax.get_yscale(), series=series, bars=bars))
+                            yscale=ax.get_yscale(), xlim=tuple(float(v) for v in ax.get_xlim()),
+                            ylim=tuple(float(v) for v in ax.get_ylim()), series=series, bars=bars))
     title = fig._suptitle.get_text() if fig._suptitle is not None else ""  # noqa: SLF001 - matplotlib's own field
     return PlotDescription(title=title, panels=tuple(panels))
 

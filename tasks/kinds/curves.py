@@ -59,10 +59,11 @@ def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path
         for run, pts in runs.items():
             i = order.index(run)
             # steps evaluated at the same token count (post-training methods) would hide each other: each run has
-            # its own marker and is shifted a few points sideways
-            shift = offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(order) - 1) / 2), units="points")
-            ax.plot([t for t, _ in pts], [v for _, v in pts], marker=MARKERS[i % len(MARKERS)], markersize=5,
-                    fillstyle="full" if i % 2 == 0 else "none", label=run, transform=shift)
+            # its own marker and is shifted a few points
+            # sideways (set after plotting: matplotlib sizes the axes only from lines drawn in data coordinates)
+            (line,) = ax.plot([t for t, _ in pts], [v for _, v in pts], marker=MARKERS[i % len(MARKERS)],
+                              markersize=5, fillstyle="full" if i % 2 == 0 else "none", label=run)
+            line.set_transform(offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(order) - 1) / 2), units="points"))
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel("tokens seen")
         use_token_axis(ax)
