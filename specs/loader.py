@@ -248,6 +248,35 @@ def _all_field_names() -> frozenset[str]:
     return frozenset(names)
 
 
+# names people bring from other tools, and the field they mean here
+ALIASES = {"tasks": "benchmarks", "datasets": "sources", "lr_schedule": "schedule", "dtype": "precision",
+           "gradient_checkpointing": "activation_checkpointing", "batch_size": "global_batch_size",
+           "seq_len": "sequence_length", "max_seq_length": "sequence_length", "vocab": "vocab_size"}
+
+
+def _section_fields(loc: tuple[Any, ...]) -> frozenset[str]:
+    """The fields of the section that holds loc's last key: every model the schema allows there (a union's
+    members, a list's or mapping's items)."""
+    models: list[type[BaseModel]] = [TrainingSpec]
+    for key in loc[:-1]:
+        inner = [sub for m in models if isinstance(key, str) and key in m.model_fields
+                 for sub in _models_in(m.model_fields[key].annotation)]
+        models = inner or models  # a list index or a mapping's key: the same items
+    return frozenset(name for m in models for name in m.model_fields)
+
+
+def _unknown_field_hint(key: str, section: frozenset[str]) -> str:
+    """A suggestion from the section's own fields (or the alias table); a field of another section said so."""
+    if ALIASES.get(key) in section:
+        return f"did you mean '{ALIASES[key]}'?"
+    close = difflib.get_close_matches(key, sorted(section - {key}), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    if key in _all_field_names():
+        return "it belongs to other sections, not this one: remove it (`compass schema` lists the fields)"
+    return "remove it; `compass schema` lists the fields"
+
+
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
     from typing import get_args
 
@@ -294,12 +323,8 @@ def _problems_from_validation(exc: ValidationError, data: Any, lines: _LineIndex
         hint = _HINTS.get(kind, "")
         if kind == "extra_forbidden":
             key = str(loc[-1]) if loc else ""
-            close = difflib.get_close_matches(key, sorted(_all_field_names() - {key}), n=1, cutoff=0.6)
             message = f"unknown field '{key}'"
-            if key in _all_field_names():
-                hint = "it belongs to other sections, not this one: remove it (`compass schema` lists the fields)"
-            else:
-                hint = f"did you mean '{close[0]}'?" if close else "remove it; `compass schema` lists the fields"
+            hint = _unknown_field_hint(key, _section_fields(loc))
         elif kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == SLURM_WORD:
             hint = "one word: letters, digits and ._-:@%+=[], without spaces or newlines, not starting with '-'"
         elif kind == "missing" and loc:
