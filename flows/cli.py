@@ -132,7 +132,7 @@ def run(spec: SpecArg,
                   highlight=False)
         with quiet_console(log_path.resolve(), (out, err)):
             summary = _run(spec, loaded, root, until, no_recompute)
-    _print_summary(spec, summary, as_json, started, table=verbose)
+    _print_summary(spec, summary, as_json, started, table=verbose, log_path=None if verbose else log_path)
 
 
 def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, no_recompute: bool) -> dict:
@@ -163,9 +163,11 @@ def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, no_
     return summary
 
 
-def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, table: bool) -> None:
-    """The run's outcome: JSON, or a line (each step's commit line said where it went), with a table of every step
-    under --verbose."""
+def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, table: bool,
+                   log_path: Path | None = None) -> None:
+    """The run's outcome: JSON, or the success criteria's verdict, where the report, plots, log and Prefect run are,
+    and a line of counts (each step's commit line said where it went), with a table of every step under
+    --verbose."""
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -188,10 +190,15 @@ def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, tab
             for row in summary[size]:
                 shrunk.add_row(row["step"], escape(row["exercised"]), escape(row["shrunk"]))
             out.print(shrunk)
+    from compass.flows.run_outcome import RunOutcome, outcome_lines
+
+    outcome = RunOutcome.model_validate(summary["outcome"])
+    for line in outcome_lines(outcome, str(log_path) if log_path else None):  # whole lines: paths stay copyable
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
     ran = sum(r["executed"] for r in summary["steps"])
     left_out = f", {len(summary['left_out'])} left out by --until" if summary["left_out"] else ""
     out.print(f"{ran} ran, {len(summary['steps']) - ran} cached{left_out}; {time.time() - started:.0f}s. "
-              f"Results: {summary['store']}", markup=False)
+              f"Results: {summary['store']}", markup=False, soft_wrap=True)
 
 
 @contextmanager

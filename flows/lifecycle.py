@@ -16,7 +16,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, as_completed
-from prefect.runtime import deployment
+from prefect.runtime import deployment, flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from compass.flows.compiler import Plan
@@ -24,7 +24,9 @@ from compass.flows.confinement import outside_roots, worker_roots
 from compass.flows.mixture_report import consumption_section, source_sizes
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
+from compass.flows.run_outcome import run_outcome
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
+from compass.flows.submit import ui_url
 from compass.flows.validation import check, shrunk
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError
@@ -306,8 +308,10 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
             results = run_plan(plan, ctx, orch)
         ran = [r["step"] for r in results if r["executed"]]
         logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
+        served = flow_run.id and os.environ.get("PREFECT_API_URL")  # not a temporary server, gone with the run
+        outcome = run_outcome(results, store, ui_url(flow_run.id) if served else None)
         summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
-                   "flow_pid": os.getpid()}
+                   "flow_pid": os.getpid(), "outcome": outcome.model_dump(mode="json")}
         if loaded.size != "full":
             from compass.flows.smoke_report import smoke_table
 
@@ -320,8 +324,6 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
 
 def _recorded_run(store: Store):
     """First end the flow runs of this store that a kill left Running, then hold this run's own record."""
-    from prefect.runtime import flow_run
-
     for run in end_dead_runs(store):
         get_run_logger().warning("flow run %s of this store was left Running by a killed process (%s pid %d): "
                                  "marked Crashed", run.flow_run_id, run.host, run.pid)

@@ -94,6 +94,31 @@ def test_success_report_checks_the_why_criteria(evaluated):
     assert report["passed"] == (row["verdict"] == "pass")
 
 
+def test_the_run_ends_with_the_verdict_its_numbers_and_where_the_report_and_plots_are(evaluated):
+    """What `compass run` prints last and `--json` carries (flows/run_outcome.py): read from the committed report
+    and plots, not from the flow's memory."""
+    from compass.flows.run_outcome import outcome_lines, run_outcome
+    from compass.infra.store import Store
+
+    report = evaluated["report:success"]
+    store = Store(str(Path(report.uri).parents[1]))
+    results = [{"step": step, "uri": outcome.uri, "executed": True} for step, outcome in evaluated.items()]
+    outcome = run_outcome(results, store, "http://127.0.0.1:4200/runs/flow-run/x")
+    (row,) = report.manifest.metrics["criteria"]
+    assert outcome.verdict is not None and outcome.verdict.passed == report.manifest.metrics["passed"]
+    assert outcome.verdict.report == f"{report.uri}/report.json" and Path(outcome.verdict.report).is_file()
+    assert outcome.plots == (f"{evaluated['curves:evaluation'].uri}/curves.png",)
+    lines = outcome_lines(outcome)
+    assert lines[0] == f"success criteria {'MET' if row['verdict'] == 'pass' else 'NOT MET'}: " \
+                       f"{int(row['verdict'] == 'pass')} of 1 pass"
+    assert lines[1] == f"  val_ppl:notes <= 1000.0 at pretrain:stage2: {row['measured']:.4g}, {row['verdict']}"
+    assert lines[2:] == [f"report: {report.uri}/report.json", f"plots: {outcome.plots[0]}",
+                         "Prefect run: http://127.0.0.1:4200/runs/flow-run/x"]
+    failing = outcome.model_copy(update={"verdict": outcome.verdict.model_copy(update={"passed": False})})
+    assert outcome_lines(failing)[0].startswith("success criteria NOT MET")
+    assert run_outcome([r for r in results if r["step"] != "report:success"], store).verdict is None
+
+
 def test_every_model_step_gets_its_evaluation(evaluated):
     assert {"evaluate:pretrain-stage1", "evaluate:pretrain-stage2"} <= set(evaluated)
     seen = [evaluated[f"evaluate:pretrain-{s}"].manifest.metrics["tokens_seen"] for s in ("stage1", "stage2")]

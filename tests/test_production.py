@@ -228,8 +228,15 @@ def test_the_run_ends_with_what_each_step_exercised_and_what_was_shrunk(producti
     assert "data_parallel 192 -> 1" in rows["(every step)"]["shrunk"]
     stand_in = production.cached_vocabulary  # the hub tokenizer cached here is a stand-in, said where it is used
     assert f"vocab_size 128256 -> {stand_in} (the cached tokenizer's)" in rows["tokenizer:select"]["shrunk"]
-    shown = production.cli("run", str(SPEC), "--smoke", "--until", "ingest:fineweb_edu").stdout  # as a table
-    assert "what each step exercised and what was shrunk" in shown and "0 ran, 1 cached" in shown
+    shown = production.cli("run", str(SPEC), "--smoke").stdout  # as a terminal shows it, ending with the verdict
+    assert "what each step exercised and what was shrunk" in shown
+    report = production.one("report/success-*/report.json")
+    verdict = f"success criteria {'MET' if report['passed'] else 'NOT MET'}: "
+    ending = shown[shown.index(verdict):].splitlines()  # the criteria with their numbers, then where things are
+    assert [line.split(" at ")[0].strip() for line in ending[1:4]] == [c["criterion"] for c in report["criteria"]]
+    assert ending[4].startswith(f"report: {ROOT}/report/success-") and ending[5].startswith("plots: ")
+    assert ending[6].startswith("log: .compass/logs/") and "/runs/flow-run/" in ending[7]
+    assert ending[8].startswith(f"0 ran, {len(production.summary['steps'])} cached")
 
 
 def site_copy(folder: Path) -> Path:
@@ -327,6 +334,13 @@ def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Product
     tokenizer_uri = next(s["uri"] for s in again["steps"] if s["step"] == "tokenizer:select")
     tree = production.cli.json("lineage", f"{tokenizer_uri}/chosen/tokenizer.json")  # read from s3:// manifests
     assert {c["step"] for c in tree["inputs"]} == {f"curate:{s}" for s in SOURCES}
+    outcome = again["outcome"]  # what the run ends with: the verdict and its numbers, from the committed report
+    report = production.one("report/success-*/report.json")
+    assert outcome["verdict"]["passed"] == report["passed"]
+    assert [c["measured"] for c in outcome["verdict"]["criteria"]] == [c["measured"] for c in report["criteria"]]
+    assert outcome["verdict"]["report"].startswith(f"{ROOT}/report/success-")
+    assert sorted(p.rsplit("/", 1)[1] for p in outcome["plots"]) == ["comparison.png", "curves.png"]
+    assert "/runs/flow-run/" in outcome["prefect_run"]  # the run went to the server: its page outlives it
 
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 

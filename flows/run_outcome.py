@@ -1,0 +1,77 @@
+"""What a run ends with, for the person who started it: the success criteria with their numbers and verdicts, and
+where the report, the plots and the Prefect run are (the last lines of `compass run`; `--json` carries the same).
+A run that ends "exit 0" while its own report says NOT MET must say so where it ends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from compass.infra.store import Store
+
+PLOTTING_KINDS = ("curves", "compare")  # the run-level plots (each training stage's loss.png sits in its step)
+
+
+class Criterion(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    criterion: str  # "metric op threshold"
+    checkpoint: str
+    measured: float | None
+    verdict: str  # pass, fail, or "not measured"
+    note: str = ""  # why it could not be judged
+
+
+class Verdict(BaseModel):
+    """The success report's judgement of the spec's `why.success_criteria`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    passed: bool
+    criteria: tuple[Criterion, ...]
+    report: str  # the report.json's location in the store
+
+
+class RunOutcome(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    verdict: Verdict | None  # None: the run did not reach its success report (--until, or the spec has none)
+    plots: tuple[str, ...]
+    prefect_run: str | None  # the flow run's page in the Prefect UI
+
+
+def run_outcome(results: list[dict[str, Any]], store: Store, prefect_run: str | None = None) -> RunOutcome:
+    """From the run's step results (flows/lifecycle.py: step id, uri, executed) and their committed manifests."""
+    verdict, plots = None, []
+    for result in results:
+        kind = result["step"].split(":", 1)[0]
+        if kind == "report":
+            metrics = store.read_manifest(result["uri"]).metrics or {}
+            verdict = Verdict(passed=bool(metrics.get("passed")), report=f"{result['uri']}/report.json",
+                              criteria=tuple(Criterion(**row) for row in metrics.get("criteria", [])))
+        elif kind in PLOTTING_KINDS:
+            plots += [f"{result['uri']}/{f.path}" for f in store.read_manifest(result["uri"]).files
+                      if f.path.endswith(".png")]
+    return RunOutcome(verdict=verdict, plots=tuple(plots), prefect_run=prefect_run)
+
+
+def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
+    """The lines a terminal shows: the verdict first, each criterion with its number, then where things are (`log`:
+    the file holding what the terminal left out)."""
+    lines = []
+    if outcome.verdict is not None:
+        v = outcome.verdict
+        lines.append(f"success criteria {'MET' if v.passed else 'NOT MET'}: "
+                     f"{sum(c.verdict == 'pass' for c in v.criteria)} of {len(v.criteria)} pass")
+        for c in v.criteria:
+            measured = f"not measured ({c.note})" if c.measured is None else f"{c.measured:.4g}, {c.verdict}"
+            lines.append(f"  {c.criterion} at {c.checkpoint}: {measured}")
+        lines.append(f"report: {v.report}")
+    if outcome.plots:
+        lines.append(f"plots: {', '.join(outcome.plots)}")
+    if log:
+        lines.append(f"log: {log}")
+    if outcome.prefect_run:
+        lines.append(f"Prefect run: {outcome.prefect_run}")
+    return lines
