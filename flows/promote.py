@@ -43,11 +43,46 @@ def winner(comparison: dict) -> str:
     return max(better, key=lambda r: gain * r["delta"])["variant"]
 
 
+LAYOUTS = ((2, 4, 2), (2, 2, 0), (4, 4, 0), (4, 6, 2), (4, 4, 2), (3, 3, 0))  # mapping, sequence, dash offset
+
+
+def _layout_of(text: str) -> YAML:
+    """A round-trip YAML that writes the file back as it is (its indentation, quotes and long lines kept), so a
+    promotion changes only what it changes; the first candidate layout that reproduces the most lines."""
+    def configured(mapping: int, sequence: int, offset: int) -> YAML:
+        yaml = YAML(typ="rt")
+        yaml.indent(mapping=mapping, sequence=sequence, offset=offset)
+        yaml.width = 1 << 16  # no line is folded
+        yaml.preserve_quotes = True
+        return yaml
+
+    def kept(yaml: YAML) -> int:
+        buffer = io.StringIO()
+        yaml.dump(yaml.load(text), buffer)
+        return len(set(buffer.getvalue().splitlines()) & set(text.splitlines()))
+
+    return max((configured(*layout) for layout in LAYOUTS), key=kept)
+
+
+def _unfolded(original: str, written: str) -> str:
+    """`written` with each stretch that differs from `original` only in where its lines break (a flow mapping or
+    list the file wraps over lines, which YAML writes on one) taken back from `original`."""
+    import difflib
+
+    before, after = original.splitlines(keepends=True), written.splitlines(keepends=True)
+    merged: list[str] = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, before, after, autojunk=False).get_opcodes():
+        same = op == "replace" and "".join(before[i1:i2]).split() == "".join(after[j1:j2]).split()
+        merged += before[i1:i2] if op == "equal" or same else after[j1:j2]
+    return "".join(merged)
+
+
 def promote(spec_path: Path, variant: str, out: Path) -> str:
     """Apply the variant's change to the spec (architecture changes to what.architecture, the rest to the
     ablation baseline), drop the variant, write `out` and validate it. Returns the change applied."""
-    yaml = YAML(typ="rt")
-    data = yaml.load(spec_path.read_text())
+    text = spec_path.read_text()
+    yaml = _layout_of(text)
+    data = yaml.load(text)
     ablations = data["what"].get("ablations")
     variants = ablations["variants"] if ablations else []
     match = [v for v in variants if v["name"] == variant]
@@ -66,6 +101,6 @@ def promote(spec_path: Path, variant: str, out: Path) -> str:
         del data["what"]["ablations"]
     buffer = io.StringIO()
     yaml.dump(data, buffer)
-    out.write_text(buffer.getvalue())
+    out.write_text(_unfolded(text, buffer.getvalue()))
     load_checked(out)  # the promoted spec must be valid (raises SpecError with locations otherwise)
     return f"{path} = {value!r}"

@@ -66,6 +66,12 @@ def test_ablation_runs_comparison_and_promotion(trained_store: Path, tmp_path: P
     promoted = load_spec(out).spec
     assert promoted.what.architecture.tied_embeddings is False
     assert [v.name for v in promoted.what.ablations.variants] == ["more_code"]
+    import difflib  # the file as written, changed only where the promotion changes it: a diff to review, not a rewrite
+
+    changed = [line for line in difflib.unified_diff(spec.read_text().splitlines(), out.read_text().splitlines(),
+                                                     lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 2 <= len(changed) <= 3 and all("tied_embeddings" in line for line in changed), changed
     done = cli("ablate", "promote", str(spec), "--variant", "nope", "--store", str(store), check=False)
     assert done.returncode == 2 and "no variant 'nope'" in done.stderr
 
