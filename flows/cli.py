@@ -312,7 +312,9 @@ def evaluate_schedule(
         root: Annotated[str | None, typer.Option(help="Checkpoint root to scan (default: how.storage.root).")] = None,
         interval: Annotated[int | None, typer.Option(help="Seconds between runs.")] = None,
         cron: Annotated[str | None, typer.Option(help="Cron schedule instead of an interval.")] = None,
-        once: Annotated[bool, typer.Option("--once", help="Evaluate now, without a deployment.")] = False) -> None:
+        once: Annotated[bool, typer.Option("--once", help="Evaluate now, without a deployment.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="With --once: the scan's summary as JSON.")] = False
+) -> None:
     """Serve a Prefect deployment that evaluates every new checkpoint under a root, on a schedule."""
     checked = load(spec)
     loaded = checked.loaded
@@ -328,8 +330,19 @@ def evaluate_schedule(
         raise typer.Exit(EXIT_BAD_INPUT)
     params = {"checkpoint_root": store_root(checked, root, "--root"), "benchmarks": benchmarks,
               "credentials_block": loaded.spec.how.storage.credentials_block}
-    if once:
+    if once and as_json:
         print(json.dumps(evaluate_new_checkpoints(**params), indent=2))
+        return
+    if once:  # the scores on the terminal; the libraries' progress bars and warnings in the log
+        from compass.flows.quiet_console import quiet_console
+        from compass.flows.scheduled_eval import scan_lines
+
+        log_path = Path(".compass") / "logs" / f"evaluate-{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        err.print(f"everything else the evaluation prints: {log_path}", markup=False, highlight=False)
+        with quiet_console(log_path.resolve(), (out, err)):
+            summary = evaluate_new_checkpoints(**params)
+        for line in scan_lines(summary):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
         return
     ev = loaded.spec.how.evaluation
     interval = interval or (None if cron else ev.schedule_interval_seconds)

@@ -114,7 +114,9 @@ def _local_copy(store: Store, checkpoint: dict[str, Any], scratch: Path) -> Path
     return store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
 
 
-@flow(name="compass-scheduled-evaluation", persist_result=False)
+# log_prints off, as in the lifecycle: a library's print (dill disassembling a function into a stdout it captures)
+# is not an INFO line of the run
+@flow(name="compass-scheduled-evaluation", persist_result=False, log_prints=False)
 def evaluate_new_checkpoints(checkpoint_root: str, benchmarks: list[dict[str, Any]],
                              credentials_block: str | None = None) -> dict[str, Any]:
     """Evaluate every committed checkpoint under `checkpoint_root` that has no result for this suite."""
@@ -135,13 +137,26 @@ def evaluate_new_checkpoints(checkpoint_root: str, benchmarks: list[dict[str, An
         create_table_artifact(key=f"scheduled-evaluation-{suite[:12]}", description=f"suite {suite[:12]}",
                               table=[{"step": r["checkpoint"]["step"], "checkpoint": r["checkpoint"]["folder"],
                                       **{k: round(v, 4) for k, v in r["metrics"].items()}} for r in records])
-    summary = {"suite": suite, "checkpoints": len(checkpoints), "evaluated": [r["checkpoint"] for r in records]}
+    summary = {"suite": suite, "checkpoints": len(checkpoints), "evaluated": [r["checkpoint"] for r in records],
+               "scores": [{"step": r["checkpoint"]["step"], "checkpoint": r["checkpoint"]["folder"],
+                           "metrics": {k: v for k, v in r["metrics"].items() if isinstance(v, int | float)}}
+                          for r in records]}
     runs = f"{store.root_path}/.evaluations/{suite[:12]}/runs"
     if not store.is_remote:
         Path(runs).mkdir(parents=True, exist_ok=True)
     with store.fs.open(f"{runs}/{int(time.time() * 1000)}.json", "w") as f:
         f.write(json.dumps(summary))
     return summary
+
+
+def scan_lines(summary: dict[str, Any]) -> list[str]:
+    """A scan as a terminal shows it: how many checkpoints, then each one evaluated now with its scores."""
+    lines = [f"{summary['checkpoints']} checkpoints, {len(summary['scores'])} evaluated now "
+             f"(suite {summary['suite'][:12]})"]
+    for s in summary["scores"]:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items()))
+        lines.append(f"  {s['step']} {s['checkpoint']}: {shown}")
+    return lines
 
 
 def locate(store: Store, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -154,7 +169,7 @@ def locate(store: Store, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
                  if c["weights_sha256"] == checkpoint["weights_sha256"]), None)
 
 
-@flow(name="compass-checkpoint-evaluation", persist_result=False)
+@flow(name="compass-checkpoint-evaluation", persist_result=False, log_prints=False)
 def evaluate_committed_checkpoint(checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]], store_root: str,
                                   credentials_block: str | None = None) -> dict[str, Any]:
     """Evaluate the checkpoint a `compass.checkpoint.committed` event names (compass deploy's automation runs this

@@ -125,7 +125,8 @@ def test_live_progress_and_one_evaluation_per_committed_checkpoint(server_cli: C
         assert {json.loads(p.read_text())["checkpoint"]["weights_sha256"] for p in results} == set(weights.values())
 
         # the schedule stays as the fallback: it finds every checkpoint evaluated (the final is step 585's weights)
-        scan = json.loads(server_cli("evaluate-schedule", str(spec), "--root", str(store), "--once").stdout)
+        scan = json.loads(server_cli("evaluate-schedule", str(spec), "--root", str(store), "--once",
+                                     "--json").stdout)
         assert scan["checkpoints"] == 2 and scan["evaluated"] == []
     finally:
         if run.poll() is None:

@@ -76,3 +76,17 @@ def test_served_schedule_evaluates_each_checkpoint_once(server_cli: Cli, trained
         assert len(list(store.glob(".evaluations/*/*.json"))) == 3
     finally:
         stop_group(proc)
+
+    # `--once` on a terminal: a checkpoint whose result went away is evaluated now and its scores are what it
+    # prints; the libraries' progress bars, warnings and logs are in the log file it names
+    result = sorted(store.glob(".evaluations/*/*.json"))[0]
+    record = json.loads(result.read_text())
+    result.unlink()
+    done = server_cli("evaluate-schedule", str(spec), "--root", str(store), "--once")
+    shown = done.stdout.splitlines()
+    assert shown[0].startswith("3 checkpoints, 1 evaluated now (suite ")
+    assert shown[1].startswith(f"  {record['checkpoint']['step']} {record['checkpoint']['folder']}: ")
+    assert f"arc_easy:cf/acc {record['metrics']['arc_easy:cf/acc']:.4g}" in shown[1] and len(shown) == 2
+    assert "it/s]" not in done.stderr and "LOAD_" not in done.stderr and len(done.stderr.splitlines()) < 25
+    log = done.stderr.splitlines()[0].split(": ", 1)[1]
+    assert "max_samples WAS SET" in (server_cli.cwd / log).read_text()  # lighteval's warning: left out, kept
