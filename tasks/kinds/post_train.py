@@ -10,19 +10,32 @@ vibe-check prompts so a person can read them in the UI."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from compass.infra.errors import DataError
 from compass.infra.layout import ModelArtifact, WorkFolder
 from compass.model.training.history import tokens_seen
 from compass.model.training.records import MetricsRow, read_metrics, write_metrics
+from compass.specs.base import Issue
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
+from compass.specs.sources import parse_source_uri
+from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
-from compass.tasks.post_training.datasets import chat_examples, dataset_root, fenced, training_arithmetic
+from compass.tasks.post_training.datasets import (
+    CONVERSATION_SHAPES,
+    PAIR_SHAPES,
+    chat_examples,
+    dataset_problem,
+    dataset_root,
+    fenced,
+    training_arithmetic,
+)
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -203,6 +216,8 @@ def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str,
         pairs = dataset_pairs(root, cfg.max_samples)
         why = (f"{cfg.dataset} has no JSONL lines with prompt, chosen and rejected; name a pairs dataset or "
                "set pairs: {kind: strong_vs_weak, ...} or {kind: verifier}")
+        if not pairs:
+            raise DataError(f"post_training {ctx.name}: no preference pairs: {why}")
     if not pairs:
         raise ValueError(f"post_training {ctx.name}: no preference pairs: {why}")
     return pairs
@@ -295,6 +310,10 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     work.root.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_chat_model(previous.final)
     rows, facts = ROWS[method](ctx, model, tokenizer)
+    if not rows:  # TRL would stop at its first batch with a bare StopIteration, and the step be retried
+        shapes = PAIR_SHAPES if method in ("dpo", "orpo", "kto") else CONVERSATION_SHAPES
+        raise DataError(f"post_training {ctx.name}: {cfg.dataset} gives no example to train on: its JSONL lines "
+                        f"are read in the shapes {shapes}")
     where = device_for(ctx.runtime.how)
     shape = ctx.runtime.placement.shape
     world = shape.ranks if shape else 1
@@ -420,8 +439,25 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
     return text
 
 
+def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+    """Each local dataset of a TRL step holds the conversations (or preference pairs) the step reads, before any
+    step runs: a wrong path or a line shape compass does not read used to fail the step after every earlier one.
+    Packaged and S3 datasets are fetched when their step runs, and checked there."""
+    for i, step in enumerate(spec.what.post_training):
+        if isinstance(step, Sft | Distillation) or (isinstance(step, Preference) and
+                                                    (step.pairs is None or step.pairs.kind == "strong_vs_weak")):
+            pairs = isinstance(step, Preference) and step.pairs is None
+            uri = parse_source_uri(step.dataset)
+            if uri.scheme != "file":
+                continue
+            problem = dataset_problem((base_dir / uri.path).expanduser(), pairs, step.max_samples or 1)
+            if problem:
+                yield Issue(("what", "post_training", i, "dataset"), problem,
+                            f"{step.method} reads JSONL lines shaped {PAIR_SHAPES if pairs else CONVERSATION_SHAPES}")
+
+
 KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="3",
                 resources=phase("post_training"), trains=True,
-                imports=TRANSFORMERS, produces_model=True,
+                imports=TRANSFORMERS, produces_model=True, check_machine=check_machine,
                 headline=("final_loss", "final_reward", "tokens"))
 STEP_KINDS = (KIND,)

@@ -121,7 +121,7 @@ def _write_index(root: Path, files: list[Path], max_chars: int, cached: Path) ->
     tmp.replace(cached)
 
 
-INDEX_VERSION = 2  # raise when what qualifies a line changes
+INDEX_VERSION = 3  # raise when what qualifies a line changes
 
 
 def _open_text(path: Path) -> Any:
@@ -137,6 +137,10 @@ def _conversation(line: str) -> Messages | None:
         return None
     if isinstance(row.get("messages"), list):
         messages, reference = row["messages"], None
+    elif "prompt" in row and "completion" in row and "chosen" not in row:  # TRL's prompt-completion shape
+        messages = [*_turns(row["prompt"], "user"), *_turns(row["completion"], "assistant")]
+        if not messages:
+            return None
     elif isinstance(row.get("input"), list):
         messages, reference = row["input"], row.get("ideal")
         if isinstance(reference, list):
@@ -152,6 +156,63 @@ def _conversation(line: str) -> Messages | None:
     if messages[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in messages):
         return None
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _turns(value: Any, role: str) -> list[Any]:
+    """A prompt or completion as chat turns: a string is one turn of `role`, a list is turns already."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}] if value.strip() else []
+    return value if isinstance(value, list) else [None]  # anything else: no conversation
+
+
+CONVERSATION_SHAPES = ('{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}, '
+                       '{"prompt": ..., "completion": ...} (strings or chat turns), or OpenAI evals\' '
+                       '{"input": [turns], "ideal": "..."}; each ending in an assistant turn')
+PAIR_SHAPES = '{"prompt": ..., "chosen": ..., "rejected": ...} (strings or chat turns)'
+
+
+def is_pair(line: str) -> bool:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and all(k in row for k in ("prompt", "chosen", "rejected"))
+
+
+def dataset_problem(root: Path, pairs: bool, needed: int) -> str | None:
+    """Why a local post-training dataset cannot give its step the `needed` conversations (or preference pairs),
+    read only as far as it takes; None when it can. Names the first line of another shape."""
+    what = "preference pairs" if pairs else "conversations"
+    if not root.exists():
+        return f"'{root}' does not exist"
+    if not root.is_dir():
+        return f"'{root}' is a file; the dataset is the folder holding its .jsonl files"
+    files = sorted(root.rglob("*.jsonl"))
+    if not files:
+        return f"'{root}' holds no .jsonl file"
+    found, lines, first_other = 0, 0, None
+    for path in files:
+        with _open_text(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                lines += 1
+                if is_pair(line) if pairs else _conversation(line) is not None:
+                    found += 1
+                    if found >= needed:
+                        return None
+                elif first_other is None:
+                    first_other = f"{path.relative_to(root)}:{number} ({_shape_of(line)})"
+    other = f"; the first line that is not one: {first_other}" if first_other else ""
+    return f"'{root}' holds {found} {what} of the {needed} its step reads, in {lines} lines{other}"
+
+
+def _shape_of(line: str) -> str:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return "not JSON"
+    return f"keys {', '.join(row)}" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
 
 
 def training_arithmetic(root: Path, limit: int | None = None) -> list[dict[str, str]]:
