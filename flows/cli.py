@@ -301,9 +301,17 @@ def _label(node: dict) -> str:
     return label
 
 
-def _grow(branch: Tree, node: dict) -> None:
+def _grow(branch: Tree, node: dict, shown: set[str] | None = None) -> None:
+    """Each ancestor once: one that several steps share (the curated sources under every tokenization and
+    training stage) is printed in full where it first appears, then named with a reference."""
+    shown = set() if shown is None else shown
     for child in node.get("inputs", []):
-        _grow(branch.add(_label(child)), child)
+        if child["uri"] in shown:
+            branch.add(f"[bold]{escape(child['step'])}[/bold] [dim]{escape(child['fingerprint'][:12])} (shown "
+                       "above)[/dim]")
+            continue
+        shown.add(child["uri"])
+        _grow(branch.add(_label(child)), child, shown)
 
 
 @app.command("evaluate-schedule")

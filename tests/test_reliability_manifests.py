@@ -230,6 +230,28 @@ def test_lineage_follows_only_inputs_inside_its_store(tmp_path: Path, planted_ur
     assert own["step"] == "ingest:code" and own["uri"] == inside.uri and "missing" not in own
 
 
+def test_lineage_prints_a_shared_ancestor_once(tmp_path: Path):
+    """Two inputs of one artifact from the same curated source: its ancestry is printed once, then referenced."""
+    from typer.testing import CliRunner
+
+    from compass.flows.cli import app
+
+    store = Store(str(tmp_path / "store"))
+    raw = _commit(store, "ingest", "web", "e" * 64, {"data.txt": "x"}, provenance=[{"kind": "local", "path": "/w"}])
+    curated = _commit(store, "curate", "web", "d" * 64, {"train/0.jsonl": "{}"},
+                      inputs=[InputRef(role="raw", step="ingest:web", uri=raw.uri, fingerprint=raw.fingerprint)])
+    shared = InputRef(role="curated", step="curate:web", uri=curated.uri, fingerprint=curated.fingerprint)
+    tokens = [_commit(store, "tokenize", name, c * 64, {"t.bin": "0"}, inputs=[shared]) for name, c in
+              (("web", "b"), ("web2", "c"))]
+    top = _commit(store, "pretrain", "stage1", "a" * 64, {"w.bin": "0"},
+                  inputs=[InputRef(role=f"tokens:{t.name}", step=f"tokenize:{t.name}", uri=t.uri,
+                                   fingerprint=t.fingerprint) for t in tokens])
+    done = CliRunner().invoke(app, ["lineage", top.uri])
+    assert done.exit_code == 0, done.output
+    assert done.output.count(raw.uri) == 1 and done.output.count(curated.uri) == 1  # shown in full once
+    assert done.output.count("curate:web") == 2 and "dddddddddddd (shown above)" in done.output
+
+
 def test_lineage_prints_paths_and_names_with_brackets_as_written(tmp_path: Path):
     from typer.testing import CliRunner
 
