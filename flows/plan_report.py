@@ -78,6 +78,14 @@ def scaling_section(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> 
     return Section("GPUs and wall time", ["GPUs", "days", "exposed comm", "efficiency", ""], rows, notes)
 
 
+def _sharding_rows(engine: str) -> list[tuple[int, str]]:
+    """The memory table's rows in the engine's own words: DeepSpeed's ZeRO stages, or DDP against FSDP2 (what
+    a torch engine can switch to)."""
+    if engine == "deepspeed":
+        return [(z, f"ZeRO-{z}") for z in range(4)]
+    return [(0, "DDP (no sharding)"), (3, "FSDP2 (fully sharded)")]
+
+
 def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> list[Section]:
     arch, how = spec.what.architecture, spec.how
     vocab = costs.planning_vocab(spec)
@@ -97,15 +105,16 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
 
     stages = costs.stage_costs(spec)
     hw = how.hardware
+    unit = "GPU" if hw.accelerator != "cpu" else "rank"  # a CPU spec trains on ranks (processes), not GPUs
     stage_rows = [[f"{s.section}:{s.name}", human(s.tokens), s.seq_len, f"{s.flops:.3e}", hours(s.gpu_hours),
                    s.gpus, f"{s.wall_days:.3g}"] for s in stages]
     total_h = sum(s.gpu_hours for s in stages)
     stage_rows.append(["total", human(sum(s.tokens for s in stages)), "", f"{sum(s.flops for s in stages):.3e}",
                        hours(total_h), "", f"{sum(s.wall_days for s in stages):.3g}"])
-    compute = Section("Training compute", ["stage", "tokens", "seq", "FLOPs", "GPU-hours", "GPUs", "days"],
+    compute = Section("Training compute", ["stage", "tokens", "seq", "FLOPs", f"{unit}-hours", f"{unit}s", "days"],
                       stage_rows,
-                      [f"6·N·D + attention (PaLM); {hw.accelerator} at {hw.peak:g} TFLOP/s, assumed MFU "
-                       f"{hw.assumed_mfu:.0%}; each phase on its own GPUs (how.resources)"])
+                      [f"6·N·D + attention (PaLM); {hw.accelerator} at {hw.peak:g} TFLOP/s per {unit}, assumed MFU "
+                       f"{hw.assumed_mfu:.0%}; each phase on its own {unit}s (how.resources)"])
     sections = [params, placement_section(spec), compute, training_core_section(spec)]
     from compass.specs.scaling import step_shapes
 
@@ -113,25 +122,23 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
         sections.append(scaling_section(spec, tflops_per_gpu))
     abl = costs.ablation_cost(spec)
     if abl:
-        sections.append(Section("Ablations", ["runs", "proxy params", "tokens/run", "FLOPs", "GPU-hours",
-                                              "vs main run", "GPUs/run", "days in a row"],
+        sections.append(Section("Ablations", ["runs", "proxy params", "tokens/run", "FLOPs", f"{unit}-hours",
+                                              "vs main run", f"{unit}s/run", "days in a row"],
                                 [[abl.runs, human(abl.params), human(abl.tokens_per_run), f"{abl.flops:.3e}",
                                   hours(abl.gpu_hours), f"{abl.share_of_main:.1%}", abl.gpus,
                                   f"{abl.wall_days:.3g}"]],
                                 ["SmolLM3 spent 161,280 GPU-hours on ablations and debugging, over half its main run"]))
     device = costs.device_memory_bytes(how)
     mem_rows = []
-    for z in range(4):
+    for z, name in _sharding_rows(how.parallelism.engine_name):
         m = costs.memory_per_gpu(spec, z)
         mark = " (spec)" if z == how.parallelism.sharding_stage else ""
-        if z == 3 and how.parallelism.engine_name == "fsdp2":
-            mark = " / FSDP2 (spec)"
         fits = "yes" if m.total <= device else "NO"
-        mem_rows.append([f"ZeRO-{z}{mark}", gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
+        mem_rows.append([f"{name}{mark}", gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
                          gib(m.logits), gib(m.total), fits])
     par = how.parallelism
-    sections.append(Section("Memory per GPU", ["stage", "weights", "grads", "optimizer", "activations", "logits",
-                                               "total", f"fits {gib(device)}"], mem_rows,
+    sections.append(Section(f"Memory per {unit}", ["sharding", "weights", "grads", "optimizer", "activations",
+                                                  "logits", "total", f"fits {gib(device)}"], mem_rows,
                             [f"{how.precision}, DP={par.data_parallel}, TP={par.tensor_parallel}, micro-batch "
                              f"{par.micro_batch_size}, activation checkpointing {par.activation_checkpointing}",
                              sharding_advice(spec, device)]))
@@ -140,7 +147,7 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
         rows = [[m.step, m.ranks, m.global_batch, f"{m.per_rank} = {m.micro_batch} x {m.per_rank // m.micro_batch}",
                  m.length, gib(m.weights), gib(m.activations), gib(m.logits), gib(m.total),
                  "yes" if m.total <= device else "NO"] for m in library]
-        sections.append(Section("Post-training and evaluation memory per GPU",
+        sections.append(Section(f"Post-training and evaluation memory per {unit}",
                                 ["step", "ranks", "global batch", "per rank = micro x passes", "length",
                                  "weights and states",
                                  "activations", "logits", "total", f"fits {gib(device)}"], rows,

@@ -1,0 +1,31 @@
+"""The plan speaks the machine's language (issue 45, item 11): a CPU spec is planned in ranks and rank-hours, not
+GPUs; the memory table names the engine's own ways to shard (DeepSpeed's ZeRO stages, or DDP against FSDP2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from compass.flows.plan_report import cost_sections
+from compass.specs import load_spec
+from tests.conftest import write_minimal_spec
+
+
+def sections_of(spec: Path) -> dict:
+    return {s.title: s for s in cost_sections(load_spec(spec).spec)}
+
+
+def test_a_cpu_spec_is_planned_in_ranks_and_its_engines_sharding(tmp_path: Path):
+    deepspeed = sections_of(write_minimal_spec(tmp_path))
+    assert deepspeed["Training compute"].columns[4:6] == ["rank-hours", "ranks"]
+    assert "GPU" not in " ".join(deepspeed["Training compute"].notes)
+    memory = deepspeed["Memory per rank"]
+    assert [r[0] for r in memory.rows] == ["ZeRO-0 (spec)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+
+    engine = "{micro_batch_size: 2}"
+    ddp = sections_of(write_minimal_spec(tmp_path, **{engine: "{micro_batch_size: 2, deepspeed: false}"}))
+    assert [r[0] for r in ddp["Memory per rank"].rows] == ["DDP (no sharding) (spec)", "FSDP2 (fully sharded)"]
+    fsdp2 = sections_of(write_minimal_spec(tmp_path, **{engine: "{micro_batch_size: 2, engine: fsdp2}"}))
+    assert [r[0] for r in fsdp2["Memory per rank"].rows] == ["DDP (no sharding)", "FSDP2 (fully sharded) (spec)"]
+
+    gpu = sections_of(write_minimal_spec(tmp_path, **{"how:\n": "how:\n  hardware: {accelerator: h100}\n"}))
+    assert gpu["Training compute"].columns[4:6] == ["GPU-hours", "GPUs"] and "Memory per GPU" in gpu
