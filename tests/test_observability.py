@@ -93,17 +93,25 @@ def test_a_throughput_drop_names_the_part_of_the_step_that_grew(grown: dict[str,
     from compass.model.training.monitors import TrainingMonitor
     from compass.specs.training import Monitors
 
-    monitor = TrainingMonitor(Monitors.model_validate({"throughput": {"ratio": 0.7, "window": 20,
-                                                                      "action": "warn"}}))
-    events = []
-    for step in range(40):
-        phases = _phases(**grown) if step >= 30 else _phases()
-        speed = 1000 * 0.15 / sum(phases.values())
-        events += monitor.record(step, 3.0, speed, phases)
-    (event,) = [e for e in events if e.kind == "throughput"]
+    def drop(on_gpu: bool):
+        monitor = TrainingMonitor(Monitors.model_validate({"throughput": {"ratio": 0.7, "window": 20,
+                                                                          "action": "warn"}}), on_gpu)
+        events = []
+        for step in range(40):
+            phases = _phases(**grown) if step >= 30 else _phases()
+            speed = 1000 * 0.15 / sum(phases.values())
+            events += monitor.record(step, 3.0, speed, phases)
+        (event,) = [e for e in events if e.kind == "throughput"]
+        return event
+
+    event = drop(on_gpu=True)
     assert cause in event.cause and event.phase is not None
     assert event.phase.replace("_", " ") in event.detail and "grew from" in event.detail
     assert event.as_record().phase == event.phase
+    if event.phase == "forward_backward":  # the remedy names what to check where the ranks compute
+        assert "GPU clocks" in event.remedy
+        on_cpu = drop(on_gpu=False).remedy
+        assert "GPU" not in on_cpu and "OMP_NUM_THREADS" in on_cpu
 
 
 def test_token_axes_read_at_a_glance(tmp_path: Path):

@@ -70,9 +70,9 @@ class Monitoring(Callback):
     """The playbook's failure patterns (spikes, divergence, slow rises, plateaus, throughput drops), each with
     the action the spec sets: warn, roll back (at most `max_rollbacks` times), or stop."""
 
-    def __init__(self, monitors: Monitors):
+    def __init__(self, monitors: Monitors, on_gpu: bool = True):
         self.monitors = monitors
-        self.monitor = TrainingMonitor(monitors)
+        self.monitor = TrainingMonitor(monitors, on_gpu)
         self.rollbacks = 0
 
     def before_update(self, trainer: Trainer, loss: float, grad_norm: float) -> None:

@@ -44,6 +44,13 @@ PHASE_CAUSES = {
                    "write checkpoints asynchronously (how.checkpoints.asynchronous) or to faster storage"),
 }
 PHASE_ORDER = ("data_wait", "sync", "forward_backward", "optimizer", "checkpoint")
+# the same diagnosis on CPU ranks: no GPU clocks to check
+CPU_REMEDIES = {
+    "forward_backward": "check what else runs on the machine's cores (other ranks' processes, OpenMP threads per rank: "
+                        "OMP_NUM_THREADS), the CPU's clock (frequency scaling), and any change of kernels or sequence "
+                        "shapes",
+    "optimizer": "check what else runs on the machine's cores and the host's memory pressure (swapping)",
+}
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Event:
     action: str
     detail: str
     phase: str | None = None  # for a throughput drop: the part of the step that grew most
+    on_gpu: bool = True  # where the ranks compute: the remedy names what to check there
 
     @property
     def cause(self) -> str:
@@ -60,6 +68,8 @@ class Event:
 
     @property
     def remedy(self) -> str:
+        if self.phase and not self.on_gpu and self.phase in CPU_REMEDIES:
+            return CPU_REMEDIES[self.phase]
         return PHASE_CAUSES[self.phase][1] if self.phase else CAUSES[self.kind][1]
 
     def describe(self) -> str:
@@ -76,8 +86,9 @@ SPEED_HISTORY = 1000
 class TrainingMonitor:
     """Fed one (loss, grad norm, tokens/s) per optimizer step; returns the events that step raised."""
 
-    def __init__(self, config: Monitors):
+    def __init__(self, config: Monitors, on_gpu: bool = True):
         self.cfg = config
+        self.on_gpu = on_gpu
         self.losses: deque[float] = deque(maxlen=config.spike.window if config.spike else 50)
         trend_windows = [m.window for m in (config.slow_rise, config.plateau) if m]
         self.history: deque[float] = deque(maxlen=max(trend_windows + [1]))
@@ -139,7 +150,7 @@ class TrainingMonitor:
             if recent < tp.ratio * median:
                 phase, growth = self._phase_that_grew(min(5, tp.window))
                 events.append(Event("throughput", step, tp.action,
-                                    f"{recent:,.0f} tokens/s vs median {median:,.0f}{growth}", phase))
+                                    f"{recent:,.0f} tokens/s vs median {median:,.0f}{growth}", phase, self.on_gpu))
         self.warned |= {e.kind for e in events}
         return events
 

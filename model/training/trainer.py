@@ -122,7 +122,8 @@ LARGE_MODEL = 1_000_000_000  # parameters from which checkpoints export to Huggi
 def default_callbacks(job: TrainJob, parameters: int) -> list[Callback]:
     """Monitors first (they may veto the step), then the metrics line, progress, and checkpoints last."""
     export_every = job.checkpoints.hf_export_every or (1 if parameters < LARGE_MODEL else 10)
-    callbacks = [Monitoring(job.recipe.monitors), MetricsFile(WorkFolder(job.workdir).metrics), Progress(),
+    callbacks = [Monitoring(job.recipe.monitors, on_gpu=job.hardware.accelerator != "cpu"),
+                 MetricsFile(WorkFolder(job.workdir).metrics), Progress(),
                  Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last, export_every)]
     callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
     callbacks.append(HangWatchdog(job.hang_timeout_s, workdir=job.workdir))
