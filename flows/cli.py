@@ -85,9 +85,10 @@ def plan(spec: SpecArg,
     from compass.flows.plan_status import plan_status
     from compass.infra.store import Store
 
-    target = Store(store_root(checked, store))
+    target = Store(store_root(checked, store), create=False)  # a plan writes nothing
     statuses = plan_status(checked.plan, target)
-    sections = [dag_section(checked.plan, statuses, target.root), *cost_sections(loaded.spec, tflops),
+    new_store = not target.is_remote and not Path(target.root).exists()
+    sections = [dag_section(checked.plan, statuses, target.root, new_store), *cost_sections(loaded.spec, tflops),
                 consumption_section(loaded.spec, source_sizes(checked.plan, statuses, target))]
     if as_json:
         print(json.dumps({"spec": loaded.spec.name, "spec_hash": loaded.spec_hash,

@@ -39,7 +39,8 @@ def _deps(inputs: list[str]) -> str:
     return ", ".join(deps) if len(deps) <= 2 else f"{deps[0]} +{len(deps) - 1} more"
 
 
-def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str) -> Section:
+def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str, new_store: bool = False) -> Section:
+    """The steps in run order with what would run and why; `new_store`: the store does not exist yet."""
     rows = []
     for step, st in zip(plan.steps, statuses, strict=True):
         rows.append([step.id, _deps(list(step.inputs.values())) or "-", plan.fingerprints[step.id][:12],
@@ -47,7 +48,7 @@ def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str) -> Sect
     counts = {s: sum(1 for x in statuses if x.state == s) for s in ("run", "cached", "unknown")}
     note = (f"{counts['run']} to run, {counts['cached']} cached"
             + (f", {counts['unknown']} unknown" if counts["unknown"] else "")
-            + f"; outputs under {store_root}")
+            + f"; outputs under {store_root}" + (" (a new store: the first run creates it)" if new_store else ""))
     return Section("DAG", ["step", "depends on", "fingerprint", "state", "why", "output"], rows, [note])
 
 

@@ -116,7 +116,8 @@ class Store:
     (work folders, staging, copies of a remote store's inputs, monitoring) so that every node of a job sees it;
     without it they stay beside a local store, or in this machine's cache and temporary folders."""
 
-    def __init__(self, root: str, scratch_root: str | Path | None = None):
+    def __init__(self, root: str, scratch_root: str | Path | None = None, create: bool = True):
+        """`create=False`: only read (a plan of a store that does not exist yet creates nothing)."""
         self.scratch_root = Path(scratch_root).expanduser().resolve() if scratch_root else None
         self.is_remote = "://" in root and not root.startswith("file://")
         if not self.is_remote:
@@ -124,7 +125,7 @@ class Store:
         self.root = root.rstrip("/")
         self.fs: fsspec.AbstractFileSystem
         self.fs, self.root_path = url_to_fs(self.root)
-        if not self.is_remote:
+        if not self.is_remote and create:
             Path(self.root).mkdir(parents=True, exist_ok=True)
         self._indexes: dict[tuple[str, str], list[FileEntry]] = {}  # shard indexes read, by (uri, their sha256)
 

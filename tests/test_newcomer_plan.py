@@ -29,3 +29,18 @@ def test_a_cpu_spec_is_planned_in_ranks_and_its_engines_sharding(tmp_path: Path)
 
     gpu = sections_of(write_minimal_spec(tmp_path, **{"how:\n": "how:\n  hardware: {accelerator: h100}\n"}))
     assert gpu["Training compute"].columns[4:6] == ["GPU-hours", "GPUs"] and "Memory per GPU" in gpu
+
+
+def test_a_plan_creates_nothing_and_says_which_store_it_plans_against(tmp_path: Path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from compass.flows.cli import app
+
+    store = tmp_path / "not-yet"
+    done = CliRunner().invoke(app, ["plan", str(write_minimal_spec(tmp_path)), "--store", str(store), "--json"])
+    assert done.exit_code == 0, done.output
+    (dag,) = [s for s in json.loads(done.stdout)["sections"] if s["title"] == "DAG"]
+    assert dag["notes"][0].endswith(f"outputs under {store} (a new store: the first run creates it)")
+    assert not store.exists()  # planning wrote nothing
