@@ -76,6 +76,25 @@ def test_the_reference_lists_exactly_the_schema_fields(site: Path):
     assert "how.monitoring.trackers" in shown and "Experiment trackers every training" in page
 
 
+def test_the_command_line_reference_lists_every_command_and_option(site: Path):
+    """Generated from the click tree at every build: a command or option added to the CLI is on the page."""
+    import typer.main
+
+    from compass.flows.cli import app
+    from compass.flows.cli_reference import commands
+
+    page = html.unescape((site / "reference" / "cli" / "index.html").read_text())
+    listed = list(commands(typer.main.get_command(app)))
+    assert {"compass validate", "compass plan", "compass run", "compass ablate promote", "compass worker"} <= \
+        {name for name, _ in listed}
+    for name, command in listed:
+        assert f"<code>{name}</code>" in page, name
+        for param in command.params:
+            if param.param_type_name == "option":
+                assert param.opts[0] in page, (name, param.opts[0])
+    assert "--no-machine-checks" in page and "Machine-readable output." in page
+
+
 def test_a_broken_link_fails_the_build(tmp_path: Path):
     project = tmp_path / "project"
     shutil.copytree(REPO / "docs", project / "docs")
