@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
 
@@ -101,9 +102,17 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
 def cached_vocab_size(candidate: HubCandidate) -> int:
     """Tokens of the hub candidate's cached tokenizer, its added special tokens included (what an embedding must
     hold)."""
+    path = hub_snapshot(candidate) / "tokenizer.json"
+    return _vocabulary_size(str(path), path.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _vocabulary_size(path: str, _mtime_ns: int) -> int:
+    """Read once per process and file version: a run validates its spec more than once, and Llama 3's tokenizer
+    takes most of a second to load."""
     from tokenizers import Tokenizer as Loaded
 
-    return Loaded.from_file(str(hub_snapshot(candidate) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    return Loaded.from_file(path).get_vocab_size(with_added_tokens=True)
 
 
 def with_cached_vocabularies(spec: TrainingSpec) -> tuple[TrainingSpec, list[tuple[int, int, int]]]:
