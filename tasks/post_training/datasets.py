@@ -171,12 +171,16 @@ CONVERSATION_SHAPES = ('{"messages": [{"role": "user", "content": ...}, {"role":
 PAIR_SHAPES = '{"prompt": ..., "chosen": ..., "rejected": ...} (strings or chat turns)'
 
 
+def is_pair_row(row: Any) -> bool:
+    """A parsed JSONL line that is a preference pair (what validation counts and the step reads)."""
+    return isinstance(row, dict) and all(k in row for k in ("prompt", "chosen", "rejected"))
+
+
 def is_pair(line: str) -> bool:
     try:
-        row = json.loads(line)
+        return is_pair_row(json.loads(line))
     except ValueError:
         return False
-    return isinstance(row, dict) and all(k in row for k in ("prompt", "chosen", "rejected"))
 
 
 def dataset_problem(root: Path, pairs: bool, needed: int) -> str | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from compass.tasks.common.devices import Device
-from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward
+from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, is_pair_row
 
 Pair = dict[str, Any]
 
@@ -57,7 +57,7 @@ def dataset_pairs(root: Path, limit: int | None) -> list[Pair]:
                     row = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(row, dict) and all(k in row for k in ("prompt", "chosen", "rejected")):
+                if is_pair_row(row):
                     pairs.append({k: _as_messages(row[k], "user" if k == "prompt" else "assistant")
                                   for k in ("prompt", "chosen", "rejected")})
                     if limit and len(pairs) >= limit:
