@@ -1,4 +1,4 @@
-"""The `compass` command line: validate, plan, run, lineage, schema."""
+"""The `compass` command line: validate, plan, why, run, lineage, schema."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from compass.flows.cli_common import (
 from compass.flows.cli_monitor import monitor
 from compass.flows.cli_ops import ops
 from compass.flows.cli_preflight import preflight
+from compass.flows.cli_why import why
 from compass.infra.environment import prepare_environment
 from compass.infra.temporary_server import start_tied_temporary_server
 
@@ -41,6 +42,7 @@ app = typer.Typer(help="compass: a declarative workflow DAG for training a small
 app.add_typer(ops)  # server, worker, deploy, submit, status
 app.command()(preflight)
 app.command()(monitor)
+app.command()(why)
 
 
 @app.command()

@@ -6,10 +6,11 @@ the spec it reads, so changing one field re-runs exactly the steps that read it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from compass.infra.fingerprint import fingerprint
 from compass.specs.base import Issue
+from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps import registry
 from compass.tasks.steps.kind import PlanBuilder, Step
@@ -29,11 +30,13 @@ class PlanError(ValueError):
 
 @dataclass
 class Plan:
-    """Steps in dependency order with their fingerprints."""
+    """Steps in dependency order with their fingerprints, and the `how` they were compiled under (the plan says
+    when a committed artifact was made under another)."""
 
     spec_name: str
     steps: list[Step]
     fingerprints: dict[str, str]
+    how: How = field(default_factory=How)
 
     def step(self, step_id: str) -> Step:
         return next(s for s in self.steps if s.id == step_id)
@@ -64,7 +67,7 @@ class Plan:
 
     def _subset(self, ids: set[str]) -> Plan:
         return Plan(self.spec_name, [s for s in self.steps if s.id in ids],
-                    {i: fp for i, fp in self.fingerprints.items() if i in ids})
+                    {i: fp for i, fp in self.fingerprints.items() if i in ids}, self.how)
 
 
 def compile_spec(spec: TrainingSpec) -> Plan:
@@ -77,10 +80,10 @@ def compile_spec(spec: TrainingSpec) -> Plan:
             kind.build(builder)
     if builder.issues:
         raise PlanError(builder.issues)
-    return _order(spec.name, builder.steps)
+    return _order(spec.name, builder.steps, spec.how)
 
 
-def _order(spec_name: str, steps: list[Step]) -> Plan:
+def _order(spec_name: str, steps: list[Step], how: How) -> Plan:
     by_id = {s.id: s for s in steps}
     for s in steps:
         missing = set(s.inputs.values()) - set(by_id)
@@ -90,8 +93,9 @@ def _order(spec_name: str, steps: list[Step]) -> Plan:
     fps: dict[str, str] = {}
     for s in ordered:
         inputs = {role: fps[dep] for role, dep in s.inputs.items()}
-        fps[s.id] = fingerprint(s.kind, s.config.identity(), inputs, registry.kind(s.kind).version)
-    return Plan(spec_name, ordered, fps)
+        kind = registry.kind(s.kind)
+        fps[s.id] = fingerprint(s.kind, s.config.identity(), inputs, kind.version, kind.how_identity(s.config, how))
+    return Plan(spec_name, ordered, fps, how)
 
 
 def _stable_topo(steps: list[Step]) -> list[Step]:

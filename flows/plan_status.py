@@ -1,4 +1,6 @@
-"""Would a step run, and why: compares the plan against what the store already holds."""
+"""Would a step run, and why: compares the plan against what the store already holds, field by field (the spec's
+config slice, the `how` fields in the step's identity, its inputs, its kind's code version), and for a reused
+artifact, the placement it was made under where that differs from the spec's now."""
 
 from __future__ import annotations
 
@@ -6,9 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from compass.flows.compiler import Plan
-from compass.infra.manifest import DamagedManifest
+from compass.infra.manifest import DamagedManifest, Manifest
 from compass.infra.store import Store
+from compass.specs.how_identity import identity_of
+from compass.tasks.steps import registry
 from compass.tasks.steps.kind import Step
+
+MOST_SHOWN = 6  # changed fields named in one reason
 
 
 @dataclass(frozen=True)
@@ -17,20 +23,42 @@ class StepStatus:
     uri: str
     state: str     # cached | run | unknown
     reason: str
+    changed_inputs: tuple[str, ...] = ()  # the inputs (step ids) whose artifacts differ from the last commit's
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
+    """Leaves by path (`stages[0].tokens`); an empty dict or list is a leaf of its own."""
+    if isinstance(value, dict | list) and value:
+        items = value.items() if isinstance(value, dict) else ((f"[{i}]", v) for i, v in enumerate(value))
         out: dict[str, Any] = {}
-        for k, v in value.items():
-            out |= _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-        return out if out or not prefix else {prefix: value}
+        for k, v in items:
+            out |= _flatten(v, f"{prefix}{k}" if str(k).startswith("[") else f"{prefix}.{k}" if prefix else str(k))
+        return out
     return {prefix: value}
+
+
+_ABSENT = object()
 
 
 def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     a, b = _flatten(old), _flatten(new)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k, object()) != b.get(k, object()))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT))
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    text = "unset" if value is _ABSENT else "null" if value is None else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> str:
+    """`stage.tokens 20000 -> 40000, lr 0.001 -> 0.002`: each changed leaf with its old and new value."""
+    a, b = _flatten(old), _flatten(new)
+    fields = changed_fields(old, new)
+    shown = [f"{prefix}{f} {_shown(a.get(f, _ABSENT))} -> {_shown(b.get(f, _ABSENT))}" for f in fields[:MOST_SHOWN]]
+    more = f" (+{len(fields) - MOST_SHOWN} more)" if len(fields) > MOST_SHOWN else ""
+    return ", ".join(shown) + more
 
 
 def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
@@ -45,35 +73,67 @@ def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
     for step in plan.steps:
         uri = store.uri(step.kind, step.name, plan.fingerprints[step.id])
         if store.is_committed(uri):
-            damaged = _damaged_manifest(store, uri)
-            out.append(StepStatus(step.id, uri, "run", damaged) if damaged else
-                       StepStatus(step.id, uri, "cached", "committed"))
+            try:
+                manifest = store.read_manifest(uri)
+            except DamagedManifest as exc:
+                why = f"damaged manifest, set aside when run: {str(exc).removeprefix(uri + '/')}"
+                out.append(StepStatus(step.id, uri, "run", why))
+                continue
+            made = made_under(plan, step, manifest)
+            out.append(StepStatus(step.id, uri, "cached", "committed" + (f"; made under {made}" if made else "")))
             continue
-        out.append(StepStatus(step.id, uri, "run", _why_run(plan, step, store)))
+        reason, changed = why_run(plan, step, store)
+        out.append(StepStatus(step.id, uri, "run", reason, changed))
     return out
 
 
-def _damaged_manifest(store: Store, uri: str) -> str | None:
-    """Why a committed artifact's manifest cannot be used (the run sets the artifact aside and recomputes it, or
-    stops with `on_damage: stop`), or None when it reads."""
-    try:
-        store.read_manifest(uri)
-    except DamagedManifest as exc:
-        return f"damaged manifest, set aside when run: {str(exc).removeprefix(uri + '/')}"
-    return None
+def _placement_now(plan: Plan, step: Step) -> dict[str, Any]:
+    """The placement-side values a step would run under now: its `how` numerics and its job's shape."""
+    kind = registry.kind(step.kind)
+    values = {p: v for p, v in kind.how_read(step.config, plan.how).items() if identity_of(p) != "results"}
+    if kind.resources is not None:
+        shape = kind.resources(step.config, plan.how)
+        values |= {"nodes": shape.nodes, "devices_per_node": shape.devices_per_node}
+    return values
 
 
-def _why_run(plan: Plan, step: Step, store: Store) -> str:
+def _placement_then(manifest: Manifest) -> dict[str, Any]:
+    values = {p: v for p, v in manifest.how.items() if identity_of(p) != "results"}
+    if manifest.execution is not None and manifest.execution.devices_per_node:
+        values |= {"nodes": manifest.execution.nodes, "devices_per_node": manifest.execution.devices_per_node}
+    return values
+
+
+def made_under(plan: Plan, step: Step, manifest: Manifest) -> str:
+    """For a reused artifact made under another placement (ranks, ZeRO stage, accelerator): what it was, and what
+    it is now (`parallelism.zero_stage 2 (now 0)`); empty when the placement is the same or was not recorded."""
+    then, now = _placement_then(manifest), _placement_now(plan, step)
+    differing = [k for k in then if k in now and then[k] != now[k]]
+    return ", ".join(f"{k} {_shown(then[k])} (now {_shown(now[k])})" for k in differing)
+
+
+def why_run(plan: Plan, step: Step, store: Store) -> tuple[str, tuple[str, ...]]:
+    """Why a step has no committed artifact: new, or what differs from its newest committed one; and which of its
+    inputs differ."""
     previous = store.committed(step.kind, step.name)
     if not previous:
-        return "new"
+        return "new", ()
     last = previous[0]
-    fields = changed_fields(last.config, step.config.identity())
-    if fields:
-        shown = ", ".join(fields[:6]) + (f" (+{len(fields) - 6} more)" if len(fields) > 6 else "")
-        return f"config changed: {shown}"
+    kind = registry.kind(step.kind)
+    reasons = []
+    if changed_fields(last.config, step.config.identity()):
+        reasons.append("config changed: " + changes(last.config, step.config.identity()))
+    then = {p: v for p, v in last.how.items() if identity_of(p) == "results"}
+    now = kind.how_identity(step.config, plan.how)
+    if then != now:
+        reasons.append("how changed: " + changes(then, now, "how.") if then else
+                       "made before its how fields entered its identity")
     old_inputs = {ref.role: ref.fingerprint for ref in last.inputs}
     changed = [dep for role, dep in step.inputs.items() if old_inputs.get(role) != plan.fingerprints[dep]]
     if changed:
-        return f"input changed: {', '.join(changed)}"
-    return "code version changed"
+        reasons.append(f"input changed: {', '.join(changed)}")
+    if reasons:
+        return "; ".join(reasons), tuple(changed)
+    if last.phase_version != kind.version:
+        return f"code version changed ({last.phase_version} -> {kind.version})", ()
+    return "code version changed", ()

@@ -10,10 +10,15 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
-def fingerprint(kind: str, config: dict[str, Any], input_fingerprints: dict[str, str], code_version: str) -> str:
-    payload = canonical_json(
-        {"kind": kind, "config": config, "inputs": input_fingerprints, "code_version": code_version}
-    )
+def fingerprint(kind: str, config: dict[str, Any], input_fingerprints: dict[str, str], code_version: str,
+                how: dict[str, Any] | None = None) -> str:
+    """`how`: the values of the `how` fields that change this step's output (a kind that reads none leaves them
+    out, so its identity is what it was before `how` entered identities)."""
+    identity: dict[str, Any] = {"kind": kind, "config": config, "inputs": input_fingerprints,
+                                "code_version": code_version}
+    if how:
+        identity["how"] = how
+    payload = canonical_json(identity)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

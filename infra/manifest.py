@@ -85,6 +85,9 @@ class Manifest(BaseModel):
     fingerprint: str
     uri: str
     config: dict[str, Any]
+    # the `how` fields the step's kind reads, by dotted path, as it ran: the "results" ones are part of its
+    # fingerprint; the others say under what placement it was made (specs/how.py classifies them)
+    how: dict[str, Any] = Field(default_factory=dict)
     inputs: list[InputRef] = Field(default_factory=list)
     spec_hash: str
     spec_name: str

@@ -3,7 +3,7 @@
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     Field,
@@ -17,6 +17,15 @@ from pydantic import (
 
 from compass.specs.base import SpecModel
 
+# What a `how` field does to a step's artifact, declared beside each field (every model below lists all of its own):
+# results: it changes what the step produces (precision, kernels, compile, micro-batch, checkpoint cadence), so it
+#   enters the fingerprint of the steps whose kind reads it (StepKind.reads_how); a change re-runs them;
+# numerics: where the step runs, and with it the order of floating-point reductions (devices, ranks, ZeRO stage,
+#   TP): never in the fingerprint, but the manifest records it and the plan says when a reused artifact was made
+#   under another value;
+# placement: where and how a step runs and is watched (nodes' addresses, paths, retries, monitoring), nothing more.
+Identity = Literal["results", "numerics", "placement"]
+
 Accelerator = Literal["cpu", "h100", "h200", "a100", "l40s"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -27,6 +36,11 @@ MEMORY_GIB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "l40s
 
 class Hardware(SpecModel):
     """The machines the run trains on, and the numbers the planner estimates time and cost with."""
+
+    field_identity: ClassVar[dict[str, Identity]] = {
+        "accelerator": "numerics", "devices_per_node": "numerics", "nodes": "numerics", "peak_tflops": "placement",
+        "assumed_mfu": "placement", "hosts": "placement", "launcher": "placement", "cpus_per_node": "placement",
+        "rendezvous_port": "placement", "internode_busbw_gbps": "placement", "target_days": "placement"}
 
     accelerator: Accelerator = Field(
         default="cpu", description="cpu, or the GPU model: steps then use CUDA, and the plan its peak TFLOP/s and "
@@ -65,6 +79,12 @@ class Hardware(SpecModel):
 
 class Parallelism(SpecModel):
     """How training is spread over the devices: the engine, what it shards, and the parallel sizes."""
+
+    field_identity: ClassVar[dict[str, Identity]] = {
+        "engine": "results", "deepspeed": "results", "engine_name": "results",  # engine_name: what the two decide
+        "zero_stage": "numerics", "shard_group": "numerics", "data_parallel": "numerics",
+        "tensor_parallel": "numerics", "pipeline_parallel": "numerics", "micro_batch_size": "results",
+        "activation_checkpointing": "placement", "reshard_after_forward": "placement"}
 
     engine: Literal["deepspeed", "ddp", "fsdp2"] | None = Field(
         default=None, description="What trains the pretraining-like phases: DeepSpeed (ZeRO 0-3, AutoTP), torch DDP, "
@@ -131,6 +151,10 @@ SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/
 class Storage(SpecModel):
     """Where the artifacts live and how they are checked before use."""
 
+    field_identity: ClassVar[dict[str, Identity]] = {
+        "root": "placement", "credentials_block": "placement", "local_cache": "placement", "verify": "placement",
+        "shard_index_above": "placement", "on_damage": "placement"}
+
     root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact.")
     credentials_block: str | None = Field(
         default=None, description="Prefect Secret block holding {aws_access_key_id, aws_secret_access_key, "
@@ -182,6 +206,11 @@ class SlurmCluster(SpecModel):
     requeued or node-failed job resumes from its newest checkpoint, and the step follows the same job id, also
     from a new `compass run` after the first one died."""
 
+    field_identity: ClassVar[dict[str, Identity]] = {
+        name: "placement" for name in ("kind", "shared_root", "launch", "partition", "account", "qos", "constraint",
+                                       "exclude", "time_limit", "requeue", "signal_before_s", "poll_seconds",
+                                       "probe_timeout_s")}
+
     kind: Literal["slurm"] = "slurm"
     shared_root: str | None = Field(
         default=None, description="A folder every node mounts at the same path (Lustre, GPFS, NFS, FSx): the "
@@ -230,6 +259,10 @@ class PhaseShape(SpecModel):
     """Where one phase's steps run. Unset fields take their defaults from `how.hardware`: pretraining, long context
     and mid-training its nodes and devices; ablations one node of its devices; post-training and evaluation one
     device (TRL and lighteval run one process); the data phase no device."""
+
+    field_identity: ClassVar[dict[str, Identity]] = {
+        "nodes": "numerics", "devices_per_node": "numerics", "cpus_per_node": "placement", "memory_gb": "placement",
+        "time_limit": "placement", "partition": "placement"}
 
     nodes: PositiveInt | None = Field(default=None, description="Nodes per job of the phase (default: "
                                       "how.hardware.nodes for pretraining, long context and mid-training, else 1).")
@@ -285,6 +318,11 @@ class Orchestration(SpecModel):
     """How the plan's steps run: retries and timeouts, the task runner, an optional Slurm cluster, and how many
     steps run at once."""
 
+    field_identity: ClassVar[dict[str, Identity]] = {
+        name: "placement" for name in ("retries", "retry_delay_seconds", "timeout_seconds", "step_timeouts",
+                                       "task_runner", "ray_address", "ray_num_cpus", "workers", "in_process_below_mib",
+                                       "max_parallel_steps", "max_parallel_gpu_steps")}
+
     retries: int = Field(default=1, ge=0, description="Times a failed step is retried (faults only: a data or spec "
                                                       "error fails at once).")
     retry_delay_seconds: float = Field(default=10, ge=0, description="Seconds to wait before a retry.")
@@ -316,6 +354,10 @@ class Orchestration(SpecModel):
 class Checkpoints(SpecModel):
     """When training steps checkpoint, and how many checkpoints they keep."""
 
+    field_identity: ClassVar[dict[str, Identity]] = {
+        # the artifact of a training step holds its kept, exported checkpoints: what every-checkpoint evaluation scores
+        "every_steps": "results", "keep_last": "results", "hf_export_every": "results", "asynchronous": "placement"}
+
     every_steps: PositiveInt = Field(default=1000, description="Optimizer steps between checkpoints (a stage's last "
                                                                "step is always saved); TRL steps save at it too.")
     keep_last: PositiveInt = Field(default=2, description="Newest checkpoints kept in a step's work folder (a "
@@ -331,6 +373,9 @@ class Checkpoints(SpecModel):
 
 class EvaluationCadence(SpecModel):
     """When checkpoints are evaluated besides each model step's final weights."""
+
+    field_identity: ClassVar[dict[str, Identity]] = {
+        "every_checkpoint": "results", "schedule_cron": "placement", "schedule_interval_seconds": "placement"}
 
     every_checkpoint: bool = Field(
         default=True, description="Also evaluate every checkpoint a model step kept (the evaluation curves against "
@@ -350,6 +395,10 @@ class Monitoring(SpecModel):
     """Watching a run while it trains: a Prometheus endpoint on every training rank (registered for Prometheus's
     file service discovery), a run per step in each experiment tracker, and the Prefect UI's live progress and
     loss plot. `compass monitor SPEC` starts a Prometheus that reads the endpoints and the shipped alert rules."""
+
+    field_identity: ClassVar[dict[str, Identity]] = {
+        name: "placement" for name in ("prometheus", "listen", "port", "trackers", "mlflow_tracking_uri", "wandb_mode",
+                                       "project", "progress_every_s", "checkpoint_events", "hang_timeout_s", "folder")}
 
     prometheus: bool = Field(default=True, description="Serve a Prometheus metrics endpoint on every training rank.")
     listen: str = Field(default="127.0.0.1", pattern=r"^[0-9a-fA-F.:]+$",
@@ -408,6 +457,10 @@ LossKernel = Literal["auto", "chunked", "liger"]
 class How(SpecModel):
     """How the run executes: hardware, per-phase resources, parallelism, precision, storage, orchestration,
     checkpoints, evaluation cadence and monitoring."""
+
+    field_identity: ClassVar[dict[str, Identity]] = {
+        "precision": "results", "attention": "results", "compile": "results", "loss": "results",
+        "generation": "results"}  # its sections classify their own fields
 
     hardware: Hardware = Field(default=Hardware(), description="Accelerator, nodes and devices, and the launch.")
     resources: Resources = Field(default=Resources(), description="Per-phase nodes, devices, CPUs, memory and time "

@@ -33,6 +33,7 @@ class FieldDoc:
     constraints: str
     description: str
     example: str
+    identity: str = ""  # a `how` field's class in step identity (results, numerics, placement)
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,10 @@ def model_docs(root: type[BaseModel] | None = None) -> list[ModelDoc]:
             description = " ".join((info.description or "").split())
             if not description and _is_discriminator(info):
                 description = "Selects this variant."
+            identity = getattr(model, "field_identity", {}).get(name, "")
             fields.append(FieldDoc(model.__name__, name, paths, type_name(info.annotation), default_text(info),
-                                   constraints(info), description, example_text(model, name, paths, examples)))
+                                   constraints(info), description, example_text(model, name, paths, examples),
+                                   identity))
         docs.append(ModelDoc(model.__name__, _doc(model), tuple(fields)))
     return docs
 
@@ -228,14 +231,21 @@ def render(root: type[BaseModel] | None = None) -> str:
     lines = ["# Spec reference", "",
              "Every field of a training spec, generated from the models the loader validates with "
              "(`compass.specs`): what you can write, its type, default, bounds and meaning, and an example from "
-             "the shipped specs (`specs/examples/`). Unknown keys are errors.", ""]
+             "the shipped specs (`specs/examples/`). Unknown keys are errors.", "",
+             "Each `how` field has an **identity** class: *results* fields change what a step produces and are part "
+             "of the fingerprint of the steps that read them (a change re-runs those steps); *numerics* fields "
+             "decide where a step runs and with it the order of floating-point sums: not in the fingerprint, but "
+             "`compass plan` says when a reused artifact was made under another value; *placement* fields only "
+             "decide where and how a step runs and is watched.", ""]
     for model in model_docs(root):
         lines += [f"## {model.name}", "", model.doc, ""]
-        lines += ["| Field | Type | Default | Constraints | Description | Example |",
-                  "|---|---|---|---|---|---|"]
+        classified = any(f.identity for f in model.fields)
+        extra = (" Identity |", "---|") if classified else ("", "")
+        lines += ["| Field | Type | Default | Constraints | Description | Example |" + extra[0],
+                  "|---|---|---|---|---|---|" + extra[1]]
         for f in model.fields:
             lines.append(f"| {'<br>'.join(f'`{p}`' for p in f.paths)} | {f.type} | {f.default} | {f.constraints} | "
-                         f"{_cell(f.description)} | {f.example} |")
+                         f"{_cell(f.description)} | {f.example} |" + (f" {f.identity} |" if classified else ""))
         lines.append("")
     return "\n".join(lines)
 

@@ -354,6 +354,18 @@ def trained_store(data_store: Path, tmp_path_factory: pytest.TempPathFactory) ->
                       lambda folder: _prepare(folder, ["pretrain:stage2"], seed=data_store))
 
 
+TRL_CHECKPOINTS = "how:\n  checkpoints: {every_steps: 2, keep_last: 2}\n"  # the TRL tests' cadence (resumes)
+
+
+@pytest.fixture(scope="session")
+def trl_trained_store(data_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`trained_store` trained under the TRL tests' checkpoint cadence: how.checkpoints is part of a training
+    step's identity (which checkpoints its artifact keeps), so their specs' pretraining is this one."""
+    return built_once(tmp_path_factory, "trained-trl",
+                      lambda folder: _prepare(folder, ["pretrain:stage2"], seed=data_store,
+                                              **{"how:\n": TRL_CHECKPOINTS}))
+
+
 CHECKPOINTED_STAGE = {  # the minimal spec's first stage, long enough to be caught mid-run, a checkpoint every 10 steps
     "tokens: 20000, sequence_length: 64": "tokens: 40000, sequence_length: 64",
     "  parallelism: {micro_batch_size: 2}": "  checkpoints: {every_steps: 10}\n  parallelism: {micro_batch_size: 2}"}

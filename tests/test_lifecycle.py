@@ -107,7 +107,7 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path, prefec
     spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 80000", **UI_NAME})
     plan = server_cli.json("plan", str(spec), "--store", str(store))
     dag = {row[0]: row for row in plan["sections"][0]["rows"]}
-    assert dag["tokenizer:select"][3:5] == ["run", "config changed: train_chars"]
+    assert dag["tokenizer:select"][3:5] == ["run", "config changed: train_chars 100000 -> 80000"]
     assert dag["curate:notes"][3] == "cached"
     assert {step for step, row in dag.items() if row[3] == "run"} == {"tokenizer:select"} | trained
     assert dag["tokenize:notes"][4] == "input changed: tokenizer:select"
@@ -120,7 +120,7 @@ def test_run_cache_and_one_field_changes(server_cli: Cli, tmp_path: Path, prefec
                                            "curation: {heldout_fraction: 0.2}": "curation: {heldout_fraction: 0.25}"})
     plan = server_cli.json("plan", str(spec), "--store", str(store))
     dag = {row[0]: row for row in plan["sections"][0]["rows"]}
-    assert dag["curate:code"][4] == "config changed: curation.heldout_fraction"
+    assert dag["curate:code"][4] == "config changed: curation.heldout_fraction 0.2 -> 0.25"
     assert dag["tokenizer:select"][4] == "input changed: curate:code"
     assert {step for step, row in dag.items() if row[3] == "run"} == {"curate:code", "tokenizer:select"} | trained
     assert executed(server_cli.json("run", str(spec), "--store", str(store), *until_tokenizer)) == {

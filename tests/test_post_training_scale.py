@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from compass.tasks.post_training.trl_checkpoints import newest_complete
-from tests.conftest import REPO, seeded, write_minimal_spec
+from tests.conftest import REPO, TRL_CHECKPOINTS, seeded, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,7 @@ POST = """  post_training:
     - {method: dpo, name: dpo, loss_type: sigmoid, dataset: prefs, lr: 1.0e-4, max_length: 64, batch_size: 2}
   pretraining:"""
 PREFERENCES = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(16)]
-TRL_SHAPE = ("how:\n  checkpoints: {every_steps: 2, keep_last: 2}\n"
-             "  resources: {post_training: {devices_per_node: %d}}\n")
+TRL_SHAPE = TRL_CHECKPOINTS + "  resources: {post_training: {devices_per_node: %d}}\n"
 
 RUN_STEP = """
 import logging, sys
@@ -55,9 +54,9 @@ def spec_with_ranks(folder: Path, ranks: int, zero: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pretrained(trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pretrained(trl_trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with the minimal spec's pretraining done (what every variant's SFT continues from)."""
-    return seeded(tmp_path_factory.mktemp("trl-scale") / "store", trained_store)
+    return seeded(tmp_path_factory.mktemp("trl-scale") / "store", trl_trained_store)
 
 
 def run_steps(spec: Path, store: Path, steps: list[str]) -> dict:

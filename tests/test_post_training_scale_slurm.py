@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 LONGER = {"  pretraining:": POST.replace("max_samples: 48", "max_samples: 160"), "how:\n": TRL_SHAPE % 2}
 
 
-def test_a_requeued_trl_job_resumes_from_its_checkpoint(slurm, trained_store: Path, tmp_path: Path):
-    pretrained = seeded(tmp_path / "pretrained" / "store", trained_store)
+def test_a_requeued_trl_job_resumes_from_its_checkpoint(slurm, trl_trained_store: Path, tmp_path: Path):
+    pretrained = seeded(tmp_path / "pretrained" / "store", trl_trained_store)
     reference_store = tmp_path / "reference" / "store"
     shutil.copytree(pretrained, reference_store)
     spec_with_ranks(tmp_path / "reference", 2)  # the pairs file the spec names

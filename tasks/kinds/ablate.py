@@ -21,7 +21,7 @@ from compass.tasks.common.training import build_job, run_training
 from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.kinds.gate import gate_inputs
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -245,7 +245,7 @@ def _plot(rows: list[dict], metric: str, out: Path) -> None:
 
 
 ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", resources=phase("ablation"),
-                  trains=True,
+                  trains=True, reads_how=TRAINER_HOW,
                   imports=TRANSFORMERS, deployment="ablations", headline=("val_loss", "final_loss"))
 COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="2", deployment="ablations")
 STEP_KINDS = (ABLATE, COMPARE)

@@ -25,7 +25,7 @@ from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.kinds.encode_tokens import tokens_of
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -282,5 +282,5 @@ def _shown(values: dict[str, Any]) -> str:
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
 KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", resources=phase("evaluation"),
                 imports=TRANSFORMERS, check_spec=check_spec, check_machine=check_machine,
-                node_files=node_files, headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
+                node_files=node_files, reads_how=EVALUATION_HOW, headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
 STEP_KINDS = (KIND,)

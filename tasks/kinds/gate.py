@@ -21,7 +21,7 @@ from compass.specs.spec import TrainingSpec
 from compass.specs.why import ProductionWhy, SuccessCriterion
 from compass.tasks.kinds.success_report import OPS
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 NOT_JUSTIFIED = "not justified"
@@ -148,5 +148,6 @@ def stops_the_run(metrics: dict[str, Any]) -> str | None:
 
 
 KIND = StepKind("gate", GateConfig, run_gate, build, version="1", resources=phase("evaluation"),
-                imports=TRANSFORMERS, node_files=node_files, stops_run=stops_the_run)
+                imports=TRANSFORMERS, node_files=node_files, stops_run=stops_the_run,
+                reads_how=EVALUATION_HOW)
 STEP_KINDS = (KIND,)

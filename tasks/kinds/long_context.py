@@ -16,7 +16,7 @@ from compass.specs.training import LongContextStage, Monitors, Optimizer, Pretra
 from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -29,6 +29,9 @@ class LongContextConfig(StepConfig):
     seed: int
     monitors: Monitors
     previous_length: int  # the context before this stage: longer documents are packed whole
+
+    def sets_how(self) -> frozenset[str]:
+        return frozenset({"parallelism.micro_batch_size"} if self.stage.micro_batch_size is not None else ())
 
     def recipe(self) -> StageRecipe:
         """One stage with its own length, RoPE base, budget, mixture and LR schedule."""
@@ -102,6 +105,6 @@ def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
 # 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2); 3: the training core of pretrain 2
 KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="3",
                 resources=phase("long_context"),
-                trains=True, imports=TRANSFORMERS, produces_model=True,
+                trains=True, imports=TRANSFORMERS, produces_model=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
                 headline=("final_loss", "tokens_per_s", "mfu"))
 STEP_KINDS = (KIND,)

@@ -15,7 +15,7 @@ from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.kinds.long_context import continuation, inference_scaling
 from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -66,6 +66,6 @@ def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
 
 KIND = StepKind("mid_training", MidTrainingConfig, run_mid_training, None, version="1",
                 resources=phase("mid_training"),
-                trains=True, imports=TRANSFORMERS, produces_model=True,
+                trains=True, imports=TRANSFORMERS, produces_model=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
                 headline=("final_loss", "tokens_per_s"))
 STEP_KINDS = (KIND,)

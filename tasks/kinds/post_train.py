@@ -37,7 +37,7 @@ from compass.tasks.post_training.datasets import (
     training_arithmetic,
 )
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -457,7 +457,7 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
 
 
 KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="3",
-                resources=phase("post_training"), trains=True,
+                resources=phase("post_training"), trains=True, reads_how=TRL_HOW,
                 imports=TRANSFORMERS, produces_model=True, check_machine=check_machine,
                 headline=("final_loss", "final_reward", "tokens"))
 STEP_KINDS = (KIND,)

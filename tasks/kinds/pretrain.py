@@ -8,7 +8,7 @@ from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.kinds.gate import gate_inputs
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -41,7 +41,7 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
 KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", resources=phase("pretraining"),
-                trains=True,
+                trains=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
                 imports=TRANSFORMERS, produces_model=True,
                 headline=("final_loss", "tokens_per_s", "mfu"))
 STEP_KINDS = (KIND,)

@@ -19,9 +19,10 @@ ConfigT = TypeVar("ConfigT", bound=StepConfig)
 
 @dataclass(frozen=True)
 class Runtime:
-    """Settings that change how a step runs but never what it produces (not fingerprinted): the spec's `how`
-    (hardware, parallelism, checkpoints, orchestration), the folder relative paths resolve against, and where
-    this step runs (its placement: tasks/steps/placement.py)."""
+    """What a step runs under besides its config: the spec's `how` (hardware, parallelism, precision, kernels,
+    checkpoints, orchestration; the fields of it that change what the step produces are in its fingerprint through
+    StepKind.reads_how, the rest never are), the folder relative paths resolve against, and where this step runs
+    (its placement: tasks/steps/placement.py)."""
 
     how: How = field(default_factory=How)
     base_dir: Path = field(default_factory=Path.cwd)

@@ -117,6 +117,7 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
             (out / SUMMARY_FILE).write_text(result.summary)
         manifest = Manifest(
             kind=run.kind, name=run.name, fingerprint=run.fingerprint, uri=run.uri, config=run.config.identity(),
+            how=kind.how_read(run.config, run.runtime.how),
             inputs=[InputRef(role=r, step=a.step_id, uri=a.uri, fingerprint=a.manifest.fingerprint)
                     for r, a in run.inputs.items()],
             spec_hash=run.spec_hash, spec_name=run.spec_name, code_version=code_version(),

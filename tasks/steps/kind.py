@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from compass.specs.base import Issue, Loc
 from compass.specs.how import How
+from compass.specs.how_identity import identity_of, value_at
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 
@@ -41,6 +42,11 @@ class StepConfig(BaseModel):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
+
+    def sets_how(self) -> frozenset[str]:
+        """`how` paths this step's own config overrides (a long-context stage's micro_batch_size): its kind reads
+        them from `how` no longer, so they leave its identity."""
+        return frozenset()
 
 
 class EmptyConfig(StepConfig):
@@ -83,6 +89,17 @@ TRANSFORMERS = tuple(f"transformers:{name}" for name in (
     "PretrainedConfig", "AttentionInterface", "SmolLM3Config", "Qwen3Config", "Qwen3MoeConfig"))
 
 
+# What each family of kinds reads from `how` (StepKind.reads_how): compass's trainer (pretraining, long context,
+# mid-training, ablations), TRL's trainers, and evaluation (lighteval, perplexity, passkey).
+TRAINER_HOW = ("precision", "attention", "loss", "compile", "parallelism.engine_name", "parallelism.micro_batch_size",
+               "hardware.accelerator", "parallelism.zero_stage", "parallelism.tensor_parallel",
+               "parallelism.shard_group")
+CHECKPOINT_HOW = ("checkpoints.every_steps", "checkpoints.keep_last", "checkpoints.hf_export_every")
+TRL_HOW = ("precision", "attention", "loss", "compile", "generation", "hardware.accelerator",
+           "parallelism.zero_stage")  # TRL's optimizer is the HF Trainer's under either engine
+EVALUATION_HOW = ("precision", "attention", "compile", "generation", "hardware.accelerator")
+
+
 @dataclass(frozen=True)
 class StepKind:
     """Everything compass knows about one kind of step, in one place."""
@@ -109,6 +126,18 @@ class StepKind:
     # its work is datatrove stages: under a cluster they run as Slurm job arrays, the step's own job only drives them
     fans_out: bool = False
     headline: tuple[str, ...] = ()  # the metrics its commit line shows (the run's terminal, the Prefect logs)
+    # dotted `how` paths its steps read (specs/how.py classifies each): the "results" ones enter their fingerprint,
+    # all are recorded in the manifest, so the plan can say under what a reused artifact was made
+    reads_how: tuple[str, ...] = ()
+
+    def how_read(self, config: StepConfig, how: How) -> dict[str, Any]:
+        """The values of the `how` fields one of its steps reads, by dotted path."""
+        overridden = config.sets_how()
+        return {path: value_at(how, path) for path in self.reads_how if path not in overridden}
+
+    def how_identity(self, config: StepConfig, how: How) -> dict[str, Any]:
+        """The part of `how_read` that changes what the step produces: part of its fingerprint."""
+        return {p: v for p, v in self.how_read(config, how).items() if identity_of(p) == "results"}
 
     def import_names(self) -> None:
         """Resolve `imports` now. transformers 5 resolves its top-level names lazily and not thread-safely: two
