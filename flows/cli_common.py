@@ -70,6 +70,21 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
     return checked
 
 
+def _inside_a_source(checked: CheckedSpec, root: str) -> str | None:
+    """A store inside a local source folder: its manifests, locks and shards would be the source's next documents,
+    and every run would ingest again."""
+    from compass.flows.confinement import local_paths
+
+    if "://" in root and not root.startswith("file://"):
+        return None
+    path = Path(root.removeprefix("file://")).expanduser().resolve()
+    for loc, _, folder in local_paths(checked.spec, checked.loaded.base_dir):
+        if loc[:3] == ("what", "data", "sources") and path.is_relative_to(folder):
+            name = checked.spec.what.data.sources[int(loc[3])].name
+            return f"the store {path} lies inside the local source '{name}' ({folder}): put it outside the folder"
+    return None
+
+
 def store_root(checked: CheckedSpec, store: str | None, option: str = "--store") -> str:
     """`--store` if given, else the spec's `how.storage.root` (relative to the working directory); a smoke run or a
     rehearsal writes beside it, to `<root>-smoke` or `<root>-rehearsal`, never among real artifacts. Exit 2 when it
@@ -80,7 +95,7 @@ def store_root(checked: CheckedSpec, store: str | None, option: str = "--store")
     if store and checked.loaded.size != "full":
         store = store.rstrip("/") + f"-{checked.loaded.size}"
     root = store or resolve_root(checked.spec.how.storage.root)
-    problem = root_problem(root)
+    problem = root_problem(root) or _inside_a_source(checked, root)
     if problem is None:
         return root
     if store:

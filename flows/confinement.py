@@ -61,3 +61,22 @@ def outside_roots(spec: TrainingSpec, base_dir: Path, roots: list[Path]) -> Iter
                         f"({', '.join(str(r) for r in roots) or 'none'})", f"put the data on S3 or under the "
                         f"worker's store or spec folder ({WORKER_STORE}, {WORKER_SPECS}), or add its folder to "
                         f"{ALLOWED_ROOTS} in the worker's environment")
+
+
+def store_outside_worker(root: str) -> str | None:
+    """Why a run a deployment started may not write its store at `root` (None: it may). A worker started with
+    `--store` writes only into that store (its smoke and rehearsal namespaces beside it included) or under
+    COMPASS_ALLOWED_ROOTS, whatever `store_root` the submitter passed; an s3:// store is the spec's own bucket, and a
+    worker started without `--store` confines nothing."""
+    own = os.environ.get(WORKER_STORE)
+    if not own or ("://" in root and not root.startswith("file://")):
+        return None
+    path = Path(root.removeprefix("file://")).expanduser().resolve()
+    store = Path(own).expanduser().resolve()
+    beside = {store.with_name(f"{store.name}-{size}") for size in ("smoke", "rehearsal")}
+    roots = [store, *beside, *(Path(p).expanduser().resolve()
+                               for p in os.environ.get(ALLOWED_ROOTS, "").split(os.pathsep) if p)]
+    if any(path.is_relative_to(r) for r in roots):
+        return None
+    return (f"{path} is outside the stores this worker writes ({store}, or under {ALLOWED_ROOTS}): submit without "
+            f"store_root, or start the worker with --store {path}")

@@ -20,7 +20,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from compass.flows.compiler import Plan
-from compass.flows.confinement import outside_roots, worker_roots
+from compass.flows.confinement import outside_roots, store_outside_worker, worker_roots
 from compass.flows.mixture_report import consumption_section, source_sizes
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
@@ -33,13 +33,14 @@ from compass.infra.errors import DataError
 from compass.infra.interrupt import stop_run
 from compass.infra.quiet_failures import quiet_data_errors
 from compass.infra.run_records import end_dead_runs, run_record
-from compass.infra.store import Store
+from compass.infra.store import Store, root_problem
 from compass.model.training.rank_device import REHEARSAL_ENV
 from compass.specs.how import Orchestration
 from compass.specs.loader import SpecError, load_spec_text
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import Runtime
 from compass.tasks.steps.kind import GPU_TAG, Step
+from compass.tasks.steps.launchers import launcher_for
 
 
 def artifact_key(*parts: str) -> str:
@@ -156,12 +157,8 @@ def _ray_options(ctx: RunContext, step: Step):
         return nullcontext()
     from prefect_ray.context import remote_options
 
-    placement = placement_of(ctx, step)
-    if placement.mode == "ray_tasks":
-        return remote_options(num_cpus=0)
-    if placement.uses_devices and ctx.runtime.how.hardware.accelerator != "cpu":
-        return remote_options(num_gpus=placement.shape.devices_per_node)
-    return nullcontext()
+    resources = launcher_for(placement_of(ctx, step)).ray_resources(ctx.runtime.how.hardware.accelerator)
+    return remote_options(**resources) if resources else nullcontext()
 
 
 def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
@@ -225,7 +222,7 @@ def _resolve_imports_of_steps_to_compute(plan: Plan, ctx: RunContext) -> None:
     modules (torch, transformers' lazy names). Only the kinds with a step to compute in this process: a step found
     committed imports nothing, and a step run as a Slurm job imports in its own process."""
     to_compute = [s for s in plan.steps
-                  if placement_of(ctx, s).mode != "slurm_job" and not ctx.store.is_committed(step_uri(ctx, s))]
+                  if launcher_for(placement_of(ctx, s)).computes_here and not ctx.store.is_committed(step_uri(ctx, s))]
     for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in to_compute}.values():
         kind.import_names()
 
@@ -282,11 +279,15 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     full = checked.plan
     plan = full.up_to(until) if until else full
     cluster = spec.how.orchestration.cluster
-    store = Store(store_root or resolve_root(spec.how.storage.root), cluster.shared_root if cluster else None)
+    root = store_root or resolve_root(spec.how.storage.root)
     if deployment.id:  # submitted to a shared worker: read local files only under its own roots, never the submitter's
         outside = list(outside_roots(spec, base, worker_roots()))
         if outside:
             raise SpecError(loaded.problems(outside))
+    unwritable = root_problem(root) or (store_outside_worker(root) if deployment.id else None)
+    if unwritable:  # before anything is created there
+        raise ValueError(f"store_root {root}: {unwritable}")
+    store = Store(root, cluster.shared_root if cluster else None)
     with _recorded_run(store):
         statuses = plan_status(full, store)
         create_markdown_artifact(

@@ -19,6 +19,7 @@ from compass.tasks.steps import registry
 from compass.tasks.steps.context import InputArtifact, Runtime, StepResult
 from compass.tasks.steps.execution import SUMMARY_FILE, StepRun, clear_work, execute
 from compass.tasks.steps.kind import Step
+from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import Placement, place
 
 __all__ = ["SUMMARY_FILE", "RunContext", "StepOutcome", "run_in_process", "run_step", "step_uri"]
@@ -100,10 +101,10 @@ def _run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerA
                       workdir=store.work_dir(step.kind, step.name, fingerprint), work_key=key,
                       runtime=replace(ctx.runtime, placement=placement), spec_hash=ctx.spec_hash,
                       spec_name=ctx.plan.spec_name)
-        if placement.mode == "slurm_job":
-            manifest, result = _run_as_slurm_job(run, log, lambda job: lock.annotate(job=job))
-        else:
+        if launcher_for(placement).computes_here:
             manifest, result = execute(run, log)
+        else:  # a Slurm job computes and commits it
+            manifest, result = _run_as_slurm_job(run, log, lambda job: lock.annotate(job=job))
         clear_work(store, key, run.workdir)
         return StepOutcome(step.id, uri, True, manifest, result)
 

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from typing import Any
 
 from compass.infra.store import Store
 
@@ -46,10 +47,12 @@ class StepLock:
         self._write_whole(self._body())
 
     def _read(self) -> dict | None:
+        """The holder, or None when there is none or the file does not read as one (being written, left empty by a
+        crash, or malformed: then broken, and taken over once the file is older than `stale_after_s`)."""
         try:
             with self.store.fs.open(self.path, "r") as f:
-                return json.loads(f.read())
-        except (FileNotFoundError, json.JSONDecodeError, OSError):
+                return holder_of(json.loads(f.read()))
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, OSError):
             return None
 
     def _write_whole(self, body: str) -> None:
@@ -100,7 +103,7 @@ class StepLock:
                 else:
                     time.sleep(0.05)
                 continue
-            if time.time() - holder.get("heartbeat", 0) > self.stale_after_s or holder_dead_here(holder):
+            if holder_stale(holder, self._age_s, self.stale_after_s):
                 if self._break_stale(holder):  # a dead holder on this machine is known at once: no heartbeat wait
                     self.on_take_over(holder)
                 continue
@@ -155,12 +158,41 @@ def _process_start(pid: int) -> float | None:
         return None
 
 
-def holder_dead_here(holder: dict) -> bool:
-    """Whether the holder ran on this machine and its process is gone (a reused PID has another start time)."""
+def holder_of(value: Any) -> dict | None:
+    """A lock file's content as a holder: a JSON object whose heartbeat and start time are numbers and whose pid is
+    an integer, where given; anything else (`[]`, a string heartbeat, `{"pid": "five"}`) is None: broken."""
+    def number(key: str, kinds: type | tuple[type, ...]) -> bool:
+        given = value.get(key)
+        return given is None or (isinstance(given, kinds) and not isinstance(given, bool))
+
+    if not isinstance(value, dict):
+        return None
+    return value if number("heartbeat", (int, float)) and number("started", (int, float)) and number("pid", int) \
+        else None
+
+
+def holder_alive_here(holder: dict) -> bool | None:
+    """On this machine: whether the holder's process is alive (its pid runs with the recorded start time, so a
+    reused pid is not taken for it). None: it ran elsewhere, or recorded too little to tell."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
+        return None
     started = _process_start(holder["pid"])
-    return started is None or (holder.get("started") is not None and abs(started - holder["started"]) > 1e-3)
+    if started is None:
+        return False
+    recorded = holder.get("started")
+    return recorded is None or abs(started - recorded) <= 1e-3
+
+
+def holder_stale(holder: dict, file_age_s: Callable[[], float], stale_after_s: float) -> bool:
+    """Whether a holder is gone. On this machine its process decides, whatever its heartbeat (a run paused with
+    SIGSTOP is alive); elsewhere its heartbeat older than `stale_after_s`, or one in the future (another machine's
+    clock) once the file itself is that old."""
+    alive = holder_alive_here(holder)
+    if alive is not None:
+        return not alive
+    beat = float(holder.get("heartbeat", 0))
+    now = time.time()
+    return now - beat > stale_after_s or (beat > now and file_age_s() > stale_after_s)
 
 
 @contextmanager

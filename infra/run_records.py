@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
-from compass.infra.locks import StepLock, holder_dead_here
+from compass.infra.locks import StepLock, holder_of, holder_stale
 from compass.infra.store import Store
 
 RECORDS = "runs"  # under the store's .locks/
@@ -32,6 +32,8 @@ def run_record(store: Store, flow_run_id: str) -> Iterator[None]:
     """Held for the flow run's lifetime; removed when it ends, however it ends short of a kill."""
     lock = StepLock(store, f"{RECORDS}/{flow_run_id}")
     held = lock.acquire(timeout_s=0)
+    if held:
+        lock.annotate(store=store.root)  # a record copied or planted into another store ends nothing there
     try:
         yield
     finally:
@@ -45,15 +47,22 @@ def dead_runs(store: Store, stale_after_s: float = 60.0) -> list[tuple[str, Dead
     for path in store.fs.glob(f"{store.root_path}/.locks/{RECORDS}/*.lock"):
         try:
             with store.fs.open(path, "r") as f:
-                holder = json.loads(f.read())
-        except (FileNotFoundError, OSError, json.JSONDecodeError):
+                holder = holder_of(json.loads(f.read()))
+        except (FileNotFoundError, OSError, json.JSONDecodeError, UnicodeDecodeError):
             continue  # being written or just removed
-        if not isinstance(holder, dict):
-            continue
-        if time.time() - float(holder.get("heartbeat", 0)) > stale_after_s or holder_dead_here(holder):
+        if holder is None or holder.get("store", store.root) != store.root:
+            continue  # malformed, or another store's record: it says nothing about this store's runs
+        if holder_stale(holder, lambda at=path: _age_s(store, at), stale_after_s):
             run_id = str(path).rsplit("/", 1)[-1].removesuffix(".lock")
-            found.append((str(path), DeadRun(run_id, str(holder.get("host")), int(holder.get("pid", -1)))))
+            found.append((str(path), DeadRun(run_id, str(holder.get("host")), int(holder.get("pid") or -1))))
     return found
+
+
+def _age_s(store: Store, path: str) -> float:
+    try:
+        return time.time() - store.fs.modified(path).timestamp()
+    except (FileNotFoundError, OSError, NotImplementedError):
+        return 0.0
 
 
 def end_dead_runs(store: Store) -> list[DeadRun]:

@@ -18,6 +18,7 @@ one that finished while nobody watched has committed its step already; one that 
 from __future__ import annotations
 
 import contextlib
+import getpass
 import logging
 import os
 import shlex
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from compass.infra import interrupt
 from compass.infra.exits import RETRIABLE_EXIT
@@ -84,12 +85,20 @@ class JobState:
     restarts: int
     reason: str
     nodes: str
+    name: str = ""  # what the controller says of the job itself: a record is followed only when they match
+    user: str = ""
+    work_dir: str = ""
+    submitted_at: float | None = None
 
     @classmethod
     def parse(cls, line: str) -> JobState:
         fields = dict(part.split("=", 1) for part in shlex.split(line) if "=" in part)
+        submitted = None
+        with contextlib.suppress(ValueError, OverflowError):
+            submitted = time.mktime(time.strptime(fields.get("SubmitTime", ""), "%Y-%m-%dT%H:%M:%S"))
         return cls(fields.get("JobState", "UNKNOWN"), int(fields.get("Restarts", 0) or 0),
-                   fields.get("Reason", ""), fields.get("NodeList", ""))
+                   fields.get("Reason", ""), fields.get("NodeList", ""), fields.get("JobName", ""),
+                   fields.get("UserId", "").split("(", 1)[0], fields.get("WorkDir", ""), submitted)
 
     @property
     def live(self) -> bool:
@@ -97,11 +106,13 @@ class JobState:
 
 
 class JobRecord(BaseModel):
-    """The job a step's work folder belongs to, written when it is submitted."""
+    """The job a step's work folder belongs to, written when it is submitted. Followed (and cancelled) only while
+    the controller's own account of the job matches it (`not_this_steps`): a planted or stale record, or an id the
+    controller has since given another job, never makes compass follow or cancel someone else's job."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    job_id: str
+    job_id: str = Field(pattern=r"^[0-9]{1,20}$")  # a Slurm job id: digits only, never an option to a command
     script: Path
     submitted_at: float
     host: str
@@ -253,19 +264,40 @@ def cluster_setting(key: str, patience_s: float = 60) -> str:
     return ""
 
 
+SUBMIT_CLOCK_SLACK_S = 120.0  # the controller's clock against this machine's, and SubmitTime's whole seconds
+
+
+def not_this_steps(record: JobRecord, state: JobState, job: JobRequest) -> str | None:
+    """Why the job a step's record names is not that step's job (None: it is): its name is not the step's
+    `compass-<label>`, it belongs to another user, it works in another folder, or it was submitted before the
+    record was written (an id the controller gave another job)."""
+    expected = f"compass-{job.label}"
+    if state.name and state.name != expected:
+        return f"its name is {state.name}, not {expected}"
+    if state.user and state.user != getpass.getuser():
+        return f"it belongs to {state.user}"
+    if state.work_dir and os.path.realpath(state.work_dir) != os.path.realpath(job.workdir):
+        return f"it works in {state.work_dir}, not {job.workdir}"
+    if state.submitted_at is not None and state.submitted_at < record.submitted_at - SUBMIT_CLOCK_SLACK_S:
+        return "it was submitted before the record was written"
+    return None
+
+
 def state_of(job_id: str) -> JobState | None:
     """The job's state from the controller (None once it has forgotten the job)."""
-    out = ask_controller(["scontrol", "show", "job", "-o", job_id])
+    out = ask_controller(["scontrol", "show", "job", "-o", "--", job_id])
     if not out or not out.strip():
         return None
     return JobState.parse(out.strip().splitlines()[0])
 
 
 def cancel(job_id: str) -> None:
-    subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+    subprocess.run(["scancel", "--", job_id], capture_output=True, timeout=60)
 
 
 def read_record(workdir: Path) -> JobRecord | None:
+    """The step's job record; None where there is none or it does not read as one (an id that is not a Slurm job
+    id included)."""
     with contextlib.suppress(FileNotFoundError, ValueError):
         return JobRecord.model_validate_json(WorkFolder(workdir).job_record.read_text())
     return None
@@ -304,7 +336,14 @@ def run_on_slurm(job: JobRequest, cluster: SlurmCluster, log: logging.Logger | l
     this process is stopped or the step fails here; a killed orchestrator leaves it running for the next one."""
     work = WorkFolder(job.workdir)
     record = read_record(job.workdir)
+    if record is None and work.job_record.exists():
+        log.warning("%s is not a job record compass wrote (unreadable, or its job id is not a Slurm job id): ignored",
+                    work.job_record)
     state = state_of(record.job_id) if record else None
+    if record and state is not None and (why := not_this_steps(record, state, job)):
+        log.warning("the record in %s names Slurm job %s, which is not this step's job (%s): not followed, not "
+                    "cancelled; submitting the step's own", work.job_record, record.job_id, why)
+        record, state = None, None
     if record and done():
         log.info("Slurm job %s finished its step while nobody watched", record.job_id)
         return record.job_id

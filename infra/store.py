@@ -97,6 +97,11 @@ def root_problem(root: str) -> str | None:
             return (f"{scheme}:// cannot hold a store (compass writes and commits artifacts there): give a local "
                     "folder or s3://bucket/prefix")
         return None
+    from compass.specs.how import write_root_problem
+
+    system = write_root_problem(root)
+    if system:
+        return system
     path = Path(root.removeprefix("file://")).expanduser().absolute()
     for folder in (path, *path.parents):
         if os.path.exists(folder) and not os.path.isdir(folder):

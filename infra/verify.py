@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -132,13 +133,18 @@ def describe(problems: list[str]) -> str:
     return "; ".join(problems[:3]) + more
 
 
+ARTIFACT_FOLDER = re.compile(r"[^/.][^/]*/[^/]+-[0-9A-Za-z]{12}")  # <kind>/<name>-<fingerprint[:12]>
+
+
 def committed(store: Store) -> list[str]:
-    """Every committed artifact's URI in the store (its <kind>/<name>-<fp> folders holding a manifest), links to
-    folders included (fsspec's local glob skips them), so a linked artifact is checked and found damaged."""
+    """Every committed artifact's URI in the store: its <kind>/<name>-<fp> folders holding a manifest, links to
+    folders included (fsspec's local glob skips them), so a linked artifact is checked and found damaged. Another
+    program's `*/*/manifest.json` (a web app's `public/manifest.json`) is no artifact: never checked, never set
+    aside."""
     uris = []
     for path in _manifest_paths(store):
         relative = path[len(store.root_path):].strip("/").removesuffix(f"/{MANIFEST}")
-        if not any(part.startswith(".") for part in relative.split("/")):  # staging, locks, set aside
+        if ARTIFACT_FOLDER.fullmatch(relative):  # not staging, locks or what was set aside (dot folders)
             uris.append(f"{store.root.rstrip('/')}/{relative}")
     return sorted(uris)
 

@@ -3,6 +3,7 @@
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -148,6 +149,17 @@ class Parallelism(SpecModel):
 SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr")
 
 
+def write_root_problem(folder: str, what: str = "a store") -> str | None:
+    """The one rule for every local folder compass writes under (a store, `--store`, a submitted store root, the
+    monitoring folder, a tracker's database, a cluster's shared root): never the file system's root or a system
+    folder. None: it may write there."""
+    path = os.path.normpath(os.path.abspath(os.path.expanduser(folder.removeprefix("file://"))))
+    if path == "/" or any(path == f or path.startswith(f + "/") for f in SYSTEM_FOLDERS):
+        return (f"{folder} is {'the file system root' if path == '/' else 'a system folder'}: {what} writes and "
+                "deletes folders under it; give a folder of its own")
+    return None
+
+
 class Storage(SpecModel):
     """Where the artifacts live and how they are checked before use."""
 
@@ -188,10 +200,9 @@ class Storage(SpecModel):
         """The store writes, locks and sets aside folders under its root: never `/` or the system's own folders."""
         if "://" in root and not root.startswith("file://"):
             return root
-        path = os.path.normpath(os.path.abspath(os.path.expanduser(root.removeprefix("file://"))))
-        if path == "/" or any(path == f or path.startswith(f + "/") for f in SYSTEM_FOLDERS):
-            raise ValueError(f"{root} is {'the file system root' if path == '/' else 'a system folder'}: a store "
-                             "writes and deletes folders under its root; give a folder of its own (e.g. store)")
+        problem = write_root_problem(root)
+        if problem:
+            raise ValueError(problem + " (e.g. store)")
         return root
 
 
@@ -239,6 +250,21 @@ class SlurmCluster(SpecModel):
     probe_timeout_s: PositiveInt = Field(
         default=120, le=3600, description="How long `compass plan` waits for its probe job to start on a compute node "
                                           "before it gives up (a busy queue).")
+
+    @field_validator("shared_root")
+    @classmethod
+    def _a_folder_of_its_own(cls, root: str | None) -> str | None:
+        """Every node mounts it at the same path: an absolute one, and never `/` or a system folder (work folders,
+        staging and the probe's file are written under it)."""
+        if root is None:
+            return root
+        if not os.path.isabs(os.path.expanduser(root)):
+            raise ValueError(f"{root} is relative: every node must find it at the same path; give an absolute one "
+                             "(e.g. /fsx/compass)")
+        problem = write_root_problem(root, "a cluster's run")
+        if problem:
+            raise ValueError(problem)
+        return root
 
     @field_validator("exclude")
     @classmethod
@@ -447,7 +473,21 @@ class Monitoring(SpecModel):
     def _mlflow_server(cls, uri: str | None) -> str | None:
         if uri is not None and not re.match(r"^(https?|databricks|sqlite|postgresql|mysql|file)[:+]", uri):
             raise ValueError(f"{uri!r} is not an MLflow tracking URI: give the server as http://host:5000")
+        local = re.match(r"^(?:sqlite:///|file://|file:)(/?[^?#]*)", uri or "")
+        if local and local.group(1):
+            problem = write_root_problem(str(Path(local.group(1)).parent) if uri.startswith("sqlite") else
+                                         local.group(1), "MLflow")
+            if problem:
+                raise ValueError(problem)
         return uri
+
+    @field_validator("folder")
+    @classmethod
+    def _monitoring_folder(cls, folder: str | None) -> str | None:
+        problem = write_root_problem(folder, "monitoring") if folder else None
+        if problem:
+            raise ValueError(problem)
+        return folder
 
 
 AttentionBackend = Literal["auto", "flash", "flex", "sdpa", "eager"]

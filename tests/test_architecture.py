@@ -20,6 +20,7 @@ from compass.flows.plan_status import plan_status
 from compass.infra.store import Store
 from compass.specs import load_spec
 from compass.tasks.steps import registry
+from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import place
 from tests import step_kind_example
 from tests.conftest import REPO, prefect_client, seeded, write_minimal_spec
@@ -232,7 +233,7 @@ def test_each_kind_is_declared_once_with_everything_the_runner_needs():
     for step in plan.steps:  # every step's config is its kind's typed model, and steps holding devices are tagged
         kind = registry.kind(step.kind)
         assert isinstance(step.config, kind.config), step.id
-        assert ("gpu" in step.tags) == place(kind, step.config, spec.how).uses_devices, step.id
+        assert ("gpu" in step.tags) == launcher_for(place(kind, step.config, spec.how)).holds_devices, step.id
 
 
 @pytest.fixture
@@ -289,3 +290,29 @@ def test_callbacks_use_the_trainers_public_face():
 
     problems = nodes_outside(REPO / "model" / "training" / "trainer.py", private)
     assert not problems, "\n".join(problems)
+
+
+def test_only_the_launchers_act_on_a_placements_mode():
+    """Where a step runs is decided once (tasks/steps/placement.py `place`) and acted on by one launcher per mode
+    (tasks/steps/launchers.py): the runner, the ranks of the trainer, TRL and lighteval, the datatrove executor and
+    the manifest's record ask the launcher, and no other module reads `.mode` (11 reads in 6 modules before)."""
+    import typing
+
+    from compass.tasks.steps.launchers import LAUNCHERS
+    from compass.tasks.steps.placement import Mode
+
+    assert set(LAUNCHERS) == set(typing.get_args(Mode))  # every mode has its launcher
+
+    def reads_mode(node: ast.AST) -> str | None:
+        return ast.unparse(node) if isinstance(node, ast.Attribute) and node.attr == "mode" and \
+            isinstance(node.ctx, ast.Load) else None
+
+    problems = nodes_outside(REPO / "tasks" / "steps" / "launchers.py", reads_mode)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_package_says_what_lives_in_it():
+    """A docstring in every package's `__init__`: the floor plan is read from them."""
+    missing = [str(p.relative_to(REPO)) for layer in LAYERS for p in sorted((REPO / layer).rglob("__init__.py"))
+               if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not missing, missing

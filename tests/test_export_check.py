@@ -15,7 +15,7 @@ from compass.model.training.export_check import ExportMismatch, check_export, pr
 def test_a_faithful_export_passes_and_a_corrupted_one_is_caught(tmp_path: Path):
     from compass.model.architecture import build_model, hf_config
     from compass.model.lm import CausalLMWithLoss
-    from compass.model.training.trainer import export_hf
+    from compass.model.training.hf_export import export_hf
     from compass.specs.architecture import Architecture
     from tests.hub_cache import tiny_llama
 

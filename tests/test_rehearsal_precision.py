@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from compass.model.training.engines import tensors_digest
-from compass.model.training.trainer import autocast, gathered_mismatch, held_dtype, state_digests
+from compass.model.training.rank_checks import gathered_mismatch, state_digests
+from compass.model.training.trainer import autocast, held_dtype
 
 
 def test_digests_read_any_dtype_and_tell_dtypes_apart():

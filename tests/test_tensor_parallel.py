@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from compass.model.training.trainer import check_ranks, gathered_mismatch, state_digests
+from compass.model.training.rank_checks import check_ranks, gathered_mismatch, state_digests
 from tests.conftest import REPO
 
 

@@ -18,7 +18,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -26,15 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from compass.infra.errors import StopRequested
 from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
 from compass.infra.layout import (
-    REQUIRED_TOKENIZER_FILES,
-    TOKENIZER_FILES,
     CheckpointFolder,
-    ModelArtifact,
     WorkFolder,
 )
 from compass.model import attention
@@ -53,19 +48,20 @@ from compass.model.training.callbacks import (
     StopWhenAsked,
 )
 from compass.model.training.collectives import local_world_size, rank_env
-from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine, tensors_digest
+from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine
 from compass.model.training.export_check import check_export, probe_batch, trained_loss
 from compass.model.training.heldout import heldout_losses
+from compass.model.training.hf_export import export_hf
 from compass.model.training.job import TrainJob
 from compass.model.training.monitors import Event, TrainingStopped
 from compass.model.training.packing import PackedBatch, Prefetcher, RowPacker, merge_states, node_rows, rank_rows
+from compass.model.training.rank_checks import rank_places, ranks_agree, start_digests, state_digests
 from compass.model.training.rank_device import RankDevice
 from compass.model.training.records import (
     CompileReport,
     DynamoCounts,
     MetricsRow,
     MonitorEvent,
-    RankPlace,
     TrainingSetup,
     TrainResult,
 )
@@ -267,7 +263,7 @@ class Trainer:
         peak = (self.job.peak_tflops or cpu_peak_tflops()) * self.world
         flops_tok = flops_per_token(self.job.recipe.architecture, self.job.vocab_size, self.stage.sequence_length)
         rank_check = "single process"
-        places = self._places()
+        places = rank_places(self.rank, self.world, self.place)
         first = True
         self.engine.module.train()
         try:
@@ -492,57 +488,12 @@ class Trainer:
         log.warning("rolled back to %s; skipping the batches since then", good.name)
         self._dispatch("post_restore", self.step)
 
-    def _places(self) -> list[RankPlace]:
-        """Every rank's node, CPU affinity and device (gathered on every rank; rank 0 reports them)."""
-        mine = RankPlace(rank=self.rank, node=self.place.node, cpus=sorted(os.sched_getaffinity(0)),
-                         device=self.place.describe(), local_rank=self.place.local_rank, gpu=self.place.gpu,
-                         visible=None if self.place.visible is None else list(self.place.visible))
-        if self.world == 1:
-            return [mine]
-        return [RankPlace.model_validate(p) for p in collectives.all_gather_object(mine.model_dump())]
-
     def _check_ranks(self, local: PackedBatch) -> str:
-        """Before the first step: every rank's weights and batch against the others' (check_ranks) and, with
-        tensor parallelism, the shards gathered against the initialisation every rank built whole."""
-        weights = getattr(self.engine, "initial_digest", None)  # FSDP2: of the whole model, before sharding
-        weights = _digest(self.engine.module.state_dict().values()) if weights is None else weights
-        mine = torch.tensor([self.dp_rank, self.tp_rank, weights,
-                             _digest([local.input_ids])], dtype=torch.int64)
-        everyone = collectives.all_gather(mine)  # on the backend's device: NCCL moves CUDA tensors only
-        summary = check_ranks([tuple(int(x) for x in t) for t in everyone])
-        if self.tp > 1:
-            gathered = self.engine.export_state_dict()  # collective: rank 0 receives the whole model
-            reference, what = self._reference() if self.rank == 0 else ({}, "")
-            compared = self.rank == 0 and reference is not None
-            bad = torch.tensor([len(gathered_mismatch(reference, gathered, self.held)) if compared else 0])
-            bad = collectives.broadcast(bad, 0)
-            if int(bad):
-                raise RuntimeError(f"{int(bad)} tensors' tensor-parallel shards, gathered, differ from {what}: the "
-                                   "model was not sharded from one set of weights")
-            if self.rank == 0:
-                summary += f"; shards gathered equal {what}" if compared else f"; shards gathered ({what})"
-        return summary
-
-    def _reference(self) -> tuple[dict[str, int] | None, str]:
-        """What the gathered shards must equal: the weights every rank built whole, or the Hugging Face export of
-        what the stage continues from (the checkpoint it resumed, or the previous stage's `final/`, which its
-        artifact keeps beside the `state/` the job names)."""
-        if self.resumed is not None:
-            if not CheckpointFolder(self.resumed).exported:  # how.checkpoints.hf_export_every skipped this one
-                return None, f"not compared: {self.resumed.name} holds no Hugging Face export"
-            folder, what = CheckpointFolder(self.resumed).hf, f"the export of {self.resumed.name}"
-        elif self.job.init_from is not None:
-            folder, what = ModelArtifact(self.job.init_from.parent).final, "the previous stage's exported model"
-        elif self.job.init_weights is not None:
-            folder, what = self.job.init_weights, "the starting checkpoint"
-        else:
-            return self.initial, "the initial weights"
-        state: dict[str, torch.Tensor] = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            state |= load_file(str(path))
-        if not state:
-            raise RuntimeError(f"no safetensors under {folder} to check the tensor-parallel shards against")
-        return state_digests(state, self.held), what
+        """Before the first step: every rank's weights and batch against the others' and, with tensor parallelism,
+        the shards gathered against what the stage starts from (model/training/rank_checks.py)."""
+        return ranks_agree(self.engine, local, dp_rank=self.dp_rank, tp_rank=self.tp_rank, tp=self.tp,
+                           rank=self.rank, held=self.held,
+                           reference=lambda: start_digests(self.resumed, self.job, self.initial, self.held))
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -553,19 +504,6 @@ def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> Train
     # grad mode is per thread, and libraries run in the same process (lighteval) switch it off globally
     with torch.enable_grad():
         return Trainer(job, callbacks).fit()
-
-
-def _digest(tensors) -> int:
-    return tensors_digest(tensors)
-
-
-def state_digests(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, int]:
-    """Each tensor's digest as an engine holding its weights in `dtype` holds it (floating tensors cast)."""
-    return {k: _digest([_held(v, dtype)]) for k, v in state.items()}
-
-
-def _held(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def autocast(device: torch.device, precision: str, torch_engine: bool) -> contextlib.AbstractContextManager:
@@ -583,60 +521,6 @@ def held_dtype(deepspeed: bool, precision: str) -> torch.dtype:
     fp32 masters); torch's engines keep fp32 weights and compute in bf16 under autocast."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32) if deepspeed else \
         torch.float32
-
-
-def check_ranks(ranks: list[tuple[int, int, int, int]]) -> str:
-    """From every rank's (data-parallel rank, tensor-parallel rank, weights digest, batch digest): replicas of one
-    shard hold identical weights, the shards of a tensor differ (SmolLM3 lost a 1T-token run to tensor-parallel
-    ranks seeded alike), tensor-parallel peers see the same batch and data-parallel ranks different ones."""
-    by_shard: dict[int, set[int]] = {}
-    by_replica: dict[int, set[int]] = {}
-    for dp_rank, tp_rank, weights, data in ranks:
-        by_shard.setdefault(tp_rank, set()).add(weights)
-        by_replica.setdefault(dp_rank, set()).add(data)
-    if any(len(w) > 1 for w in by_shard.values()):
-        raise RuntimeError("data-parallel ranks start from different weights: check seeding and broadcasting")
-    if len(by_shard) > 1 and len({next(iter(w)) for w in by_shard.values()}) != len(by_shard):
-        raise RuntimeError("tensor-parallel ranks hold identical shards: their shards must be different slices of "
-                           "one initialisation (SmolLM3 lost 1T tokens to tensor-parallel ranks seeded alike)")
-    if any(len(d) > 1 for d in by_replica.values()):
-        raise RuntimeError("tensor-parallel peers received different batches: they must share one")
-    if len({next(iter(d)) for d in by_replica.values()}) != len(by_replica):
-        raise RuntimeError("data-parallel ranks received identical batches: check the data sharding")
-    dp, tp = len(by_replica), len(by_shard)
-    return (f"{len(ranks)} ranks ({dp} data-parallel x {tp} tensor-parallel): identical replicas"
-            + (", distinct data" if dp > 1 else "") + (", distinct shards" if tp > 1 else ""))
-
-
-def gathered_mismatch(initial: dict[str, int], gathered: dict[str, torch.Tensor],
-                      dtype: torch.dtype | None = None) -> list[str]:
-    """The tensors whose tensor-parallel shards, gathered, differ from the single-process initialisation (both
-    compared in `dtype`, the one the engine holds: `initial` digested by state_digests in it)."""
-    return sorted(k for k, digest in initial.items()
-                  if k not in gathered or _digest([_held(gathered[k], dtype)]) != digest)
-
-
-def export_hf(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, tokenizer_dir: Path,
-              out: Path) -> list[Path]:
-    """A Hugging Face folder (config, safetensors, tokenizer) that transformers loads as is; `state` None: the
-    weights are in `out` already (written from the shards). The tokenizer must be complete where the rank runs: an
-    export without it would load in nothing, so a missing file fails the step."""
-    missing = [name for name in REQUIRED_TOKENIZER_FILES if not (tokenizer_dir / name).exists()]
-    if missing:
-        raise FileNotFoundError(f"the tokenizer at {tokenizer_dir} has no {', '.join(missing)} on "
-                                f"{socket.gethostname()}: the exported checkpoint would not load. Under a cluster the "
-                                "tokenizer must be under how.orchestration.cluster.shared_root, where every node sees "
-                                "it")
-    if state is None:
-        model.config.save_pretrained(str(out))
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(str(out))
-    else:
-        model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
-    return sorted(p for p in out.rglob("*") if p.is_file())  # only rank 0 writes here
 
 
 def _stop_requested(signum: int, frame: Any) -> None:

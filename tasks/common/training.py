@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from compass.infra.launcher import LaunchPlan, plan_launch
 from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtifact, WorkFolder
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
@@ -27,6 +23,7 @@ from compass.specs.how import Shape, SlurmCluster
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.steps.context import Runtime, StepContext, StepResult
+from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import HERE, Placement
 
 
@@ -98,19 +95,18 @@ def _single_rank_env(fresh_port: bool) -> Iterator[None]:
 
 
 def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: SlurmCluster | None = None) -> TrainResult:
-    """Run the trainer on the job where the step's placement says: one rank in this process; several launched
-    here (torchrun, or over ssh to how.hardware.hosts); inside the step's Slurm job, started with srun over the
-    job's nodes as `cluster.launch` says."""
-    workdir = job.workdir
-    work = WorkFolder(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    job_path = work.train_job
-    job.write(job_path)
-    nodes = job.hardware.nodes
-    if placement.mode == "slurm_job":
+    """Run the trainer on the job where the step's placement says: one rank in this process; several started by
+    the placement's launcher (tasks/steps/launchers.py: torchrun here or over ssh to how.hardware.hosts; srun over
+    the step's Slurm job's nodes as `cluster.launch` says). A stop asked before the time limit (the ranks
+    checkpointed and left) ends the step without a result: the Slurm job's batch shell requeues it."""
+    from compass.infra.launcher import TRAINER_MODULE
+
+    work = WorkFolder(job.workdir)
+    job.workdir.mkdir(parents=True, exist_ok=True)
+    job.write(work.train_job)
+    launcher = launcher_for(placement)
+    if not launcher.computes_here:
         raise RuntimeError("a step placed as a Slurm job runs whole inside it (flows/runner.py), trainer included")
-    if placement.mode == "in_slurm_job" and job.world_size > 1:
-        return _ranks_in_job(job, log, cluster.launch if cluster else "srun")
     if job.world_size == 1:
         from compass.model.training import collectives
         from compass.model.training.trainer import train_stage
@@ -119,38 +115,12 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
             result = train_stage(job)
         result.write(work.train_result)
         return result
-    hosts = job.hardware.hosts
-    if nodes > 1 and not hosts:  # a spec may be planned and costed without them, not launched
-        raise ValueError(f"how.hardware.nodes is {nodes} but how.hardware.hosts is empty: list the nodes' "
-                         "addresses, the rendezvous host first")
-    plan = plan_launch(job_path, world=job.world_size, nodes=nodes, hosts=hosts, launcher=job.hardware.launcher,
-                       port=job.hardware.rendezvous_port if nodes > 1 else free_port(), python=sys.executable,
-                       cwd=workdir)
-    if plan.hostfile:
-        work.hostfile.write_text(plan.hostfile)
-    for command in plan.commands:
-        log.info("launching on %s: %s", command.host, command)
-    _run_all(plan, workdir)
-    return TrainResult.read(work.train_result)
-
-
-def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
-    """Inside the step's Slurm job: srun starts the ranks over the job's nodes, each with its share of CPUs (and its
-    GPU); their output goes to the job's log. A stop asked before the time limit (the ranks checkpointed and left)
-    ends the step here without a result: the batch shell requeues the job."""
     from compass.infra.exits import RetriableRanksFailure, clear_retriable, retriable_reasons
-    from compass.infra.launcher import TRAINER_MODULE
-    from compass.infra.slurm import ranks_command
 
-    work = WorkFolder(job.workdir)
-    hw = job.hardware
-    port = hw.rendezvous_port if hw.nodes > 1 else free_port()
-    argv = ranks_command(["-m", TRAINER_MODULE, str(work.train_job)], sys.executable, hw.nodes,
-                         job.world_size // hw.nodes, port, launch, gpus=hw.accelerator != "cpu")
-    log.info("starting %d ranks on %d node(s): %s", job.world_size, hw.nodes, " ".join(argv[:-1]))
     work.train_result.unlink(missing_ok=True)
     clear_retriable(job.workdir)
-    done = subprocess.run(argv, cwd=job.workdir)
+    code = launcher.start_ranks(TRAINER_MODULE, work.train_job, job.world_size, job.hardware, cluster, log,
+                                launcher=job.hardware.launcher)
     if work.train_result.exists():
         return TrainResult.read(work.train_result)
     checkpoints = work.complete_checkpoints()
@@ -161,69 +131,21 @@ def _ranks_in_job(job: TrainJob, log, launch: str) -> TrainResult:
     reasons = retriable_reasons(job.workdir)
     if reasons:  # a hung or broken collective: the batch shell requeues the job under its budget
         raise RetriableRanksFailure(reasons)
-    raise RuntimeError(f"the training ranks ended ({done.returncode}) without a result; their output is above in "
+    raise RuntimeError(f"the training ranks ended ({code}) without a result; their output is above in "
                        f"{work.slurm_log}")
 
 
 def run_module_ranks(module: str, job_path: Path, world: int, shape: Shape, runtime: Runtime, log) -> None:
-    """Start `world` ranks of `python -m module job_path` (a TRL step's ranks) where the step runs: inside its Slurm
-    job with srun over the job's nodes, or here with torchrun (over ssh to how.hardware.hosts for several nodes).
-    The job file's folder is the ranks' working folder."""
-    workdir = job_path.parent
+    """Start `world` ranks of `python -m module job_path` (a TRL step's ranks, lighteval's) with the step's launcher:
+    srun over its Slurm job's nodes, or torchrun here (over ssh to how.hardware.hosts for several nodes). The job
+    file's folder is the ranks' working folder."""
     how = runtime.how
-    gpus = how.hardware.accelerator != "cpu"
-    if runtime.placement.mode == "in_slurm_job":
-        from compass.infra.slurm import ranks_command
-
-        cluster = how.orchestration.cluster
-        port = how.hardware.rendezvous_port if shape.nodes > 1 else free_port()
-        argv = ranks_command(["-m", module, str(job_path)], sys.executable, shape.nodes, world // shape.nodes, port,
-                             cluster.launch if cluster else "srun", gpus=gpus)
-        log.info("starting %d ranks on %d node(s): %s", world, shape.nodes, " ".join(argv[:-1]))
-        done = subprocess.run(argv, cwd=workdir)
-        if done.returncode:
-            raise RuntimeError(f"the ranks of {module} ended with {done.returncode}; their output is in the job's log")
-        return
-    hosts = how.hardware.hosts
-    if shape.nodes > 1 and not hosts:
-        raise ValueError(f"{shape.nodes} nodes but how.hardware.hosts is empty: list the nodes' addresses, the "
-                         "rendezvous host first")
-    plan = plan_launch(job_path, world=world, nodes=shape.nodes, hosts=hosts if shape.nodes > 1 else [],
-                       launcher="torchrun", port=how.hardware.rendezvous_port if shape.nodes > 1 else free_port(),
-                       python=sys.executable, cwd=workdir, module=module)
-    for command in plan.commands:
-        log.info("launching on %s: %s", command.host, command)
-    _run_all(plan, workdir, what=module)
-
-
-def _run_all(plan: LaunchPlan, workdir: Path, what: str = "training") -> None:
-    """Start every node's launcher, wait for all; one failing stops the others (they would wait forever)."""
-    work = WorkFolder(workdir)
-    logs = [open(work.launcher_log(i), "w") for i in range(len(plan.commands))]  # noqa: SIM115
-    from compass.infra.die_with_parent import parent_death_preexec
-
-    tied = parent_death_preexec()  # a killed step takes its launchers (and, through them, its ranks) with it
-    procs = [subprocess.Popen(c.argv, cwd=workdir, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, **plan.env}, preexec_fn=tied)
-             for c, f in zip(plan.commands, logs, strict=True)]
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
-            if failed is not None or all(code == 0 for code in codes):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    if failed is not None:
-        tail = work.launcher_log(failed).read_text()[-3000:]
-        raise RuntimeError(f"{what} failed on {plan.commands[failed].host} "
-                           f"({procs[failed].returncode}); last output:\n{tail}")
+    hardware = how.hardware.model_copy(update={"nodes": shape.nodes,
+                                               "hosts": how.hardware.hosts if shape.nodes > 1 else []})
+    code = launcher_for(runtime.placement).start_ranks(module, job_path, world, hardware, how.orchestration.cluster,
+                                                       log)
+    if code:
+        raise RuntimeError(f"the ranks of {module} ended with {code}; their output is in the job's log")
 
 
 def plot_loss(metrics: Path, out: Path, title: str) -> None:

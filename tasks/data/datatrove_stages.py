@@ -31,6 +31,7 @@ from compass.infra import interrupt
 from compass.infra.die_with_parent import children_die_with_this_thread
 from compass.specs.how import Shape, SlurmCluster
 from compass.tasks.steps.context import Runtime
+from compass.tasks.steps.launchers import launcher_for
 
 ARRAY_RECORD = "array_job.json"
 DEFAULT_MEMORY_PER_CPU_GB = 2
@@ -69,11 +70,12 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
     in_process = False
     placement = runtime.placement
     orch = runtime.how.orchestration
-    if placement.tasks is not None and orch.cluster is not None:
+    backend = launcher_for(placement).stages
+    if backend == "slurm_arrays" and placement.tasks is not None and orch.cluster is not None:
         executor = _run_as_array(pipeline, tasks, logging_dir, placement.tasks, orch.cluster,
                                  f"{runtime.run}-{stage}", log)
     else:
-        if placement.mode == "ray_tasks":
+        if backend == "ray":
             from datatrove.executor import RayPipelineExecutor
 
             executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=orch.workers,
@@ -148,7 +150,7 @@ def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, c
         env_command=f"export PATH={Path(sys.executable).parent}:$PATH",
         sbatch_args={k: v for k, v in sbatch.items() if v}, logging_dir=str(logging_dir), skip_completed=True)
     record = logging_dir / ARRAY_RECORD
-    job_ids = _recorded_live_jobs(record)
+    job_ids = _recorded_live_jobs(record, executor.job_name, log)
     if job_ids:
         log.info("stage %s: following Slurm array %s submitted by an earlier attempt", logging_dir.name, job_ids)
     else:
@@ -198,16 +200,35 @@ def _queued(job_id: str) -> list[str]:
     controller that does not answer is asked again (infra/slurm.ask_controller), never taken for "none left"."""
     from compass.infra.slurm import ask_controller
 
-    out = ask_controller(["squeue", "-h", "-r", "-j", job_id, "-o", "%i %T"])
+    out = ask_controller(["squeue", "-h", "-r", "-o", "%i %T", "-j", job_id])
     return [line for line in (out or "").splitlines() if line.strip()]
 
 
-def _recorded_live_jobs(record: Path) -> str:
-    """The recorded arrays' ids, comma-separated, while the controller still holds any of their tasks; ''."""
-    with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+def _recorded_live_jobs(record: Path, name: str, log: logging.Logger | logging.LoggerAdapter) -> str:
+    """The recorded arrays' ids, comma-separated, while the controller still holds any of their tasks and every
+    one of them is this stage's (its job name, this user: a planted or stale record names someone else's); ''."""
+    import getpass
+    import re
+
+    from compass.infra.slurm import ask_controller
+
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
         data = json.loads(record.read_text())
-        job_ids = ",".join(str(j) for j in data["job_ids"]) if "job_ids" in data else str(data["job_id"])
-        return job_ids if _queued(job_ids) else ""
+        ids = [str(j) for j in data["job_ids"]] if "job_ids" in data else [str(data["job_id"])]
+        if not ids or not all(re.fullmatch(r"[0-9]{1,20}", j) for j in ids):
+            log.warning("%s names %s, not Slurm job ids: ignored", record, ids)
+            return ""
+        job_ids = ",".join(ids)
+        held = ask_controller(["squeue", "-h", "-r", "-o", "%j %u", "-j", job_ids]) or ""
+        owners = {tuple(line.split()[:2]) for line in held.splitlines() if line.strip()}
+        if not owners:
+            return ""
+        foreign = sorted(owner for owner in owners if owner != (name, getpass.getuser()))
+        if foreign:
+            log.warning("%s names Slurm jobs %s, which are not this stage's (%s, not %s of %s): not followed, not "
+                        "cancelled", record, job_ids, " ".join(foreign[0]), name, getpass.getuser())
+            return ""
+        return job_ids
     return ""
 
 
@@ -226,7 +247,7 @@ def _wait(job_id: str, poll_s: float, log: logging.Logger | logging.LoggerAdapte
 
 
 def _cancel(job_id: str) -> None:
-    subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+    subprocess.run(["scancel", "--", job_id], capture_output=True, timeout=60)
 
 
 def _merged_block_stats(logging_dir: Path, tasks: int) -> list[dict[str, Any]]:

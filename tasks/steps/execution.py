@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import shutil
 import sys
 import tempfile
@@ -23,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from compass.infra.errors import DiskFull
-from compass.infra.manifest import Execution, InputRef, Manifest, code_version, host_facts, library_versions
+from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, owned_prefix
 from compass.infra.verify import stamp
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
 from compass.tasks.steps.kind import StepConfig
+from compass.tasks.steps.launchers import launcher_for
 
 SUMMARY_FILE = "summary.md"
 
@@ -85,16 +85,6 @@ def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
                        "disk; the step resumes from its last checkpoint") from None
 
 
-def execution_record(runtime: Runtime) -> Execution:
-    """Where this execution ran, for the manifest: the placement's mode and shape, and the Slurm job inside one."""
-    placement = runtime.placement
-    shape = placement.shape
-    return Execution(mode=placement.mode, nodes=shape.nodes if shape else 1,
-                     devices_per_node=shape.devices_per_node if shape else 0,
-                     slurm_job=os.environ.get("SLURM_JOB_ID") if placement.mode == "in_slurm_job" else None,
-                     node_list=os.environ.get("SLURM_JOB_NODELIST") if placement.mode == "in_slurm_job" else None)
-
-
 _RESOLVING = threading.Lock()
 
 
@@ -123,7 +113,7 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
             spec_hash=run.spec_hash, spec_name=run.spec_name, code_version=code_version(),
             phase_version=kind.version, libraries=library_versions(), **host_facts(),
             started_at=started, finished_at=time.time(), metrics=result.metrics, provenance=result.provenance,
-            execution=execution_record(run.runtime))
+            execution=launcher_for(run.runtime.placement).execution())
         with disk_full_named(run.step_id, Path(store.root_path) if not store.is_remote else out):
             manifest = store.commit(out, manifest, run.runtime.how.storage.shard_index_above, sctx.published)
         stamp(store, manifest)

@@ -151,9 +151,10 @@ class StepKind:
     def step_tags(self, config: StepConfig, how: How) -> tuple[str, ...]:
         """`gpu` when the step holds devices (Prefect's concurrency limit counts those), else none: each tag costs
         a concurrency-slot request to the server per task (flows/lifecycle.py)."""
+        from compass.tasks.steps.launchers import launcher_for
         from compass.tasks.steps.placement import place
 
-        return (GPU_TAG,) if place(self, config, how).uses_devices else ()
+        return (GPU_TAG,) if launcher_for(place(self, config, how)).holds_devices else ()
 
 
 class PlanBuilder:

@@ -1,8 +1,8 @@
 """Where a step runs: the one decision, made here from the kind's resources and the spec's `how`.
 
 A kind declares the resources its steps need (StepKind.resources: the shape of one of the spec's phases, or its
-own); the runner (flows/runner.py) reads the placement and picks the executor, and the step's helpers obey the
-mode they are handed (the trainer's launcher, datatrove's executor). Nothing else decides where work runs.
+own); what acts on the mode is the placement's launcher (tasks/steps/launchers.py), which the runner, the rank
+launches and datatrove's executor ask. Nothing else decides where work runs.
 
 - in_process: the orchestrating process runs it (no cluster, one rank; or no resources: bookkeeping);
 - local_ranks: the orchestrating machine launches its ranks with torchrun (or over ssh to how.hardware.hosts);
@@ -52,12 +52,6 @@ class Placement:
     @property
     def ranks(self) -> int:
         return self.shape.ranks if self.shape else 0
-
-    @property
-    def uses_devices(self) -> bool:
-        """It holds this machine's devices (GPUs, or training ranks on CPU) while it runs: such steps take turns
-        (the `gpu` tag's concurrency limit). A Slurm job's devices are Slurm's to share out."""
-        return bool(self.shape and self.shape.devices_per_node) and self.mode in ("in_process", "local_ranks")
 
     def inside_job(self) -> Placement:
         """The placement the step itself sees once its Slurm job runs it."""
