@@ -241,6 +241,9 @@ def lineage(uri: Annotated[str, typer.Argument(help="Artifact folder, file or ma
     out.print(root)
 
 
+VERIFY_SHOWN = 10  # problems printed per damaged artifact
+
+
 @app.command()
 def verify(store: Annotated[str, typer.Argument(help="Store root (local folder or s3://bucket/prefix).")],
            set_aside: Annotated[bool, typer.Option("--set-aside", help="Move damaged artifacts aside so their "
@@ -260,9 +263,12 @@ def verify(store: Annotated[str, typer.Argument(help="Store root (local folder o
     else:
         for uri, problems in damaged.items():
             aside = f" -> set aside at {escape(moved[uri])}" if uri in moved else ""
-            out.print(f"[red]damaged[/red] {escape(uri)}{aside}")
-            for problem in problems:
+            out.print(f"[red]damaged[/red] {escape(uri)}{aside}: {len(problems):,} problem"
+                      f"{'s' if len(problems) != 1 else ''}")
+            for problem in problems[:VERIFY_SHOWN]:  # a million-shard artifact: a summary, not a million lines
                 out.print(f"  {problem}", markup=False)
+            if len(problems) > VERIFY_SHOWN:
+                out.print(f"  ... and {len(problems) - VERIFY_SHOWN:,} more (--json lists them all)", markup=False)
         out.print(f"{len(report)} artifacts checked, {len(damaged)} damaged")
     if damaged:
         raise typer.Exit(1)

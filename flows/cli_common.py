@@ -4,19 +4,43 @@ check (schema, rules, machine checks) so that a bad spec stops here with all its
 from __future__ import annotations
 
 import sys
+import unicodedata
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.segment import Segment
 
 from compass.flows.validation import CheckedSpec
 from compass.specs.smoke import Size
 
+
+def visible(text: str) -> str:
+    """Control characters (an escape sequence in a spec value or a file name) shown as `\x1b`, never sent raw."""
+    if text.isprintable() or all(c.isprintable() or c in "\n\t" for c in text):
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" or unicodedata.category(c) != "Cc" else
+                   f"\\x{ord(c):02x}" for c in text)
+
+
+class SafeConsole(Console):
+    """A console that never lets what it prints drive the terminal: control characters in the text are escaped
+    (rich's own cursor controls, for live displays, pass) and `:name:` stays text, not an emoji."""
+
+    def __init__(self, **kwargs):
+        super().__init__(emoji=False, **kwargs)
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return super()._render_buffer(segment if segment.control else Segment(visible(segment.text), segment.style)
+                                      for segment in buffer)
+
+
 # Piped output (logs, CI, scripts) keeps each message on one line: tables render 200 wide, text never wraps.
-out = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=not sys.stdout.isatty())
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, soft_wrap=not sys.stderr.isatty())
+out = SafeConsole(width=None if sys.stdout.isatty() else 200, soft_wrap=not sys.stdout.isatty())
+err = SafeConsole(stderr=True, width=None if sys.stderr.isatty() else 200, soft_wrap=not sys.stderr.isatty())
 
 SpecArg = Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)]
 SmokeOption = Annotated[bool, typer.Option(

@@ -5,7 +5,8 @@ or an unreachable database is one clear line, not a migration traceback."""
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit, urlunsplit
+
+from compass.infra.redact import redact
 
 PG, LITE = "postgresql+asyncpg", "sqlite+aiosqlite"
 DRIVERS = {"postgresql": PG, "postgres": PG, PG: PG, "sqlite": LITE, LITE: LITE}
@@ -22,19 +23,23 @@ def prefect_database_url(given: str) -> str:
     if not sep or scheme not in DRIVERS:
         raise DatabaseError(f"--database {redacted(given)!r} is not a PostgreSQL (or SQLite) URL: give {EXAMPLE}")
     if DRIVERS[scheme].startswith("postgresql"):
-        parts = urlsplit(given)
-        if not parts.hostname or not parts.path.strip("/"):
-            raise DatabaseError(f"--database {redacted(given)!r} names no host or no database: give {EXAMPLE}")
+        try:
+            from sqlalchemy.engine import make_url  # the parser the server itself reads the URL with
+
+            parsed = make_url(given.replace(scheme, "postgresql", 1))
+            host, database = parsed.host, parsed.database
+        except Exception:  # noqa: BLE001 - any parse failure is the user's URL: say so without echoing it
+            host = database = None
+        if not host or not database:
+            raise DatabaseError(f"--database {redacted(given)!r} names no host or no database, or a character in it "
+                                f"must be percent-encoded (a '/', '#' or '@' in the password: %2F, %23, %40): give "
+                                f"{EXAMPLE}")
     return f"{DRIVERS[scheme]}://{rest}"
 
 
 def redacted(url: str) -> str:
-    """The URL with its password hidden (it goes to logs and messages)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    """The URL with its password hidden, however it is written (it goes to logs and messages)."""
+    return redact(url)
 
 
 def unreachable(url: str, timeout_s: float = 10) -> str | None:
@@ -49,6 +54,6 @@ def unreachable(url: str, timeout_s: float = 10) -> str | None:
 
     try:
         asyncio.run(probe())
-    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+    except (TimeoutError, OSError, ValueError, asyncpg.PostgresError) as exc:
+        return redact(f"{type(exc).__name__}: {exc}")
     return None

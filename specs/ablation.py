@@ -5,6 +5,7 @@ from typing import Any
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from compass.specs.base import NAME_MAX, SpecModel
+from compass.specs.limits import MAX_TOKENS
 
 
 class AblationBaseline(SpecModel):
@@ -13,7 +14,7 @@ class AblationBaseline(SpecModel):
     architecture: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of what.architecture for a proxy model (empty = target size)."
     )
-    tokens: PositiveFloat = Field(description="Token budget of each ablation run.")
+    tokens: PositiveFloat = Field(le=MAX_TOKENS, description="Token budget of each ablation run.")
     sequence_length: PositiveInt = Field(description="Tokens per training sequence.")
     global_batch_size: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
     mixture: dict[str, float] = Field(min_length=1, description="Source name -> sampling weight; sums to 1.")

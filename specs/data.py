@@ -47,8 +47,12 @@ class Curation(SpecModel):
         default=True, description="Remove documents whose text exactly repeats another's, keeping one copy.")
     minhash: MinhashSpec | None = Field(default=None, description="Near-duplicate removal (None: none).")
     heldout_fraction: float = Field(
-        default=0.05, ge=0, lt=0.5, description="Documents kept aside (by id hash) for held-out measurement."
+        default=0.05, ge=0, lt=0.5, description="Documents kept aside (by a hash of the document, or of the page or "
+        "file its sections come from, so a page is never on both sides) for held-out measurement."
     )
+
+
+HeldoutUnit = Literal["document", "file", "page"]  # what falls on one side of the held-out split whole
 
 
 class DataSource(SpecModel):

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from compass.specs.base import SpecModel
+from compass.specs.limits import MAX_PARALLEL, MAX_RETRIES
 
 # What a `how` field does to a step's artifact, declared beside each field (every model below lists all of its own):
 # results: it changes what the step produces (precision, kernels, compile, micro-batch, checkpoint cadence), so it
@@ -349,8 +350,8 @@ class Orchestration(SpecModel):
                                        "task_runner", "ray_address", "ray_num_cpus", "workers", "in_process_below_mib",
                                        "max_parallel_steps", "max_parallel_gpu_steps")}
 
-    retries: int = Field(default=1, ge=0, description="Times a failed step is retried (faults only: a data or spec "
-                                                      "error fails at once).")
+    retries: int = Field(default=1, ge=0, le=MAX_RETRIES, description="Times a failed step is retried (faults "
+                         "only: a data or spec error fails at once).")
     retry_delay_seconds: float = Field(default=10, ge=0, description="Seconds to wait before a retry.")
     timeout_seconds: PositiveFloat | None = Field(default=None, description="Per-step limit (none = no limit).")
     step_timeouts: dict[str, PositiveFloat] = Field(
@@ -361,19 +362,19 @@ class Orchestration(SpecModel):
                                      "(needs a Prefect server).")
     ray_address: str | None = Field(default=None, description="An existing Ray cluster (None = start one locally).")
     ray_num_cpus: PositiveInt | None = Field(default=None, description="CPUs of a locally started Ray (None = all).")
-    workers: PositiveInt = Field(default=2, description="Processes a data step may use.")
+    workers: PositiveInt = Field(default=2, le=MAX_PARALLEL, description="Processes a data step may use.")
     in_process_below_mib: NonNegativeFloat = Field(
         default=4, description="A local data stage with less input than this runs its datatrove ranks one after "
                                "another in the step's own process: starting a pool of workers, each importing the "
                                "pipeline's libraries, costs more than such work. The ranks and their shards are the "
                                "same either way. 0: always a pool of `workers`.")
-    max_parallel_steps: PositiveInt = Field(default=2, description="Steps running at once.")
+    max_parallel_steps: PositiveInt = Field(default=2, le=MAX_PARALLEL, description="Steps running at once.")
     cluster: SlurmCluster | None = Field(
         default=None, description="Run every step that computes as a Slurm job (None: on this machine, in this "
                                   "process or launched with torchrun/deepspeed per how.hardware).")
     max_parallel_gpu_steps: PositiveInt = Field(
-        default=1, description="Steps that use the accelerator (training, evaluation) running at once in one "
-                               "process: they would compete for one device."
+        default=1, le=MAX_PARALLEL, description="Steps that use the accelerator (training, evaluation) running at "
+                                                "once in one process: they would compete for one device."
     )
 
 

@@ -176,11 +176,12 @@ class _LineIndex:
 
 def _key_line(node: CommentedMap, key: Any) -> int:
     """0-based line of a key; a key a merge (`<<: *anchor`) brought in is on the line of the mapping it came from."""
-    if key in node.lc.data:
+    if key in (node.lc.data or {}):  # a mapping holding nothing but a merge has no key positions of its own
         return node.lc.key(key)[0]
     for merged in getattr(node, merge_attrib, []):
-        if isinstance(merged, CommentedMap) and key in merged:
-            return _key_line(merged, key)
+        source = merged[1] if isinstance(merged, tuple) else merged  # ruamel keeps (position, mapping) pairs
+        if isinstance(source, CommentedMap) and key in source:
+            return _key_line(source, key)
     return node.lc.line
 
 

@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from compass.specs.base import NAME_MAX, SpecModel
+from compass.specs.limits import MAX_TOKENS
 
 
 class _PostStep(SpecModel):
@@ -53,7 +54,7 @@ class MidTraining(_PostStep):
     length the model has reached, `batch_size` sequences per optimizer step."""
 
     method: Literal["mid_training"]
-    tokens: PositiveFloat = Field(description="Token budget of the step.")
+    tokens: PositiveFloat = Field(le=MAX_TOKENS, description="Token budget of the step.")
 
 
 class Reasoning(SpecModel):

@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from compass.specs.base import NAME_MAX, SpecModel
+from compass.specs.limits import MAX_TOKENS
 
 
 class Optimizer(SpecModel):
@@ -45,7 +46,7 @@ class PretrainStage(SpecModel):
 
     name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z][a-z0-9_]*$",
                       description="Stage name; its step is pretrain:<name>.")
-    tokens: PositiveFloat = Field(description="Token budget of the stage (e.g. 8e12).")
+    tokens: PositiveFloat = Field(le=MAX_TOKENS, description="Token budget of the stage (e.g. 8e12).")
     sequence_length: PositiveInt = Field(description="Tokens per packed training sequence.")
     global_batch_size: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
     mixture: dict[str, float] = Field(min_length=1, description="Source name -> sampling weight; sums to 1.")
@@ -152,7 +153,7 @@ class LongContextStage(SpecModel):
     sequence_length: PositiveInt = Field(description="Tokens per training sequence, longer than the context before.")
     rope_theta: PositiveFloat = Field(description="RoPE base frequency of the stage and its exported model, larger "
                                                   "than the one before.")
-    tokens: PositiveFloat = Field(description="Token budget of the stage.")
+    tokens: PositiveFloat = Field(le=MAX_TOKENS, description="Token budget of the stage.")
     global_batch_size: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
     mixture: dict[str, float] = Field(min_length=1, description="Source name -> sampling weight; sums to 1.")
     micro_batch_size: PositiveInt | None = Field(

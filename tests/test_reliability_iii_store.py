@@ -99,3 +99,82 @@ def test_R11_a_record_of_another_store_ends_no_run_here(tmp_path: Path):
                                                          "store": store.root}), age_s=3600)
     _lock_file(store, f"{RECORDS}/broken", '{"pid": "five", "heartbeat": "x"}', age_s=3600)
     assert [run.flow_run_id for _, run in dead_runs(store)] == ["run-of-b"]
+
+
+@pytest.mark.parametrize("errno_name", ["EFBIG", "EDQUOT"])
+def test_R15_a_file_size_limit_or_quota_is_one_message_with_the_path_and_not_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_name: str):
+    """`ulimit -f` (EFBIG: the write itself, in a child limited to 64 KiB, raises what a step's write raises) and an
+    exhausted quota (EDQUOT) are reported like a full disk: the step, the path, what is free, no retry."""
+    import errno
+    import logging
+    import subprocess
+    import sys
+
+    from prefect.states import Failed
+
+    from compass.flows import runner
+    from compass.flows.lifecycle import worth_retrying
+    from compass.infra.errors import DiskFull
+    from compass.tasks.steps.context import StepResult
+    from tests.test_store import one_step
+
+    big = tmp_path / "big.bin"
+    limited = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
+               f"open({str(big)!r}, 'wb').write(b'x' * 200000)")
+    done = subprocess.run([sys.executable, "-c", limited], capture_output=True, text=True)
+    assert "OSError: [Errno 27] File too large" in done.stderr  # what the write raises under `ulimit -f`
+    code = getattr(errno, errno_name)
+
+    def hits_the_limit(ctx) -> StepResult:
+        raise OSError(code, "limit", str(ctx.out / "train" / "00001.tokens"))
+
+    ctx, step = one_step(tmp_path, monkeypatch, hits_the_limit)
+    with pytest.raises(DiskFull, match=r"slow:web: .* at .*00001.tokens \([\d,]+ MiB free there\): free space "
+                                       r"\(or raise the limit"):
+        runner.run_step(ctx, step, logging.getLogger("test"))
+    assert not worth_retrying(None, None, Failed(data=DiskFull(code, "limit")))
+
+
+@pytest.mark.slow
+def test_R36_a_file_name_that_is_not_utf8_is_skipped_and_named(tmp_path: Path):
+    """It crashed ingest in datatrove's writer (`str is not valid UTF-8: surrogates not allowed`), retried, every
+    run, until renamed: now it is left out like a binary file, named in the step's metrics."""
+    import os
+
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import run_in_process
+    from compass.specs import load_spec
+    from compass.tasks.steps.context import Runtime
+    from tests.conftest import write_minimal_spec
+
+    source = tmp_path / "notes"
+    source.mkdir()
+    with open(os.path.join(os.fsencode(source), b"bad\xff\xfe.txt"), "wb") as f:
+        f.write(b"A document whose file name is not UTF-8 at all. " * 20)
+    (source / "good.txt").write_text("A good document with plenty of words for every filter to keep. " * 20)
+    spec = write_minimal_spec(tmp_path)
+    spec.write_text(spec.read_text().replace(spec.read_text().split("uri: ")[1].split("\n")[0], str(source), 1))
+    loaded = load_spec(spec)
+    outcomes = run_in_process(compile_spec(loaded.spec).up_to(["ingest:notes"]), Store(str(tmp_path / "store")),
+                              loaded.spec_hash, Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+    metrics = outcomes["ingest:notes"].manifest.metrics
+    assert metrics["skipped"] == {"bad\ufffd\ufffd.txt": "a file name that is not UTF-8: rename it to include it"}
+    assert metrics["documents"] >= 1
+
+
+def test_R16_verify_summarises_each_damaged_artifact(tmp_path: Path):
+    """A damaged artifact with thousands of missing files is one header and ten lines, not a line per file."""
+    from compass.flows.cli import app
+
+    store = Store(str(tmp_path / "store"))
+    files = {f"train/{i:05d}.tokens": "t" for i in range(2000)}
+    damaged = _commit(store, "code", files)
+    for i in range(0, 2000):
+        (Path(damaged.uri) / f"train/{i:05d}.tokens").unlink()
+    done = CliRunner().invoke(app, ["verify", str(tmp_path / "store")])
+    assert done.exit_code == 1
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 14, lines[:20]
+    assert "2,000 problems" in lines[0] and "... and 1,990 more (--json lists them all)" in done.stdout

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from compass.infra.redact import redact
+
 log = logging.getLogger("compass.trackers")
 
 RemoteTracker = Literal["mlflow", "wandb", "trackio"]
@@ -67,10 +69,18 @@ class _Sink:
     def close(self, failed: bool) -> None: ...
 
 
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+             "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
 class _Mlflow(_Sink):
     """MlflowClient against the tracking server (no fluent global state: steps run on threads side by side)."""
 
     def __init__(self, run: TrackerRun):
+        import os
+
+        for name, value in FAIL_FAST.items():  # a server that does not answer costs seconds, not MLflow's ~5 minutes
+            os.environ.setdefault(name, value)  # (7 retries with backoff, 120 s per request); a user's own wins
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -169,7 +179,7 @@ class Trackers:
                 self.sinks[name] = SINKS[name](run)
             except Exception as exc:  # noqa: BLE001 - a tracker's failure must not fail the step
                 log.warning("%s: %s run not opened (%s: %s); training goes on without it", run.name, name,
-                            type(exc).__name__, exc)
+                            type(exc).__name__, redact(str(exc)))
 
     def log(self, metrics: Mapping[str, float | int | None], tokens: int) -> None:
         values = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
@@ -180,7 +190,7 @@ class Trackers:
                 sink.log(values, tokens)
             except Exception as exc:  # noqa: BLE001
                 log.warning("%s: %s stopped taking metrics (%s: %s); left out from now on", self.run.name, name,
-                            type(exc).__name__, exc)
+                            type(exc).__name__, redact(str(exc)))
                 del self.sinks[name]
 
     def close(self, failed: bool = False) -> None:
@@ -188,5 +198,6 @@ class Trackers:
             try:
                 sink.close(failed)
             except Exception as exc:  # noqa: BLE001
-                log.warning("%s: %s run not closed cleanly (%s: %s)", self.run.name, name, type(exc).__name__, exc)
+                log.warning("%s: %s run not closed cleanly (%s: %s)", self.run.name, name, type(exc).__name__,
+                            redact(str(exc)))
         self.sinks = {}

@@ -26,6 +26,7 @@ from datatrove.pipeline.writers import JsonlWriter
 from fsspec.compression import register_compression
 
 from compass.infra.layout import HELDOUT, TRAIN
+from compass.specs.data import HeldoutUnit
 
 WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -92,20 +93,28 @@ class Measure(PipelineStep):
             yield doc
 
 
+def unit_of(doc: Document, unit: HeldoutUnit) -> str:
+    """What decides a document's side of the split: its id, its file (`path`), or its page (`url`)."""
+    key = {"file": "path", "page": "url"}.get(unit)
+    return str(doc.metadata.get(key) or doc.id) if key else doc.id
+
+
 class SplitTagger(PipelineStep):
-    """Marks each document train or heldout (by id hash), for writers that use `${split}` in file names, and
-    measures each split (`train_documents`, `train_words`, ...)."""
+    """Marks each document train or heldout by a hash of its unit (the document, or the file or page its sections
+    come from: a unit is never on both sides), for writers that use `${split}` in file names, and measures each
+    split (`train_documents`, `train_words`, ...)."""
 
     name = "✂️ train/heldout"
     type = "🔢 - SPLIT"
 
-    def __init__(self, heldout_fraction: float):
+    def __init__(self, heldout_fraction: float, unit: HeldoutUnit = "document"):
         super().__init__()
         self.heldout_fraction = heldout_fraction
+        self.unit = unit
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         for doc in data:
-            split = HELDOUT if heldout_bucket(doc.id) < self.heldout_fraction else TRAIN
+            split = HELDOUT if heldout_bucket(unit_of(doc, self.unit)) < self.heldout_fraction else TRAIN
             doc.metadata["split"] = split
             measure(self, doc, f"{split}_")
             yield doc

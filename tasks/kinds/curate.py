@@ -14,10 +14,11 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 from compass.infra.layout import DOCUMENTS, HELDOUT, SPLITS, TRAIN, CuratedArtifact
 from compass.specs.base import Issue
-from compass.specs.data import Curation
+from compass.specs.data import Curation, DataSource, HeldoutUnit
 from compass.specs.spec import TrainingSpec
 from compass.tasks.data.datatrove_stages import StageStats, rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
@@ -30,11 +31,25 @@ class CurateConfig(StepConfig):
     curation: Curation
     language: str | None
     domain: str
+    # what falls on one side of the held-out split whole; None: the document (the identity of such steps is as it was)
+    heldout_unit: HeldoutUnit | None = None
+
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"heldout_unit"})
+
+
+def heldout_unit(source: DataSource) -> HeldoutUnit | None:
+    """A web archive's page, a sectioned file (a page, a play, a source file cut into sections), else the document
+    itself (a record of a JSONL or Parquet file, a whole file): sections of one page on both sides of the split would
+    let perplexity be measured on text whose neighbours were trained on."""
+    if source.format == "warc":
+        return "page"
+    return "file" if source.split == "sections" else None
 
 
 def build(plan: PlanBuilder) -> None:
     for src in plan.spec.what.data.sources:
-        plan.add(KIND, src.name, CurateConfig(curation=src.curation, language=src.language, domain=src.domain),
+        plan.add(KIND, src.name, CurateConfig(curation=src.curation, language=src.language, domain=src.domain,
+                                              heldout_unit=heldout_unit(src)),
                  {"raw": f"ingest:{src.name}"})
 
 
@@ -135,7 +150,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
         current = places.intermediate("minhash")
 
     stages.append(run("split",
-                       [*read(current), SplitTagger(cur.heldout_fraction),
+                       [*read(current), SplitTagger(cur.heldout_fraction, ctx.config.heldout_unit or "document"),
                         ShardWriter(places.output("split"), output_filename="${split}/${rank}.jsonl.gz",
                                     adapter=portable_record, written_records=places.records("split"))], n_shards))
     places.publish(ctx, ["split"], "split")

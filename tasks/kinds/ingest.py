@@ -292,6 +292,12 @@ def _select(fs, base: str, include: list[str], exclude: list[str], store: Store 
                 info = {"type": "file" if os.path.isfile(path) else "other", "size": os.path.getsize(path)}
             if info.get("type") != "file" or any(fnmatch.fnmatch(rel, ex) for ex in exclude):
                 continue
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:  # bytes that decode to no name (`bad\xff\xfe.txt`): no record can carry it
+                shown = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                left_out[shown] = "a file name that is not UTF-8: rename it to include it"
+                continue
             if local:
                 real = os.path.realpath(path)
                 if os.path.commonpath([real, real_root]) != real_root:

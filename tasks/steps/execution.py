@@ -70,19 +70,24 @@ def _default_grad_mode() -> Iterator[None]:
         yield
 
 
+# what a full disk, a file past the size limit (`ulimit -f`) and an exhausted quota look like to a writer
+FULL = {errno.ENOSPC: "no space left on the device of", errno.EFBIG: "a file past this process's size limit at",
+        errno.EDQUOT: "the disk quota exhausted at"}
+
+
 @contextmanager
 def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno != errno.ENOSPC:
+        if exc.errno not in FULL:
             raise
         path = Path(exc.filename) if exc.filename else where
         probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
         free = shutil.disk_usage(probe).free
-        raise DiskFull(errno.ENOSPC, f"{step_id}: no space left on the device of {path} ({free / 2**20:,.0f} MiB "
-                       "free there): free space, or move how.storage.root (and TMPDIR for S3 stores) to a larger "
-                       "disk; the step resumes from its last checkpoint") from None
+        raise DiskFull(exc.errno, f"{step_id}: {FULL[exc.errno]} {path} ({free / 2**20:,.0f} MiB free there): free "
+                       "space (or raise the limit: ulimit -f, the quota), or move how.storage.root (and TMPDIR for S3 "
+                       "stores) to a larger disk; the step resumes from its last checkpoint") from None
 
 
 _RESOLVING = threading.Lock()
