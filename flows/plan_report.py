@@ -128,7 +128,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                                 [[abl.runs, human(abl.params), human(abl.tokens_per_run), f"{abl.flops:.3e}",
                                   hours(abl.gpu_hours), f"{abl.share_of_main:.1%}", abl.gpus,
                                   f"{abl.wall_days:.3g}"]],
-                                ["SmolLM3 spent 161,280 GPU-hours on ablations and debugging, over half its main run"]))
+                                ["SmolLM3 spent 161,280 GPU-hours on ablations and debugging, over half its main run",
+                                 *_one_seed_warning(spec)]))
     device = costs.device_memory_bytes(how)
     mem_rows = []
     for z, name in _sharding_rows(how.parallelism.engine_name):
@@ -269,3 +270,12 @@ def sharding_advice(spec: TrainingSpec, device: float) -> str:
         return f"recommended: {name}, the least sharding that fits; the spec's choice"
     more = "more sharding than needed (costs throughput)" if chosen > least else "does not fit"
     return f"recommended: {name}, the least sharding that fits; the spec's choice {more}"
+
+
+def _one_seed_warning(spec: TrainingSpec) -> list[str]:
+    """With one seed a comparison has no noise estimate: its verdicts say so rather than call a difference real."""
+    ablations = spec.what.ablations
+    if ablations is None or len(ablations.seeds) > 1:
+        return []
+    return [f"seeds: {ablations.seeds}: one seed gives no noise estimate, so no variant can be judged better or "
+            "worse (its verdict says so); add seeds, e.g. [0, 1, 2], for a 95% interval paired by seed"]

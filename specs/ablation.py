@@ -40,8 +40,9 @@ class Ablations(SpecModel):
     variants: list[AblationVariant] = Field(min_length=1, description="The changes to try, one field each.")
     seeds: list[int] = Field(
         default_factory=lambda: [0], min_length=1,
-        description="Each run is repeated once per seed (weights and data order); a difference under twice the "
-                    "seeds' standard deviation is judged within noise.")
+        description="Each run is repeated once per seed (weights and data order); a variant is better or worse "
+                    "only when the 95% interval of its difference from the baseline, paired by seed, excludes 0. "
+                    "One seed gives no noise estimate, and its verdicts say so.")
     metrics: list[str] = Field(
         default_factory=lambda: ["val_loss"], min_length=1,
         description="Metrics compared; the first decides the verdict: val_loss, val_loss:<source>, or a benchmark "

@@ -47,8 +47,11 @@ def test_ablations_judged_on_a_benchmark_with_probes_during_the_run(data_store: 
     accs = {v: [runs[f"ablate:{v}-s{s}"]["arc_easy:cf/acc"] for s in (0, 1)] for v in ("baseline", "untied")}
     delta = sum(accs["untied"]) / 2 - sum(accs["baseline"]) / 2
     assert row["delta"] == round(delta, 4)
-    spread = max(abs(a - b) for a, b in (accs["baseline"], accs["untied"])) / 2 ** 0.5  # the std of two values
-    expected = "within noise" if abs(delta) <= 2 * spread else ("better" if delta > 0 else "worse")
+    diffs = [u - b for u, b in zip(accs["untied"], accs["baseline"], strict=True)]  # paired by seed
+    half = 12.7062 * abs(diffs[0] - diffs[1]) / 2 ** 0.5 / 2 ** 0.5  # t(0.975, 1 df) x std of two / sqrt(2)
+    low, high = sum(diffs) / 2 - half, sum(diffs) / 2 + half
+    assert row["delta 95% interval"] == pytest.approx([round(low, 4), round(high, 4)], abs=1e-4)
+    expected = "within noise" if low <= 0 <= high else ("better" if low > 0 else "worse")
     assert row["verdict"] == expected
     assert row["val_loss:notes verdict"] in ("better", "worse", "within noise")
     from compass.tasks.common.plots import PlotDescription

@@ -136,52 +136,79 @@ def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> 
     return points
 
 
-def _metric_row(metric: str, base: list[float], values: list[float], lower_is_better: bool) -> dict[str, Any]:
-    mean, base_mean = statistics.fmean(values), statistics.fmean(base)
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    base_std = statistics.stdev(base) if len(base) > 1 else 0.0
-    return {"mean": mean, "std": std, "delta": mean - base_mean,
-            "verdict": verdict(mean - base_mean, max(base_std, std), lower_is_better)}
+ONE_SEED = "one seed: no noise estimate"
+CONFIDENCE = 0.95
 
 
-def verdict(delta: float, noise: float, lower_is_better: bool) -> str:
-    if abs(delta) <= 2 * noise:  # no difference at all is within noise too, not "worse"
+def _metric_row(metric: str, base: dict[int, float], values: dict[int, float],
+                lower_is_better: bool) -> dict[str, Any]:
+    mean, base_mean = statistics.fmean(values.values()), statistics.fmean(base.values())
+    std = statistics.stdev(values.values()) if len(values) > 1 else 0.0
+    interval = delta_interval(base, values)
+    return {"mean": mean, "std": std, "delta": mean - base_mean, "interval": interval,
+            "verdict": verdict(interval, lower_is_better)}
+
+
+def delta_interval(base: dict[int, float], values: dict[int, float]) -> tuple[float, float] | None:
+    """The 95% confidence interval of the variant's difference from the baseline, paired by seed (the same seed
+    draws the same data order and initialisation in both): Student's t over the seeds' differences. None with one
+    seed in common: one run says nothing of the noise."""
+    seeds = sorted(base.keys() & values.keys())
+    if len(seeds) < 2:
+        return None
+    from scipy.stats import t
+
+    diffs = [values[s] - base[s] for s in seeds]
+    mean = statistics.fmean(diffs)
+    half = float(t.ppf(0.5 + CONFIDENCE / 2, len(seeds) - 1)) * statistics.stdev(diffs) / len(seeds) ** 0.5
+    return mean - half, mean + half
+
+
+def verdict(interval: tuple[float, float] | None, lower_is_better: bool) -> str:
+    """Better or worse only when the interval excludes 0 (no difference at all is within noise too, not "worse")."""
+    if interval is None:
+        return ONE_SEED
+    low, high = interval
+    if low <= 0 <= high:
         return "within noise"
-    improved = delta < 0 if lower_is_better else delta > 0
+    improved = high < 0 if lower_is_better else low > 0
     return "better" if improved else "worse"
 
 
 def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
-    """Per variant and metric: the mean over seeds, the seed spread, the difference with the baseline and a verdict
-    (within noise when it is under twice the larger seed std); the first metric decides the overall verdict."""
+    """Per variant and metric: the mean over seeds, the seed spread, the difference with the baseline, its 95%
+    interval paired by seed and a verdict (better or worse only when the interval excludes 0; one seed: no noise
+    estimate, said so); the first metric decides the overall verdict."""
     metrics, lower = ctx.config.metrics, ctx.config.lower_is_better
-    by_variant: dict[str, dict[str, list[float]]] = {}
+    by_variant: dict[str, dict[str, dict[int, float]]] = {}
     changes: dict[str, Any] = {}
     probes: dict[str, list[list[dict[str, Any]]]] = {}
     for art in ctx.inputs.values():
-        variant = art.step_id.split(":", 1)[1].rsplit("-s", 1)[0]
+        variant, _, seed = art.step_id.split(":", 1)[1].rpartition("-s")
         produced = art.manifest.metrics
         missing = [m for m in metrics if not isinstance(produced.get(m), int | float)]
         if missing:
             have = sorted(k for k, v in produced.items() if isinstance(v, int | float) and k not in ("seed", "tokens"))
             raise ValueError(f"{art.step_id} has no {', '.join(missing)}; its run produced {', '.join(have)}")
         for m in metrics:
-            by_variant.setdefault(variant, {}).setdefault(m, []).append(float(produced[m]))
+            by_variant.setdefault(variant, {}).setdefault(m, {})[int(seed)] = float(produced[m])
         changes[variant] = produced.get("change", {})
         if produced.get("probes"):
             probes.setdefault(variant, []).append(produced["probes"])
     base = by_variant.pop("baseline")
     first = metrics[0]
-    rows = [{"variant": "baseline", "change": "", first: round(statistics.fmean(base[first]), 4),
-             "seed std": round(statistics.stdev(base[first]) if len(base[first]) > 1 else 0.0, 4),
-             "delta": 0.0, "verdict": "reference", "runs": len(base[first]),
-             **{f"{m}": round(statistics.fmean(base[m]), 4) for m in metrics[1:]}}]
+    rows = [{"variant": "baseline", "change": "", first: round(statistics.fmean(base[first].values()), 4),
+             "seed std": round(statistics.stdev(base[first].values()) if len(base[first]) > 1 else 0.0, 4),
+             "delta": 0.0, "delta 95% interval": None, "verdict": "reference", "runs": len(base[first]),
+             **{f"{m}": round(statistics.fmean(base[m].values()), 4) for m in metrics[1:]}}]
     for name, values in sorted(by_variant.items()):
         judged = {m: _metric_row(m, base[m], values[m], lower.get(m, "loss" in m or "ppl" in m)) for m in metrics}
         head = judged[first]
+        interval = head["interval"]
         row = {"variant": name, "change": json.dumps(changes[name]), first: round(head["mean"], 4),
-               "seed std": round(head["std"], 4), "delta": round(head["delta"], 4), "verdict": head["verdict"],
-               "runs": len(values[first])}
+               "seed std": round(head["std"], 4), "delta": round(head["delta"], 4),
+               "delta 95% interval": [round(interval[0], 4), round(interval[1], 4)] if interval else None,
+               "verdict": head["verdict"], "runs": len(values[first])}
         for m in metrics[1:]:
             row |= {m: round(judged[m]["mean"], 4), f"{m} delta": round(judged[m]["delta"], 4),
                     f"{m} verdict": judged[m]["verdict"]}
@@ -194,7 +221,9 @@ def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
         _plot_probes(probes, [m for m in metrics if "/" in m], ctx.out / "probes.png")
     best = [r for r in rows[1:] if r["verdict"] == "better"]
     summary = (f"### ablations on `{first}` ({directions[first]} is better)\n\n" + "\n".join(
-        f"- **{r['variant']}** {r['change']}: {r[first]} ({r['delta']:+.4f}, std {r['seed std']}) {r['verdict']}"
+        f"- **{r['variant']}** {r['change']}: {r[first]} ({r['delta']:+.4f}"
+        + (f", 95% interval {r['delta 95% interval'][0]:+.4f} to {r['delta 95% interval'][1]:+.4f}"
+           if r["delta 95% interval"] else "") + f") {r['verdict']}"
         + "".join(f"; {m} {r[m]} {r[f'{m} verdict']}" for m in metrics[1:]) for r in rows[1:])
         + (f"\n\npromote with `compass ablate promote SPEC --variant {best[0]['variant']}`" if best else ""))
     return StepResult(metrics={"metric": first, "rows": rows}, summary=summary, tables={"ablations": rows})
@@ -247,5 +276,6 @@ def _plot(rows: list[dict], metric: str, out: Path) -> None:
 ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", resources=phase("ablation"),
                   trains=True, reads_how=TRAINER_HOW,
                   imports=TRANSFORMERS, deployment="ablations", headline=("val_loss", "final_loss"))
-COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="2", deployment="ablations")
+# 3: verdicts from a 95% interval paired by seed; one seed says it has no noise estimate
+COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="3", deployment="ablations")
 STEP_KINDS = (ABLATE, COMPARE)
