@@ -95,12 +95,16 @@ def _weak_auth(auth: str) -> str:
 @ops.command()
 def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")] = "compass",
            store: Annotated[str | None, typer.Option(
-               help="This worker's store: submitted specs may read local files under it (a local folder).")] = None,
+               help="This worker's store (a local folder): the only store its runs write (with its -smoke and "
+                    "-rehearsal namespaces and COMPASS_ALLOWED_ROOTS), whatever store_root a submitter passes; "
+                    "submitted specs may read local files under it. Without it the runs write where their spec "
+                    "says.")] = None,
            specs: Annotated[Path | None, typer.Option(
                help="The folder this worker keeps submitted specs in: they may read local files under it.")] = None
            ) -> None:
     """Start a process worker on the work pool (created when missing); it runs submitted specs, which read local
-    files only under its --store, its --specs and COMPASS_ALLOWED_ROOTS (never where the submitter says)."""
+    files only under its --store, its --specs and COMPASS_ALLOWED_ROOTS (never where the submitter says), and write
+    only into its --store when one is given."""
     need_server("compass worker")
     from compass.flows.confinement import WORKER_SPECS, WORKER_STORE
     from compass.flows.deployments import ensure_pool
