@@ -9,6 +9,7 @@ job's nodes (infra/slurm.py).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -94,6 +95,11 @@ def _single_rank_env(fresh_port: bool) -> Iterator[None]:
                 os.environ[key] = value
 
 
+class NoTrainResult(FileNotFoundError):
+    """The ranks ended without `result.json`: they were asked to stop (they checkpointed and left; under Slurm the
+    job requeues itself) or died before the stage's end without a retriable reason."""
+
+
 def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: SlurmCluster | None = None) -> TrainResult:
     """Run the trainer on the job where the step's placement says: one rank in this process; several started by
     the placement's launcher (tasks/steps/launchers.py: torchrun here or over ssh to how.hardware.hosts; srun over
@@ -131,8 +137,9 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
     reasons = retriable_reasons(job.workdir)
     if reasons:  # a hung or broken collective: the batch shell requeues the job under its budget
         raise RetriableRanksFailure(reasons)
-    raise RuntimeError(f"the training ranks ended ({code}) without a result; their output is above in "
-                       f"{work.slurm_log}")
+    raise NoTrainResult(errno.ENOENT, f"the training ranks ended ({code}) without writing their result (a stop "
+                        f"asked of the run makes them checkpoint and leave); their output: {work.slurm_log} under "
+                        "Slurm, the launcher logs in the work folder here", str(work.train_result))
 
 
 def run_module_ranks(module: str, job_path: Path, world: int, shape: Shape, runtime: Runtime, log) -> None:
