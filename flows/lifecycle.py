@@ -29,7 +29,7 @@ from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placemen
 from compass.flows.submit import ui_url
 from compass.flows.validation import check, shrunk
 from compass.infra.credentials import apply_credentials_block
-from compass.infra.errors import DataError
+from compass.infra.errors import DataError, RootRefused
 from compass.infra.interrupt import stop_run
 from compass.infra.quiet_failures import quiet_data_errors
 from compass.infra.run_records import end_dead_runs, run_record
@@ -286,7 +286,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
             raise SpecError(loaded.problems(outside))
     unwritable = root_problem(root) or (store_outside_worker(root) if deployment.id else None)
     if unwritable:  # before anything is created there
-        raise ValueError(f"store_root {root}: {unwritable}")
+        raise RootRefused(f"store_root {root}: {unwritable}")
     store = Store(root, cluster.shared_root if cluster else None)
     with _recorded_run(store):
         statuses = plan_status(full, store)

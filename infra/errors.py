@@ -17,6 +17,11 @@ class MalformedData(DataError, ValueError):
     """A file that is not what its format says, located as precisely as the format allows (file:line)."""
 
 
+class RootRefused(DataError, ValueError):
+    """A place compass was asked to write (a submitted store_root) that it must not: `/`, a system folder, or outside
+    the stores of the worker running it."""
+
+
 class DiskFull(OSError, DataError):
     """No space left where a step writes: one message with the path and what is free, instead of a traceback
     from every layer the write went through. Retrying at once would fail the same way."""
