@@ -95,18 +95,14 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
 
 
 def _inside_a_source(checked: CheckedSpec, root: str) -> str | None:
-    """A store inside a local source folder: its manifests, locks and shards would be the source's next documents,
-    and every run would ingest again."""
-    from compass.flows.confinement import local_paths
+    """A store inside a local source folder (specs/sources.py `source_holding`)."""
+    from compass.specs.sources import source_holding
 
-    if "://" in root and not root.startswith("file://"):
+    holder = source_holding(checked.spec.what.data.sources, checked.loaded.base_dir, root)
+    if holder is None:
         return None
-    path = Path(root.removeprefix("file://")).expanduser().resolve()
-    for loc, _, folder in local_paths(checked.spec, checked.loaded.base_dir):
-        if loc[:3] == ("what", "data", "sources") and path.is_relative_to(folder):
-            name = checked.spec.what.data.sources[int(loc[3])].name
-            return f"the store {path} lies inside the local source '{name}' ({folder}): put it outside the folder"
-    return None
+    store = Path(root.removeprefix("file://")).expanduser().resolve()
+    return f"the store {store} lies inside the local source '{holder[0]}' ({holder[1]}): put it outside the folder"
 
 
 def store_root(checked: CheckedSpec, store: str | None, option: str = "--store") -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from compass.specs.base import HintedError
 
@@ -65,3 +66,18 @@ def parse_source_uri(uri: str) -> SourceUri:
         raise SourceUriError(f"unsupported scheme '{scheme}://'",
                              "use a local path, s3://, deb://, pypi://, stdlib:// or traces://")
     return SourceUri("file", path=uri.removeprefix("file://"))
+
+
+def source_holding(sources: list, base_dir: Path, root: str) -> tuple[str, Path] | None:
+    """The local source (its name and folder) whose folder holds the store at `root`, or None: the store's
+    manifests, locks and shards would be that source's next documents, and every run would ingest it again."""
+    if "://" in root and not root.startswith("file://"):
+        return None
+    store = Path(root.removeprefix("file://")).expanduser().resolve()
+    for source in sources:
+        uri = parse_source_uri(source.uri)
+        if uri.scheme == "file":
+            folder = (base_dir / uri.path).expanduser().resolve()
+            if store.is_relative_to(folder):
+                return source.name, folder
+    return None

@@ -25,7 +25,7 @@ from compass.infra.layout import DOCUMENTS
 from compass.infra.packages import fetch_package
 from compass.infra.store import Store
 from compass.specs.base import Issue
-from compass.specs.sources import parse_source_uri
+from compass.specs.sources import parse_source_uri, source_holding
 from compass.specs.spec import TrainingSpec
 from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.source_files import MAX_DOCUMENT_CHARS, MAX_REPLACEMENT_SHARE, ReadSettings, drop_reason
@@ -67,22 +67,18 @@ def build(plan: PlanBuilder) -> None:
 def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     """A local source must exist on this machine, and must not hold the store (the store's manifests, locks and
     shards would be the source's next documents)."""
-    root = spec.how.storage.root
-    store = None if "://" in root and not root.startswith("file://") else \
-        Path(root.removeprefix("file://")).expanduser().resolve()
     for i, src in enumerate(spec.what.data.sources):
         uri = parse_source_uri(src.uri)
-        if uri.scheme != "file":
-            continue
-        folder = (base_dir / uri.path).expanduser()
-        if not folder.exists():
+        if uri.scheme == "file" and not (base_dir / uri.path).expanduser().exists():
             yield Issue(("what", "data", "sources", i, "uri"),
                         f"local source '{uri.path}' does not exist (relative to {base_dir})",
                         "fix the path, or use s3://, deb://, pypi:// or stdlib://")
-        elif store is not None and store.is_relative_to(folder.resolve()):
-            yield Issue(("how", "storage", "root"),
-                        f"the store {store} lies inside the local source '{src.name}' ({folder.resolve()})",
-                        "put the store outside the source folder")
+    root = spec.how.storage.root
+    holder = source_holding(spec.what.data.sources, base_dir, root)
+    if holder:
+        store = Path(root.removeprefix("file://")).expanduser().resolve()
+        yield Issue(("how", "storage", "root"), f"the store {store} lies inside the local source '{holder[0]}' "
+                    f"({holder[1]})", "put the store outside the source folder")
 
 
 def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
