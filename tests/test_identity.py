@@ -122,6 +122,7 @@ def test_numerics_and_placement_fields_reuse_and_say_under_what_it_was_made(trai
     assert rows["pretrain:stage1"][3:5] == rows["pretrain:stage2"][3:5] == ["cached", "committed"]
 
 
+@pytest.mark.slow  # a subprocess compiling 3 specs 150 times: kept out of make test-fast
 def test_random_mutations_of_how_rerun_exactly_what_their_class_says():
     """benchmarks/identity_mutations.py at a smaller count (its default is 500): it fails with 20 false reuses in
     200 mutations when the compiler leaves `how` out of the fingerprints."""
