@@ -20,10 +20,9 @@ from compass.specs.smoke import Size
 
 def visible(text: str) -> str:
     """Control characters (an escape sequence in a spec value or a file name) shown as `\x1b`, never sent raw."""
-    if text.isprintable() or all(c.isprintable() or c in "\n\t" for c in text):
+    if text.isprintable():  # the common case, checked in C
         return text
-    return "".join(c if c.isprintable() or c in "\n\t" or unicodedata.category(c) != "Cc" else
-                   f"\\x{ord(c):02x}" for c in text)
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
 
 
 class SafeConsole(Console):
