@@ -1,7 +1,8 @@
 """The pure compiler: a TrainingSpec becomes a Plan, a DAG of Steps (no Prefect here, so it unit-tests fast).
 
-Each registered step kind adds its steps (tasks/registry.py, in order); each Step carries only the slice of
-the spec it reads, so changing one field re-runs exactly the steps that read it and their descendants.
+Each registered step kind adds its steps, after the kinds whose steps it reads (tasks/steps/build_order.py); each
+Step carries only the slice of the spec it reads, so changing one field re-runs exactly the steps that read it and
+their descendants.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from compass.specs.base import Issue
 from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps import registry
+from compass.tasks.steps.build_order import build_order
 from compass.tasks.steps.kind import PlanBuilder, Step
 
 
@@ -74,10 +76,10 @@ def compile_spec(spec: TrainingSpec) -> Plan:
     """Build the lifecycle DAG: every registered kind adds its steps (ingest -> curate -> tokenizer -> ablations
     -> pretraining stages -> long-context stages -> post-training -> evaluation -> curves and success report).
     Raises PlanError when the spec names a checkpoint that no step produces."""
-    builder = PlanBuilder(spec)
-    for kind in registry.kinds():
-        if kind.build is not None:
-            kind.build(builder)
+    kinds = registry.kinds()
+    builder = PlanBuilder(spec, kinds)
+    for kind in build_order(kinds):
+        builder.run_builder(kind)
     if builder.issues:
         raise PlanError(builder.issues)
     return _order(spec.name, builder.steps, spec.how)

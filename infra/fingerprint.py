@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 
@@ -20,6 +21,16 @@ def fingerprint(kind: str, config: dict[str, Any], input_fingerprints: dict[str,
         identity["how"] = how
     payload = canonical_json(identity)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over a checkpoint folder's safetensors files in name order: the same weights, the same digest."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:

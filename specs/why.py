@@ -1,5 +1,6 @@
 """`why`: the reason to train and the success criteria that decide whether the run achieved it."""
 
+import operator
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -17,6 +18,13 @@ class SuccessCriterion(SpecModel):
     checkpoint: str = Field(
         default="final", description="'final', or a step such as 'pretrain:stage2' or 'post_train:sft'."
     )
+
+    def met_by(self, value: float) -> bool:
+        """Whether a measured value passes (the gate and the success report judge alike)."""
+        return _COMPARE[self.op](value, self.threshold)
+
+
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
 class _WhyBase(SpecModel):

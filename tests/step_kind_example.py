@@ -1,18 +1,20 @@
-"""A step kind defined entirely in one module, the way a team adds its own: a config model, a builder that adds
-its steps to the plan, an executor, the resources its steps need, and the StepKind record. tests/test_architecture.py
-registers it and runs it through compile, plan and run; tests/test_placement.py places it."""
+"""A step kind defined entirely in one module, the way a team adds its own: a config model, its typed inputs, a
+builder that adds its steps to the plan (after the kinds whose steps it reads), an executor, the resources its steps
+need, and the StepKind record. tests/test_architecture.py registers it and runs it through compile, plan and run;
+tests/test_placement.py places it."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from compass.infra.layout import TRAIN, CuratedArtifact
 from compass.specs.how import How, Shape
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.wiring import Inputs, StepRef
 
 
 class WordCountConfig(StepConfig):
@@ -21,9 +23,14 @@ class WordCountConfig(StepConfig):
     min_length: int
 
 
+@dataclass(frozen=True)
+class WordCountInputs(Inputs):
+    curated: StepRef  # one curated source
+
+
 def build(plan: PlanBuilder) -> None:
     for curate in plan.of_kind("curate"):
-        plan.add(KIND, curate.name, WordCountConfig(min_length=4), {"curated": curate.id})
+        plan.add(KIND, curate.name, WordCountConfig(min_length=4), WordCountInputs(curated=curate.ref))
 
 
 def run(ctx: StepContext[WordCountConfig]) -> StepResult:
@@ -44,5 +51,6 @@ def resources(config: WordCountConfig, how: How) -> Shape:
     return replace(how.shape("data"), cpus_per_node=1)
 
 
-KIND = StepKind("word_count", WordCountConfig, run, build, version="1", resources=resources)
+KIND = StepKind("word_count", WordCountConfig, run, build, version="1", resources=resources, inputs=WordCountInputs,
+                after=("curate",))
 STEP_KINDS = (KIND,)

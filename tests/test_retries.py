@@ -25,8 +25,8 @@ class FlakyConfig(StepConfig):
 
 def _build(plan: PlanBuilder) -> None:
     marker = Path.cwd() / "flaky-ran-once"
-    plan.add(FLAKY, "once", FlakyConfig(marker=str(marker), fault="connection"), {})
-    plan.add(FLAKY, "bad-data", FlakyConfig(marker=str(marker.with_name("bad-data-ran")), fault="data"), {})
+    plan.add(FLAKY, "once", FlakyConfig(marker=str(marker), fault="connection"))
+    plan.add(FLAKY, "bad-data", FlakyConfig(marker=str(marker.with_name("bad-data-ran")), fault="data"))
 
 
 def _run(ctx: StepContext[FlakyConfig]) -> StepResult:

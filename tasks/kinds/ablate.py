@@ -7,8 +7,10 @@ import json
 import math
 import shutil
 import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
 from compass.model.training.job import StageRecipe
@@ -17,12 +19,12 @@ from compass.specs.ablation import AblationBaseline
 from compass.specs.architecture import Architecture
 from compass.specs.evaluation import Benchmark
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+from compass.tasks.common.inputs import TrainingInputs, gates, tokens
 from compass.tasks.common.training import build_job, run_training
-from compass.tasks.kinds.encode_tokens import data_inputs
-from compass.tasks.kinds.gate import gate_inputs
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.wiring import Inputs, StepRef
 
 
 class AblateConfig(StepConfig):
@@ -59,6 +61,14 @@ class CompareConfig(StepConfig):
     lower_is_better: dict[str, bool] = {}
 
 
+@dataclass(frozen=True)
+class CompareInputs(Inputs):
+    """Every (variant, seed) run, by `ablate/<variant>-s<seed>` (the roles the comparison's identity was made with)."""
+
+    prefixes: ClassVar[Mapping[str, str]] = {"runs": ""}
+    runs: Mapping[str, StepRef]
+
+
 def build(plan: PlanBuilder) -> None:
     what = plan.spec.what
     abl, pt = what.ablations, what.pretraining
@@ -73,12 +83,13 @@ def build(plan: PlanBuilder) -> None:
                                   optimizer=pt.optimizer, metrics=abl.metrics, schedule=pt.schedule,
                                   monitors=pt.monitors, intra_document_masking=pt.intra_document_masking,
                                   benchmarks=benchmarks, probes=abl.probes if benchmarks else 0)
-            step_id = plan.add(ABLATE, f"{variant}-s{seed}", config,
-                               data_inputs(plan, list(abl.baseline.mixture)) | gate_inputs(plan))
-            runs[step_id.replace(":", "/")] = step_id
+            inputs = TrainingInputs(tokenizer=plan.tokenizer(), tokens=tokens(plan, abl.baseline.mixture),
+                                    gate=gates(plan))
+            run = plan.add(ABLATE, f"{variant}-s{seed}", config, inputs)
+            runs[f"{run.kind}/{run.name}"] = run
     directions = {m: abl.lower_is_better(m) for m in abl.metrics}
     plan.add(COMPARE, "ablations", CompareConfig(metrics=abl.metrics, seeds=abl.seeds, lower_is_better=directions),
-             runs)
+             CompareInputs(runs))
 
 
 def apply_change(baseline: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
@@ -274,8 +285,9 @@ def _plot(rows: list[dict], metric: str, out: Path) -> None:
 
 
 ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="3", resources=phase("ablation"),
-                  trains=True, reads_how=TRAINER_HOW,
+                  trains=True, reads_how=TRAINER_HOW, inputs=TrainingInputs, after=("gate", "tokenize"),
                   imports=TRANSFORMERS, deployment="ablations", headline=("val_loss", "final_loss"))
 # 3: verdicts from a 95% interval paired by seed; one seed says it has no noise estimate
-COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="3", deployment="ablations")
+COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="3", deployment="ablations",
+                   inputs=CompareInputs)
 STEP_KINDS = (ABLATE, COMPARE)

@@ -3,6 +3,11 @@ artifact with its tokenizer, so every later step (continued pretraining, mid-tra
 post-training, evaluation) reads it like any model this run trained, and its lineage names where it came from
 (URI, revision, sha256 of the weights).
 
+`what.models` are checkpoints from outside this run that steps name as `model:<name>` (the strong and weak
+answerers of preference pairs, distillation teachers): each is a step of the `model` kind, copied the same way, so
+the steps that read it find it on the shared store like any artifact. They are not models of this run: never
+evaluated, never a `previous` or `final`.
+
 The step's identity is the spec's `init_from` and `revision` plus the stamp read when the spec loaded (the hub
 snapshot's commit, or the files' names, sizes and dates): a checkpoint replaced under the same name is copied
 again, and the steps after it train again."""
@@ -16,9 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from compass.infra.fingerprint import weights_digest
 from compass.infra.layout import TOKENIZER_FILES, ModelArtifact
 from compass.specs.spec import TrainingSpec
-from compass.tasks.kinds.gate import gate_inputs, weights_digest
+from compass.specs.starting_model import NAMED_MODEL_PREFIX
+from compass.tasks.common.inputs import Gated, gates
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -46,7 +53,16 @@ def build(plan: PlanBuilder) -> None:
         raise ValueError("what.model was not resolved: load the spec with compass.specs.loader")
     config = BaseModelConfig(init_from=model.init_from, revision=model.revision, stamp=model.resolved.stamp,
                              location=model.resolved.location)
-    plan.add(KIND, "init", config, gate_inputs(plan))
+    plan.add(KIND, "init", config, Gated(gates(plan)))
+
+
+def build_named(plan: PlanBuilder) -> None:
+    for name, model in plan.spec.what.models.items():
+        if model.resolved is None:
+            raise ValueError("what.models was not resolved: load the spec with compass.specs.loader")
+        config = BaseModelConfig(init_from=model.init_from, revision=model.revision, stamp=model.resolved.stamp,
+                                 location=model.resolved.location)
+        plan.add(NAMED, name, config, Gated(gates(plan)))
 
 
 def local_copy(location: str, stamp: str, scratch: Path) -> Path:
@@ -111,6 +127,8 @@ def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
 
 
 KIND = StepKind("base_model", BaseModelConfig, run_base_model, build, version="1", resources=phase("data"),
-                imports=TRANSFORMERS, node_files=node_files,
-                produces_model=True)
-STEP_KINDS = (KIND,)
+                imports=TRANSFORMERS, node_files=node_files, inputs=Gated, after=("gate",),
+                evaluated=True, advances_model=True, provides_tokenizer=True)
+NAMED = StepKind(NAMED_MODEL_PREFIX.rstrip(":"), BaseModelConfig, run_base_model, build_named, version="1",
+                 resources=phase("data"), imports=TRANSFORMERS, inputs=Gated, after=("gate",))
+STEP_KINDS = (KIND, NAMED)

@@ -13,6 +13,7 @@ import inspect
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ from compass.tasks.data.places import DataPlaces
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.wiring import Inputs, StepRef
 
 
 class CurateConfig(StepConfig):
@@ -46,11 +48,16 @@ def heldout_unit(source: DataSource) -> HeldoutUnit | None:
     return "file" if source.split == "sections" else None
 
 
+@dataclass(frozen=True)
+class CurateInputs(Inputs):
+    raw: StepRef  # the source's ingested documents
+
+
 def build(plan: PlanBuilder) -> None:
     for src in plan.spec.what.data.sources:
         plan.add(KIND, src.name, CurateConfig(curation=src.curation, language=src.language, domain=src.domain,
                                               heldout_unit=heldout_unit(src)),
-                 {"raw": f"ingest:{src.name}"})
+                 CurateInputs(raw=plan.ref("ingest", src.name)))
 
 
 def check_spec(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
@@ -226,6 +233,6 @@ def _counted(stages: list[StageStats], block: type, prefix: str = "") -> dict[st
 
 
 KIND = StepKind("curate", CurateConfig, run_curate, build, version="4", resources=phase("data"),
-                check_spec=check_spec, fans_out=True,
+                check_spec=check_spec, fans_out=True, inputs=CurateInputs, after=("ingest",),
                 headline=("documents_in", "documents_out"))
 STEP_KINDS = (KIND,)

@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from compass.tasks.common.inputs import Evaluations, evaluations_by_model
 from compass.tasks.common.plots import figure_png, use_token_axis
-from compass.tasks.kinds.evaluate import step_name
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 
@@ -19,10 +19,10 @@ class CurvesConfig(StepConfig):
 
 
 def build(plan: PlanBuilder) -> None:
-    evaluated = {s.inputs["model"] for s in plan.of_kind("evaluate")}
-    runs = [m for m in plan.model_steps if m in evaluated]
+    evaluations = evaluations_by_model(plan)
+    runs = [m.id for m in plan.evaluated_models() if m.id in evaluations]
     if runs:
-        plan.add(KIND, "evaluation", CurvesConfig(runs=runs), {f"eval:{m}": f"evaluate:{step_name(m)}" for m in runs})
+        plan.add(KIND, "evaluation", CurvesConfig(runs=runs), Evaluations({m: evaluations[m] for m in runs}))
 
 
 def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -92,5 +92,6 @@ def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
     return StepResult(metrics={"metrics": sorted(points), "points": n}, summary=summary, tables={"curve_points": table})
 
 
-KIND = StepKind("curves", CurvesConfig, run_curves, build, version="1")
+KIND = StepKind("curves", CurvesConfig, run_curves, build, version="1", inputs=Evaluations, after=("evaluate",),
+                after_models=True)
 STEP_KINDS = (KIND,)

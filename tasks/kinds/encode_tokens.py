@@ -5,34 +5,34 @@ curation's stages are (tasks/data/datatrove_stages.py: Slurm job arrays under a 
 token shard, streamed, so a task's memory is one batch of documents and one block of tokens whatever the size.
 
 Tokenize steps are added on demand: a kind that trains or measures on a source asks for its tokens with
-`tokens_of`, so a source nobody trains on is never tokenized.
+`plan.require("tokenize", source)`, so a source nobody trains on is never tokenized.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from compass.infra.layout import SPLITS, TokenizerArtifact
 from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
 from compass.tasks.data.tokenizer_files import tokenizer_ids
-from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.wiring import Inputs, StepRef
 
 
-def tokens_of(plan: PlanBuilder, source: str) -> str:
-    """The id of the step that tokenizes `source`, added the first time it is asked for."""
-    step_id = f"tokenize:{source}"
-    if not plan.has(step_id):
-        plan.add(KIND, source, EmptyConfig(), {"tokenizer": tokenizer_step(plan), "curated": f"curate:{source}"})
-    return step_id
+@dataclass(frozen=True)
+class TokenizeInputs(Inputs):
+    tokenizer: StepRef
+    curated: StepRef
 
 
-def data_inputs(plan: PlanBuilder, sources: list[str]) -> dict[str, str]:
-    """Inputs of a step that trains on `sources`: the tokenizer, and each source's tokens as `tokens:<name>`."""
-    return {"tokenizer": tokenizer_step(plan), **{f"tokens:{n}": tokens_of(plan, n) for n in sorted(sources)}}
+def provide(plan: PlanBuilder, source: str) -> None:
+    """The step that tokenizes `source`, added the first time a kind asks for it (PlanBuilder.require)."""
+    inputs = TokenizeInputs(tokenizer=plan.tokenizer(), curated=plan.ref("curate", source))
+    plan.add(KIND, source, EmptyConfig(), inputs)
 
 
 def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) -> dict[str, int]:
@@ -79,6 +79,7 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
 
 
 KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="3", resources=phase("data"),
-                imports=TRANSFORMERS, fans_out=True,
+                imports=TRANSFORMERS, fans_out=True, inputs=TokenizeInputs, provide=provide,
+                after=("curate", "tokenizer", "base_model"),
                 headline=("train_tokens", "heldout_tokens"))
 STEP_KINDS = (KIND,)

@@ -20,10 +20,9 @@ from compass.specs.evaluation import Benchmark, Evaluation
 from compass.specs.how import How
 from compass.specs.spec import TrainingSpec
 from compass.tasks.common.devices import Device, device_for, setup_of
+from compass.tasks.common.inputs import EvaluateInputs, tokens
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.evaluation.lighteval_run import run_lighteval
-from compass.tasks.kinds.encode_tokens import tokens_of
-from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -59,23 +58,16 @@ def retrieval_of(spec: TrainingSpec) -> Retrieval | None:
                      source=lc.retrieval_source or max(sorted(first), key=lambda n: first[n]))
 
 
-def step_name(model_step: str) -> str:
-    """`evaluate:<kind>-<name>` evaluates the model step `<kind>:<name>`."""
-    return model_step.replace(":", "-")
-
-
 def build(plan: PlanBuilder) -> None:
     ev = plan.spec.what.evaluation
     if not (ev.benchmarks or ev.perplexity_sources):
         return
     retrieval = retrieval_of(plan.spec)
     config = EvaluateConfig(suite=ev, every_checkpoint=plan.spec.how.evaluation.every_checkpoint, retrieval=retrieval)
-    for model_step in plan.model_steps:
-        inputs = {"model": model_step, "tokenizer": tokenizer_step(plan),
-                  **{f"tokens:{n}": tokens_of(plan, n) for n in ev.perplexity_sources}}
-        if retrieval:
-            inputs["haystack"] = tokens_of(plan, retrieval.source)
-        plan.add(KIND, step_name(model_step), config, inputs)
+    for model in plan.evaluated_models():
+        inputs = EvaluateInputs(model=model, tokenizer=plan.tokenizer(), tokens=tokens(plan, ev.perplexity_sources),
+                                haystack=plan.require("tokenize", retrieval.source) if retrieval else None)
+        plan.add(KIND, f"{model.kind}-{model.name}", config, inputs)  # evaluate:<kind>-<name>
 
 
 def check_spec(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
@@ -282,5 +274,6 @@ def _shown(values: dict[str, Any]) -> str:
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
 KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", resources=phase("evaluation"),
                 imports=TRANSFORMERS, check_spec=check_spec, check_machine=check_machine,
-                node_files=node_files, reads_how=EVALUATION_HOW, headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
+                node_files=node_files, reads_how=EVALUATION_HOW, inputs=EvaluateInputs, after=("tokenize",),
+                after_models=True, headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
 STEP_KINDS = (KIND,)

@@ -9,17 +9,16 @@ The verdict is part of the committed artifact, so a cached re-run stops the same
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from compass.infra.fingerprint import weights_digest
 from compass.specs.evaluation import Benchmark
 from compass.specs.spec import TrainingSpec
 from compass.specs.why import ProductionWhy, SuccessCriterion
-from compass.tasks.kinds.success_report import OPS
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -54,11 +53,6 @@ def build(plan: PlanBuilder) -> None:
 
 def slug(model: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[:60] or "model"
-
-
-def gate_inputs(plan: PlanBuilder) -> dict[str, str]:
-    """What a first training step waits for: every gate (none without a production `why`)."""
-    return {f"gate:{s.name}": s.id for s in plan.of_kind(KIND.name)}
 
 
 def resolve_model(model: str, scratch: Path) -> tuple[Path, dict[str, Any]]:
@@ -96,15 +90,6 @@ def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
                            "Face cache", path)
 
 
-def weights_digest(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
 def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
     from compass.tasks.common.devices import device_for
     from compass.tasks.evaluation.lighteval_run import run_lighteval
@@ -118,7 +103,7 @@ def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
     rows = []
     for c in cfg.criteria:
         value = scores.get(c.metric)
-        met = value is not None and OPS[c.op](value, c.threshold)
+        met = value is not None and c.met_by(value)
         rows.append({"criterion": f"{c.metric} {c.op} {c.threshold}", "measured": value, "met": met})
     meets_all = bool(rows) and all(r["met"] for r in rows)
     verdict = ("overridden" if cfg.override else NOT_JUSTIFIED) if meets_all else "justified"

@@ -5,16 +5,13 @@ is written into the exported config."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from pathlib import Path
-
 from compass.model.training.history import tokens_seen
 from compass.model.training.job import StageRecipe
 from compass.specs.architecture import Architecture
 from compass.specs.training import LongContextStage, Monitors, Optimizer, PretrainStage, Schedule, Yarn
+from compass.tasks.common.continuation import continuation, inference_scaling
+from compass.tasks.common.inputs import TrainingInputs, training_inputs
 from compass.tasks.common.training import build_job, train_and_export
-from compass.tasks.kinds.encode_tokens import data_inputs
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -43,51 +40,21 @@ class LongContextConfig(StepConfig):
                             self.monitors, stage, rope_theta=s.rope_theta, lr=s.lr, schedule=schedule)
 
 
-def continuation(architecture: Architecture, optimizer: Optimizer, seed: int, masking: bool, monitors: Monitors,
-                 stage: PretrainStage, *, rope_theta: float, lr: float, schedule: Schedule) -> StageRecipe:
-    """The recipe of one stage that continues a trained model (long-context extension, mid-training): the same
-    architecture at a new RoPE base, its own budget, mixture, LR and schedule."""
-    positions = architecture.positions.model_copy(update={"rope_theta": rope_theta})
-    return StageRecipe(architecture=architecture.model_copy(update={"positions": positions}),
-                       optimizer=optimizer.model_copy(update={"lr": lr}), schedule=schedule, stages=[stage],
-                       stage=stage.name, seed=seed, intra_document_masking=masking, monitors=monitors)
-
-
 def build(plan: PlanBuilder) -> None:
     what = plan.spec.what
     pt, lc = what.pretraining, what.long_context
     trained = plan.of_kind("pretrain") or plan.of_kind("base_model")
     if not trained or not lc.stages:
         return
-    previous = trained[-1].id
+    previous = trained[-1].ref
     previous_length = what.trained_length
     for stage in lc.stages:
         config = LongContextConfig(stage=stage, inference_scaling=lc.inference_scaling,
                                    intra_document_masking=pt.intra_document_masking, architecture=what.architecture,
                                    optimizer=pt.optimizer, seed=pt.seed, monitors=pt.monitors,
                                    previous_length=previous_length)
-        previous = plan.add(KIND, stage.name, config, {**data_inputs(plan, list(stage.mixture)), "previous": previous})
+        previous = plan.add(KIND, stage.name, config, training_inputs(plan, stage.mixture, previous))
         previous_length = stage.sequence_length
-
-
-def inference_scaling(scaling: Yarn | None, trained_length: int, rope_theta: float) -> Callable[[Path], None]:
-    """Writes the RoPE base and, if asked, YaRN/linear scaling beyond the trained length into config.json."""
-
-    def apply(folder: Path) -> None:
-        path = folder / "config.json"
-        config = json.loads(path.read_text())
-        params = {"rope_type": "default", "rope_theta": rope_theta}
-        if scaling:
-            params = {"rope_type": scaling.kind, "rope_theta": rope_theta, "factor": scaling.factor,
-                      "original_max_position_embeddings": trained_length}
-            config["max_position_embeddings"] = int(trained_length * scaling.factor)
-        else:
-            config["max_position_embeddings"] = trained_length
-        config["rope_parameters"] = params
-        config["rope_theta"] = rope_theta
-        path.write_text(json.dumps(config, indent=2))
-
-    return apply
 
 
 def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
@@ -105,6 +72,7 @@ def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
 # 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2); 3: the training core of pretrain 2
 KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="3",
                 resources=phase("long_context"),
-                trains=True, imports=TRANSFORMERS, produces_model=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
+                trains=True, imports=TRANSFORMERS, reads_how=TRAINER_HOW + CHECKPOINT_HOW, inputs=TrainingInputs,
+                after=("pretrain", "base_model", "tokenize"), evaluated=True, advances_model=True,
                 headline=("final_loss", "tokens_per_s", "mfu"))
 STEP_KINDS = (KIND,)

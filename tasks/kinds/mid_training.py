@@ -10,10 +10,9 @@ from compass.model.training.history import tokens_seen
 from compass.specs.architecture import Architecture
 from compass.specs.post_training import MidTraining
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule, Yarn
+from compass.tasks.common.continuation import continuation, inference_scaling
+from compass.tasks.common.inputs import TrainingInputs, tokens
 from compass.tasks.common.training import build_job, train_and_export
-from compass.tasks.kinds.encode_tokens import data_inputs
-from compass.tasks.kinds.long_context import continuation, inference_scaling
-from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -29,15 +28,19 @@ class MidTrainingConfig(MidTraining, StepConfig):
     intra_document_masking: bool
 
 
-def add_step(plan: PlanBuilder, step: MidTraining, previous: str) -> str:
-    """One mid-training step of the spec's post-training list, continuing `previous` (its builder is
-    post-training's, which keeps the list's order)."""
+def provide(plan: PlanBuilder, name: str) -> None:
+    """The mid-training step `name` of the spec's post-training list, continuing the newest model: post-training's
+    builder asks for it (PlanBuilder.require) where the list puts it, which keeps the list's order."""
     what = plan.spec.what
     pt = what.pretraining
+    step = next(p for p in what.post_training if isinstance(p, MidTraining) and p.name == name)
     config = MidTrainingConfig(**dict(step), seed=pt.seed, architecture=what.architecture, optimizer=pt.optimizer,
                                monitors=pt.monitors, intra_document_masking=pt.intra_document_masking)
-    inputs = {"tokenizer": tokenizer_step(plan), "previous": previous, **data_inputs(plan, [step.dataset])}
-    return plan.add(KIND, step.name, config, inputs)
+    previous = plan.newest_model()
+    if previous is None:
+        raise ValueError(f"mid-training {name} has no model to continue")
+    inputs = TrainingInputs(tokenizer=plan.tokenizer(), tokens=tokens(plan, [step.dataset]), previous=previous)
+    plan.add(KIND, step.name, config, inputs)
 
 
 def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
@@ -65,7 +68,8 @@ def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
 
 
 KIND = StepKind("mid_training", MidTrainingConfig, run_mid_training, None, version="1",
-                resources=phase("mid_training"),
-                trains=True, imports=TRANSFORMERS, produces_model=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
+                resources=phase("mid_training"), inputs=TrainingInputs, provide=provide,
+                after=("tokenize", "base_model", "tokenizer"), evaluated=True, advances_model=True,
+                trains=True, imports=TRANSFORMERS, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
                 headline=("final_loss", "tokens_per_s"))
 STEP_KINDS = (KIND,)

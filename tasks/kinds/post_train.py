@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.tracking import tracker_run_of
-from compass.tasks.kinds.select_tokenizer import tokenizer_step
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import (
     CONVERSATION_SHAPES,
@@ -39,6 +39,7 @@ from compass.tasks.post_training.datasets import (
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.wiring import Inputs, StepRef
 
 
 class PostTrainConfig(StepConfig):
@@ -69,20 +70,31 @@ CONFIGS: dict[str, type[PostTrainConfig]] = {"sft": SftConfig, "dpo": Preference
                                               "kto": PreferenceConfig, "grpo": GrpoConfig, "distill": DistillConfig}
 
 
-def build(plan: PlanBuilder) -> None:
-    """The spec's post-training list in order, each step continuing the one before; mid-training entries are
-    steps of their own kind (tasks/kinds/mid_training.py: compass's trainer, not TRL)."""
-    from compass.tasks.kinds import mid_training
+@dataclass(frozen=True)
+class PostTrainInputs(Inputs):
+    """The tokenizer, the model it continues, and the models a method reads besides: the strong and weak answerers
+    of preference pairs, a distillation teacher."""
 
+    tokenizer: StepRef
+    previous: StepRef
+    strong: StepRef | None = None
+    weak: StepRef | None = None
+    teacher: StepRef | None = None
+
+
+def build(plan: PlanBuilder) -> None:
+    """The spec's post-training list in order, each step continuing the newest model; mid-training entries are
+    steps of their own kind (tasks/kinds/mid_training.py: compass's trainer, not TRL), asked for in their place."""
     what = plan.spec.what
     pt = what.pretraining
     common = {"seed": pt.seed, "vibe_prompts": what.evaluation.vibe_prompts}
-    previous = plan.model_steps[-1]
     for i, post in enumerate(what.post_training):
         if isinstance(post, MidTraining):
-            previous = mid_training.add_step(plan, post, previous)
+            plan.require("mid_training", post.name)
             continue
-        inputs = {"tokenizer": tokenizer_step(plan), "previous": previous}
+        previous = plan.newest_model()
+        if previous is None:
+            raise ValueError(f"post-training {post.name} has no model to continue")
         config = CONFIGS[post.method](**dict(post), **common)
         at = ("what", "post_training", i)
         refs = []
@@ -91,10 +103,8 @@ def build(plan: PlanBuilder) -> None:
                     ("weak", post.pairs.weak, (*at, "pairs", "weak"))]
         elif isinstance(post, Distillation):
             refs = [("teacher", post.teacher, (*at, "teacher"))]
-        for role, ref, loc in refs:
-            if (resolved := plan.checkpoint(ref, loc)) is not None:
-                inputs[role] = resolved
-        previous = plan.add(KIND, post.name, config, inputs)
+        models = {role: resolved for role, ref, loc in refs if (resolved := plan.checkpoint(ref, loc)) is not None}
+        plan.add(KIND, post.name, config, PostTrainInputs(tokenizer=plan.tokenizer(), previous=previous, **models))
 
 
 MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many characters are left out
@@ -458,6 +468,8 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
 
 KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="3",
                 resources=phase("post_training"), trains=True, reads_how=TRL_HOW,
-                imports=TRANSFORMERS, produces_model=True, check_machine=check_machine,
+                imports=TRANSFORMERS, check_machine=check_machine, inputs=PostTrainInputs,
+                after=("mid_training", "tokenizer", "base_model", "model"), after_models=True,
+                evaluated=True, advances_model=True,
                 headline=("final_loss", "final_reward", "tokens"))
 STEP_KINDS = (KIND,)

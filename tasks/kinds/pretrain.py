@@ -4,9 +4,8 @@ checkpoints, and publishes metrics and the loss curve. One LR schedule spans all
 from __future__ import annotations
 
 from compass.model.training.job import StageRecipe
+from compass.tasks.common.inputs import TrainingInputs, training_inputs
 from compass.tasks.common.training import build_job, train_and_export
-from compass.tasks.kinds.encode_tokens import data_inputs
-from compass.tasks.kinds.gate import gate_inputs
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -21,18 +20,14 @@ def build(plan: PlanBuilder) -> None:
     pt = plan.spec.what.pretraining
     needs_total = pt.schedule.kind != "wsd" or all(s.schedule_segment == "auto" for s in pt.stages)
     base = plan.of_kind("base_model")
-    previous: str | None = base[0].id if base else None  # continued pretraining of a starting checkpoint
+    previous = base[0].ref if base else None  # continued pretraining of a starting checkpoint
     for i, stage in enumerate(pt.stages):
         spanned = pt.stages if needs_total or stage.schedule_segment == "decay" else pt.stages[: i + 1]
         config = PretrainConfig(architecture=plan.spec.what.architecture, optimizer=pt.optimizer,
                                 schedule=pt.schedule, stages=spanned, stage=stage.name, seed=pt.seed,
                                 intra_document_masking=pt.intra_document_masking, monitors=pt.monitors)
-        inputs = data_inputs(plan, list(stage.mixture))
-        if previous:
-            inputs["previous"] = previous
-        else:  # the first stage waits for the gate's verdict (the starting checkpoint waits for it too)
-            inputs |= gate_inputs(plan)
-        previous = plan.add(KIND, stage.name, config, inputs)
+        # a first stage waits for the gates' verdict (the starting checkpoint waits for it too)
+        previous = plan.add(KIND, stage.name, config, training_inputs(plan, stage.mixture, previous))
 
 
 def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
@@ -41,7 +36,8 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
 KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", resources=phase("pretraining"),
-                trains=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
-                imports=TRANSFORMERS, produces_model=True,
+                trains=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW, inputs=TrainingInputs,
+                after=("base_model", "gate", "tokenize"), evaluated=True, advances_model=True,
+                imports=TRANSFORMERS,
                 headline=("final_loss", "tokens_per_s", "mfu"))
 STEP_KINDS = (KIND,)

@@ -9,7 +9,7 @@ import gzip
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,8 +23,8 @@ from compass.specs.tokenizer import HubCandidate, Tokenizer
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.wiring import Inputs, StepRef
 
-STEP_ID = "tokenizer:select"
 _CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
 _HAS_ALNUM = re.compile(r"\w")
 SAMPLED_SHARDS = 64  # shards a source's sample is drawn from, spread over all of them
@@ -40,17 +40,16 @@ class Doc:
     group: str  # language code for natural language, "code" for code
 
 
+@dataclass(frozen=True)
+class SelectionInputs(Inputs):
+    curated: Mapping[str, StepRef]  # every curated source: candidates train and are measured on them
+
+
 def build(plan: PlanBuilder) -> None:
     if plan.spec.what.tokenizer is None:  # the starting checkpoint's (tasks/base_model.py)
         return
-    curated = {f"curated:{s.name}": s.id for s in plan.of_kind("curate")}
-    plan.add(KIND, "select", TokenizerConfig(**dict(plan.spec.what.tokenizer)), curated)
-
-
-def tokenizer_step(plan: PlanBuilder) -> str:
-    """The step whose artifact holds the tokenizer in `chosen/`: the selection, or the starting checkpoint."""
-    base = plan.of_kind("base_model")
-    return base[0].id if base else STEP_ID
+    curated = {s.name: s.ref for s in plan.of_kind("curate")}
+    plan.add(KIND, "select", TokenizerConfig(**dict(plan.spec.what.tokenizer)), SelectionInputs(curated))
 
 
 class HubTokenizerMissing(FileNotFoundError):
@@ -336,5 +335,6 @@ def _measure(tok, texts: list[str], group: str) -> dict[str, float]:
 
 KIND = StepKind("tokenizer", TokenizerConfig, run_tokenizer_selection, build, version="2", resources=phase("data"),
                 imports=TRANSFORMERS, check_machine=check_machine, node_files=node_files,
+                inputs=SelectionInputs, after=("curate",), provides_tokenizer=True,
                 headline=("chosen", "mean_fertility"))
 STEP_KINDS = (KIND,)

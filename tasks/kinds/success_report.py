@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import operator
 
+from compass.specs.base import Issue
 from compass.specs.why import SuccessCriterion
-from compass.tasks.kinds.evaluate import step_name
+from compass.tasks.common.inputs import Evaluations, evaluations_by_model
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
-
-OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+from compass.tasks.steps.wiring import StepRef
 
 
 class ReportConfig(StepConfig):
@@ -22,13 +21,23 @@ class ReportConfig(StepConfig):
 def build(plan: PlanBuilder) -> None:
     """The report reads the evaluations of the checkpoints its criteria name, nothing else."""
     criteria = plan.spec.why.success_criteria
-    named = {plan.checkpoint(c.checkpoint, ("why", "success_criteria", i, "checkpoint"))
-             for i, c in enumerate(criteria)}
-    if not plan.of_kind("evaluate"):
+    evaluations = evaluations_by_model(plan)
+    named: dict[str, StepRef] = {}
+    for i, c in enumerate(criteria):
+        at = ("why", "success_criteria", i, "checkpoint")
+        model = plan.checkpoint(c.checkpoint, at)
+        if model is None or not evaluations:
+            continue
+        if model.id not in evaluations:
+            plan.issues.append(Issue(at, f"checkpoint '{c.checkpoint}' ({model.id}) is not evaluated",
+                                     f"name one of: {', '.join(evaluations)}"))
+            continue
+        named[model.id] = evaluations[model.id]
+    if not evaluations:
         return  # nothing is evaluated: there is nothing to report on
-    inputs = {f"eval:{m}": f"evaluate:{step_name(m)}" for m in sorted(n for n in named if n)}
-    plan.add(KIND, "success", ReportConfig(criteria=criteria, final=plan.model_steps[-1],
-                                           override=plan.spec.why.override), inputs)
+    final = plan.newest_model()
+    plan.add(KIND, "success", ReportConfig(criteria=criteria, final=final.id if final else "",
+                                           override=plan.spec.why.override), Evaluations(dict(sorted(named.items()))))
 
 
 def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
@@ -43,7 +52,7 @@ def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
             available = sorted(k for k, v in measured.get(checkpoint, {}).items() if isinstance(v, int | float))
             note = f"the evaluation of {checkpoint} has no metric '{crit.metric}' (it has: {', '.join(available)})"
         else:
-            verdict = "pass" if OPS[crit.op](value, crit.threshold) else "fail"
+            verdict = "pass" if crit.met_by(value) else "fail"
             note = ""
         rows.append({"criterion": f"{crit.metric} {crit.op} {crit.threshold}", "checkpoint": checkpoint,
                      "measured": value, "verdict": verdict, "note": note})
@@ -60,6 +69,7 @@ def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
                       tables={"success": rows})
 
 
-KIND = StepKind("report", ReportConfig, run_success_report, build, version="1",
+KIND = StepKind("report", ReportConfig, run_success_report, build, version="1", inputs=Evaluations,
+                after=("evaluate",), after_models=True,
                 headline=("passed",))
 STEP_KINDS = (KIND,)

@@ -20,6 +20,7 @@ from compass.specs.how import How
 from compass.specs.how_identity import identity_of, value_at
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
+from compass.tasks.steps.wiring import Inputs, NoInputs, StepRef
 
 if TYPE_CHECKING:
     from compass.tasks.steps.context import StepContext, StepResult
@@ -55,17 +56,23 @@ class EmptyConfig(StepConfig):
 
 @dataclass(frozen=True)
 class Step:
-    """One unit of work: (kind, name, config, inputs). `inputs` maps a role to the id of another step."""
+    """One unit of work: (kind, name, config, inputs). `inputs` maps a role to the id of another step (what the
+    fingerprint, the manifest and the runner read); `wired` is the same as the kind's typed Inputs."""
 
     kind: str
     name: str
     config: StepConfig
     inputs: Mapping[str, str] = field(default_factory=dict)
     tags: tuple[str, ...] = ()
+    wired: Inputs = field(default_factory=NoInputs)
 
     @property
     def id(self) -> str:
         return f"{self.kind}:{self.name}"
+
+    @property
+    def ref(self) -> StepRef:
+        return StepRef(self.kind, self.name)
 
 
 SpecCheck = Callable[[TrainingSpec, Path], Iterable[Issue]]  # the spec and the folder its relative paths start at
@@ -107,14 +114,22 @@ class StepKind:
     name: str
     config: type[StepConfig]
     run: Callable[[StepContext], StepResult]
-    build: Callable[[PlanBuilder], None] | None  # adds this kind's steps; None: other kinds add them on demand
+    build: Callable[[PlanBuilder], None] | None  # adds this kind's steps; None: other kinds ask for them (provide)
     version: str  # bump when the code changes what the kind produces: its steps then run again
+    inputs: type[Inputs] = NoInputs  # what its steps read, typed (tasks/steps/wiring.py)
+    # adds its step `name` when another kind's builder asks for it (PlanBuilder.require): a source's tokens
+    provide: Callable[[PlanBuilder, str], None] | None = None
+    # the kinds whose steps its builder (or provider) reads: their builders run first, whatever the registry's order
+    after: tuple[str, ...] = ()
+    after_models: bool = False  # its builder reads the models built so far: every model kind builds first
     # what one of its steps needs (nodes, devices, CPUs, memory, time): usually a phase's shape; None for steps that
     # only read other steps' manifests. tasks/steps/placement.py turns it into where the step runs.
     resources: Resources | None = None
     stops_run: Callable[[dict[str, Any]], str | None] | None = None  # from the step's metrics: why to stop the run
     trains: bool = False  # runs compass's trainer: followed live (progress, loss plot, checkpoint events)
-    produces_model: bool = False  # its artifact holds a Hugging Face model: evaluated, named by criteria
+    evaluated: bool = False  # its artifact holds a model to evaluate: scored, plotted, named by criteria
+    advances_model: bool = False  # its model is the run's newest: the next stage continues it; `final` is the last
+    provides_tokenizer: bool = False  # its artifact holds the run's tokenizer in `chosen/` (PlanBuilder.tokenizer)
     deployment: str | None = None  # "ablations": part of the ablation-only deployment
     # checks against what this compass and its libraries accept (filter parameters, benchmark names): everywhere
     check_spec: SpecCheck | None = None
@@ -157,48 +172,118 @@ class StepKind:
         return (GPU_TAG,) if launcher_for(place(self, config, how)).holds_devices else ()
 
 
-class PlanBuilder:
-    """The steps added so far, in the order the kinds' builders add them (the registry's order), plus the
-    problems found on the way (a checkpoint name that no step produces): the compiler reports them all."""
+class BuildOrderError(ValueError):
+    """A builder read the steps of a kind whose builder had not run: its `after` misses that kind."""
 
-    def __init__(self, spec: TrainingSpec):
+
+class PlanBuilder:
+    """The steps added so far, in the order the kinds' builders add them (ordered by what each reads:
+    tasks/steps/build_order.py), plus the problems found on the way (a checkpoint name that no step produces): the
+    compiler reports them all. A builder that reads a kind whose builder has not run yet is an error naming the fix."""
+
+    def __init__(self, spec: TrainingSpec, kinds: Iterable[StepKind] = ()):
         self.spec = spec
         self.steps: list[Step] = []
-        self.kinds: dict[str, StepKind] = {}
+        self.kinds: dict[str, StepKind] = {k.name: k for k in kinds}
         self.issues: list[Issue] = []
+        self.built: set[str] = set()  # kinds whose builders have run
+        self.building: str | None = None
 
-    def add(self, kind: StepKind, name: str, config: StepConfig, inputs: Mapping[str, str] | None = None) -> str:
+    def run_builder(self, kind: StepKind) -> None:
+        self.kinds.setdefault(kind.name, kind)
+        if kind.build is not None:
+            self.building = kind.name
+            try:
+                kind.build(self)
+            finally:
+                self.building = None
+        self.built.add(kind.name)
+
+    def add(self, kind: StepKind, name: str, config: StepConfig, inputs: Inputs | None = None) -> StepRef:
         if not isinstance(config, kind.config):
             raise TypeError(f"{kind.name}:{name}: config is a {type(config).__name__}, not {kind.config.__name__}")
-        step = Step(kind.name, name, config, dict(inputs or {}), kind.step_tags(config, self.spec.how))
+        wired = NoInputs() if inputs is None else inputs
+        if not isinstance(wired, kind.inputs):
+            raise TypeError(f"{kind.name}:{name}: inputs are a {type(wired).__name__}, not {kind.inputs.__name__}")
+        step = Step(kind.name, name, config, wired.roles(), kind.step_tags(config, self.spec.how), wired)
         if self.has(step.id):
             raise ValueError(f"step {step.id} is added twice")
         self.steps.append(step)
-        self.kinds[kind.name] = kind
-        return step.id
+        self.kinds.setdefault(kind.name, kind)
+        return step.ref
 
     def has(self, step_id: str) -> bool:
         return any(s.id == step_id for s in self.steps)
 
+    def _read(self, kind: str) -> None:
+        """Reading `kind`'s steps is only right once its builder has run (or it has none: steps on demand)."""
+        known = self.kinds.get(kind)
+        if known is None or known.build is None or kind in self.built or kind == self.building:
+            return
+        raise BuildOrderError(f"step kind '{self.building}' read the steps of '{kind}' before its builder ran: add "
+                              f"'{kind}' to the `after` of '{self.building}'")
+
     def of_kind(self, kind: str) -> list[Step]:
+        self._read(kind)
         return [s for s in self.steps if s.kind == kind]
 
-    @property
-    def model_steps(self) -> list[str]:
-        """Ids of the steps so far whose artifact is a model, in training order."""
-        return [s.id for s in self.steps if self.kinds[s.kind].produces_model]
+    def ref(self, kind: str, name: str) -> StepRef:
+        """A step another kind's builder added (curate's `ingest:<source>`); a missing one is a plan error."""
+        self._read(kind)
+        ref = StepRef(kind, name)
+        if not self.has(ref.id):
+            raise ValueError(f"no step {ref.id} in the plan (asked by '{self.building}')")
+        return ref
 
-    def checkpoint(self, ref: str, loc: Loc) -> str | None:
+    def require(self, kind: str, name: str) -> StepRef:
+        """The step `kind:name`, added by its kind's provider the first time it is asked for (a source's tokens)."""
+        ref = StepRef(kind, name)
+        if not self.has(ref.id):
+            provider = self.kinds.get(kind)
+            if provider is None or provider.provide is None:
+                raise ValueError(f"step kind '{kind}' adds no steps on demand (asked for {ref.id})")
+            provider.provide(self, name)
+            if not self.has(ref.id):
+                raise ValueError(f"step kind '{kind}' was asked for {ref.id} and did not add it")
+        return ref
+
+    def tokenizer(self) -> StepRef:
+        """The step whose artifact holds the run's tokenizer: the selection, or the starting checkpoint."""
+        holders = [k for k in self.kinds.values() if k.provides_tokenizer]
+        for k in holders:
+            self._read(k.name)
+        found = [s.ref for s in self.steps if self.kinds[s.kind].provides_tokenizer]
+        if not found:
+            raise ValueError("no step holds a tokenizer: the spec names neither what.tokenizer nor what.model")
+        return found[0]
+
+    def _models(self, wanted: Callable[[StepKind], bool]) -> list[StepRef]:
+        for k in self.kinds.values():
+            if wanted(k):
+                self._read(k.name)
+        return [s.ref for s in self.steps if wanted(self.kinds[s.kind])]
+
+    def evaluated_models(self) -> list[StepRef]:
+        """The steps so far whose model is evaluated, in training order."""
+        return self._models(lambda k: k.evaluated)
+
+    def newest_model(self) -> StepRef | None:
+        """The model the next stage continues: the last step so far whose kind advances the model."""
+        models = self._models(lambda k: k.advances_model)
+        return models[-1] if models else None
+
+    def checkpoint(self, ref: str, loc: Loc) -> StepRef | None:
         """The model step a spec names ('final' is the newest one so far, 'model:<name>' one of what.models); an
         unknown name is recorded as an issue at `loc` and gives None."""
-        models = self.model_steps
-        if ref == "final" and models:
-            return models[-1]
+        models = [m.id for m in self.evaluated_models()]
+        newest = self.newest_model()
+        if ref == "final" and newest is not None:
+            return newest
         if ref in models:
-            return ref
+            return StepRef.parse(ref)
         if ref.startswith(NAMED_MODEL_PREFIX):
             if self.has(ref):
-                return ref
+                return StepRef.parse(ref)
             named = ", ".join(self.spec.what.models) or "none"
             self.issues.append(Issue(loc, f"no model '{ref.removeprefix(NAMED_MODEL_PREFIX)}' in what.models "
                                      f"(named there: {named})", "add it under what.models with its init_from"))

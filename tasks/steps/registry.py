@@ -1,5 +1,6 @@
 """The one registry of step kinds. Each module below defines its kinds (`STEP_KINDS`, StepKind records); the
-compiler runs their builders in this order, so a kind may use the steps of the kinds listed before it.
+compiler runs their builders after the kinds whose steps each reads (tasks/steps/build_order.py), so this order
+only decides how independent steps are listed.
 Installed distributions add kinds through the `compass.step_kinds` entry point group (a module with
 `STEP_KINDS`), and code can call `register()`.
 
@@ -18,7 +19,6 @@ from compass.tasks.steps.kind import StepKind
 BUILTIN = (
     "compass.tasks.kinds.gate",
     "compass.tasks.kinds.base_model",
-    "compass.tasks.kinds.named_model",
     "compass.tasks.kinds.ingest",
     "compass.tasks.kinds.curate",
     "compass.tasks.kinds.select_tokenizer",
@@ -73,8 +73,8 @@ def unregister(name: str) -> None:
 
 
 def model_kinds() -> list[str]:
-    """Kinds whose artifacts hold a model (evaluated, and named by success criteria)."""
-    return [k.name for k in kinds() if k.produces_model]
+    """Kinds whose artifacts hold a model to evaluate (scored, and named by success criteria)."""
+    return [k.name for k in kinds() if k.evaluated]
 
 
 def deployment_kinds(deployment: str) -> list[str]:

@@ -1,0 +1,152 @@
+"""Typed wiring (tasks/steps/wiring.py) and the builders' order (tasks/steps/build_order.py): steps name the steps
+they read with StepRefs in their kind's Inputs; the order of the registry does not change a plan; a kind added
+anywhere builds after what it reads; a builder that reads a kind it did not declare is an error naming the fix."""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from compass.flows.compiler import Plan, compile_spec
+from compass.specs import load_spec
+from compass.tasks.steps import registry
+from compass.tasks.steps.build_order import BuildCycle, build_order
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import BuildOrderError, EmptyConfig, PlanBuilder, StepKind
+from compass.tasks.steps.wiring import Inputs, NoInputs, StepRef
+from tests.conftest import REPO, write_minimal_spec
+
+TINY = REPO / "specs" / "examples" / "tiny.yaml"
+
+
+@dataclass(frozen=True)
+class SoupInputs(Inputs):
+    models: Mapping[str, StepRef]
+
+
+def _soup_build(plan: PlanBuilder) -> None:
+    """An average of every pretraining stage's weights: a model to evaluate, never the one the next stage continues."""
+    stages = {s.name: s.ref for s in plan.of_kind("pretrain")}
+    if len(stages) > 1:
+        plan.add(SOUP, "stages", EmptyConfig(), SoupInputs(stages))
+
+
+def _never_run(ctx: StepContext) -> StepResult:
+    raise AssertionError("planning only")
+
+
+SOUP = StepKind("soup", EmptyConfig, _never_run, _soup_build, version="1", inputs=SoupInputs, after=("pretrain",),
+                evaluated=True)
+
+
+def plan_with(monkeypatch: pytest.MonkeyPatch, spec: Path, kinds: list[StepKind]) -> Plan:
+    monkeypatch.setattr(registry, "kinds", lambda: list(kinds))
+    return compile_spec(load_spec(spec).spec)
+
+
+def steps_of(plan: Plan) -> dict[str, tuple[dict[str, str], str]]:
+    return {s.id: (dict(s.inputs), plan.fingerprints[s.id]) for s in plan.steps}
+
+
+def test_the_registry_order_does_not_change_the_plan(monkeypatch: pytest.MonkeyPatch):
+    """Every kind builds after what it reads, so any order of the registry gives the same steps, inputs and
+    fingerprints (the registry's order only lists independent steps)."""
+    builtin = registry.kinds()
+    reference = steps_of(compile_spec(load_spec(TINY).spec))
+    rng = random.Random(0)
+    for _ in range(5):
+        shuffled = rng.sample(builtin, len(builtin))
+        assert steps_of(plan_with(monkeypatch, TINY, shuffled)) == reference
+
+
+@pytest.mark.parametrize("where", ["last", "before evaluate", "first"])
+def test_a_new_model_kind_is_evaluated_wherever_it_is_registered(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                 where: str):
+    """A new kind needs its module and one registration: registered after evaluate, before it or first, its model
+    is evaluated, curved and nameable by criteria the same way, and `final` stays the newest trained model."""
+    evaluation = "  evaluation: {perplexity_sources: [notes]}\n  pretraining:"
+    criterion = {"checkpoint: final}": 'checkpoint: "soup:stages"}'}
+    spec = write_minimal_spec(tmp_path, **criterion, **{"  pretraining:": evaluation})
+    builtin = registry.kinds()
+    at = {"last": len(builtin), "first": 0,
+          "before evaluate": next(i for i, k in enumerate(builtin) if k.name == "evaluate")}[where]
+    plan = plan_with(monkeypatch, spec, [*builtin[:at], SOUP, *builtin[at:]])
+    evaluated = {s.inputs["model"] for s in plan.steps if s.kind == "evaluate"}
+    assert evaluated == {"pretrain:stage1", "pretrain:stage2", "soup:stages"}
+    assert plan.step("soup:stages").inputs == {"models:stage1": "pretrain:stage1", "models:stage2": "pretrain:stage2"}
+    curves = plan.step("curves:evaluation")
+    assert curves.config.runs == ["pretrain:stage1", "pretrain:stage2", "soup:stages"]
+    report = plan.step("report:success")
+    assert report.inputs == {"eval:soup:stages": "evaluate:soup-stages"}
+    assert report.config.final == "pretrain:stage2"  # evaluated, not advancing: not `final`
+
+    monkeypatch.undo()
+    same = plan_with(monkeypatch, spec, [*builtin, SOUP])
+    assert steps_of(plan) == steps_of(same)
+
+
+def test_a_builder_reading_a_kind_it_does_not_build_after_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch):
+    """Without `after`, a kind registered first would have read no pretraining steps and silently added nothing."""
+    careless = replace(SOUP, after=())
+    with pytest.raises(BuildOrderError, match="'soup' read the steps of 'pretrain' before its builder ran: add "
+                                              "'pretrain' to the `after` of 'soup'"):
+        plan_with(monkeypatch, TINY, [careless, *registry.kinds()])
+
+
+def test_kinds_that_read_each_other_are_a_cycle_named():
+    a = StepKind("a", EmptyConfig, _never_run, lambda plan: None, version="1", after=("b",))
+    b = StepKind("b", EmptyConfig, _never_run, lambda plan: None, version="1", after=("a",))
+    with pytest.raises(BuildCycle, match=r"a \(after b\), b \(after a\)"):
+        build_order([a, b])
+
+
+def test_a_kind_that_trains_on_post_training_builds_after_it_though_post_training_reads_every_model():
+    """after_models (post-training continues the newest model) gives way to an explicit `after` the other way."""
+    kinds = registry.kinds()
+    merge = replace(SOUP, name="merge", after=("post_train",), advances_model=True)
+    order = [k.name for k in build_order([merge, *kinds])]
+    assert order.index("post_train") < order.index("merge") < order.index("evaluate")
+    assert order.index("pretrain") < order.index("long_context") < order.index("post_train")
+
+
+def test_inputs_flatten_to_the_roles_the_fingerprint_reads():
+    @dataclass(frozen=True)
+    class Example(Inputs):
+        tokenizer: StepRef
+        tokens: Mapping[str, StepRef]
+        previous: StepRef | None = None
+
+    example = Example(StepRef("tokenizer", "select"), {"web": StepRef("tokenize", "web")})
+    assert example.roles() == {"tokenizer": "tokenizer:select", "tokens:web": "tokenize:web"}
+    with pytest.raises(TypeError, match=r"Example.tokens\['web'\] is a str, not a StepRef"):
+        Example(StepRef("tokenizer", "select"), {"web": "tokenize:web"}).roles()  # type: ignore[dict-item]
+    assert StepRef.parse("evaluate:pretrain-stage1") == StepRef("evaluate", "pretrain-stage1")
+    with pytest.raises(ValueError, match="not a step id"):
+        StepRef.parse("pretrain")
+
+
+def test_a_step_is_refused_with_inputs_of_another_kind():
+    plan = PlanBuilder(load_spec(TINY).spec, registry.kinds())
+    with pytest.raises(TypeError, match="soup:x: inputs are a NoInputs, not SoupInputs"):
+        plan.add(SOUP, "x", EmptyConfig(), NoInputs())
+    with pytest.raises(ValueError, match="step kind 'soup' adds no steps on demand"):
+        plan.require("soup", "x")
+
+
+def test_no_kind_module_imports_another():
+    """Kinds learn other kinds' steps from the plan (require, ref, of_kind, tokenizer, the models), never by
+    importing their modules; what several kinds share lives in tasks/common/."""
+    kinds_dir = REPO / "tasks" / "kinds"
+    for path in sorted(kinds_dir.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {f"compass.tasks.kinds.{alias.name}" for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module == "compass.tasks.kinds"
+                     for alias in node.names}
+        others = {m for m in imported if m.startswith("compass.tasks.kinds.")} - {f"compass.tasks.kinds.{path.stem}"}
+        assert not others, f"{path.name} imports {sorted(others)}"
