@@ -105,15 +105,14 @@ def _inside_a_source(checked: CheckedSpec, root: str) -> str | None:
 
 
 def store_root(checked: CheckedSpec, store: str | None, option: str = "--store") -> str:
-    """`--store` if given, else the spec's `how.storage.root` (relative to the working directory); a smoke run or a
-    rehearsal writes beside it, to `<root>-smoke` or `<root>-rehearsal`, never among real artifacts. Exit 2 when it
-    cannot hold a store."""
-    from compass.flows.lifecycle import resolve_root
+    """`--store` if given (relative to the working directory), else the spec's `how.storage.root` (relative to the
+    spec's folder: Storage.root_at); a smoke run or a rehearsal writes beside it, to `<root>-smoke` or
+    `<root>-rehearsal`, never among real artifacts. Exit 2 when it cannot hold a store."""
     from compass.infra.store import root_problem
 
     if store and checked.loaded.size != "full":
         store = store.rstrip("/") + f"-{checked.loaded.size}"
-    root = store or resolve_root(checked.spec.how.storage.root)
+    root = store or checked.spec.how.storage.root_at(checked.loaded.base_dir)
     problem = root_problem(root) or _inside_a_source(checked, root)
     if problem is None:
         return root

@@ -279,7 +279,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     full = checked.plan
     plan = full.up_to(until) if until else full
     cluster = spec.how.orchestration.cluster
-    root = store_root or resolve_root(spec.how.storage.root)
+    root = store_root or spec.how.storage.root_at(base)
     if deployment.id:  # submitted to a shared worker: read local files only under its own roots, never the submitter's
         outside = list(outside_roots(spec, base, worker_roots()))
         if outside:
@@ -371,7 +371,3 @@ def _needs_ray_runner(orch: Orchestration) -> bool:
 class RayNeedsServer(RuntimeError):
     pass
 
-
-def resolve_root(root: str) -> str:
-    """Relative store roots are relative to the working directory, like DESIGN.md's `store/`."""
-    return root if "://" in root else str((Path.cwd() / root).resolve())

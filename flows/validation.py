@@ -124,9 +124,9 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     cluster = spec.how.orchestration.cluster
     assert cluster is not None and cluster.shared_root is not None
     wanted: dict[str, tuple[tuple[str | int, ...], str]] = {}
-    root = spec.how.storage.root
+    root = spec.how.storage.root_at(base_dir)
     if "://" not in root:  # the nearest folder that exists: the store itself may be created by the first run
-        folder = (Path.cwd() / root).expanduser().resolve()
+        folder = Path(root)
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
         wanted[str(folder)] = (("how", "storage", "root"), f"the store {root} ({folder})")

@@ -164,11 +164,20 @@ def write_root_problem(folder: str, what: str = "a store") -> str | None:
 class Storage(SpecModel):
     """Where the artifacts live and how they are checked before use."""
 
+    def root_at(self, base_dir: Path) -> str:
+        """The store's root as a URI or an absolute folder: a relative one starts at the spec's folder
+        (`base_dir`), as its sources and datasets do, so every command finds the same store wherever it runs."""
+        if "://" in self.root:
+            return self.root
+        return str((base_dir / Path(self.root).expanduser()).resolve())
+
     field_identity: ClassVar[dict[str, Identity]] = {
         "root": "placement", "credentials_block": "placement", "local_cache": "placement", "verify": "placement",
         "shard_index_above": "placement", "on_damage": "placement"}
 
-    root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact.")
+    root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact. A "
+                      "relative folder starts at the spec's folder, like every path in a spec (`store`: beside the "
+                      "spec), wherever compass runs from.")
     credentials_block: str | None = Field(
         default=None, description="Prefect Secret block holding {aws_access_key_id, aws_secret_access_key, "
                                   "endpoint_url, region_name, aws_session_token}; otherwise the environment's.")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from compass.flows.plan_report import cost_sections
 from compass.specs import load_spec
 from tests.conftest import write_minimal_spec
@@ -44,3 +46,30 @@ def test_a_plan_creates_nothing_and_says_which_store_it_plans_against(tmp_path: 
     (dag,) = [s for s in json.loads(done.stdout)["sections"] if s["title"] == "DAG"]
     assert dag["notes"][0].endswith(f"outputs under {store} (a new store: the first run creates it)")
     assert not store.exists()  # planning wrote nothing
+
+
+def test_every_command_finds_the_spec_s_store_from_any_working_directory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """One base for relative paths (issue 45, item 5): `how.storage.root: store` is the folder beside the spec, as its
+    sources are, wherever `compass` runs from; `--store` on the command line starts at the working directory."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from compass.flows.cli import app
+
+    specs, elsewhere = tmp_path / "project" / "specs", tmp_path / "elsewhere"
+    specs.mkdir(parents=True)
+    elsewhere.mkdir()
+    spec = write_minimal_spec(specs, **{"how:\n": "how:\n  storage: {root: store}\n"})
+    monkeypatch.chdir(elsewhere)
+
+    def outputs(*extra: str) -> str:
+        done = CliRunner().invoke(app, ["plan", str(spec), "--json", *extra])
+        assert done.exit_code == 0, done.output
+        (dag,) = [s for s in json.loads(done.stdout)["sections"] if s["title"] == "DAG"]
+        return dag["notes"][0]
+
+    assert f"outputs under {specs / 'store'} (a new store" in outputs()
+    assert f"outputs under {elsewhere / 'mine'} (a new store" in outputs("--store", "mine")
+    assert list(elsewhere.iterdir()) == [] and not (specs / "store").exists()  # planning created nothing

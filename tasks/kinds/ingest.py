@@ -73,7 +73,7 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
             yield Issue(("what", "data", "sources", i, "uri"),
                         f"local source '{uri.path}' does not exist (relative to {base_dir})",
                         "fix the path, or use s3://, deb://, pypi:// or stdlib://")
-    root = spec.how.storage.root
+    root = spec.how.storage.root_at(base_dir)
     holder = source_holding(spec.what.data.sources, base_dir, root)
     if holder:
         store = Path(root.removeprefix("file://")).expanduser().resolve()
