@@ -168,7 +168,7 @@ def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes
     for folder in (undisturbed, lost):
         folder.mkdir()
         seeded(folder / "store", data_store)
-    argv = lambda folder: [str(VENV_BIN / "compass"), "run", str(faulty_spec(folder, nodes=2, tokens=5120)), "--store",  # noqa: E731
+    argv = lambda folder: [str(VENV_BIN / "compass"), "run", str(faulty_spec(folder, nodes=2, tokens=10240)), "--store",  # noqa: E731
                            str(folder / "store"), "--until", "pretrain:stage1"]
     done = subprocess.run(argv(undisturbed), cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stderr[-6000:]
@@ -177,9 +177,9 @@ def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes
     run = subprocess.Popen(argv(lost), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     deadline = time.monotonic() + 600
-    while not list(store.glob(".work/pretrain/stage1-*/checkpoints/step-00000005")):
+    while not [c for c in store.glob(".work/pretrain/stage1-*/checkpoints/step-*") if int(c.name[5:]) >= 5]:
         assert run.poll() is None and time.monotonic() < deadline, "the stage ended before its checkpoint 5"
-        time.sleep(0.5)
+        time.sleep(0.1)  # any checkpoint from the fifth on: a fast machine writes and prunes them within a poll
     (work,) = store.glob(".work/pretrain/stage1-*")
     job = read_record(work).job_id
     os.killpg(run.pid, signal.SIGKILL)  # no orchestrator from here on
@@ -206,5 +206,5 @@ def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes
     (manifest,) = store.glob("pretrain/stage1-*/manifest.json")
     committed = json.loads(manifest.read_text())
     assert committed["execution"]["slurm_job"] == job  # the same job, requeued by itself
-    assert committed["metrics"]["resumed_from"] >= 5 and committed["metrics"]["steps"] == 20
+    assert committed["metrics"]["resumed_from"] >= 5 and committed["metrics"]["steps"] == 40
     assert final_weights_sha(store, "pretrain:stage1") == final_weights_sha(undisturbed / "store", "pretrain:stage1")
