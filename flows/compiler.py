@@ -54,18 +54,19 @@ class Plan:
         wanted = {s.id for s in self.steps if s.id in targets or s.kind in targets}
         frontier = set(wanted)
         while frontier:
-            needed = {i for s in self.steps if s.id in frontier for i in s.inputs.values()} - wanted
+            needed = {i for s in self.steps if s.id in frontier for i in s.needs} - wanted
             wanted |= needed
             frontier = needed
         return self._subset(wanted)
 
     def restricted_to(self, kinds: set[str]) -> Plan:
-        """The sub-plan of steps of the given kinds whose inputs are all inside it."""
+        """The sub-plan of steps of the given kinds whose inputs are all inside it, with the steps they wait for
+        (a fence that may stop them) and what those need."""
         ids: set[str] = set()
         for s in self.steps:
             if s.kind in kinds and set(s.inputs.values()) <= ids:
                 ids.add(s.id)
-        return self._subset(ids)
+        return self.up_to(sorted(ids)) if ids else self._subset(ids)
 
     def _subset(self, ids: set[str]) -> Plan:
         return Plan(self.spec_name, [s for s in self.steps if s.id in ids],
@@ -88,7 +89,7 @@ def compile_spec(spec: TrainingSpec) -> Plan:
 def _order(spec_name: str, steps: list[Step], how: How) -> Plan:
     by_id = {s.id: s for s in steps}
     for s in steps:
-        missing = set(s.inputs.values()) - set(by_id)
+        missing = set(s.needs) - set(by_id)
         if missing:
             raise ValueError(f"step {s.id} depends on unknown steps {sorted(missing)}")
     ordered = _stable_topo(steps)
@@ -106,7 +107,7 @@ def _stable_topo(steps: list[Step]) -> list[Step]:
     out: list[Step] = []
     pending = list(steps)
     while pending:
-        ready = next((s for s in pending if set(s.inputs.values()) <= done), None)
+        ready = next((s for s in pending if set(s.needs) <= done), None)
         if ready is None:
             raise ValueError(f"steps depend on each other in a cycle: {', '.join(s.id for s in pending)}")
         out.append(ready)

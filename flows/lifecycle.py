@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -24,6 +25,7 @@ from compass.flows.confinement import outside_roots, store_outside_worker, worke
 from compass.flows.mixture_report import consumption_section, source_sizes
 from compass.flows.plan_report import cost_sections, dag_section, to_markdown
 from compass.flows.plan_status import plan_status
+from compass.flows.progress import run_progress
 from compass.flows.run_outcome import run_outcome
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
 from compass.flows.submit import ui_url
@@ -175,6 +177,7 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str,
 
 def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
     _resolve_imports_of_steps_to_compute(plan, ctx)
+    started = time.monotonic()
     limited = limited_tags(plan)
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
@@ -182,7 +185,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
     results: list[dict[str, Any]] = []
     failure: BaseException | None = None
     while pending or running:
-        ready = [s for s in pending if set(s.inputs.values()) <= set(finished)] if failure is None else []
+        ready = [s for s in pending if set(s.needs) <= set(finished)] if failure is None else []
         gpu_running = sum(GPU_TAG in plan.step(sid).tags for sid in running)
         # steps whose work runs in Slurm job arrays take turns: each one's arrays already spread over the whole data
         # phase, and drivers holding CPUs while their arrays wait for those CPUs would deadlock a small partition
@@ -201,7 +204,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
                 drivers_running += 1
             options = _with_options(step, orch, limited)
             with _ray_options(ctx, step):
-                running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.inputs.values()])
+                running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.needs])
             pending.remove(step)
         if not running:
             break
@@ -210,6 +213,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
         finished[step_id] = running.pop(step_id)
         try:
             results.append(done.result())
+            get_run_logger().info(run_progress(results, len(plan.steps), time.monotonic() - started))
         except BaseException as exc:  # let the running steps finish, submit nothing new, then fail the flow
             failure = failure or exc
     if failure is not None:

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from compass.flows.progress import time_left
 from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
 from compass.model.training.records import MetricsRow
 from compass.tasks.common.plots import token_axis
@@ -98,8 +99,9 @@ class LiveTraining:
                                                         description=f"{self.step.id}: training progress")
         else:
             update_progress_artifact(self.progress_id, percent)
-        self.log.info("%s: step %d of %d (%s%%), loss %.4f, %s tokens/s, %s tokens seen", self.step.id, step, total,
-                      f"{percent:g}", last.loss, f"{last.tokens_per_s or 0:,.0f}", token_axis(last.tokens))
+        self.log.info("%s: step %d of %d (%s%%), loss %.4f, %s tokens/s, %s tokens seen%s", self.step.id, step,
+                      total, f"{percent:g}", last.loss, f"{last.tokens_per_s or 0:,.0f}", token_axis(last.tokens),
+                      time_left(rows))
         png = base64.b64encode(loss_png(rows, f"{self.step.id} (live)", dpi=80)).decode()
         create_markdown_artifact(
             key=f"{self.key}-live",

@@ -117,6 +117,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                       [f"6·N·D + attention (PaLM); {hw.accelerator} at {hw.peak:g} TFLOP/s per {unit}, assumed MFU "
                        f"{hw.assumed_mfu:.0%}; each phase on its own {unit}s (how.resources)"])
     sections = [params, placement_section(spec), compute, training_core_section(spec)]
+    if (fence := fence_section(spec)) is not None:
+        sections.append(fence)
     from compass.specs.scaling import step_shapes
 
     if (hw.accelerator != "cpu" or hw.target_days) and step_shapes(spec):  # (nothing to scale: a fine-tune only)
@@ -225,6 +227,26 @@ def training_core_section(spec: TrainingSpec) -> Section:
                             + ("written in the background" if how.checkpoints.asynchronous else "synchronous")]]
     return Section("Training core", ["setting", "value"], rows,
                    ["packed documents are kept apart by position ids: no dense attention mask"])
+
+
+def fence_section(spec: TrainingSpec) -> Section | None:
+    """The decontamination fence: what is indexed, what is scanned, and what a match does."""
+    from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
+    from compass.tasks.data.decontamination import SHORT_MIN
+
+    if not needs_fence(spec):
+        return None
+    fence = spec.what.decontamination
+    does = {"refuse": "a match stops the run before anything trains (every training step waits for the fence)",
+            "remove": "matches are left out of the tokens and post-training examples, recorded in their lineage",
+            "report": "matches are reported; training goes on"}[fence.policy]
+    rows = [["benchmarks indexed", ", ".join(b.key for b in spec.what.evaluation.benchmarks)],
+            ["n-grams", f"{fence.n_grams} words (shorter items whole, from {SHORT_MIN} words; problems item for item)"],
+            ["sources scanned (train split)", ", ".join(trained_sources(spec)) or "none"],
+            ["post-training scanned (what each step draws)",
+             ", ".join(f"{p.name} ({p.dataset})" for p in fenced_post_training(spec)) or "none"],
+            ["policy", f"{fence.policy}: {does}"]]
+    return Section("Decontamination fence", ["what", "how"], rows, [])
 
 
 def to_markdown(sections: list[Section]) -> str:

@@ -29,6 +29,18 @@ class Benchmark(SpecModel):
         return f"lighteval:{self.name}" if self.source == "lighteval" else f"{self.name}:{self.formulation}"
 
 
+class Decontamination(SpecModel):
+    """The fence between what trains and what is measured: every benchmark item the spec evaluates is indexed as word
+    n-grams, and every training source (the curated sources pretraining, long context, ablations and mid-training
+    mix, and what each post-training step draws) is scanned against it before anything trains."""
+
+    policy: Literal["refuse", "remove", "report"] = Field(
+        default="refuse", description="refuse: a match stops the run before training, with the report; remove: "
+                                      "matching documents and examples are left out of training, the removal "
+                                      "recorded in lineage; report: the report only.")
+    n_grams: int = Field(default=13, ge=8, le=50, description="Words per n-gram (13, as GPT-3 and OLMo's decon).")
+
+
 class Evaluation(SpecModel):
     """What every model step is evaluated on (benchmarks, validation perplexities, passkey retrieval after long
     context), and the prompts each TRL post-training step answers for a person to read."""

@@ -8,7 +8,7 @@ from compass.specs.ablation import Ablations
 from compass.specs.architecture import Architecture
 from compass.specs.base import NAME_MAX, SpecModel
 from compass.specs.data import Data
-from compass.specs.evaluation import Evaluation
+from compass.specs.evaluation import Decontamination, Evaluation
 from compass.specs.how import How
 from compass.specs.post_training import PostTrainStep
 from compass.specs.starting_model import MODEL_NAME, StartingModel
@@ -49,6 +49,9 @@ class What(SpecModel):
     evaluation: Evaluation = Field(
         default=Evaluation(), description="The benchmarks and perplexities every model step is evaluated on, and "
                                           "the vibe-check prompts.")
+    decontamination: Decontamination = Field(
+        default=Decontamination(), description="The fence between training data and the benchmarks evaluated: "
+                                               "n-gram index, scan of every training source, and the policy.")
 
     @property
     def trained_length(self) -> int:

@@ -223,7 +223,8 @@ def test_each_kind_is_declared_once_with_everything_the_runner_needs():
     names = [k.name for k in kinds]
     assert len(names) == len(set(names))
     assert {"gate", "base_model", "model", "ingest", "curate", "tokenizer", "tokenize", "ablate", "compare", "pretrain",
-            "long_context", "post_train", "mid_training", "evaluate", "curves", "report"} == set(names)
+            "long_context", "post_train", "mid_training", "evaluate", "curves", "report", "fence_index",
+            "decontaminate"} == set(names)
     bookkeeping = {k.name for k in kinds if k.resources is None}
     assert bookkeeping == {"compare", "curves", "report"}  # every other kind declares what its steps need
     assert set(registry.model_kinds()) == {"base_model", "pretrain", "long_context", "post_train", "mid_training"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def quiet_terminal(terminal: str, steps: set[str], cwd: Path) -> None:
         assert any(f"{step} committed to" in line for line in lines), step
     assert any("curate:notes committed to" in line and "documents_in 44, documents_out 40" in line for line in lines)
     assert any("pretrain:stage1: step" in line and "tokens/s" in line for line in lines)  # its progress line
+    counted = [line for line in lines if re.search(rf"\[\d+/{len(steps)}\] \S+ done: \d+ ran, \d+ cached", line)]
+    assert len(counted) == len(steps) and f"[{len(steps)}/{len(steps)}]" in counted[-1]  # how far the run is
     assert not [line for line in lines if "datatrove" in line or "it/s]" in line or "Launching pipeline" in line]
     assert len(lines) < 5 * len(steps) + 12, terminal  # a few lines per step, not hundreds
     log = (cwd / first.split(": ", 1)[1].split(" (")[0]).read_text()

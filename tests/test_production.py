@@ -185,6 +185,11 @@ def test_submitted_production_spec_runs_every_step_with_its_data_and_store_on_s3
     ingest = committed["ingest:fineweb_edu"]
     assert ingest["provenance"][0] == {"kind": "s3", "uri": f"s3://{DATA}/fineweb-edu", "files": 1}
     assert committed["tokenizer:select"]["metrics"]["chosen"] == "meta-llama--Llama-3.2-1B"
+    fence = committed["decontaminate:benchmarks"]["metrics"]  # the spec's `remove`: every training source scanned
+    assert set(fence["scanned"]) == {*(s for s in SOURCES), "post_training:sft", "post_training:apo"}
+    for source in ("fineweb_edu", "dclm", "fineweb2", "stack_edu", "finemath"):  # what matched left the tokens
+        removed = committed[f"tokenize:{source}"]["metrics"]["decontaminated"]
+        assert sum(removed.values()) == fence["matched"].get(source, 0), (source, removed, fence["matched"])
 
     evaluation = committed["evaluate:post_train-apo"]["metrics"]
     assert {"hellaswag:cf/acc", "mmlu:mcf/acc", "val_ppl:fineweb_edu", "passkey@256", "passkey@1024"} <= set(evaluation)
@@ -281,7 +286,8 @@ def test_the_production_spec_rehearses_its_pretraining_on_two_gpu_nodes(producti
     closing table says."""
     fs = production.fs()
     rehearsal_root = f"{RUNS}/smollm3-3b-rehearsal"
-    copy_artifacts(fs, ROOT.removeprefix("s3://"), rehearsal_root, ("ingest", "curate", "tokenizer", "tokenize"))
+    copy_artifacts(fs, ROOT.removeprefix("s3://"), rehearsal_root,
+                   ("ingest", "curate", "tokenizer", "fence_index", "tokenize"))
     spec = site_copy(tmp_path)
     from compass.model.training.rank_device import REHEARSAL_ENV
 

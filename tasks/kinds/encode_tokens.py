@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from compass.infra.layout import SPLITS, TokenizerArtifact
+from compass.infra.layout import SPLITS, TRAIN, TokenizerArtifact
+from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by, trained_sources
 from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
 from compass.tasks.data.tokenizer_files import tokenizer_ids
@@ -27,22 +29,27 @@ from compass.tasks.steps.wiring import Inputs, StepRef
 class TokenizeInputs(Inputs):
     tokenizer: StepRef
     curated: StepRef
+    fence: StepRef | None = None  # the decontamination fence whose matches the train split leaves out (`remove`)
 
 
 def provide(plan: PlanBuilder, source: str) -> None:
     """The step that tokenizes `source`, added the first time a kind asks for it (PlanBuilder.require)."""
-    inputs = TokenizeInputs(tokenizer=plan.tokenizer(), curated=plan.ref("curate", source))
+    fence = fence_read_by(plan) if source in trained_sources(plan.spec) else None
+    inputs = TokenizeInputs(tokenizer=plan.tokenizer(), curated=plan.ref("curate", source), fence=fence)
     plan.add(KIND, source, EmptyConfig(), inputs)
 
 
-def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) -> dict[str, int]:
+def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext,
+                     fenced: InputArtifact | None = None) -> dict[str, Any]:
     """Every split of a curated source into token shards of the step's artifact, one datatrove task per curated
     shard; no copy of the source is made. The step's work folder keeps the stages' completion markers (and, with a
-    local store, the shards) across attempts. Returns documents and tokens per split."""
+    local store, the shards) across attempts. `fenced`: the decontamination fence whose matches the train split
+    leaves out (recorded per benchmark as `decontaminated`). Returns documents and tokens per split."""
     from datatrove.pipeline.readers import JsonlReader
     from tokenizers import Tokenizer
 
     from compass.model.training.token_files import token_dtype, write_counts, write_meta
+    from compass.tasks.data.fence_blocks import FenceFilter
     from compass.tasks.data.token_shards import TokenShards
 
     vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size()
@@ -50,7 +57,8 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) 
     dtype = token_dtype(vocab)
     places = DataPlaces.of(ctx)
     shard_folder = places.output("tokens")
-    counts: dict[str, int] = {}
+    counts: dict[str, Any] = {}
+    removed: dict[str, int] = {}
     for split in SPLITS:
         tasks = len(curated.files(split, ".jsonl.gz"))
         ranks = []  # rank r wrote token shard r
@@ -58,8 +66,17 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) 
             reader = JsonlReader(curated.folder_url(split), glob_pattern="*.jsonl.gz", doc_progress=False)
             writer = TokenShards(str(tokenizer / "tokenizer.json"), shard_folder, split, eos, dtype.name,
                                  written_records=places.records(f"tokenize-{split}"))
-            run_stage(ctx.runtime, f"tokenize-{split}", places.stage_logs, [reader, writer], tasks, ctx.log,
+            fence = [FenceFilter(fenced.folder_url(INDEX_FOLDER))] if fenced is not None and split == TRAIN else []
+            run_stage(ctx.runtime, f"tokenize-{split}", places.stage_logs, [reader, *fence, writer], tasks, ctx.log,
                       sum(e.size for e in curated.files(split, ".jsonl.gz")))
+            if fence:
+                dropped = rank_block_stats(places.stage_logs, f"tokenize-{split}", tasks,
+                                           f"{FenceFilter.type}: {FenceFilter.name}")
+                for rank in dropped:
+                    for key, value in rank.items():
+                        if key.startswith("dropped_contaminated_"):
+                            benchmark = key.removeprefix("dropped_contaminated_")
+                            removed[benchmark] = removed.get(benchmark, 0) + int(value)
             ranks = rank_block_stats(places.stage_logs, f"tokenize-{split}", tasks,
                                      f"{TokenShards.type}: {TokenShards.name}")
         documents, tokens = [int(r.get("documents", 0)) for r in ranks], [int(r.get("tokens", 0)) for r in ranks]
@@ -67,12 +84,14 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext) 
         counts[f"{split}_documents"], counts[f"{split}_tokens"] = sum(documents), sum(tokens)
     places.publish(ctx, [f"tokenize-{split}" for split in SPLITS], "tokens")
     write_meta(ctx.out, dtype, eos, vocab)
+    if fenced is not None:
+        counts["decontaminated"] = removed
     return counts
 
 
 def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
     tokenizer = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
-    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx)
+    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx, ctx.inputs.get("fence"))
     summary = (f"### tokenize `{ctx.name}`\n\n{metrics['train_tokens']:,} training tokens in "
                f"{metrics['train_documents']:,} documents; {metrics['heldout_tokens']:,} held-out tokens")
     return StepResult(metrics=metrics, summary=summary)

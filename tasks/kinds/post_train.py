@@ -25,6 +25,7 @@ from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.common.devices import Device, device_for, setup_of
+from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import (
@@ -36,7 +37,8 @@ from compass.tasks.post_training.datasets import (
     fenced,
     training_arithmetic,
 )
-from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.post_training.drawn import DISTILL_SEED, MAX_CHARS_PER_TOKEN, PAIRS_SEED, SFT_SEED
+from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 from compass.tasks.steps.wiring import Inputs, StepRef
@@ -80,6 +82,7 @@ class PostTrainInputs(Inputs):
     strong: StepRef | None = None
     weak: StepRef | None = None
     teacher: StepRef | None = None
+    fence: StepRef | None = None  # the decontamination fence whose matches are left out (`remove`)
 
 
 def build(plan: PlanBuilder) -> None:
@@ -104,10 +107,10 @@ def build(plan: PlanBuilder) -> None:
         elif isinstance(post, Distillation):
             refs = [("teacher", post.teacher, (*at, "teacher"))]
         models = {role: resolved for role, ref, loc in refs if (resolved := plan.checkpoint(ref, loc)) is not None}
-        plan.add(KIND, post.name, config, PostTrainInputs(tokenizer=plan.tokenizer(), previous=previous, **models))
+        inputs = PostTrainInputs(tokenizer=plan.tokenizer(), previous=previous, fence=fence_read_by(plan), **models)
+        plan.add(KIND, post.name, config, inputs)
 
 
-MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many characters are left out
 
 
 def _tensorboard_run(ctx: StepContext[TrlConfig]) -> Path | None:
@@ -134,7 +137,7 @@ def sft_rows(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[list[dict[s
     /no_think mode (its template set on the tokenizer)."""
     cfg = ctx.config
     # a hybrid mix takes at most max_samples of these too: parsing a package's million lines for eight took 20 s
-    conversations = _conversations(ctx, seed=0, limit=cfg.max_samples)
+    conversations = _conversations(ctx, seed=SFT_SEED, limit=cfg.max_samples)
     facts: dict[str, Any] = {}
     if cfg.reasoning:
         from compass.infra.packages import fetch_package
@@ -175,7 +178,7 @@ def preference_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict
     or of what.models); chosen = strong, rejected = weak. Pairs with identical answers, or an empty one (no
     completion tokens: the preference losses would divide by zero), are dropped."""
     cfg = ctx.config
-    conversations = _conversations(ctx, seed=1, limit=cfg.max_samples)
+    conversations = _conversations(ctx, seed=PAIRS_SEED, limit=cfg.max_samples)
     prompts = fitting_prompts([c[:-1] for c in conversations], tokenizer, cfg.max_length - PAIR_TOKENS)
     if not prompts:
         raise ValueError(f"post_training {ctx.name}: none of the {len(conversations)} prompts drawn leaves "
@@ -259,7 +262,7 @@ def distill_rows(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[lis
         total = model.config.num_hidden_layers
         kept = keep_layers(model, cfg.student_layers)
         ctx.log.info("distill %s: student keeps layers %s of %d", ctx.name, kept, total)
-    rows = [{"messages": m} for m in _conversations(ctx, seed=2, limit=cfg.max_samples)]
+    rows = [{"messages": m} for m in _conversations(ctx, seed=DISTILL_SEED, limit=cfg.max_samples)]
     return rows, {"examples": len(rows), "student_layers": model.config.num_hidden_layers,
                   "student_parameters": sum(p.numel() for p in model.parameters())}
 
@@ -305,6 +308,34 @@ ROWS = {"sft": sft_rows, "dpo": preference_rows, "orpo": preference_rows, "kto":
         "grpo": grpo_rows, "distill": distill_rows}
 
 
+def _fenced_rows(fence: InputArtifact, rows: list[dict[str, Any]], problems: bool
+                 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The rows that match no benchmark item of the fence (GRPO's problems compared item for item), and how many
+    each benchmark took out: prompts, references and generated answers alike."""
+    from compass.tasks.data.decontamination import Fence, Matcher
+
+    matcher = Matcher(Fence.read(fence.local() / INDEX_FOLDER))
+    kept, removed = [], {}
+    for row in rows:
+        hit = matcher.match_problem(row["question"]) if problems else matcher.match(row_text(row))
+        if hit is None:
+            kept.append(row)
+        else:
+            removed[hit.benchmark] = removed.get(hit.benchmark, 0) + 1
+    return kept, removed
+
+
+def row_text(value: Any) -> str:
+    """Every message's content in a row (conversations, pairs), one per line: what the fence matches."""
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str):
+            return value["content"]
+        return "\n".join(row_text(v) for k, v in value.items() if k != "role")
+    if isinstance(value, list):
+        return "\n".join(row_text(v) for v in value)
+    return value if isinstance(value, str) else ""
+
+
 def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     """Build the method's rows here (conversations, pairs, problems), train on the step's ranks (this process for
     one, torchrun or srun for several; resuming from the newest complete checkpoint of an earlier attempt), then
@@ -320,6 +351,8 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     work.root.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_chat_model(previous.final)
     rows, facts = ROWS[method](ctx, model, tokenizer)
+    if "fence" in ctx.inputs:  # `remove`: what matches a benchmark evaluated is left out, and said
+        rows, facts["decontaminated"] = _fenced_rows(ctx.inputs["fence"], rows, problems=method == "grpo")
     if not rows:  # TRL would stop at its first batch with a bare StopIteration, and the step be retried
         shapes = PAIR_SHAPES if method in ("dpo", "orpo", "kto") else CONVERSATION_SHAPES
         raise DataError(f"post_training {ctx.name}: {cfg.dataset} gives no example to train on: its JSONL lines "

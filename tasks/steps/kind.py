@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -65,10 +65,18 @@ class Step:
     inputs: Mapping[str, str] = field(default_factory=dict)
     tags: tuple[str, ...] = ()
     wired: Inputs = field(default_factory=NoInputs)
+    # steps it starts after without reading them: their verdict may stop the run (a fence), but not what it makes,
+    # so they stay out of its identity
+    waits_for: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
         return f"{self.kind}:{self.name}"
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """Every step it starts after: those it reads, then those it waits for."""
+        return (*self.inputs.values(), *self.waits_for)
 
     @property
     def ref(self) -> StepRef:
@@ -214,6 +222,11 @@ class PlanBuilder:
 
     def has(self, step_id: str) -> bool:
         return any(s.id == step_id for s in self.steps)
+
+    def hold(self, step_ids: Iterable[str], until: StepRef) -> None:
+        """The steps `step_ids` start only once `until` is done (Step.waits_for), which stays out of their identity."""
+        held = set(step_ids)
+        self.steps = [replace(s, waits_for=(*s.waits_for, until.id)) if s.id in held else s for s in self.steps]
 
     def _read(self, kind: str) -> None:
         """Reading `kind`'s steps is only right once its builder has run (or it has none: steps on demand)."""

@@ -29,6 +29,7 @@ BUILTIN = (
     "compass.tasks.kinds.post_train",
     "compass.tasks.kinds.mid_training",
     "compass.tasks.kinds.evaluate",
+    "compass.tasks.kinds.decontaminate",
     "compass.tasks.kinds.curves",
     "compass.tasks.kinds.success_report",
 )

@@ -1,0 +1,173 @@
+"""The decontamination fence (`what.decontamination`): before anything trains, every benchmark the spec evaluates is
+indexed as word n-grams (tasks/data/decontamination.py), and every training source is scanned against it: the
+train split of each curated source a mixture names (as datatrove stages fanned out like curation: Slurm job arrays
+under a cluster), and what each post-training step draws (its conversations, pairs or problems, with the step's own
+readers and seeds). The report gives, per source, the documents matched per benchmark, the items hit and examples.
+
+The policy decides what a match does: `refuse` stops the run before its first training step (every training step
+waits for the fence; the wait is not part of their identity), `remove` leaves the matches out of training (the
+tokenize steps and post-training steps read the fence and record what they dropped), `report` only reports."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from compass.infra.layout import TRAIN
+from compass.specs.evaluation import Benchmark
+from compass.specs.post_training import PostTrainStep
+from compass.tasks.common.fence import (
+    FENCE_INDEX_KIND,
+    FENCE_KIND,
+    FENCE_NAME,
+    INDEX_FOLDER,
+    fenced_post_training,
+    needs_fence,
+    trained_sources,
+)
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.placement import phase
+from compass.tasks.steps.wiring import Inputs, StepRef
+
+
+class FenceIndexConfig(StepConfig):
+    """What the index holds: each benchmark's whole evaluation split (its `limit` and shots do not change it)."""
+
+    benchmarks: list[Benchmark]  # name, source and formulation of every benchmark evaluated
+    n_grams: int
+
+
+class DecontaminateConfig(StepConfig):
+    policy: Literal["refuse", "remove", "report"]
+    post_training: list[PostTrainStep]  # the steps whose drawn examples are scanned
+
+    def identity(self) -> dict[str, Any]:
+        """Only what decides which examples a post-training step draws: its learning rate or epochs do not."""
+        data = super().identity()
+        data["post_training"] = [{k: p.get(k) for k in DRAW_FIELDS} for p in data["post_training"]]
+        return data
+
+
+DRAW_FIELDS = ("name", "method", "dataset", "max_samples", "max_length", "pairs")
+
+
+@dataclass(frozen=True)
+class FenceInputs(Inputs):
+    index: StepRef
+    curated: Mapping[str, StepRef]  # the curated sources a training mixture names
+
+
+def provide_index(plan: PlanBuilder, name: str) -> None:
+    """The index, asked for by the fence's scan and, under `remove`, by the steps whose data passes through it."""
+    spec = plan.spec
+    indexed = [Benchmark(name=b.name, source=b.source, formulation=b.formulation)
+               for b in spec.what.evaluation.benchmarks]
+    plan.add(INDEX, name, FenceIndexConfig(benchmarks=indexed, n_grams=spec.what.decontamination.n_grams))
+
+
+def build(plan: PlanBuilder) -> None:
+    """The fence's scan of every training source, and under `refuse` every training step waiting for its verdict."""
+    spec = plan.spec
+    if not needs_fence(spec):
+        return
+    curated = {source: plan.ref("curate", source) for source in trained_sources(spec)}
+    config = DecontaminateConfig(policy=spec.what.decontamination.policy, post_training=fenced_post_training(spec))
+    fence = plan.add(KIND, FENCE_NAME, config, FenceInputs(plan.require(INDEX.name, FENCE_NAME), curated))
+    if spec.what.decontamination.policy == "refuse":
+        plan.hold([s.id for s in plan.steps if plan.kinds[s.kind].trains], until=fence)
+
+
+def run_index(ctx: StepContext[FenceIndexConfig]) -> StepResult:
+    from compass.tasks.data.decontamination import Fence
+    from compass.tasks.evaluation.benchmark_items import items_of
+
+    cfg = ctx.config
+    fence = Fence.build((item for b in cfg.benchmarks for item in items_of(b)), cfg.n_grams)
+    fence.write(ctx.out / INDEX_FOLDER)
+    counts = fence.counts()
+    metrics = {"items": counts, "ngrams": len(fence.ngrams), "unmatchable": fence.unmatchable}
+    summary = (f"### fence index ({cfg.n_grams}-grams)\n\n{sum(counts.values()):,} benchmark items: "
+               + ", ".join(f"{b} {k:,}" for b, k in counts.items())
+               + (f"; too short to match in running text: {fence.unmatchable}" if fence.unmatchable else ""))
+    return StepResult(metrics=metrics, summary=summary)
+
+
+def run_decontaminate(ctx: StepContext[DecontaminateConfig]) -> StepResult:
+    from datatrove.pipeline.readers import JsonlReader
+
+    from compass.tasks.data.datatrove_stages import run_stage
+    from compass.tasks.data.decontamination import Fence, Matcher, SourceReport
+    from compass.tasks.data.fence_blocks import FenceScan
+    from compass.tasks.data.places import DataPlaces
+    from compass.tasks.post_training.drawn import drawn
+
+    cfg = ctx.config
+    index = ctx.inputs["index"]
+    fence = Fence.read(index.local() / INDEX_FOLDER)
+    ranks_read = index.folder_url(INDEX_FOLDER)  # the store's copy: every rank (an array task too) reads it there
+    places = DataPlaces.of(ctx)
+    reports: list[SourceReport] = []
+    for source, curated in sorted(ctx.inputs_with_prefix("curated:").items()):  # as curation's stages run
+        shards = curated.files(TRAIN, ".jsonl.gz")
+        report = SourceReport(source)
+        if shards:
+            folder = places.local / "fence-reports" / source
+            pipeline = [JsonlReader(curated.folder_url(TRAIN), glob_pattern="*.jsonl.gz", doc_progress=False),
+                        FenceScan(ranks_read, str(folder), source)]
+            run_stage(ctx.runtime, f"scan-{source}", places.stage_logs, pipeline, len(shards), ctx.log,
+                      sum(e.size for e in shards))
+            for path in sorted(folder.glob("*.json")):
+                report.merge(SourceReport.of_json(json.loads(path.read_text())))
+        reports.append(report)
+    matcher = Matcher(fence)
+    for step in cfg.post_training:
+        report = SourceReport(f"post_training:{step.name}")
+        for example in drawn(step, ctx.runtime.base_dir):
+            hit = matcher.match_problem(example.text) if example.problem else matcher.match(example.text)
+            report.add(hit, f"{step.dataset}#{example.position}", fence)
+        reports.append(report)
+    return _result(ctx, fence, reports)
+
+
+def _result(ctx: StepContext[DecontaminateConfig], fence: Any, reports: list[Any]) -> StepResult:
+    cfg = ctx.config
+    matched = {r.source: sum(r.matched.values()) for r in reports}
+    report = {"policy": cfg.policy, "n_grams": fence.n, "benchmarks": fence.counts(),
+              "unmatchable": fence.unmatchable, "sources": [r.as_json() for r in reports]}
+    (ctx.out / "report.json").write_text(json.dumps(report, indent=2))
+    contaminated = sum(matched.values())
+    examples = [e | {"source": r.source} for r in reports for e in r.examples][:5]
+    metrics = {"policy": cfg.policy, "contaminated": contaminated, "matched": {s: k for s, k in matched.items() if k},
+               "scanned": {r.source: r.scanned for r in reports}, "indexed_items": sum(fence.counts().values()),
+               "examples": examples}
+    rows = [{"source": r.source, "scanned": r.scanned, **{b: k for b, k in r.matched.items()}} for r in reports]
+    lines = "\n".join(f"- {r.source}: {sum(r.matched.values())} of {r.scanned} matched "
+                      f"({', '.join(f'{b} {k}' for b, k in r.matched.items()) or 'clean'})" for r in reports)
+    summary = (f"### decontamination fence ({cfg.policy}, {fence.n}-grams)\n\n{metrics['indexed_items']:,} "
+               f"benchmark items indexed ({', '.join(f'{b} {k}' for b, k in fence.counts().items())}); "
+               f"{contaminated} matches\n\n{lines}")
+    return StepResult(metrics=metrics, summary=summary, tables={"fence": rows})
+
+
+def stops_the_run(metrics: dict[str, Any]) -> str | None:
+    """Under `refuse`, any match stops the run before training, naming where and what matched."""
+    if metrics.get("policy") != "refuse" or not metrics.get("contaminated"):
+        return None
+    where = ", ".join(f"{s} ({k})" for s, k in metrics["matched"].items())
+    example = metrics["examples"][0] if metrics.get("examples") else None
+    shown = (f"; e.g. {example['source']} {example['document']} contains \"{example['matched']}\" of "
+             f"{example['benchmark']}" if example else "")
+    return (f"training data matches the benchmarks evaluated: {where}{shown}. Fix the sources, or set "
+            "what.decontamination.policy: remove (leave the matches out, recorded in lineage) or report")
+
+
+INDEX = StepKind(FENCE_INDEX_KIND, FenceIndexConfig, run_index, None, version="1", resources=phase("data"),
+                 provide=provide_index, headline=("items",))
+KIND = StepKind(FENCE_KIND, DecontaminateConfig, run_decontaminate, build, version="1",
+                resources=phase("data"), inputs=FenceInputs, fans_out=True,
+                after=("curate", "ablate", "pretrain", "long_context", "post_train", "tokenize", FENCE_INDEX_KIND),
+                after_models=True, stops_run=stops_the_run, headline=("contaminated",))
+STEP_KINDS = (INDEX, KIND)

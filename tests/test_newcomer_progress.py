@@ -1,0 +1,30 @@
+"""Progress a person can read (issue 45, item 4): after each step the run says how far it is (`[12/40] ... done: 9
+ran, 3 cached, 30% of the plan in 4m02s`), and a training step's live line says how long its stage has left, from
+its own recent tokens per step and tokens per second. The end-to-end lines are checked in test_lifecycle's
+quiet_terminal."""
+
+from __future__ import annotations
+
+from compass.flows.progress import duration, run_progress, time_left
+from compass.model.training.records import MetricsRow
+
+
+def row(step: int, tokens_per_s: float = 1000.0, stage: str = "stage1") -> MetricsRow:
+    return MetricsRow(step=step, stage=stage, stage_step=step, stage_steps=100, loss=3.0, tokens=512 * step,
+                      tokens_per_s=tokens_per_s)
+
+
+def test_the_run_says_how_far_it_is_after_each_step():
+    results = [{"step": "ingest:notes", "executed": False}, {"step": "curate:notes", "executed": True}]
+    assert run_progress(results, 8, 125.4) == "[2/8] curate:notes done: 1 ran, 1 cached, 25% of the plan in 2m05s"
+    assert [duration(s) for s in (9.6, 61, 3725)] == ["10s", "1m01s", "1h02m"]
+
+
+def test_a_training_stage_says_how_long_it_has_left():
+    rows = [row(s) for s in range(1, 21)]  # 512 tokens a step at 1,000 tokens/s: 80 steps left, ~41 s
+    assert time_left(rows) == ", about 41s left"
+    slower = [*rows[:-1], row(20, tokens_per_s=100.0)]
+    assert time_left(slower) == ", about 6m50s left"  # the latest throughput counts
+    assert time_left(rows[:1]) == ""  # one step: nothing to measure a step by yet
+    other = [*rows, row(1, stage="stage2")]  # a new stage starts its own count
+    assert time_left(other) == ""
