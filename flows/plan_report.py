@@ -43,7 +43,7 @@ def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str, new_sto
     """The steps in run order with what would run and why; `new_store`: the store does not exist yet."""
     rows = []
     for step, st in zip(plan.steps, statuses, strict=True):
-        rows.append([step.id, _deps(list(step.inputs.values())) or "-", plan.fingerprints[step.id][:12],
+        rows.append([step.id, _deps(list(step.needs)) or "-", plan.fingerprints[step.id][:12],
                      st.state, st.reason, st.uri.removeprefix(store_root + "/")])
     counts = {s: sum(1 for x in statuses if x.state == s) for s in ("run", "cached", "unknown")}
     note = (f"{counts['run']} to run, {counts['cached']} cached"

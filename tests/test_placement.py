@@ -67,7 +67,7 @@ def test_the_placement_follows_the_cluster_the_ranks_and_the_task_runner(tmp_pat
         "ingest": "data", "ablate": "ablation", "pretrain": "pretraining", "long_context": "long_context",
         "post_train": "post_training", "evaluate": "evaluation"}
     arrays = {k for k, p in placed.items() if p.tasks is not None}  # datatrove stages as Slurm job arrays
-    assert arrays == {"ingest", "curate", "tokenize"}
+    assert arrays == {"ingest", "curate", "tokenize", "decontaminate"}  # the fence scans as curation does
     for kind in arrays:  # a one-CPU driver job; the data phase's shape goes to the arrays
         assert (placed[kind].shape.nodes, placed[kind].shape.cpus_per_node) == (1, 1)
         assert placed[kind].tasks == cluster.shape("data")
