@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,8 +209,3 @@ class SourceReport:
         report = cls(data["source"], data["scanned"], data["matched"], examples=data["examples"])
         report.items = {b: set(ids) for b, ids in data["item_ids"].items()}
         return report
-
-
-def rank_reports(folder: Path) -> Iterator[dict[str, Any]]:
-    for path in sorted(folder.glob("*.json")):
-        yield json.loads(path.read_text())
