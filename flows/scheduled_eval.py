@@ -79,11 +79,11 @@ def _evaluate(store: Store, checkpoint: dict[str, Any], benchmarks: list[dict[st
     with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
         local = _local_copy(store, checkpoint, Path(scratch))
         started = time.time()
-        results, provenance = run_lighteval(local, [Benchmark.model_validate(t) for t in benchmarks], Path(scratch))
-    metrics = {f"{name}/{m}": float(v) for name, values in results.items() for m, v in values.items()
+        scores = run_lighteval(local, [Benchmark.model_validate(t) for t in benchmarks], Path(scratch))
+    metrics = {f"{name}/{m}": v for name, values in scores.results.items() for m, v in values.items()
                if not m.endswith("_stderr")}
     record = {"checkpoint": checkpoint, "suite": suite, "benchmarks": benchmarks, "metrics": metrics,
-              "provenance": provenance, "seconds": time.time() - started}
+              "provenance": scores.provenance, "seconds": time.time() - started}
     if store.is_remote:
         with store.fs.open(target, "w") as f:  # a single PUT: never half-visible
             f.write(json.dumps(record, indent=2))

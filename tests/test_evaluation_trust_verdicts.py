@@ -71,3 +71,42 @@ def test_the_plan_warns_that_one_seed_gives_no_noise_estimate(tmp_path: Path):
     assert done.exit_code == 0, done.output
     (section,) = [s for s in json.loads(done.stdout)["sections"] if s["title"] == "Ablations"]
     assert any(note.startswith("seeds: [0]: one seed gives no noise estimate") for note in section["notes"])
+
+
+def report_on(tmp_path: Path, right: int, of: int, threshold: float) -> dict:
+    """The success report on a committed evaluation scoring `right` of `of` items of arc_easy, as the flow runs it."""
+    from compass.specs.why import SuccessCriterion
+    from compass.tasks.evaluation.scores import ITEMS, ItemScore
+    from compass.tasks.kinds.success_report import ReportConfig, run_success_report
+
+    store = Store(str(tmp_path / "store"))
+    items = [ItemScore(item=str(i), metrics={"acc": float(i < right)}) for i in range(of)]
+    manifest = manifest_for(store, "evaluate", "pretrain-stage1", f"{right:02d}{of:02d}".ljust(64, "0"),
+                            metrics={"arc_easy:cf/acc": right / of})
+    with store.staging() as out:
+        (out / ITEMS).write_text(json.dumps({"arc_easy:cf": [i.model_dump() for i in items]}))
+        manifest = store.commit(out, manifest)
+    inputs = {"eval:pretrain:stage1": InputArtifact("eval:pretrain:stage1", "evaluate:pretrain-stage1", manifest.uri,
+                                                    manifest, store)}
+    out = tmp_path / f"out-{right}-{of}-{threshold}"
+    out.mkdir()
+    config = ReportConfig(criteria=[SuccessCriterion(metric="arc_easy:cf/acc", threshold=threshold)],
+                          final="pretrain:stage1")
+    result = run_success_report(StepContext("report", "success", config, inputs, out, out, out, Runtime(),
+                                            logging.getLogger("test")))
+    assert json.loads((out / "report.json").read_text())["criteria"] == result.metrics["criteria"]
+    return result.metrics
+
+
+def test_a_criterion_passes_or_fails_only_when_its_interval_over_the_items_clears_the_threshold(tmp_path: Path):
+    """0.6 measured on 10 items meets 0.5 by its point estimate only: the 95% interval over the items (about
+    0.3-0.9) straddles it. On 400 items the same score is 0.55-0.65: a pass; against 0.7, a fail."""
+    few = report_on(tmp_path, 6, 10, 0.5)
+    (row,) = few["criteria"]
+    assert row["verdict"] == "within noise" and not few["passed"] and "straddles 0.5" in row["note"]
+    low, high = row["interval"]
+    assert low < 0.5 < 0.6 < high
+    many = report_on(tmp_path, 240, 400, 0.5)
+    assert many["criteria"][0]["verdict"] == "pass" and many["passed"]
+    assert 0.5 < many["criteria"][0]["interval"][0] < 0.6 < many["criteria"][0]["interval"][1] < 0.7
+    assert report_on(tmp_path, 240, 400, 0.7)["criteria"][0]["verdict"] == "fail"

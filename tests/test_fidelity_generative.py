@@ -61,7 +61,8 @@ def test_generative_benchmarks_run_through_lighteval(tmp_path: Path):
     tiny_llama(tmp_path / "model")
     tasks = [Benchmark(name=n, formulation="gen", limit=8) for n in ("nq_open", "trivia_qa", "arithmetic")]
     (tmp_path / "scratch").mkdir()
-    results, provenance = run_lighteval(tmp_path / "model", tasks, tmp_path / "scratch")
+    scores = run_lighteval(tmp_path / "model", tasks, tmp_path / "scratch")
+    results, provenance = scores.results, scores.provenance
     assert {k: set(v) - {"em_stderr", "f1_stderr", "verified_acc_stderr"} for k, v in results.items()} == {
         "nq_open:gen": {"em", "f1"}, "trivia_qa:gen": {"em", "f1"}, "arithmetic:gen": {"verified_acc"}}
     assert all(0.0 <= v <= 1.0 for values in results.values() for k, v in values.items() if "stderr" not in k)

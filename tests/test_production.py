@@ -223,7 +223,11 @@ def test_submitted_production_spec_runs_every_step_with_its_data_and_store_on_s3
     assert [(c["criterion"], c["checkpoint"]) for c in report["criteria"]] == [
         ("hellaswag:cf/acc >= 0.7", "pretrain:stage3"), ("arc_challenge:cf/acc >= 0.5", "pretrain:stage3"),
         ("mmlu:mcf/acc >= 0.55", "post_train:apo")]
-    assert all(c["verdict"] in ("pass", "fail") and 0 <= c["measured"] <= 1 for c in report["criteria"])
+    for c in report["criteria"]:  # benchmark criteria are judged on their 95% interval over the items
+        low, high = c["interval"]
+        assert 0 <= low <= c["measured"] <= high <= 1, c
+        threshold = float(c["criterion"].rsplit(" ", 1)[1])
+        assert c["verdict"] == ("pass" if low >= threshold else "fail" if high < threshold else "within noise"), c
 
     fs = p.fs()
     for path in fs.glob(f"{RUNS}/{NAME}/*/*/manifest.json"):  # credentials reach neither manifests nor files

@@ -6,7 +6,6 @@ on N times the devices. The ranks are started like a TRL step's (torchrun here, 
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How, Shape
 from compass.tasks.common.devices import Device
+from compass.tasks.evaluation.scores import BenchmarkScores
 
 MODULE = "compass.tasks.evaluation.lighteval_ranks"
 
@@ -45,15 +45,14 @@ class LightevalJob(BaseModel):
 
 
 def lighteval_on_ranks(model_dir: Path, tasks: list[Benchmark], folder: Path, where: Device, how: How, shape: Shape,
-                       runtime: Any, log: logging.Logger) -> tuple[dict, list[dict]]:
-    """(results, provenance) of lighteval run data-parallel over the shape's ranks, as `run_lighteval` gives them."""
+                       runtime: Any, log: logging.Logger) -> BenchmarkScores:
+    """lighteval run data-parallel over the shape's ranks: the scores `run_lighteval` gives, from rank 0."""
     from compass.tasks.common.training import run_module_ranks
 
     job = LightevalJob(model_dir=model_dir, tasks=tasks, folder=folder, device=where.device, bf16=where.bf16, how=how)
     job.result.unlink(missing_ok=True)
     run_module_ranks(MODULE, job.write(), shape.ranks, shape, runtime, log)
-    done = json.loads(job.result.read_text())
-    return done["results"], done["provenance"]
+    return BenchmarkScores.model_validate_json(job.result.read_text())
 
 
 def main(job_path: str) -> None:
@@ -68,11 +67,11 @@ def main(job_path: str) -> None:
     rank = collectives.rank_env()[0]
     scratch = job.folder / f"rank{rank}"
     scratch.mkdir(parents=True, exist_ok=True)
-    results, provenance = run_lighteval(job.model_dir, job.tasks, scratch, Device(job.device, job.bf16), job.how,
-                                        data_parallel=True)
+    scores = run_lighteval(job.model_dir, job.tasks, scratch, Device(job.device, job.bf16), job.how,
+                           data_parallel=True)
     if rank == 0:
         tmp = job.result.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"results": results, "provenance": provenance}))
+        tmp.write_text(scores.model_dump_json())
         tmp.replace(job.result)
     collectives.leave()
 

@@ -13,6 +13,7 @@ from typing import Any
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How
 from compass.tasks.common.devices import Device, hf_attention
+from compass.tasks.evaluation.scores import BenchmarkScores, ItemScore, item_score
 
 
 def _pipeline_task(task: Benchmark) -> str:
@@ -50,8 +51,9 @@ def custom_tasks_module(tasks: list[Benchmark], scratch: Path) -> tuple[Path, li
 
 
 def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where: Device | None = None,
-                  how: How | None = None, data_parallel: bool = False) -> tuple[dict, list[dict]]:
-    """Run lighteval's Pipeline with compass's offline custom tasks; returns (results, provenance). On a GPU lighteval
+                  how: How | None = None, data_parallel: bool = False) -> BenchmarkScores:
+    """Run lighteval's Pipeline with compass's offline custom tasks: every benchmark's aggregates, its data's
+    provenance and each item as scored. On a GPU lighteval
     finds the largest batch that fits; `how` gives the attention kernel and torch.compile. `data_parallel`: this
     process is one of the step's ranks (tasks/evaluation/lighteval_ranks.py), lighteval's accelerate launcher
     splits the samples over them."""
@@ -62,7 +64,7 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where:
 
 
 def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where: Device | None, how: How | None,
-                   data_parallel: bool) -> tuple[dict, list[dict]]:
+                   data_parallel: bool) -> BenchmarkScores:
     from compass.infra.lighteval_compat import install
 
     install()
@@ -76,7 +78,8 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
     by_limit: dict[int | None, list[Benchmark]] = {}
     for t in tasks:  # one pipeline (one model load) per sample limit
         by_limit.setdefault(t.limit, []).append(t)
-    results = {}
+    results: dict[str, dict[str, float]] = {}
+    items: dict[str, list[ItemScore]] = {}
     for limit, group in by_limit.items():
         launcher = ParallelismManager.ACCELERATE if data_parallel else ParallelismManager.NONE
         params = PipelineParameters(launcher_type=launcher, custom_tasks_directory=str(module), max_samples=limit)
@@ -111,8 +114,12 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
             if _task_and_shots(key) not in by_task:
                 raise RuntimeError(f"lighteval returned results for '{key}', none of the tasks asked for: "
                                    f"{', '.join(names)}")
-            results[by_task[_task_and_shots(key)]] = metrics
-    return results, provenance
+            results[by_task[_task_and_shots(key)]] = {k: float(v) for k, v in metrics.items()}
+        for key, details in pipeline.get_details().items():  # on the main process: every rank's items
+            if _task_and_shots(key) in by_task:
+                scored = (item_score(d.doc, d.model_response, d.metric) for d in details)
+                items[by_task[_task_and_shots(key)]] = sorted(scored, key=lambda i: (len(i.item), i.item))
+    return BenchmarkScores(results=results, provenance=provenance, items=items)
 
 
 def _vllm_config(model_dir: Path, where: Device, how: How) -> Any:

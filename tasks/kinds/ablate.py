@@ -139,8 +139,8 @@ def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> 
     for folder in folders if ctx.config.probes else folders[-1:]:
         scratch = ctx.scratch / folder.root.name
         scratch.mkdir(parents=True, exist_ok=True)
-        results, _ = run_lighteval(folder.hf, ctx.config.benchmarks, scratch, device_for(ctx.runtime.how),
-                                    ctx.runtime.how)
+        results = run_lighteval(folder.hf, ctx.config.benchmarks, scratch, device_for(ctx.runtime.how),
+                                ctx.runtime.how).results
         points.append({"tokens": folder.step * tokens_per_step,
                        **{f"{task}/{m}": float(v) for task, values in results.items() for m, v in values.items()
                           if not m.endswith("_stderr")}})

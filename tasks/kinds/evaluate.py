@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.inputs import EvaluateInputs, tokens
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.evaluation.lighteval_run import run_lighteval
+from compass.tasks.evaluation.scores import ITEMS, BenchmarkScores, ItemScore
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -118,15 +120,25 @@ def trained_length(config: Any) -> int:
     return int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
 
 
-Lighteval = Callable[[Path, list[Benchmark], Path], tuple[dict, list[dict]]]
+Lighteval = Callable[[Path, list[Benchmark], Path], BenchmarkScores]
+
+
+@dataclass(frozen=True)
+class ModelEvaluation:
+    """One checkpoint's scores: the metrics by name, the table's rows, the benchmarks' provenance and every
+    benchmark item as scored."""
+
+    metrics: dict[str, Any]
+    rows: list[dict[str, Any]]
+    provenance: list[dict[str, Any]]
+    items: dict[str, list[ItemScore]]
 
 
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
                    retrieval: Retrieval | None = None, haystack: Path | None = None,
                    where: Device | None = None, how: How | None = None,
-                   lighteval: Lighteval | None = None) -> tuple[dict[str, Any], list[dict], list[dict]]:
-    """Score one Hugging Face checkpoint: (metrics, table rows, benchmark provenance). `lighteval` runs the
-    benchmarks (default: lighteval in this process)."""
+                   lighteval: Lighteval | None = None) -> ModelEvaluation:
+    """Score one Hugging Face checkpoint. `lighteval` runs the benchmarks (default: lighteval in this process)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -136,13 +148,13 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
     scratch.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, Any] = {}
     rows: list[dict] = []
-    provenance: list[dict] = []
+    scores = BenchmarkScores()
     if suite.benchmarks:
         if lighteval is not None:
-            results, provenance = lighteval(model_dir, suite.benchmarks, scratch)
+            scores = lighteval(model_dir, suite.benchmarks, scratch)
         else:
-            results, provenance = run_lighteval(model_dir, suite.benchmarks, scratch, where, how)
-        for name, values in results.items():
+            scores = run_lighteval(model_dir, suite.benchmarks, scratch, where, how)
+        for name, values in scores.results.items():
             for metric, value in values.items():
                 if not metric.endswith("_stderr"):
                     metrics[f"{name}/{metric}"] = value = float(value)
@@ -180,7 +192,7 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
                 metrics[f"passkey@{length}/depth{c['depth']}"] = float(c["accuracy"])
                 rows.append({"task": f"passkey {length} tokens, depth {c['depth']}", "metric": "accuracy",
                              "value": c["accuracy"], "stderr": ""})
-    return metrics, rows, provenance
+    return ModelEvaluation(metrics, rows, scores.provenance, scores.items)
 
 
 def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
@@ -194,15 +206,15 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
     where = device_for(ctx.runtime.how)
     lighteval = _lighteval_on_ranks(ctx, where)
-    final_metrics, rows, provenance = evaluate_model(ModelArtifact(model_folder).final, suite, sources,
-                                                     ctx.scratch / FINAL, retrieval, haystack, where, ctx.runtime.how,
-                                                     lighteval)
+    final = evaluate_model(ModelArtifact(model_folder).final, suite, sources, ctx.scratch / FINAL, retrieval, haystack,
+                           where, ctx.runtime.how, lighteval)
+    final_metrics = final.metrics
     curve = []
     if ctx.config.every_checkpoint:
         checkpoints = kept_checkpoints(model_folder)
         for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
-            values, _, _ = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
-                                          ctx.runtime.how, lighteval)
+            values = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
+                                    ctx.runtime.how, lighteval).metrics
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
         curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})
@@ -211,11 +223,13 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
                "curve": curve, "setup": setup_of(ctx.runtime.how)}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
+    if final.items:  # the final model's benchmark items as scored: what a paired verdict and a recount read
+        (ctx.out / ITEMS).write_text(json.dumps({k: [i.model_dump() for i in v] for k, v in final.items.items()}))
     _to_tensorboard(ctx, model.step_id, curve)
     _to_trackers(ctx, curve)
     summary = (f"### evaluate `{model.step_id}`\n\n{_shown(final_metrics)}\n\n"
                f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}")
-    return StepResult(metrics=metrics, summary=summary, tables={"evaluation": rows}, provenance=provenance)
+    return StepResult(metrics=metrics, summary=summary, tables={"evaluation": final.rows}, provenance=final.provenance)
 
 
 def _lighteval_on_ranks(ctx: StepContext[EvaluateConfig], where: Device) -> Lighteval | None:

@@ -19,6 +19,8 @@ from compass.infra.fingerprint import weights_digest
 from compass.specs.evaluation import Benchmark
 from compass.specs.spec import TrainingSpec
 from compass.specs.why import ProductionWhy, SuccessCriterion
+from compass.tasks.evaluation.intervals import criterion_verdict, item_values, mean_interval
+from compass.tasks.evaluation.scores import ItemScore
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -96,22 +98,18 @@ def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
 
     cfg = ctx.config
     folder, origin = resolve_model(cfg.model, ctx.scratch)
-    results, provenance = run_lighteval(folder, cfg.benchmarks, ctx.scratch, device_for(ctx.runtime.how),
-                                            ctx.runtime.how)
-    scores = {f"{task}/{m}": float(v) for task, values in results.items() for m, v in values.items()
+    measured = run_lighteval(folder, cfg.benchmarks, ctx.scratch, device_for(ctx.runtime.how), ctx.runtime.how)
+    provenance = measured.provenance
+    scores = {f"{task}/{m}": v for task, values in measured.results.items() for m, v in values.items()
               if not m.endswith("_stderr")}
-    rows = []
-    for c in cfg.criteria:
-        value = scores.get(c.metric)
-        met = value is not None and c.met_by(value)
-        rows.append({"criterion": f"{c.metric} {c.op} {c.threshold}", "measured": value, "met": met})
+    rows = [judged(c, scores.get(c.metric), measured.items) for c in cfg.criteria]
     meets_all = bool(rows) and all(r["met"] for r in rows)
     verdict = ("overridden" if cfg.override else NOT_JUSTIFIED) if meets_all else "justified"
     weights = weights_digest(folder)
     report = {"model": cfg.model, **origin, "weights_sha256": weights, "scores": scores, "criteria": rows,
               "verdict": verdict, "override": cfg.override}
     (ctx.out / "gate.json").write_text(json.dumps(report, indent=2))
-    lines = "\n".join(f"- {r['criterion']}: measured {r['measured']} ({'met' if r['met'] else 'not met'})"
+    lines = "\n".join(f"- {r['criterion']}: measured {r['measured']}, 95% interval {r['interval']}: {r['verdict']}"
                       for r in rows)
     reason = {NOT_JUSTIFIED: f"`{cfg.model}` already meets every success criterion: training is not justified",
               "overridden": f"`{cfg.model}` already meets every success criterion; training goes on because: "
@@ -122,17 +120,31 @@ def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
                       provenance=[{"model": cfg.model, **origin, "weights_sha256": weights}, *provenance])
 
 
+def judged(criterion: SuccessCriterion, value: float | None, items: dict[str, list[ItemScore]]) -> dict[str, Any]:
+    """A criterion on the existing model: met only when the interval over the benchmark's items clears the
+    threshold (an existing model that meets it by noise alone does not make training unjustified)."""
+    values = item_values(criterion.metric, items)
+    interval = mean_interval(values) if values else None
+    verdict = criterion_verdict(criterion, interval) if value is not None else "not measured"
+    return {"criterion": f"{criterion.metric} {criterion.op} {criterion.threshold}", "measured": value,
+            "interval": [round(x, 4) for x in interval] if interval else None, "verdict": verdict,
+            "met": verdict == "met" or (verdict == "no interval" and criterion.met_by(value)),
+            "items": len(values or [])}
+
+
 def stops_the_run(metrics: dict[str, Any]) -> str | None:
     """Why the run must stop after this gate (None: it goes on)."""
     if metrics.get("verdict") != NOT_JUSTIFIED:
         return None
-    shown = ", ".join(f"{r['criterion']} (measured {r['measured']:.4g})" for r in metrics["criteria"])
+    shown = ", ".join(f"{r['criterion']} (measured {r['measured']:.4g}, 95% interval {r['interval']})"
+                      for r in metrics["criteria"])
     return (f"training is not justified: the existing model {metrics['model']} already meets every success "
             f"criterion: {shown}. Use it, raise the bar in why.success_criteria, or set why.override to the "
             "reason to train anyway")
 
 
-KIND = StepKind("gate", GateConfig, run_gate, build, version="1", resources=phase("evaluation"),
+# 2: a criterion is met only when its 95% interval over the benchmark's items clears the threshold
+KIND = StepKind("gate", GateConfig, run_gate, build, version="2", resources=phase("evaluation"),
                 imports=TRANSFORMERS, node_files=node_files, stops_run=stops_the_run,
                 reads_how=EVALUATION_HOW)
 STEP_KINDS = (KIND,)

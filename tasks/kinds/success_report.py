@@ -7,7 +7,9 @@ import json
 from compass.specs.base import Issue
 from compass.specs.why import SuccessCriterion
 from compass.tasks.common.inputs import Evaluations, evaluations_by_model
-from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.evaluation.intervals import criterion_verdict, item_values, mean_interval
+from compass.tasks.evaluation.scores import ITEMS, ItemScore
+from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.wiring import StepRef
 
@@ -40,28 +42,51 @@ def build(plan: PlanBuilder) -> None:
                                            override=plan.spec.why.override), Evaluations(dict(sorted(named.items()))))
 
 
+def items_of(art: InputArtifact) -> dict[str, list[ItemScore]]:
+    """The evaluated model's benchmark items as scored (none for an evaluation without benchmarks)."""
+    (entry, *_) = art.files("", ITEMS) or (None,)
+    if entry is None:
+        return {}
+    with art.open(entry) as f:
+        kept = json.load(f)
+    return {key: [ItemScore.model_validate(i) for i in items] for key, items in kept.items()}
+
+
 def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
+    """Pass or fail only when the criterion's 95% interval over the benchmark's items clears its threshold; a
+    metric without items (a perplexity over held-out tokens) is judged by its value."""
     final = ctx.config.final
     measured = {role.removeprefix("eval:"): art.manifest.metrics for role, art in ctx.inputs.items()}
+    items = {role.removeprefix("eval:"): items_of(art) for role, art in ctx.inputs.items()}
     rows = []
     for crit in ctx.config.criteria:
         checkpoint = final if crit.checkpoint == "final" else crit.checkpoint
         value = measured.get(checkpoint, {}).get(crit.metric)
+        values = item_values(crit.metric, items.get(checkpoint, {}))
+        interval = mean_interval(values) if values else None
+        note = ""
         if value is None:
             verdict = "not measured"
             available = sorted(k for k, v in measured.get(checkpoint, {}).items() if isinstance(v, int | float))
             note = f"the evaluation of {checkpoint} has no metric '{crit.metric}' (it has: {', '.join(available)})"
-        else:
+        elif interval is None:
             verdict = "pass" if crit.met_by(value) else "fail"
-            note = ""
+        else:
+            verdict = {"met": "pass", "missed": "fail", "within noise": "within noise"}[
+                criterion_verdict(crit, interval)]
+            if verdict == "within noise":
+                note = (f"the 95% interval over {len(values or [])} items, {interval[0]:.4g} to {interval[1]:.4g}, "
+                        f"straddles {crit.threshold}: evaluate more items (the benchmark's limit) to decide")
         rows.append({"criterion": f"{crit.metric} {crit.op} {crit.threshold}", "checkpoint": checkpoint,
-                     "measured": value, "verdict": verdict, "note": note})
+                     "measured": value, "interval": [round(x, 4) for x in interval] if interval else None,
+                     "verdict": verdict, "note": note})
     passed = all(r["verdict"] == "pass" for r in rows)
     override = ctx.config.override
     (ctx.out / "report.json").write_text(json.dumps({"passed": passed, "criteria": rows, "override": override},
                                                     indent=2))
     lines = [f"- **{r['verdict'].upper()}** {r['criterion']} at `{r['checkpoint']}`: measured {r['measured']}"
-             + (f" ({r['note']})" if r["note"] else "") for r in rows]
+             + (f", 95% interval {r['interval']}" if r["interval"] else "") + (f" ({r['note']})" if r["note"] else "")
+             for r in rows]
     summary = f"### success criteria: {'MET' if passed else 'NOT MET'}\n\n" + "\n".join(lines)
     if override:
         summary += f"\n\n**trained despite the gate** (why.override): {override}"
@@ -69,7 +94,8 @@ def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
                       tables={"success": rows})
 
 
-KIND = StepKind("report", ReportConfig, run_success_report, build, version="1", inputs=Evaluations,
+# 2: pass or fail only when the interval over the benchmark's items clears the threshold
+KIND = StepKind("report", ReportConfig, run_success_report, build, version="2", inputs=Evaluations,
                 after=("evaluate",), after_models=True,
                 headline=("passed",))
 STEP_KINDS = (KIND,)

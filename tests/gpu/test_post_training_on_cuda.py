@@ -74,7 +74,7 @@ def test_lighteval_through_vllm_scores_on_the_gpu(cuda, tmp_path: Path):
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("vllm is not installed: pip install 'compass-lifecycle[vllm]' on the GPU node")
     how = How.model_validate({"hardware": {"accelerator": "h100"}, "precision": "bf16", "generation": "vllm"})
-    results, _ = run_lighteval(tiny_llama(tmp_path / "model"), [Benchmark(name="arc_easy", limit=16)],
-                               tmp_path / "scratch", Device("cuda", bf16=True), how)
-    (metrics,) = results.values()
+    scores = run_lighteval(tiny_llama(tmp_path / "model"), [Benchmark(name="arc_easy", limit=16)],
+                           tmp_path / "scratch", Device("cuda", bf16=True), how)
+    (metrics,) = scores.results.values()
     assert 0 <= metrics["acc"] <= 1
