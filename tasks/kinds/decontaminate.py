@@ -11,13 +11,16 @@ tokenize steps and post-training steps read the fence and record what they dropp
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from compass.infra.layout import TRAIN
+from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark
 from compass.specs.post_training import PostTrainStep
+from compass.specs.spec import TrainingSpec
 from compass.tasks.common.fence import (
     FENCE_INDEX_KIND,
     FENCE_KIND,
@@ -164,10 +167,49 @@ def stops_the_run(metrics: dict[str, Any]) -> str | None:
             "what.decontamination.policy: remove (leave the matches out, recorded in lineage) or report")
 
 
+def check_spec(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
+    """Contamination the spec itself shows is refused before anything runs: under `refuse`, a trained source over
+    the benchmarks' own package whose include reaches the evaluation split of a benchmark the spec scores."""
+    from fnmatch import fnmatch
+
+    from compass.specs.sources import SourceUriError, parse_source_uri
+    from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, DATASETS, GENERATIVE, PACKAGE
+
+    if spec.what.decontamination.policy != "refuse" or not needs_fence(spec):
+        return
+    offered = {**BENCHMARKS, **GENERATIVE}
+    splits = {t.name: [f"{DATASETS}/{p}" for p in offered[t.name].paths]
+              for t in spec.what.evaluation.benchmarks if t.source != "lighteval" and t.name in offered}
+
+    def reaches(folder: str, pattern: str, exclude: list[str]) -> bool:
+        """Whether an include (and the excludes) would take the split's data file: mmlu's * is one subject."""
+        file = f"{folder.replace('*', 'x')}/data-00000-of-00001.arrow"
+        return fnmatch(file, pattern) and not any(fnmatch(file, x) for x in exclude)
+
+    trained = set(trained_sources(spec))
+    for i, source in enumerate(spec.what.data.sources):
+        try:
+            uri = parse_source_uri(source.uri)
+        except SourceUriError:
+            continue  # the source's own rule reports it
+        if source.name not in trained or uri.scheme != "pypi" or uri.package != PACKAGE.package:
+            continue
+        for j, pattern in enumerate(source.include):
+            for name, folders in splits.items():
+                reached = [f for f in folders if reaches(f, pattern, source.exclude)]
+                if reached:
+                    yield Issue(("what", "data", "sources", i, "include", j),
+                                f"'{pattern}' reaches {reached[0]} in {source.uri}: the evaluation split of {name}, "
+                                "which what.evaluation.benchmarks scores; training on it is contamination known "
+                                "before running",
+                                f"add exclude: ['{reached[0]}/**'] to source {source.name}, or set "
+                                "what.decontamination.policy: remove (leave the matches out) or report")
+
+
 INDEX = StepKind(FENCE_INDEX_KIND, FenceIndexConfig, run_index, None, version="1", resources=phase("data"),
                  provide=provide_index, headline=("items",))
 KIND = StepKind(FENCE_KIND, DecontaminateConfig, run_decontaminate, build, version="1",
                 resources=phase("data"), inputs=FenceInputs, fans_out=True,
                 after=("curate", "ablate", "pretrain", "long_context", "post_train", "tokenize", FENCE_INDEX_KIND),
-                after_models=True, stops_run=stops_the_run, headline=("contaminated",))
+                after_models=True, stops_run=stops_the_run, headline=("contaminated",), check_spec=check_spec)
 STEP_KINDS = (INDEX, KIND)
