@@ -39,6 +39,10 @@ class Decontamination(SpecModel):
                                       "matching documents and examples are left out of training, the removal "
                                       "recorded in lineage; report: the report only.")
     n_grams: int = Field(default=13, ge=8, le=50, description="Words per n-gram (13, as GPT-3 and OLMo's decon).")
+    scan: Literal["drawn", "whole"] = Field(
+        default="drawn", description="Post-training datasets: drawn scans the examples each step draws (its "
+                                     "max_samples, seed and length cap); whole scans every example of the dataset, "
+                                     "so a leak is reported even where this run's draw misses it.")
 
 
 class Evaluation(SpecModel):

@@ -223,3 +223,47 @@ def test_a_source_over_an_evaluated_split_is_refused_before_anything_runs(tmp_pa
     removing = refused_text.replace("  pretraining:", "  decontamination: {policy: remove}\n  pretraining:", 1)
     spec.write_text(removing)
     assert cli("validate", str(spec), check=False).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_whole_dataset_scan_reports_the_leaks_a_draw_misses(data_store: Path, tmp_path: Path):
+    """An SFT dataset of 300 conversations, 6 of them HellaSwag items: the step draws 12, so the default scan of what
+    it draws can miss them; `scan: whole` scans all 300 and reports all 6, and a draw change re-runs nothing."""
+    from compass.flows.compiler import compile_spec
+    from compass.specs import load_spec
+
+    items = list(items_of(Benchmark(name="hellaswag")))
+    rng = random.Random(2)
+    documents = clean_documents()
+    conversations = [[{"role": "user", "content": d[:400]}, {"role": "assistant", "content": d[400:800]}]
+                     for d in rng.sample(documents, 300)]
+    leaked = rng.sample(range(300), 6)
+    for k in leaked:
+        item = rng.choice(items)
+        conversations[k] = [{"role": "user", "content": item.query}, {"role": "assistant", "content": item.golds[0]}]
+    data = tmp_path / "chats"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    sft = (f"  post_training:\n    - {{method: sft, name: sft, dataset: {data}, lr: 1.0e-3, max_samples: 12, "
+           "max_length: 512}\n")
+
+    base = leaky_spec(tmp_path, "report").read_text()
+
+    def spec(scan: str, samples: int = 12) -> Path:
+        text = base.replace("  evaluation:", sft.replace("max_samples: 12", f"max_samples: {samples}")
+                            + "  evaluation:", 1)
+        path = tmp_path / f"spec-{scan}-{samples}.yaml"
+        path.write_text(text.replace("{policy: report}", f"{{policy: report, scan: {scan}}}"))
+        return path
+
+    whole = spec("whole")
+    run_up_to(whole, ["decontaminate:benchmarks"], seeded(tmp_path / "store", data_store))
+    (report,) = (tmp_path / "store").glob("decontaminate/benchmarks-*/report.json")
+    scanned = {s["source"]: s for s in json.loads(report.read_text())["sources"]}["post_training:sft"]
+    assert scanned["scanned"] == 300 and scanned["matched"] == {"hellaswag:cf": len(leaked)}
+
+    def fence_of(path: Path) -> str:
+        return compile_spec(load_spec(path).spec).fingerprints["decontaminate:benchmarks"]
+
+    assert fence_of(spec("whole", samples=24)) == fence_of(whole)  # the draw does not matter
+    assert fence_of(spec("drawn")) != fence_of(whole)

@@ -46,15 +46,21 @@ class FenceIndexConfig(StepConfig):
 class DecontaminateConfig(StepConfig):
     policy: Literal["refuse", "remove", "report"]
     post_training: list[PostTrainStep]  # the steps whose drawn examples are scanned
+    scan: Literal["drawn", "whole"] = "drawn"  # post-training datasets: what each step draws, or all of it
 
     def identity(self) -> dict[str, Any]:
-        """Only what decides which examples a post-training step draws: its learning rate or epochs do not."""
+        """Only what decides which examples are scanned: a step's learning rate or epochs do not, and with the whole
+        dataset scanned neither does its draw."""
         data = super().identity()
-        data["post_training"] = [{k: p.get(k) for k in DRAW_FIELDS} for p in data["post_training"]]
+        fields = DRAW_FIELDS if self.scan == "drawn" else WHOLE_FIELDS
+        data["post_training"] = [{k: p.get(k) for k in fields} for p in data["post_training"]]
+        if self.scan == "drawn":
+            data.pop("scan")  # the default leaves every earlier fence's identity as it was
         return data
 
 
 DRAW_FIELDS = ("name", "method", "dataset", "max_samples", "max_length", "pairs")
+WHOLE_FIELDS = ("name", "method", "dataset", "pairs")
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,8 @@ def build(plan: PlanBuilder) -> None:
     if not needs_fence(spec):
         return
     curated = {source: plan.ref("curate", source) for source in trained_sources(spec)}
-    config = DecontaminateConfig(policy=spec.what.decontamination.policy, post_training=fenced_post_training(spec))
+    config = DecontaminateConfig(policy=spec.what.decontamination.policy, post_training=fenced_post_training(spec),
+                                 scan=spec.what.decontamination.scan)
     fence = plan.add(KIND, FENCE_NAME, config, FenceInputs(plan.require(INDEX.name, FENCE_NAME), curated))
     if spec.what.decontamination.policy == "refuse":
         plan.hold([s.id for s in plan.steps if plan.kinds[s.kind].trains], until=fence)
@@ -128,7 +135,7 @@ def run_decontaminate(ctx: StepContext[DecontaminateConfig]) -> StepResult:
     matcher = Matcher(fence)
     for step in cfg.post_training:
         report = SourceReport(f"post_training:{step.name}")
-        for example in drawn(step, ctx.runtime.base_dir):
+        for example in drawn(step, ctx.runtime.base_dir, whole=cfg.scan == "whole"):
             hit = matcher.match_problem(example.text) if example.problem else matcher.match(example.text)
             report.add(hit, f"{step.dataset}#{example.position}", fence)
         reports.append(report)
