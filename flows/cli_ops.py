@@ -115,8 +115,9 @@ def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")
     if specs:
         os.environ[WORKER_SPECS] = str(specs.expanduser().resolve())
     sys.stdout.flush()
-    prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
-    os.execvp(prefect, [prefect, "worker", "start", "--pool", pool, "--type", "process"])
+    from compass.flows.worker_process import serve
+
+    raise typer.Exit(serve(pool))
 
 @ops.command()
 def deploy(spec: Annotated[Path | None, typer.Argument(
