@@ -277,7 +277,7 @@ def verify(store: Annotated[str, typer.Argument(help="Store root (local folder o
 def _existing_store(root: str) -> Store:
     """The store at `root`, or exit 2: verifying a mistyped path must not make an empty store there and report it
     undamaged."""
-    from compass.infra.store import Store, root_problem
+    from compass.infra.store import STORE_MARKER, Store, root_problem
 
     missing = "no store here, nothing to verify (give the root a run wrote: how.storage.root or its --store)"
     problem = root_problem(root)
@@ -286,9 +286,12 @@ def _existing_store(root: str) -> Store:
         problem = missing
     if problem is None:
         target = Store(root)  # a local root exists by now, so Store makes no folder
-        if not remote or target.fs.exists(target.root_path):
+        if target.is_marked():
             return target
-        problem = missing
+        problem = missing if remote and not target.fs.exists(target.root_path) else (
+            f"not a compass store: no {STORE_MARKER} at its root, which compass writes before a store's first "
+            f"artifact; verify acts on compass stores only (give the root a run wrote; a store from a compass before "
+            f"this marker: create {root.rstrip('/')}/{STORE_MARKER} once)")
     err.print(f"{root}: {problem}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 

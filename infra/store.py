@@ -7,6 +7,7 @@ writes `manifest.json` last, so an artifact without a manifest is never taken fo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
 
 INDEXES_KEPT = 8  # shard indexes a Store keeps decoded
+STORE_MARKER = ".compass-store"  # at a store's root, written before its first artifact
 
 
 def artifact_folder(kind: str, name: str, fingerprint: str) -> str:
@@ -132,6 +134,7 @@ class Store:
         self.fs, self.root_path = url_to_fs(self.root)
         if not self.is_remote and create:
             Path(self.root).mkdir(parents=True, exist_ok=True)
+        self._marked = False  # STORE_MARKER known to be there
         self._indexes: dict[tuple[str, str], list[FileEntry]] = {}  # shard indexes read, by (uri, their sha256)
 
     # --- addressing -------------------------------------------------------------------------------------
@@ -143,6 +146,24 @@ class Store:
         if uri != self.root and not uri.startswith(self.root.rstrip("/") + "/"):  # /store-old is not in /store
             raise ValueError(f"{uri} is not inside the store {self.root}")
         return self.root_path + uri[len(self.root):]
+
+    # --- the store itself ----------------------------------------------------------------------------------
+    def is_marked(self) -> bool:
+        """Whether a compass store is here: what `compass verify` acts on (another program's folder never is)."""
+        self._marked = self._marked or self.fs.exists(f"{self.root_path}/{STORE_MARKER}")
+        return self._marked
+
+    def _mark(self) -> None:
+        """Mark the root as a compass store, once, before its first artifact (a small file, never rewritten)."""
+        if self.is_marked():
+            return
+        body = json.dumps({"compass_store": 1, "why": "compass verify acts only on folders holding this file"})
+        if self.is_remote:
+            with self.fs.open(f"{self.root_path}/{STORE_MARKER}", "w") as f:
+                f.write(body)
+        else:
+            Path(self.root, STORE_MARKER).write_text(body)
+        self._marked = True
 
     # --- reading ----------------------------------------------------------------------------------------
     def is_committed(self, uri: str) -> bool:
@@ -315,6 +336,7 @@ class Store:
         listed.sort(key=lambda e: e.path)
         manifest = manifest.model_copy(update={"files": listed, "shard_sets": sets})
         body = manifest.model_dump_json(indent=2)
+        self._mark()
         target = self._path(manifest.uri)
         if self.is_remote:
             self._upload(staged, uploaded, target, body, published)

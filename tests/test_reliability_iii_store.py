@@ -32,6 +32,27 @@ def test_R29_set_aside_moves_only_damaged_artifacts(tmp_path: Path):
     assert not store.is_committed(bad.uri) and store.is_committed(good.uri)
 
 
+def test_R29_verify_acts_only_on_a_compass_store(tmp_path: Path):
+    """A folder compass never wrote a store into is refused whole, even where its layout looks like artifacts: a copy
+    of a store's artifact folder without the store's marker is not set aside."""
+    import shutil
+
+    from compass.flows.cli import app
+    from compass.infra.store import STORE_MARKER
+
+    store = Store(str(tmp_path / "store"))
+    assert not store.is_marked()  # an empty root is not one yet
+    bad = _commit(store, "code", {"train/0.tokens": "def" * 10})
+    assert store.is_marked() and (tmp_path / "store" / STORE_MARKER).is_file()
+    (Path(bad.uri) / "train" / "0.tokens").write_text("truncated")
+    elsewhere = tmp_path / "website"
+    shutil.copytree(tmp_path / "store", elsewhere, ignore=shutil.ignore_patterns(STORE_MARKER))
+    done = CliRunner().invoke(app, ["verify", str(elsewhere), "--set-aside"])
+    assert done.exit_code == 2 and "not a compass store" in done.stderr and STORE_MARKER in done.stderr
+    assert list(elsewhere.glob("tokenize/code-*/manifest.json"))  # nothing moved
+    assert CliRunner().invoke(app, ["verify", str(tmp_path / "store")]).exit_code == 1  # the store itself: checked
+
+
 def _lock_file(store: Store, key: str, body: str, age_s: float) -> Path:
     import os
     import time
