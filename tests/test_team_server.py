@@ -28,6 +28,8 @@ class Team:
     submitted: list[dict]
     before_restart: dict[str, dict[str, set[str]]]  # flow run id -> completed task runs and artifacts, pre-restart
     restarted_at: float
+    specs: list[Path]
+    store: Path  # the worker's --store: the only store its runs write
 
 
 def start_server(port: int, env: dict[str, str], database: str, log: Path) -> subprocess.Popen:
@@ -104,7 +106,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
                 out, _ = shell.communicate(timeout=1800)
                 assert shell.returncode == 0, (home / "worker.log").read_text()[-5000:]
                 submitted.append(json.loads(out))
-            yield Team(api_url, postgres, submitted, before, restarted_at)
+            yield Team(api_url, postgres, submitted, before, restarted_at, specs, store)
         finally:
             if worker is not None:
                 stop_group(worker)
@@ -164,6 +166,26 @@ def test_the_web_ui_shows_both_runs(team: Team, tmp_path: Path):
             wait_for_text(browser, submitted["name"])
         page = browser.find_element(By.TAG_NAME, "body").text
         assert all(s["name"] in page for s in team.submitted)
+
+
+@pytest.mark.slow
+def test_R30_the_worker_writes_only_into_its_store_whatever_the_submitter_says(team: Team, tmp_path: Path):
+    """Issue 46, R30, through the real server and worker: a run submitted with a store outside the worker's
+    `--store` fails before any step, writes nothing there, and says why in one line of its log, no traceback."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    elsewhere = tmp_path / "elsewhere"
+    cli = Cli(tmp_path, base_env(tmp_path / "prefect") | {"PREFECT_API_URL": team.api_url})
+    done = cli("submit", str(team.specs[0]), "--store", str(elsewhere), "--until", "ingest:notes", "--watch",
+               "--json", check=False)
+    assert done.returncode != 0 and not elsewhere.exists()
+    refused = json.loads(done.stdout)
+    assert refused["state"] == "Failed"
+    with prefect_client(team.api_url) as client:
+        logs = [log.message for log in client.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[refused["id"]])), limit=200)]
+    why = f"{elsewhere} is outside the stores this worker writes ({team.store}"
+    assert [m for m in logs if why in m] and not [m for m in logs if "Traceback" in m], logs[-10:]
 
 
 def test_a_database_the_server_cannot_use_is_one_clear_line(tmp_path: Path):
