@@ -58,5 +58,6 @@ bench: setup
 	cd benchmarks && ../.venv/bin/python async_checkpoint.py
 	cd benchmarks && ../.venv/bin/python evaluation_throughput.py
 	cd benchmarks && ../.venv/bin/python post_training_throughput.py
+	cd benchmarks && ../.venv/bin/python decontamination_throughput.py
 	cd benchmarks && ../.venv/bin/python gpu_throughput.py
 	cd benchmarks && ../.venv/bin/python bench_table.py

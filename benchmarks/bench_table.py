@@ -42,6 +42,7 @@ BENCHMARKS = (
     Benchmark("async_checkpoint", "async_checkpoint.py"),
     Benchmark("evaluation_throughput", "evaluation_throughput.py"),
     Benchmark("post_training_throughput", "post_training_throughput.py"),
+    Benchmark("decontamination_throughput", "decontamination_throughput.py"),
     Benchmark("gpu_throughput", "gpu_throughput.py"),
 )
 

@@ -29,6 +29,12 @@ def test_loss_memory():
     assert "chunked needs" in out and "less memory" in out
 
 
+@pytest.mark.slow  # each side builds its index of MMLU and HellaSwag (datatrove's tokenizes with spaCy: ~30 s)
+def test_decontamination_throughput():
+    out = bench("decontamination_throughput.py", "--pages", "60", "--planted", "6", "--rounds", "1")
+    assert "datatrove NGramsDecont" in out and "compass fence" in out and "planted pages found" in out
+
+
 def test_gpu_throughput_says_it_needs_cuda_where_there_is_none():
     """With no GPU visible (on a CUDA host too: this file runs in `make test`), the GPU benchmark says so."""
     out = bench("gpu_throughput.py", env={"CUDA_VISIBLE_DEVICES": ""}, records=False)

