@@ -44,7 +44,7 @@ def build(plan: PlanBuilder) -> None:
 
 def items_of(art: InputArtifact) -> dict[str, list[ItemScore]]:
     """The evaluated model's benchmark items as scored (none for an evaluation without benchmarks)."""
-    (entry, *_) = art.files("", ITEMS) or (None,)
+    entry = next((e for e in art.files("") if e.path == ITEMS), None)
     if entry is None:
         return {}
     with art.open(entry) as f:
