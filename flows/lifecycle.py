@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import queue
 import re
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
-from prefect.futures import PrefectFuture, as_completed
+from prefect.futures import PrefectFuture
 from prefect.runtime import deployment, flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -182,6 +183,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
     pending = list(plan.steps)
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}
+    completed: queue.SimpleQueue[str] = queue.SimpleQueue()  # step ids, as their threads end
     results: list[dict[str, Any]] = []
     failure: BaseException | None = None
     while pending or running:
@@ -204,21 +206,35 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
                 drivers_running += 1
             options = _with_options(step, orch, limited)
             with _ray_options(ctx, step):
-                running[step.id] = options.submit(ctx, step, wait_for=[finished[d] for d in step.needs])
+                future = options.submit(ctx, step, wait_for=[finished[d] for d in step.needs])
+            future.add_done_callback(lambda _, step_id=step.id: completed.put(step_id))
+            running[step.id] = future
             pending.remove(step)
         if not running:
             break
-        done = next(as_completed(list(running.values())))
-        step_id = next(sid for sid, f in running.items() if f is done)
-        finished[step_id] = running.pop(step_id)
+        step_id = _next_completed(completed)
+        done = finished[step_id] = running.pop(step_id)
         try:
             results.append(done.result())
             get_run_logger().info(run_progress(results, len(plan.steps), time.monotonic() - started))
+        except (KeyboardInterrupt, TerminationSignal):
+            raise  # the run stops now (run_plan), not after the running steps
         except BaseException as exc:  # let the running steps finish, submit nothing new, then fail the flow
             failure = failure or exc
     if failure is not None:
         raise failure
     return results
+
+
+def _next_completed(completed: queue.SimpleQueue[str]) -> str:
+    """The next step whose thread ended, waited for in slices: a signal the kernel delivers to a step's thread
+    leaves the main thread's wait uninterrupted, and its handler (SIGTERM's TerminationSignal) runs only when
+    the main thread next runs Python, which a wait without a timeout postpones until a step ends."""
+    while True:
+        try:
+            return completed.get(timeout=0.5)
+        except queue.Empty:
+            continue
 
 
 def _resolve_imports_of_steps_to_compute(plan: Plan, ctx: RunContext) -> None:

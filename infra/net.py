@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+LOWEST = 20000  # below the kernel's ephemeral range (32768 by default), above the well-known services
+_draw = random.SystemRandom()  # not the global generator: runs seed it, and two seeded processes would collide
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a server or a rendezvous that binds it a moment later. Chosen below the kernel's
+    ephemeral range: a port the kernel handed out (bind to 0) is the one it hands out next to any process's
+    outgoing connection or bind, and a torchrun rendezvous lost it that way (EADDRINUSE) under load."""
+    first_ephemeral = _ephemeral_range()[0]
+    for _ in range(100):
+        port = _draw.randrange(LOWEST, first_ephemeral) if first_ephemeral > LOWEST + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port in {LOWEST}-{first_ephemeral - 1}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 180.0) -> None:

@@ -81,3 +81,18 @@ def test_two_nodes_on_this_machine_train_one_stage_together(stage1_job, tmp_path
     model = AutoModelForCausalLM.from_pretrained(str(hf))
     ids = AutoTokenizer.from_pretrained(str(hf))("The old river", return_tensors="pt")["input_ids"]
     assert model(input_ids=ids).logits.shape[-1] == job.vocab_size
+
+
+def test_a_rendezvous_port_is_never_one_the_kernel_hands_out():
+    """A port from the ephemeral range can be handed to another process's connection between the pick and the
+    rendezvous's bind (EADDRINUSE under load): free ports come from below that range, and are free."""
+    import socket
+
+    from compass.infra.net import _ephemeral_range
+
+    first_ephemeral = _ephemeral_range()[0]
+    ports = {free_port() for _ in range(200)}
+    assert len(ports) > 150 and all(20000 <= p < first_ephemeral for p in ports)
+    with socket.socket() as taken:  # one in use is never handed out
+        taken.bind(("127.0.0.1", min(ports)))
+        assert min(ports) not in {free_port() for _ in range(500)}
