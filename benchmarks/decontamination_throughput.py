@@ -9,12 +9,15 @@ its NGramsDecontFilter; compass's is tasks/data/decontamination.py (Fence, Match
 `remove` filter run. Each variant runs in its own process; the measure is pages scanned per second (the index's
 build time is reported apart), and each variant's count of planted pages found.
 
-    python benchmarks/decontamination_throughput.py [--pages 4000] [--planted 200] [--rounds 3]
+    python benchmarks/decontamination_throughput.py [--pages 4000] [--planted 200] [--rounds 3] [--items N]
+
+(`--items N` indexes each benchmark's first N items only: the suite's check of this script, not a measure.)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 import tempfile
@@ -28,7 +31,7 @@ N_GRAMS = 13
 BENCHMARKS = ("mmlu", "hellaswag")
 
 
-def corpus(pages: int, planted: int, seed: int = 0) -> tuple[list[str], set[int]]:
+def corpus(pages: int, planted: int, limit: int | None, seed: int = 0) -> tuple[list[str], set[int]]:
     """`pages` pages of real text, `planted` of them (their indexes returned) with a benchmark item inside."""
     sys.path.insert(0, str(REPO))  # the suite's offline text helpers
     from tests.offline_text import clean_documents
@@ -37,30 +40,30 @@ def corpus(pages: int, planted: int, seed: int = 0) -> tuple[list[str], set[int]
     rng = random.Random(seed)
     documents = clean_documents()
     documents = [documents[i % len(documents)] for i in range(pages)]  # the corpus repeated to size
-    indexed = items()
+    indexed = items(limit)
     leaks = set(rng.sample(range(pages), planted))
     return [plant(d, rng.choice(indexed), rng) if k in leaks else d for k, d in enumerate(documents)], leaks
 
 
-def items() -> list:
+def items(limit: int | None) -> list:
     from compass.specs.evaluation import Benchmark
     from compass.tasks.evaluation.benchmark_items import items_of
 
-    return [i for name in BENCHMARKS for i in items_of(Benchmark(name=name))]
+    return [i for name in BENCHMARKS for i in itertools.islice(items_of(Benchmark(name=name)), limit)]
 
 
-def compass_fence(documents: list[str]) -> tuple[float, float, set[int]]:
+def compass_fence(documents: list[str], limit: int | None) -> tuple[float, float, set[int]]:
     """(index seconds, scan seconds, pages matched) with compass's fence."""
     from compass.tasks.data.decontamination import Fence, Matcher
 
     start = time.perf_counter()
-    matcher = Matcher(Fence.build(items(), N_GRAMS))
+    matcher = Matcher(Fence.build(items(limit), N_GRAMS))
     built = time.perf_counter()
     found = {k for k, d in enumerate(documents) if matcher.match(d) is not None}
     return built - start, time.perf_counter() - built, found
 
 
-def datatrove_decont(documents: list[str], work: Path) -> tuple[float, float, set[int]]:
+def datatrove_decont(documents: list[str], limit: int | None, work: Path) -> tuple[float, float, set[int]]:
     """(index seconds, scan seconds, pages matched) with datatrove's NGramsDecontIndexer and NGramsDecontFilter."""
     import numpy as np
     from datatrove.data import Document
@@ -72,7 +75,7 @@ def datatrove_decont(documents: list[str], work: Path) -> tuple[float, float, se
     # its run() as written, less the lighteval registry call (an API lighteval 0.13 no longer has): the items'
     # hashes by the indexer's own compute_hashes, saved per task the way run() saves them
     hashes: dict[str, set[int]] = {}
-    for item in items():
+    for item in items(limit):
         hashes.setdefault(item.benchmark, set()).update(indexer.compute_hashes(item.golds[0], item.query))
     (work / "index").mkdir(parents=True, exist_ok=True)
     for task, task_hashes in hashes.items():
@@ -84,13 +87,13 @@ def datatrove_decont(documents: list[str], work: Path) -> tuple[float, float, se
     return built - start, time.perf_counter() - built, found
 
 
-def run_child(variant: str, pages: int, planted: int, out: str) -> None:
+def run_child(variant: str, pages: int, planted: int, limit: int | None, out: str) -> None:
     from harness import peak_rss_mib
 
-    documents, leaks = corpus(pages, planted)
+    documents, leaks = corpus(pages, planted, limit)
     with tempfile.TemporaryDirectory(prefix="compass-decont-") as tmp:
-        index_s, scan_s, found = (compass_fence(documents) if variant == "compass"
-                                  else datatrove_decont(documents, Path(tmp)))
+        index_s, scan_s, found = (compass_fence(documents, limit) if variant == "compass"
+                                  else datatrove_decont(documents, limit, Path(tmp)))
     write_result(out, pages / scan_s, peak_mib=peak_rss_mib(), index_s=index_s,
                  recall=len(found & leaks) / len(leaks), flagged_clean=len(found - leaks))
 
@@ -103,16 +106,19 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=4000)
     parser.add_argument("--planted", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child", nargs=4, metavar=("VARIANT", "PAGES", "PLANTED", "OUT"))
+    parser.add_argument("--items", type=int, default=0, help="each benchmark's first N items (0: all)")
+    parser.add_argument("--child", nargs=5, metavar=("VARIANT", "PAGES", "PLANTED", "ITEMS", "OUT"))
     args = parser.parse_args()
     if args.child:
-        variant, pages, planted, out = args.child
-        run_child(variant, int(pages), int(planted), out)
+        variant, pages, planted, limit, out = args.child
+        run_child(variant, int(pages), int(planted), int(limit) or None, out)
         return
     script = str(Path(__file__).resolve())
-    results = interleave({label: (lambda v=v: child(script, [v, str(args.pages), str(args.planted)]))
+    results = interleave({label: (lambda v=v: child(script, [v, str(args.pages), str(args.planted), str(args.items)]))
                           for label, v in VARIANTS.items()}, args.rounds)
-    report(f"decontamination: {'+'.join(BENCHMARKS)} items indexed as {N_GRAMS}-grams, {args.pages} pages of real "
+    which = f"the first {args.items} items of each of {'+'.join(BENCHMARKS)}" if args.items else \
+        f"{'+'.join(BENCHMARKS)} items"
+    report(f"decontamination: {which} indexed as {N_GRAMS}-grams, {args.pages} pages of real "
            f"text scanned ({args.planted} with an item planted)", results, "datatrove NGramsDecont", "pages/s")
     for label, runs in results.items():
         last = runs[-1].details

@@ -31,7 +31,8 @@ def test_loss_memory():
 
 @pytest.mark.slow  # each side builds its index of MMLU and HellaSwag (datatrove's tokenizes with spaCy: ~30 s)
 def test_decontamination_throughput():
-    out = bench("decontamination_throughput.py", "--pages", "60", "--planted", "6", "--rounds", "1")
+    out = bench("decontamination_throughput.py", "--pages", "60", "--planted", "6", "--rounds", "1",
+                "--items", "400")
     assert "datatrove NGramsDecont" in out and "compass fence" in out and "planted pages found" in out
 
 
