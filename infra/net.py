@@ -18,7 +18,7 @@ def free_port() -> int:
     """A port free now, for a server or a rendezvous that binds it a moment later. Chosen below the kernel's
     ephemeral range: a port the kernel handed out (bind to 0) is the one it hands out next to any process's
     outgoing connection or bind, and a torchrun rendezvous lost it that way (EADDRINUSE) under load."""
-    first_ephemeral = _ephemeral_range()[0]
+    first_ephemeral = first_ephemeral_port()
     for _ in range(100):
         port = _draw.randrange(LOWEST, first_ephemeral) if first_ephemeral > LOWEST + 1000 else 0
         with socket.socket() as s:
@@ -30,12 +30,12 @@ def free_port() -> int:
     raise OSError(f"no free port in {LOWEST}-{first_ephemeral - 1}")
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def first_ephemeral_port() -> int:
+    """The lowest port the kernel hands out on its own (bind to 0, outgoing connections)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 180.0) -> None:

@@ -88,9 +88,9 @@ def test_a_rendezvous_port_is_never_one_the_kernel_hands_out():
     rendezvous's bind (EADDRINUSE under load): free ports come from below that range, and are free."""
     import socket
 
-    from compass.infra.net import _ephemeral_range
+    from compass.infra.net import first_ephemeral_port
 
-    first_ephemeral = _ephemeral_range()[0]
+    first_ephemeral = first_ephemeral_port()
     ports = {free_port() for _ in range(200)}
     assert len(ports) > 150 and all(20000 <= p < first_ephemeral for p in ports)
     with socket.socket() as taken:  # one in use is never handed out
