@@ -13,17 +13,17 @@ from collections import defaultdict
 
 import pytest
 
-# The "slowest files" table of the last full run (`bash .ci/run` of 2f261da on 2 cores: 4605 s of tests in 2330 s),
+# The "slowest files" table of the last full run (`bash .ci/run` of 1e39049 on 2 cores: 6697 s of tests in 2278 s),
 # longest first.
 LONGEST_FIRST = (
-    "test_production.py", "test_placement_slurm.py", "test_rehearsal_faults.py", "test_post_training_scale.py",
-    "test_fsdp2.py", "test_benchmarks_flows.py", "test_benchmarks_training.py", "test_data_scale_slurm.py",
-    "test_team_server.py", "test_observability_events.py", "test_ray.py", "test_rehearsal_cluster.py",
-    "test_s3_store.py", "test_data_scale_s3.py", "test_lifecycle.py", "test_slurm.py", "test_benchmarks.py",
-    "test_gpu_path_zero.py", "test_scheduled_eval.py", "test_post_training.py", "test_post_training_scale_slurm.py",
-    "test_observability.py", "test_training_core.py", "test_data_scale_memory.py", "test_fsdp2_tensor_parallel.py",
-    "test_training.py", "test_tensor_parallel.py", "test_fidelity_gate.py", "test_evaluate.py", "test_preflight.py",
-    "test_concurrency.py",
+    "test_production.py", "test_post_training_scale.py", "test_fsdp2.py", "test_rehearsal_faults.py",
+    "test_placement_slurm.py", "test_benchmarks_flows.py", "test_data_scale_slurm.py", "test_benchmarks_training.py",
+    "test_ray.py", "test_post_training_scale_slurm.py", "test_team_server.py", "test_s3_store.py",
+    "test_post_training.py", "test_slurm.py", "test_training_core.py", "test_benchmarks.py",
+    "test_observability_events.py", "test_rehearsal_cluster.py", "test_lifecycle.py", "test_data_scale_s3.py",
+    "test_scheduled_eval.py", "test_training.py", "test_gpu_path_zero.py", "test_data_scale_memory.py",
+    "test_fsdp2_tensor_parallel.py", "test_tensor_parallel.py", "test_decontamination.py",
+    "test_rehearsal_partitions.py", "test_evaluate.py", "test_fidelity_gate.py",
 )
 
 _seconds: dict[str, float] = defaultdict(float)
