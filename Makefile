@@ -10,17 +10,17 @@ demo: setup
 	.venv/bin/compass plan specs/examples/tiny.yaml
 	.venv/bin/compass run specs/examples/tiny.yaml
 
-# `make test`: three pytest workers on 2 cores, a test file each at a time (module fixtures stay in one worker): the
-# Slurm, Ray and fault tests mostly wait (for jobs, daemons, timeouts: test_placement_slurm 256 s of wall for 29 s of
-# its own CPU), so a third file keeps the cores busy meanwhile: 34:58 with two workers, 28:53 with three (the same
-# commit, one clean clone after the other, this machine; a later run with three took 38:42 while every file's CPU
-# rose ~30%: read CI's time). `make test-fast` keeps two: its files compute without waiting, and a third worker only
-# oversubscribes the cores (4:33 with three, 2:50 with two, back to back). One OpenMP thread per process: workers'
-# processes each spinning two OpenMP threads on two cores spent a quarter of the CPU waiting (test_training_core and
-# test_evaluate: 202 s of CPU -> 152 s).
+# `make test`: four pytest workers on 2 cores, a test file each at a time (module fixtures stay in one worker): the
+# Slurm, Ray and fault tests mostly wait (for jobs, daemons, timeouts: test_rehearsal_faults 465 s of wall for 32 s
+# of its own CPU), so more files than cores keep the cores busy meanwhile. Clean clones on this machine: two workers
+# 34:58 -> three 28:53 (an older suite); three 37:58 -> four 33:52 (c7474d9; with four the cores were idle 0.6% of
+# the run, /proc/stat sampled every 5 s, so a fifth would only add contention). `make test-fast` keeps two: its
+# files compute without waiting, and a third worker only oversubscribes the cores (4:33 with three, 2:50 with two,
+# back to back). One OpenMP thread per process: workers' processes each spinning two OpenMP threads on two cores
+# spent a quarter of the CPU waiting (test_training_core and test_evaluate: 202 s of CPU -> 152 s).
 test test-fast: export OMP_NUM_THREADS = 1
 test: setup
-	.venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 -m "not gpu" tests
+	.venv/bin/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=30 -m "not gpu" tests
 
 # Everything not marked slow (no end-to-end flows): a few minutes, for iterating.
 test-fast: setup

@@ -211,6 +211,25 @@ def prefect_client(api_url: str) -> Iterator:
         yield client
 
 
+def settled_task_runs(api_url: str, flow_run_id: Any, names: set[str], timeout: float = 120) -> dict[str, Any]:
+    """A flow run's task runs by name, once each of `names` is there in a final state: the server records task
+    runs from the events a flow sends, after the flow has returned (later on a busy machine)."""
+    import time
+
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with prefect_client(api_url) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+        tasks = {t.name: t for t in runs}
+        if all(n in tasks and tasks[n].state is not None and tasks[n].state.is_final() for n in names):
+            return tasks
+        assert time.monotonic() < deadline, f"task runs {sorted(names)} of flow run {flow_run_id} not settled: " \
+            f"{ {n: t.state.type.value if t.state else None for n, t in tasks.items()} }"
+        time.sleep(0.5)
+
+
 def remove_gpu_limit(api_url: str) -> None:
     """The session's server is shared by a worker's test files: `compass deploy` sets the `gpu` tag limit on it,
     and a test that deploys takes it away again, so no later test runs its GPU steps one at a time unawares."""

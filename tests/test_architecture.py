@@ -23,7 +23,7 @@ from compass.tasks.steps import registry
 from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import place
 from tests import step_kind_example
-from tests.conftest import REPO, prefect_client, seeded, write_minimal_spec
+from tests.conftest import REPO, prefect_client, seeded, settled_task_runs, write_minimal_spec
 
 LAYERS = ("specs", "infra", "model", "tasks", "flows")  # bottom to top
 HELPERS = ("tasks/steps", "tasks/common", "tasks/data", "tasks/evaluation", "tasks/post_training")
@@ -270,7 +270,7 @@ def test_a_step_kind_added_in_one_module_compiles_plans_and_runs(word_count, pre
     assert ran == {"word_count:notes", "word_count:code"}
     with prefect_client(prefect_server) as client:
         (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["new-step-kind"])))
-        tasks = {t.name: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
+    tasks = settled_task_runs(prefect_server, run.id, {"word_count:notes"})
     assert run.state.is_completed() and tasks["word_count:notes"].state.is_completed()
     assert tasks["word_count:notes"].tags == []  # no tag: no concurrency slots asked for (flows/lifecycle.py)
     manifest = store.read_manifest(store.uri("word_count", "notes", plan.fingerprints["word_count:notes"]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Cli, prefect_client, seeded, write_minimal_spec
+from tests.conftest import REPO, Cli, prefect_client, seeded, settled_task_runs, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -265,7 +265,7 @@ def test_sigterm_mid_training_ends_the_run_and_keeps_what_was_committed(server_c
     name = f"minimal-{load_spec(spec).spec_hash[:8]}"
     with prefect_client(prefect_server) as client:
         (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [name]}))
-        tasks = {t.name: t.state.type.value for t in client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
+    tasks = {n: t.state.type.value for n, t in settled_task_runs(
+        prefect_server, run.id, {"pretrain:stage1", "tokenizer:select"}).items()}
     assert run.state.type.value == "CRASHED" and "interrupted" in run.state.message
     assert tasks["pretrain:stage1"] == "CRASHED" and tasks["tokenizer:select"] == "COMPLETED"

@@ -11,7 +11,7 @@ from compass.infra.errors import DataError
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
-from tests.conftest import prefect_client, write_minimal_spec
+from tests.conftest import prefect_client, settled_task_runs, write_minimal_spec
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,8 @@ def test_a_fault_is_retried_on_the_server_and_a_data_error_is_not(flaky, prefect
             until=["flaky"])
     with prefect_client(prefect_server) as client:
         (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["flaky-step"])))
-        tasks = {t.name: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
+    tasks = settled_task_runs(prefect_server, run.id, {"flaky:once", "flaky:bad-data"})
+    with prefect_client(prefect_server) as client:
         states = {name: sorted(client.read_task_run_states(t.id), key=lambda s: s.timestamp)
                   for name, t in tasks.items()}
     history = {name: [s.name for s in run_states] for name, run_states in states.items()}
