@@ -11,10 +11,12 @@ are ingested by test_the_demo_spec_ingests_its_packages; its every phase runs in
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import time
@@ -457,6 +459,42 @@ def test_the_real_spec_is_refused_here_with_what_it_needs(production: Production
     assert refused in done.stderr and f"has {production.cached_vocabulary}" in done.stderr  # the stand-in
     costs = production.cli("plan", str(SPEC), "--no-machine-checks", "--json")  # planning from a laptop: the hub
     assert json.loads(costs.stdout)["spec"] == "smollm3-3b"  # cache is this machine's, the declared size plans
+
+
+ARTIFACT = re.compile(r"`store/(\w+)/[^`/]+/([^`]*)`")  # `store/<kind>/<name>-<fp>/<file, if one>`
+FILE = re.compile(r"`([\w*.-]+(?:/[\w*.-]+)*(?:/|\.(?:json|jsonl|png|md)))`")  # `final/`, `checkpoints/step-*/`
+WHEN = {("post_train", "vibe_check.md"): "what.evaluation.vibe_prompts"}  # written only when the spec asks
+
+
+def files_named(page: Path) -> dict[str, set[str]]:
+    """The files and folders a page says each kind's artifact holds: for each `store/<kind>/...` it names, that
+    path's own file and every file name quoted after it, up to the next artifact it names."""
+    text = page.read_text()
+    named: dict[str, set[str]] = {}
+    marks = list(ARTIFACT.finditer(text))
+    for mark, after in zip(marks, [*marks[1:], None], strict=True):
+        names = named.setdefault(mark.group(1), set())
+        names |= {mark.group(2)} - {""}
+        names |= set(FILE.findall(text[mark.end():after.start() if after else text.find("\n\n", mark.end())]))
+    return named
+
+
+def holds(paths: set[str], name: str) -> bool:
+    pattern = name + "*" if name.endswith("/") else name
+    return any(fnmatch.fnmatch(path, pattern) for path in paths)
+
+
+def test_getting_started_names_only_files_a_run_writes(production: Production):
+    """docs/getting-started.md lists what each step's artifact holds; every name it gives is in the artifacts of
+    this run (the production spec at smoke size has every kind the page lists)."""
+    named = files_named(REPO / "docs" / "getting-started.md")
+    assert len(named) >= 14 and {"final/", "state/", "checkpoints/step-*/", "loss.png"} <= named["pretrain"]
+    written: dict[str, set[str]] = {}
+    for manifest in production.manifests().values():
+        written.setdefault(manifest["kind"], {"manifest.json"}).update(f["path"] for f in manifest["files"])
+    missing = {(kind, name) for kind, names in named.items() for name in names
+               if not holds(written.get(kind, set()), name)}
+    assert missing == set(WHEN), {m: sorted(written.get(m[0], set()))[:20] for m in missing - set(WHEN)}
 
 
 def test_the_demo_spec_ingests_its_packages(tmp_path: Path):
