@@ -116,7 +116,7 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                       stage_rows,
                       [f"6·N·D + attention (PaLM); {hw.accelerator} at {hw.peak:g} TFLOP/s per {unit}, assumed MFU "
                        f"{hw.assumed_mfu:.0%}; each phase on its own {unit}s (how.resources)"])
-    sections = [params, placement_section(spec), compute, training_core_section(spec)]
+    sections = [params, placement_section(spec), orchestration_section(spec), compute, training_core_section(spec)]
     if (fence := fence_section(spec)) is not None:
         sections.append(fence)
     from compass.specs.scaling import step_shapes
@@ -201,6 +201,37 @@ def placement_section(spec: TrainingSpec) -> Section:
     devices = "GPUs" if how.hardware.accelerator != "cpu" else "ranks"
     return Section("Where each phase runs", ["phase", "nodes", f"{devices}/node", devices, "CPUs/node", "memory",
                                              "time limit", "runs as"], rows, notes)
+
+
+def orchestration_section(spec: TrainingSpec) -> Section:
+    """How the run treats its steps: how many at once, retries and time limits, the data steps' processes, and
+    under a cluster what a job does near its time limit: settings that change no result, shown so that a run's
+    behaviour under faults can be read before it starts."""
+    orch = spec.how.orchestration
+    limits = ", ".join(f"{kind} {seconds:,.0f} s" for kind, seconds in sorted(orch.step_timeouts.items()))
+    default_limit = f"{orch.timeout_seconds:,.0f} s" if orch.timeout_seconds else "none"
+    runner = ("Ray" + (f" at {orch.ray_address}" if orch.ray_address else ", started here")
+              if orch.task_runner == "ray" else "threads of this process")
+    devices = ("the cluster places devices" if orch.cluster is not None else "Ray places devices"
+               if orch.task_runner == "ray" else f"{orch.max_parallel_gpu_steps} holding devices")
+    rows = [["steps at once", f"{orch.max_parallel_steps} ({devices}), on {runner}"],
+            ["retries", f"{orch.retries} per step, {orch.retry_delay_seconds:g} s apart (faults only: a data or "
+                        "spec error fails at once)"],
+            ["time limit per step", default_limit + (f"; {limits}" if limits else "")],
+            ["data step processes", f"{orch.workers}" + (f" (a step reading under {orch.in_process_below_mib:g} MiB "
+                                                          "runs in its own process)" if orch.in_process_below_mib
+                                                          else "")]]
+    cluster = orch.cluster
+    if cluster is not None:
+        rows.append(["near a job's time limit",
+                     f"USR1 {cluster.signal_before_s} s before it: checkpoint, then "
+                     + ("requeue and resume" if cluster.requeue else "stop (requeue off)")])
+        asks = {"account": cluster.account, "qos": cluster.qos, "constraint": cluster.constraint,
+                "exclude": ",".join(cluster.exclude) or None, "time limit": cluster.time_limit}
+        rows.append(["Slurm options", ", ".join(f"{k} {v}" for k, v in asks.items() if v) or "none"])
+        rows.append(["job state read every", f"{cluster.poll_seconds:g} s (the probe waits "
+                                             f"{cluster.probe_timeout_s} s)"])
+    return Section("Orchestration", ["setting", "value"], rows, [])
 
 
 def training_core_section(spec: TrainingSpec) -> Section:
