@@ -646,8 +646,6 @@ def _orchestration(spec: TrainingSpec) -> Iterator[Issue]:
     yield from _unused(orch, "ray_address", at, ray, "only task_runner: ray joins a Ray cluster")
     yield from _unused(orch, "ray_num_cpus", at, ray and orch.ray_address is None,
                        "only a Ray that compass starts itself takes a CPU count")
-    yield from _unused(orch, "max_parallel_gpu_steps", at, not ray and orch.cluster is None,
-                       "Slurm or Ray places the steps that hold devices; this limit counts them on this machine only")
     ev = spec.how.evaluation
     if ev.schedule_cron and ev.schedule_interval_seconds:
         yield Issue(("how", "evaluation"), "both schedule_cron and schedule_interval_seconds are set",

@@ -383,8 +383,7 @@ class Orchestration(SpecModel):
                                   "process or launched with torchrun/deepspeed per how.hardware).")
     max_parallel_gpu_steps: PositiveInt = Field(
         default=1, le=MAX_PARALLEL, description="Steps that use the accelerator (training, evaluation) running at "
-        "once in one process: they would compete for one device. On this machine only: under a Slurm cluster or Ray "
-        "the scheduler places them (refused there)."
+                                                "once in one process: they would compete for one device."
     )
 
 
