@@ -212,8 +212,10 @@ def orchestration_section(spec: TrainingSpec) -> Section:
     default_limit = f"{orch.timeout_seconds:,.0f} s" if orch.timeout_seconds else "none"
     runner = ("Ray" + (f" at {orch.ray_address}" if orch.ray_address else ", started here")
               if orch.task_runner == "ray" else "threads of this process")
-    devices = ("the cluster places devices" if orch.cluster is not None else "Ray places devices"
-               if orch.task_runner == "ray" else f"{orch.max_parallel_gpu_steps} holding devices")
+    placer = "Slurm" if orch.cluster is not None else "Ray" if orch.task_runner == "ray" else None
+    devices = (f"{placer} places the devices; `compass deploy` of this spec lets {orch.max_parallel_gpu_steps} "
+               "device-holding steps run at once over all of a server's runs" if placer else
+               f"{orch.max_parallel_gpu_steps} holding devices")
     rows = [["steps at once", f"{orch.max_parallel_steps} ({devices}), on {runner}"],
             ["retries", f"{orch.retries} per step, {orch.retry_delay_seconds:g} s apart (faults only: a data or "
                         "spec error fails at once)"],
