@@ -226,8 +226,9 @@ def orchestration_section(spec: TrainingSpec) -> Section:
     cluster = orch.cluster
     if cluster is not None:
         rows.append(["near a job's time limit",
-                     f"USR1 {cluster.signal_before_s} s before it: checkpoint, then "
-                     + ("requeue and resume" if cluster.requeue else "stop (requeue off)")])
+                     f"USR1 {cluster.signal_before_s} s before it: checkpoint, requeue and resume" if cluster.requeue
+                     else "no signal (requeue off): the job ends at its limit; a retry resumes from its newest "
+                          "checkpoint"])
         asks = {"account": cluster.account, "qos": cluster.qos, "constraint": cluster.constraint,
                 "exclude": ",".join(cluster.exclude) or None, "time limit": cluster.time_limit}
         rows.append(["Slurm options", ", ".join(f"{k} {v}" for k, v in asks.items() if v) or "none"])

@@ -646,6 +646,9 @@ def _orchestration(spec: TrainingSpec) -> Iterator[Issue]:
     yield from _unused(orch, "ray_address", at, ray, "only task_runner: ray joins a Ray cluster")
     yield from _unused(orch, "ray_num_cpus", at, ray and orch.ray_address is None,
                        "only a Ray that compass starts itself takes a CPU count")
+    if orch.cluster is not None:
+        yield from _unused(orch.cluster, "signal_before_s", (*at, "cluster"), orch.cluster.requeue,
+                           "only a job that requeues itself is signalled before its time limit (requeue: false)")
     ev = spec.how.evaluation
     if ev.schedule_cron and ev.schedule_interval_seconds:
         yield Issue(("how", "evaluation"), "both schedule_cron and schedule_interval_seconds are set",
