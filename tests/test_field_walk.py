@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from compass.flows.plan_report import cost_sections
+from compass.flows import plan_report
 from compass.flows.validation import check
 from compass.specs import load_spec
 from compass.specs.loader import SpecError, load_spec_text
@@ -59,7 +59,7 @@ def plan_signature(text: str, name: str) -> tuple:
     loaded = load_spec_text(text, name, base_dir=EXAMPLES)
     plan = check(loaded, machine=False).plan
     places = {s.id: place(registry.kind(s.kind), s.config, loaded.spec.how) for s in plan.steps}
-    sections = [(s.title, s.columns, s.rows, s.notes) for s in cost_sections(loaded.spec)]
+    sections = [(s.title, s.columns, s.rows, s.notes) for s in plan_report.cost_sections(loaded.spec)]
     return dict(plan.fingerprints), repr(places), repr(sections)
 
 
@@ -112,10 +112,7 @@ def test_every_field_the_example_writes_changes_the_plan_or_is_refused(name: str
 def test_the_walk_finds_a_field_that_changes_nothing(monkeypatch: pytest.MonkeyPatch):
     """The walk itself: with the orchestration section gone from the plan, the retry settings reach nothing
     `compass plan` shows, and the walk names them."""
-    import compass.flows.plan_report as plan_report
-
     real = plan_report.cost_sections
     monkeypatch.setattr(plan_report, "cost_sections", lambda spec, tflops=None: [
         s for s in real(spec, tflops) if s.title != "Orchestration"])
-    monkeypatch.setitem(globals(), "cost_sections", plan_report.cost_sections)
     assert {"how.orchestration.retries", "how.orchestration.retry_delay_seconds"} <= set(walk("tiny.yaml").nothing)
