@@ -37,6 +37,7 @@ from compass.infra.interrupt import stop_run
 from compass.infra.quiet_failures import quiet_data_errors
 from compass.infra.run_records import end_dead_runs, run_record
 from compass.infra.store import Store, root_problem
+from compass.infra.temporary_server import temporary_server_running
 from compass.model.training.rank_device import REHEARSAL_ENV
 from compass.specs.how import Orchestration
 from compass.specs.loader import SpecError, load_spec_text
@@ -329,7 +330,8 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
             results = run_plan(plan, ctx, orch)
         ran = [r["step"] for r in results if r["executed"]]
         logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
-        served = flow_run.id and os.environ.get("PREFECT_API_URL")  # not a temporary server, gone with the run
+        # a flow run's page is linked when a server outlives the run (a temporary server ends with it)
+        served = flow_run.id and os.environ.get("PREFECT_API_URL") and not temporary_server_running()
         outcome = run_outcome(results, store, ui_url(flow_run.id) if served else None)
         summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
                    "flow_pid": os.getpid(), "outcome": outcome.model_dump(mode="json")}

@@ -91,11 +91,13 @@ def leaky_spec(folder: Path, policy: str) -> Path:
 
 
 @pytest.mark.slow
-def test_refuse_stops_the_run_before_anything_trains_with_the_report(data_store: Path, tmp_path: Path):
+def test_refuse_stops_the_run_before_anything_trains_with_the_report(data_store: Path, prefect_server: str,
+                                                                      tmp_path: Path):
     spec = leaky_spec(tmp_path, "refuse")
     store = seeded(tmp_path / "store", data_store)
     done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store", str(store),
-                           "--until", "pretrain:stage1"], cwd=REPO, env=base_env(tmp_path / "prefect"),
+                           "--until", "pretrain:stage1"], cwd=REPO,
+                          env=base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "training data matches the benchmarks evaluated: notes (" in done.stderr

@@ -45,10 +45,11 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "cache"
 
 
-def test_an_existing_model_that_meets_the_criteria_stops_the_run(hub_cache: Path, data_store: Path, tmp_path: Path):
+def test_an_existing_model_that_meets_the_criteria_stops_the_run(hub_cache: Path, data_store: Path, prefect_server: str,
+                                                                  tmp_path: Path):
     spec = spec_with(tmp_path, threshold=BELOW)
     seeded(tmp_path / "store", data_store)
-    env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(hub_cache)}
+    env = base_env(tmp_path / "prefect") | {"HF_HUB_CACHE": str(hub_cache), "PREFECT_API_URL": prefect_server}
     done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--until", "pretrain:stage1", "--store",
                            str(tmp_path / "store")], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)

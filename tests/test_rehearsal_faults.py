@@ -83,7 +83,7 @@ def faulty_spec(folder: Path, nodes: int, tokens: int) -> Path:
 
 
 def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_cluster, data_store: Path,
-                                                                       tmp_path: Path):
+                                                                       prefect_server: str, tmp_path: Path):
     """N6: a rank frozen mid-stage (SIGSTOP): its peer waits in a collective until the hang watchdog (20 s here)
     ends it with the retriable exit; the batch shell requeues the job itself (budget: orchestration.retries), and
     the requeued job resumes from the newest checkpoint and commits. Before, only the time-limit signal requeued:
@@ -97,7 +97,8 @@ def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_clust
     store = tmp_path / "store"
     seeded(store, data_store)
     run = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until",
-                            "pretrain:stage1", "--json"], cwd=REPO, env=base_env(tmp_path / "prefect"),
+                            "pretrain:stage1", "--json"], cwd=REPO,
+                           env=base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not list(store.glob(".work/pretrain/stage1-*/checkpoints/step-00000010")):

@@ -93,13 +93,14 @@ def test_data_jobs_the_gpu_partition_refuses_are_named_before_anything_is_submit
     assert not (tmp_path / "store").exists()
 
 
-def test_the_data_phases_jobs_and_arrays_go_to_its_partition(gpu_only_cluster, tmp_path: Path):
+def test_the_data_phases_jobs_and_arrays_go_to_its_partition(gpu_only_cluster, prefect_server: str, tmp_path: Path):
     """The code source's ingest and curation as Slurm jobs and datatrove job arrays: the site's rule refuses any of
     them that reaches the GPU partition without a GPU, so each ran on `cpu` or the run failed."""
     before = {j["JobId"] for j in history(gpu_only_cluster)}
     spec = gpu_spec(tmp_path, "  resources: {data: {partition: cpu}}\n")
     done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(tmp_path / "store"), "--until",
-                           "curate:code", "--json"], cwd=REPO, env=base_env(tmp_path / "prefect"), capture_output=True,
+                           "curate:code", "--json"], cwd=REPO,
+                          env=base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert {s["step"] for s in json.loads(done.stdout)["steps"] if s["executed"]} == {"ingest:code", "curate:code"}

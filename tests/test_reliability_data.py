@@ -203,7 +203,8 @@ def test_parquet_records_of_a_megabyte_are_held_a_batch_of_bytes_at_a_time(tmp_p
 
 
 @pytest.mark.slow
-def test_compass_run_of_a_malformed_jsonl_line_prints_one_message_and_no_traceback(tmp_path: Path):
+def test_compass_run_of_a_malformed_jsonl_line_prints_one_message_and_no_traceback(prefect_server: str,
+                                                                                   tmp_path: Path):
     from tests.conftest import Cli, base_env, write_minimal_spec
 
     data = tmp_path / "data"
@@ -212,7 +213,7 @@ def test_compass_run_of_a_malformed_jsonl_line_prints_one_message_and_no_traceba
     spec = write_minimal_spec(tmp_path, **{"        include: [\"*.txt\"]\n        format: text":
                                            "        include: [\"*.jsonl\"]\n        format: jsonl"})
     spec.write_text(spec.read_text().replace(spec.read_text().split("uri: ")[1].split("\n")[0], str(data), 1))
-    done = Cli(tmp_path, base_env(tmp_path / "home") | {"COLUMNS": "400"})(
+    done = Cli(tmp_path, base_env(tmp_path / "home") | {"COLUMNS": "400", "PREFECT_API_URL": prefect_server})(
         "run", str(spec), "--until", "ingest:notes", "--store", str(tmp_path / "store"), check=False, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
