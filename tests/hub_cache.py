@@ -76,3 +76,21 @@ def llama_like_tokenizer(folder: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[0], eos_token=special[1]).save_pretrained(
         str(folder))
     return folder
+
+
+SMOLLM3_BASE = {  # SmolLM3-3B-Base's config.json, the fields that matter (its weights are not needed to plan)
+    "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008,
+    "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256,
+    "max_position_embeddings": 65536, "rope_theta": 5000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+    "no_rope_layers": [0 if (i + 1) % 4 == 0 else 1 for i in range(36)], "initializer_range": 0.02,
+}
+
+
+def seed_smollm3_base(cache: Path, files: Path) -> Path:
+    """SmolLM3-3B-Base as `hf download` leaves it, its config only: what specs/examples/smollm3-finetune.yaml reads
+    to plan (its architecture; no weights are loaded before training)."""
+    import json
+
+    files.mkdir(parents=True, exist_ok=True)
+    (files / "config.json").write_text(json.dumps(SMOLLM3_BASE))
+    return seed_model(cache, "HuggingFaceTB/SmolLM3-3B-Base", files)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES, VENV_BIN, base_env, run_up_to
-from tests.hub_cache import COMMIT, seed_model, tiny_llama
+from tests.hub_cache import COMMIT, seed_model, seed_smollm3_base, tiny_llama
 
 REPO_ID = "acme/tiny-base"
 SFT = """    - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 16,
@@ -263,12 +263,6 @@ def test_a_checkpoint_on_s3_is_read_stamped_and_copied(hub_cache: Path, monkeypa
         s3fs.S3FileSystem.clear_instance_cache()  # the cached client would keep this server's endpoint
 
 
-SMOLLM3_BASE = {  # SmolLM3-3B-Base's config.json, the fields that matter (its weights are not needed to plan)
-    "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008,
-    "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256,
-    "max_position_embeddings": 65536, "rope_theta": 5000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
-    "no_rope_layers": [0 if (i + 1) % 4 == 0 else 1 for i in range(36)], "initializer_range": 0.02,
-}
 
 
 def test_the_fine_tune_example_plans_a_3b_base_read_from_its_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -278,10 +272,7 @@ def test_the_fine_tune_example_plans_a_3b_base_read_from_its_config(tmp_path: Pa
     from compass.specs import load_spec
     from compass.specs.costs import count_parameters
 
-    files = tmp_path / "files"
-    files.mkdir()
-    (files / "config.json").write_text(json.dumps(SMOLLM3_BASE))
-    seed_model(tmp_path / "cache", "HuggingFaceTB/SmolLM3-3B-Base", files)
+    seed_smollm3_base(tmp_path / "cache", tmp_path / "files")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
     examples = Path(__file__).parent.parent / "specs" / "examples"
     loaded = load_spec(examples / "smollm3-finetune.yaml")
