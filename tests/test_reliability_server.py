@@ -90,3 +90,33 @@ def test_a_configured_server_is_left_alone(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
     assert start_tied_temporary_server() is None
+
+
+def test_a_port_taken_before_the_server_binds_it_is_given_up_for_another(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """Between the free-port check and uvicorn's bind another process can take the port: uvicorn then exits 3, and
+    the temporary server starts again on another port instead of failing the run."""
+    import shutil
+    import socket
+
+    import httpx
+
+    from compass.infra import net
+    from compass.infra.temporary_server import _launch
+    from tests.conftest import migrated_prefect_database
+
+    shutil.copyfile(migrated_prefect_database(), tmp_path / "prefect.db")
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], net.free_port()])
+    monkeypatch.setattr(net, "free_port", lambda: next(ports))
+    server = _launch(timeout=180)
+    try:
+        assert server.api_url != f"http://127.0.0.1:{taken.getsockname()[1]}/api"
+        assert httpx.get(f"{server.api_url}/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+        taken.close()
+    assert server.process.returncode is not None
