@@ -298,6 +298,11 @@ class WorkFolder:
         return self.root / "slurm.log"
 
     @property
+    def collective_ledger(self) -> Path:
+        """Each rank's last collective and heartbeat (model/training/collective_ledger.py)."""
+        return self.root / "collectives"
+
+    @property
     def retriable(self) -> Path:
         """Why ranks ended for faults a retry may cure, a file per rank (infra/exits.py)."""
         return self.root / "retriable"

@@ -1,12 +1,15 @@
 """A hung collective is found in seconds, not at the "no step for 10 minutes" alert: each rank's watchdog names
 its rank and node, dumps every thread's stack (the waiting rank's shows the collective), and exits non-zero so the
-job is retried. Two gloo ranks run tests/hang_ranks.py; on NCCL the same thread watches the same steps."""
+job is retried; with a collective ledger, rank 0 also names the rank that did not join. Gloo ranks run
+tests/hang_ranks.py; on NCCL the same thread watches the same steps."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -25,3 +28,41 @@ def test_a_rank_stuck_in_a_collective_dumps_its_stacks_names_itself_and_exits():
     waiting = out[out.index("rank 0 on node"):]
     assert "in all_reduce" in waiting and "collectives.py" in waiting  # where rank 0 waits: the collective
     assert f"exitcode  : {HUNG_EXIT_CODE}" in out  # torchrun's report of the rank the watchdog ended
+
+
+@pytest.mark.slow  # torchrun gives the frozen rank its 30 s to end on SIGTERM before it kills it
+def test_the_watchdog_names_the_rank_that_did_not_join_frozen_or_alive(tmp_path):
+    """Three ranks; the third stops after step 1, frozen (SIGSTOP, as on a lost node) or alive elsewhere (asleep).
+    Rank 0's watchdog names the collective it waits in by number and the one rank that has not entered it, with
+    whether its threads still run, in one line, before the stacks (issue 47, item 3)."""
+    from compass.infra.net import free_port
+    from compass.model.training.watchdog import HUNG_EXIT_CODE
+
+    node = socket.gethostname()
+    for how, state in (("freeze", "frozen or gone: no heartbeat for"), ("sleep", "alive, not joining")):
+        ledger = tmp_path / how
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
+                               "--master_port", str(free_port()), "-m", "tests.hang_ranks", "6", str(ledger), how],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert f"exitcode  : {HUNG_EXIT_CODE}" in out, out
+        (line,) = [s for s in out.splitlines() if s.startswith("compass hang: ")]
+        assert line.startswith(f"compass hang: rank 0 on node {node} waits in collective #2 (all_reduce) of step 2; "
+                               f"not joined: rank 2 on node {node} (in step 2, last in collective #1 (all_reduce) of "
+                               "step 1; "), line
+        assert state in line and "rank 1 " not in line, line  # rank 1 waits in the same collective
+
+
+def test_when_every_rank_entered_the_collective_the_frozen_one_is_named():
+    """A rank stopped inside an engine's own collective (DeepSpeed's gradient reduction) entered compass's last
+    collective like the others: the line says so and names the rank whose heartbeat stopped."""
+    from compass.model.training.collective_ledger import LedgerEntry, missing_peers
+
+    now = 1000.0
+    entries = {r: LedgerEntry(rank=r, node=f"n{r}", step=17, seq=28, collective="all_reduce", collective_step=17,
+                              heartbeat=now - (20 if r == 1 else 0.5)) for r in range(3)}
+    line = missing_peers(entries[0], 3, entries, now)
+    assert line == ("rank 0 on node n0 waits in collective #28 (all_reduce) of step 17; every rank entered it: the "
+                    "stall is inside it or in a collective of the engine's own; frozen or gone: rank 1 on node n1 "
+                    "(in step 17; no heartbeat for 20 s)")
+    assert "frozen" not in missing_peers(entries[0], 3, {**entries, 1: entries[2]}, now)

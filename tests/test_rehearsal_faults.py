@@ -85,9 +85,10 @@ def faulty_spec(folder: Path, nodes: int, tokens: int) -> Path:
 def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_cluster, data_store: Path,
                                                                        prefect_server: str, tmp_path: Path):
     """N6: a rank frozen mid-stage (SIGSTOP): its peer waits in a collective until the hang watchdog (20 s here)
-    ends it with the retriable exit; the batch shell requeues the job itself (budget: orchestration.retries), and
-    the requeued job resumes from the newest checkpoint and commits. Before, only the time-limit signal requeued:
-    the job ended FAILED and waited for a live orchestrator's retry."""
+    names the frozen rank (its collective ledger's heartbeat stopped) and ends it with the retriable exit; the batch
+    shell requeues the job itself (budget: orchestration.retries), and the requeued job resumes from the newest
+    checkpoint and commits. Before, only the time-limit signal requeued: the job ended FAILED and waited for a live
+    orchestrator's retry."""
     import signal
     import time
 
@@ -118,6 +119,9 @@ def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_clust
     out, err = run.communicate(timeout=600)
     assert run.returncode == 0, err[-6000:]
     assert "hang watchdog: rank 0" in err and "requeue 1 of 1" in err, err[-6000:]
+    (located,) = {line[line.index("compass hang: "):] for line in err.splitlines() if "compass hang: " in line}
+    assert located.startswith("compass hang: rank 0 on node ") and "rank 1 on node " in located, located
+    assert "frozen or gone" in located, located  # the stopped rank, named by its stale heartbeat
     step = next(s for s in json.loads(out)["steps"] if s["step"] == "pretrain:stage1")
     manifest = Store(str(store)).read_manifest(step["uri"])
     assert manifest.metrics["resumed_from"] >= 10 and manifest.metrics["steps"] == 40

@@ -4,7 +4,8 @@ NCCL moves CUDA tensors only ("No backend type associated with device type cpu")
 a stop flag built on the CPU works under gloo, which is what every test here runs, and kills a multi-rank CUDA job at
 its first step. So no other module calls torch.distributed's collectives (tests/test_architecture.py checks it):
 callers hand any tensor to these functions, which move it to the backend's device and give the result back on the
-caller's device.
+caller's device. Each collective of the group is numbered in this rank's collective ledger once one is kept
+(model/training/collective_ledger.py): what the hang watchdog reads to name the ranks that did not join.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
+from compass.model.training.collective_ledger import CollectiveLedger
+
 Op = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 CUDA_BACKENDS = ("nccl",)
+_ledger: CollectiveLedger | None = None
 
 
 def rank_env() -> tuple[int, int, int]:
@@ -64,6 +68,21 @@ def group_of_one(backend: str) -> None:
     dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
+def keep_ledger(ledger: CollectiveLedger | None) -> None:
+    """Number this rank's collectives from now on in `ledger` (None: stop)."""
+    global _ledger
+    _ledger = ledger
+
+
+def ledger() -> CollectiveLedger | None:
+    return _ledger
+
+
+def _entering(collective: str) -> None:
+    if _ledger is not None:
+        _ledger.enter(collective)
+
+
 def backend_device(backend: str | None = None) -> torch.device:
     """Where the group's collectives move tensors: this rank's GPU for NCCL, the CPU for gloo (or no group)."""
     backend = backend or (dist.get_backend() if active() else "gloo")
@@ -80,6 +99,7 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum") -> torch.Tensor:
     result on `tensor`'s device."""
     if not active():
         return tensor
+    _entering("all_reduce")
     device = backend_device()
     if tensor.device == device:
         dist.all_reduce(tensor.detach(), op=_OPS[op])
@@ -100,6 +120,7 @@ def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's tensor (same shape and dtype on every rank), rank order, on `tensor`'s device."""
     if not active():
         return [tensor.clone()]
+    _entering("all_gather")
     moved = tensor.to(backend_device())
     everyone = [torch.empty_like(moved) for _ in range(world_size())]
     dist.all_gather(everyone, moved)
@@ -110,6 +131,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's picklable object, in rank order (NCCL needs the current CUDA device set: the trainer sets it)."""
     if not active():
         return [obj]
+    _entering("all_gather_object")
     everyone: list[Any] = [None] * world_size()
     dist.all_gather_object(everyone, obj)
     return everyone
@@ -119,6 +141,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """`src`'s tensor on every rank, on `tensor`'s device."""
     if not active():
         return tensor
+    _entering("broadcast")
     moved = tensor.to(backend_device(), copy=True)
     dist.broadcast(moved, src)
     return moved.to(tensor.device)
@@ -132,12 +155,14 @@ def side_group() -> Any:
 
 def barrier() -> None:
     if active():
+        _entering("barrier")
         dist.barrier()
 
 
 def leave() -> None:
     """Wait for every rank, then tear the process groups down, so that no rank leaves while another still talks."""
     if active():
+        _entering("barrier (leaving)")
         dist.barrier()
         dist.destroy_process_group()
         gc.collect()  # engines in reference cycles hold process groups: free them while threads can still take the GIL

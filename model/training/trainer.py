@@ -18,6 +18,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from compass.model.training.callbacks import (
     Rollback,
     StopWhenAsked,
 )
+from compass.model.training.collective_ledger import CollectiveLedger
 from compass.model.training.collectives import local_world_size, rank_env
 from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine
 from compass.model.training.export_check import check_export, probe_batch, trained_loss
@@ -220,6 +222,9 @@ class Trainer:
         # time out after DeepSpeed's 10 minutes, before the hang watchdog could say where each rank waits)
         backend = "gloo" if self.device.type == "cpu" else "nccl"
         collectives.init(backend, process_group_timeout_s(self.job.hang_timeout_s))
+        if collectives.world_size() > 1:  # the hang watchdog names the ranks that did not join a collective
+            collectives.keep_ledger(CollectiveLedger(WorkFolder(job.workdir).collective_ledger, self.rank,
+                                                     socket.gethostname()))
         if par.engine_name == "fsdp2":
             from compass.model.training.fsdp2 import FSDP2Engine
 
