@@ -66,3 +66,19 @@ def test_when_every_rank_entered_the_collective_the_frozen_one_is_named():
                     "stall is inside it or in a collective of the engine's own; frozen or gone: rank 1 on node n1 "
                     "(in step 17; no heartbeat for 20 s)")
     assert "frozen" not in missing_peers(entries[0], 3, {**entries, 1: entries[2]}, now)
+
+
+def test_records_left_by_an_earlier_launch_are_not_read(tmp_path, monkeypatch):
+    """A resumed job's ranks share the work folder with the records their killed predecessors left: a rank slow to
+    start must read as having no record, not as the earlier launch's rank that stood far ahead."""
+    from compass.model.training.collective_ledger import CollectiveLedger, read_ledger, this_launch
+
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    earlier = CollectiveLedger(tmp_path, 1, "n1")
+    for _ in range(40):
+        earlier.enter("all_reduce")
+    monkeypatch.setenv("MASTER_PORT", "29501")  # the resumed launch
+    CollectiveLedger(tmp_path, 0, "n0").enter("all_reduce")
+    assert set(read_ledger(tmp_path, this_launch())) == {0}
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert read_ledger(tmp_path, this_launch())[1].seq == 40

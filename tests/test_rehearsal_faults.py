@@ -119,9 +119,9 @@ def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_clust
     out, err = run.communicate(timeout=600)
     assert run.returncode == 0, err[-6000:]
     assert "hang watchdog: rank 0" in err and "requeue 1 of 1" in err, err[-6000:]
-    (located,) = {line[line.index("compass hang: "):] for line in err.splitlines() if "compass hang: " in line}
-    assert located.startswith("compass hang: rank 0 on node ") and "rank 1 on node " in located, located
-    assert "frozen or gone" in located, located  # the stopped rank, named by its stale heartbeat
+    # rank 0's line (the stopped rank may print its own when Slurm's SIGCONT before SIGTERM wakes its watchdog)
+    (located,) = {line[line.index("compass hang: "):] for line in err.splitlines() if "compass hang: rank 0 " in line}
+    assert "frozen or gone" in located and "rank 1 on node " in located, located  # named by its stale heartbeat
     step = next(s for s in json.loads(out)["steps"] if s["step"] == "pretrain:stage1")
     manifest = Store(str(store)).read_manifest(step["uri"])
     assert manifest.metrics["resumed_from"] >= 10 and manifest.metrics["steps"] == 40

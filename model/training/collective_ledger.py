@@ -20,6 +20,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 RECORD_BYTES = 512
+# what the ranks of one launch share and the next launch in the same work folder does not (a resumed job's ranks
+# must not read the records its killed predecessors left)
+LAUNCH_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_STEP_ID", "MASTER_ADDR",
+              "MASTER_PORT")
 FROZEN_AFTER_S = 3.0  # three missed beats (one a second): the rank's threads do not run (stopped, or its node gone)
 
 
@@ -30,6 +34,7 @@ class LedgerEntry:
 
     rank: int
     node: str
+    launch: str = ""
     step: int = 0
     seq: int = 0
     collective: str = ""
@@ -46,7 +51,7 @@ class CollectiveLedger:
         self.folder = folder
         self._fd = os.open(folder / f"rank-{rank}.ledger", os.O_RDWR | os.O_CREAT, 0o644)
         self._lock = threading.Lock()  # the training thread enters collectives, the watchdog's thread beats
-        self.entry = LedgerEntry(rank=rank, node=node, heartbeat=time.time())
+        self.entry = LedgerEntry(rank=rank, node=node, launch=this_launch(), heartbeat=time.time())
         self._write()
 
     def enter(self, collective: str) -> None:
@@ -69,15 +74,21 @@ class CollectiveLedger:
         os.pwrite(self._fd, json.dumps(asdict(self.entry)).encode().ljust(RECORD_BYTES), 0)
 
 
-def read_ledger(folder: Path) -> dict[int, LedgerEntry]:
-    """Every rank's record in `folder` (a record torn by a write in progress is left out)."""
+def this_launch() -> str:
+    return "|".join(os.environ.get(name, "") for name in LAUNCH_ENV)
+
+
+def read_ledger(folder: Path, launch: str) -> dict[int, LedgerEntry]:
+    """Every rank's record in `folder` written by ranks of `launch` (a record torn by a write in progress, or left
+    by an earlier launch, is left out)."""
     found = {}
     for path in folder.glob("rank-*.ledger"):
         try:
             entry = LedgerEntry(**json.loads(path.read_bytes().rstrip()))
         except (OSError, ValueError, TypeError):
             continue
-        found[entry.rank] = entry
+        if entry.launch == launch:
+            found[entry.rank] = entry
     return found
 
 

@@ -95,7 +95,8 @@ class HangWatchdog(Callback):
         if ledger is None:
             return None
         try:
-            return missing_peers(ledger.entry, collectives.world_size(), read_ledger(ledger.folder), time.time())
+            peers = read_ledger(ledger.folder, ledger.entry.launch)
+            return missing_peers(ledger.entry, collectives.world_size(), peers, time.time())
         except Exception as exc:  # the line is a help: the stacks and the exit must follow whatever happens here
             return f"{self.where}: the collective ledger could not be read ({exc})"
 
