@@ -154,37 +154,7 @@ def lose_node(cluster: dict[str, str], node: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def old_incarnation_ended(cluster: dict[str, str], job: str, wait_s: float = 30) -> None:
-    """The requeued job's first run leaves nothing behind: every process of it (its batch shell, step_job, srun)
-    is gone before the job may start again. A real cluster's cgroups (proctrack/cgroup) end them all when the job
-    ends; this emulated one tracks process trees (proctrack/linuxproc), and an srun of the first run still waiting
-    for the lost node's step would cancel the second run's step of the same number (10.0 again) when it gives up.
-    What is left after `wait_s` is killed, as the cgroup would have been."""
-    import signal
-    import time
-
-    import psutil
-
-    marks = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_CONF={cluster['SLURM_CONF']}".encode()}
-
-    def left() -> list[int]:
-        found = []
-        for proc in psutil.process_iter(["pid"]):
-            try:
-                if marks <= set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")):
-                    found.append(proc.pid)
-            except OSError:
-                continue
-        return found
-
-    deadline = time.monotonic() + wait_s
-    while (pids := left()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
+@pytest.mark.timeout(1500)  # an undisturbed run, then the lost node's run with Slurm's two-minute requeue delay
 def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes_to_the_same_weights(
         gpu_cluster, data_store: Path, prefect_server: str, tmp_path: Path):
     """(c) The stage's 2-node job (DeepSpeed bf16, a rank per node, `launch: srun`) loses its second node mid-stage:
@@ -212,7 +182,7 @@ def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes
     store = lost / "store"
     run = subprocess.Popen(argv(lost), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 1200
     while not [c for c in store.glob(".work/pretrain/stage1-*/checkpoints/step-*")
                if c.name[5:].isdigit() and int(c.name[5:]) >= 5]:  # not a checkpoint still being written (.tmp)
         assert run.poll() is None and time.monotonic() < deadline, "the stage ended before its checkpoint 5"
@@ -227,12 +197,13 @@ def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes
         while (state_of(job).state if state_of(job) else "") != "PENDING":  # requeued: the node failed
             assert time.monotonic() < deadline, f"job {job} was not requeued: {state_of(job)}"
             time.sleep(0.5)
-        old_incarnation_ended(gpu_cluster, job)
         slurmd = subprocess.Popen(["slurmd", "-D", "-f", gpu_cluster["SLURM_CONF"], "-N", "node2"],
                                   env={**os.environ, **gpu_cluster}, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)  # the node is back
-        time.sleep(2.5)  # Slurm's two-minute BeginTime for a requeued job, moved to now (tests/test_slurm.py)
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        # The requeued job keeps Slurm's two-minute BeginTime here (elsewhere moved to now): the controller's kill
+        # of the job's first run on the lost node, undelivered while it was down, reaches it ~35 s after its slurmd
+        # is back and would end a second run of job 10 started there meanwhile (seen twice in CI rehearsals: the
+        # step's task on node2 died by SIGTERM 35 s after the restart). A real node is back after minutes, not 0.1 s.
         while not list(store.glob("pretrain/stage1-*/manifest.json")):  # the job commits the step itself
             state = state_of(job)
             assert time.monotonic() < deadline and (state is None or state.live), f"job {job}: {state}"
