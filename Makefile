@@ -2,6 +2,11 @@
 # Both install what they need first (infra/setup.sh, idempotent).
 .PHONY: demo test test-fast test-gpu test-gpu-extras setup lint bench lock
 
+# Python writes the bytecode of what it imports, once, for every later process (infra/setup.sh compiles nothing
+# ahead): a machine or CI that sets PYTHONDONTWRITEBYTECODE would otherwise compile torch and transformers again in
+# every process (an import of 29 s, not 6).
+unexport PYTHONDONTWRITEBYTECODE
+
 setup:
 	@bash infra/setup.sh
 
