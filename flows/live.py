@@ -34,12 +34,14 @@ class LiveTraining:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.progress_id: Any = None
-        self.seen: set[CheckpointFolder] = set()
+        self.seen: set[int] = set()  # the steps of the checkpoints announced
         self.emitted: set[str] = set()  # weights announced by this step
         self.rows_shown = 0
 
     def __enter__(self) -> LiveTraining:
-        self.seen = set(self._complete_checkpoints())  # committed by an earlier attempt: evaluated then
+        # nothing counts as seen: checkpoints written while no orchestrator watched (it died; the Slurm job trained
+        # on) are announced now. One announced before is not scored twice: the evaluation flow finds its result.
+        self.seen = set()
         context = contextvars.copy_context()  # the task run's context: artifacts link to it
         self.thread = threading.Thread(target=context.run, args=(self._loop,), name=f"live-{self.step.id}",
                                        daemon=True)
@@ -71,8 +73,8 @@ class LiveTraining:
             self._publish(rows)
         if self.events:
             for folder in self._complete_checkpoints():
-                if folder not in self.seen:
-                    self.seen.add(folder)
+                if folder.step not in self.seen:
+                    self.seen.add(folder.step)
                     self._emit(folder)
 
     def _metrics(self) -> list[MetricsRow]:
@@ -111,7 +113,8 @@ class LiveTraining:
             description=f"{self.step.id}: live training progress")
 
     def _complete_checkpoints(self) -> list[CheckpointFolder]:
-        return WorkFolder(self.workdir).complete_checkpoints()
+        """The stage's exported checkpoints, kept or pruned before their evaluation."""
+        return WorkFolder(self.workdir).everything_to_evaluate()
 
     def after_commit(self, uri: str, manifest: Any) -> None:
         """Checkpoints the step committed that no event announced yet (the step removes its work folder as soon

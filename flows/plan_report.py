@@ -258,9 +258,18 @@ def training_core_section(spec: TrainingSpec) -> Section:
             ["compile", str(how.compile)], ["activation checkpointing", str(how.parallelism.activation_checkpointing)],
             ["precision", how.precision + (" (bf16 autocast on CUDA)" if how.precision == "bf16" else "")],
             ["checkpoints", f"every {how.checkpoints.every_steps} steps, keep {how.checkpoints.keep_last}, "
-                            + ("written in the background" if how.checkpoints.asynchronous else "synchronous")]]
+                            + ("written in the background" if how.checkpoints.asynchronous else "synchronous")
+                            + ("; every export kept in the step's artifact until evaluated (evaluation."
+                               "every_checkpoint): one copy of the weights each" if evaluates_every_export(spec)
+                               else "")]]
     return Section("Training core", ["setting", "value"], rows,
                    ["packed documents are kept apart by position ids: no dense attention mask"])
+
+
+def evaluates_every_export(spec: TrainingSpec) -> bool:
+    """Whether training steps keep their pruned checkpoints' exports for evaluation (tasks/common/training.py
+    build_job's rule)."""
+    return spec.how.evaluation.every_checkpoint
 
 
 def fence_section(spec: TrainingSpec) -> Section | None:

@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
 from compass.infra.fingerprint import canonical_json, sha256_file
-from compass.infra.layout import WEIGHTS, ModelArtifact
+from compass.infra.layout import WEIGHTS, ModelArtifact, pending_copy
 from compass.infra.locks import step_lock
 from compass.infra.store import Store
 from compass.specs.evaluation import Benchmark
@@ -101,12 +101,15 @@ def _local_copy(store: Store, checkpoint: dict[str, Any], scratch: Path) -> Path
     meanwhile, the committed artifact holding the same weights is read instead."""
     if checkpoint.get("copy"):
         local = scratch / "model"
-        try:
-            shutil.copytree(checkpoint["copy"], local)
-            if sha256_file(str(local / WEIGHTS)) == checkpoint["weights_sha256"]:
-                return local
-        except (OSError, shutil.Error):
-            pass
+        # where the event saw it, or where keep_last moved it to wait for its evaluation meanwhile
+        for path in (Path(checkpoint["copy"]), pending_copy(Path(checkpoint["copy"]))):
+            shutil.rmtree(local, ignore_errors=True)
+            try:
+                shutil.copytree(path, local)
+                if sha256_file(str(local / WEIGHTS)) == checkpoint["weights_sha256"]:
+                    return local
+            except (OSError, shutil.Error):
+                pass
         committed = next((c for c in discover(store) if c["weights_sha256"] == checkpoint["weights_sha256"]), None)
         if committed is None:
             raise FileNotFoundError(f"{checkpoint['copy']} went away and no committed artifact holds its weights")
@@ -163,8 +166,9 @@ def locate(store: Store, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     """Where to read a checkpoint an event named: its work folder while the training step runs, else the committed
     artifact holding the same weights (the step removes its work folder once it commits); None once pruned."""
     path = Path(checkpoint.get("path") or "")
-    if path.is_dir() and (path / WEIGHTS).exists():
-        return {**checkpoint, "copy": str(path)}
+    for where in (path, pending_copy(path)) if path.name else ():
+        if where.is_dir() and (where / WEIGHTS).exists():
+            return {**checkpoint, "copy": str(where)}
     return next((c | {"tokens": c.get("tokens") or checkpoint.get("tokens")} for c in discover(store)
                  if c["weights_sha256"] == checkpoint["weights_sha256"]), None)
 

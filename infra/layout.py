@@ -219,6 +219,23 @@ class WorkFolder:
         return complete_checkpoints(self.checkpoints)
 
     @property
+    def evaluation_pending(self) -> Path:
+        """The Hugging Face exports of checkpoints keep_last pruned before every-checkpoint evaluation scored them,
+        each `step-<N>/` with its `hf/` and the checksum file it was committed with (model/training/checkpoints.py:
+        prune); the step's artifact keeps them among its checkpoints."""
+        return self.root / "evaluation-pending"
+
+    def pending_exports(self) -> list[CheckpointFolder]:
+        """The exports kept for evaluation, oldest first."""
+        return complete_checkpoints(self.evaluation_pending)
+
+    def everything_to_evaluate(self) -> list[CheckpointFolder]:
+        """Every exported checkpoint of the stage still on disk, kept or pending evaluation, oldest first."""
+        kept = [c for c in self.complete_checkpoints() if c.exported]
+        steps = {c.step for c in kept}
+        return sorted(kept + [c for c in self.pending_exports() if c.step not in steps], key=lambda c: c.step)
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
@@ -316,3 +333,10 @@ class WorkFolder:
     def stop_file(self) -> Path:
         """Touched by the batch shell when Slurm signals the time limit: the trainer checkpoints and stops."""
         return self.root / "stop-requested"
+
+
+def pending_copy(hf: Path) -> Path:
+    """Where the export `<work>/checkpoints/step-<N>/hf` is once pruned before its evaluation (WorkFolder's
+    evaluation_pending)."""
+    checkpoint = hf.parent
+    return WorkFolder(checkpoint.parent.parent).evaluation_pending / checkpoint.name / hf.name

@@ -397,7 +397,10 @@ class Checkpoints(SpecModel):
     every_steps: PositiveInt = Field(default=1000, description="Optimizer steps between checkpoints (a stage's last "
                                                                "step is always saved); TRL steps save at it too.")
     keep_last: PositiveInt = Field(default=2, description="Newest checkpoints kept in a step's work folder (a "
-                                                          "stage's last is also kept).")
+                                                          "stage's last is also kept). With "
+                                                          "evaluation.every_checkpoint, an older one's training state "
+                                                          "is deleted but its Hugging Face export is kept, in the "
+                                                          "step's artifact, until it is evaluated.")
     asynchronous: bool = Field(default=True, description="Copy the state to host memory and write it on a "
                                "background thread while training goes on (at most one write in flight).")
     hf_export_every: PositiveInt | None = Field(
@@ -414,9 +417,11 @@ class EvaluationCadence(SpecModel):
         "every_checkpoint": "results", "schedule_cron": "placement", "schedule_interval_seconds": "placement"}
 
     every_checkpoint: bool = Field(
-        default=True, description="Also evaluate every checkpoint a model step kept (the evaluation curves against "
-                                  "tokens); with compass deploy and monitoring.checkpoint_events, each committed "
-                                  "checkpoint as it comes.")
+        default=True, description="Also evaluate every exported checkpoint of each evaluated training step (the "
+                                  "evaluation curves against tokens): keep_last then never deletes an export before "
+                                  "it is evaluated (the step's artifact keeps them all: one bf16 copy of the weights "
+                                  "per export, see compass plan); with compass deploy and "
+                                  "monitoring.checkpoint_events, each committed checkpoint as it comes.")
     schedule_cron: str | None = Field(
         default=None, description="Cron schedule on which compass evaluate-schedule (or compass deploy) evaluates new "
                                   "checkpoints in the store (None: none).")

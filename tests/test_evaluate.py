@@ -130,16 +130,19 @@ def test_every_model_step_gets_its_evaluation(evaluated):
     assert seen[0] < seen[1]
 
 
-def test_every_kept_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
+def test_every_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
     from PIL import Image
 
     from compass.tasks.common.plots import PlotDescription
 
-    # stage1: 78 steps, a checkpoint every 30, the last two kept (60, 78); stage2: 39 steps (30, 39)
+    # stage1: 78 steps, a checkpoint every 30 (30, 60, 78); keep_last 2 pruned step 30's training state but kept its
+    # export for evaluation; stage2: 39 steps (30, 39)
     curves = {s: evaluated[f"evaluate:pretrain-{s}"].manifest.metrics["curve"] for s in ("stage1", "stage2")}
-    assert [p["checkpoint"] for p in curves["stage1"]] == ["step-00000060", "step-00000078"]
+    assert [p["checkpoint"] for p in curves["stage1"]] == ["step-00000030", "step-00000060", "step-00000078"]
+    assert evaluated["pretrain:stage1"].manifest.metrics["checkpoints"] == ["step-00000060", "step-00000078"]
     assert [p["checkpoint"] for p in curves["stage2"]] == ["step-00000030", "step-00000039"]
-    assert [p["tokens"] for p in curves["stage1"] + curves["stage2"]] == [60 * 256, 78 * 256, 108 * 256, 117 * 256]
+    assert [p["tokens"] for p in curves["stage1"] + curves["stage2"]] == [30 * 256, 60 * 256, 78 * 256, 108 * 256,
+                                                                          117 * 256]
     final = evaluated["evaluate:pretrain-stage2"].manifest.metrics
     assert curves["stage2"][-1]["val_ppl:notes"] == final["val_ppl:notes"]  # the last checkpoint is the final one
     assert curves["stage1"][0]["val_ppl:notes"] != curves["stage1"][1]["val_ppl:notes"]  # distinct weights

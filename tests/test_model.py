@@ -142,3 +142,41 @@ def test_checkpoints_commit_verify_and_prune(tmp_path: Path):
     assert ckpt.newest_valid(root, rank=0, world=2).name == "step-00000020"
     ckpt.prune(root, keep_last=1, keep={10})
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000010", "step-00000020"]
+
+
+def test_pruning_keeps_the_exports_every_checkpoint_evaluation_has_not_scored(tmp_path: Path):
+    """keep_last deletes a pruned checkpoint's training state, never its export while evaluation is pending: the
+    export moves, with its checksum file, to the work folder's evaluation-pending/ (a kill mid-move is finished)."""
+    from compass.infra.layout import WEIGHTS, WorkFolder, pending_copy
+
+    work = WorkFolder(tmp_path / "work")
+    for step in (10, 20, 30):
+        tmp = work.checkpoints / f"step-{step:08d}.tmp"
+        (tmp / "hf").mkdir(parents=True)
+        (tmp / "state.pt").write_bytes(bytes([step]) * 100)
+        if step != 20:  # step 20 holds training state only (hf_export_every)
+            (tmp / "hf" / WEIGHTS).write_bytes(bytes([step + 1]) * 64)
+        ckpt.finalize(tmp, ckpt.step_dir(work.checkpoints, step))
+    ckpt.prune(work.checkpoints, keep_last=1, keep=set(), pending=work.evaluation_pending)
+    assert [c.step for c in work.complete_checkpoints()] == [30]
+    assert [c.step for c in work.pending_exports()] == [10]  # step 20 had no export to keep
+    kept = work.pending_exports()[0]
+    assert (kept.hf / WEIGHTS).read_bytes() == bytes([11]) * 64 and not (kept.root / "state.pt").exists()
+    assert kept.committed_sha256(kept.weights) == ckpt.sha256_file(str(kept.hf / WEIGHTS))  # checked as committed
+    assert [c.step for c in work.everything_to_evaluate()] == [10, 30]
+    assert pending_copy(work.checkpoint(10).hf) == kept.hf  # where an event's reader looks once it moved
+    # a kill after the export was renamed into the move's folder, before that folder was: finished at the next prune
+    tmp = work.checkpoints / f"step-{40:08d}.tmp"
+    (tmp / "hf").mkdir(parents=True)
+    (tmp / "hf" / WEIGHTS).write_bytes(b"w40")
+    ckpt.finalize(tmp, ckpt.step_dir(work.checkpoints, 40))
+    moving = work.evaluation_pending / "step-00000030.tmp"
+    moving.mkdir()
+    (moving / "checksums.json").write_bytes(work.checkpoint(30).checksums.read_bytes())
+    work.checkpoint(30).hf.rename(moving / "hf")
+    ckpt.prune(work.checkpoints, keep_last=1, keep=set(), pending=work.evaluation_pending)
+    assert [c.step for c in work.pending_exports()] == [10, 30] and not moving.exists()
+    assert [c.step for c in work.everything_to_evaluate()] == [10, 30, 40]
+    # without pending evaluation, pruning deletes the whole checkpoint as before
+    ckpt.prune(work.checkpoints, keep_last=0, keep=set())
+    assert work.complete_checkpoints() == [] and len(work.pending_exports()) == 2

@@ -188,16 +188,29 @@ def test_every_phase_runs_as_the_job_its_shape_says_and_the_orchestrator_loads_n
     assert not HEAVY & set(loaded["heavy_modules"]), loaded  # it planned, submitted, followed and committed
 
 
-def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm, data_store: Path, prefect_server: str,
-                                                                          stage1_reference: str, tmp_path: Path):
-    spec = cluster_spec(tmp_path, tmp_path / "shared", **CHECKPOINTED_STAGE)
+# keep_last 1, a checkpoint every 10 steps and the held-out perplexity evaluated at every checkpoint
+EVALUATED_STAGE = {**CHECKPOINTED_STAGE,
+                   "  parallelism: {micro_batch_size: 2}": "  checkpoints: {every_steps: 10, keep_last: 1}\n"
+                                                           "  parallelism: {micro_batch_size: 2}",
+                   "  pretraining:": "  evaluation: {perplexity_sources: [notes]}\n  pretraining:"}
+
+
+@pytest.mark.timeout(1500)
+def test_killed_orchestrators_are_followed_not_resubmitted_and_every_checkpoint_is_evaluated(
+        slurm, data_store: Path, prefect_server: str, stage1_reference: str, tmp_path: Path):
+    """`kill -9` of `compass run` mid-stage, twice: each next run follows the stage's live job (never a second one);
+    the stage's weights equal an undisturbed run's; and with keep_last 1, every checkpoint the stage wrote is
+    evaluated exactly once by the evaluate step's job (keep_last pruned their training state, not their exports)."""
+    spec = cluster_spec(tmp_path, tmp_path / "shared", **EVALUATED_STAGE)
     store = tmp_path / "store"
     seeded(store, data_store)
     env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
-    argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until", "pretrain:stage1"]
+    argv = [str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until",
+            "evaluate:pretrain-stage1"]
     before = {j["JobId"] for j in history(slurm)}
-    first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    start = lambda: subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,  # noqa: E731
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+    first = start()
     records = lambda: list((store / ".work").glob(f"pretrain/stage1-*/{WorkFolder(Path()).job_record.name}"))  # noqa: E731
 
     def submitted() -> bool:
@@ -205,29 +218,52 @@ def test_a_killed_orchestrator_is_followed_by_the_next_one_not_resubmitted(slurm
         return bool(records())
 
     wait_for(submitted, "the stage's job to be submitted")
-    work = records()[0].parent
-    job = slurm_jobs.read_record(work).job_id
-    wait_for(lambda: WorkFolder(work).checkpoint(10).complete, "the stage's first checkpoint")
+    work = WorkFolder(records()[0].parent)
+    job = slurm_jobs.read_record(work.root).job_id
+    newest = lambda: max((c.step for c in work.everything_to_evaluate()), default=0)  # noqa: E731
+    wait_for(lambda: newest() >= 10, "the stage's first checkpoint")
     subprocess.run(["scontrol", "suspend", job], check=True)  # mid-stage, until the next orchestrator follows it
-    os.killpg(first.pid, signal.SIGKILL)  # the orchestrator and its temporary Prefect server, nothing else
+    os.killpg(first.pid, signal.SIGKILL)  # the orchestrator, nothing else
     first.wait()
     assert slurm_jobs.state_of(job).live  # the job stays, unwatched
 
+    # the second orchestrator follows the job, which trains on past two more checkpoints; then it is killed too
+    at_first_kill = newest()
     resumer = resume_once_followed(job, store)
-    second = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    second = start()
+    wait_for(lambda: newest() >= at_first_kill + 20, "two more checkpoints under the second orchestrator")
     resumer.join(timeout=10)
-    assert second.returncode == 0, second.stderr[-4000:]
-    said = " ".join(second.stderr.split())  # the terminal wraps long lines
+    subprocess.run(["scontrol", "suspend", job], check=True)
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    assert slurm_jobs.state_of(job).live
+
+    resumer = resume_once_followed(job, store)
+    third = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    resumer.join(timeout=10)
+    assert third.returncode == 0, third.stderr[-4000:]
+    said = " ".join(third.stderr.split())  # the terminal wraps long lines
     assert f"following Slurm job {job}" in said
     assert not re.search(r"submitted Slurm job \d+ \(\S*pretrain/stage1", said)
     named = [j for j in history(slurm) if j["Name"] == "compass-pretrain-stage1" and int(j["JobId"]) >= int(job)]
     assert [j["JobId"] for j in named] == [job] and named[0]["JobState"] == "COMPLETED"
     assert final_weights_sha(store, "pretrain:stage1") == stage1_reference  # as if nobody had been killed
-    assert not work.exists()  # committed: its work folder is gone
-    # one probe job in all, before the stage's: the first run's flow and the second run reuse its recorded pass, so
+    assert not work.root.exists()  # committed: its work folder is gone
+    # one probe job in all, before the stage's: the first run's flow and the later runs reuse its recorded pass, so
     # a run that follows a live job (on a partition that job may fill) needs no free node
     probes = [j["JobId"] for j in history(slurm) if j["Name"] == "compass-probe" and j["JobId"] not in before]
     assert len(probes) == 1 and int(probes[0]) < int(job), probes
+
+    # every checkpoint (every 10 steps and the stage's last) scored once, in order, though keep_last was 1
+    stage = json.loads(next(store.glob("pretrain/stage1-*/manifest.json")).read_text())["metrics"]
+    steps = stage["steps"]
+    every = [f"step-{s:08d}" for s in [*range(10, steps, 10), steps]]
+    assert stage["checkpoints"] == [every[-1]] and stage["exports"] == every
+    evaluation = json.loads(next(store.glob("evaluate/pretrain-stage1-*/manifest.json")).read_text())["metrics"]
+    assert [point["checkpoint"] for point in evaluation["curve"]] == every
+    assert all(point["val_ppl:notes"] > 1 for point in evaluation["curve"])
+    tokens = [point["tokens"] for point in evaluation["curve"]]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
 def resume_once_followed(job: str, store: Path) -> threading.Thread:

@@ -172,10 +172,11 @@ class Progress(Callback):
 
 class Checkpointing(Callback):
     """A checkpoint every `every` steps and at the stage's end, with a Hugging Face export in every
-    `export_every`-th and the last; the newest `keep_last` and the stage end stay."""
+    `export_every`-th and the last; the newest `keep_last` and the stage end stay. With `pending`, the exports of
+    pruned checkpoints are moved there, to be evaluated (checkpoints.prune)."""
 
-    def __init__(self, every: int, keep_last: int, export_every: int = 1):
-        self.every, self.keep_last, self.export_every = every, keep_last, export_every
+    def __init__(self, every: int, keep_last: int, export_every: int = 1, pending: Path | None = None):
+        self.every, self.keep_last, self.export_every, self.pending = every, keep_last, export_every, pending
 
     def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
         last = trainer.step == trainer.stage_steps
@@ -184,7 +185,7 @@ class Checkpointing(Callback):
 
     def post_checkpoint(self, trainer: Trainer, folder: Path) -> None:
         if trainer.rank == 0:
-            ckpt.prune(folder.parent, self.keep_last, keep={trainer.stage_steps})
+            ckpt.prune(folder.parent, self.keep_last, keep={trainer.stage_steps}, pending=self.pending)
 
 
 class StopWhenAsked(Callback):

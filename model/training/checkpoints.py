@@ -208,11 +208,45 @@ def newest_valid(root: Path, rank: int = 0, world: int = 1,
     return None
 
 
-def prune(root: Path, keep_last: int, keep: set[int]) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last`, except the steps in `keep` (stage ends)."""
+def prune(root: Path, keep_last: int, keep: set[int], pending: Path | None = None) -> None:
+    """Delete complete checkpoints beyond the newest `keep_last`, except the steps in `keep` (stage ends). With
+    `pending` (every checkpoint is to be evaluated), a pruned checkpoint's Hugging Face export is moved there first,
+    with its checksum file: only the training state goes, and the step's artifact keeps the export for evaluation."""
+    if pending is not None:
+        _finish_pending_moves(pending)
     done = complete_checkpoints(root)
     for folder in done[:-keep_last] if keep_last else done:
         if CheckpointFolder(folder).step not in keep:
+            if pending is not None:
+                _keep_export(CheckpointFolder(folder), pending)
             shutil.rmtree(folder)
     for leftover in root.glob("*.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _keep_export(folder: CheckpointFolder, pending: Path) -> None:
+    """Move the export to `pending/<name>` (renames on one file system, no copy): the checksum file is copied into
+    a `.tmp` folder, the export renamed into it, the folder renamed into place. A kill between two renames leaves
+    either the export where it was (done again at the next prune) or a `.tmp` holding both (finished then)."""
+    if not folder.exported:
+        return
+    target = pending / folder.root.name
+    if target.exists():  # moved by an attempt killed before it deleted the checkpoint
+        return
+    tmp = pending / f"{folder.root.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copy2(folder.checksums, tmp / folder.checksums.name)
+    folder.hf.rename(tmp / folder.hf.name)
+    tmp.rename(target)
+
+
+def _finish_pending_moves(pending: Path) -> None:
+    """A `.tmp` move a kill interrupted: renamed into place when it holds the export, else dropped (the export is
+    still in its checkpoint)."""
+    for tmp in pending.glob("*.tmp") if pending.is_dir() else []:
+        moved = CheckpointFolder(tmp.with_suffix(""))
+        if (tmp / moved.weights).exists() and (tmp / moved.checksums.name).exists() and not moved.root.exists():
+            tmp.rename(moved.root)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)

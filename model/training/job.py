@@ -95,6 +95,9 @@ class TrainJob(BaseModel):
     precision: Precision
     hardware: Hardware
     checkpoints: Checkpoints
+    # every exported checkpoint is evaluated (how.evaluation.every_checkpoint): keep_last prunes its training state
+    # only, the export waits in the work folder's evaluation-pending/ for the artifact
+    keep_exports_until_evaluated: bool = False
     attention: AttentionBackend = "auto"
     compile: bool = False
     telemetry: Telemetry | None = None

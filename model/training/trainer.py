@@ -122,7 +122,9 @@ def default_callbacks(job: TrainJob, parameters: int) -> list[Callback]:
     export_every = job.checkpoints.hf_export_every or (1 if parameters < LARGE_MODEL else 10)
     callbacks = [Monitoring(job.recipe.monitors, on_gpu=job.hardware.accelerator != "cpu"),
                  MetricsFile(WorkFolder(job.workdir).metrics), Progress(),
-                 Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last, export_every)]
+                 Checkpointing(job.checkpoints.every_steps, job.checkpoints.keep_last, export_every,
+                               WorkFolder(job.workdir).evaluation_pending if job.keep_exports_until_evaluated
+                               else None)]
     callbacks += telemetry_callbacks(job.telemetry)  # Prometheus endpoint, TensorBoard
     callbacks.append(HangWatchdog(job.hang_timeout_s, workdir=job.workdir))
     if os.environ.get("COMPASS_STOP_FILE"):  # launched by a scheduler that may ask for a stop (infra/slurm.py)

@@ -29,8 +29,10 @@ from compass.tasks.steps.placement import HERE, Placement
 
 
 def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None = None, tokens_before: int = 0,
-              micro_batch_size: int | None = None) -> TrainJob:
-    """The recipe bound to this step's inputs (tokenizer, tokenized sources, previous state) and `how`."""
+              micro_batch_size: int | None = None, exports_evaluated: bool = True) -> TrainJob:
+    """The recipe bound to this step's inputs (tokenizer, tokenized sources, previous state) and `how`.
+    `exports_evaluated`: the step's artifact is evaluated (its kind reads MODEL_TRAINER_HOW), so with
+    how.evaluation.every_checkpoint no export is pruned before that."""
     how = ctx.runtime.how
     tok_dir = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
     ids = tokenizer_ids(tok_dir)
@@ -59,6 +61,7 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
         init_from=state, init_weights=weights, whole_from=whole_from,
         tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
         parallelism=parallelism, precision=how.precision, hardware=hardware, checkpoints=how.checkpoints,
+        keep_exports_until_evaluated=exports_evaluated and how.evaluation.every_checkpoint,
         attention=how.attention, compile=how.compile, loss=how.loss, telemetry=telemetry_of(ctx),
         hang_timeout_s=how.monitoring.hang_timeout_s)
 
@@ -209,9 +212,11 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
     final = kept[-1]
     shutil.copytree(final.hf, out.final)
     shutil.copytree(final.root, out.state, ignore=shutil.ignore_patterns(final.hf.name))
-    for folder in kept:
-        if folder.exported:  # the others hold training state only (how.checkpoints.hf_export_every)
-            shutil.copytree(folder.hf, out.checkpoints / folder.root.name)
+    # the exports (the others hold training state only: how.checkpoints.hf_export_every), with those pruned before
+    # every-checkpoint evaluation scored them
+    exports = work.everything_to_evaluate()
+    for folder in exports:
+        shutil.copytree(folder.hf, out.checkpoints / folder.root.name)
     if export:
         for folder in [out.final, *out.kept_checkpoints()]:
             export(folder)
@@ -225,6 +230,7 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
                "val_loss": result.val_loss, "tokens_per_s": mean_tps,
                "mfu": sum(r.mfu or 0.0 for r in rows) / len(rows), "resumed_from": result.resumed_from,
                "checkpoints": [p.root.name for p in kept],
+               "exports": [p.root.name for p in exports],
                "monitor_events": [e.model_dump(mode="json", exclude_none=True) for e in result.events],
                "parallel": result.rank_check, "setup": result.setup.model_dump(mode="json"),
                "ranks": [r.model_dump(mode="json") for r in result.ranks]}

@@ -107,7 +107,7 @@ def apply_change(baseline: dict[str, Any], change: dict[str, Any]) -> dict[str, 
 def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
     cfg = ctx.config
     recipe = cfg.recipe()
-    job = build_job(ctx, recipe)
+    job = build_job(ctx, recipe, exports_evaluated=False)  # its probes read the work folder's checkpoints
     if cfg.probes:  # a checkpoint at each probe point (and the end), every one of them kept to be evaluated
         steps = schedule_shape(recipe.schedule, recipe.stages).stages[0].steps
         job = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={

@@ -13,7 +13,7 @@ from compass.tasks.common.continuation import continuation, inference_scaling
 from compass.tasks.common.inputs import TrainingInputs, training_inputs
 from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import MODEL_TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -72,7 +72,8 @@ def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
 # 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2); 3: the training core of pretrain 2
 KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="3",
                 resources=phase("long_context"),
-                trains=True, imports=TRANSFORMERS, reads_how=TRAINER_HOW + CHECKPOINT_HOW, inputs=TrainingInputs,
+                trains=True, imports=TRANSFORMERS, reads_how=MODEL_TRAINER_HOW,
+                inputs=TrainingInputs,
                 after=("pretrain", "base_model", "tokenize"), evaluated=True, advances_model=True,
                 headline=("final_loss", "tokens_per_s", "mfu"))
 STEP_KINDS = (KIND,)

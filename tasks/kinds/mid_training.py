@@ -14,7 +14,7 @@ from compass.tasks.common.continuation import continuation, inference_scaling
 from compass.tasks.common.inputs import TrainingInputs, tokens
 from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import MODEL_TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -70,6 +70,6 @@ def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
 KIND = StepKind("mid_training", MidTrainingConfig, run_mid_training, None, version="1",
                 resources=phase("mid_training"), inputs=TrainingInputs, provide=provide,
                 after=("tokenize", "base_model", "tokenizer"), evaluated=True, advances_model=True,
-                trains=True, imports=TRANSFORMERS, reads_how=TRAINER_HOW + CHECKPOINT_HOW,
+                trains=True, imports=TRANSFORMERS, reads_how=MODEL_TRAINER_HOW,
                 headline=("final_loss", "tokens_per_s"))
 STEP_KINDS = (KIND,)

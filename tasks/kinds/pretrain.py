@@ -7,7 +7,7 @@ from compass.model.training.job import StageRecipe
 from compass.tasks.common.inputs import TrainingInputs, training_inputs
 from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import CHECKPOINT_HOW, TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import MODEL_TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
 
 
@@ -36,7 +36,7 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
 KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="2", resources=phase("pretraining"),
-                trains=True, reads_how=TRAINER_HOW + CHECKPOINT_HOW, inputs=TrainingInputs,
+                trains=True, reads_how=MODEL_TRAINER_HOW, inputs=TrainingInputs,
                 after=("base_model", "gate", "tokenize"), evaluated=True, advances_model=True,
                 imports=TRANSFORMERS,
                 headline=("final_loss", "tokens_per_s", "mfu"))

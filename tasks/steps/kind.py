@@ -110,6 +110,9 @@ TRAINER_HOW = ("precision", "attention", "loss", "compile", "parallelism.engine_
                "hardware.accelerator", "parallelism.zero_stage", "parallelism.tensor_parallel",
                "parallelism.shard_group")
 CHECKPOINT_HOW = ("checkpoints.every_steps", "checkpoints.keep_last", "checkpoints.hf_export_every")
+# a training step whose artifact is evaluated (pretraining, long context, mid-training) keeps every export for
+# evaluation when every_checkpoint asks
+MODEL_TRAINER_HOW = (*TRAINER_HOW, *CHECKPOINT_HOW, "evaluation.every_checkpoint")
 TRL_HOW = ("precision", "attention", "loss", "compile", "generation", "hardware.accelerator",
            "parallelism.zero_stage")  # TRL's optimizer is the HF Trainer's under either engine
 EVALUATION_HOW = ("precision", "attention", "compile", "generation", "hardware.accelerator")
