@@ -349,7 +349,8 @@ def evaluate_schedule(
                   markup=False)
         raise typer.Exit(EXIT_BAD_INPUT)
     params = {"checkpoint_root": store_root(checked, root, "--root"), "benchmarks": benchmarks,
-              "credentials_block": loaded.spec.how.storage.credentials_block}
+              "credentials_block": loaded.spec.how.storage.credentials_block,
+              "how": loaded.spec.how.model_dump(mode="json")}  # where and how each evaluation computes
     if once and as_json:
         print(json.dumps(evaluate_new_checkpoints(**params), indent=2))
         return

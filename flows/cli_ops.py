@@ -141,14 +141,16 @@ def deploy(spec: Annotated[Path | None, typer.Argument(
             evaluation = {"name": f"evaluate-{loaded.spec.name}", "interval": ev.schedule_interval_seconds,
                           "cron": None if ev.schedule_interval_seconds else ev.schedule_cron,
                           "parameters": {"checkpoint_root": store_root(loaded, None), "benchmarks": benchmarks,
-                                         "credentials_block": loaded.spec.how.storage.credentials_block}}
+                                         "credentials_block": loaded.spec.how.storage.credentials_block,
+                                         "how": loaded.spec.how.model_dump(mode="json")}}
     on_checkpoint = None
     if loaded is not None:
         how, benchmarks = loaded.spec.how, [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.benchmarks]
         if benchmarks and how.evaluation.every_checkpoint and how.monitoring.checkpoint_events:
             on_checkpoint = {"spec": loaded.spec.name,
                              "parameters": {"benchmarks": benchmarks, "store_root": store_root(loaded, None),
-                                            "credentials_block": how.storage.credentials_block}}
+                                            "credentials_block": how.storage.credentials_block,
+                                            "how": how.model_dump(mode="json")}}
     slots = gpu_slots or (loaded.spec.how.orchestration.max_parallel_gpu_steps if loaded else 1)
     made = deploy_all(pool, evaluation, on_checkpoint)
     ensure_gpu_limit(slots)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,11 +20,12 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
-from compass.infra.fingerprint import canonical_json, sha256_file
+from compass.infra.fingerprint import canonical_json
 from compass.infra.layout import WEIGHTS, ModelArtifact, pending_copy
 from compass.infra.locks import step_lock
 from compass.infra.store import Store
 from compass.specs.evaluation import Benchmark
+from compass.specs.how import How
 from compass.tasks.steps import registry
 
 # Evaluations started by checkpoint events wait their turn: each holds a device while it runs.
@@ -61,67 +60,43 @@ def result_path(store: Store, suite: str, checkpoint: dict[str, Any]) -> str:
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="evaluate {checkpoint[step]} {checkpoint[folder]}")
 def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]],
-                        suite: str) -> dict[str, Any] | None:
-    """Evaluate one checkpoint unless a result exists (or appears while waiting for another run's lock)."""
+                        suite: str, how: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Evaluate one checkpoint unless a result exists (or appears while waiting for another run's lock): here, or
+    as a Slurm job of the evaluation phase's shape when the spec (`how`) has a cluster."""
+    from compass.tasks.evaluation.checkpoint_job import CheckpointEvaluation, evaluate
+
+    spec_how = How.model_validate(how) if how else None
+    cluster = spec_how.orchestration.cluster if spec_how else None
     store = Store(store_root)
     target = result_path(store, suite, checkpoint)
     key = f"evaluations/{suite[:12]}/{checkpoint['weights_sha256'][:20]}"
     with step_lock(store, key, should_stop=lambda: store.fs.exists(target)) as held:
         if not held or store.fs.exists(target):  # an overlapping run evaluated it first
             return None
-        return _evaluate(store, checkpoint, benchmarks, suite, target)
-
-
-def _evaluate(store: Store, checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]], suite: str,
-              target: str) -> dict[str, Any]:
-    from compass.tasks.evaluation.lighteval_run import run_lighteval
-
-    with tempfile.TemporaryDirectory(prefix="compass-eval-") as scratch:
-        local = _local_copy(store, checkpoint, Path(scratch))
-        started = time.time()
-        scores = run_lighteval(local, [Benchmark.model_validate(t) for t in benchmarks], Path(scratch))
-    metrics = {f"{name}/{m}": v for name, values in scores.results.items() for m, v in values.items()
-               if not m.endswith("_stderr")}
-    record = {"checkpoint": checkpoint, "suite": suite, "benchmarks": benchmarks, "metrics": metrics,
-              "provenance": scores.provenance, "seconds": time.time() - started}
-    if store.is_remote:
-        with store.fs.open(target, "w") as f:  # a single PUT: never half-visible
-            f.write(json.dumps(record, indent=2))
-    else:
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(target).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.rename(target)
-    return record
-
-
-def _local_copy(store: Store, checkpoint: dict[str, Any], scratch: Path) -> Path:
-    """The checkpoint's Hugging Face folder on local disk. One in a training step's work folder is copied and
-    checked against the weights' sha256, since the step removes the folder once it commits; when it went away
-    meanwhile, the committed artifact holding the same weights is read instead."""
-    if checkpoint.get("copy"):
-        local = scratch / "model"
-        # where the event saw it, or where keep_last moved it to wait for its evaluation meanwhile
-        for path in (Path(checkpoint["copy"]), pending_copy(Path(checkpoint["copy"]))):
-            shutil.rmtree(local, ignore_errors=True)
-            try:
-                shutil.copytree(path, local)
-                if sha256_file(str(local / WEIGHTS)) == checkpoint["weights_sha256"]:
-                    return local
-            except (OSError, shutil.Error):
-                pass
-        committed = next((c for c in discover(store) if c["weights_sha256"] == checkpoint["weights_sha256"]), None)
-        if committed is None:
-            raise FileNotFoundError(f"{checkpoint['copy']} went away and no committed artifact holds its weights")
-        checkpoint = committed
-    return store.local_path(checkpoint["artifact"], only=checkpoint["folder"]) / checkpoint["folder"]
+        job = CheckpointEvaluation(store_root=store_root, checkpoint=checkpoint, suite=suite, target=target,
+                                   benchmarks=[Benchmark.model_validate(b) for b in benchmarks], how=spec_how)
+        log = get_run_logger()
+        try:
+            return evaluate(job, log, cluster.shared_root if cluster else None)
+        except Exception:
+            if not checkpoint.get("copy"):
+                raise
+            # the training step committed and removed its work folder meanwhile: the committed artifact holds it
+            committed = next((c for c in discover(store) if c["weights_sha256"] == checkpoint["weights_sha256"]),
+                             None)
+            if committed is None:
+                raise
+            log.info("%s moved into its committed artifact: evaluating it there", checkpoint["copy"])
+            return evaluate(job.model_copy(update={"checkpoint": committed | {"tokens": checkpoint.get("tokens")}}),
+                            log, cluster.shared_root if cluster else None)
 
 
 # log_prints off, as in the lifecycle: a library's print (dill disassembling a function into a stdout it captures)
 # is not an INFO line of the run
 @flow(name="compass-scheduled-evaluation", persist_result=False, log_prints=False)
 def evaluate_new_checkpoints(checkpoint_root: str, benchmarks: list[dict[str, Any]],
-                             credentials_block: str | None = None) -> dict[str, Any]:
+                             credentials_block: str | None = None,
+                             how: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate every committed checkpoint under `checkpoint_root` that has no result for this suite."""
     from compass.infra.credentials import apply_credentials_block
     from compass.infra.environment import prepare_environment
@@ -135,7 +110,7 @@ def evaluate_new_checkpoints(checkpoint_root: str, benchmarks: list[dict[str, An
     todo = [c for c in checkpoints if not store.fs.exists(result_path(store, suite, c))]
     logger.info("%d checkpoints under %s, %d without results for suite %s", len(checkpoints), checkpoint_root,
                 len(todo), suite[:12])
-    records = [r for c in todo if (r := evaluate_checkpoint(checkpoint_root, c, benchmarks, suite)) is not None]
+    records = [r for c in todo if (r := evaluate_checkpoint(checkpoint_root, c, benchmarks, suite, how)) is not None]
     if records:
         create_table_artifact(key=f"scheduled-evaluation-{suite[:12]}", description=f"suite {suite[:12]}",
                               table=[{"step": r["checkpoint"]["step"], "checkpoint": r["checkpoint"]["folder"],
@@ -175,7 +150,8 @@ def locate(store: Store, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 
 @flow(name="compass-checkpoint-evaluation", persist_result=False, log_prints=False)
 def evaluate_committed_checkpoint(checkpoint: dict[str, Any], benchmarks: list[dict[str, Any]], store_root: str,
-                                  credentials_block: str | None = None) -> dict[str, Any]:
+                                  credentials_block: str | None = None,
+                                  how: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate the checkpoint a `compass.checkpoint.committed` event names (compass deploy's automation runs this
     for each one). Results go where the scheduled evaluation keeps them, keyed by the weights: neither this flow
     nor the schedule evaluates the same weights twice for one suite."""
@@ -196,7 +172,7 @@ def evaluate_committed_checkpoint(checkpoint: dict[str, Any], benchmarks: list[d
         logger.warning("%s: its weights are no longer in the work folder or any committed artifact (pruned by "
                        "how.checkpoints.keep_last); nothing to evaluate", name)
         return {"suite": suite, "evaluated": None, "checkpoint": checkpoint}
-    record = evaluate_checkpoint(store_root, located, benchmarks, suite)
+    record = evaluate_checkpoint(store_root, located, benchmarks, suite, how)
     if record is not None:
         create_table_artifact(key=f"checkpoint-evaluation-{checkpoint['weights_sha256'][:12]}",
                               description=f"{name}, suite {suite[:12]}",

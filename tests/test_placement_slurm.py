@@ -266,6 +266,31 @@ def test_killed_orchestrators_are_followed_not_resubmitted_and_every_checkpoint_
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
+def test_scheduled_evaluations_of_a_cluster_spec_run_as_evaluation_jobs(slurm, trained_store: Path,
+                                                                        prefect_server: str, tmp_path: Path):
+    """`compass evaluate-schedule` (what a deployment's schedule and each checkpoint event run) of a spec with a
+    cluster: each checkpoint is scored by a Slurm job of the evaluation phase's shape, as the run's evaluate step,
+    not in the worker's process; each result names its job."""
+    store = seeded(tmp_path / "store", trained_store)  # two stages committed: two checkpoints
+    suite = ("  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 4}\n"
+             "    perplexity_sources: [notes]\n  pretraining:")  # the criterion of minimal.yaml is val_ppl:notes
+    spec = cluster_spec(tmp_path, tmp_path / "shared", **{"  pretraining:": suite})
+    before = {j["JobId"] for j in history(slurm)}
+    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
+    done = subprocess.run([str(VENV_BIN / "compass"), "evaluate-schedule", str(spec), "--root", str(store), "--once",
+                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    scan = json.loads(done.stdout)
+    assert scan["checkpoints"] == 2 and len(scan["evaluated"]) == 2
+    jobs = {j["JobId"]: j for j in history(slurm) if j["JobId"] not in before}
+    evaluations = {i: j for i, j in jobs.items() if j["Name"].startswith("compass-evaluate-")}
+    assert len(evaluations) == 2 and all(j["JobState"] == "COMPLETED" for j in evaluations.values()), jobs
+    records = [json.loads(p.read_text()) for p in store.glob(".evaluations/*/*.json")]
+    assert sorted(r["slurm_job"] for r in records) == sorted(evaluations)  # computed by those jobs, not here
+    assert all(0 <= r["metrics"]["arc_easy:cf/acc"] <= 1 for r in records)
+    assert not list((tmp_path / "shared").rglob("checkpoint-evaluation.json"))  # their work folders cleared
+
+
 def resume_once_followed(job: str, store: Path) -> threading.Thread:
     """Resume the suspended job as soon as a live orchestrator's lock on the stage names it (the one it follows)."""
     import psutil
