@@ -47,7 +47,17 @@ class CheckpointMirror:
         remote = self.remote_checkpoints()
         if not remote:
             return None
-        name = remote[-1]
+        self._download(remote[-1])
+        return remote[-1]
+
+    def restore_every(self) -> list[str]:
+        """Download every remote checkpoint missing here (the exports waiting for their evaluation); their names."""
+        missing = [name for name in self.remote_checkpoints() if not (self.local / name / CHECKSUMS).exists()]
+        for name in missing:
+            self._download(name)
+        return missing
+
+    def _download(self, name: str) -> None:
         tmp = self.local / f"{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -64,7 +74,6 @@ class CheckpointMirror:
         if self.fs.exists(metrics):  # the trainer trims it back to the checkpoint's step
             self.fs.get_file(metrics, str(WorkFolder(self.local.parent).metrics))
         log.info("restored checkpoint %s from %s", name, prefix)
-        return name
 
     # --- mirroring --------------------------------------------------------------------------------------
     def sync_once(self) -> None:

@@ -27,7 +27,8 @@ def s3() -> Iterator[RestartableS3]:
 def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, data_store: Path, tmp_path: Path,
                                                          s3: RestartableS3):
     """Kill -9 `compass run` mid-stage, lose the machine's local work folder, run again: the step resumes
-    from the checkpoint mirrored to S3 in the background."""
+    from the checkpoint mirrored to S3 in the background, and the export keep_last pruned before its evaluation
+    (mirrored too) is still in the artifact."""
     import os
     import signal
 
@@ -38,7 +39,7 @@ def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, data_
     spec = write_minimal_spec(tmp_path, **{
         "name: minimal": "name: minimal-resume",
         "tokens: 20000, sequence_length: 64": "tokens: 150000, sequence_length: 64",
-        "parallelism: {micro_batch_size: 2}": "parallelism: {micro_batch_size: 2}\n  checkpoints: {every_steps: 100}"})
+        "parallelism: {micro_batch_size: 2}": "parallelism: {micro_batch_size: 2}\n  checkpoints: {every_steps: 100, keep_last: 1}"})
     root = "s3://compass-resume/runs"
     fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
     seeded_s3(fs, root, data_store)  # the data steps committed: the run is the stage that is killed
@@ -46,7 +47,9 @@ def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, data_
                             env=server_cli.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 600
-    while not fs.glob("compass-resume/runs/.work/pretrain/stage1-*/checkpoints/step-*/checksums.json"):
+    work = "compass-resume/runs/.work/pretrain/stage1-*"
+    while not (fs.glob(f"{work}/checkpoints/step-00000200/checksums.json")  # the newest; step 100's export moved
+               and fs.glob(f"{work}/evaluation-pending/step-00000100/checksums.json")):
         fs.invalidate_cache()  # s3fs caches listings; we are watching another process's writes
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before a checkpoint was mirrored"
         time.sleep(0.5)
@@ -60,7 +63,9 @@ def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, data_
     stage1 = next(s for s in summary["steps"] if s["step"] == "pretrain:stage1")
     assert stage1["executed"]
     manifest = json.loads(fs.cat(f"{stage1['uri'].removeprefix('s3://')}/manifest.json"))
-    assert manifest["metrics"]["resumed_from"] >= 100
+    assert manifest["metrics"]["resumed_from"] >= 200
+    assert manifest["metrics"]["exports"][0] == "step-00000100"  # pruned, lost with the machine, recovered
+    assert manifest["metrics"]["exports"] == [f"step-{s:08d}" for s in (*range(100, 585, 100), 585)]
     fs.invalidate_cache()
     assert not fs.glob("compass-resume/runs/.work/pretrain/stage1-*/checkpoints/*")  # cleared after commit
 

@@ -191,7 +191,7 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
     final HF model, the training state the next stage continues from, every kept checkpoint, metrics and
     the loss curve. `export` adjusts each exported HF folder (e.g. the long-context inference scaling)."""
     work = WorkFolder(ctx.workdir)
-    mirror = None
+    mirrors = []
     if ctx.store is not None and ctx.store.is_remote:
         from compass.infra.checkpoint_mirror import CheckpointMirror
 
@@ -199,11 +199,18 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
         restored = mirror.restore()
         if restored:
             ctx.log.info("resuming from %s, recovered from the store", restored)
-        mirror.start()
+        mirrors.append(mirror)
+        if job.keep_exports_until_evaluated:  # the pruned checkpoints' exports, for the artifact's evaluation
+            pending = CheckpointMirror(ctx.store, ctx.work_key, work.evaluation_pending)
+            if recovered := pending.restore_every():
+                ctx.log.info("recovered %d exports waiting for evaluation from the store", len(recovered))
+            mirrors.append(pending)
+        for mirror in mirrors:
+            mirror.start()
     try:
         result = run_training(job, ctx.log, ctx.runtime.placement, ctx.runtime.how.orchestration.cluster)
     finally:
-        if mirror:
+        for mirror in mirrors:
             mirror.stop()
     from compass.model.training import checkpoints as ckpt
 
