@@ -39,7 +39,8 @@ def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, data_
     spec = write_minimal_spec(tmp_path, **{
         "name: minimal": "name: minimal-resume",
         "tokens: 20000, sequence_length: 64": "tokens: 150000, sequence_length: 64",
-        "parallelism: {micro_batch_size: 2}": "parallelism: {micro_batch_size: 2}\n  checkpoints: {every_steps: 100, keep_last: 1}"})
+        "parallelism: {micro_batch_size: 2}": "parallelism: {micro_batch_size: 2}\n"
+                                              "  checkpoints: {every_steps: 100, keep_last: 1}"})
     root = "s3://compass-resume/runs"
     fs = s3fs.S3FileSystem(key=KEY_ID, secret=SECRET, client_kwargs={"endpoint_url": s3.url})
     seeded_s3(fs, root, data_store)  # the data steps committed: the run is the stage that is killed
