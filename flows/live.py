@@ -101,16 +101,28 @@ class LiveTraining:
                                                         description=f"{self.step.id}: training progress")
         else:
             update_progress_artifact(self.progress_id, percent)
-        self.log.info("%s: step %d of %d (%s%%), loss %.4f, %s tokens/s, %s tokens seen%s", self.step.id, step,
+        goodput = self._goodput()
+        self.log.info("%s: step %d of %d (%s%%), loss %.4f, %s tokens/s, %s tokens seen%s%s", self.step.id, step,
                       total, f"{percent:g}", last.loss, f"{last.tokens_per_s or 0:,.0f}", token_axis(last.tokens),
-                      time_left(rows))
+                      time_left(rows), f"; {goodput}" if goodput else "")
         png = base64.b64encode(loss_png(rows, f"{self.step.id} (live)", dpi=80)).decode()
         create_markdown_artifact(
             key=f"{self.key}-live",
             markdown=(f"### {self.step.id}: training, live\n\nstage `{last.stage}` step {step} of "
                       f"{total} ({percent}%), loss {last.loss:.4f}, {last.tokens_per_s or 0:,.0f} tokens/s, "
-                      f"{token_axis(last.tokens)} tokens seen\n\n![loss](data:image/png;base64,{png})\n"),
+                      f"{token_axis(last.tokens)} tokens seen" + (f"; {goodput}" if goodput else "")
+                      + f"\n\n![loss](data:image/png;base64,{png})\n"),
             description=f"{self.step.id}: live training progress")
+
+    def _goodput(self) -> str | None:
+        """The stage's goodput so far over its attempts (rank 0's ledger in the work folder), as one phrase."""
+        from compass.model.training.goodput import read_attempts, split
+
+        try:
+            attempts = read_attempts(WorkFolder(self.workdir).goodput)
+            return split(attempts).line() if attempts else None
+        except (OSError, ValueError):  # a record being replaced
+            return None
 
     def _complete_checkpoints(self) -> list[CheckpointFolder]:
         """The stage's exported checkpoints, kept or pruned before their evaluation."""

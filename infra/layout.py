@@ -315,6 +315,11 @@ class WorkFolder:
         return self.root / "slurm.log"
 
     @property
+    def goodput(self) -> Path:
+        """Rank 0's record of each attempt at the stage: where its time went (model/training/goodput.py)."""
+        return self.root / "goodput"
+
+    @property
     def collective_ledger(self) -> Path:
         """Each rank's last collective and heartbeat (model/training/collective_ledger.py)."""
         return self.root / "collectives"

@@ -58,8 +58,18 @@ def test_kill_9_mid_stage_then_resume_is_bitwise_identical(stage1_job, tmp_path:
     a, b = final_weights(straight), final_weights(killed)
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)  # bitwise
-    steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, len(steps) + 1))  # metrics continue without gaps or repeats
+    rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # metrics continue without gaps or repeats
+    # the goodput ledger: two attempts, the time between them a restart, the killed attempt's steps after the
+    # checkpoint the second resumed from redone; what is kept adds up to the kept steps' own rows
+    goodput = result["goodput"]
+    assert goodput["attempts"] == 2 and goodput["restart_s"] > 0 and goodput["startup_s"] > 0
+    assert goodput["redone_s"] >= 0 and goodput["evaluation_s"] > 0
+    for bucket, phases in (("compute_s", ("forward_backward_s", "sync_s", "optimizer_s")),
+                           ("data_wait_s", ("data_wait_s",)), ("checkpoint_s", ("checkpoint_s",))):
+        assert goodput[bucket] == pytest.approx(sum(r.get(p, 0) for r in rows for p in phases), rel=1e-3, abs=1e-3)
+    assert sum(v for k, v in goodput.items() if k.endswith("_s") and k != "total_s") == pytest.approx(
+        goodput["total_s"])
 
 
 def losses(workdir: Path) -> list[float]:

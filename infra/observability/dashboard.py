@@ -32,6 +32,8 @@ ROWS: dict[str, list[tuple[str, str, str, float | None, str]]] = {
         ("Share of step time waiting for data",
          f'compass_train_phase_seconds{{phase="data_wait", {SELECT}}} / ignoring(phase) '
          f"compass_train_step_seconds{{{SELECT}}}", "percentunit", 0.2, BY_RANK),
+        ("Goodput: the stage's time by cause (compute is goodput)", f"compass_train_stage_seconds{{{SELECT}}}", "s",
+         None, "{{node}} rank {{rank}} {{cause}}"),
         ("Seconds since the last step (hung rank)", f"time() - compass_train_last_step_timestamp_seconds{{{SELECT}}}",
          "s", 600, BY_RANK),
         ("Host memory (RSS)", f"compass_host_memory_rss_bytes{{{SELECT}}}", "bytes", None, BY_RANK),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from compass.model.training.callbacks import Callback
 from compass.model.training.job import Telemetry
-from compass.model.training.records import PHASES, MetricsRow
+from compass.model.training.records import CAUSES, PHASES, MetricsRow
 from compass.model.training.trackers import TrackerRun, Trackers
 
 if TYPE_CHECKING:
@@ -43,7 +43,10 @@ TRAINING_METRICS: dict[str, tuple[str, str | None]] = {
     "compass_train_step_seconds": ("Wall time of the last step", None),
     "compass_train_phase_seconds": ("Where the last step's time went", "phase"),
     "compass_train_last_step_timestamp_seconds": ("Unix time the last step ended (a hung rank stops it)", None),
+    "compass_train_stage_seconds": ("The stage's wall time so far over every attempt, by cause: compute is the "
+                                    "goodput, the rest badput (rank 0; model/training/goodput.py)", "cause"),
 }
+GOODPUT_EVERY_S = 10.0  # the ledger is read from the work folder: not at every step
 HOST_METRICS: dict[str, tuple[str, str | None]] = {
     "compass_host_memory_rss_bytes": ("Resident memory of this rank's process", None),
     "compass_host_cpu_percent": ("CPU use of this rank's process (100 = one core)", None),
@@ -127,6 +130,7 @@ class PrometheusExporter(Callback):
         self.target: Path | None = None
         self.gauges: dict[str, Any] = {}
         self.labels: dict[str, str] = {}
+        self.goodput_at = 0.0
 
     def on_start(self, trainer: Trainer) -> None:
         from prometheus_client import CollectorRegistry, Gauge, start_wsgi_server
@@ -161,6 +165,11 @@ class PrometheusExporter(Callback):
             g["compass_train_phase_seconds"].labels(*values, phase).set(seconds)
         g["compass_train_step_seconds"].labels(*values).set(total)
         g["compass_train_last_step_timestamp_seconds"].labels(*values).set(time.time())
+        if time.monotonic() - self.goodput_at >= GOODPUT_EVERY_S or trainer.step == trainer.stage_steps:
+            self.goodput_at = time.monotonic()
+            split = trainer.ledger.live()
+            for cause in ("compute", *CAUSES) if split else ():
+                g["compass_train_stage_seconds"].labels(*values, cause).set(getattr(split, f"{cause}_s"))
 
     def on_end(self, trainer: Trainer) -> None:
         self.close()

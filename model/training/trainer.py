@@ -52,6 +52,8 @@ from compass.model.training.collective_ledger import CollectiveLedger
 from compass.model.training.collectives import local_world_size, rank_env
 from compass.model.training.engines import DeepSpeedEngine, Engine, TorchEngine
 from compass.model.training.export_check import check_export, probe_batch, trained_loss
+from compass.model.training.goodput import process_start
+from compass.model.training.goodput_ledger import GoodputLedger
 from compass.model.training.heldout import heldout_losses
 from compass.model.training.hf_export import export_hf
 from compass.model.training.job import TrainJob
@@ -136,7 +138,9 @@ class Trainer:
     """One stage of training. `fit()` resumes from the newest complete checkpoint in the job's work folder (or
     starts from `init_from`), trains to the stage's last step and returns the stage's result."""
 
-    def __init__(self, job: TrainJob, callbacks: list[Callback] | None = None):
+    def __init__(self, job: TrainJob, callbacks: list[Callback] | None = None, started_at: float | None = None):
+        """`started_at`: when this attempt began (a rank's process start; None: now, for training in-process)."""
+        started_at = time.time() if started_at is None else started_at
         self.rank, self.world, local_rank = rank_env()
         recipe = job.recipe
         self.stage = recipe.current
@@ -184,7 +188,8 @@ class Trainer:
                                 owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
                                 masking=recipe.intra_document_masking)
         self._probe = probe_batch(self.lm.hf.config.vocab_size, self.stage.sequence_length)  # the export check's
-        self.callbacks = default_callbacks(job, self.parameters) + list(callbacks or [])
+        self.ledger = GoodputLedger(WorkFolder(job.workdir).goodput, started_at)  # where the stage's time goes
+        self.callbacks = [*default_callbacks(job, self.parameters), self.ledger, *(callbacks or [])]
         self.writer = ckpt.CheckpointWriter(background=job.checkpoints.asynchronous)
         self.step = 0  # optimizer steps of this stage done so far
         self.events: list[MonitorEvent] = []
@@ -313,14 +318,17 @@ class Trainer:
         sharded = self.tp > 1 or self.job.parallelism.sharding_stage == 3  # ZeRO-3 or FSDP2
         scored = self.rank == 0 or sharded  # every rank holding shards joins each forward (gathers, TP collectives)
         val = {}
+        validation_start = time.perf_counter()
         if scored:
             with self._precision():
                 val = heldout_losses(self.lm, self.job.sources, seq, masking, self.device)
         val = val if self.rank == 0 else {}
+        goodput = self.ledger.finish(time.perf_counter() - validation_start)
         return TrainResult(steps=self.stage_steps, tokens=self.stage_steps * gbs * seq, final_loss=self.last_loss,
                            val_loss=val, resumed_from=CheckpointFolder(resumed).step if resumed else None,
                            rank_check=rank_check, events=self.events, setup=self.setup, ranks=places,
-                           compiled=CompileReport.since(self.dynamo_start) if self.dynamo_start else None)
+                           compiled=CompileReport.since(self.dynamo_start) if self.dynamo_start else None,
+                           goodput=goodput)
 
     def _next_batch(self, batches: Prefetcher | None) -> tuple[PackedBatch, float]:
         if batches is None:
@@ -507,10 +515,11 @@ class Trainer:
             collectives.barrier()
 
 
-def train_stage(job: TrainJob, callbacks: list[Callback] | None = None) -> TrainResult:
+def train_stage(job: TrainJob, callbacks: list[Callback] | None = None,
+                started_at: float | None = None) -> TrainResult:
     # grad mode is per thread, and libraries run in the same process (lighteval) switch it off globally
     with torch.enable_grad():
-        return Trainer(job, callbacks).fit()
+        return Trainer(job, callbacks, started_at).fit()
 
 
 def autocast(device: torch.device, precision: str, torch_engine: bool) -> contextlib.AbstractContextManager:
@@ -547,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, _, _ = rank_env()
     job = TrainJob.read(job_path)
     try:
-        result = train_stage(job)
+        result = train_stage(job, started_at=process_start())  # the rank's start-up counts from its process's
     except StopRequested as stopped:
         log.warning("%s", stopped)
         collectives.leave()

@@ -238,12 +238,14 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
                "mfu": sum(r.mfu or 0.0 for r in rows) / len(rows), "resumed_from": result.resumed_from,
                "checkpoints": [p.root.name for p in kept],
                "exports": [p.root.name for p in exports],
+               "goodput": result.goodput.model_dump(mode="json") if result.goodput else None,
                "monitor_events": [e.model_dump(mode="json", exclude_none=True) for e in result.events],
                "parallel": result.rank_check, "setup": result.setup.model_dump(mode="json"),
                "ranks": [r.model_dump(mode="json") for r in result.ranks]}
     val = ", ".join(f"{k} {v:.3f}" for k, v in result.val_loss.items())
     summary = (f"### {label} `{ctx.name}`\n\n{result.steps} steps, {result.tokens:,} tokens; "
-               f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s")
+               f"loss {first:.3f} -> {last:.3f}; validation loss: {val}; {mean_tps:,.0f} tokens/s"
+               + (f"; {result.goodput.line()}" if result.goodput else ""))
     for event in result.events:
         summary += (f"\n\n**{event.kind}** at step {event.step} ({event.detail}), action {event.action}: "
                     f"{event.cause}. {event.remedy}.")

@@ -1,0 +1,107 @@
+"""The goodput ledger: where a training stage's wall time went, over every attempt (a kill, a requeue, a node lost),
+as goodput (the optimizer steps the stage keeps) and badput by cause: start-up, waiting for data, checkpoint stalls,
+evaluation, restarts (nobody training between two attempts) and work redone (steps computed after the checkpoint a
+later attempt or a rollback went back to). What remains (logging, callbacks, the stage's end) is `other`.
+
+Rank 0 keeps one record per attempt in the work folder (`goodput/attempt-<start>.json`, rewritten at most every
+second and at each checkpoint, so a kill -9 loses at most a second of it); the split over all of them is the
+stage's, in its TrainResult, its manifest's metrics and the live Prometheus gauge.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from compass.model.training.records import GoodputSplit, MetricsRow
+
+
+class Sums(BaseModel):
+    """Seconds summed over an attempt's steps, at one point of it (`at`: wall clock, epoch seconds)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    at: float
+    data_wait_s: float = 0.0
+    compute_s: float = 0.0  # forward, backward, the step's sync and the optimizer
+    checkpoint_s: float = 0.0
+
+    def after(self, row: MetricsRow, at: float) -> Sums:
+        return Sums(at=at, data_wait_s=self.data_wait_s + row.seconds("data_wait"),
+                    compute_s=self.compute_s + row.seconds("forward_backward") + row.seconds("sync")
+                    + row.seconds("optimizer"), checkpoint_s=self.checkpoint_s + row.seconds("checkpoint"))
+
+    def minus(self, base: Sums) -> Sums:
+        return Sums(at=self.at - base.at, data_wait_s=self.data_wait_s - base.data_wait_s,
+                    compute_s=self.compute_s - base.compute_s, checkpoint_s=self.checkpoint_s - base.checkpoint_s)
+
+
+class Attempt(BaseModel):
+    """One process's run of the stage, as rank 0 saw it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    started_at: float  # the rank's process was created (epoch seconds)
+    resumed_from: int  # the stage step it started from
+    first_step: Sums | None = None  # when its first step began (the sums are zero)
+    now: Sums  # the sums after its last step, at its last write
+    step: int  # the last stage step it completed
+    marks: dict[int, Sums] = {}  # the sums at each checkpoint it wrote, by stage step
+    redone_s: float = 0.0  # steps a rollback discarded
+    evaluation_s: float = 0.0  # the validation after the stage's last step
+    ended_at: float | None = None  # the stage's end, validated (the last attempt's)
+
+
+def split(attempts: list[Attempt]) -> GoodputSplit:
+    """The stage's split over its attempts, oldest first. A later attempt that resumed from step r makes the steps an
+    earlier one computed after r redone work; the time between one attempt's last record and the next one's start
+    is restart time."""
+    ordered = sorted(attempts, key=lambda a: a.started_at)
+    kept = Sums(at=0.0)
+    startup = restart = redone = evaluation = 0.0
+    for i, attempt in enumerate(ordered):
+        first = attempt.first_step or attempt.now
+        startup += first.at - attempt.started_at
+        evaluation += attempt.evaluation_s
+        redone += attempt.redone_s
+        done = attempt.now
+        if i + 1 < len(ordered):
+            after = ordered[i + 1]
+            restart += max(0.0, after.started_at - attempt.now.at)
+            if after.resumed_from < attempt.step:  # it went back: the steps since were computed again
+                base = attempt.marks.get(after.resumed_from) or Sums(at=first.at)  # (or before this attempt began)
+                redone += attempt.now.at - base.at
+                done = base
+        kept = Sums(at=0.0, data_wait_s=kept.data_wait_s + done.data_wait_s, compute_s=kept.compute_s + done.compute_s,
+                    checkpoint_s=kept.checkpoint_s + done.checkpoint_s)
+    if not ordered:
+        raise ValueError("no attempt recorded")
+    last = ordered[-1]
+    total = (last.ended_at or last.now.at) - ordered[0].started_at
+    compute = kept.compute_s  # a rollback's discarded steps left the sums (post_restore): they are in redone_s
+    named = startup + kept.data_wait_s + kept.checkpoint_s + evaluation + restart + redone + compute
+    return GoodputSplit(total_s=total, compute_s=compute, startup_s=startup, data_wait_s=kept.data_wait_s,
+                        checkpoint_s=kept.checkpoint_s, evaluation_s=evaluation, restart_s=restart, redone_s=redone,
+                        other_s=max(0.0, total - named), attempts=len(ordered))
+
+
+def read_attempts(folder: Path) -> list[Attempt]:
+    """Every attempt's record in a goodput folder (one being rewritten is read from its last complete version)."""
+    return [Attempt.model_validate_json(p.read_text()) for p in sorted(folder.glob("attempt-*.json"))]
+
+
+def process_start() -> float:
+    """When this process was created (epoch seconds): an attempt's start-up begins there, not at the trainer. Read as
+    its age (/proc: uptime minus its start in clock ticks, 10 ms steps) before now: psutil's create_time adds the
+    boot time, which Linux gives in whole seconds, and could put a restarted process before its predecessor's end."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):  # not Linux
+        import psutil
+
+        return psutil.Process(os.getpid()).create_time()

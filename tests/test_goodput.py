@@ -1,0 +1,49 @@
+"""The goodput ledger's split of a stage's wall time over its attempts: a restart, the work a resumed attempt
+redid, a slow checkpoint, start-up and evaluation, each in its bucket (the real trainer's records after a kill -9
+are checked in test_training)."""
+
+from __future__ import annotations
+
+import pytest
+
+from compass.model.training.goodput import Attempt, Sums, split
+
+
+def test_a_restart_redone_work_and_a_slow_checkpoint_land_in_their_buckets():
+    # attempt 1: process at t=0, first step at 2; checkpoints submitted at steps 10 and 20, the one after step 20
+    # slow (its 4 s stall lands in step 21's row); killed after step 27, last record at t=20
+    first = Attempt(started_at=0.0, resumed_from=0, first_step=Sums(at=2.0), step=27,
+                    marks={0: Sums(at=2.0), 10: Sums(at=6.0, data_wait_s=0.2, compute_s=3.5, checkpoint_s=0.1),
+                           20: Sums(at=10.0, data_wait_s=0.4, compute_s=7.0, checkpoint_s=0.2)},
+                    now=Sums(at=20.0, data_wait_s=0.6, compute_s=9.5, checkpoint_s=4.3))
+    # attempt 2: requeued, its process starts at t=26 (6 s nobody trained), resumes from step 20's checkpoint,
+    # first step at t=29, trains to the end (t=40) and validates for 1.5 s
+    second = Attempt(started_at=26.0, resumed_from=20, first_step=Sums(at=29.0), step=40,
+                     marks={20: Sums(at=29.0)}, now=Sums(at=40.0, data_wait_s=0.5, compute_s=9.0, checkpoint_s=0.3),
+                     evaluation_s=1.5, ended_at=41.5)
+    got = split([second, first])  # in any order
+    assert got.attempts == 2 and got.total_s == pytest.approx(41.5)
+    assert got.startup_s == pytest.approx(2.0 + 3.0)
+    assert got.restart_s == pytest.approx(26.0 - 20.0)
+    assert got.redone_s == pytest.approx(20.0 - 10.0)  # steps 21-27 (the slow checkpoint's stall among them)
+    assert got.checkpoint_s == pytest.approx(0.2 + 0.3)  # the slow stall went with the redone steps
+    assert got.compute_s == pytest.approx(7.0 + 9.0) and got.data_wait_s == pytest.approx(0.4 + 0.5)
+    assert got.evaluation_s == pytest.approx(1.5)
+    named = (got.compute_s + got.startup_s + got.data_wait_s + got.checkpoint_s + got.evaluation_s + got.restart_s
+             + got.redone_s + got.other_s)
+    assert named == pytest.approx(got.total_s)
+    assert got.goodput == pytest.approx(16.0 / 41.5)
+    line = got.line()
+    assert line.startswith("goodput 39% (badput: redone 24%, restart 14%, start-up 12%") and line.endswith(
+        "2 attempts")
+
+
+def test_a_slow_checkpoint_in_the_kept_steps_is_a_checkpoint_stall_and_a_resume_past_the_last_record_redoes_nothing():
+    # a time-limit stop: the checkpoint of step 30 is written, the attempt stops before its record of step 30
+    stopped = Attempt(started_at=0.0, resumed_from=0, first_step=Sums(at=1.0), step=29, marks={},
+                      now=Sums(at=30.0, data_wait_s=1.0, compute_s=20.0, checkpoint_s=6.0))
+    resumed = Attempt(started_at=31.0, resumed_from=30, first_step=Sums(at=32.0), step=40, marks={},
+                      now=Sums(at=40.0, compute_s=7.0), ended_at=40.0)
+    got = split([stopped, resumed])
+    assert got.redone_s == 0 and got.checkpoint_s == pytest.approx(6.0) and got.compute_s == pytest.approx(27.0)
+    assert got.restart_s == pytest.approx(1.0)
