@@ -49,8 +49,17 @@ def test_training_resumes_from_checkpoints_mirrored_to_s3(server_cli: Cli, data_
                             start_new_session=True)
     deadline = time.monotonic() + 600
     work = "compass-resume/runs/.work/pretrain/stage1-*"
-    while not (fs.glob(f"{work}/checkpoints/step-00000200/checksums.json")  # the newest; step 100's export moved
-               and fs.glob(f"{work}/evaluation-pending/step-00000100/checksums.json")):
+
+    def mirrored(folder: str) -> set[int]:
+        found = fs.glob(f"{work}/{folder}/step-*/checksums.json")
+        return {int(p.rsplit("/", 2)[-2].removeprefix("step-")) for p in found}
+
+    def killable() -> bool:
+        """A checkpoint at step 200 or later mirrored, with the exports keep_last pruned before it (100, ...)."""
+        newest = max(mirrored("checkpoints"), default=0)
+        return newest >= 200 and set(range(100, newest, 100)) <= mirrored("evaluation-pending")
+
+    while not killable():
         fs.invalidate_cache()  # s3fs caches listings; we are watching another process's writes
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before a checkpoint was mirrored"
         time.sleep(0.5)
