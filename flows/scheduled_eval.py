@@ -66,7 +66,6 @@ def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], benchmarks:
     from compass.tasks.evaluation.checkpoint_job import CheckpointEvaluation, evaluate
 
     spec_how = How.model_validate(how) if how else None
-    cluster = spec_how.orchestration.cluster if spec_how else None
     store = Store(store_root)
     target = result_path(store, suite, checkpoint)
     key = f"evaluations/{suite[:12]}/{checkpoint['weights_sha256'][:20]}"
@@ -77,7 +76,7 @@ def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], benchmarks:
                                    benchmarks=[Benchmark.model_validate(b) for b in benchmarks], how=spec_how)
         log = get_run_logger()
         try:
-            return evaluate(job, log, cluster.shared_root if cluster else None)
+            return evaluate(job, log)
         except Exception:
             if not checkpoint.get("copy"):
                 raise
@@ -88,7 +87,7 @@ def evaluate_checkpoint(store_root: str, checkpoint: dict[str, Any], benchmarks:
                 raise
             log.info("%s moved into its committed artifact: evaluating it there", checkpoint["copy"])
             return evaluate(job.model_copy(update={"checkpoint": committed | {"tokens": checkpoint.get("tokens")}}),
-                            log, cluster.shared_root if cluster else None)
+                            log)
 
 
 # log_prints off, as in the lifecycle: a library's print (dill disassembling a function into a stdout it captures)

@@ -43,16 +43,15 @@ class CheckpointEvaluation(BaseModel):
     how: How | None = None  # the spec's: device, precision, kernels (None: this process's CPU in fp32)
 
 
-def evaluate(job: CheckpointEvaluation, log: logging.Logger | logging.LoggerAdapter,
-             shared_root: str | None = None) -> dict[str, Any]:
-    """The result record, computed here, or by a Slurm job when the spec has a cluster (its work folder under
-    `shared_root`)."""
+def evaluate(job: CheckpointEvaluation, log: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+    """The result record, computed here, or by a Slurm job when the spec has a cluster (its work folder on the
+    cluster's shared root)."""
     cluster = job.how.orchestration.cluster if job.how else None
     if cluster is None:
         return score(job)
     from compass.infra.slurm import SlurmJobFailed, request_for, run_on_slurm
 
-    store = Store(job.store_root, shared_root or cluster.shared_root)
+    store = Store(job.store_root, cluster.shared_root)
     sha = job.checkpoint["weights_sha256"]
     work = store.work_dir("evaluations", job.suite[:12], sha)
     work.mkdir(parents=True, exist_ok=True)
