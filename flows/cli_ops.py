@@ -206,7 +206,8 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
 @ops.command()
 def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 10,
            as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """Recent lifecycle runs on the server: state, current step, store location."""
+    """Recent lifecycle runs on the server: state, current step, goodput (the share of its steps' time spent
+    computing, and the largest badput), store location."""
     need_server("compass status")
     from compass.flows.recent_runs import recent_runs
 
@@ -218,9 +219,9 @@ def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 1
     from rich.table import Table
 
     table = Table(title="compass runs", title_justify="left")
-    for col in ("run", "state", "started", "step", "done", "store", "deployment"):
+    for col in ("run", "state", "started", "step", "done", "goodput", "store", "deployment"):
         table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(*(escape(str(value)) for value in (r.name, r.state, r.started, r.current_step, r.steps_done,
-                                                         r.store, r.deployment)))
+                                                         r.goodput_cell(), r.store, r.deployment)))
     out.print(table)

@@ -116,7 +116,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                       stage_rows,
                       [f"6·N·D + attention (PaLM); {hw.accelerator} at {hw.peak:g} TFLOP/s per {unit}, assumed MFU "
                        f"{hw.assumed_mfu:.0%}; each phase on its own {unit}s (how.resources)"])
-    sections = [params, placement_section(spec), orchestration_section(spec), compute, training_core_section(spec)]
+    sections = [params, placement_section(spec), orchestration_section(spec), compute, goodput_section(spec),
+                training_core_section(spec)]
     if (fence := fence_section(spec)) is not None:
         sections.append(fence)
     from compass.specs.scaling import step_shapes
@@ -264,6 +265,40 @@ def training_core_section(spec: TrainingSpec) -> Section:
                                else "")]]
     return Section("Training core", ["setting", "value"], rows,
                    ["packed documents are kept apart by position ids: no dense attention mask"])
+
+
+def goodput_section(spec: TrainingSpec) -> Section:
+    """Each training stage's predicted goodput: the causes a run's ledger measures (`compass status`, the step's
+    manifest), predicted from the checkpoint cadence and how.hardware's reliability numbers."""
+    from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
+
+    hw = spec.how.hardware
+
+    def share(seconds: float, total: float) -> str:
+        return f"{duration(seconds)} ({seconds / total:.1%})" if total > 0 else "-"
+
+    rows = [[p.stage, duration(p.compute_s), share(p.startup_s, p.total_s),
+             f"{p.checkpoints:,}: " + share(p.checkpoint_s, p.total_s),
+             f"{p.interruptions:.2g}" if p.interruptions >= 0.01 else "<0.01",
+             share(p.restart_s, p.total_s), share(p.redone_s, p.total_s), f"{p.goodput:.1%}"]
+            for p in predicted_splits(spec)]
+    asynchronous = spec.how.checkpoints.asynchronous
+    return Section("Goodput (predicted)", ["stage", "compute", "start-up", "checkpoints", "interruptions", "restarts",
+                                           "redone", "goodput"], rows,
+                   [(f"a checkpoint stalls for the copy of a rank's state to host memory (~{HOST_COPY_GBPS:g} GB/s)"
+                     if asynchronous else "a checkpoint stalls for its whole write")
+                    + f" at {hw.checkpoint_write_gbps:g} GB/s per node; {hw.node_failures_per_day:g} interruptions "
+                    f"per node-day, each {duration(hw.requeue_s)} to requeue, {duration(hw.startup_estimate_s)} of "
+                    "start-up and half a checkpoint interval redone (how.hardware); a run measures its own: "
+                    "`compass status`"])
+
+
+def duration(seconds: float) -> str:
+    """Seconds as the largest unit that reads well: 45 s, 12 min, 3.2 h, 4.1 d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size * (2 if unit == "d" else 1):
+            return f"{seconds / size:.2g} {unit}" if seconds / size < 100 else f"{seconds / size:,.0f} {unit}"
+    return f"{seconds:.2g} s" if seconds >= 1 else "<1 s"
 
 
 def evaluates_every_export(spec: TrainingSpec) -> bool:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from compass.model.training.records import CAUSES, GOODPUT_TABLE, GoodputSplit
 
 LIFECYCLE_FLOW = "compass-lifecycle"
 
@@ -18,9 +21,21 @@ class RunRow:
     steps_done: int
     store: str
     deployment: str
+    goodput: GoodputSplit | None = None  # the run's training, post-training and evaluation steps, summed
+    goodput_steps: int = 0  # how many steps it sums (those that ran in this run, not the cached)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"goodput": self.goodput.model_dump(mode="json") if self.goodput else None}
+
+    def goodput_cell(self) -> str:
+        """`81% (start-up 9%), 4 steps`: the share of the time spent computing and the largest badput."""
+        if self.goodput is None:
+            return "-"
+        g = self.goodput
+        cause = max(CAUSES, key=lambda c: getattr(g, f"{c}_s"))
+        share = getattr(g, f"{cause}_s") / g.total_s if g.total_s > 0 else 0.0
+        return (f"{g.goodput:.0%}" + (f" ({cause.replace('_', ' ')} {share:.0%})" if share >= 0.005 else "")
+                + f", {self.goodput_steps} step{'s' * (self.goodput_steps != 1)}")
 
 
 def recent_runs(limit: int = 10) -> list[RunRow]:
@@ -35,14 +50,40 @@ def recent_runs(limit: int = 10) -> list[RunRow]:
         rows = []
         for run in runs:
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+            splits = _goodput_splits(client, run.id)
             rows.append(RunRow(
                 id=str(run.id), name=run.name, state=run.state.name if run.state else "Pending",
                 started=f"{run.start_time:%Y-%m-%d %H:%M:%S}" if run.start_time else "-",
                 current_step=_current_step(tasks),
                 steps_done=sum(t.state_type is not None and t.state_type.value == "COMPLETED" for t in tasks),
                 store=str(run.parameters.get("store_root") or "-"),
-                deployment=deployments.get(run.deployment_id, "-") if run.deployment_id else "-"))
+                deployment=deployments.get(run.deployment_id, "-") if run.deployment_id else "-",
+                goodput=summed(splits), goodput_steps=len(splits)))
         return rows
+
+
+def _goodput_splits(client: Any, run_id: Any) -> list[GoodputSplit]:
+    """The splits the run's steps published (their `goodput` table artifacts: only steps that ran publish one)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(like_=f"%-{GOODPUT_TABLE}-%")))
+    splits = []
+    for artifact in artifacts:
+        rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        for row in rows if isinstance(rows, list) else []:
+            if isinstance(row, dict) and {"total_s", "compute_s"} <= row.keys():
+                splits.append(GoodputSplit.model_validate({k: v for k, v in row.items() if k != "goodput"}))
+    return splits
+
+
+def summed(splits: list[GoodputSplit]) -> GoodputSplit | None:
+    """Several steps' splits as one: their seconds by cause, added."""
+    if not splits:
+        return None
+    fields = [f for f in GoodputSplit.model_fields if f != "attempts"]
+    return GoodputSplit(**{f: sum(getattr(s, f) for s in splits) for f in fields},
+                        attempts=sum(s.attempts for s in splits))
 
 
 def _current_step(tasks: list[Any]) -> str:

@@ -42,7 +42,9 @@ class Hardware(SpecModel):
     field_identity: ClassVar[dict[str, Identity]] = {
         "accelerator": "numerics", "devices_per_node": "numerics", "nodes": "numerics", "peak_tflops": "placement",
         "assumed_mfu": "placement", "hosts": "placement", "launcher": "placement", "cpus_per_node": "placement",
-        "rendezvous_port": "placement", "internode_busbw_gbps": "placement", "target_days": "placement"}
+        "rendezvous_port": "placement", "internode_busbw_gbps": "placement", "target_days": "placement",
+        "checkpoint_write_gbps": "placement", "node_failures_per_day": "placement", "requeue_s": "placement",
+        "startup_s": "placement"}
 
     accelerator: Accelerator = Field(
         default="cpu", description="cpu, or the GPU model: steps then use CUDA, and the plan its peak TFLOP/s and "
@@ -69,10 +71,29 @@ class Hardware(SpecModel):
                                    "~100 on 8x400 Gb/s InfiniBand or EFA): the planner's communication estimate.")
     target_days: PositiveFloat | None = Field(
         default=None, description="Wall time the run must fit in: `compass plan` says how many GPUs that takes.")
+    checkpoint_write_gbps: PositiveFloat = Field(
+        default=5.0, description="Write bandwidth of a node to the checkpoint storage, GB/s: the planner's checkpoint "
+                                 "stalls (its predicted goodput).")
+    node_failures_per_day: NonNegativeFloat = Field(
+        default=0.004, description="Interruptions per node and day the planner expects (Llama 3's pretraining: 419 "
+                                   "in 54 days on 2,048 nodes, ~0.004): its predicted restarts and redone work.")
+    requeue_s: NonNegativeFloat = Field(
+        default=600.0, description="Seconds from an interruption to the job running again (Slurm's requeue, a node "
+                                   "replaced), for the predicted goodput.")
+    startup_s: NonNegativeFloat | None = Field(
+        default=None, description="Seconds from a job's start to its first step (imports, the process group, "
+                                  "loading the checkpoint), for the predicted goodput. None: 180 on GPU nodes, 10 "
+                                  "on CPU.")
 
     @property
     def total_devices(self) -> int:
         return self.devices_per_node * self.nodes
+
+    @property
+    def startup_estimate_s(self) -> float:
+        if self.startup_s is not None:
+            return self.startup_s
+        return 10.0 if self.accelerator == "cpu" else 180.0
 
     @property
     def peak(self) -> float:

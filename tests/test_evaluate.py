@@ -130,6 +130,21 @@ def test_every_model_step_gets_its_evaluation(evaluated):
     assert seen[0] < seen[1]
 
 
+def test_an_evaluation_step_says_where_its_time_went(evaluated):
+    """Scoring (lighteval's evaluation, the held-out losses) is the step's goodput; loading each of its three
+    checkpoints and preparing the benchmarks its start-up; the buckets add up to the step's time, under its
+    manifest's duration (which also holds the commit)."""
+    step = evaluated["evaluate:pretrain-stage1"]
+    split = step.manifest.metrics["goodput"]
+    assert split["attempts"] == 1 and split["compute_s"] > 0 and split["startup_s"] > 0
+    assert split["restart_s"] == split["redone_s"] == split["checkpoint_s"] == 0
+    named = sum(split[f"{c}_s"] for c in ("compute", "startup", "data_wait", "checkpoint", "evaluation", "restart",
+                                          "redone", "other"))
+    assert named == pytest.approx(split["total_s"]) and split["total_s"] <= step.manifest.duration_s
+    summary = (Path(step.uri) / "summary.md").read_text()
+    assert f"goodput {split['compute_s'] / split['total_s']:.0%}" in summary
+
+
 def test_every_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
     from PIL import Image
 

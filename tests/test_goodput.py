@@ -47,3 +47,65 @@ def test_a_slow_checkpoint_in_the_kept_steps_is_a_checkpoint_stall_and_a_resume_
     got = split([stopped, resumed])
     assert got.redone_s == 0 and got.checkpoint_s == pytest.approx(6.0) and got.compute_s == pytest.approx(27.0)
     assert got.restart_s == pytest.approx(1.0)
+
+
+class Clock:
+    """time.time() for the ledger, moved by the test."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_a_trl_step_s_slow_checkpoint_and_restart_land_in_their_buckets(tmp_path, monkeypatch):
+    """The TRL ledger on the Trainer's callbacks: a batch fetched before `on_step_begin` is waiting for data, a
+    save between `on_step_end` and `on_save` the checkpoint; a second attempt resuming from step 2's checkpoint makes
+    the gap a restart and step 3 (computed after that checkpoint) redone work."""
+    from types import SimpleNamespace
+
+    from compass.model.training import goodput
+    from compass.tasks.post_training import trl_goodput
+    from compass.tasks.post_training.trl_goodput import TrlGoodput
+
+    clock = Clock(100.0)
+    monkeypatch.setattr(trl_goodput, "time", clock)
+    monkeypatch.setattr(goodput, "time", clock)
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+
+    def step(data_s: float, compute_s: float, save_s: float | None = None) -> None:
+        clock.now += data_s
+        ledger.on_step_begin(None, state, None)
+        clock.now += compute_s
+        state.global_step += 1
+        ledger.on_step_end(None, state, None)
+        if save_s is not None:
+            clock.now += save_s
+            ledger.on_save(None, state, None)
+
+    ledger = TrlGoodput(tmp_path, started_at=90.0)  # 10 s of start-up before training begins
+    clock.now = 100.0
+    ledger.on_train_begin(None, state, None)
+    step(0.5, 2.0)
+    step(0.5, 2.0, save_s=6.0)  # a slow checkpoint at step 2
+    step(0.5, 2.0)  # step 3, then the process is killed (its last record is at 113.5)
+    clock.now = 120.0  # requeued: the next attempt's process starts 6.5 s later, resumes from step 2
+    state.global_step = 2
+    ledger = TrlGoodput(tmp_path, started_at=120.0)
+    clock.now = 124.0
+    ledger.on_train_begin(None, state, None)
+    step(0.5, 2.0)
+    step(0.5, 2.0, save_s=1.0)
+    clock.now += 0.5  # the final save
+    got = ledger.finish()
+    assert got is not None and got.attempts == 2 and got.total_s == pytest.approx(130.5 - 90.0)
+    assert got.startup_s == pytest.approx(10.0 + 4.0)
+    assert got.restart_s == pytest.approx(120.0 - 113.5)
+    assert got.redone_s == pytest.approx(2.5)  # step 3 of the first attempt
+    assert got.checkpoint_s == pytest.approx(6.0 + 1.0)
+    assert got.compute_s == pytest.approx(4 * 2.0) and got.data_wait_s == pytest.approx(4 * 0.5)
+    assert got.other_s == pytest.approx(0.5)
+    other_rank = TrlGoodput(tmp_path / "rank1", started_at=0.0)
+    other_rank.on_train_begin(None, SimpleNamespace(global_step=0, is_world_process_zero=False), None)
+    assert other_rank.finish() is None and not (tmp_path / "rank1").exists()  # rank 0 alone keeps the record

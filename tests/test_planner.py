@@ -99,6 +99,9 @@ def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
     assert pretraining == pytest.approx(25, rel=0.10)  # published: 24 days on 384 H100s
     long_context = float(compute["long_context:ctx32k"][days]) + float(compute["long_context:ctx64k"][days])
     assert 5 < long_context < 20  # 99B tokens at 32-64k on 24 GPUs
+    predicted = {row[0]: row for row in sections["Goodput (predicted)"]["rows"]}
+    assert set(predicted) == set(compute) - {"total"}  # every training stage
+    assert all(90 < float(row[-1].rstrip("%")) < 100 for row in predicted.values())
 
 
 @pytest.mark.parametrize("command", ["validate", "plan"])
@@ -110,3 +113,33 @@ def test_checking_and_planning_a_cpu_spec_load_no_model_library(command: str, tm
                            str(EXAMPLES / "tiny.yaml")], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(record.read_text())["heavy_modules"] == []
+
+
+def with_how(spec, section: str, **changes):
+    """The spec with fields of one how section changed."""
+    how = spec.how.model_copy(update={section: getattr(spec.how, section).model_copy(update=changes)})
+    return spec.model_copy(update={"how": how})
+
+
+def test_the_predicted_goodput_counts_checkpoints_interruptions_and_their_costs(smollm3):
+    """The plan's predicted split of each training stage (the causes a run's ledger measures): SmolLM3's stage 1,
+    3.45M steps checkpointed every 2,000 on 48 nodes for ~18 days, expects ~3.5 interruptions at 0.004 per node-day;
+    twice the failure rate doubles them and their restarts; synchronous checkpoints stall for the whole write."""
+    from compass.specs.costs import stage_costs
+    from compass.specs.goodput_plan import predicted_splits
+
+    splits = {p.stage: p for p in predicted_splits(smollm3)}
+    assert set(splits) == {f"{c.section}:{c.name}" for c in stage_costs(smollm3)}
+    cost = next(c for c in stage_costs(smollm3) if c.name == "stage1")
+    stage1 = splits["pretrain:stage1"]
+    assert stage1.compute_s == pytest.approx(cost.gpu_hours / 384 * 3600)
+    batch = smollm3.what.pretraining.stages[0].global_batch_size * cost.seq_len
+    assert stage1.checkpoints == -(-int(cost.tokens // batch) // smollm3.how.checkpoints.every_steps)
+    assert stage1.interruptions == pytest.approx((stage1.compute_s + stage1.checkpoint_s) / 86400 * 48 * 0.004)
+    assert 2 < stage1.interruptions < 5 and 0.95 < stage1.goodput < 1
+    assert stage1.restart_s == pytest.approx(stage1.interruptions * smollm3.how.hardware.requeue_s)
+    flaky = {p.stage: p for p in predicted_splits(with_how(smollm3, "hardware", node_failures_per_day=0.008))}
+    assert flaky["pretrain:stage1"].interruptions == pytest.approx(2 * stage1.interruptions, rel=1e-3)
+    assert flaky["pretrain:stage1"].goodput < stage1.goodput
+    blocking = {p.stage: p for p in predicted_splits(with_how(smollm3, "checkpoints", asynchronous=False))}
+    assert blocking["pretrain:stage1"].checkpoint_s > 5 * stage1.checkpoint_s

@@ -249,6 +249,9 @@ def test_grpo_and_every_post_trained_model_is_exported_and_evaluated(post_traine
         assert [v["prompt"] for v in vibe] == ["What is 2 + 2?", "Say hello."]
         evaluation = post_trained[f"evaluate:post_train-{name}"].manifest
         assert evaluation.metrics["val_ppl:notes"] > 1 and evaluation.metrics["checkpoint"] == f"post_train:{name}"
+        split = post_trained[f"post_train:{name}"].manifest.metrics["goodput"]  # TRL's callbacks, one attempt
+        assert split["attempts"] == 1 and split["compute_s"] > 0 and split["startup_s"] > 0, (name, split)
+        assert split["restart_s"] == split["redone_s"] == 0
     history = (Path(post_trained["post_train:grpo"].uri) / "metrics.jsonl").read_text()
     rows = [json.loads(x) for x in history.splitlines()]
     assert {"stage1", "stage2", "mid", "sft", "apo", "grpo"} <= {r["stage"] for r in rows}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from compass.model.training.records import CAUSES
 from compass.tasks.post_training.trl_checkpoints import newest_complete
 from tests.conftest import REPO, TRL_CHECKPOINTS, seeded, write_minimal_spec
 
@@ -172,6 +173,11 @@ def test_two_ranks_resume_after_kill_9_to_the_undisturbed_weights(step: str, zer
     newest = newest_complete(next(store.rglob("trl-checkpoints")))
     resumed = run_steps(spec, store, [step])[step]
     assert resumed.manifest.metrics["resumed_from_step"] == int(newest.name.split("-")[1])
+    # the goodput ledger saw both attempts: the time between the kill and the next start is restart time
+    split, whole = resumed.manifest.metrics["goodput"], undisturbed.manifest.metrics["goodput"]
+    assert split["attempts"] == 2 and split["restart_s"] > 0 and split["startup_s"] > 0 and split["compute_s"] > 0
+    assert whole["attempts"] == 1 and whole["restart_s"] == whole["redone_s"] == 0 and whole["checkpoint_s"] > 0
+    assert sum(split[f"{c}_s"] for c in CAUSES) + split["compute_s"] == pytest.approx(split["total_s"])
     got, want = weights(resumed), weights(undisturbed)
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
     assert losses(resumed) == losses(undisturbed)  # the metrics history of the attempts before the kill is kept

@@ -344,6 +344,16 @@ def test_status_shows_the_run_its_last_step_and_store(production: Production):
     assert row["state"] == "Completed" and row["store"] == ROOT and row["deployment"] == "lifecycle"
     assert row["current_step"] == "report:success" or row["current_step"].startswith(("curves:", "evaluate:"))
     assert row["steps_done"] >= 40
+    # goodput: the splits of every step that trained, post-trained or evaluated in the run (it computed them all)
+    splits = {step: m["metrics"]["goodput"] for step, m in production.manifests().items()
+              if m["metrics"].get("goodput")}
+    assert {"pretrain", "long_context", "post_train", "evaluate"} <= {step.split(":")[0] for step in splits}
+    assert row["goodput_steps"] == len(splits)
+    for seconds in ("total_s", "compute_s"):  # (the table rounds each step's to 10 ms)
+        summed = sum(s[seconds] for s in splits.values())
+        assert row["goodput"][seconds] == pytest.approx(summed, abs=0.01 * len(splits))
+    shown = production.cli("status").stdout
+    assert "goodput" in shown and f"{row['goodput']['compute_s'] / row['goodput']['total_s']:.0%}" in shown
 
 
 def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Production):

@@ -88,6 +88,58 @@ def split(attempts: list[Attempt]) -> GoodputSplit:
                         other_s=max(0.0, total - named), attempts=len(ordered))
 
 
+WRITE_EVERY_S = 1.0  # an attempt's record is rewritten at most this often (and at each checkpoint)
+
+
+class AttemptFile:
+    """Rank 0's record of this attempt in a goodput folder (`attempt-<start>.json`, replaced atomically): what the
+    compass trainer's ledger and the TRL steps' keep."""
+
+    def __init__(self, folder: Path, started_at: float):
+        self.folder = folder
+        self.started_at = started_at
+        self.path = folder / f"attempt-{int(started_at * 1e6):020d}.json"
+        self.attempt: Attempt | None = None  # None until training starts, and on ranks other than 0
+        self.written = 0.0
+
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) at `step`: its first step begins now."""
+        now = time.time()
+        self.attempt = Attempt(started_at=self.started_at, resumed_from=step, first_step=Sums(at=now),
+                               now=Sums(at=now), step=step, marks={step: Sums(at=now)})
+        self.write()
+
+    def update(self, **changes: object) -> None:
+        assert self.attempt is not None
+        self.attempt = self.attempt.model_copy(update=changes)
+
+    def write(self) -> None:
+        assert self.attempt is not None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(self.attempt.model_dump_json())
+        tmp.replace(self.path)
+        self.written = time.time()
+
+    def due(self) -> bool:
+        return time.time() - self.written >= WRITE_EVERY_S
+
+    def finish(self, evaluation_s: float = 0.0) -> GoodputSplit | None:
+        """The work ended (trained, saved, validated): the split over every attempt (None on other ranks)."""
+        if self.attempt is None:
+            return None
+        self.update(evaluation_s=evaluation_s, ended_at=time.time())
+        self.write()
+        return split(read_attempts(self.folder))
+
+    def live(self) -> GoodputSplit | None:
+        """The split so far, this attempt included."""
+        if self.attempt is None:
+            return None
+        others = [a for a in read_attempts(self.folder) if a.started_at != self.started_at]
+        return split([*others, self.attempt])
+
+
 def read_attempts(folder: Path) -> list[Attempt]:
     """Every attempt's record in a goodput folder (one being rewritten is read from its last complete version)."""
     return [Attempt.model_validate_json(p.read_text()) for p in sorted(folder.glob("attempt-*.json"))]

@@ -167,6 +167,19 @@ class GoodputSplit(BaseModel):
         return (f"goodput {self.goodput:.0%}" + (f" (badput: {causes})" if causes else "")
                 + f", {self.attempts} attempt{'s' * (self.attempts != 1)}")
 
+    def row(self) -> dict[str, float | int]:
+        """The split as one table row (the step's `goodput` table artifact, which `compass status` reads)."""
+        return {"goodput": round(self.goodput, 4), **{k: round(v, 2) if isinstance(v, float) else v
+                                                      for k, v in self.model_dump().items()}}
+
+
+GOODPUT_TABLE = "goodput"  # the table artifact of a step's split, in the UI and read by `compass status`
+
+
+def goodput_table(split: GoodputSplit | None) -> dict[str, list[dict[str, float | int]]]:
+    """A step's tables entry for its split (none without one)."""
+    return {GOODPUT_TABLE: [split.row()]} if split is not None else {}
+
 
 class TrainResult(BaseModel):
     """A finished stage: steps, tokens, final training loss, validation loss per source, where it resumed from,

@@ -19,7 +19,7 @@ from pathlib import Path
 from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtifact, WorkFolder
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
-from compass.model.training.records import MetricsRow, TrainResult, read_metrics, write_metrics
+from compass.model.training.records import MetricsRow, TrainResult, goodput_table, read_metrics, write_metrics
 from compass.specs.how import Shape, SlurmCluster
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.data.tokenizer_files import tokenizer_ids
@@ -251,4 +251,4 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
                     f"{event.cause}. {event.remedy}.")
     table = [{"step": r.step, "loss": round(r.loss, 4), "lr": r.lr, "grad_norm": round(r.grad_norm or 0.0, 3)}
              for r in rows[:: max(1, len(rows) // 20)]]
-    return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
+    return StepResult(metrics=metrics, summary=summary, tables={"loss": table, **goodput_table(result.goodput)})

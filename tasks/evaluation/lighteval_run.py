@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
                    data_parallel: bool) -> BenchmarkScores:
     from compass.infra.lighteval_compat import install
 
+    started = time.perf_counter()
     install()
     import torch
     from lighteval.logging.evaluation_tracker import EvaluationTracker
@@ -80,6 +82,7 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
         by_limit.setdefault(t.limit, []).append(t)
     results: dict[str, dict[str, float]] = {}
     items: dict[str, list[ItemScore]] = {}
+    score_s = 0.0
     for limit, group in by_limit.items():
         launcher = ParallelismManager.ACCELERATE if data_parallel else ParallelismManager.NONE
         params = PipelineParameters(launcher_type=launcher, custom_tasks_directory=str(module), max_samples=limit)
@@ -98,6 +101,7 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
         names = {_pipeline_task(t): t.key for t in group}
         pipeline = Pipeline(tasks=",".join(names), pipeline_parameters=params, evaluation_tracker=tracker,
                             model_config=config)
+        scoring = time.perf_counter()
         try:
             with torch.no_grad():  # lighteval relies on grad being off process-wide; a step runs with it on
                 pipeline.evaluate()
@@ -107,6 +111,7 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
             raise RuntimeError(f"{', '.join(names.values())} on {model_dir}: lighteval cannot score an answer longer "
                                f"than the model's context ({_context_length(model_dir)} tokens): evaluate these "
                                "benchmarks on a model with a longer context, or in multiple-choice form (mcf)") from exc
+        score_s += time.perf_counter() - scoring
         by_task = {_task_and_shots(k): v for k, v in names.items()}
         for key, metrics in pipeline.get_results()["results"].items():
             if key == "all":
@@ -119,7 +124,8 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
             if _task_and_shots(key) in by_task:
                 scored = (item_score(d.doc, d.model_response, d.metric) for d in details)
                 items[by_task[_task_and_shots(key)]] = sorted(scored, key=lambda i: (len(i.item), i.item))
-    return BenchmarkScores(results=results, provenance=provenance, items=items)
+    return BenchmarkScores(results=results, provenance=provenance, items=items, score_s=score_s,
+                           load_s=time.perf_counter() - started - score_s)
 
 
 def _vllm_config(model_dir: Path, where: Device, how: How) -> Any:

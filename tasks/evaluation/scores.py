@@ -31,6 +31,8 @@ class BenchmarkScores(BaseModel):
     results: dict[str, dict[str, float]] = Field(default_factory=dict)  # lighteval's aggregates, stderr included
     provenance: list[dict[str, Any]] = Field(default_factory=list)
     items: dict[str, list[ItemScore]] = Field(default_factory=dict)
+    load_s: float = 0.0  # the rest of lighteval's run: the benchmarks' data, the model's load, collecting results
+    score_s: float = 0.0  # lighteval's evaluation proper
 
 
 def item_score(doc: Any, response: Any, metrics: dict[str, Any]) -> ItemScore:

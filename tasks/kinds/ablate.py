@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
 from compass.model.training.job import StageRecipe
+from compass.model.training.records import goodput_table
 from compass.model.training.schedules import schedule_shape
 from compass.specs.ablation import AblationBaseline
 from compass.specs.architecture import Architecture
@@ -117,15 +118,16 @@ def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
     metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,
                **{f"val_loss:{source}": loss for source, loss in val.items()},
                "final_loss": result.final_loss, "tokens": result.tokens, "seed": cfg.seed,
-               "change": cfg.change, "setup": result.setup.model_dump(mode="json")}  # kernels, engine, precision
+               "change": cfg.change, "setup": result.setup.model_dump(mode="json"),  # kernels, engine, precision
+               "goodput": result.goodput.model_dump(mode="json") if result.goodput else None}
     if cfg.benchmarks:
         probes = _probe_evaluations(ctx, job.recipe.current.global_batch_size * job.recipe.current.sequence_length)
         metrics |= {k: v for k, v in probes[-1].items() if k != "tokens"} | {"probes": probes}
     shutil.copy(WorkFolder(ctx.workdir).metrics, ModelArtifact(ctx.out).metrics)
     shown = ", ".join(f"{m} {metrics[m]:.4f}" for m in cfg.metrics if isinstance(metrics.get(m), float))
     summary = (f"### ablation `{ctx.name}`\n\nchange {cfg.change or 'none (baseline)'}; {shown} after "
-               f"{result.tokens:,} tokens")
-    return StepResult(metrics=metrics, summary=summary)
+               f"{result.tokens:,} tokens" + (f"; {result.goodput.line()}" if result.goodput else ""))
+    return StepResult(metrics=metrics, summary=summary, tables=goodput_table(result.goodput))
 
 
 def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> list[dict[str, Any]]:

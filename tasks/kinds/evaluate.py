@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from compass.infra.layout import FINAL, HELDOUT, ModelArtifact
 from compass.model.training.history import kept_checkpoints, tokens_seen
+from compass.model.training.records import GoodputSplit, goodput_table
 from compass.model.training.trackers import Trackers
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
@@ -132,6 +134,8 @@ class ModelEvaluation:
     rows: list[dict[str, Any]]
     provenance: list[dict[str, Any]]
     items: dict[str, list[ItemScore]]
+    load_s: float = 0.0  # starting lighteval's ranks, preparing benchmarks, loading the model
+    score_s: float = 0.0  # scoring: lighteval's evaluation, held-out losses, passkey retrieval
 
 
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
@@ -149,11 +153,15 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
     metrics: dict[str, Any] = {}
     rows: list[dict] = []
     scores = BenchmarkScores()
+    load_s = score_s = 0.0
     if suite.benchmarks:
+        began = time.perf_counter()
         if lighteval is not None:
             scores = lighteval(model_dir, suite.benchmarks, scratch)
         else:
             scores = run_lighteval(model_dir, suite.benchmarks, scratch, where, how)
+        score_s += scores.score_s
+        load_s += time.perf_counter() - began - scores.score_s
         for name, values in scores.results.items():
             for metric, value in values.items():
                 if not metric.endswith("_stderr"):
@@ -166,11 +174,15 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
         register()
 
         device = torch.device(where.device if where else "cpu")
+        began = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=DOCUMENT_SDPA,
                                                      dtype=getattr(torch, where.dtype if where else "float32"))
         model.to(device)
+        loaded = time.perf_counter()
         losses = heldout_losses(model, sources, trained_length(model.config), masking=True,
                                 device=device)
+        load_s += loaded - began
+        score_s += time.perf_counter() - loaded
         for name, loss in losses.items():
             metrics[f"val_loss:{name}"] = loss
             metrics[f"val_ppl:{name}"] = math.exp(loss)
@@ -180,9 +192,11 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
         from compass.model.training.token_files import TokenizedSource
         from compass.tasks.evaluation.retrieval import passkey_accuracy
 
+        began = time.perf_counter()
         text = TokenizedSource(haystack, HELDOUT).tokens
         cells = passkey_accuracy(model_dir, np.asarray(text), retrieval.lengths, retrieval.depths, retrieval.samples,
                                  where=where)
+        score_s += time.perf_counter() - began
         for length in retrieval.lengths:
             at = [c for c in cells if c["length"] == length]
             if not at:
@@ -192,12 +206,13 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
                 metrics[f"passkey@{length}/depth{c['depth']}"] = float(c["accuracy"])
                 rows.append({"task": f"passkey {length} tokens, depth {c['depth']}", "metric": "accuracy",
                              "value": c["accuracy"], "stderr": ""})
-    return ModelEvaluation(metrics, rows, scores.provenance, scores.items)
+    return ModelEvaluation(metrics, rows, scores.provenance, scores.items, load_s, score_s)
 
 
 def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     """Evaluate the model step's final weights, and with `every_checkpoint` each checkpoint it kept: the
     points of the evaluation curves (metric against tokens seen)."""
+    started = time.perf_counter()
     suite = ctx.config.suite
     model = ctx.inputs["model"]
     model_folder = model.local()
@@ -210,26 +225,41 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
                            where, ctx.runtime.how, lighteval)
     final_metrics = final.metrics
     curve = []
+    evaluated = [final]
     if ctx.config.every_checkpoint:
         checkpoints = kept_checkpoints(model_folder)
         for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
-            values = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
-                                    ctx.runtime.how, lighteval).metrics
+            evaluated.append(evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
+                                            ctx.runtime.how, lighteval))
+            values = evaluated[-1].metrics
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
         curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})
     else:
         curve.append({"checkpoint": FINAL, "tokens": tokens_seen(model_folder), **final_metrics})
+    goodput = evaluation_split(evaluated, time.perf_counter() - started)
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
-               "curve": curve, "setup": setup_of(ctx.runtime.how)}
+               "curve": curve, "setup": setup_of(ctx.runtime.how), "goodput": goodput.model_dump(mode="json")}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
     if final.items:  # the final model's benchmark items as scored: what a paired verdict and a recount read
         (ctx.out / ITEMS).write_text(json.dumps({k: [i.model_dump() for i in v] for k, v in final.items.items()}))
     _to_tensorboard(ctx, model.step_id, curve)
     _to_trackers(ctx, curve)
     summary = (f"### evaluate `{model.step_id}`\n\n{_shown(final_metrics)}\n\n"
-               f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}")
-    return StepResult(metrics=metrics, summary=summary, tables={"evaluation": final.rows}, provenance=final.provenance)
+               f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}; {goodput.line()}")
+    return StepResult(metrics=metrics, summary=summary, tables={"evaluation": final.rows, **goodput_table(goodput)},
+                      provenance=final.provenance)
+
+
+def evaluation_split(evaluated: list[ModelEvaluation], total_s: float) -> GoodputSplit:
+    """Where an evaluation step's time went: scoring is its goodput; starting ranks, preparing benchmarks and
+    loading each checkpoint its start-up; the rest (reading inputs, writing results) other. One attempt: a retried
+    evaluation scores again from the start."""
+    score = sum(e.score_s for e in evaluated)
+    load = sum(e.load_s for e in evaluated)
+    return GoodputSplit(total_s=total_s, compute_s=score, startup_s=load, data_wait_s=0.0, checkpoint_s=0.0,
+                        evaluation_s=0.0, restart_s=0.0, redone_s=0.0, other_s=max(0.0, total_s - score - load),
+                        attempts=1)
 
 
 def _lighteval_on_ranks(ctx: StepContext[EvaluateConfig], where: Device) -> Lighteval | None:

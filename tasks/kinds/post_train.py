@@ -10,6 +10,7 @@ vibe-check prompts so a person can read them in the UI."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from compass.infra.errors import DataError
 from compass.infra.layout import ModelArtifact, WorkFolder
 from compass.model.training.history import tokens_seen
-from compass.model.training.records import MetricsRow, read_metrics, write_metrics
+from compass.model.training.records import MetricsRow, goodput_table, read_metrics, write_metrics
 from compass.specs.base import Issue
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
 from compass.specs.sources import parse_source_uri
@@ -343,6 +344,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     from compass.tasks.post_training.trl_job import TrlJob, TrlResult
     from compass.tasks.post_training.trl_ranks import train
 
+    started = time.time()  # one rank trains in this process: its attempt starts with the step
     cfg = ctx.config
     method = cfg.method
     previous = ModelArtifact(ctx.inputs["previous"].local())
@@ -369,7 +371,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
         tokenizer.save_pretrained(str(work.trl_start))
     work.trl_result.unlink(missing_ok=True)
     if world == 1:
-        trainer, result = train(job, model, tokenizer, rows)
+        trainer, result = train(job, model, tokenizer, rows, started)
         trained = None if cfg.peft is not None else trainer.model
         del trainer
     else:
@@ -401,12 +403,14 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     metrics = {"method": method, "steps": result.global_step, "first_loss": logs[0]["loss"] if logs else None,
                "final_loss": logs[-1]["loss"] if logs else None,
                "tokens": metric_rows[-1].tokens - before if metric_rows else 0, "ranks": world,
-               "resumed_from_step": result.resumed_from, "setup": setup_of(ctx.runtime.how), **facts}
+               "resumed_from_step": result.resumed_from, "setup": setup_of(ctx.runtime.how), **facts,
+               "goodput": result.goodput.model_dump(mode="json") if result.goodput else None}
     shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
-                      if k != "setup")
-    summary = f"### {method} `{ctx.name}`\n\n{shown}" + (f"\n\n{vibe}" if vibe else "")
+                      if k not in ("setup", "goodput"))
+    summary = (f"### {method} `{ctx.name}`\n\n{shown}" + (f"; {result.goodput.line()}" if result.goodput else "")
+               + (f"\n\n{vibe}" if vibe else ""))
     table = [{"step": r.stage_step, "loss": round(r.loss, 4)} for r in metric_rows[:: max(1, len(metric_rows) // 20)]]
-    return StepResult(metrics=metrics, summary=summary, tables={"loss": table})
+    return StepResult(metrics=metrics, summary=summary, tables={"loss": table, **goodput_table(result.goodput)})
 
 
 TRL_RANKS_MODULE = "compass.tasks.post_training.trl_ranks"

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from compass.model.training.records import GoodputSplit
 from compass.model.training.trackers import TrackerRun
 from compass.specs.how import How
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
@@ -46,6 +47,7 @@ class TrlResult(BaseModel):
     global_step: int
     resumed_from: int | None  # the checkpoint's step this attempt resumed from
     facts: dict[str, Any] = {}
+    goodput: GoodputSplit | None = None  # where the step's wall time went, over every attempt (trl_goodput.py)
 
     def write(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")

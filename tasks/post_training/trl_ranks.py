@@ -15,8 +15,10 @@ from compass.infra.layout import WorkFolder
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
 from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, length_penalty
 from compass.tasks.post_training.trl_checkpoints import CompleteCheckpoints, newest_complete
+from compass.tasks.post_training.trl_goodput import TrlGoodput
 from compass.tasks.post_training.trl_job import TrlJob, TrlResult
 
+Rows = list[dict[str, Any]]  # a step's training rows: conversations, pairs or prompts
 SFT_SAMPLES = 8  # rows of what SFT trained on, kept with the artifact to compare with the template
 
 
@@ -89,8 +91,9 @@ def per_rank_batch(batch_size: int, world: int) -> int:
     return max(1, batch_size // world)
 
 
-def _callbacks(job: TrlJob) -> list[Any]:
-    out: list[Any] = [CompleteCheckpoints(WorkFolder(job.work).trl_checkpoints, job.how.checkpoints.keep_last)]
+def _callbacks(job: TrlJob, ledger: TrlGoodput) -> list[Any]:
+    # the ledger after CompleteCheckpoints: its barriers are part of the checkpoint's time
+    out: list[Any] = [CompleteCheckpoints(WorkFolder(job.work).trl_checkpoints, job.how.checkpoints.keep_last), ledger]
     if job.tensorboard is not None and _rank() == 0:
         from torch.utils.tensorboard import SummaryWriter
         from transformers.integrations import TensorBoardCallback
@@ -107,7 +110,7 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -115,7 +118,7 @@ def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, An
     args = SFTConfig(**common_args(job), max_length=section.max_length, packing=section.packing,
                      assistant_only_loss=section.assistant_only_loss, dataset_num_proc=None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                         callbacks=_callbacks(job))
+                         callbacks=_callbacks(job, ledger))
     facts: dict[str, Any] = {}
     if not section.packing:  # one row per conversation: the template's tokens, every system prompt in them
         from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
@@ -128,7 +131,7 @@ def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, An
     return trainer, facts
 
 
-def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict]:
+def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     from datasets import Dataset
 
     section: Preference = job.section
@@ -138,14 +141,14 @@ def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[
 
         args = DPOConfig(**common, loss_type=section.loss_type, beta=section.beta, max_length=section.max_length)
         trainer = DPOTrainer(model=model, ref_model=_reference(model), args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=tokenizer, callbacks=_callbacks(job))
+                             processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     elif section.method == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
         args = ORPOConfig(**common, beta=section.beta, max_length=section.max_length)
         trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                              processing_class=tokenizer, callbacks=_callbacks(job))
+                              processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     else:  # kto: unpaired, chosen answers desirable and rejected ones not
         from trl import KTOConfig, KTOTrainer
 
@@ -154,7 +157,7 @@ def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[
         args = KTOConfig(**common, beta=section.beta, max_length=section.max_length)
         trainer = KTOTrainer(model=model, ref_model=_reference(model), args=args,
                              train_dataset=Dataset.from_list(unpaired), processing_class=tokenizer,
-                             callbacks=_callbacks(job))
+                             callbacks=_callbacks(job, ledger))
     return trainer, {}
 
 
@@ -198,7 +201,7 @@ def require_vllm(step: str) -> None:
                            "(pip install vllm in the environment the steps run in, or use generation: transformers)")
 
 
-def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict]:
+def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -214,11 +217,11 @@ def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, A
                       use_vllm=vllm, vllm_mode="colocate", log_completions=False)
     rewards = reward_functions(section.verifier, tokenizer, section.length_penalty, section.target_length)
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=_callbacks(job))
+                          processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     return trainer, {}
 
 
-def distill_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, dict]:
+def distill_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     from datasets import Dataset
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -230,7 +233,7 @@ def distill_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str
     teacher, _ = load_chat_model(job.teacher)
     args = GKDConfig(**common_args(job), lmbda=section.lmbda, max_length=section.max_length, dataset_num_proc=None)
     trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tokenizer, callbacks=_callbacks(job))
+                         processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     return trainer, {"teacher_layers": teacher.config.num_hidden_layers,
                      "teacher_parameters": sum(p.numel() for p in teacher.parameters())}
 
@@ -239,10 +242,11 @@ TRAINERS = {"sft": sft_trainer, "dpo": preference_trainer, "orpo": preference_tr
             "kto": preference_trainer, "grpo": grpo_trainer, "distill": distill_trainer}
 
 
-def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[Any, TrlResult]:
+def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float) -> tuple[Any, TrlResult]:
     """Train on this rank (resuming from the newest complete checkpoint of an earlier attempt); with several ranks or
-    LoRA rank 0 saves the weights (the adapter) for the step to export; rank 0 writes the result. Returns (the
-    trainer, the result)."""
+    LoRA rank 0 saves the weights (the adapter) for the step to export; rank 0 writes the result, with where the
+    step's time went since `started_at` (this attempt's start; trl_goodput.py). Returns (the trainer, the
+    result)."""
     from compass.tasks.common.devices import Device, hf_attention
 
     work = WorkFolder(job.work)
@@ -256,7 +260,8 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -
         adapters = {"peft": job.section.peft.kind, "trainable_parameters": trainable, "total_parameters": total}
     else:
         adapters = {}
-    trainer, facts = TRAINERS[job.section.method](job, model, tokenizer, rows)
+    ledger = TrlGoodput(work.goodput, started_at)
+    trainer, facts = TRAINERS[job.section.method](job, model, tokenizer, rows, ledger)
     facts |= adapters
     if job.section.method != "grpo":  # GRPO batches whole groups of completions itself
         # every step is the whole global batch on any number of ranks (a short last batch would be padded with
@@ -267,16 +272,18 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except BaseException:
+        ledger.failed()
         for callback in trainer.callback_handler.callbacks:  # the tracker runs end as failed
             if hasattr(callback, "close_trackers"):
                 callback.close_trackers(failed=True)
         raise
     if trainer.is_deepspeed_enabled:  # the stage DeepSpeed's engine ran (what the spec asked for, or not)
         facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
-    result = TrlResult(log_history=trainer.state.log_history, global_step=trainer.state.global_step,
-                       resumed_from=int(resume.name.split("-")[-1]) if resume else None, facts=facts)
     if job.world > 1 or job.section.peft is not None:  # one full-weight rank: the step exports trainer.model
         trainer.save_model(str(work.trl_final))  # every rank calls it: DeepSpeed/FSDP gather the weights for rank 0
+    result = TrlResult(log_history=trainer.state.log_history, global_step=trainer.state.global_step,
+                       resumed_from=int(resume.name.split("-")[-1]) if resume else None, facts=facts,
+                       goodput=ledger.finish())
     if trainer.is_world_process_zero():
         result.write(work.trl_result)
     return trainer, result
@@ -285,6 +292,7 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: list[dict[str, Any]]) -
 def main(job_path: str) -> None:
     from compass.infra.die_with_parent import die_with_parent
     from compass.infra.environment import prepare_environment
+    from compass.model.training.goodput import process_start
     from compass.tasks.post_training.chat import load_chat_model
 
     die_with_parent()  # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
@@ -292,7 +300,7 @@ def main(job_path: str) -> None:
     job = TrlJob.read(Path(job_path))
     work = WorkFolder(job.work)
     model, tokenizer = load_chat_model(work.trl_start)
-    train(job, model, tokenizer, read_rows(work.trl_rows))
+    train(job, model, tokenizer, read_rows(work.trl_rows), process_start())
     from compass.model.training import collectives
 
     collectives.leave()
