@@ -39,3 +39,16 @@ def test_the_plan_guide_quotes_smollm3s_plan(smollm3):
     assert int(quoted(PLAN_GUIDE, r"SmolLM3-3B has ([\d,]+);").replace(",", "")) == parameters.total
     hours = sum(s.gpu_hours for s in costs.stage_costs(smollm3) if s.section in ("pretrain", "long_context"))
     assert int(quoted(PLAN_GUIDE, r"~(\d+)k H100-hours")) == round(hours / 1000)
+
+
+def test_the_plan_guide_quotes_smollm3s_scaling(smollm3):
+    """The GPU-count paragraph (it once said 25.5 days and 384 GPUs for a 26-day target; the planner says 25.0 and
+    376)."""
+    from compass.specs import scaling
+
+    days, _, _ = scaling.wall_days(smollm3, 384)
+    assert float(quoted(PLAN_GUIDE, r"it gives ([\d.]+) days on 384 H100s")) == round(days, 1)
+    gpus, target = quoted(PLAN_GUIDE, r"(\d+) GPUs for a (\d+)-day\s+target")
+    assert int(gpus) == scaling.gpus_for(smollm3, float(target))
+    batch = int(quoted(PLAN_GUIDE, r"the global batch \((\d+) sequences"))
+    assert batch == smollm3.what.pretraining.stages[0].global_batch_size
