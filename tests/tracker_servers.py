@@ -3,6 +3,7 @@ a temp folder, stopped by PID) and a reader of W&B's offline run files (the reco
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -24,7 +25,10 @@ def mlflow_server(folder: Path) -> Iterator[str]:
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination",
-         str(folder / "artifacts")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+         str(folder / "artifacts")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # no job runner: MLflow 3 starts Huey consumers for its GenAI jobs (each ~5 s of CPU), which tracking never
+        # uses (the suite started ~20 of them)
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     uri = f"http://127.0.0.1:{port}"
     try:
         try:
