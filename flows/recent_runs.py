@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from compass.model.training.records import CAUSES, GOODPUT_TABLE, GoodputSplit
+from compass.model.training.records import CAUSES, GOODPUT_TABLE, GoodputSplit, summed
 
 LIFECYCLE_FLOW = "compass-lifecycle"
 
@@ -76,14 +76,6 @@ def _goodput_splits(client: Any, run_id: Any) -> list[GoodputSplit]:
                 splits.append(GoodputSplit.model_validate({k: v for k, v in row.items() if k != "goodput"}))
     return splits
 
-
-def summed(splits: list[GoodputSplit]) -> GoodputSplit | None:
-    """Several steps' splits as one: their seconds by cause, added."""
-    if not splits:
-        return None
-    fields = [f for f in GoodputSplit.model_fields if f != "attempts"]
-    return GoodputSplit(**{f: sum(getattr(s, f) for s in splits) for f in fields},
-                        attempts=sum(s.attempts for s in splits))
 
 
 def _current_step(tasks: list[Any]) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from compass.infra.store import Store
+from compass.model.training.records import GoodputSplit, summed
 
 PLOTTING_KINDS = ("curves", "compare")  # the run-level plots (each training stage's loss.png sits in its step)
 
@@ -39,13 +40,19 @@ class RunOutcome(BaseModel):
     verdict: Verdict | None  # None: the run did not reach its success report (--until, or the spec has none)
     plots: tuple[str, ...]
     prefect_run: str | None  # the flow run's page in the Prefect UI
+    goodput: GoodputSplit | None = None  # the steps that trained or evaluated in this run (not the cached), summed
+    goodput_steps: int = 0
 
 
 def run_outcome(results: list[dict[str, Any]], store: Store, prefect_run: str | None = None) -> RunOutcome:
     """From the run's step results (flows/lifecycle.py: step id, uri, executed) and their committed manifests."""
-    verdict, plots = None, []
+    verdict, plots, splits = None, [], []
     for result in results:
         kind = result["step"].split(":", 1)[0]
+        if result["executed"]:
+            split = (store.read_manifest(result["uri"]).metrics or {}).get("goodput")
+            if split:
+                splits.append(GoodputSplit.model_validate(split))
         if kind == "report":
             metrics = store.read_manifest(result["uri"]).metrics or {}
             verdict = Verdict(passed=bool(metrics.get("passed")), report=f"{result['uri']}/report.json",
@@ -53,7 +60,8 @@ def run_outcome(results: list[dict[str, Any]], store: Store, prefect_run: str | 
         elif kind in PLOTTING_KINDS:
             plots += [f"{result['uri']}/{f.path}" for f in store.read_manifest(result["uri"]).files
                       if f.path.endswith(".png")]
-    return RunOutcome(verdict=verdict, plots=tuple(plots), prefect_run=prefect_run)
+    return RunOutcome(verdict=verdict, plots=tuple(plots), prefect_run=prefect_run, goodput=summed(splits),
+                      goodput_steps=len(splits))
 
 
 def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
@@ -68,6 +76,9 @@ def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
             measured = f"not measured ({c.note})" if c.measured is None else f"{c.measured:.4g}, {c.verdict}"
             lines.append(f"  {c.criterion} at {c.checkpoint}: {measured}")
         lines.append(f"report: {v.report}")
+    if outcome.goodput is not None:
+        n = outcome.goodput_steps
+        lines.append(f"time of the {n} step{'s' * (n != 1)} that trained or evaluated: {outcome.goodput.line()}")
     if outcome.plots:
         lines.append(f"plots: {', '.join(outcome.plots)}")
     if log:

@@ -117,8 +117,17 @@ def test_the_run_ends_with_the_verdict_its_numbers_and_where_the_report_and_plot
     assert lines[0] == f"success criteria {'MET' if row['verdict'] == 'pass' else 'NOT MET'}: " \
                        f"{int(row['verdict'] == 'pass')} of 1 pass"
     assert lines[1] == f"  val_ppl:notes <= 1000.0 at pretrain:stage2: {row['measured']:.4g}, {row['verdict']}"
-    assert lines[2:] == [f"report: {report.uri}/report.json", f"plots: {outcome.plots[0]}",
-                         "Prefect run: http://127.0.0.1:4200/runs/flow-run/x"]
+    # where the time of the steps that trained or evaluated went, summed from their manifests
+    timed = {step: o.manifest.metrics["goodput"] for step, o in evaluated.items() if o.manifest.metrics.get("goodput")}
+    assert {"pretrain:stage1", "pretrain:stage2", "evaluate:pretrain-stage1"} <= set(timed)
+    assert outcome.goodput is not None and outcome.goodput_steps == len(timed)
+    assert outcome.goodput.total_s == pytest.approx(sum(t["total_s"] for t in timed.values()))
+    assert outcome.goodput.compute_s == pytest.approx(sum(t["compute_s"] for t in timed.values()))
+    assert lines[2:] == [f"report: {report.uri}/report.json",
+                         f"time of the {len(timed)} steps that trained or evaluated: {outcome.goodput.line()}",
+                         f"plots: {outcome.plots[0]}", "Prefect run: http://127.0.0.1:4200/runs/flow-run/x"]
+    cached = run_outcome([r | {"executed": False} for r in results], store)  # nothing ran: no time to split
+    assert cached.goodput is None and cached.goodput_steps == 0
     failing = outcome.model_copy(update={"verdict": outcome.verdict.model_copy(update={"passed": False})})
     assert outcome_lines(failing)[0].startswith("success criteria NOT MET")
     assert run_outcome([r for r in results if r["step"] != "report:success"], store).verdict is None

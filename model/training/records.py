@@ -173,6 +173,15 @@ class GoodputSplit(BaseModel):
                                                       for k, v in self.model_dump().items()}}
 
 
+def summed(splits: list[GoodputSplit]) -> GoodputSplit | None:
+    """Several steps' splits as one (a run's): their seconds by cause, added."""
+    if not splits:
+        return None
+    fields = [f for f in GoodputSplit.model_fields if f != "attempts"]
+    return GoodputSplit(**{f: sum(getattr(s, f) for s in splits) for f in fields},
+                        attempts=sum(s.attempts for s in splits))
+
+
 GOODPUT_TABLE = "goodput"  # the table artifact of a step's split, in the UI and read by `compass status`
 
 

