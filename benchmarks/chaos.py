@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import seeded
+
 REPO = Path(__file__).resolve().parent.parent
 COMPASS = Path(sys.executable).with_name("compass")
 FIXTURES = REPO / "tests" / "fixtures"
@@ -90,9 +92,10 @@ class Interruption:
     interval_s: float | None  # the step's checkpoint interval, in seconds of compute
 
 
-def run(spec: Path, store: Path, until: str | None = None, json_out: bool = True) -> subprocess.Popen:
-    argv = [str(COMPASS), "run", str(spec), "--store", str(store), *(["--until", until] if until else []),
-            *(["--json"] if json_out else [])]
+def run(spec: Path, store: Path, *until: str) -> subprocess.Popen:
+    argv = [str(COMPASS), "run", str(spec), "--store", str(store), "--json"]
+    for step in until:
+        argv += ["--until", step]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"HF_HUB_OFFLINE": "1"}  # a server per run
     return subprocess.Popen(argv, cwd=spec.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -178,20 +181,60 @@ def interrupt(kind: str, proc: subprocess.Popen, store: Path) -> bool:
 
 
 def compared(reference: dict, continued: dict) -> tuple[str, ...]:
-    """Committed files of the step that differ from the reference's (wall-clock files apart)."""
+    """Committed files of the step that differ from the reference's (wall-clock files apart). A training state file
+    that differs is compared tensor by tensor without the monitors' windows (step times) it carries."""
     def digests(manifest: dict) -> dict[str, str]:
         return {f["path"]: f["sha256"] for f in manifest["files"] if Path(f["path"]).name not in TIMED_FILES
                 and not f["path"].endswith(".png") and "tfevents" not in f["path"]}
 
     want, got = digests(reference), digests(continued)
-    return tuple(sorted(p for p in want.keys() | got.keys() if want.get(p) != got.get(p)))
+    differ = {p for p in want.keys() | got.keys() if want.get(p) != got.get(p)}
+    states = {p for p in differ & want.keys() & got.keys() if p.startswith("state/") and p.endswith(".pt")}
+    inside = {p: state_difference(Path(reference["folder"]) / p, Path(continued["folder"]) / p) for p in states}
+    differ -= {p for p, where in inside.items() if not where}
+    if not any(p.endswith(".pt") for p in differ if p.startswith("state/")):  # their checksums differ with them
+        differ -= {p for p in differ if p.startswith("state/") and p.endswith("checksums.json")}
+    return tuple(sorted(f"{p} ({', '.join(inside[p][:3])})" if inside.get(p) else p for p in differ))
+
+
+def state_difference(a: Path, b: Path) -> list[str]:
+    """Where two training state files differ (keys, as dotted paths), the monitors' step-time windows apart."""
+    import numpy as np
+    import torch
+
+    def without_timings(state: object) -> object:
+        if isinstance(state, dict):
+            return {k: without_timings(v) for k, v in state.items() if k != "callbacks"}
+        if isinstance(state, (list, tuple)):
+            return [without_timings(v) for v in state]
+        return state
+
+    def differences(x: object, y: object, at: str) -> list[str]:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
+                and x.shape == y.shape and bool(torch.equal(x, y))
+            return [] if same else [at]
+        if isinstance(x, dict) and isinstance(y, dict):
+            if x.keys() != y.keys():
+                return [f"{at}.{{{', '.join(map(str, x.keys() ^ y.keys()))}}}"]
+            return [d for k in x for d in differences(x[k], y[k], f"{at}.{k}" if at else str(k))]
+        if isinstance(x, list) and isinstance(y, list):
+            if len(x) != len(y):
+                return [f"{at}[len]"]
+            return [d for i, (u, v) in enumerate(zip(x, y, strict=True)) for d in differences(u, v, f"{at}[{i}]")]
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            return [] if np.array_equal(x, y) else [at]
+        return [] if x == y else [at]
+
+    load = lambda path: without_timings(torch.load(path, map_location="cpu", weights_only=False))  # noqa: E731
+    return differences(load(a), load(b), "")
 
 
 def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations: dict[str, float],
         scratch: Path) -> Interruption:
     step = PHASES[phase]
     store = store_before(reference, spec, step, scratch / "store")
-    proc = run(spec, store, until=step)
+    proc = run(spec, store, step)
     commands = 0
     if not wait_for_work(store, step, proc):
         finished(proc)
@@ -205,12 +248,12 @@ def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations
     else:
         finished(proc)
         if kind == "kill -9 orchestrator twice":
-            again = run(spec, store, until=step)
+            again = run(spec, store, step)
             commands += 1
             time.sleep(at * durations[step] / 2)
             interrupt("kill -9 orchestrator", again, store)
             finished(again)
-        code, _, err = finished(run(spec, store, until=step))
+        code, _, err = finished(run(spec, store, step))
         commands += 1
     if code != 0:
         return Interruption(phase, kind, at, f"the continued run failed: {err.strip()[-300:]}", commands, (), None,
@@ -244,8 +287,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="compass-chaos-") as tmp:
         folder = Path(tmp)
         spec = chaos_spec(folder)
-        reference = folder / "reference"
-        code, out, err = finished(run(spec, reference))
+        reference = seeded(folder / "reference")  # the suite's prepared data steps, when it hands them over
+        code, out, err = finished(run(spec, reference, *(PHASES[p] for p in phases)))  # what the phases need
         if code != 0:
             raise SystemExit(f"the uninterrupted run failed:\n{err[-3000:]}")
         durations = {s["step"]: s["seconds"] for s in json.loads(out)["steps"]}
