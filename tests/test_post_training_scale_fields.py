@@ -4,6 +4,7 @@ of the ranks' group; how.attention picks the model's attention kernel."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,7 @@ def test_packed_sft_keeps_conversations_apart(tmp_path: Path):
     import torch
 
     from compass.tasks.post_training.chat import load_chat_model
+    from compass.tasks.post_training.trl_goodput import TrlGoodput
     from compass.tasks.post_training.trl_ranks import sft_trainer
     from tests.hub_cache import tiny_llama
 
@@ -121,7 +123,7 @@ def test_packed_sft_keeps_conversations_apart(tmp_path: Path):
     section = Sft(method="sft", name="sft", dataset="x", lr=1e-4, batch_size=2, packing=True, max_length=128)
     packed_job = TrlJob(step="post_train:sft", section=section, seed=0, how=How(), work=tmp_path / "work", world=1,
                         device="cpu", bf16=False)
-    trainer, _ = sft_trainer(packed_job, model, tokenizer, rows)
+    trainer, _ = sft_trainer(packed_job, model, tokenizer, rows, TrlGoodput(tmp_path / "goodput", time.time()))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
     assert batch["input_ids"].shape[0] == 1 and len(starts) == len(rows)  # one row holding every conversation
@@ -152,7 +154,7 @@ def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path):
         if micro:
             assert common_args(run)["per_device_train_batch_size"] == 2
             assert common_args(run)["gradient_accumulation_steps"] == 2
-        trainer, result = train(run, model, tokenizer, rows)
+        trainer, result = train(run, model, tokenizer, rows, started_at=time.time())
         curves[micro] = [h["loss"] for h in result.log_history if "loss" in h]
-        assert result.global_step == 4
+        assert result.global_step == 4 and result.goodput is not None and result.goodput.attempts == 1
     assert curves[2] == pytest.approx(curves[None], rel=1e-4)

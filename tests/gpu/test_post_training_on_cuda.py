@@ -3,6 +3,7 @@ pairs and vibe checks runs on the GPU, and passkey scores on it without full-voc
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ def test_a_trl_rank_trains_in_bf16_on_the_gpu_and_checkpoints(cuda, tmp_path: Pa
                               "checkpoints": {"every_steps": 2, "keep_last": 1}})
     job = TrlJob(step="post_train:sft", section=Sft(method="sft", name="sft", dataset="x", lr=1e-3, batch_size=8),
                  seed=0, how=how, work=tmp_path / "work", world=1, device="cuda", bf16=True)
-    trainer, result = train(job, model, tokenizer, rows)
+    trainer, result = train(job, model, tokenizer, rows, started_at=time.time())
     assert next(trainer.model.parameters()).device.type == "cuda"
     assert result.global_step == 4 and np.isfinite([h["loss"] for h in result.log_history if "loss" in h]).all()
     assert newest_complete(WorkFolder(job.work).trl_checkpoints).name == "checkpoint-4"
