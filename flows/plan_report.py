@@ -275,9 +275,9 @@ def goodput_section(spec: TrainingSpec) -> Section:
     hw = spec.how.hardware
 
     def share(seconds: float, total: float) -> str:
-        return f"{duration(seconds)} ({seconds / total:.1%})" if total > 0 else "-"
+        return f"{rough_duration(seconds)} ({seconds / total:.1%})" if total > 0 else "-"
 
-    rows = [[p.stage, duration(p.compute_s), share(p.startup_s, p.total_s),
+    rows = [[p.stage, rough_duration(p.compute_s), share(p.startup_s, p.total_s),
              f"{p.checkpoints:,}: " + share(p.checkpoint_s, p.total_s),
              f"{p.interruptions:.2g}" if p.interruptions >= 0.01 else "<0.01",
              share(p.restart_s, p.total_s), share(p.redone_s, p.total_s), f"{p.goodput:.1%}"]
@@ -288,13 +288,14 @@ def goodput_section(spec: TrainingSpec) -> Section:
                    [(f"a checkpoint stalls for the copy of a rank's state to host memory (~{HOST_COPY_GBPS:g} GB/s)"
                      if asynchronous else "a checkpoint stalls for its whole write")
                     + f" at {hw.checkpoint_write_gbps:g} GB/s per node; {hw.node_failures_per_day:g} interruptions "
-                    f"per node-day, each {duration(hw.requeue_s)} to requeue, {duration(hw.startup_estimate_s)} of "
-                    "start-up and half a checkpoint interval redone (how.hardware); a run measures its own: "
-                    "`compass status`"])
+                    f"per node-day, each {rough_duration(hw.requeue_s)} to requeue, "
+                    f"{rough_duration(hw.startup_estimate_s)} of start-up and half a checkpoint interval redone "
+                    "(how.hardware); a run measures its own: `compass status`"])
 
 
-def duration(seconds: float) -> str:
-    """Seconds as the largest unit that reads well: 45 s, 12 min, 3.2 h, 4.1 d."""
+def rough_duration(seconds: float) -> str:
+    """An estimate's seconds in the largest unit that reads well: 45 s, 12 min, 3.2 h, 4.1 d (a run's measured
+    times use flows/progress.py's clock format)."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size * (2 if unit == "d" else 1):
             return f"{seconds / size:.2g} {unit}" if seconds / size < 100 else f"{seconds / size:,.0f} {unit}"

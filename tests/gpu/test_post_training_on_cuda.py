@@ -41,6 +41,7 @@ def test_a_trl_rank_trains_in_bf16_on_the_gpu_and_checkpoints(cuda, tmp_path: Pa
     assert next(trainer.model.parameters()).device.type == "cuda"
     assert result.global_step == 4 and np.isfinite([h["loss"] for h in result.log_history if "loss" in h]).all()
     assert newest_complete(WorkFolder(job.work).trl_checkpoints).name == "checkpoint-4"
+    assert result.goodput is not None and result.goodput.compute_s > 0 and result.goodput.checkpoint_s > 0
 
 
 def test_generation_and_passkey_run_on_the_gpu(cuda, tmp_path: Path):
