@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from compass.model.training.records import CAUSES, GOODPUT_TABLE, GoodputSplit, summed
+from compass.model.training.records import CAUSES, GOODPUT_TABLE, GoodputSplit, cause_label, summed
 
 LIFECYCLE_FLOW = "compass-lifecycle"
 
@@ -34,7 +34,7 @@ class RunRow:
         g = self.goodput
         cause = max(CAUSES, key=lambda c: getattr(g, f"{c}_s"))
         share = getattr(g, f"{cause}_s") / g.total_s if g.total_s > 0 else 0.0
-        return (f"{g.goodput:.0%}" + (f" ({cause.replace('_', ' ')} {share:.0%})" if share >= 0.005 else "")
+        return (f"{g.goodput:.0%}" + (f" ({cause_label(cause)} {share:.0%})" if share >= 0.005 else "")
                 + f", {self.goodput_steps} step{'s' * (self.goodput_steps != 1)}")
 
 
@@ -75,7 +75,6 @@ def _goodput_splits(client: Any, run_id: Any) -> list[GoodputSplit]:
             if isinstance(row, dict) and {"total_s", "compute_s"} <= row.keys():
                 splits.append(GoodputSplit.model_validate({k: v for k, v in row.items() if k != "goodput"}))
     return splits
-
 
 
 def _current_step(tasks: list[Any]) -> str:

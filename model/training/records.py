@@ -139,6 +139,11 @@ class DynamoCounts:
 CAUSES = ("startup", "data_wait", "checkpoint", "evaluation", "restart", "redone", "other")  # badput, by cause
 
 
+def cause_label(cause: str) -> str:
+    """A badput cause as the summaries print it: `start-up`, `data wait`, ..."""
+    return cause.replace("_", " ").replace("startup", "start-up")
+
+
 class GoodputSplit(BaseModel):
     """A stage's wall time, first attempt's start to the end, by cause; `compute_s` is the goodput."""
 
@@ -162,7 +167,7 @@ class GoodputSplit(BaseModel):
     def line(self) -> str:
         """`goodput 91% (start-up 4%, checkpoint 2%, restart 2%, ...), 2 attempts`: the causes over 0.5%."""
         shares = [(c, getattr(self, f"{c}_s") / self.total_s) for c in CAUSES] if self.total_s > 0 else []
-        causes = ", ".join(f"{c.replace('_', ' ').replace('startup', 'start-up')} {s:.0%}"
+        causes = ", ".join(f"{cause_label(c)} {s:.0%}"
                            for c, s in sorted(shares, key=lambda x: -x[1]) if s >= 0.005)
         return (f"goodput {self.goodput:.0%}" + (f" (badput: {causes})" if causes else "")
                 + f", {self.attempts} attempt{'s' * (self.attempts != 1)}")
