@@ -101,7 +101,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     collectives.init("gloo")
     rank = collectives.rank_env()[0]
-    report = {str(stage): run_stage(stage, out, out / "checkpoints") for stage in STAGES}
+    report: dict = {str(stage): run_stage(stage, out, out / "checkpoints") for stage in STAGES}
+    report["backend"] = {  # what DeepSpeed's communication backend chose: torch.distributed's gloo, no JIT-built op
+        "shm_comm_op": repr(sys.modules["deepspeed.comm.comm"].cdb.shm_comm_op),
+        "ops_probed": "__compatible_ops__" in vars(sys.modules["deepspeed.ops"])}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     collectives.leave()
 

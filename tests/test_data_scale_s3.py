@@ -200,13 +200,14 @@ class DiskWatch:
 
 
 def test_a_source_on_s3_becomes_shards_on_s3_with_no_local_copy_of_it(
-        s3: RestartableS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+        s3: RestartableS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
     """Ingest (datatrove readers streaming S3 objects), curation (its dedup stages' intermediates under the step's
     work prefix in the store) and tokenization write their shards straight into the artifacts' folders on S3:
     the step's disk holds logs, the tokenizer and at most a rank's token shard at a time, never a source."""
     import itertools
     import json
     import logging
+    import shutil
     import tempfile
 
     import s3fs
@@ -224,9 +225,11 @@ def test_a_source_on_s3_becomes_shards_on_s3_with_no_local_copy_of_it(
     s3fs.S3FileSystem.clear_instance_cache()
     source_bytes = _word_salad_source(s3)
     monkeypatch.setattr(ingest, "TASK_BYTES", source_bytes // 6 + 1)
-    local_tmp, scratch = tmp_path / "tmp", tmp_path / "scratch"
-    local_tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(local_tmp))  # where ranks write their token shards before the upload
+    # where ranks write their token shards before the upload; short, as datatrove's Manager puts an AF_UNIX socket
+    # (108 bytes at most) under it, and tmp_path's length grows with pytest's numbered base folder
+    local_tmp, scratch = Path(tempfile.mkdtemp(prefix="s3-tmp-")), tmp_path / "scratch"
+    request.addfinalizer(lambda: shutil.rmtree(local_tmp, ignore_errors=True))
+    monkeypatch.setenv("TMPDIR", str(local_tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)
     spec_file = tmp_path / "direct.yaml"
     spec_file.write_text(DIRECT_SPEC)

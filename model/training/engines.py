@@ -9,6 +9,7 @@ The module an engine trains is `CausalLMWithLoss` (model/lm.py): its forward ret
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -163,11 +164,17 @@ def keep_deepspeed_off_the_cpu_shm_op() -> None:
     extensions cache: a process ended while holding it (an interrupted run) leaves the lock behind and every
     later DeepSpeed start waits on it forever, and two environments sharing the cache rebuild it in turn. A
     single in-process rank needs no allreduce and several CPU ranks use gloo's, so compass marks the op
-    unavailable (GPU accelerators do not use it)."""
+    unavailable (GPU accelerators do not use it). It replaces the function that builds the op rather than editing
+    `deepspeed.ops.__compatible_ops__`, the table that function reads: that table is probed lazily (2.4 s of
+    compiler checks on every rank's start) and one CI run found it missing from the module at the second read."""
     import_deepspeed()
-    import deepspeed.ops
+    backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as an attribute is torch
+    backend.build_shm_op = _no_shm_op
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+def _no_shm_op() -> None:
+    """What DeepSpeed's TorchBackend takes for "no shared-memory op": it then reduces through torch.distributed."""
+    return None
 
 
 def _capturing_checkpoint_engine(config: Any) -> Any:
