@@ -165,8 +165,8 @@ def keep_deepspeed_off_the_cpu_shm_op() -> None:
     later DeepSpeed start waits on it forever, and two environments sharing the cache rebuild it in turn. A
     single in-process rank needs no allreduce and several CPU ranks use gloo's, so compass marks the op
     unavailable (GPU accelerators do not use it). It replaces the function that builds the op rather than editing
-    `deepspeed.ops.__compatible_ops__`, the table that function reads: that table is probed lazily (2.4 s of
-    compiler checks on every rank's start) and one CI run found it missing from the module at the second read."""
+    `deepspeed.ops.__compatible_ops__`, the table that function reads: DeepSpeed fills that table lazily, at its
+    first read, and a CI run once found it missing from the module when DeepSpeed read it."""
     import_deepspeed()
     backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as an attribute is torch
     backend.build_shm_op = _no_shm_op
