@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file
 
@@ -33,6 +34,16 @@ def trainer(job: TrainJob, workdir: Path) -> subprocess.Popen:
 def final_weights(workdir: Path) -> dict:
     last = sorted((workdir / "checkpoints").glob("step-*"))[-1]
     return load_file(str(last / "hf" / "model.safetensors"))
+
+
+def final_generators(workdir: Path) -> dict:
+    """The random generators' states the last checkpoint holds (what a run resumed from it restores)."""
+    import torch
+
+    last = sorted((workdir / "checkpoints").glob("step-*"))[-1]
+    held = last / "deepspeed" / "mp_rank_00_model_states.pt"
+    state = torch.load(held if held.exists() else last / "state.pt", map_location="cpu", weights_only=False)
+    return state["extra"]["rng"]  # DeepSpeed keeps compass's client state at the top of its model states
 
 
 @pytest.mark.parametrize("use_deepspeed", [True, False], ids=["deepspeed", "torch"])
@@ -58,6 +69,10 @@ def test_kill_9_mid_stage_then_resume_is_bitwise_identical(stage1_job, tmp_path:
     a, b = final_weights(straight), final_weights(killed)
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)  # bitwise
+    straight_rng, killed_rng = final_generators(straight), final_generators(killed)  # Python's and NumPy's too
+    assert straight_rng["python"] == killed_rng["python"]
+    assert all(np.array_equal(x, y) for x, y in zip(straight_rng["numpy"], killed_rng["numpy"], strict=True))
+    assert straight_rng["torch"].equal(killed_rng["torch"])
     rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # metrics continue without gaps or repeats
     # the goodput ledger: two attempts, the time between them a restart, the killed attempt's steps after the

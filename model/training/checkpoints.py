@@ -47,6 +47,14 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_rngs(seed: int) -> None:
+    """Start Python's and NumPy's global generators from the run's seed (torch's is seeded where the model is
+    built). Left alone, each process seeds them from the OS: a checkpoint of a resumed run would then hold other
+    generator states than the same checkpoint of an uninterrupted run, though neither drew from them."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

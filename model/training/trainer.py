@@ -80,8 +80,10 @@ log = logging.getLogger("compass.train")
 
 
 def cpu_peak_tflops() -> float:
-    """A measured fp32 matmul peak for MFU on CPU (there is no data-sheet number to use)."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    """A measured fp32 matmul peak for MFU on CPU (there is no data-sheet number to use). Its operands come from a
+    generator of its own: measured after a resume restored torch's, a draw from that would shift it."""
+    numbers = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1024, 1024, generator=numbers), torch.randn(1024, 1024, generator=numbers)
     a @ b
     start = time.perf_counter()
     for _ in range(8):
@@ -173,6 +175,7 @@ class Trainer:
         self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
         self.sequence_lengths = attention.takes_sequence_lengths(self.attention)
         self.dynamo_start: DynamoCounts | None = None  # set where the model is compiled
+        ckpt.seed_rngs(recipe.seed)  # a resumed run's checkpoints then hold the generators an uninterrupted run's do
         self.lm = self._model()
         self.parameters = sum(p.numel() for p in self.lm.parameters())  # whole: counted before any sharding
         self.engine = self._engine(self.lm)
