@@ -14,8 +14,8 @@ import pytest
 from tests.benchmark_script import BENCH, bench_module
 from tests.conftest import REPO
 
-# helpers, and reports that compare nothing (identity_mutations.py runs in test_identity; chaos.py's sample joins
-# the suite once a resumed stage's state equals an uninterrupted one's bit for bit: issue 47)
+# helpers, and reports that compare nothing (identity_mutations.py runs in test_identity, chaos.py's sample in
+# test_chaos)
 NOT_BENCHMARKS = {"harness.py", "bench_results.py", "bench_table.py", "identity_mutations.py", "chaos.py"}
 
 
