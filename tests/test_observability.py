@@ -273,3 +273,50 @@ def test_compass_monitor_serves_prometheus_over_the_runs_targets(tmp_path: Path)
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and f"http://127.0.0.1:{port}" in out
+
+
+def test_a_trl_step_serves_the_trainers_gauges_and_its_goodput_while_it_trains(tmp_path: Path):
+    """A TRL step's rank on the Trainer's callbacks: its endpoint is registered for service discovery, serves the
+    step, the loss TRL logged, the time of the last step and rank 0's goodput split under the labels the dashboard
+    and the hang alert read, and is gone from discovery and closed when training ends."""
+    import urllib.error
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from compass.model.training.job import Telemetry
+    from compass.tasks.post_training.trl_goodput import TrlGoodput
+    from compass.tasks.post_training.trl_prometheus import TrlPrometheus
+
+    folder = tmp_path / "monitoring"
+    ledger = TrlGoodput(tmp_path / "goodput", started_at=time.time() - 3)  # 3 s of start-up
+    served = TrlPrometheus(Telemetry(run="minimal", step="post_train:sft", folder=folder), ledger, None)
+    state = SimpleNamespace(global_step=0, max_steps=2, is_world_process_zero=True)
+    for callback in (ledger, served):  # the order trl_ranks gives them: the ledger first
+        callback.on_train_begin(None, state, None)
+    ledger.on_step_begin(None, state, None)
+    time.sleep(0.05)
+    state.global_step = 1
+    for callback in (ledger, served):
+        callback.on_step_end(None, state, None)
+    served.on_log(None, state, None, logs={"loss": 2.5, "grad_norm": 0.75, "learning_rate": 1e-4, "epoch": 0.5})
+
+    (target,) = (folder / "targets").glob("*.json")
+    address = json.loads(target.read_text())[0]["targets"][0]
+    samples = {(s.name, s.labels.get("cause")): s for family in text_string_to_metric_families(
+        _get(f"http://{address}/metrics")) for s in family.samples}
+    step = samples[("compass_train_step", None)]
+    assert step.value == 1 and step.labels["step"] == "post_train:sft" and step.labels["stage"] == "sft"
+    assert step.labels["run"] == "minimal" and step.labels["rank"] == "0"
+    assert samples[("compass_train_loss", None)].value == 2.5
+    assert samples[("compass_train_grad_norm", None)].value == 0.75
+    assert samples[("compass_train_learning_rate", None)].value == 1e-4
+    assert time.time() - samples[("compass_train_last_step_timestamp_seconds", None)].value < 60
+    assert samples[("compass_train_stage_seconds", "startup")].value >= 3
+    assert samples[("compass_train_stage_seconds", "compute")].value >= 0.05
+    assert ("compass_host_memory_rss_bytes", None) in samples
+
+    served.on_train_end(None, state, None)
+    assert not list((folder / "targets").glob("*.json"))
+    with pytest.raises(urllib.error.URLError):
+        _get(f"http://{address}/metrics")

@@ -102,9 +102,48 @@ def sft_and_dpo(pretrained: Path, folder: Path, ranks: int, zero: int = 0,
     return run_steps(spec_with_ranks(folder, ranks, zero), store, list(steps))
 
 
+class TargetWatch:
+    """The Prometheus service-discovery files that appear under a folder while steps run (each rank registers its
+    endpoint there while it trains and removes it when it ends)."""
+
+    def __init__(self, folder: Path):
+        import threading
+
+        self.folder, self.seen = folder, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.seen |= {p.name for p in self.folder.rglob("targets/*.json")}
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> TargetWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @pytest.fixture(scope="module")
-def one_and_two_ranks(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    return {ranks: sft_and_dpo(pretrained, tmp_path_factory.mktemp(f"ranks{ranks}"), ranks) for ranks in (1, 2)}
+def one_and_two_ranks(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """SFT and DPO on 1 and on 2 ranks; "targets": the endpoints the 2 ranks registered while they trained."""
+    runs: dict = {1: sft_and_dpo(pretrained, tmp_path_factory.mktemp("ranks1"), 1)}
+    folder = tmp_path_factory.mktemp("ranks2")
+    with TargetWatch(folder) as watch:
+        runs[2] = sft_and_dpo(pretrained, folder, 2)
+    runs["targets"] = watch.seen
+    return runs
+
+
+def test_each_rank_of_a_trl_step_serves_its_metrics_while_it_trains(one_and_two_ranks):
+    """how.monitoring.prometheus reaches TRL's ranks: both ranks of each step registered an endpoint (and removed it:
+    tests/test_observability.py checks what it serves)."""
+    seen = one_and_two_ranks["targets"]
+    for step in ("post_train_sft", "post_train_dpo"):
+        assert {name.rsplit("-", 1)[-1] for name in seen if name.startswith(step)} == {"rank0.json", "rank1.json"}, seen
 
 
 @pytest.fixture(scope="module")

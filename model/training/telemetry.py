@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from compass.model.training.callbacks import Callback
 from compass.model.training.job import Telemetry
-from compass.model.training.records import CAUSES, PHASES, MetricsRow
+from compass.model.training.records import CAUSES, PHASES, GoodputSplit, MetricsRow
 from compass.model.training.trackers import TrackerRun, Trackers
 
 if TYPE_CHECKING:
@@ -121,55 +121,83 @@ class _HostAndDevice:
             pynvml.nvmlShutdown()
 
 
+class RankEndpoint:
+    """One rank's Prometheus endpoint: the training gauges and the host and device readings, served while the rank
+    trains and registered for Prometheus's file service discovery under the run's monitoring folder. The compass
+    trainer's exporter (below) and TRL's (tasks/post_training/trl_prometheus.py) fill the same gauges."""
+
+    def __init__(self, telemetry: Telemetry, labels: dict[str, str], local_rank: int, gpu_index: int | None):
+        from prometheus_client import CollectorRegistry, Gauge, start_wsgi_server
+
+        self.labels = labels
+        self.values = list(labels.values())
+        registry = CollectorRegistry()
+        self.gauges = {name: Gauge(name, help_text, [*LABELS, *([extra] if extra else [])], registry=registry)
+                       for name, (help_text, extra) in TRAINING_METRICS.items()}
+        registry.register(_HostAndDevice(labels, gpu_index))
+        port = telemetry.port + local_rank if telemetry.port else 0
+        self.server: Any
+        self.server, _ = start_wsgi_server(port, addr=telemetry.listen, registry=registry)
+        listen = telemetry.listen
+        host = socket.gethostname() if listen in ("0.0.0.0", "::") else listen
+        address = f"[{host}]:{self.server.server_port}" if ":" in host else f"{host}:{self.server.server_port}"
+        self.target: Path | None = register_target(telemetry.folder, address, labels)
+
+    def set(self, name: str, value: float, *extra: str) -> None:
+        self.gauges[name].labels(*self.values, *extra).set(value)
+
+    def set_goodput(self, split: GoodputSplit) -> None:
+        """The stage's wall time so far by cause (compass_train_stage_seconds)."""
+        for cause in ("compute", *CAUSES):
+            self.set("compass_train_stage_seconds", getattr(split, f"{cause}_s"), cause)
+
+    def close(self) -> None:
+        """Unregistered first (Prometheus stops scraping it), then the server stopped."""
+        if self.target is not None:
+            self.target.unlink(missing_ok=True)
+            self.target = None
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
 class PrometheusExporter(Callback):
     """Serves this rank's metrics while it trains and registers the endpoint in `<folder>/targets/`."""
 
     def __init__(self, telemetry: Telemetry):
         self.telemetry = telemetry
-        self.server: Any = None
-        self.target: Path | None = None
-        self.gauges: dict[str, Any] = {}
-        self.labels: dict[str, str] = {}
+        self.endpoint: RankEndpoint | None = None
         self.goodput_at = 0.0
 
     def on_start(self, trainer: Trainer) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_wsgi_server
-
         t = self.telemetry
-        _, _, local_rank = _dist()
-        self.labels = {"run": t.run, "step": t.step, "stage": trainer.stage.name, "node": socket.gethostname(),
-                       "rank": str(trainer.rank)}
-        registry = CollectorRegistry()
-        for name, (help_text, extra) in TRAINING_METRICS.items():
-            self.gauges[name] = Gauge(name, help_text, [*LABELS, *([extra] if extra else [])], registry=registry)
+        labels = {"run": t.run, "step": t.step, "stage": trainer.stage.name, "node": socket.gethostname(),
+                  "rank": str(trainer.rank)}
         cuda = trainer.device.type == "cuda"
-        registry.register(_HostAndDevice(self.labels, trainer.device.index if cuda else None))
-        port = t.port + local_rank if t.port else 0
-        self.server, _ = start_wsgi_server(port, addr=t.listen, registry=registry)
-        host = socket.gethostname() if t.listen in ("0.0.0.0", "::") else t.listen
-        address = f"[{host}]:{self.server.server_port}" if ":" in host else f"{host}:{self.server.server_port}"
-        self.target = register_target(t.folder, address, self.labels)
+        self.endpoint = RankEndpoint(t, labels, _dist()[2], trainer.device.index if cuda else None)
 
     def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
-        values = list(self.labels.values())
-        g = self.gauges
+        endpoint = self.endpoint
+        if endpoint is None:
+            return
         for name, key in (("compass_train_step", "step"), ("compass_train_loss", "loss"),
                           ("compass_train_grad_norm", "grad_norm"), ("compass_train_learning_rate", "lr"),
                           ("compass_train_tokens", "tokens"), ("compass_train_tokens_per_second", "tokens_per_s"),
                           ("compass_train_mfu", "mfu")):
-            g[name].labels(*values).set(getattr(row, key) or 0.0)
+            endpoint.set(name, getattr(row, key) or 0.0)
         total = 0.0
         for phase in PHASES:
             seconds = row.seconds(phase)
             total += seconds
-            g["compass_train_phase_seconds"].labels(*values, phase).set(seconds)
-        g["compass_train_step_seconds"].labels(*values).set(total)
-        g["compass_train_last_step_timestamp_seconds"].labels(*values).set(time.time())
+            endpoint.set("compass_train_phase_seconds", seconds, phase)
+        endpoint.set("compass_train_step_seconds", total)
+        endpoint.set("compass_train_last_step_timestamp_seconds", time.time())
         if time.monotonic() - self.goodput_at >= GOODPUT_EVERY_S or trainer.step == trainer.stage_steps:
             self.goodput_at = time.monotonic()
             split = trainer.ledger.live()
-            for cause in ("compute", *CAUSES) if split else ():
-                g["compass_train_stage_seconds"].labels(*values, cause).set(getattr(split, f"{cause}_s"))
+            if split is not None:
+                endpoint.set_goodput(split)
 
     def on_end(self, trainer: Trainer) -> None:
         self.close()
@@ -178,13 +206,9 @@ class PrometheusExporter(Callback):
         self.close()
 
     def close(self) -> None:
-        if self.target is not None:
-            self.target.unlink(missing_ok=True)
-            self.target = None
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-            self.server = None
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
 
 
 def register_target(folder: Path, address: str, labels: dict[str, str]) -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 from compass.infra.errors import DataError
 from compass.infra.layout import ModelArtifact, WorkFolder
 from compass.model.training.history import tokens_seen
+from compass.model.training.job import Telemetry
 from compass.model.training.records import MetricsRow, goodput_table, read_metrics, write_metrics
 from compass.specs.base import Issue
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
@@ -28,6 +29,7 @@ from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by
 from compass.tasks.common.tracking import tracker_run_of
+from compass.tasks.common.training import telemetry_of
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import (
     CONVERSATION_SHAPES,
@@ -112,6 +114,14 @@ def build(plan: PlanBuilder) -> None:
         plan.add(KIND, post.name, config, inputs)
 
 
+
+
+def _endpoint(ctx: StepContext[TrlConfig]) -> Telemetry | None:
+    """What each rank's Prometheus endpoint needs (how.monitoring.prometheus): its labels, port and targets folder.
+    TensorBoard and the trackers are the job's own fields."""
+    if not ctx.runtime.how.monitoring.prometheus:
+        return None
+    return telemetry_of(ctx).model_copy(update={"tensorboard": False, "trackers": None})
 
 
 def _tensorboard_run(ctx: StepContext[TrlConfig]) -> Path | None:
@@ -365,7 +375,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     job = TrlJob(step=f"{ctx.kind}:{ctx.name}", section=cfg.model_dump(exclude={"seed", "vibe_prompts"}),
                  seed=cfg.seed, how=ctx.runtime.how, work=work.root, world=world, device=where.device, bf16=where.bf16,
                  teacher=ModelArtifact(ctx.inputs["teacher"].local()).final if "teacher" in ctx.inputs else None,
-                 tensorboard=_tensorboard_run(ctx), trackers=tracker_run_of(ctx))
+                 tensorboard=_tensorboard_run(ctx), trackers=tracker_run_of(ctx), prometheus=_endpoint(ctx))
     if cfg.peft is not None or world > 1:  # the ranks' start (and the base an adapter merges into)
         model.save_pretrained(str(work.trl_start), safe_serialization=True)
         tokenizer.save_pretrained(str(work.trl_start))

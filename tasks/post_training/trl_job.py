@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from compass.model.training.job import Telemetry
 from compass.model.training.records import GoodputSplit
 from compass.model.training.trackers import TrackerRun
 from compass.specs.how import How
@@ -31,6 +32,7 @@ class TrlJob(BaseModel):
     teacher: Path | None = None  # distillation: the teacher's exported folder
     tensorboard: Path | None = None  # the step's TensorBoard run
     trackers: TrackerRun | None = None  # its MLflow, W&B and trackio run (how.monitoring.trackers)
+    prometheus: Telemetry | None = None  # each rank's endpoint: labels, targets folder, port (how.monitoring)
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=1))

@@ -17,6 +17,7 @@ from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer
 from compass.tasks.post_training.trl_checkpoints import CompleteCheckpoints, newest_complete
 from compass.tasks.post_training.trl_goodput import TrlGoodput
 from compass.tasks.post_training.trl_job import TrlJob, TrlResult
+from compass.tasks.post_training.trl_prometheus import TrlPrometheus
 
 Rows = list[dict[str, Any]]  # a step's training rows: conversations, pairs or prompts
 SFT_SAMPLES = 8  # rows of what SFT trained on, kept with the artifact to compare with the template
@@ -103,7 +104,18 @@ def _callbacks(job: TrlJob, ledger: TrlGoodput) -> list[Any]:
         from compass.tasks.post_training.trl_trackers import tracker_callback
 
         out.append(tracker_callback(job.trackers))
+    if job.prometheus is not None:  # after the ledger: the goodput it serves includes this step
+        out.append(TrlPrometheus(job.prometheus, ledger, _gpu_index(job)))
     return out
+
+
+def _gpu_index(job: TrlJob) -> int | None:
+    """The GPU this rank reads NVML from (the device accelerate opened), None on CPU."""
+    if job.device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.current_device()
 
 
 def _rank() -> int:
@@ -273,9 +285,11 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except BaseException:
         ledger.failed()
-        for callback in trainer.callback_handler.callbacks:  # the tracker runs end as failed
+        for callback in trainer.callback_handler.callbacks:  # the tracker runs end as failed, the endpoint goes
             if hasattr(callback, "close_trackers"):
                 callback.close_trackers(failed=True)
+            if isinstance(callback, TrlPrometheus):
+                callback.close()
         raise
     if trainer.is_deepspeed_enabled:  # the stage DeepSpeed's engine ran (what the spec asked for, or not)
         facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
