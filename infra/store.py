@@ -286,7 +286,7 @@ class Store:
         return hashlib.sha256(f"{endpoint}|{self.root}".encode()).hexdigest()[:12]
 
     def monitoring_dir(self, run: str) -> Path:
-        """A run's live telemetry (Prometheus targets, TensorBoard runs): beside a local store, else in the cache."""
+        """A run's live telemetry (Prometheus targets, TensorBoard runs): inside a local store, else in the cache."""
         if self.is_remote:
             return self._local_base("monitoring", _cache_home() / "monitoring") / run
         return Path(self.root) / "monitoring" / run

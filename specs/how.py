@@ -493,7 +493,7 @@ class Monitoring(SpecModel):
                                   "for a retry from the newest checkpoint; the first step after a start or a "
                                   "rollback gets 3x. The process group's own timeout is four times this.")
     folder: str | None = Field(default=None, description="Where targets/, tensorboard/, wandb/ and Prometheus's data "
-                               "live (default: monitoring/<spec name> beside a local store, else under "
+                               "live (default: monitoring/<spec name> inside a local store, else under "
                                "~/.cache/compass).")
 
     @field_validator("trackers")

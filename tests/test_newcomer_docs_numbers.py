@@ -52,3 +52,86 @@ def test_the_plan_guide_quotes_smollm3s_scaling(smollm3):
     assert int(gpus) == scaling.gpus_for(smollm3, float(target))
     batch = int(quoted(PLAN_GUIDE, r"the global batch \((\d+) sequences"))
     assert batch == smollm3.what.pretraining.stages[0].global_batch_size
+
+
+def elided_match(quoted_line: str, printed: str) -> bool:
+    """Whether a line the docs quote is the printed one, `...` standing for any text."""
+    *fragments, last = quoted_line.split("...")
+    if not fragments:
+        return quoted_line == printed
+    at = 0
+    for i, fragment in enumerate(fragments):
+        found = printed.find(fragment, at)
+        if found < 0 or (i == 0 and found != 0):
+            return False
+        at = found + len(fragment)
+    return printed.endswith(last) and len(printed) - len(last) >= at
+
+
+def block_after(page: Path, first_line: str) -> list[str]:
+    """The lines of the fenced block of `page` that starts with `first_line` (that line included)."""
+    lines = page.read_text().splitlines()
+    start = lines.index(first_line)
+    end = lines.index("```", start)
+    return lines[start:end]
+
+
+def test_elided_match_reads_the_dots_as_any_text():
+    assert elided_match("a (...) b", "a (x y) b") and not elided_match("a (...) b", "a (x y) c")
+    assert elided_match("a (...)", "a (x (y))") and not elided_match("a (...) (...)", "a (x)")
+    assert not elided_match("a b", "a b c") and not elided_match("b", "a b")
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_bad_spec_example_is_what_validate_prints(page: str):
+    import subprocess
+
+    from tests.conftest import VENV_BIN
+
+    bad = "tests/bad_specs/several_errors_at_once.yaml"
+    done = subprocess.run([str(VENV_BIN / "compass"), "validate", bad], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    printed = [line for line in done.stderr.splitlines() + done.stdout.splitlines() if line.startswith(bad + ":")]
+    quoted_lines = [line for line in (REPO / page).read_text().splitlines() if line.startswith(bad + ":")]
+    assert quoted_lines == printed
+
+
+def test_the_plan_guide_shows_what_plan_prints_off_the_cluster(tmp_path: Path):
+    """The offline `compass plan` of the SmolLM3 spec: no Hugging Face cache, no S3 credentials, no Slurm
+    controller (the page once named line 134 and said "runs training")."""
+    import os
+    import subprocess
+
+    from tests.conftest import VENV_BIN
+
+    quoted_block = block_after(PLAN_GUIDE, "$ compass plan specs/examples/smollm3-3b.yaml")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SLURM_", "HF_", "PREFECT_"))}
+    env |= {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",  # Slurm: this machine's, with no controller
+            "AWS_CONFIG_FILE": str(tmp_path / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws")}
+    done = subprocess.run([str(VENV_BIN / "compass"), "plan", "specs/examples/smollm3-3b.yaml"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    printed = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    assert len(printed) == len(quoted_block) - 1, printed
+    for quoted_line, line in zip(quoted_block[1:], printed, strict=True):
+        assert elided_match(quoted_line, line), (quoted_line, line)
+
+
+def test_the_plan_guide_quotes_the_smoke_tables_pretraining_row(smollm3):
+    from compass.flows.smoke_report import smoke_table
+    from compass.specs.smoke import shrunk_spec
+
+    small, changes = shrunk_spec(smollm3, "smoke")
+    rows = {r["step"]: r for r in smoke_table(compile_spec(small), small, tuple(changes))}
+    said = " ".join(quoted(PLAN_GUIDE, r"what it\s+exercised \(e\.g\. `([^`]+)`").split())
+    assert said == rows["pretrain:stage1"]["exercised"]
+    for shrink in " ".join(quoted(PLAN_GUIDE, r"what was shrunk \(`([^`]+)`").split()).split("; "):
+        assert shrink in rows["pretrain:stage1"]["shrunk"], shrink
+
+
+def test_the_floor_plan_names_every_step_kind_module():
+    listed = quoted(REPO / "docs" / "development.md", r"`tasks/kinds/` \(one module per kind: ([^)]+)\)")
+    listed = " ".join(listed.split())
+    modules = {p.stem for p in (REPO / "tasks" / "kinds").glob("*.py") if p.stem != "__init__"}
+    assert set(listed.split(", ")) == modules
