@@ -135,3 +135,46 @@ def test_the_floor_plan_names_every_step_kind_module():
     listed = " ".join(listed.split())
     modules = {p.stem for p in (REPO / "tasks" / "kinds").glob("*.py") if p.stem != "__init__"}
     assert set(listed.split(", ")) == modules
+
+
+def _default(model: type, field: str):
+    return model.model_fields[field].default
+
+
+def _defaults():
+    from compass.specs.data import DataSource as Source
+    from compass.specs.evaluation import Decontamination
+    from compass.specs.how import Hardware, Monitoring, Storage
+
+    return [
+        ("docs/guides/plan-and-smoke.md", r"Llama 3's ([\d.]+) by default", float,
+         _default(Hardware, "node_failures_per_day")),
+        ("docs/guides/gpu-node.md", r"`how.monitoring.hang_timeout_s`, (\d+) minutes by default", lambda m: 60 * int(m),
+         _default(Monitoring, "hang_timeout_s")),
+        ("docs/guides/evaluation.md", r"`n_grams`, (\d+) by default", int, _default(Decontamination, "n_grams")),
+        ("docs/guides/evaluation.md", r"`(\w+)` \(the default\) stops the run", str,
+         _default(Decontamination, "policy")),
+        ("docs/spec.md", r"`max_epochs` \(times training may read it over all stages; default (\d+)\)", float,
+         _default(Source, "max_epochs")),
+        ("docs/how-it-works.md", r"\((\d+) by default: token, document and curated shards", int,
+         _default(Storage, "shard_index_above")),
+        ("docs/guides/monitoring.md", r"`listen`\s+([\d.]+) by default", str, _default(Monitoring, "listen")),
+    ]
+
+
+@pytest.mark.parametrize(("page", "pattern", "read", "default"), _defaults(),
+                         ids=lambda v: v if isinstance(v, str) and v.startswith("docs") else "")
+def test_the_guides_quote_the_fields_defaults(page: str, pattern: str, read, default):
+    assert read(quoted(REPO / page, pattern)) == default
+
+
+def test_the_slurm_guide_quotes_smollm3s_cluster_plan(smollm3):
+    """"pretraining 384 GPUs for ~25 days, long context 24 GPUs for ~10": summed from the planner's stages."""
+    gpus, days, long_gpus, long_days = quoted(
+        REPO / "docs" / "guides" / "slurm.md",
+        r"pretraining (\d+) GPUs for ~(\d+) days, long context (\d+) GPUs for ~(\d+)\)")
+    stages = costs.stage_costs(smollm3)
+    for section, want_gpus, want_days in (("pretrain", gpus, days), ("long_context", long_gpus, long_days)):
+        mine = [s for s in stages if s.section == section]
+        assert {s.gpus for s in mine} == {int(want_gpus)}, section
+        assert round(sum(s.wall_days for s in mine)) == int(want_days), section
