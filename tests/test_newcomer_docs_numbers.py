@@ -178,3 +178,25 @@ def test_the_slurm_guide_quotes_smollm3s_cluster_plan(smollm3):
         mine = [s for s in stages if s.section == section]
         assert {s.gpus for s in mine} == {int(want_gpus)}, section
         assert round(sum(s.wall_days for s in mine)) == int(want_days), section
+
+
+def test_the_getting_started_page_shows_the_readmes_commands():
+    """The commands at a glance, in two places: one list, and every option it names is one its command has."""
+    import typer.main
+
+    from compass.flows.cli import app
+    from compass.flows.cli_reference import commands as cli_commands
+
+    def commands(page: Path) -> list[str]:
+        return block_after(page, next(line for line in page.read_text().splitlines()
+                                      if line.startswith("compass validate SPEC")))
+
+    listed = commands(REPO / "README.md")
+    assert commands(REPO / "docs" / "getting-started.md") == listed
+    options = {name: {o for p in command.params for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
+               for name, command in cli_commands(typer.main.get_command(app))}
+    for line in listed:
+        usage = line.split("#")[0]
+        name = max((n for n in options if usage.startswith(n + " ") or usage.strip() == n), key=len)
+        for flag in re.findall(r"(--[a-z][a-z-]*)", usage):
+            assert flag in options[name], (name, flag)
