@@ -200,16 +200,16 @@ class DiskWatch:
 
 
 def test_a_source_on_s3_becomes_shards_on_s3_with_no_local_copy_of_it(
-        s3: RestartableS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+        s3: RestartableS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Ingest (datatrove readers streaming S3 objects), curation (its dedup stages' intermediates under the step's
     work prefix in the store) and tokenization write their shards straight into the artifacts' folders on S3:
     the step's disk holds logs, the tokenizer and at most a rank's token shard at a time, never a source."""
     import itertools
     import json
     import logging
-    import shutil
     import tempfile
 
+    import multiprocess.util
     import s3fs
 
     from compass.flows.compiler import compile_spec
@@ -225,11 +225,13 @@ def test_a_source_on_s3_becomes_shards_on_s3_with_no_local_copy_of_it(
     s3fs.S3FileSystem.clear_instance_cache()
     source_bytes = _word_salad_source(s3)
     monkeypatch.setattr(ingest, "TASK_BYTES", source_bytes // 6 + 1)
-    # where ranks write their token shards before the upload; short, as datatrove's Manager puts an AF_UNIX socket
-    # (108 bytes at most) under it, and tmp_path's length grows with pytest's numbered base folder
-    local_tmp, scratch = Path(tempfile.mkdtemp(prefix="s3-tmp-")), tmp_path / "scratch"
-    request.addfinalizer(lambda: shutil.rmtree(local_tmp, ignore_errors=True))
-    monkeypatch.setenv("TMPDIR", str(local_tmp))
+    # multiprocess makes its folder for datatrove's Manager socket once per process, under the TMPDIR of that
+    # moment, and keeps it for the process's life: made now, under this worker's own temporary folder (an AF_UNIX
+    # path has 108 bytes at most, and the next tests of this worker must not find it gone with tmp_path)
+    multiprocess.util.get_temp_dir()
+    local_tmp, scratch = tmp_path / "tmp", tmp_path / "scratch"
+    local_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(local_tmp))  # where ranks write their token shards before the upload
     monkeypatch.setattr(tempfile, "tempdir", None)
     spec_file = tmp_path / "direct.yaml"
     spec_file.write_text(DIRECT_SPEC)
