@@ -140,9 +140,11 @@ def store_before(reference: Path, spec: Path, step: str, target: Path) -> Path:
 
 
 def wait_for_work(store: Path, step: str, proc: subprocess.Popen, timeout: float = 1800) -> bool:
+    """Whether the step began: its work folder exists, or (a step that keeps no work folder, as evaluations) its
+    staging folder (the only step this run computes: its upstream is committed)."""
     kind, name = step.split(":", 1)
     deadline = time.monotonic() + timeout
-    while not list(store.glob(f".work/{kind}/{name}-*")):
+    while not list(store.glob(f".work/{kind}/{name}-*")) and not list(store.glob(".staging/*")):
         if proc.poll() is not None or time.monotonic() > deadline:
             return False
         time.sleep(0.2)
