@@ -181,7 +181,8 @@ def test_the_slurm_guide_quotes_smollm3s_cluster_plan(smollm3):
 
 
 def test_the_getting_started_page_shows_the_readmes_commands():
-    """The commands at a glance, in two places: one list, and every option it names is one its command has."""
+    """The commands at a glance, in two places: one list; every option it names is one its command has, and a value
+    it shows (`--port 4200`) is that option's default."""
     import typer.main
 
     from compass.flows.cli import app
@@ -193,10 +194,14 @@ def test_the_getting_started_page_shows_the_readmes_commands():
 
     listed = commands(REPO / "README.md")
     assert commands(REPO / "docs" / "getting-started.md") == listed
+    listed_commands = list(cli_commands(typer.main.get_command(app)))
     options = {name: {o for p in command.params for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
-               for name, command in cli_commands(typer.main.get_command(app))}
+               for name, command in listed_commands}
+    defaults = {name: {o: p.default for p in command.params for o in p.opts} for name, command in listed_commands}
     for line in listed:
         usage = line.split("#")[0]
         name = max((n for n in options if usage.startswith(n + " ") or usage.strip() == n), key=len)
         for flag in re.findall(r"(--[a-z][a-z-]*)", usage):
             assert flag in options[name], (name, flag)
+        for flag, value in re.findall(r"\[(--[a-z-]+) ([a-z0-9.]+)\]", usage):  # a literal value is the default
+            assert str(defaults[name][flag]) == value, (name, flag, defaults[name][flag])
