@@ -205,3 +205,37 @@ def test_the_getting_started_page_shows_the_readmes_commands():
             assert flag in options[name], (name, flag)
         for flag, value in re.findall(r"\[(--[a-z-]+) ([a-z0-9.]+)\]", usage):  # a literal value is the default
             assert str(defaults[name][flag]) == value, (name, flag, defaults[name][flag])
+
+
+def _limits():
+    import inspect
+
+    from compass.flows import cli, cli_ops
+    from compass.infra.locks import StepLock
+    from compass.specs import base, yaml_limits
+    from compass.specs.data import DataSource
+    from compass.tasks.data import source_files
+
+    stale = inspect.signature(StepLock.__init__).parameters["stale_after_s"].default
+    number = lambda text: float(text.replace(",", ""))  # noqa: E731
+    return [
+        (r"At most (\d+) MB \(`COMPASS_MAX_SPEC_BYTES`\)", lambda m: int(m) << 20, yaml_limits.MAX_BYTES),
+        (r"(\d+) levels of nesting", int, yaml_limits.MAX_DEPTH),
+        (r"([\d,]+) values after expanding", number, yaml_limits.MAX_NODES),
+        (r"([\d,]+) characters per value", number, yaml_limits.MAX_SCALAR),
+        (r"(\d+) digits per integer", int, yaml_limits.MAX_DIGITS),
+        (r"no line over ([\d,]+) characters", number, yaml_limits.MAX_LINE),
+        (r"are at most (\d+) characters, so artifact folders", int, base.NAME_MAX),
+        (r"prints (\w+) problems per damaged", lambda m: {"ten": 10}[m], cli.VERIFY_SHOWN),
+        (r"after (\d+) s without heartbeat", float, stale),
+        (r"`max_document_chars` \((\d+)M by default\)", lambda m: int(m) * 1_000_000,
+         DataSource.model_fields["max_document_chars"].default),
+        (r"more than (\d+)% U\+FFFD", lambda m: int(m) / 100, source_files.MAX_REPLACEMENT_SHARE),
+        (r"a password of (\d+) characters or more", int, cli_ops.MIN_PASSWORD),
+    ]
+
+
+@pytest.mark.parametrize(("pattern", "read", "value"), _limits(), ids=lambda v: v if isinstance(v, str) else "")
+def test_trust_and_limits_quotes_the_limits_compass_enforces(pattern: str, read, value):
+    page = REPO / "docs" / "trust-and-limits.md"
+    assert read(" ".join(quoted(page, pattern).split())) == value
