@@ -239,3 +239,30 @@ def _limits():
 def test_trust_and_limits_quotes_the_limits_compass_enforces(pattern: str, read, value):
     page = REPO / "docs" / "trust-and-limits.md"
     assert read(" ".join(quoted(page, pattern).split())) == value
+
+
+def _how_it_works():
+    from compass.infra import shard_index, store
+    from compass.model.training import token_files
+    from compass.tasks.data import token_shards
+    from compass.tasks.kinds import ingest, select_tokenizer
+
+    return [
+        (r"`<root>/<kind>/<name>-<fingerprint\[:(\d+)\]>/`", int,
+         len(store.artifact_folder("k", "n", "f" * 64).split("-", 1)[1])),
+        (r"batches of at most (\d+) documents", int, token_shards.BATCH),
+        (r"documents / (\d+)M characters", lambda m: int(m) << 20, token_shards.BATCH_CHARS),
+        (r"blocks of ~(\d+)M tokens", lambda m: int(m) << 20, token_files.FLUSH_TOKENS),
+        (r"across up to (\d+) shards", int, select_tokenizer.SAMPLED_SHARDS),
+        (r"one task per\s+GiB of input", lambda m: 1 << 30, ingest.TASK_BYTES),
+        (r"or per (\d+) files", int, ingest.FILES_PER_TASK),
+        (r"a fresh random sample of (\d+) per folder", int, shard_index.SAMPLE_PER_SET),
+    ]
+
+
+@pytest.mark.parametrize(("pattern", "read", "value"), _how_it_works(), ids=lambda v: v if isinstance(v, str) else "")
+def test_how_it_works_quotes_the_sizes_compass_uses(pattern: str, read, value):
+    text = " ".join((REPO / "docs" / "how-it-works.md").read_text().split())
+    found = re.findall(pattern, text)
+    assert len(found) == 1, (pattern, found)
+    assert read(found[0]) == value
