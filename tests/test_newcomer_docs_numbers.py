@@ -23,6 +23,13 @@ def quoted(page: Path, pattern: str) -> str:
     return found[0]
 
 
+def quoted_in_prose(page: Path, pattern: str) -> str:
+    """`quoted`, across the page's line breaks (each run of white space read as one space)."""
+    found = re.findall(pattern, " ".join(page.read_text().split()))
+    assert len(found) == 1, f"{page.relative_to(REPO)}: expected one match of {pattern!r}, found {found}"
+    return found[0]
+
+
 @pytest.fixture(scope="module")
 def smollm3():
     return load_spec(REPO / "specs" / "examples" / "smollm3-3b.yaml").spec
@@ -237,8 +244,7 @@ def _limits():
 
 @pytest.mark.parametrize(("pattern", "read", "value"), _limits(), ids=lambda v: v if isinstance(v, str) else "")
 def test_trust_and_limits_quotes_the_limits_compass_enforces(pattern: str, read, value):
-    page = REPO / "docs" / "trust-and-limits.md"
-    assert read(" ".join(quoted(page, pattern).split())) == value
+    assert read(quoted_in_prose(REPO / "docs" / "trust-and-limits.md", pattern)) == value
 
 
 def _how_it_works():
@@ -262,7 +268,29 @@ def _how_it_works():
 
 @pytest.mark.parametrize(("pattern", "read", "value"), _how_it_works(), ids=lambda v: v if isinstance(v, str) else "")
 def test_how_it_works_quotes_the_sizes_compass_uses(pattern: str, read, value):
-    text = " ".join((REPO / "docs" / "how-it-works.md").read_text().split())
-    found = re.findall(pattern, text)
-    assert len(found) == 1, (pattern, found)
-    assert read(found[0]) == value
+    assert read(quoted_in_prose(REPO / "docs" / "how-it-works.md", pattern)) == value
+
+
+def _training_guide():
+    import inspect
+
+    from compass.infra import interrupt, net
+    from compass.model.training import export_check
+    from compass.model.training.packing import Prefetcher
+    from compass.specs import costs
+
+    words = {"two": 2, "2": 2}
+    return [
+        (r"a bounded queue of (\w+)\)", lambda m: words[m],
+         inspect.signature(Prefetcher.__init__).parameters["depth"].default),
+        (r"(\d+) MiB of fp32 logits at most", lambda m: int(m) << 20, costs.LOSS_CHUNK_BYTES),
+        (r"tolerance \(([\de-]+) in fp32\)", float, export_check.TOLERANCE["fp32"]),
+        (r"a free port between (\d+)", int, net.LOWEST),
+        (r"exits (\d+) \(130 for Ctrl-C\)", int, interrupt.exit_code(RuntimeError())),
+        (r"exits 143 \((\d+) for Ctrl-C\)", int, interrupt.exit_code(KeyboardInterrupt())),
+    ]
+
+
+@pytest.mark.parametrize(("pattern", "read", "value"), _training_guide(), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_training_guide_quotes_the_numbers_compass_uses(pattern: str, read, value):
+    assert read(quoted_in_prose(REPO / "docs" / "guides" / "training.md", pattern)) == value
