@@ -294,3 +294,32 @@ def _training_guide():
 @pytest.mark.parametrize(("pattern", "read", "value"), _training_guide(), ids=lambda v: v if isinstance(v, str) else "")
 def test_the_training_guide_quotes_the_numbers_compass_uses(pattern: str, read, value):
     assert read(quoted_in_prose(REPO / "docs" / "guides" / "training.md", pattern)) == value
+
+
+def _evaluation_and_slurm_guides():
+    import inspect
+
+    from compass.flows import cli_preflight
+    from compass.infra import exits, shared_probe
+    from compass.tasks.data import decontamination
+    from compass.tasks.evaluation import retrieval
+
+    evaluation, slurm = REPO / "docs" / "guides" / "evaluation.md", REPO / "docs" / "guides" / "slurm.md"
+    words = {"four": 4}
+    return [
+        (evaluation, r"from (\d+) words on; shorter ones are counted as unmatchable", int, decontamination.SHORT_MIN),
+        (evaluation, r"ranking the true key above (\w+) distractors \(chance (\d+)%\)",
+         lambda m: (words[m[0]] + 1, 100 // int(m[1])), (retrieval.CANDIDATES, retrieval.CANDIDATES)),
+        (evaluation, r"in (\d+)k-token passes beyond that", lambda m: int(m) * 1024, retrieval.PREFILL_CHUNK),
+        (slurm, r"answers the same question for a (day)", lambda m: 24 * 3600, shared_probe.VALID_S),
+        (slurm, r"writes why into the work folder and exits (\d+)", int, exits.RETRIABLE_EXIT),
+        (slurm, r"\[--tolerance ([\d.]+)\]", float,
+         inspect.signature(cli_preflight.preflight).parameters["tolerance"].default),
+        (slurm, r"against (\d+)% of the data sheet's dense peak", lambda m: int(m) / 100, cli_preflight.ACHIEVABLE),
+    ]
+
+
+@pytest.mark.parametrize(("page", "pattern", "read", "value"), _evaluation_and_slurm_guides(),
+                         ids=lambda v: v.name if isinstance(v, Path) else "")
+def test_the_evaluation_and_slurm_guides_quote_the_numbers_compass_uses(page: Path, pattern: str, read, value):
+    assert read(quoted_in_prose(page, pattern)) == value
