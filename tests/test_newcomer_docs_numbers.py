@@ -323,3 +323,53 @@ def _evaluation_and_slurm_guides():
                          ids=lambda v: v.name if isinstance(v, Path) else "")
 def test_the_evaluation_and_slurm_guides_quote_the_numbers_compass_uses(page: Path, pattern: str, read, value):
     assert read(quoted_in_prose(page, pattern)) == value
+
+
+def _smoke_sizes():
+    from compass.specs import smoke
+
+    return [
+        (r"runs (\d+) optimizer steps or (\d+) samples", lambda m: tuple(map(int, m)), (smoke.STEPS, smoke.SAMPLES)),
+        (r"keep their order \((\d+), ", int, smoke.SEQUENCE),
+        (r"each source reads\s+(\d+) documents", int, smoke.DOCUMENTS),
+    ]
+
+
+@pytest.mark.parametrize(("pattern", "read", "value"), _smoke_sizes(), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_plan_guide_quotes_the_smoke_sizes(pattern: str, read, value):
+    assert read(quoted_in_prose(PLAN_GUIDE, pattern)) == value
+
+
+def test_the_smoke_shrinks_moe_as_the_plan_guide_says(smollm3):
+    """"MoE (4 experts at most, top-2)": what the shrinking does to a wider mixture of experts."""
+    experts, top = quoted_in_prose(PLAN_GUIDE, r"MoE \((\d+) experts at most, top-(\d+)\)")
+    from compass.specs.smoke import shrunk_spec
+
+    arch = smollm3.what.architecture.model_dump()
+    arch["moe"] = {"num_experts": 16, "experts_per_token": 4, "expert_ffn_size": 1024}
+    wide = smollm3.model_copy(update={"what": smollm3.what.model_copy(update={
+        "architecture": type(smollm3.what.architecture).model_validate(arch)})})
+    small, _ = shrunk_spec(wide, "smoke")
+    moe = small.what.architecture.moe
+    assert (moe.num_experts, moe.experts_per_token) == (int(experts), int(top))
+
+
+def test_the_monitoring_guide_quotes_the_alert_rules():
+    """The thresholds the guide names are those of infra/observability/compass-alerts.rules.yml."""
+    import yaml
+
+    rules = {r["alert"]: r for group in yaml.safe_load(
+        (REPO / "infra" / "observability" / "compass-alerts.rules.yml").read_text())["groups"] for r in group["rules"]}
+    page = REPO / "docs" / "guides" / "monitoring.md"
+    share, window, lasting = quoted_in_prose(page, r"throughput below (\d+)% of its own (\d+)-minute median for (\d+)")
+    slow = rules["CompassThroughputDrop"]
+    assert f"< {int(share) / 100} * quantile_over_time(0.5, compass_train_tokens_per_second[{window}m])" in \
+        slow["expr"] and slow["for"] == f"{lasting}m"
+    idle = int(quoted_in_prose(page, r"no step for (\d+) minutes \(a hung rank\)"))
+    assert rules["CompassNoProgress"]["expr"].endswith(f"> {idle * 60}")
+    straggler = int(quoted_in_prose(page, r"forward/backward (\d+)% slower than the median rank"))
+    assert rules["CompassStraggler"]["expr"].strip().endswith(f"> {1 + straggler / 100}")
+    hot = int(quoted_in_prose(page, r"a GPU above (\d+) C"))
+    assert rules["CompassGpuHot"]["expr"] == f"compass_gpu_temperature_celsius > {hot}"
+    waiting = int(quoted_in_prose(page, r"more than (\d+)% of step time waiting for data"))
+    assert rules["CompassDataWait"]["expr"].strip().endswith(f"> {waiting / 100}")
