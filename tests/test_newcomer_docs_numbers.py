@@ -373,3 +373,24 @@ def test_the_monitoring_guide_quotes_the_alert_rules():
     assert rules["CompassGpuHot"]["expr"] == f"compass_gpu_temperature_celsius > {hot}"
     waiting = int(quoted_in_prose(page, r"more than (\d+)% of step time waiting for data"))
     assert rules["CompassDataWait"]["expr"].strip().endswith(f"> {waiting / 100}")
+
+
+def test_getting_started_describes_the_demo_spec():
+    """The demo's shape as getting-started and the README tell it: the ablation, the stages' lengths, the
+    long-context stages' lengths and RoPE bases, the decontamination's n-grams."""
+    demo = load_spec(REPO / "specs" / "examples" / "tiny.yaml").spec
+    page = REPO / "docs" / "getting-started.md"
+    what = demo.what
+    seeds = {"two": 2}[quoted_in_prose(page, r"embeddings, (\w+) seeds each\)")]
+    assert len(what.ablations.seeds) == seeds
+    assert [v.change for v in what.ablations.variants] == [{"architecture.tied_embeddings": False}]
+    assert what.architecture.tied_embeddings  # "tied vs untied": the baseline ties them
+    length = int(quoted_in_prose(page, r"SmolLM3-style model \((\d+) tokens\)"))
+    assert {s.sequence_length for s in what.pretraining.stages} == {length} and len(what.pretraining.stages) == 2
+    short, long_, base_short, base_long = quoted_in_prose(
+        page, r"two long-context stages \((\d+) then (\d+) tokens, RoPE base (\d+)k then (\d+)k\)")
+    stages = what.long_context.stages
+    assert [(s.sequence_length, s.rope_theta) for s in stages] == [
+        (int(short), int(base_short) * 1000), (int(long_), int(base_long) * 1000)]
+    grams = int(quoted_in_prose(REPO / "README.md", r"every\s+benchmark item indexed as (\d+)-grams"))
+    assert what.decontamination.n_grams == grams
