@@ -12,6 +12,7 @@ steps and an SFT, a DPO and a GRPO step) is the reference. Each interruption the
   time during the resume);
 - the run is continued as a user would: nothing when compass recovers by itself (a rank's death fails the step,
   which is retried), else the same command once;
+- no rank process of the interrupted run may outlive it;
 - the step's committed files must equal the reference's bit for bit (those that hold wall-clock times apart:
   metrics, summaries, plots, event files); `compass verify` must pass; for a training step the work redone after
   the resume (its goodput ledger's `redone`) must be at most one checkpoint interval.
@@ -26,6 +27,7 @@ the suite's Slurm tests (tests/test_rehearsal_faults.py, tests/test_data_scale_s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -166,6 +168,18 @@ def rank_pids(store: Path) -> list[int]:
     return pids
 
 
+def leftover_ranks(store: Path, grace_s: float = 10.0) -> list[int]:
+    """Rank processes still alive once the continued run has ended (given `grace_s` to die), killed after: every
+    rank of an interrupted run must end with it (a killed launcher's ranks otherwise wait in their rendezvous)."""
+    deadline = time.monotonic() + grace_s
+    while (alive := rank_pids(store)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return alive
+
+
 def interrupt(kind: str, proc: subprocess.Popen, store: Path) -> bool:
     """Inject the interruption; False when there was nothing to interrupt (the step had ended)."""
     if proc.poll() is not None:
@@ -260,6 +274,10 @@ def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations
     if code != 0:
         return Interruption(phase, kind, at, f"the continued run failed: {err.strip()[-300:]}", commands, (), None,
                             None)
+    left = leftover_ranks(store)
+    if left:
+        return Interruption(phase, kind, at, f"{len(left)} rank process(es) of the interrupted run still alive",
+                            commands, (), None, None)
     checked = subprocess.run([str(COMPASS), "verify", str(store)], capture_output=True, text=True)
     if checked.returncode != 0:
         return Interruption(phase, kind, at, f"compass verify: {checked.stdout[-300:]}", commands, (), None, None)

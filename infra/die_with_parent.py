@@ -24,11 +24,16 @@ _tie_next_child = False
 _registered = False
 
 
-def die_with_parent() -> None:
-    """This process gets SIGKILL when the thread that forked it ends."""
+def die_with_parent(never_a_child_of_init: bool = False) -> None:
+    """This process gets SIGKILL when the thread that forked it ends. `never_a_child_of_init`: its parent is a
+    launcher (torchrun, slurmstepd), so init as its parent means it was adopted, its launcher already gone: it exits
+    now. A rank arms this after seconds of imports, and a launcher killed meanwhile left it waiting in its
+    rendezvous forever. (Not for the forkserver: `compass run` may be a container's init.)"""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
+    if never_a_child_of_init and parent == 1:
+        os._exit(1)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):

@@ -96,3 +96,36 @@ def test_a_rendezvous_port_is_never_one_the_kernel_hands_out():
     with socket.socket() as taken:  # one in use is never handed out
         taken.bind(("127.0.0.1", min(ports)))
         assert min(ports) not in {free_port() for _ in range(500)}
+
+
+ORPHANED_RANK = """
+import os, subprocess, sys
+# the launcher starts a rank and is gone before the rank has armed its parent-death signal (its imports take seconds)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); "
+                          "from compass.infra.die_with_parent import die_with_parent; "
+                          "die_with_parent(never_a_child_of_init=True); time.sleep(60)"], start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the test reads this one's output
+print(child.pid, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_whose_launcher_died_before_it_armed_exits_instead_of_waiting_forever():
+    """Found by benchmarks/chaos.py: TRL ranks of a run killed during their imports were adopted by init and waited
+    in their rendezvous for good. The rank here arms 1.5 s after its launcher is gone: it must end at once, not
+    after its 60 s."""
+    import subprocess
+    import time
+
+    import psutil
+
+    launcher = subprocess.run([sys.executable, "-c", ORPHANED_RANK], capture_output=True, text=True, timeout=60,
+                              cwd=REPO)
+    rank = psutil.Process(int(launcher.stdout.strip()))
+    started = time.monotonic()
+    try:
+        rank.wait(timeout=30)  # not a child of this process: psutil polls it (psutil.TimeoutExpired if it lives on)
+    finally:
+        if rank.is_running():
+            rank.kill()
+    assert time.monotonic() - started < 30

@@ -551,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     rank); rank 0 writes `result.json` beside the job."""
     from compass.infra.die_with_parent import die_with_parent
 
-    die_with_parent()  # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
+    # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
+    die_with_parent(never_a_child_of_init=True)
     args = argv if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job_path = Path(args[0])

@@ -61,7 +61,7 @@ def main(job_path: str) -> None:
     from compass.model.training import collectives
     from compass.tasks.evaluation.lighteval_run import run_lighteval
 
-    die_with_parent()
+    die_with_parent(never_a_child_of_init=True)
     prepare_environment()
     job = LightevalJob.model_validate_json(Path(job_path).read_text())
     rank = collectives.rank_env()[0]

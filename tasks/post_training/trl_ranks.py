@@ -309,7 +309,8 @@ def main(job_path: str) -> None:
     from compass.model.training.goodput import process_start
     from compass.tasks.post_training.chat import load_chat_model
 
-    die_with_parent()  # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
+    # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
+    die_with_parent(never_a_child_of_init=True)
     prepare_environment()
     job = TrlJob.read(Path(job_path))
     work = WorkFolder(job.work)
