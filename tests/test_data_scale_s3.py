@@ -15,6 +15,7 @@ import pytest
 from compass.infra.net import free_port
 from tests.conftest import REPO
 from tests.s3_server import RestartableS3
+from tests.watching import Watch
 
 pytestmark = pytest.mark.slow
 BUCKET = "compass-data"
@@ -165,38 +166,27 @@ def _word_salad_source(s3: RestartableS3) -> int:
     return total
 
 
-class DiskWatch:
+class DiskWatch(Watch):
     """Samples the bytes under local folders while a run goes on: the peak total, and how many samples."""
 
+    every_s = 0.02
+
     def __init__(self, *folders: Path):
-        import threading
-
+        super().__init__()
         self.folders, self.peak, self.samples = folders, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def _watch(self) -> None:
+    def sample(self) -> None:
         import os
 
-        while not self._stop.is_set():
-            total = 0
-            for folder in self.folders:
-                for root, _, names in os.walk(folder):
-                    for name in names:
-                        try:
-                            total += os.lstat(os.path.join(root, name)).st_size
-                        except FileNotFoundError:
-                            continue
-            self.peak, self.samples = max(self.peak, total), self.samples + 1
-            self._stop.wait(0.02)
-
-    def __enter__(self) -> DiskWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self._stop.set()
-        self._thread.join()
+        total = 0
+        for folder in self.folders:
+            for root, _, names in os.walk(folder):
+                for name in names:
+                    try:
+                        total += os.lstat(os.path.join(root, name)).st_size
+                    except FileNotFoundError:
+                        continue
+        self.peak, self.samples = max(self.peak, total), self.samples + 1
 
 
 def test_a_source_on_s3_becomes_shards_on_s3_with_no_local_copy_of_it(

@@ -10,7 +10,6 @@ import json
 import logging
 import random
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from compass.infra.layout import SPLITS
 from compass.infra.store import Store
 from tests.conftest import FIXTURES, REPO, VENV_BIN, base_env, running_cluster
+from tests.watching import Watch
 
 pytestmark = pytest.mark.slow
 MAX_ARRAY = 2  # the cluster's MaxArraySize: a stage of 3 tasks is two arrays
@@ -78,30 +78,20 @@ def _queued(name: str) -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
-class DependencyWatch:
+class DependencyWatch(Watch):
     """Polls the queue in a thread while a run goes on, keeping each array job's name and the dependency it waited
     on while pending: an array launched in a wave after another waits on `afterany:<the other>` while that one runs
     (over a second: each task starts python and datatrove), far longer than the poll interval."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.seen: dict[str, set[str]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
-    def _poll(self) -> None:
-        while not self._stop.wait(0.2):
-            out = subprocess.run(["squeue", "-h", "-r", "-o", "%j|%E"], capture_output=True, text=True).stdout
-            for name, dependency in (line.split("|", 1) for line in out.splitlines() if "|" in line):
-                if name.startswith("compass-arrays-"):
-                    self.seen.setdefault(name, set()).add(dependency.strip())
-
-    def __enter__(self) -> DependencyWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        out = subprocess.run(["squeue", "-h", "-r", "-o", "%j|%E"], capture_output=True, text=True).stdout
+        for name, dependency in (line.split("|", 1) for line in out.splitlines() if "|" in line):
+            if name.startswith("compass-arrays-"):
+                self.seen.setdefault(name, set()).add(dependency.strip())
 
 
 def _array_tasks(slurm: dict[str, str], name: str) -> list[dict[str, str]]:

@@ -19,6 +19,7 @@ import pytest
 from compass.model.training.records import CAUSES
 from compass.tasks.post_training.trl_checkpoints import newest_complete
 from tests.conftest import REPO, TRL_CHECKPOINTS, seeded, write_minimal_spec
+from tests.watching import Watch
 
 pytestmark = pytest.mark.slow
 
@@ -102,29 +103,16 @@ def sft_and_dpo(pretrained: Path, folder: Path, ranks: int, zero: int = 0,
     return run_steps(spec_with_ranks(folder, ranks, zero), store, list(steps))
 
 
-class TargetWatch:
+class TargetWatch(Watch):
     """The Prometheus service-discovery files that appear under a folder while steps run (each rank registers its
     endpoint there while it trains and removes it when it ends)."""
 
     def __init__(self, folder: Path):
-        import threading
-
+        super().__init__()
         self.folder, self.seen = folder, set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            self.seen |= {p.name for p in self.folder.rglob("targets/*.json")}
-            self._stop.wait(0.2)
-
-    def __enter__(self) -> TargetWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        self.seen |= {p.name for p in self.folder.rglob("targets/*.json")}
 
 
 @pytest.fixture(scope="module")
