@@ -24,8 +24,8 @@ class TrlPrometheus(TrainerCallback):
     """This rank's endpoint while the step trains: step, loss, grad norm and learning rate as TRL logs them, the
     time of the last optimizer step, and (rank 0) the step's goodput split so far."""
 
-    def __init__(self, telemetry: Telemetry, ledger: TrlGoodput, gpu_index: int | None):
-        self.telemetry, self.ledger, self.gpu_index = telemetry, ledger, gpu_index
+    def __init__(self, telemetry: Telemetry, ledger: TrlGoodput, cuda: bool):
+        self.telemetry, self.ledger, self.cuda = telemetry, ledger, cuda
         self.endpoint: RankEndpoint | None = None
         self.goodput_at = 0.0
 
@@ -33,7 +33,15 @@ class TrlPrometheus(TrainerCallback):
         t = self.telemetry
         labels = {"run": t.run, "step": t.step, "stage": t.step.split(":", 1)[-1], "node": socket.gethostname(),
                   "rank": os.environ.get("RANK", "0")}
-        self.endpoint = RankEndpoint(t, labels, int(os.environ.get("LOCAL_RANK", "0")), self.gpu_index)
+        self.endpoint = RankEndpoint(t, labels, int(os.environ.get("LOCAL_RANK", "0")), self._gpu_index())
+
+    def _gpu_index(self) -> int | None:
+        """The GPU NVML reads for this rank: the one accelerate opened (set by the time training begins)."""
+        if not self.cuda:
+            return None
+        import torch
+
+        return torch.cuda.current_device()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         endpoint = self.endpoint

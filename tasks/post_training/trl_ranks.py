@@ -105,17 +105,8 @@ def _callbacks(job: TrlJob, ledger: TrlGoodput) -> list[Any]:
 
         out.append(tracker_callback(job.trackers))
     if job.prometheus is not None:  # after the ledger: the goodput it serves includes this step
-        out.append(TrlPrometheus(job.prometheus, ledger, _gpu_index(job)))
+        out.append(TrlPrometheus(job.prometheus, ledger, cuda=job.device == "cuda"))
     return out
-
-
-def _gpu_index(job: TrlJob) -> int | None:
-    """The GPU this rank reads NVML from (the device accelerate opened), None on CPU."""
-    if job.device != "cuda":
-        return None
-    import torch
-
-    return torch.cuda.current_device()
 
 
 def _rank() -> int:
