@@ -80,3 +80,31 @@ def test_lighteval_through_vllm_scores_on_the_gpu(cuda, tmp_path: Path):
                            tmp_path / "scratch", Device("cuda", bf16=True), how)
     (metrics,) = scores.results.values()
     assert 0 <= metrics["acc"] <= 1
+
+
+def test_a_trl_ranks_endpoint_reads_its_gpu_through_nvml(cuda, tmp_path: Path):
+    """On CUDA a TRL rank's endpoint serves the hardware layer too (NVML, for the GPU accelerate opened)."""
+    import json
+    import urllib.request
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from compass.model.training.job import Telemetry
+    from compass.tasks.post_training.trl_goodput import TrlGoodput
+    from compass.tasks.post_training.trl_prometheus import TrlPrometheus
+
+    torch.cuda.set_device(cuda)
+    folder = tmp_path / "monitoring"
+    ledger = TrlGoodput(tmp_path / "goodput", started_at=time.time())
+    served = TrlPrometheus(Telemetry(run="gpu", step="post_train:sft", folder=folder), ledger, cuda=True)
+    state = SimpleNamespace(global_step=0, max_steps=1, is_world_process_zero=True)
+    served.on_train_begin(None, state, None)
+    try:
+        (target,) = (folder / "targets").glob("*.json")
+        address = json.loads(target.read_text())[0]["targets"][0]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+            names = {s.name for f in text_string_to_metric_families(response.read().decode()) for s in f.samples}
+    finally:
+        served.on_train_end(None, state, None)
+    assert {"compass_gpu_temperature_celsius", "compass_gpu_memory_used_bytes", "compass_gpu_power_watts"} <= names
