@@ -69,3 +69,28 @@ def test_a_rollback_or_a_resume_ends_at_the_weights_of_an_undisturbed_run(ranks:
     straight, other = weights["straight"], weights[run]
     assert straight.keys() == other.keys() and straight
     assert all(straight[k].equal(other[k]) for k in straight)  # bitwise
+
+
+TWO_STARTS = """
+import sys, threading, time
+from compass.model.training.engines import import_deepspeed
+found = {}
+def second():  # starts once the first import has put its unfinished module in sys.modules
+    while "deepspeed" not in sys.modules:
+        time.sleep(0.0005)
+    found["second"] = hasattr(import_deepspeed(), "initialize")  # whole when it is handed over
+thread = threading.Thread(target=second)
+thread.start()
+found["first"] = hasattr(import_deepspeed(), "initialize")
+thread.join()
+print(found["first"], found["second"])
+"""
+
+
+def test_two_steps_of_one_process_starting_deepspeed_at_once_both_get_the_whole_module():
+    """Two ablations run in threads of one process (max_parallel_steps: 2) import DeepSpeed together: the second
+    waits for the first's import instead of taking the half-initialised module from sys.modules (CI: "module
+    'deepspeed' has no attribute 'initialize'")."""
+    done = subprocess.run([sys.executable, "-c", TWO_STARTS], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "True True", done.stdout

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -145,18 +146,27 @@ class TorchEngine:
 
 def import_deepspeed() -> ModuleType:
     """DeepSpeed, without the mlflow its autotuner imports when mlflow is installed (a tracker compass offers):
-    1.8 s of every DeepSpeed rank's start for a feature compass does not use. mlflow stays importable after."""
-    if "deepspeed" in sys.modules:
-        return sys.modules["deepspeed"]
-    hide = "mlflow" not in sys.modules
-    if hide:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
-    try:
-        import deepspeed
-    finally:
+    1.8 s of every DeepSpeed rank's start for a feature compass does not use. mlflow stays importable after.
+    One caller at a time: two steps of one process (`max_parallel_steps`) start DeepSpeed from two threads, and
+    the second must wait for the first's import to finish, not take the half-initialised module it finds in
+    sys.modules (a CI run's ablation died on "module 'deepspeed' has no attribute 'initialize'")."""
+    with _DEEPSPEED_IMPORT:
+        if "deepspeed" in sys.modules:
+            import deepspeed  # complete: an import another caller began outside this function is waited for
+
+            return deepspeed
+        hide = "mlflow" not in sys.modules
         if hide:
-            sys.modules.pop("mlflow", None)
-    return deepspeed
+            sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
+        try:
+            import deepspeed
+        finally:
+            if hide:
+                sys.modules.pop("mlflow", None)
+        return deepspeed
+
+
+_DEEPSPEED_IMPORT = threading.Lock()
 
 
 def keep_deepspeed_off_the_cpu_shm_op() -> None:
