@@ -1,7 +1,10 @@
-"""The chaos benchmark's sample in the suite (issue 47, item 1): benchmarks/chaos.py at one interruption per kind
-it draws, on the pretraining phase, from the session's prepared data store (the reference trains stage 1 only).
-The benchmark's own checks decide: the continued run ends, with at most one command, on the uninterrupted run's
-exact artifacts, `compass verify` passes and the redone work is at most one checkpoint interval."""
+"""The chaos benchmark's sample in the suite (issue 47, item 1): benchmarks/chaos.py at one interruption, a rank
+killed mid-stage in the pretraining phase, from the session's prepared data store (the reference trains stage 1
+only). The benchmark's own checks decide: the continued run ends, with at most one command, on the uninterrupted
+run's exact artifacts, no rank outlives the interruption, `compass verify` passes and the redone work is at most one
+checkpoint interval. (One interruption: each costs a run of the stage. A killed orchestrator is the suite's
+tests/test_reliability_kill_loop.py, at several points; `python benchmarks/chaos.py` draws from every kind and
+phase.)"""
 
 from __future__ import annotations
 
@@ -14,9 +17,9 @@ from tests.benchmark_script import bench
 
 
 @pytest.mark.slow
-def test_a_killed_rank_and_a_killed_orchestrator_mid_stage_end_on_the_uninterrupted_weights(data_store: Path):
-    out = bench("chaos.py", "--interruptions", "2", "--seed", "1", "--phases", "pretraining", "--kinds",
-                "kill -9 rank,kill -9 orchestrator", prepared=data_store, records=False)
+def test_a_rank_killed_mid_stage_ends_on_the_uninterrupted_weights(data_store: Path):
+    out = bench("chaos.py", "--interruptions", "1", "--seed", "1", "--phases", "pretraining", "--kinds",
+                "kill -9 rank", prepared=data_store, records=False)
     lines = [line for line in out.splitlines() if re.match(r"\s*\d+ pretraining", line)]
-    assert len(lines) == 2 and all(": ok;" in line for line in lines), out
+    assert len(lines) == 1 and "kill -9 rank" in lines[0] and ": ok;" in lines[0], out
     assert "0 failed or differ from the uninterrupted run; 0 needed more than one command" in out, out

@@ -1,8 +1,8 @@
-"""Tokenizing a source is streamed: a curated source of 128 MiB of text (2 shards) and one of 384 MiB (6 shards) are
+"""Tokenizing a source is streamed: a curated source of 64 MiB of text (2 shards) and one of 192 MiB (6 shards) are
 tokenized by the step and its datatrove worker processes; the larger source peaks no higher than the smaller one
 (a small constant times one batch, not a multiple of the source: the step once held a whole source's text in a
-list, which would add 256 MiB), and neither peaks over 0.5 GB (~0.15 GB measured). The token shards hold every
-document, each ending with EOS, one shard per curated shard."""
+list, which would add 128 MiB, six times the margin allowed), and neither peaks over 0.5 GB (~0.15 GB measured).
+The token shards hold every document, each ending with EOS, one shard per curated shard."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from compass.infra.store import Store
 from tests.conftest import REPO
 from tests.test_data_scale_tokenizer import committed
 
-SHARD_CHARS = 2**26 + 1  # 64 MiB of text per shard
-SMALL, LARGE = 2, 6  # shards: 128 MiB and 384 MiB of text
+SHARD_CHARS = 2**25 + 1  # 32 MiB of text per shard
+SMALL, LARGE = 2, 6  # shards: 64 MiB and 192 MiB of text
 DOC_WORDS = 2000
 
 # Peaks are each process's VmHWM (the high-water mark of its own memory map), this process's and its descendants'
@@ -68,8 +68,8 @@ print(json.dumps({**counts, "peak_kib": max(peak["kib"], hwm_kib("self")), "proc
 
 def _tokenizer(folder: Path, words: list[str]) -> None:
     """A word-level tokenizer over the generated words: what is measured is the streaming around the tokenizer
-    (reading, batching, writing shards), and a word-level model gets 512 MiB through two cores in a minute, not the
-    quarter of an hour a byte-level BPE takes here."""
+    (reading, batching, writing shards), and a word-level model gets 256 MiB through two cores in half a minute, not
+    the quarter of an hour a byte-level BPE takes here."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -110,8 +110,8 @@ def test_tokenizing_three_times_the_text_does_not_raise_the_peak_memory(tmp_path
         finally:  # hundreds of MB of shards and tokens: not left to pytest's kept temporary folders
             for big in ("store", "tokens", "work", "curated"):
                 shutil.rmtree(folder / big, ignore_errors=True)
-    assert LARGE * chars >= 3 * 2**27  # 384 MiB of text went through the larger run
-    # 256 MiB more text, the same peak (a whole-source list would add 256 MiB; 20 MB covers sampling jitter)
+    assert LARGE * chars >= 3 * 2**26  # 192 MiB of text went through the larger run
+    # 128 MiB more text, the same peak (a whole-source list would add 128 MiB; 20 MB covers sampling jitter)
     assert peaks[LARGE] < peaks[SMALL] + 20e6, {k: f"{v / 1e9:.3f} GB" for k, v in peaks.items()}
 
 
