@@ -19,9 +19,18 @@ steps and an SFT, a DPO and a GRPO step) is the reference. Each interruption the
 
     python benchmarks/chaos.py [--interruptions 10] [--seed 0] [--phases pretraining,sft] [--kinds ...]
 
+With `--cluster` every step runs as a Slurm job of a 2-node cluster started on this machine (tests/slurm_cluster.py,
+root and infra/setup.sh's Slurm), each training step over both nodes (a rank per node), and three more kinds of
+interruption come in: `scancel` of the step's job, the time limit's warning signal (what Slurm sends the batch shell
+before the limit: the ranks checkpoint and the job requeues itself), and a node lost (its slurmd, step daemons and
+rank killed; Slurm requeues the job once it declares the node down, and the node comes back). Each continued run is
+also checked for duplicate jobs: the step's jobs in the controller's records are one, or two after a scancel (the
+cancelled job and the one resubmitted).
+
+    sudo python benchmarks/chaos.py --cluster [--kinds scancel,time limit,slurmd stopped,kill -9 orchestrator]
+
 Prints one line per interruption and a report: 0 manual steps beyond the one command, bitwise-equal artifacts, the
-redone work per interruption (mean and p95) against the bound. Slurm's interruptions (scancel, a node lost) run in
-the suite's Slurm tests (tests/test_rehearsal_faults.py, tests/test_data_scale_slurm.py), not here yet.
+redone work per interruption (mean and p95) against the bound, and (`--cluster`) 0 duplicate jobs.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +61,13 @@ PHASES = {"data": "curate:notes", "tokenize": "tokenize:notes", "pretraining": "
           "sft": "post_train:sft", "dpo": "post_train:dpo", "grpo": "post_train:grpo",
           "evaluation": "evaluate:pretrain-stage1"}
 KINDS = ("kill -9 orchestrator", "SIGTERM orchestrator", "kill -9 rank", "kill -9 orchestrator twice")
+SLURM_KINDS = ("scancel", "time limit", "slurmd stopped")  # --cluster only
+CLUSTER_HOW = """  hardware: {{nodes: 2, devices_per_node: 1}}
+  parallelism: {{data_parallel: 2, micro_batch_size: 2}}
+  checkpoints: {{every_steps: {every}, keep_last: 2}}
+  resources: {{data: {{cpus_per_node: 1}}, post_training: {{nodes: 2, devices_per_node: 1}}}}
+  orchestration: {{retries: 1, cluster: {{kind: slurm, poll_seconds: 0.5, shared_root: {shared}, launch: srun}}}}
+"""
 RANK_MODULES = ("compass.model.training.trainer", "compass.tasks.post_training.trl_ranks")
 TIMED_FILES = ("metrics.jsonl", "summary.md", "results.json")  # hold wall-clock times: not compared bit for bit
 POST_TRAINING = """  post_training:
@@ -72,11 +89,13 @@ HOW = f"""how:
 """
 
 
-def chaos_spec(folder: Path) -> Path:
-    """The suite's minimal spec, every training step on two ranks, with post-training."""
+def chaos_spec(folder: Path, shared: Path | None = None) -> Path:
+    """The suite's minimal spec, every training step on two ranks, with post-training; with `shared` (a cluster's
+    shared root) every step a Slurm job, a training step's ranks one per node of two."""
     text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace("../fixtures/", f"{FIXTURES}/")
     text = text.replace("  pretraining:", POST_TRAINING, 1)
-    text = text.replace("how:\n  parallelism: {micro_batch_size: 2}\n", HOW, 1)  # its parallelism: in HOW
+    how = HOW if shared is None else "how:\n" + CLUSTER_HOW.format(every=CHECKPOINT_EVERY, shared=shared)
+    text = text.replace("how:\n  parallelism: {micro_batch_size: 2}\n", how, 1)  # its parallelism: in HOW
     path = folder / "spec.yaml"
     path.write_text(text)
     return path
@@ -92,6 +111,24 @@ class Interruption:
     differing: tuple[str, ...]  # committed files that differ from the reference's
     redone_s: float | None  # training steps: work computed again after the resume
     interval_s: float | None  # the step's checkpoint interval, in seconds of compute
+    duplicates: int = 0  # --cluster: the step's Slurm jobs beyond the one expected (two after a scancel)
+
+
+@dataclass
+class Cluster:
+    """The chaos run's Slurm cluster (--cluster): its configuration file, and the slurmd of each node brought back
+    after it was lost (stopped with the cluster)."""
+    conf: str
+    restarted: list[subprocess.Popen]
+
+    def jobs_named(self, name: str) -> set[str]:
+        """Every job of that name the controller holds or finished (its completion log: jobcomp/filetxt)."""
+        log = Path(self.conf).with_name("jobcomp.log")
+        done = [dict(f.split("=", 1) for f in line.split() if "=" in f)
+                for line in (log.read_text().splitlines() if log.exists() else []) if line.strip()]
+        queued = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.split("\n")
+        return ({j["JobId"] for j in done if j.get("Name") == name} |
+                {line.split()[0] for line in queued if line.strip() and line.split()[1] == name})
 
 
 def run(spec: Path, store: Path, *until: str) -> subprocess.Popen:
@@ -180,6 +217,54 @@ def leftover_ranks(store: Path, grace_s: float = 10.0) -> list[int]:
     return alive
 
 
+def step_job(store: Path, step: str, timeout: float = 600) -> str | None:
+    """The Slurm job computing the step (the job record in its work folder), once it was submitted."""
+    from compass.infra.slurm import read_record
+
+    kind, name = step.split(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for work in store.glob(f".work/{kind}/{name}-*"):
+            if (record := read_record(work)) is not None:
+                return record.job_id
+        time.sleep(0.2)
+    return None
+
+
+def interrupt_job(kind: str, job: str, cluster: Cluster) -> threading.Thread | None:
+    """A Slurm interruption of the step's job; what the cluster does after it (a requeued job's start moved to now,
+    a lost node brought back) happens in the returned thread while the run goes on."""
+    from compass.infra.slurm import state_of
+
+    if kind == "scancel":
+        subprocess.run(["scancel", job], check=True)
+        return None
+    if kind == "time limit":  # what --signal=B:USR1@N sends the batch shell N seconds before the limit
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    else:  # slurmd stopped: the step's second node
+        from tests.slurm_cluster import lose_node
+
+        lose_node(cluster.conf, "node2")
+
+    def after() -> None:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            state = state_of(job)
+            if state is None or state.state == "PENDING":  # requeued (or gone: nothing more to do)
+                break
+            time.sleep(0.5)
+        if kind == "time limit":  # Slurm's two-minute BeginTime of a requeued job, moved to now
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        else:  # the node is back (the requeued job keeps its BeginTime: tests/test_rehearsal_faults.py says why)
+            from tests.slurm_cluster import restart_node
+
+            cluster.restarted.append(restart_node(cluster.conf, "node2"))
+
+    thread = threading.Thread(target=after, name="chaos-cluster", daemon=True)
+    thread.start()
+    return thread
+
+
 def interrupt(kind: str, proc: subprocess.Popen, store: Path) -> bool:
     """Inject the interruption; False when there was nothing to interrupt (the step had ended)."""
     if proc.poll() is not None:
@@ -247,19 +332,35 @@ def state_difference(a: Path, b: Path) -> list[str]:
 
 
 def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations: dict[str, float],
-        scratch: Path) -> Interruption:
+        scratch: Path, cluster: Cluster | None = None) -> Interruption:
     step = PHASES[phase]
     store = store_before(reference, spec, step, scratch / "store")
+    job_name = "compass-" + f"{step.replace(':', '-')}"[:40]  # flows/runner.py's label
+    before = cluster.jobs_named(job_name) if cluster else set()
     proc = run(spec, store, step)
     commands = 0
     if not wait_for_work(store, step, proc):
         finished(proc)
         return Interruption(phase, kind, at, "the step ended before its work folder was seen", 0, (), None, None)
     time.sleep(at * durations[step])
-    if not interrupt(kind, proc, store):
+    helper = None
+    if kind in SLURM_KINDS:
+        from compass.infra.slurm import state_of
+
+        job = step_job(store, step)
+        state = state_of(job) if job else None
+        if proc.poll() is not None or state is None or state.state != "RUNNING":
+            finished(proc)
+            return Interruption(phase, kind, at, "the step had ended before the interruption", 0, (), None, None)
+        helper = interrupt_job(kind, job, cluster)
+        code, _, err = finished(proc)
+        if code != 0:  # compass did not recover by itself: the same command, once
+            code, _, err = finished(run(spec, store, step))
+            commands += 1
+    elif not interrupt(kind, proc, store):
         finished(proc)
         return Interruption(phase, kind, at, "the step had ended before the interruption", 0, (), None, None)
-    if kind == "kill -9 rank":  # compass recovers by itself: the step fails and is retried
+    elif kind == "kill -9 rank":  # compass recovers by itself: the step fails and is retried
         code, _, err = finished(proc)
     else:
         finished(proc)
@@ -271,6 +372,8 @@ def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations
             finished(again)
         code, _, err = finished(run(spec, store, step))
         commands += 1
+    if helper is not None:
+        helper.join(120)
     if code != 0:
         return Interruption(phase, kind, at, f"the continued run failed: {err.strip()[-300:]}", commands, (), None,
                             None)
@@ -288,8 +391,11 @@ def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations
     if split and split.get("attempts", 1) > 1:
         steps = (ours.get("metrics") or {}).get("steps") or 1
         redone, interval = split["redone_s"], split["compute_s"] / steps * CHECKPOINT_EVERY
-    return Interruption(phase, kind, at, "ok" if not differing else "artifacts differ", commands, differing, redone,
-                        interval)
+    duplicates = 0
+    if cluster is not None:  # the interrupted job, resubmitted only when it was cancelled
+        duplicates = max(0, len(cluster.jobs_named(job_name) - before) - (2 if kind == "scancel" else 1))
+    outcome = "artifacts differ" if differing else f"{duplicates} duplicate job(s)" if duplicates else "ok"
+    return Interruption(phase, kind, at, outcome, commands, differing, redone, interval, duplicates)
 
 
 def main() -> None:
@@ -297,16 +403,22 @@ def main() -> None:
     parser.add_argument("--interruptions", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated: " + ", ".join(PHASES))
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
+    parser.add_argument("--kinds", help="comma-separated: " + ", ".join(KINDS) + "; with --cluster also "
+                        + ", ".join(SLURM_KINDS) + " (default: every kind)")
+    parser.add_argument("--cluster", action="store_true", help="every step a job of a 2-node Slurm cluster started "
+                        "here (root; infra/setup.sh installs Slurm)")
     args = parser.parse_args()
-    phases, kinds = args.phases.split(","), args.kinds.split(",")
-    unknown = [p for p in phases if p not in PHASES] + [k for k in kinds if k not in KINDS]
+    known = KINDS + SLURM_KINDS if args.cluster else KINDS
+    phases, kinds = args.phases.split(","), (args.kinds.split(",") if args.kinds else list(known))
+    unknown = [p for p in phases if p not in PHASES] + [k for k in kinds if k not in known]
     if unknown:
-        raise SystemExit(f"unknown phase or kind: {', '.join(unknown)}")
+        raise SystemExit(f"unknown phase or kind: {', '.join(unknown)}"
+                         + ("" if args.cluster else f" ({', '.join(SLURM_KINDS)} need --cluster)"))
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(prefix="compass-chaos-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="compass-chaos-") as tmp, contextlib.ExitStack() as stack:
         folder = Path(tmp)
-        spec = chaos_spec(folder)
+        cluster = started_cluster(folder, stack) if args.cluster else None
+        spec = chaos_spec(folder, folder / "shared" if cluster else None)
         reference = seeded(folder / "reference")  # the suite's prepared data steps, when it hands them over
         code, out, err = finished(run(spec, reference, *(PHASES[p] for p in phases)))  # what the phases need
         if code != 0:
@@ -315,11 +427,11 @@ def main() -> None:
         results = []
         for i in range(args.interruptions):
             phase, kind, at = rng.choice(phases), rng.choice(kinds), rng.uniform(0.05, 0.8)
-            if kind == "kill -9 rank" and phase in ("data", "tokenize", "evaluation"):
-                kind = "kill -9 orchestrator"  # those steps run in the orchestrator's process here: it is the rank
+            if kind in ("kill -9 rank", *SLURM_KINDS) and phase in ("data", "tokenize", "evaluation"):
+                kind = "kill -9 orchestrator"  # one-process steps (in the orchestrator here, or one-task jobs)
             scratch = folder / f"interruption-{i}"
             scratch.mkdir()
-            got = one(reference, spec, phase, kind, at, durations, scratch)
+            got = one(reference, spec, phase, kind, at, durations, scratch, cluster)
             shutil.rmtree(scratch, ignore_errors=True)
             results.append(got)
             redone = f", redone {got.redone_s:.1f} s of a {got.interval_s:.1f} s interval" if got.redone_s is not None \
@@ -329,6 +441,28 @@ def main() -> None:
     report(results)
 
 
+def started_cluster(folder: Path, stack: contextlib.ExitStack) -> Cluster:
+    """A 2-node Slurm cluster on this machine for the run (stopped with `stack`), its nodes declaring a CPU each
+    rank; SLURM_CONF points every command at it."""
+    sys.path.insert(0, str(REPO))  # the suite's cluster (tests/slurm_cluster.py)
+    from tests.slurm_cluster import missing, slurm_cluster
+
+    if why := missing():
+        raise SystemExit(f"--cluster: {why}")
+    env = stack.enter_context(slurm_cluster(folder / "cluster", nodes=2, slurmd_timeout=30))
+    os.environ.update(env)
+    cluster = Cluster(env["SLURM_CONF"], [])
+
+    def stop_restarted() -> None:
+        for proc in cluster.restarted:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+
+    stack.callback(stop_restarted)  # before the cluster stops its own daemons
+    return cluster
+
+
 def report(results: list[Interruption]) -> None:
     counted = [r for r in results if not r.outcome.startswith("the step")]
     failed = [r for r in counted if r.outcome != "ok"]
@@ -336,7 +470,8 @@ def report(results: list[Interruption]) -> None:
     redone = [r.redone_s / r.interval_s for r in counted if r.redone_s is not None and r.interval_s]
     print(f"\n{len(counted)} interruptions ({len(results) - len(counted)} missed: the step ended first) over "
           f"{len({r.phase for r in counted})} phases; {len(failed)} failed or differ from the uninterrupted run; "
-          f"{len(extra)} needed more than one command per interruption")
+          f"{len(extra)} needed more than one command per interruption; "
+          f"{sum(r.duplicates for r in counted)} duplicate Slurm jobs")
     if redone:
         p95 = sorted(redone)[max(0, round(0.95 * len(redone)) - 1)]
         print(f"redone work per interruption, in checkpoint intervals: mean {statistics.fmean(redone):.2f}, "

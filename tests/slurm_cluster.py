@@ -12,6 +12,7 @@ root-only namespaces and a bridge; the jobs compass submits never depend on the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -142,6 +143,36 @@ def _wait(check, what: str, timeout: float = 60) -> None:
             return
         time.sleep(0.3)
     raise TimeoutError(f"{what} did not come up within {timeout:.0f} s")
+
+
+def lose_node(conf: str, node: str) -> None:
+    """A node dies: its slurmd, its job steps' slurmstepd and every task Slurm started there, killed at once (the
+    tasks name their node in SLURMD_NODENAME, the steps are their parents; only the cluster of `conf`, by
+    SLURM_CONF)."""
+    import psutil
+
+    marks = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_CONF={conf}".encode()}
+    doomed: set[int] = {int(Path(conf).with_name(f"slurmd-{node}.pid").read_text())}
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if marks <= set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")):
+                doomed.add(proc.pid)
+                parent = proc.parent()
+                while parent is not None and "slurmstepd" not in " ".join(parent.cmdline()):
+                    parent = parent.parent()
+                if parent is not None:
+                    doomed.add(parent.pid)
+        except (OSError, psutil.Error):
+            continue
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def restart_node(conf: str, node: str) -> subprocess.Popen:
+    """The lost node back (its slurmd started again, as after a reboot); the caller stops it (SIGTERM)."""
+    return subprocess.Popen(["slurmd", "-D", "-f", conf, "-N", node], env={**os.environ, "SLURM_CONF": conf},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @contextmanager

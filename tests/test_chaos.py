@@ -23,3 +23,17 @@ def test_a_rank_killed_mid_stage_ends_on_the_uninterrupted_weights(data_store: P
     lines = [line for line in out.splitlines() if re.match(r"\s*\d+ pretraining", line)]
     assert len(lines) == 1 and "kill -9 rank" in lines[0] and ": ok;" in lines[0], out
     assert "0 failed or differ from the uninterrupted run; 0 needed more than one command" in out, out
+
+
+def test_slurms_interruptions_need_the_cluster_mode_and_say_so():
+    """scancel, the time limit and a lost node interrupt Slurm jobs: without --cluster (a 2-node cluster started
+    here) the benchmark refuses them before it runs anything, naming the flag."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/chaos.py", "--kinds", "kill -9 rank,scancel"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "unknown phase or kind: scancel" in done.stderr, done.stderr
+    assert "need --cluster" in done.stderr

@@ -4,7 +4,6 @@ with no orchestrator, and resume from its newest checkpoint (N6)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 
 from compass.infra.store import Store
 from tests.conftest import REPO, VENV_BIN, base_env, running_cluster, seeded, write_minimal_spec
+from tests.slurm_cluster import lose_node, restart_node
 
 pytestmark = pytest.mark.slow
 
@@ -128,32 +128,6 @@ def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_clust
     assert manifest.execution.slurm_job == job  # the same job, requeued by itself
 
 
-def lose_node(cluster: dict[str, str], node: str) -> None:
-    """A node dies: its slurmd, its job steps' slurmstepd and every task Slurm started there, killed at once (the
-    tasks name their node in SLURMD_NODENAME, the steps are their parents; only this cluster's, by SLURM_CONF)."""
-    import signal
-
-    import psutil
-
-    conf = cluster["SLURM_CONF"]
-    marks = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_CONF={conf}".encode()}
-    doomed: set[int] = {int(Path(conf).with_name(f"slurmd-{node}.pid").read_text())}
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if marks <= set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")):
-                doomed.add(proc.pid)
-                parent = proc.parent()
-                while parent is not None and "slurmstepd" not in " ".join(parent.cmdline()):
-                    parent = parent.parent()
-                if parent is not None:
-                    doomed.add(parent.pid)
-        except (OSError, psutil.Error):
-            continue
-    for pid in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 @pytest.mark.timeout(1500)  # an undisturbed run, then the lost node's run with Slurm's two-minute requeue delay
 def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes_to_the_same_weights(
         gpu_cluster, data_store: Path, prefect_server: str, tmp_path: Path):
@@ -191,15 +165,13 @@ def test_a_node_lost_mid_stage_requeues_its_job_with_no_orchestrator_and_resumes
     job = read_record(work).job_id
     os.killpg(run.pid, signal.SIGKILL)  # no orchestrator from here on
     run.wait()
-    lose_node(gpu_cluster, "node2")
+    lose_node(gpu_cluster["SLURM_CONF"], "node2")
     slurmd = None
     try:
         while (state_of(job).state if state_of(job) else "") != "PENDING":  # requeued: the node failed
             assert time.monotonic() < deadline, f"job {job} was not requeued: {state_of(job)}"
             time.sleep(0.5)
-        slurmd = subprocess.Popen(["slurmd", "-D", "-f", gpu_cluster["SLURM_CONF"], "-N", "node2"],
-                                  env={**os.environ, **gpu_cluster}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)  # the node is back
+        slurmd = restart_node(gpu_cluster["SLURM_CONF"], "node2")  # the node is back
         # The requeued job keeps Slurm's two-minute BeginTime here (elsewhere moved to now): the controller's kill
         # of the job's first run on the lost node, undelivered while it was down, reaches it ~35 s after its slurmd
         # is back and would end a second run of job 10 started there meanwhile (seen twice in CI rehearsals: the
