@@ -110,7 +110,7 @@ class Interruption:
     commands: int  # what the user ran after the interruption (0: compass recovered by itself)
     differing: tuple[str, ...]  # committed files that differ from the reference's
     redone_s: float | None  # training steps: work computed again after the resume
-    interval_s: float | None  # the step's checkpoint interval, in seconds of compute
+    interval_s: float | None  # the step's checkpoint interval, in seconds of its training loop
     duplicates: int = 0  # --cluster: the step's Slurm jobs beyond the one expected (two after a scancel)
 
 
@@ -390,7 +390,10 @@ def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations
     redone = interval = None
     if split and split.get("attempts", 1) > 1:
         steps = (ours.get("metrics") or {}).get("steps") or 1
-        redone, interval = split["redone_s"], split["compute_s"] / steps * CHECKPOINT_EVERY
+        # redone work is the training loop's wall time since the step resumed from (goodput.split): its compute,
+        # data waits and checkpoint stalls; the interval is measured in the same seconds
+        loop = split["compute_s"] + split["data_wait_s"] + split["checkpoint_s"]
+        redone, interval = split["redone_s"], loop / steps * CHECKPOINT_EVERY
     duplicates = 0
     if cluster is not None:  # the interrupted job, resubmitted only when it was cancelled
         duplicates = max(0, len(cluster.jobs_named(job_name) - before) - (2 if kind == "scancel" else 1))
@@ -438,7 +441,7 @@ def main() -> None:
                 else ""
             print(f"{i + 1:3d} {phase:<11} {kind:<26} at {got.at:.0%}: {got.outcome}; {got.commands} command(s)"
                   f"{redone}" + (f"; differ: {', '.join(got.differing[:5])}" if got.differing else ""), flush=True)
-    report(results)
+    report(results, on_slurm=cluster is not None)
 
 
 def started_cluster(folder: Path, stack: contextlib.ExitStack) -> Cluster:
@@ -463,15 +466,15 @@ def started_cluster(folder: Path, stack: contextlib.ExitStack) -> Cluster:
     return cluster
 
 
-def report(results: list[Interruption]) -> None:
+def report(results: list[Interruption], on_slurm: bool = False) -> None:
     counted = [r for r in results if not r.outcome.startswith("the step")]
     failed = [r for r in counted if r.outcome != "ok"]
     extra = [r for r in counted if r.commands > (2 if r.kind.endswith("twice") else 1)]
     redone = [r.redone_s / r.interval_s for r in counted if r.redone_s is not None and r.interval_s]
     print(f"\n{len(counted)} interruptions ({len(results) - len(counted)} missed: the step ended first) over "
           f"{len({r.phase for r in counted})} phases; {len(failed)} failed or differ from the uninterrupted run; "
-          f"{len(extra)} needed more than one command per interruption; "
-          f"{sum(r.duplicates for r in counted)} duplicate Slurm jobs")
+          f"{len(extra)} needed more than one command per interruption"
+          + (f"; {sum(r.duplicates for r in counted)} duplicate Slurm jobs" if on_slurm else ""))
     if redone:
         p95 = sorted(redone)[max(0, round(0.95 * len(redone)) - 1)]
         print(f"redone work per interruption, in checkpoint intervals: mean {statistics.fmean(redone):.2f}, "
