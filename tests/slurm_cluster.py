@@ -175,6 +175,23 @@ def restart_node(conf: str, node: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def strays(conf: Path) -> list[int]:
+    """What Slurm started for the cluster of `conf` and is still running: its step daemons (slurmstepd, which carry
+    the slurmd's environment) and the jobs' tasks (SLURM_JOB_ID), all with its SLURM_CONF. Not the processes a test
+    started beside the cluster with SLURM_CONF in their environment (a session's Prefect server)."""
+    mark = f"SLURM_CONF={conf}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                env = (entry / "environ").read_bytes().split(b"\0")
+                slurms = (entry / "cmdline").read_bytes().startswith(b"slurmstepd") or \
+                    any(e.startswith(b"SLURM_JOB_ID=") for e in env)
+                if mark in env and slurms:
+                    found.append(int(entry.name))
+    return found
+
+
 @contextmanager
 def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_timeout: int | None = None,
                   max_array_size: int | None = None, gpu_jobs_only: bool = False) -> Iterator[dict[str, str]]:
@@ -234,4 +251,7 @@ def slurm_cluster(folder: Path, nodes: int = 1, gpus_per_node: int = 0, slurmd_t
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pid in strays(conf):  # a job step whose slurmd was killed (a lost node) is nobody's child: stopped here
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(munge, ignore_errors=True)
