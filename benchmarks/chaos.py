@@ -123,9 +123,9 @@ class Cluster:
 
     def jobs_named(self, name: str) -> set[str]:
         """Every job of that name the controller holds or finished (its completion log: jobcomp/filetxt)."""
-        log = Path(self.conf).with_name("jobcomp.log")
-        done = [dict(f.split("=", 1) for f in line.split() if "=" in f)
-                for line in (log.read_text().splitlines() if log.exists() else []) if line.strip()]
+        from tests.slurm_cluster import finished_jobs
+
+        done = finished_jobs(self.conf)
         queued = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.split("\n")
         return ({j["JobId"] for j in done if j.get("Name") == name} |
                 {line.split()[0] for line in queued if line.strip() and line.split()[1] == name})

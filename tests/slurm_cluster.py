@@ -175,6 +175,16 @@ def restart_node(conf: str, node: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def finished_jobs(conf: str | Path) -> list[dict[str, str]]:
+    """Every job the controller of `conf` finished, as its completion log (jobcomp/filetxt) holds it: key=value
+    fields (JobId, Name, JobState, NodeCnt, ...)."""
+    log = Path(conf).with_name("jobcomp.log")
+    if not log.exists():
+        return []
+    return [dict(field.split("=", 1) for field in line.split() if "=" in field)
+            for line in log.read_text().splitlines() if line.strip()]
+
+
 def strays(conf: Path) -> list[int]:
     """What Slurm started for the cluster of `conf` and is still running: its step daemons (slurmstepd, which carry
     the slurmd's environment) and the jobs' tasks (SLURM_JOB_ID), all with its SLURM_CONF. Not the processes a test

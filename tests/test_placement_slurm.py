@@ -39,6 +39,7 @@ from tests.conftest import (
     seeded,
 )
 from tests.hub_cache import seed_model, tiny_llama
+from tests.slurm_cluster import finished_jobs
 
 pytestmark = pytest.mark.slow
 HEAVY = {"torch", "transformers", "trl", "lighteval", "deepspeed", "peft", "datasets", "accelerate"}
@@ -46,11 +47,7 @@ HEAVY = {"torch", "transformers", "trl", "lighteval", "deepspeed", "peft", "data
 
 def history(env: dict[str, str]) -> list[dict[str, str]]:
     """Every job the controller finished (its completion log: jobcomp/filetxt)."""
-    log = Path(env["SLURM_CONF"]).with_name("jobcomp.log")
-    if not log.exists():
-        return []
-    return [dict(field.split("=", 1) for field in line.split() if "=" in field)
-            for line in log.read_text().splitlines() if line.strip()]
+    return finished_jobs(env["SLURM_CONF"])
 
 
 def wait_for(check, what: str, timeout: float = 600) -> None:
