@@ -8,14 +8,17 @@ steps and an SFT, a DPO and a GRPO step) is the reference. Each interruption the
   and what follows it;
 - `compass run SPEC --until STEP` starts; once the step's work folder exists and a random share of the step's
   reference duration has passed, the interruption comes: kill -9 of the orchestrator (`compass run`), SIGTERM of
-  it (Ctrl-C, a time limit), kill -9 of one of the step's ranks, or kill -9 of the orchestrator twice (the second
-  time during the resume);
+  it (Ctrl-C, a time limit), kill -9 of one of the step's ranks, kill -9 of the orchestrator twice (the second
+  time during the resume), or the disk filling while the step writes its artifact (root: the store is on a tmpfs of
+  its own, filled to the last byte once a file appears in its staging folder; the interrupted run must fail naming
+  the full disk, and the user frees the space before the one command);
 - the run is continued as a user would: nothing when compass recovers by itself (a rank's death fails the step,
   which is retried), else the same command once;
 - no rank process of the interrupted run may outlive it;
 - the step's committed files must equal the reference's bit for bit (those that hold wall-clock times apart:
   metrics, summaries, plots, event files); `compass verify` must pass; for a training step the work redone after
-  the resume (its goodput ledger's `redone`) must be at most one checkpoint interval.
+  the resume (its goodput ledger's `redone`) must be at most one checkpoint interval plus the checkpoint write in
+  flight (REDONE_BOUND: two intervals with asynchronous checkpoints).
 
     python benchmarks/chaos.py [--interruptions 10] [--seed 0] [--phases pretraining,sft] [--kinds ...]
 
@@ -48,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +61,16 @@ REPO = Path(__file__).resolve().parent.parent
 COMPASS = Path(sys.executable).with_name("compass")
 FIXTURES = REPO / "tests" / "fixtures"
 CHECKPOINT_EVERY = 3  # optimizer steps between checkpoints: resumes land mid-stage
+# Work redone after an interruption, in checkpoint intervals: the steps since the newest checkpoint (< 1) plus the
+# checkpoint being written when it came (asynchronous checkpoints, how.checkpoints' default: a kill loses the write
+# in flight; the next one waits for it, so it takes at most one more interval). A graceful stop (SIGTERM, the time
+# limit) checkpoints first: 0.
+REDONE_BOUND = 2.0
 PHASES = {"data": "curate:notes", "tokenize": "tokenize:notes", "pretraining": "pretrain:stage1",
           "sft": "post_train:sft", "dpo": "post_train:dpo", "grpo": "post_train:grpo",
           "evaluation": "evaluate:pretrain-stage1"}
-KINDS = ("kill -9 orchestrator", "SIGTERM orchestrator", "kill -9 rank", "kill -9 orchestrator twice")
+DISK_FULL = "disk full during a commit"  # root only: the store on a disk of its own size (a tmpfs)
+KINDS = ("kill -9 orchestrator", "SIGTERM orchestrator", "kill -9 rank", "kill -9 orchestrator twice", DISK_FULL)
 SLURM_KINDS = ("scancel", "time limit", "slurmd stopped")  # --cluster only
 CLUSTER_HOW = """  hardware: {{nodes: 2, devices_per_node: 1}}
   parallelism: {{data_parallel: 2, micro_batch_size: 2}}
@@ -170,7 +180,7 @@ def downstream(spec: Path, step: str) -> set[str]:
 
 def store_before(reference: Path, spec: Path, step: str, target: Path) -> Path:
     """A copy of the reference store without the step and what follows it."""
-    shutil.copytree(reference, target, ignore=shutil.ignore_patterns(".*", "monitoring"))
+    shutil.copytree(reference, target, ignore=shutil.ignore_patterns(".*", "monitoring"), dirs_exist_ok=True)
     later = downstream(spec, step)
     for step_id, manifest in manifests(target).items():
         if step_id in later:
@@ -223,12 +233,13 @@ def step_job(store: Path, step: str, timeout: float = 600) -> str | None:
 
     kind, name = step.split(":", 1)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         for work in store.glob(f".work/{kind}/{name}-*"):
             if (record := read_record(work)) is not None:
                 return record.job_id
+        if time.monotonic() >= deadline:
+            return None
         time.sleep(0.2)
-    return None
 
 
 def interrupt_job(kind: str, job: str, cluster: Cluster) -> threading.Thread | None:
@@ -331,20 +342,112 @@ def state_difference(a: Path, b: Path) -> list[str]:
     return differences(load(a), load(b), "")
 
 
+class Stderrs:
+    """The stderr of each orchestrator an interruption ran, kept for its evidence."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def finished(self, proc: subprocess.Popen) -> tuple[int, str, str]:
+        code, out, err = finished(proc)
+        self.text += f"=== {' '.join(proc.args)} (exit {code})\n{err}\n"
+        return code, out, err
+
+
+FULL_DISK_HEADROOM_MB = 512  # the store's disk: what the reference's upstream holds, plus this for the step
+
+
+@contextlib.contextmanager
+def disk_of_its_own(folder: Path, reference: Path) -> Iterator[None]:
+    """`folder` on a filesystem of its own (a tmpfs; root), sized to the reference store plus some headroom, so
+    that filling it fills nothing else; unmounted after."""
+    used = sum(p.stat().st_size for p in reference.rglob("*") if p.is_file())
+    folder.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used // 2**20 + FULL_DISK_HEADROOM_MB}m", "compass-chaos",
+                    str(folder)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
+def staged_file(store: Path) -> bool:
+    """Whether a file is in one of the store's staging folders (a step writing its artifact), at their top or one
+    level down: cheap enough to ask every millisecond."""
+    with contextlib.suppress(FileNotFoundError):
+        for folder in os.scandir(store / ".staging"):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                for entry in os.scandir(folder.path):
+                    if entry.is_file() or any(True for _ in os.scandir(entry.path)):
+                        return True
+    return False
+
+
+def fill_during_commit(store: Path, proc: subprocess.Popen, job: Callable[[], str | None]) -> Path | None:
+    """Once the step writes its artifact (a file in the store's staging folder), the store's disk filled to the last
+    byte with a ballast file while the step is frozen (its process group stopped, or its Slurm job suspended: a
+    small step would otherwise commit before the ballast is written), then thawed; the ballast (None: the run ended
+    first)."""
+    while not staged_file(store):
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.001)
+    slurm_job = job()
+    if slurm_job:
+        subprocess.run(["scontrol", "suspend", slurm_job], capture_output=True)
+    else:
+        os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        ballast = store / "ballast"
+        with ballast.open("wb", buffering=0) as f:
+            with contextlib.suppress(OSError):  # every free block at once
+                os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(store).free)
+            with contextlib.suppress(OSError):  # what is left: the last partial block
+                while True:
+                    f.write(b"\0" * 4096)
+    finally:
+        if slurm_job:
+            subprocess.run(["scontrol", "resume", slurm_job], capture_output=True)
+        else:
+            os.killpg(proc.pid, signal.SIGCONT)
+    return ballast
+
+
 def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations: dict[str, float],
         scratch: Path, cluster: Cluster | None = None) -> Interruption:
+    with contextlib.ExitStack() as stack:
+        if kind == DISK_FULL:
+            stack.enter_context(disk_of_its_own(scratch / "store", reference))
+        return interrupted(reference, spec, phase, kind, at, durations, scratch, cluster)
+
+
+def interrupted(reference: Path, spec: Path, phase: str, kind: str, at: float, durations: dict[str, float],
+                scratch: Path, cluster: Cluster | None) -> Interruption:
     step = PHASES[phase]
     store = store_before(reference, spec, step, scratch / "store")
     job_name = "compass-" + f"{step.replace(':', '-')}"[:40]  # flows/runner.py's label
     before = cluster.jobs_named(job_name) if cluster else set()
     proc = run(spec, store, step)
     commands = 0
+    stderrs = Stderrs()
     if not wait_for_work(store, step, proc):
         finished(proc)
         return Interruption(phase, kind, at, "the step ended before its work folder was seen", 0, (), None, None)
-    time.sleep(at * durations[step])
+    if kind != DISK_FULL:  # that one comes when the step writes its artifact
+        time.sleep(at * durations[step])
     helper = None
-    if kind in SLURM_KINDS:
+    if kind == DISK_FULL:
+        ballast = fill_during_commit(store, proc, lambda: step_job(store, step, timeout=0) if cluster else None)
+        code, _, err = stderrs.finished(proc)
+        if ballast is None or code == 0:
+            return Interruption(phase, kind, at, "the step had committed before the disk filled", 0, (), None, None)
+        if "no space left on the device of" not in err:  # compass's one message (tasks/steps/execution.py)
+            keep_evidence(scratch, stderrs.text, cluster, job_name)
+            return Interruption(phase, kind, at, "the full disk was not reported as such", 0, (), None, None)
+        ballast.unlink()  # the user frees space, then runs the same command once
+        code, _, err = stderrs.finished(run(spec, store, step))
+        commands += 1
+    elif kind in SLURM_KINDS:
         from compass.infra.slurm import state_of
 
         job = step_job(store, step)
@@ -353,36 +456,39 @@ def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations
             finished(proc)
             return Interruption(phase, kind, at, "the step had ended before the interruption", 0, (), None, None)
         helper = interrupt_job(kind, job, cluster)
-        code, _, err = finished(proc)
+        code, _, err = stderrs.finished(proc)
         if code != 0:  # compass did not recover by itself: the same command, once
-            code, _, err = finished(run(spec, store, step))
+            code, _, err = stderrs.finished(run(spec, store, step))
             commands += 1
     elif not interrupt(kind, proc, store):
         finished(proc)
         return Interruption(phase, kind, at, "the step had ended before the interruption", 0, (), None, None)
     elif kind == "kill -9 rank":  # compass recovers by itself: the step fails and is retried
-        code, _, err = finished(proc)
+        code, _, err = stderrs.finished(proc)
     else:
-        finished(proc)
+        stderrs.finished(proc)
         if kind == "kill -9 orchestrator twice":
             again = run(spec, store, step)
             commands += 1
             time.sleep(at * durations[step] / 2)
             interrupt("kill -9 orchestrator", again, store)
-            finished(again)
-        code, _, err = finished(run(spec, store, step))
+            stderrs.finished(again)
+        code, _, err = stderrs.finished(run(spec, store, step))
         commands += 1
     if helper is not None:
         helper.join(120)
     if code != 0:
+        keep_evidence(scratch, stderrs.text, cluster, job_name)
         return Interruption(phase, kind, at, f"the continued run failed: {err.strip()[-300:]}", commands, (), None,
                             None)
     left = leftover_ranks(store)
     if left:
+        keep_evidence(scratch, stderrs.text, cluster, job_name)
         return Interruption(phase, kind, at, f"{len(left)} rank process(es) of the interrupted run still alive",
                             commands, (), None, None)
     checked = subprocess.run([str(COMPASS), "verify", str(store)], capture_output=True, text=True)
     if checked.returncode != 0:
+        keep_evidence(scratch, stderrs.text, cluster, job_name)
         return Interruption(phase, kind, at, f"compass verify: {checked.stdout[-300:]}", commands, (), None, None)
     ours, theirs = manifests(store)[step], manifests(reference)[step]
     differing = compared(theirs, ours)
@@ -394,11 +500,40 @@ def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations
         # data waits and checkpoint stalls; the interval is measured in the same seconds
         loop = split["compute_s"] + split["data_wait_s"] + split["checkpoint_s"]
         redone, interval = split["redone_s"], loop / steps * CHECKPOINT_EVERY
+        if redone > REDONE_BOUND * interval:
+            keep_evidence(scratch, stderrs.text, cluster, job_name)
+            return Interruption(phase, kind, at, f"redone {redone / interval:.2f} checkpoint intervals, past the bound "
+                                f"of {REDONE_BOUND:.2f}", commands, differing, redone, interval)
     duplicates = 0
     if cluster is not None:  # the interrupted job, resubmitted only when it was cancelled
         duplicates = max(0, len(cluster.jobs_named(job_name) - before) - (2 if kind == "scancel" else 1))
     outcome = "artifacts differ" if differing else f"{duplicates} duplicate job(s)" if duplicates else "ok"
+    if outcome != "ok":
+        keep_evidence(scratch, stderrs.text, cluster, job_name)
     return Interruption(phase, kind, at, outcome, commands, differing, redone, interval, duplicates)
+
+
+EVIDENCE = Path(tempfile.gettempdir()) / "compass-chaos-evidence"
+
+
+def keep_evidence(scratch: Path, stderrs: str, cluster: Cluster | None, job_name: str) -> None:
+    """What a failed interruption leaves to explain it, kept after the run's scratch is gone: the step's logs
+    that are left (a committed step's work folder is gone, its job's log with it), every orchestrator's stderr (where
+    the step's log and its job's stream) and, on Slurm, the controller's
+    records of the step's jobs."""
+    kept = EVIDENCE / f"{time.strftime('%Y%m%d-%H%M%S')}-{scratch.name}"
+    for log in scratch.glob("store/**/*.log"):
+        target = kept / log.relative_to(scratch / "store")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, target)
+    kept.mkdir(parents=True, exist_ok=True)
+    (kept / "orchestrators.stderr").write_text(stderrs)
+    if cluster is not None:
+        from tests.slurm_cluster import finished_jobs
+
+        jobs = [j for j in finished_jobs(cluster.conf) if j.get("Name") == job_name]
+        (kept / "jobs.json").write_text(json.dumps(jobs, indent=1))
+    print(f"    evidence kept in {kept}", flush=True)
 
 
 def main() -> None:
@@ -417,6 +552,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown phase or kind: {', '.join(unknown)}"
                          + ("" if args.cluster else f" ({', '.join(SLURM_KINDS)} need --cluster)"))
+    if DISK_FULL in kinds and os.geteuid() != 0:
+        raise SystemExit(f"{DISK_FULL}: the store goes on a disk of its own (a tmpfs mount): run as root, or leave "
+                         "the kind out (--kinds)")
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="compass-chaos-") as tmp, contextlib.ExitStack() as stack:
         folder = Path(tmp)
@@ -478,7 +616,7 @@ def report(results: list[Interruption], on_slurm: bool = False) -> None:
     if redone:
         p95 = sorted(redone)[max(0, round(0.95 * len(redone)) - 1)]
         print(f"redone work per interruption, in checkpoint intervals: mean {statistics.fmean(redone):.2f}, "
-              f"p95 {p95:.2f} (bound: 1.00)")
+              f"p95 {p95:.2f} (bound: {REDONE_BOUND:.2f}, each)")
     for r in failed:
         print(f"  {r.phase} / {r.kind} at {r.at:.0%}: {r.outcome}" + (f" ({', '.join(r.differing)})"
                                                                       if r.differing else ""))

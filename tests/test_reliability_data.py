@@ -115,6 +115,33 @@ def test_a_full_disk_is_one_message_with_the_path_and_not_retried(tmp_path: Path
     assert not ctx.store.is_committed(runner.step_uri(ctx, step))
 
 
+def test_a_full_disk_met_by_a_folder_copy_is_named_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """shutil.copytree (a training step's export into its artifact) gathers each file's OSError into one
+    shutil.Error, as text: a full disk there is the same one message, not a list of tracebacks retried at once."""
+    import errno
+    import shutil
+
+    from compass.flows import runner
+    from compass.infra.errors import DiskFull
+    from compass.tasks.steps.context import StepResult
+    from tests.test_store import one_step
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+
+    def no_space(source: str, target: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", target)
+
+    def copies_onto_a_full_disk(ctx) -> StepResult:
+        shutil.copytree(export, ctx.out / "final", copy_function=no_space)
+        return StepResult()
+
+    ctx, step = one_step(tmp_path, monkeypatch, copies_onto_a_full_disk)
+    with pytest.raises(DiskFull, match=r"no space left on the device of .*final/model.safetensors \([\d,]+ MiB free"):
+        runner.run_step(ctx, step, logging.getLogger("test"))
+
+
 def _jsonl(path: Path, texts: list[str]) -> None:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 

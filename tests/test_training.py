@@ -98,20 +98,24 @@ from compass.model.training.job import TrainJob
 from compass.model.training.trainer import train_stage
 for path in sys.argv[1:]:
     result = train_stage(TrainJob.read(Path(path)))
-    print(json.dumps({"engine": result.setup.engine, "steps": result.steps, "resumed_from": result.resumed_from}))
+    print(json.dumps({"engine": result.setup.engine, "steps": result.steps, "resumed_from": result.resumed_from,
+                      "final_loss": result.final_loss}))
 """
 
 
 def test_a_deepspeed_stage_trains_and_resumes_in_a_process_no_launcher_started(stage1_job, tmp_path: Path):
     """Found on an H200 (tests/gpu): `train_stage` called directly, in a process without a launcher's LOCAL_RANK and
     rendezvous, failed in DeepSpeed's argument check, and a second engine in the process would have looked for MPI.
-    The engine opens the rank's group of one itself; two stages in one process, the second resumed, both train."""
+    The engine opens the rank's group of one itself; two stages in one process, the second resumed, both train.
+    A third resumes from the stage's last step (what a retry finds after a failure past training: the export, a full
+    disk at the commit): it trains nothing and reports the loss the stage ended on (it reported none, and the step
+    failed reading its result)."""
     import shutil
 
     from compass.specs.how import Checkpoints
 
-    straight, resumed, fresh = tmp_path / "straight", tmp_path / "resumed", tmp_path / "fresh"
-    for folder in (straight, resumed, fresh):
+    straight, resumed, fresh, ended = tmp_path / "straight", tmp_path / "resumed", tmp_path / "fresh", tmp_path / "end"
+    for folder in (straight, resumed, fresh, ended):
         folder.mkdir()
         job = stage1_job(folder, deepspeed=True, zero_stage=0)
         stage = job.recipe.stages[0].model_copy(update={"tokens": 12 * 4 * 64})  # 12 steps
@@ -123,13 +127,16 @@ def test_a_deepspeed_stage_trains_and_resumes_in_a_process_no_launcher_started(s
     first = subprocess.run([sys.executable, "-c", TRAIN_IN_ONE_PROCESS, str(straight / "job.json")], cwd=REPO,
                            env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-4000:]
-    older = sorted((straight / "checkpoints").glob("step-*"))[0]  # kept: the last 2
+    older, last = sorted((straight / "checkpoints").glob("step-*"))  # kept: the last 2
     shutil.copytree(older, resumed / "checkpoints" / older.name)
+    shutil.copytree(last, ended / "checkpoints" / last.name)
     again = subprocess.run([sys.executable, "-c", TRAIN_IN_ONE_PROCESS, str(resumed / "job.json"),
-                            str(fresh / "job.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                            str(fresh / "job.json"), str(ended / "job.json")], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-4000:]
     runs = [json.loads(line) for line in again.stdout.splitlines() if line.startswith("{")]
     assert [(r["engine"], r["resumed_from"]) for r in runs] == [("deepspeed", int(older.name[5:])),
-                                                                          ("deepspeed", None)], runs
+                                                                ("deepspeed", None), ("deepspeed", 12)], runs
+    assert runs[2]["final_loss"] == runs[1]["final_loss"] == losses(straight)[-1]  # the loss it ended on
     assert losses(resumed) == losses(straight)[int(older.name[5:]):]  # the resume continues the run
     assert losses(fresh) == losses(straight)  # the second engine of the process trains like the first

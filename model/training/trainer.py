@@ -405,6 +405,9 @@ class Trainer:
             self.packer.load_state_dict(extra["packer"])
             ckpt.set_rng_state(extra["rng"])
             self.step = extra["stage_step"]
+            # a stage whose last checkpoint is its last step (a failure after training: the export, the commit)
+            # trains no step when resumed and still reports the loss it ended on
+            self.last_loss = extra.get("last_loss", float("nan"))
             self._load_callback_states(extra.get("callbacks", {}))
             log.info("resuming %s from %s (step %d of %d)", self.stage.name, resumed.name, self.step,
                      self.stage_steps)
@@ -433,7 +436,8 @@ class Trainer:
             tmp.mkdir()
         self._barrier()
         extra = {"packer": self._all_data_states(), "rng": ckpt.rng_state(), "stage_step": self.step,
-                 "global_step": self.global_step, "engine": self.engine.name, "callbacks": self._callback_states()}
+                 "global_step": self.global_step, "engine": self.engine.name, "callbacks": self._callback_states(),
+                 "last_loss": self.last_loss}
         writes = self.engine.snapshot(tmp, extra)
         sharded = export and self.engine.write_hf_weights(CheckpointFolder(tmp).hf)  # FSDP2: from every rank's shards
         exported = self.engine.export_state_dict() if export and not sharded else {}  # ZeRO-3/TP: every rank joins

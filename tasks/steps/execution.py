@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import shutil
 import sys
 import tempfile
@@ -75,17 +76,31 @@ FULL = {errno.ENOSPC: "no space left on the device of", errno.EFBIG: "a file pas
         errno.EDQUOT: "the disk quota exhausted at"}
 
 
+def _full(exc: OSError) -> tuple[int, str | None] | None:
+    """The errno and path of a full disk behind `exc`, else None. shutil.copytree reports every file it could not
+    copy in one shutil.Error, each OSError kept only as text ("[Errno 28] No space left on device: ...")."""
+    if exc.errno in FULL:
+        return exc.errno, exc.filename
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
+        for entry in exc.args[0]:
+            if len(entry) == 3 and (found := re.match(r"\[Errno (\d+)\]", str(entry[2]))) \
+                    and int(found.group(1)) in FULL:
+                return int(found.group(1)), str(entry[1])
+    return None
+
+
 @contextmanager
 def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno not in FULL:
+        if (full := _full(exc)) is None:
             raise
-        path = Path(exc.filename) if exc.filename else where
+        code, filename = full
+        path = Path(filename) if filename else where
         probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
         free = shutil.disk_usage(probe).free
-        raise DiskFull(exc.errno, f"{step_id}: {FULL[exc.errno]} {path} ({free / 2**20:,.0f} MiB free there): free "
+        raise DiskFull(code, f"{step_id}: {FULL[code]} {path} ({free / 2**20:,.0f} MiB free there): free "
                        "space (or raise the limit: ulimit -f, the quota), or move how.storage.root (and TMPDIR for S3 "
                        "stores) to a larger disk; the step resumes from its last checkpoint") from None
 
