@@ -2,9 +2,9 @@
 killed mid-stage in the pretraining phase, from the session's prepared data store (the reference trains stage 1
 only). The benchmark's own checks decide: the continued run ends, with at most one command, on the uninterrupted
 run's exact artifacts, no rank outlives the interruption, `compass verify` passes and the redone work is within its
-bound (one checkpoint interval plus the write in flight). (One interruption: each costs a run of the stage. A killed orchestrator is the suite's
-tests/test_reliability_kill_loop.py, at several points; `python benchmarks/chaos.py` draws from every kind and
-phase.)"""
+bound (one checkpoint interval plus the write in flight). (One interruption: each costs a run of the stage. A
+killed orchestrator is the suite's tests/test_reliability_kill_loop.py, at several points; `python
+benchmarks/chaos.py` draws from every kind and phase.)"""
 
 from __future__ import annotations
 
