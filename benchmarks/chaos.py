@@ -552,6 +552,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown phase or kind: {', '.join(unknown)}"
                          + ("" if args.cluster else f" ({', '.join(SLURM_KINDS)} need --cluster)"))
+    if DISK_FULL in kinds and os.geteuid() != 0 and not args.kinds:
+        kinds.remove(DISK_FULL)
+        print(f"({DISK_FULL} left out: the store goes on a tmpfs of its own, which needs root)", flush=True)
     if DISK_FULL in kinds and os.geteuid() != 0:
         raise SystemExit(f"{DISK_FULL}: the store goes on a disk of its own (a tmpfs mount): run as root, or leave "
                          "the kind out (--kinds)")
