@@ -242,6 +242,19 @@ def step_job(store: Path, step: str, timeout: float = 600) -> str | None:
         time.sleep(0.2)
 
 
+def step_daemons(job: str) -> list[int]:
+    """The step daemons (slurmstepd) still at work for the job on this machine's emulated nodes."""
+    mark = f"[{job}.".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes()
+                if argv.startswith(b"slurmstepd") and mark in argv:
+                    found.append(int(entry.name))
+    return found
+
+
 def interrupt_job(kind: str, job: str, cluster: Cluster) -> threading.Thread | None:
     """A Slurm interruption of the step's job; what the cluster does after it (a requeued job's start moved to now,
     a lost node brought back) happens in the returned thread while the run goes on."""
@@ -264,7 +277,9 @@ def interrupt_job(kind: str, job: str, cluster: Cluster) -> threading.Thread | N
             if state is None or state.state == "PENDING":  # requeued (or gone: nothing more to do)
                 break
             time.sleep(0.5)
-        if kind == "time limit":  # Slurm's two-minute BeginTime of a requeued job, moved to now
+        if kind == "time limit":  # Slurm's two-minute BeginTime of a requeued job, moved to now, once the nodes
+            while step_daemons(job) and time.monotonic() < deadline:  # have ended its last run (what that delay
+                time.sleep(0.2)  # waits for: a launch while they clean up fails the job)
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
         else:  # the node is back (the requeued job keeps its BeginTime: tests/test_rehearsal_faults.py says why)
             from tests.slurm_cluster import restart_node
@@ -533,6 +548,8 @@ def keep_evidence(scratch: Path, stderrs: str, cluster: Cluster | None, job_name
 
         jobs = [j for j in finished_jobs(cluster.conf) if j.get("Name") == job_name]
         (kept / "jobs.json").write_text(json.dumps(jobs, indent=1))
+        for log in Path(cluster.conf).parent.glob("slurm*.log"):  # the controller's and each node's daemon's
+            shutil.copy2(log, kept / log.name)
     print(f"    evidence kept in {kept}", flush=True)
 
 
