@@ -49,6 +49,31 @@ def test_a_slow_checkpoint_in_the_kept_steps_is_a_checkpoint_stall_and_a_resume_
     assert got.restart_s == pytest.approx(1.0)
 
 
+def test_an_attempt_killed_while_it_starts_counts_its_start_up_and_the_restart_after_it(tmp_path, monkeypatch):
+    """Rank 0 records its attempt once its process is up, before training starts: an attempt killed while starting
+    (a rendezvous that hangs, a checkpoint that will not load) still counts. Before, it left no record: its start-up
+    and the gap after it vanished from the stage's time. It trained nothing, so the next attempt's resume point is
+    compared with the last attempt that trained."""
+    from compass.model.training import goodput
+    from compass.model.training.goodput import AttemptFile, read_attempts
+
+    clock = Clock(30.0)
+    monkeypatch.setattr(goodput, "time", clock)
+    AttemptFile(tmp_path, started_at=26.0).begin()  # its process up at 30, then killed
+    (starting,) = read_attempts(tmp_path)
+    assert starting.resumed_from is None and starting.first_step is None and starting.now.at == 30.0
+    trained = Attempt(started_at=0.0, resumed_from=0, first_step=Sums(at=2.0), step=27,
+                      marks={0: Sums(at=2.0), 20: Sums(at=10.0, compute_s=7.0)}, now=Sums(at=20.0, compute_s=15.0))
+    resumed = Attempt(started_at=40.0, resumed_from=20, first_step=Sums(at=42.0), step=40, marks={},
+                      now=Sums(at=50.0, compute_s=8.0), ended_at=50.0)
+    got = split([trained, starting, resumed])
+    assert got.attempts == 3 and got.total_s == pytest.approx(50.0)
+    assert got.startup_s == pytest.approx(2.0 + (30.0 - 26.0) + 2.0)
+    assert got.restart_s == pytest.approx((26.0 - 20.0) + (40.0 - 30.0))
+    assert got.redone_s == pytest.approx(20.0 - 10.0)  # the trained attempt's steps after 20
+    assert got.compute_s == pytest.approx(7.0 + 8.0)
+
+
 class Clock:
     """time.time() for the ledger, moved by the test."""
 
@@ -84,7 +109,7 @@ def test_a_trl_step_s_slow_checkpoint_and_restart_land_in_their_buckets(tmp_path
             clock.now += save_s
             ledger.on_save(None, state, None)
 
-    ledger = TrlGoodput(tmp_path, started_at=90.0)  # 10 s of start-up before training begins
+    ledger = TrlGoodput(tmp_path, started_at=90.0, rank=0)  # 10 s of start-up before training begins
     clock.now = 100.0
     ledger.on_train_begin(None, state, None)
     step(0.5, 2.0)
@@ -92,7 +117,7 @@ def test_a_trl_step_s_slow_checkpoint_and_restart_land_in_their_buckets(tmp_path
     step(0.5, 2.0)  # step 3, then the process is killed (its last record is at 113.5)
     clock.now = 120.0  # requeued: the next attempt's process starts 6.5 s later, resumes from step 2
     state.global_step = 2
-    ledger = TrlGoodput(tmp_path, started_at=120.0)
+    ledger = TrlGoodput(tmp_path, started_at=120.0, rank=0)
     clock.now = 124.0
     ledger.on_train_begin(None, state, None)
     step(0.5, 2.0)
@@ -106,6 +131,6 @@ def test_a_trl_step_s_slow_checkpoint_and_restart_land_in_their_buckets(tmp_path
     assert got.checkpoint_s == pytest.approx(6.0 + 1.0)
     assert got.compute_s == pytest.approx(4 * 2.0) and got.data_wait_s == pytest.approx(4 * 0.5)
     assert got.other_s == pytest.approx(0.5)
-    other_rank = TrlGoodput(tmp_path / "rank1", started_at=0.0)
+    other_rank = TrlGoodput(tmp_path / "rank1", started_at=0.0, rank=1)
     other_rank.on_train_begin(None, SimpleNamespace(global_step=0, is_world_process_zero=False), None)
     assert other_rank.finish() is None and not (tmp_path / "rank1").exists()  # rank 0 alone keeps the record

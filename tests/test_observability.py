@@ -289,7 +289,7 @@ def test_a_trl_step_serves_the_trainers_gauges_and_its_goodput_while_it_trains(t
     from compass.tasks.post_training.trl_prometheus import TrlPrometheus
 
     folder = tmp_path / "monitoring"
-    ledger = TrlGoodput(tmp_path / "goodput", started_at=time.time() - 3)  # 3 s of start-up
+    ledger = TrlGoodput(tmp_path / "goodput", started_at=time.time() - 3, rank=0)  # 3 s of start-up
     served = TrlPrometheus(Telemetry(run="minimal", step="post_train:sft", folder=folder), ledger, cuda=False)
     state = SimpleNamespace(global_step=0, max_steps=2, is_world_process_zero=True)
     for callback in (ledger, served):  # the order trl_ranks gives them: the ledger first

@@ -123,7 +123,7 @@ def test_packed_sft_keeps_conversations_apart(tmp_path: Path):
     section = Sft(method="sft", name="sft", dataset="x", lr=1e-4, batch_size=2, packing=True, max_length=128)
     packed_job = TrlJob(step="post_train:sft", section=section, seed=0, how=How(), work=tmp_path / "work", world=1,
                         device="cpu", bf16=False)
-    trainer, _ = sft_trainer(packed_job, model, tokenizer, rows, TrlGoodput(tmp_path / "goodput", time.time()))
+    trainer, _ = sft_trainer(packed_job, model, tokenizer, rows, TrlGoodput(tmp_path / "goodput", time.time(), rank=0))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
     assert batch["input_ids"].shape[0] == 1 and len(starts) == len(rows)  # one row holding every conversation

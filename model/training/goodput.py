@@ -45,7 +45,7 @@ class Attempt(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     started_at: float  # the rank's process was created (epoch seconds)
-    resumed_from: int  # the stage step it started from
+    resumed_from: int | None  # the stage step it started from (None: it never began training, killed while starting)
     first_step: Sums | None = None  # when its first step began (the sums are zero)
     now: Sums  # the sums after its last step, at its last write
     step: int  # the last stage step it completed
@@ -69,11 +69,12 @@ def split(attempts: list[Attempt]) -> GoodputSplit:
         redone += attempt.redone_s
         done = attempt.now
         if i + 1 < len(ordered):
-            after = ordered[i + 1]
-            restart += max(0.0, after.started_at - attempt.now.at)
-            if after.resumed_from < attempt.step:  # it went back: the steps since were computed again
+            restart += max(0.0, ordered[i + 1].started_at - attempt.now.at)
+            # the next attempt that began training (one killed while starting resumed nothing)
+            after = next((a for a in ordered[i + 1:] if a.resumed_from is not None), None)
+            if attempt.resumed_from is not None and after is not None and after.resumed_from < attempt.step:
                 base = attempt.marks.get(after.resumed_from) or Sums(at=first.at)  # (or before this attempt began)
-                redone += attempt.now.at - base.at
+                redone += attempt.now.at - base.at  # it went back: the steps since were computed again
                 done = base
         kept = Sums(at=0.0, data_wait_s=kept.data_wait_s + done.data_wait_s, compute_s=kept.compute_s + done.compute_s,
                     checkpoint_s=kept.checkpoint_s + done.checkpoint_s)
@@ -101,6 +102,15 @@ class AttemptFile:
         self.path = folder / f"attempt-{int(started_at * 1e6):020d}.json"
         self.attempt: Attempt | None = None  # None until training starts, and on ranks other than 0
         self.written = 0.0
+
+    def begin(self) -> None:
+        """The attempt's process is up (its libraries imported, its model built): recorded before training starts,
+        so an attempt killed while it starts (a hung rendezvous, a checkpoint that will not load) still counts, its
+        start-up as start-up and the time to the next attempt as restart."""
+        now = time.time()
+        self.attempt = Attempt(started_at=self.started_at, resumed_from=None, now=Sums(at=now), step=0)
+        self.write()
+        self.attempt = None  # training has not started: the callbacks record nothing yet
 
     def start(self, step: int) -> None:
         """Training starts (or resumes) at `step`: its first step begins now."""

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 class GoodputLedger(Callback):
     """Rank 0's record of this attempt (model/training/goodput.py)."""
 
-    def __init__(self, folder: Path, started_at: float):
+    def __init__(self, folder: Path, started_at: float, rank: int):
         self.record = AttemptFile(folder, started_at)
+        if rank == 0:
+            self.record.begin()
 
     def on_start(self, trainer: Trainer) -> None:
         if trainer.rank == 0:

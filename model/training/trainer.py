@@ -191,7 +191,7 @@ class Trainer:
                                 owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
                                 masking=recipe.intra_document_masking)
         self._probe = probe_batch(self.lm.hf.config.vocab_size, self.stage.sequence_length)  # the export check's
-        self.ledger = GoodputLedger(WorkFolder(job.workdir).goodput, started_at)  # where the stage's time goes
+        self.ledger = GoodputLedger(WorkFolder(job.workdir).goodput, started_at, self.rank)  # where its time goes
         self.callbacks = [*default_callbacks(job, self.parameters), self.ledger, *(callbacks or [])]
         self.writer = ckpt.CheckpointWriter(background=job.checkpoints.asynchronous)
         self.step = 0  # optimizer steps of this stage done so far

@@ -19,8 +19,10 @@ from compass.model.training.records import GoodputSplit
 class TrlGoodput(TrainerCallback):
     """Rank 0's record of this attempt at a TRL step (written at most every second and at each checkpoint)."""
 
-    def __init__(self, folder: Path, started_at: float):
+    def __init__(self, folder: Path, started_at: float, rank: int):
         self.record = AttemptFile(folder, started_at)
+        if rank == 0:
+            self.record.begin()
         self.began = 0.0  # the current optimizer step's begin
         self.last = 0.0  # where the last step (and its checkpoint) ended
 

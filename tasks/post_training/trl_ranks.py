@@ -263,7 +263,7 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
         adapters = {"peft": job.section.peft.kind, "trainable_parameters": trainable, "total_parameters": total}
     else:
         adapters = {}
-    ledger = TrlGoodput(work.goodput, started_at)
+    ledger = TrlGoodput(work.goodput, started_at, int(os.environ.get("RANK", "0")))
     trainer, facts = TRAINERS[job.section.method](job, model, tokenizer, rows, ledger)
     facts |= adapters
     if job.section.method != "grpo":  # GRPO batches whole groups of completions itself

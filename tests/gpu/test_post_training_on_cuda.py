@@ -96,7 +96,7 @@ def test_a_trl_ranks_endpoint_reads_its_gpu_through_nvml(cuda, tmp_path: Path):
 
     torch.cuda.set_device(cuda)
     folder = tmp_path / "monitoring"
-    ledger = TrlGoodput(tmp_path / "goodput", started_at=time.time())
+    ledger = TrlGoodput(tmp_path / "goodput", started_at=time.time(), rank=0)
     served = TrlPrometheus(Telemetry(run="gpu", step="post_train:sft", folder=folder), ledger, cuda=True)
     state = SimpleNamespace(global_step=0, max_steps=1, is_world_process_zero=True)
     served.on_train_begin(None, state, None)
