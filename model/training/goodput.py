@@ -107,10 +107,7 @@ class AttemptFile:
         """The attempt's process is up (its libraries imported, its model built): recorded before training starts,
         so an attempt killed while it starts (a hung rendezvous, a checkpoint that will not load) still counts, its
         start-up as start-up and the time to the next attempt as restart."""
-        now = time.time()
-        self.attempt = Attempt(started_at=self.started_at, resumed_from=None, now=Sums(at=now), step=0)
-        self.write()
-        self.attempt = None  # training has not started: the callbacks record nothing yet
+        self._write(Attempt(started_at=self.started_at, resumed_from=None, now=Sums(at=time.time()), step=0))
 
     def start(self, step: int) -> None:
         """Training starts (or resumes) at `step`: its first step begins now."""
@@ -125,9 +122,12 @@ class AttemptFile:
 
     def write(self) -> None:
         assert self.attempt is not None
+        self._write(self.attempt)
+
+    def _write(self, attempt: Attempt) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(self.attempt.model_dump_json())
+        tmp.write_text(attempt.model_dump_json())
         tmp.replace(self.path)
         self.written = time.time()
 
