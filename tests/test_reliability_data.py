@@ -142,6 +142,25 @@ def test_a_full_disk_met_by_a_folder_copy_is_named_too(tmp_path: Path, monkeypat
         runner.run_step(ctx, step, logging.getLogger("test"))
 
 
+def test_a_full_disk_met_by_safetensors_writer_is_named_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """safetensors' Rust writer (a TRL step's export) raises its own SafetensorError, naming only the OS error: found
+    by chaos.py's disk-full kind on a GRPO step, retried at once and printed as a traceback. (The message is the one
+    it raises on a full tmpfs.)"""
+    from safetensors import SafetensorError
+
+    from compass.flows import runner
+    from compass.infra.errors import DiskFull
+    from compass.tasks.steps.context import StepResult
+    from tests.test_store import one_step
+
+    def exports_onto_a_full_disk(ctx) -> StepResult:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    ctx, step = one_step(tmp_path, monkeypatch, exports_onto_a_full_disk)
+    with pytest.raises(DiskFull, match=r"slow:web: no space left on the device of .*staging.* \([\d,]+ MiB free"):
+        runner.run_step(ctx, step, logging.getLogger("test"))
+
+
 def _jsonl(path: Path, texts: list[str]) -> None:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 

@@ -76,9 +76,16 @@ FULL = {errno.ENOSPC: "no space left on the device of", errno.EFBIG: "a file pas
         errno.EDQUOT: "the disk quota exhausted at"}
 
 
-def _full(exc: OSError) -> tuple[int, str | None] | None:
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # a Rust library's io::Error as it prints (safetensors, tokenizers)
+
+
+def _full(exc: Exception) -> tuple[int, str | None] | None:
     """The errno and path of a full disk behind `exc`, else None. shutil.copytree reports every file it could not
-    copy in one shutil.Error, each OSError kept only as text ("[Errno 28] No space left on device: ...")."""
+    copy in one shutil.Error, each OSError kept only as text ("[Errno 28] No space left on device: ..."); a Rust
+    library raises its own exception naming only the OS error ("... (os error 28)", safetensors' writer)."""
+    if not isinstance(exc, OSError):
+        found = RUST_OS_ERROR.search(str(exc))
+        return (int(found.group(1)), None) if found and int(found.group(1)) in FULL else None
     if exc.errno in FULL:
         return exc.errno, exc.filename
     if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
@@ -93,7 +100,7 @@ def _full(exc: OSError) -> tuple[int, str | None] | None:
 def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
     try:
         yield
-    except OSError as exc:
+    except Exception as exc:
         if (full := _full(exc)) is None:
             raise
         code, filename = full
