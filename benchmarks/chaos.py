@@ -32,6 +32,10 @@ cancelled job and the one resubmitted).
 
     sudo python benchmarks/chaos.py --cluster [--kinds scancel,time limit,slurmd stopped,kill -9 orchestrator]
 
+With `--journal FILE` each interruption's result is appended to FILE as it ends, and a run given a journal that
+holds some already (the same seed, phases, kinds and mode) draws the same interruptions, skips those and reports over
+all: a long run (`--interruptions 200`, hours here) can stop and go on in a later session.
+
 Prints one line per interruption and a report: 0 manual steps beyond the one command, bitwise-equal artifacts, the
 redone work per interruption (mean and p95) against the bound, and (`--cluster`) 0 duplicate jobs.
 """
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -122,6 +127,30 @@ class Interruption:
     redone_s: float | None  # training steps: work computed again after the resume
     interval_s: float | None  # the step's checkpoint interval, in seconds of its training loop
     duplicates: int = 0  # --cluster: the step's Slurm jobs beyond the one expected (two after a scancel)
+
+
+@dataclass(frozen=True)
+class Journal:
+    """The results of a run so far, one JSON line each after a first line naming the draw (seed, phases, kinds and
+    mode): another run with the same draw skips what it holds."""
+    path: Path
+    draw: dict
+
+    def done(self) -> dict[int, Interruption]:
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"draw": self.draw}) + "\n")
+            return {}
+        first, *lines = self.path.read_text().splitlines()
+        if json.loads(first).get("draw") != self.draw:
+            raise SystemExit(f"{self.path}: its interruptions were drawn with {json.loads(first).get('draw')}, not "
+                             f"{self.draw}: give the same --seed, --phases, --kinds and --cluster, or another journal")
+        held = (json.loads(line) for line in lines if line.strip())
+        return {r.pop("index"): Interruption(**{**r, "differing": tuple(r["differing"])}) for r in held}
+
+    def add(self, index: int, result: Interruption) -> None:
+        with self.path.open("a") as journal:
+            journal.write(json.dumps({"index": index, **dataclasses.asdict(result)}) + "\n")
 
 
 @dataclass
@@ -562,6 +591,8 @@ def main() -> None:
                         + ", ".join(SLURM_KINDS) + " (default: every kind)")
     parser.add_argument("--cluster", action="store_true", help="every step a job of a 2-node Slurm cluster started "
                         "here (root; infra/setup.sh installs Slurm)")
+    parser.add_argument("--journal", type=Path, help="append each result to this file; the interruptions it holds "
+                        "(same seed, phases, kinds, mode) are skipped and counted in the report")
     args = parser.parse_args()
     known = KINDS + SLURM_KINDS if args.cluster else KINDS
     phases, kinds = args.phases.split(","), (args.kinds.split(",") if args.kinds else list(known))
@@ -576,6 +607,14 @@ def main() -> None:
         raise SystemExit(f"{DISK_FULL}: the store goes on a disk of its own (a tmpfs mount): run as root, or leave "
                          "the kind out (--kinds)")
     rng = random.Random(args.seed)
+    journal = args.journal and Journal(args.journal, {"seed": args.seed, "phases": phases, "kinds": kinds,
+                                                      "cluster": args.cluster})
+    done = journal.done() if journal else {}
+    if done:
+        print(f"{len(done)} interruption(s) already in {args.journal}", flush=True)
+    if all(i in done for i in range(args.interruptions)):  # nothing left to run: the journal's report
+        report([done[i] for i in range(args.interruptions)], on_slurm=args.cluster)
+        return
     with tempfile.TemporaryDirectory(prefix="compass-chaos-") as tmp, contextlib.ExitStack() as stack:
         folder = Path(tmp)
         cluster = started_cluster(folder, stack) if args.cluster else None
@@ -585,16 +624,20 @@ def main() -> None:
         if code != 0:
             raise SystemExit(f"the uninterrupted run failed:\n{err[-3000:]}")
         durations = {s["step"]: s["seconds"] for s in json.loads(out)["steps"]}
-        results = []
+        results = [done[i] for i in sorted(done) if i < args.interruptions]
         for i in range(args.interruptions):
             phase, kind, at = rng.choice(phases), rng.choice(kinds), rng.uniform(0.05, 0.8)
             if kind in ("kill -9 rank", *SLURM_KINDS) and phase in ("data", "tokenize", "evaluation"):
                 kind = "kill -9 orchestrator"  # one-process steps (in the orchestrator here, or one-task jobs)
+            if i in done:
+                continue
             scratch = folder / f"interruption-{i}"
             scratch.mkdir()
             got = one(reference, spec, phase, kind, at, durations, scratch, cluster)
             shutil.rmtree(scratch, ignore_errors=True)
             results.append(got)
+            if journal:
+                journal.add(i, got)
             redone = f", redone {got.redone_s:.1f} s of a {got.interval_s:.1f} s interval" if got.redone_s is not None \
                 else ""
             print(f"{i + 1:3d} {phase:<11} {kind:<26} at {got.at:.0%}: {got.outcome}; {got.commands} command(s)"

@@ -37,3 +37,28 @@ def test_slurms_interruptions_need_the_cluster_mode_and_say_so():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "unknown phase or kind: scancel" in done.stderr, done.stderr
     assert "need --cluster" in done.stderr
+
+
+def test_a_journal_lets_a_long_run_go_on_later_and_refuses_another_draw(tmp_path: Path):
+    """`--journal`: a 200-interruption run takes hours, more than a session; the interruptions a journal holds are
+    not run again and count in the report (a failed one included), and a journal of another draw is refused."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    journal = tmp_path / "chaos.jsonl"
+    draw = {"seed": 4, "phases": ["sft"], "kinds": ["kill -9 rank"], "cluster": False}
+    held = [{"index": i, "phase": "sft", "kind": "kill -9 rank", "at": 0.5, "outcome": outcome, "commands": 0,
+             "differing": [], "redone_s": 0.2, "interval_s": 1.0, "duplicates": 0}
+            for i, outcome in enumerate(["ok", "artifacts differ"])]
+    journal.write_text("\n".join(json.dumps(line) for line in [{"draw": draw}, *held]) + "\n")
+    command = [sys.executable, "benchmarks/chaos.py", "--interruptions", "2", "--seed", "4", "--phases", "sft",
+               "--kinds", "kill -9 rank", "--journal", str(journal)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr  # the journal's failed interruption fails the report
+    assert "2 interruption(s) already in" in done.stdout and "2 interruptions (0 missed" in done.stdout, done.stdout
+    assert "1 failed or differ" in done.stdout and "mean 0.20" in done.stdout, done.stdout
+    other = subprocess.run([*command[:5], "5", *command[6:]], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert other.returncode == 1 and "were drawn with" in other.stderr and "--seed" in other.stderr, other.stderr
