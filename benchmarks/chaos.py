@@ -9,9 +9,10 @@ steps and an SFT, a DPO and a GRPO step) is the reference. Each interruption the
 - `compass run SPEC --until STEP` starts; once the step's work folder exists and a random share of the step's
   reference duration has passed, the interruption comes: kill -9 of the orchestrator (`compass run`), SIGTERM of
   it (Ctrl-C, a time limit), kill -9 of one of the step's ranks, kill -9 of the orchestrator twice (the second
-  time during the resume), or the disk filling while the step writes its artifact (root: the store is on a tmpfs of
-  its own, filled to the last byte once a file appears in its staging folder; the interrupted run must fail naming
-  the full disk, and the user frees the space before the one command);
+  time during the resume), or the disk filling while the step writes its artifact or while a rank writes a
+  checkpoint (root: the store is on a tmpfs of its own, filled to the last byte once a file appears in its staging
+  folder, or a checkpoint folder in its work folder; the interrupted run must fail naming the full disk, and the
+  user frees the space before the one command);
 - the run is continued as a user would: nothing when compass recovers by itself (a rank's death fails the step,
   which is retried), else the same command once;
 - no rank process of the interrupted run may outlive it;
@@ -75,7 +76,10 @@ PHASES = {"data": "curate:notes", "tokenize": "tokenize:notes", "pretraining": "
           "sft": "post_train:sft", "dpo": "post_train:dpo", "grpo": "post_train:grpo",
           "evaluation": "evaluate:pretrain-stage1"}
 DISK_FULL = "disk full during a commit"  # root only: the store on a disk of its own size (a tmpfs)
-KINDS = ("kill -9 orchestrator", "SIGTERM orchestrator", "kill -9 rank", "kill -9 orchestrator twice", DISK_FULL)
+DISK_FULL_CHECKPOINT = "disk full during a checkpoint"  # the same, filled when a rank writes a checkpoint
+FILLS_DISK = (DISK_FULL, DISK_FULL_CHECKPOINT)
+KINDS = ("kill -9 orchestrator", "SIGTERM orchestrator", "kill -9 rank", "kill -9 orchestrator twice", DISK_FULL,
+         DISK_FULL_CHECKPOINT)
 SLURM_KINDS = ("scancel", "time limit", "slurmd stopped")  # --cluster only
 CLUSTER_HOW = """  hardware: {{nodes: 2, devices_per_node: 1}}
   parallelism: {{data_parallel: 2, micro_batch_size: 2}}
@@ -427,12 +431,29 @@ def staged_file(store: Path) -> bool:
     return False
 
 
-def fill_during_commit(store: Path, proc: subprocess.Popen, job: Callable[[], str | None]) -> Path | None:
-    """Once the step writes its artifact (a file in the store's staging folder), the store's disk filled to the last
-    byte with a ballast file while the step is frozen (its process group stopped, or its Slurm job suspended: a
-    small step would otherwise commit before the ballast is written), then thawed; the ballast (None: the run ended
-    first)."""
-    while not staged_file(store):
+def checkpoint_written(store: Path, step: str) -> bool:
+    """Whether a rank of the step is writing a checkpoint: the trainer's `checkpoints/<step>.tmp`, or a TRL step's
+    `trl-checkpoints/checkpoint-<step>` (its first; HF's Trainer writes it in place)."""
+    kind, name = step.split(":", 1)
+    with contextlib.suppress(FileNotFoundError):
+        for work in os.scandir(store / ".work" / kind):
+            if not work.name.startswith(f"{name}-"):
+                continue
+            for sub in ("checkpoints", "trl-checkpoints"):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    if any(e.name.endswith(".tmp") or e.name.startswith("checkpoint-")
+                           for e in os.scandir(os.path.join(work.path, sub))):
+                        return True
+    return False
+
+
+def fill_when(written: Callable[[], bool], store: Path, proc: subprocess.Popen,
+              job: Callable[[], str | None]) -> Path | None:
+    """Once the step writes (`written`: its artifact in the store's staging folder, or a checkpoint), the store's
+    disk filled to the last byte with a ballast file while the step is frozen (its process group stopped, or its
+    Slurm job suspended: a small step would otherwise commit before the ballast is written), then thawed; the
+    ballast (None: the run ended first)."""
+    while not written():
         if proc.poll() is not None:
             return None
         time.sleep(0.001)
@@ -460,7 +481,7 @@ def fill_during_commit(store: Path, proc: subprocess.Popen, job: Callable[[], st
 def one(reference: Path, spec: Path, phase: str, kind: str, at: float, durations: dict[str, float],
         scratch: Path, cluster: Cluster | None = None) -> Interruption:
     with contextlib.ExitStack() as stack:
-        if kind == DISK_FULL:
+        if kind in FILLS_DISK:
             stack.enter_context(disk_of_its_own(scratch / "store", reference))
         return interrupted(reference, spec, phase, kind, at, durations, scratch, cluster)
 
@@ -477,11 +498,12 @@ def interrupted(reference: Path, spec: Path, phase: str, kind: str, at: float, d
     if not wait_for_work(store, step, proc):
         finished(proc)
         return Interruption(phase, kind, at, "the step ended before its work folder was seen", 0, (), None, None)
-    if kind != DISK_FULL:  # that one comes when the step writes its artifact
+    if kind not in FILLS_DISK:  # those come when the step writes its artifact, or a rank its checkpoint
         time.sleep(at * durations[step])
     helper = None
-    if kind == DISK_FULL:
-        ballast = fill_during_commit(store, proc, lambda: step_job(store, step, timeout=0) if cluster else None)
+    if kind in FILLS_DISK:
+        written = (lambda: staged_file(store)) if kind == DISK_FULL else (lambda: checkpoint_written(store, step))
+        ballast = fill_when(written, store, proc, lambda: step_job(store, step, timeout=0) if cluster else None)
         code, _, err = stderrs.finished(proc)
         if ballast is None or code == 0:
             return Interruption(phase, kind, at, "the step had committed before the disk filled", 0, (), None, None)
@@ -600,12 +622,13 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown phase or kind: {', '.join(unknown)}"
                          + ("" if args.cluster else f" ({', '.join(SLURM_KINDS)} need --cluster)"))
-    if DISK_FULL in kinds and os.geteuid() != 0 and not args.kinds:
-        kinds.remove(DISK_FULL)
-        print(f"({DISK_FULL} left out: the store goes on a tmpfs of its own, which needs root)", flush=True)
-    if DISK_FULL in kinds and os.geteuid() != 0:
-        raise SystemExit(f"{DISK_FULL}: the store goes on a disk of its own (a tmpfs mount): run as root, or leave "
-                         "the kind out (--kinds)")
+    if os.geteuid() != 0 and not args.kinds:
+        kinds = [k for k in kinds if k not in FILLS_DISK]
+        print(f"({' and '.join(FILLS_DISK)} left out: the store goes on a tmpfs of its own, which needs root)",
+              flush=True)
+    if os.geteuid() != 0 and (filling := [k for k in kinds if k in FILLS_DISK]):
+        raise SystemExit(f"{', '.join(filling)}: the store goes on a disk of its own (a tmpfs mount): run as root, or "
+                         "leave the kind out (--kinds)")
     rng = random.Random(args.seed)
     journal = args.journal and Journal(args.journal, {"seed": args.seed, "phases": phases, "kinds": kinds,
                                                       "cluster": args.cluster})
@@ -629,6 +652,8 @@ def main() -> None:
             phase, kind, at = rng.choice(phases), rng.choice(kinds), rng.uniform(0.05, 0.8)
             if kind in ("kill -9 rank", *SLURM_KINDS) and phase in ("data", "tokenize", "evaluation"):
                 kind = "kill -9 orchestrator"  # one-process steps (in the orchestrator here, or one-task jobs)
+            if kind == DISK_FULL_CHECKPOINT and phase in ("data", "tokenize", "evaluation"):
+                kind = DISK_FULL  # no checkpoints: the disk fills at the commit
             if i in done:
                 continue
             scratch = folder / f"interruption-{i}"

@@ -17,7 +17,7 @@ from compass.infra.manifest import Manifest
 from compass.infra.store import Store, artifact_folder
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import InputArtifact, Runtime, StepResult
-from compass.tasks.steps.execution import SUMMARY_FILE, StepRun, clear_work, execute
+from compass.tasks.steps.execution import SUMMARY_FILE, StepRun, clear_work, disk_full_named, execute
 from compass.tasks.steps.kind import Step
 from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import Placement, place
@@ -134,6 +134,7 @@ def _run_as_slurm_job(run: StepRun, log: logging.Logger | logging.LoggerAdapter,
     for it to commit; this process never computes. The job's log streams into the step's log."""
     import sys
 
+    from compass.infra.disk_full import ended_on_a_full_disk
     from compass.infra.layout import WorkFolder
     from compass.infra.slurm import SlurmJobFailed, request_for, run_on_slurm
     from compass.tasks.steps.step_job import MODULE, StepJob, read_result
@@ -150,7 +151,12 @@ def _run_as_slurm_job(run: StepRun, log: logging.Logger | logging.LoggerAdapter,
     request = request_for(run.runtime.placement.shape, cluster, how.hardware.accelerator, run.workdir,
                           (sys.executable, "-m", MODULE, str(work.step_job)), label,
                           fault_requeues=how.orchestration.retries)
-    job_id = run_on_slurm(request, cluster, log, done=lambda: run.store.is_committed(run.uri), on_job=on_job)
+    try:
+        job_id = run_on_slurm(request, cluster, log, done=lambda: run.store.is_committed(run.uri), on_job=on_job)
+    except SlurmJobFailed:
+        with disk_full_named(run.step_id, run.workdir):  # the job ended on a full disk: the one message, no retry
+            ended_on_a_full_disk(run.workdir)
+        raise
     if not run.store.is_committed(run.uri):
         raise SlurmJobFailed(f"Slurm job {job_id} completed without committing {run.step_id}; see {work.slurm_log}")
     return run.store.read_manifest(run.uri), read_result(run.workdir)

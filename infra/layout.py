@@ -330,6 +330,11 @@ class WorkFolder:
         return self.root / "retriable"
 
     @property
+    def disk_full(self) -> Path:
+        """The full disk a rank ended on, a file per rank that met one (infra/disk_full.py)."""
+        return self.root / "disk-full"
+
+    @property
     def failure_requeues(self) -> Path:
         """How often the batch shell requeued the job for such faults (its budget: how.orchestration.retries)."""
         return self.root / "failure-requeues"

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.errors import StopRequested
 from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
 from compass.infra.layout import (
@@ -574,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s; the job retries from its newest checkpoint", why)
         mark_retriable(job.workdir, rank, why)
         return RETRIABLE_EXIT
+    except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
+        if (full := full_disk_met(failed, job.workdir)) is not None:
+            note_full_disk(job.workdir, f"rank-{rank}", full)
+        raise
     if rank == 0:
         result.write(WorkFolder(job.workdir).train_result)
     collectives.leave()

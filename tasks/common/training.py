@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from compass.infra.disk_full import clear_full_disk_notes, ended_on_a_full_disk
 from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtifact, WorkFolder
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
@@ -128,6 +129,7 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
 
     work.train_result.unlink(missing_ok=True)
     clear_retriable(job.workdir)
+    clear_full_disk_notes(job.workdir)
     code = launcher.start_ranks(TRAINER_MODULE, work.train_job, job.world_size, job.hardware, cluster, log,
                                 launcher=job.hardware.launcher)
     if work.train_result.exists():
@@ -137,6 +139,7 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
         from compass.infra.errors import StopRequested
 
         raise StopRequested(checkpoints[-1].step)
+    ended_on_a_full_disk(job.workdir)
     reasons = retriable_reasons(job.workdir)
     if reasons:  # a hung or broken collective: the batch shell requeues the job under its budget
         raise RetriableRanksFailure(reasons)
@@ -152,9 +155,11 @@ def run_module_ranks(module: str, job_path: Path, world: int, shape: Shape, runt
     how = runtime.how
     hardware = how.hardware.model_copy(update={"nodes": shape.nodes,
                                                "hosts": how.hardware.hosts if shape.nodes > 1 else []})
+    clear_full_disk_notes(job_path.parent)
     code = launcher_for(runtime.placement).start_ranks(module, job_path, world, hardware, how.orchestration.cluster,
                                                        log)
     if code:
+        ended_on_a_full_disk(job_path.parent)
         raise RuntimeError(f"the ranks of {module} ended with {code}; their output is in the job's log")
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.layout import WorkFolder
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
 from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, length_penalty
@@ -306,7 +307,12 @@ def main(job_path: str) -> None:
     job = TrlJob.read(Path(job_path))
     work = WorkFolder(job.work)
     model, tokenizer = load_chat_model(work.trl_start)
-    train(job, model, tokenizer, read_rows(work.trl_rows), process_start())
+    try:
+        train(job, model, tokenizer, read_rows(work.trl_rows), process_start())
+    except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
+        if (full := full_disk_met(failed, work.root)) is not None:
+            note_full_disk(work.root, f"rank-{os.environ.get('RANK', '0')}", full)
+        raise
     from compass.model.training import collectives
 
     collectives.leave()

@@ -8,9 +8,7 @@ removes the work folder after reading what it needs from it.
 
 from __future__ import annotations
 
-import errno
 import logging
-import re
 import shutil
 import sys
 import tempfile
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compass.infra.disk_full import FULL, full_disk_met
 from compass.infra.errors import DiskFull
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, owned_prefix
@@ -71,40 +70,14 @@ def _default_grad_mode() -> Iterator[None]:
         yield
 
 
-# what a full disk, a file past the size limit (`ulimit -f`) and an exhausted quota look like to a writer
-FULL = {errno.ENOSPC: "no space left on the device of", errno.EFBIG: "a file past this process's size limit at",
-        errno.EDQUOT: "the disk quota exhausted at"}
-
-
-RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # a Rust library's io::Error as it prints (safetensors, tokenizers)
-
-
-def _full(exc: Exception) -> tuple[int, str | None] | None:
-    """The errno and path of a full disk behind `exc`, else None. shutil.copytree reports every file it could not
-    copy in one shutil.Error, each OSError kept only as text ("[Errno 28] No space left on device: ..."); a Rust
-    library raises its own exception naming only the OS error ("... (os error 28)", safetensors' writer)."""
-    if not isinstance(exc, OSError):
-        found = RUST_OS_ERROR.search(str(exc))
-        return (int(found.group(1)), None) if found and int(found.group(1)) in FULL else None
-    if exc.errno in FULL:
-        return exc.errno, exc.filename
-    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
-        for entry in exc.args[0]:
-            if len(entry) == 3 and (found := re.match(r"\[Errno (\d+)\]", str(entry[2]))) \
-                    and int(found.group(1)) in FULL:
-                return int(found.group(1)), str(entry[1])
-    return None
-
-
 @contextmanager
 def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if (full := _full(exc)) is None:
+        if (full := full_disk_met(exc, where)) is None:
             raise
-        code, filename = full
-        path = Path(filename) if filename else where
+        code, path = full.code, Path(full.path) if full.path else where
         probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
         free = shutil.disk_usage(probe).free
         raise DiskFull(code, f"{step_id}: {FULL[code]} {path} ({free / 2**20:,.0f} MiB free there): free "

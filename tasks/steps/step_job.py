@@ -96,7 +96,8 @@ def read_result(workdir: Path) -> StepResult | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from compass.infra.errors import StopRequested
+    from compass.infra.disk_full import FullDisk, clear_full_disk_notes, note_full_disk
+    from compass.infra.errors import DiskFull, StopRequested
     from compass.infra.exits import RETRIABLE_EXIT, RetriableRanksFailure
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -105,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     if run.store.is_committed(run.uri):  # a requeued job whose step committed before its stop
         log.info("%s is committed at %s", run.step_id, run.uri)
         return 0
+    clear_full_disk_notes(run.workdir)
     try:
         _, result = execute(run, log)
+    except DiskFull as full:  # the orchestrator raises it too (flows/runner.py), from this note or the disk
+        log.error("%s", full)
+        note_full_disk(run.workdir, "step", FullDisk(full.errno, None))
+        return 1
     except StopRequested as stopped:
         log.warning("%s: %s; the requeued job resumes from the checkpoint", run.step_id, stopped)
         return 0
