@@ -34,8 +34,8 @@ from compass.infra.environment import prepare_environment
 from compass.infra.temporary_server import start_tied_temporary_server
 
 if TYPE_CHECKING:
+    from compass.flows.validation import CheckedSpec
     from compass.infra.store import Store
-    from compass.specs.loader import LoadedSpec
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -126,7 +126,7 @@ def run(spec: SpecArg,
     started = time.time()
     if verbose:
         with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
-            summary = _run(spec, loaded, root, until, no_recompute)
+            summary = _run(spec, checked, root, until, no_recompute)
     else:
         from compass.flows.quiet_console import quiet_console
 
@@ -134,13 +134,17 @@ def run(spec: SpecArg,
         err.print(f"everything else the run prints: {log_path} (--verbose shows it here)", markup=False,
                   highlight=False)
         with quiet_console(log_path.resolve(), (out, err)):
-            summary = _run(spec, loaded, root, until, no_recompute)
+            summary = _run(spec, checked, root, until, no_recompute)
     _print_summary(spec, summary, as_json, started, table=verbose, log_path=None if verbose else log_path)
 
 
-def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, no_recompute: bool) -> dict:
-    """The lifecycle flow on the embedded (or PREFECT_API_URL's) server; exits 2, 3 or 1 as `compass run` says."""
+def _run(spec: Path, checked: CheckedSpec, root: str, until: list[str] | None, no_recompute: bool) -> dict:
+    """The lifecycle flow on the embedded (or PREFECT_API_URL's) server, handed the spec checked here (not loaded
+    and checked again); exits 2, 3 or 1 as `compass run` says."""
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
+    from compass.flows.validation import checked_for_this_run
+
+    loaded = checked.loaded
     from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 
     try:
@@ -154,9 +158,10 @@ def _run(spec: Path, loaded: LoadedSpec, root: str, until: list[str] | None, no_
     from compass.infra.errors import DataError, RunStopped
 
     try:
-        summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir), store_root=root,
-                       until=until, smoke=loaded.size == "smoke", rehearse=loaded.size == "rehearsal",
-                       no_recompute=no_recompute)
+        with checked_for_this_run(checked):
+            summary = flow(spec_yaml=loaded.text, spec_path=str(spec), base_dir=str(loaded.base_dir), store_root=root,
+                           until=until, smoke=loaded.size == "smoke", rehearse=loaded.size == "rehearsal",
+                           no_recompute=no_recompute)
     except RunStopped as stopped:  # the gate: an existing model already does the job
         err.print(f"[yellow]stopped:[/yellow] {escape(str(spec))}: {escape(str(stopped))}", highlight=False)
         raise typer.Exit(3) from None

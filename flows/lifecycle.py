@@ -30,7 +30,7 @@ from compass.flows.progress import run_progress
 from compass.flows.run_outcome import run_outcome
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
 from compass.flows.submit import ui_url
-from compass.flows.validation import check, shrunk
+from compass.flows.validation import check, checked_already, shrunk
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError, RootRefused
 from compass.infra.interrupt import stop_run
@@ -285,11 +285,14 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     quiet_data_errors()
     logger = get_run_logger()
     base = Path(base_dir) if base_dir else Path.cwd()
-    original = load_spec_text(spec_yaml, spec_path, base_dir=base)
-    if spec_hash and spec_hash != original.spec_hash:
-        raise ValueError(f"{spec_path}: spec_hash {spec_hash[:12]} does not match the spec text "
-                         f"({original.spec_hash[:12]}); submit the spec again")
-    checked = check(shrunk(original, "smoke" if smoke else "rehearsal" if rehearse else "full"))
+    size = "smoke" if smoke else "rehearsal" if rehearse else "full"
+    checked = None if spec_hash else checked_already(spec_yaml, base, size)  # `compass run`'s, in this process
+    if checked is None:
+        original = load_spec_text(spec_yaml, spec_path, base_dir=base)
+        if spec_hash and spec_hash != original.spec_hash:
+            raise ValueError(f"{spec_path}: spec_hash {spec_hash[:12]} does not match the spec text "
+                             f"({original.spec_hash[:12]}); submit the spec again")
+        checked = check(shrunk(original, size))
     loaded, spec = checked.loaded, checked.spec
     if apply_credentials_block(spec.how.storage.credentials_block):
         logger.info("store credentials from Prefect Secret block '%s'", spec.how.storage.credentials_block)

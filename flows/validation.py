@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -70,6 +72,29 @@ def load_checked_text(text: str, filename: str = "<spec>", base_dir: Path | None
                       size: Size = "full") -> CheckedSpec:
     loaded = load_spec_text(text, filename, base_dir)
     return check(shrunk(loaded, size), machine)
+
+
+_CHECKED_FOR_THIS_RUN: ContextVar[CheckedSpec | None] = ContextVar("compass_checked_for_this_run", default=None)
+
+
+@contextmanager
+def checked_for_this_run(checked: CheckedSpec) -> Iterator[None]:
+    """`compass run` hands the spec it loaded and checked to the flow it starts in this process, which takes it
+    instead of loading and checking it a second time (local source folders listed again, the Hugging Face cache and
+    S3 asked again). A flow run a worker starts has none and checks the spec on its own machine."""
+    token = _CHECKED_FOR_THIS_RUN.set(checked)
+    try:
+        yield
+    finally:
+        _CHECKED_FOR_THIS_RUN.reset(token)
+
+
+def checked_already(text: str, base_dir: Path, size: Size) -> CheckedSpec | None:
+    """The spec `checked_for_this_run` holds, if it is this text at this size from this folder."""
+    held = _CHECKED_FOR_THIS_RUN.get()
+    if held is None or held.loaded.text != text or held.loaded.size != size or held.loaded.base_dir != base_dir:
+        return None
+    return held
 
 
 def shrunk(loaded: LoadedSpec, size: Size) -> LoadedSpec:
