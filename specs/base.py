@@ -4,6 +4,7 @@ finite, so no value turns into `null` in the spec hash (two different specs, one
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,3 +60,14 @@ class Issue:
     loc: Loc
     message: str
     hint: str = ""
+
+
+def unused(model: Any, field: str, loc: Loc, applies: bool, why: str) -> Iterator[Issue]:
+    """A field set where it has no effect is refused, never silently ignored."""
+    if not applies and field in model.model_fields_set:
+        yield Issue((*loc, field), f"{field} has no effect here: {why}", f"remove {field}")
+
+
+def repeats(names: list[str]) -> list[tuple[int, str]]:
+    """(index, name) of every entry whose name appeared earlier: the duplicate, not the original."""
+    return [(i, n) for i, n in enumerate(names) if n in names[:i]]

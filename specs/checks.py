@@ -1,4 +1,6 @@
-"""Cross-field checks: the rules no single field can enforce, each with a message a person can act on.
+"""Cross-section checks: the rules that read more than one section of the spec, each with a message a person can
+act on. A rule that reads one section sits beside its schema (architecture_rules, data_rules, pretraining_rules,
+how_rules); check_spec runs them all.
 
 Pure: they read the spec and nothing else. What depends on the machine (local paths, installed libraries,
 cached datasets) or on the compiled plan (step kinds, checkpoint names) is checked by the validation layer,
@@ -10,17 +12,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
 
-from compass.specs.architecture import Architecture
-from compass.specs.base import Issue, Loc
-from compass.specs.how import PHASES, Phase
-from compass.specs.sources import SourceUriError, parse_source_uri
+from compass.specs.architecture import Architecture, architecture_rules
+from compass.specs.base import Issue, Loc, repeats, unused
+from compass.specs.data import data_rules
+from compass.specs.how import PHASES, Phase, how_rules
+from compass.specs.post_training import PostTrainStep, checkpoint_refs
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
+from compass.specs.training import pretraining_rules
 
 HOST = re.compile(r"[A-Za-z0-9_[][A-Za-z0-9._@:\[\]-]{0,252}")
 
@@ -30,15 +34,11 @@ def check_spec(spec: TrainingSpec) -> list[Issue]:
     start = list(_starting_point(spec))
     if start:
         return start  # the other checks read the architecture and the tokenizer
-    checks = (_architecture, _sources, _mixtures, _stages, _schedule, _parallelism, _resources, _trl_micro_batches,
-              _tokenizer, _post_training, _ablations, _orchestration, _evaluation, _gate)
+    checks: tuple[Callable[[TrainingSpec], Iterable[Issue]], ...] = (
+        lambda s: architecture_rules(s.what.architecture, ("what", "architecture")), lambda s: data_rules(s.what.data),
+        _mixtures, _stages, lambda s: pretraining_rules(s.what.pretraining), _parallelism, _resources,
+        _trl_micro_batches, _tokenizer, _post_training, _ablations, lambda s: how_rules(s.how), _evaluation, _gate)
     return [issue for check in checks for issue in check(spec)]
-
-
-def _unused(model: Any, field: str, loc: Loc, applies: bool, why: str) -> Iterator[Issue]:
-    """A field set where it has no effect is refused, never silently ignored."""
-    if not applies and field in model.model_fields_set:
-        yield Issue((*loc, field), f"{field} has no effect here: {why}", f"remove {field}")
 
 
 def _starting_point(spec: TrainingSpec) -> Iterator[Issue]:
@@ -60,87 +60,6 @@ def _starting_point(spec: TrainingSpec) -> Iterator[Issue]:
     elif what.tokenizer is not None:
         yield Issue(("what", "tokenizer"), "the tokenizer comes with what.model.init_from: the checkpoint's "
                     "embeddings index its vocabulary", "remove what.tokenizer")
-
-
-def _architecture(spec: TrainingSpec) -> Iterator[Issue]:
-    yield from architecture_rules(spec.what.architecture, ("what", "architecture"))
-
-
-def architecture_rules(a: Architecture, at: Loc) -> Iterator[Issue]:
-    """What makes an architecture buildable and sound (the main model's, or an ablation variant's proxy)."""
-    if a.num_kv_heads > a.num_heads or a.num_heads % a.num_kv_heads:
-        divisors = [d for d in range(1, a.num_heads + 1) if a.num_heads % d == 0]
-        yield Issue((*at, "num_kv_heads"), f"num_kv_heads={a.num_kv_heads} must divide num_heads={a.num_heads}",
-                    f"use one of {divisors} (1 = MQA, {a.num_heads} = MHA)")
-    if a.head_dim is None and a.hidden_size % a.num_heads:
-        yield Issue((*at, "hidden_size"), f"hidden_size={a.hidden_size} is not divisible by num_heads={a.num_heads}",
-                    "change one of them, or set head_dim explicitly")
-    if a.resolved_head_dim % 2:
-        yield Issue((*at, "head_dim"), f"head_dim={a.resolved_head_dim} must be even for RoPE",
-                    "pick an even head dimension")
-    pos = a.positions
-    if pos.kind == "rnope" and pos.nope_every is None:
-        yield Issue((*at, "positions", "nope_every"), "rnope needs nope_every",
-                    "SmolLM3 uses nope_every: 4 (every 4th layer without RoPE)")
-    if pos.kind == "rnope" and pos.nope_every is not None and pos.nope_every < 2:
-        yield Issue((*at, "positions", "nope_every"), "nope_every must be at least 2 for a hybrid",
-                    "use kind: nope for no positional encoding at all")
-    if pos.kind != "rnope" and pos.nope_every is not None:
-        yield Issue((*at, "positions", "nope_every"), f"nope_every only applies to kind: rnope, not {pos.kind}",
-                    "remove nope_every or set kind: rnope")
-    if a.family == "moe" and a.moe is None:
-        yield Issue((*at, "family"), "family: moe needs a moe block",
-                    "add moe: {num_experts, experts_per_token, expert_ffn_size}")
-    if a.family == "dense" and a.moe is not None:
-        yield Issue((*at, "moe"), "a moe block on a dense model", "set family: moe or remove the block")
-    if a.moe and a.moe.experts_per_token > a.moe.num_experts:
-        yield Issue((*at, "moe", "experts_per_token"),
-                    f"experts_per_token={a.moe.experts_per_token} exceeds num_experts={a.moe.num_experts}",
-                    "route to at most num_experts experts")
-    if a.family == "moe" and a.moe and a.moe.shared_experts:
-        yield Issue((*at, "moe", "shared_experts"), "MoE builds on Qwen3-MoE, which has no shared experts",
-                    "set shared_experts: 0")
-    if a.family == "moe" and a.moe and not a.qk_norm:
-        yield Issue((*at, "qk_norm"), "MoE builds on Qwen3-MoE, whose attention has q/k norms",
-                    "set qk_norm: true")
-    if (a.family == "moe" and a.moe or a.qk_norm) and pos.kind != "rope":
-        yield Issue((*at, "positions", "kind"), f"{'MoE' if a.family == 'moe' else 'qk_norm'} builds on Qwen3, "
-                    f"which has RoPE in every layer, not {pos.kind}", "use positions.kind: rope")
-
-
-def _repeats(names: list[str]) -> list[tuple[int, str]]:
-    """(index, name) of every entry whose name appeared earlier: the duplicate, not the original."""
-    return [(i, n) for i, n in enumerate(names) if n in names[:i]]
-
-
-def _sources(spec: TrainingSpec) -> Iterator[Issue]:
-    sources = spec.what.data.sources
-    for i, dup in _repeats([s.name for s in sources]):
-        yield Issue(("what", "data", "sources", i, "name"), f"source name '{dup}' is used twice",
-                    "give every source its own name")
-    for i, src in enumerate(sources):
-        at = ("what", "data", "sources", i)
-        try:
-            uri = parse_source_uri(src.uri)
-        except SourceUriError as exc:
-            yield Issue((*at, "uri"), str(exc), exc.hint)
-            continue
-        if src.format in ("jsonl", "parquet", "warc") and uri.scheme in ("deb", "stdlib"):
-            yield Issue((*at, "format"), f"format {src.format} does not fit a {uri.scheme}:// source",
-                        "packages hold text, html or code files")
-        yield from _unused(src, "text_key", at, src.format in ("jsonl", "parquet"),
-                           "only jsonl and parquet records have keys")
-        yield from _unused(src, "section_chars", at, src.split == "sections", "only split: sections cuts sections")
-        for field in ("include", "exclude"):
-            for j, pattern in enumerate(getattr(src, field)):
-                if _escapes(pattern):
-                    yield Issue((*at, field, j), f"pattern '{pattern}' reaches outside the source's folder",
-                                "patterns are relative to the source: no leading '/', no '..' segments")
-
-
-def _escapes(path: str) -> bool:
-    """Whether a path relative to a root could leave it (absolute, or a '..' segment)."""
-    return path.startswith(("/", "\\", "~")) or ".." in path.replace("\\", "/").split("/")
 
 
 def _mixture(mixture: dict[str, float], loc: Loc, source_names: set[str]) -> Iterator[Issue]:
@@ -179,7 +98,7 @@ def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
             yield Issue(("what", "evaluation", "perplexity_sources", i), f"unknown source '{src}'",
                         f"known sources: {', '.join(sorted(names))}")
     chats = any(p.method != "mid_training" for p in spec.what.post_training)
-    yield from _unused(ev, "vibe_prompts", ("what", "evaluation"), chats or not ev.vibe_prompts,
+    yield from unused(ev, "vibe_prompts", ("what", "evaluation"), chats or not ev.vibe_prompts,
                        "vibe prompts are answered by chat post-training steps (sft, dpo, grpo, ...); there are none")
     if not (ev.benchmarks or ev.perplexity_sources):
         return  # nothing is evaluated, so no success report is compiled
@@ -199,7 +118,7 @@ def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
 
 def _stages(spec: TrainingSpec) -> Iterator[Issue]:
     pre = spec.what.pretraining.stages
-    for i, dup in _repeats([s.name for s in pre]):
+    for i, dup in repeats([s.name for s in pre]):
         yield Issue(("what", "pretraining", "stages", i, "name"),
                     f"stage name '{dup}' is used twice", "name every stage differently")
     for i, (a, b) in enumerate(zip(pre, pre[1:], strict=False)):
@@ -229,7 +148,7 @@ def _stages(spec: TrainingSpec) -> Iterator[Issue]:
         if stage.tokens < one_step:
             yield Issue((*at, "tokens"), f"{stage.tokens:g} tokens is less than one optimizer step ({one_step})",
                         "raise tokens or lower global_batch_size")
-        yield from _unused(stage, "decay_fraction", at, stage.schedule == "wsd", "only wsd decays by a fraction")
+        yield from unused(stage, "decay_fraction", at, stage.schedule == "wsd", "only wsd decays by a fraction")
         previous, previous_theta = stage.sequence_length, stage.rope_theta
     source = spec.what.long_context.retrieval_source
     names = {s.name for s in spec.what.data.sources}
@@ -240,47 +159,11 @@ def _stages(spec: TrainingSpec) -> Iterator[Issue]:
         yield Issue(("what", "long_context", "retrieval_depths"), "depths are fractions of the context",
                     "use values between 0 (start) and 1 (end)")
     for name in ("inference_scaling", "retrieval_depths", "retrieval_samples", "retrieval_source"):
-        yield from _unused(spec.what.long_context, name, ("what", "long_context"), bool(lc),
+        yield from unused(spec.what.long_context, name, ("what", "long_context"), bool(lc),
                            "there are no long-context stages")
     if spec.what.architecture.positions.kind == "nope" and lc:
         yield Issue(("what", "long_context"), "long-context stages change rope_theta, but the model has no RoPE",
                     "use positions.kind: rope or rnope, or drop the long-context stages")
-
-
-def _schedule(spec: TrainingSpec) -> Iterator[Issue]:
-    pt = spec.what.pretraining
-    sched = pt.schedule
-    segments = [s.schedule_segment for s in pt.stages]
-    total_steps = sum(max(1, int(s.tokens // (s.global_batch_size * s.sequence_length))) for s in pt.stages)
-    if sched.kind != "wsd" and any(seg != "auto" for seg in segments):
-        i = next(i for i, seg in enumerate(segments) if seg != "auto")
-        yield Issue(("what", "pretraining", "stages", i, "schedule_segment"),
-                    f"schedule_segment only applies to wsd, not {sched.kind}", "remove it or use kind: wsd")
-    if "decay" in segments:
-        first = segments.index("decay")
-        if any(seg != "decay" for seg in segments[first:]):
-            yield Issue(("what", "pretraining", "stages", first, "schedule_segment"),
-                        "only the last stages may decay: a stable stage follows a decay stage",
-                        "mark every stage after the first decay stage as decay")
-    if pt.stages and sched.warmup_steps >= total_steps:
-        yield Issue(("what", "pretraining", "schedule", "warmup_steps"),
-                    f"warmup_steps={sched.warmup_steps} covers the whole run ({total_steps} steps)",
-                    "shorten the warmup (SmolLM3 warmed up for 2,000 steps)")
-    if sched.kind == "multistep":
-        m = sched.milestones
-        if not m:
-            yield Issue(("what", "pretraining", "schedule", "milestones"), "multistep needs milestones",
-                        "e.g. milestones: [0.8, 0.9]")
-        if any(not 0 < x < 1 for x in m) or m != sorted(m):
-            yield Issue(("what", "pretraining", "schedule", "milestones"),
-                        "milestones must be increasing fractions between 0 and 1", "e.g. [0.8, 0.9]")
-    elif sched.milestones:
-        yield Issue(("what", "pretraining", "schedule", "milestones"), f"milestones do not apply to {sched.kind}",
-                    "remove them or use kind: multistep")
-    at = ("what", "pretraining", "schedule")
-    yield from _unused(sched, "gamma", at, sched.kind == "multistep", "only multistep multiplies the LR by gamma")
-    yield from _unused(sched, "decay_fraction", at, sched.kind == "wsd", "only wsd decays by a fraction")
-    yield from _unused(sched, "min_lr_ratio", at, sched.kind in ("wsd", "cosine"), f"{sched.kind} never decays")
 
 
 def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
@@ -385,7 +268,7 @@ def _tokenizer(spec: TrainingSpec) -> Iterator[Issue]:
     tok = spec.what.tokenizer
     if tok is None:  # the starting checkpoint's
         return
-    for i, dup in _repeats([c.key for c in tok.candidates]):
+    for i, dup in repeats([c.key for c in tok.candidates]):
         yield Issue(("what", "tokenizer", "candidates", i), f"candidate '{dup}' is listed twice",
                     "list each candidate once")
     vocab = spec.what.architecture.vocab_size
@@ -393,30 +276,18 @@ def _tokenizer(spec: TrainingSpec) -> Iterator[Issue]:
         yield Issue(("what", "architecture", "vocab_size"),
                     "vocab_size is fixed while several tokenizer candidates compete",
                     "leave vocab_size empty so the chosen tokenizer sets it")
-    yield from _unused(tok.selection, "tolerance", ("what", "tokenizer", "selection"),
+    yield from unused(tok.selection, "tolerance", ("what", "tokenizer", "selection"),
                        tok.selection.rule == "smallest_within", "only smallest_within has a tolerance")
-
-
-def _checkpoint_refs(spec: TrainingSpec) -> list[str]:
-    """Every checkpoint a post-training step names (pair answerers, teachers)."""
-    refs = []
-    for step in spec.what.post_training:
-        pairs = getattr(step, "pairs", None)
-        if pairs is not None and pairs.kind == "strong_vs_weak":
-            refs += [pairs.strong, pairs.weak]
-        if step.method == "distill":
-            refs.append(step.teacher)
-    return refs
 
 
 def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
     """Rules inside post_training; whether the checkpoints it names exist is checked on the compiled plan."""
     post = spec.what.post_training
-    for i, dup in _repeats([s.name for s in post]):
+    for i, dup in repeats([s.name for s in post]):
         yield Issue(("what", "post_training", i, "name"),
                     f"post-training step '{dup}' is named twice", "name every step differently")
     sources = {s.name for s in spec.what.data.sources}
-    named = {ref.removeprefix(NAMED_MODEL_PREFIX) for ref in _checkpoint_refs(spec)}
+    named = {ref.removeprefix(NAMED_MODEL_PREFIX) for ref in checkpoint_refs(spec.what.post_training)}
     for name in spec.what.models:
         if name not in named:
             yield Issue(("what", "models", name), f"no step uses model '{name}': it would be copied for nothing",
@@ -433,7 +304,7 @@ def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
                             "mid-training continues the pretraining state, so it comes before SFT, preference "
                             "optimisation and RL", "move it to the top of post_training")
         if step.method in ("orpo", "kto"):
-            yield from _unused(step, "loss_type", at, False, f"{step.method} has its own loss; loss_type is DPO's")
+            yield from unused(step, "loss_type", at, False, f"{step.method} has its own loss; loss_type is DPO's")
         if step.method == "grpo" and bool(step.length_penalty) != (step.target_length is not None):
             yield Issue((*at, "length_penalty" if step.length_penalty else "target_length"),
                         "length_penalty and target_length work together: the penalty is per token beyond the target",
@@ -485,7 +356,7 @@ def _ablations(spec: TrainingSpec) -> Iterator[Issue]:
                         f"'{metric}' is not a metric the ablation runs produce",
                         "use val_loss, val_loss:<source of the baseline mixture> or <task key>/<metric> of "
                         f"what.evaluation.benchmarks ({', '.join(sorted(tasks)) or 'none listed: add one'})")
-    for i, dup in _repeats([v.name for v in abl.variants]):
+    for i, dup in repeats([v.name for v in abl.variants]):
         yield Issue(("what", "ablations", "variants", i, "name"),
                     f"variant '{dup}' is named twice", "name every variant differently")
     for i, variant in enumerate(abl.variants):
@@ -549,9 +420,10 @@ def phases_of(spec: TrainingSpec) -> set[Phase]:
 NO_MODEL_PARALLEL = ("data", "post_training", "evaluation")  # TRL's and lighteval's ranks are data-parallel only
 
 
-def _trl_batches(spec: TrainingSpec, ranks: int) -> Iterator[Issue]:
-    """A TRL step's `batch_size` is its global batch: every rank takes an equal share (GRPO: of whole groups)."""
-    for i, post in enumerate(spec.what.post_training):
+def _trl_batches(post_training: list[PostTrainStep], ranks: int) -> Iterator[Issue]:
+    """A TRL step's `batch_size` is its global batch: every rank of the phase's shape (how.resources) takes an equal
+    share (GRPO: of whole groups)."""
+    for i, post in enumerate(post_training):
         if post.method == "mid_training" or ranks <= 1:
             continue
         batch = post.batch_size
@@ -598,7 +470,7 @@ def _resources(spec: TrainingSpec) -> Iterator[Issue]:
                         f"remove how.resources.{phase}")
             continue
         for field in ("cpus_per_node", "memory_gb", "time_limit", "partition"):
-            yield from _unused(given, field, (*at, phase), cluster is not None,
+            yield from unused(given, field, (*at, phase), cluster is not None,
                                "it is a Slurm job's request: set how.orchestration.cluster, or remove it")
         shape = how.shape(phase)
         if phase == "data" and shape.devices_per_node:
@@ -608,7 +480,7 @@ def _resources(spec: TrainingSpec) -> Iterator[Issue]:
                         f"GPUs; {shape.nodes} nodes would sit idle but one", "use nodes: 1 (or generation: "
                         "transformers, which runs lighteval data-parallel over every node's devices)")
         if phase == "post_training":
-            yield from _trl_batches(spec, shape.ranks)
+            yield from _trl_batches(spec.what.post_training, shape.ranks)
         if phase not in ("data", "evaluation") and shape.devices_per_node == 0:
             yield Issue((*at, phase, "devices_per_node"), f"{phase} trains: it needs at least one device per node",
                         "set devices_per_node to the GPUs per node (ranks per node on CPU)")
@@ -637,19 +509,3 @@ def _lookup(node: Any, parts: list[str]) -> Any:
             return _MISSING
         node = node[part]
     return node
-
-
-def _orchestration(spec: TrainingSpec) -> Iterator[Issue]:
-    orch = spec.how.orchestration
-    at = ("how", "orchestration")
-    ray = orch.task_runner == "ray"
-    yield from _unused(orch, "ray_address", at, ray, "only task_runner: ray joins a Ray cluster")
-    yield from _unused(orch, "ray_num_cpus", at, ray and orch.ray_address is None,
-                       "only a Ray that compass starts itself takes a CPU count")
-    if orch.cluster is not None:
-        yield from _unused(orch.cluster, "signal_before_s", (*at, "cluster"), orch.cluster.requeue,
-                           "only a job that requeues itself is signalled before its time limit (requeue: false)")
-    ev = spec.how.evaluation
-    if ev.schedule_cron and ev.schedule_interval_seconds:
-        yield Issue(("how", "evaluation"), "both schedule_cron and schedule_interval_seconds are set",
-                    "choose one schedule")

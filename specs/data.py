@@ -1,10 +1,12 @@
 """`what.data`: the raw sources and the curation pipeline each goes through."""
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from compass.specs.base import NAME_MAX, SpecModel
+from compass.specs.base import NAME_MAX, Issue, Loc, SpecModel, repeats, unused
+from compass.specs.sources import SourceUriError, parse_source_uri
 
 SOURCE_NAME = r"^[a-z][a-z0-9_]*$"
 
@@ -100,3 +102,35 @@ class Data(SpecModel):
 
     sources: list[DataSource] = Field(default_factory=list,
                                       description="The raw sources (at least one when training from random weights).")
+
+
+def data_rules(data: Data, at: Loc = ("what", "data")) -> Iterator[Issue]:
+    """Rules inside what.data: unique names, URIs that parse, fields that apply to each source's format, patterns
+    that stay inside their source."""
+    sources = data.sources
+    for i, dup in repeats([s.name for s in sources]):
+        yield Issue((*at, "sources", i, "name"), f"source name '{dup}' is used twice",
+                    "give every source its own name")
+    for i, src in enumerate(sources):
+        where = (*at, "sources", i)
+        try:
+            uri = parse_source_uri(src.uri)
+        except SourceUriError as exc:
+            yield Issue((*where, "uri"), str(exc), exc.hint)
+            continue
+        if src.format in ("jsonl", "parquet", "warc") and uri.scheme in ("deb", "stdlib"):
+            yield Issue((*where, "format"), f"format {src.format} does not fit a {uri.scheme}:// source",
+                        "packages hold text, html or code files")
+        yield from unused(src, "text_key", where, src.format in ("jsonl", "parquet"),
+                           "only jsonl and parquet records have keys")
+        yield from unused(src, "section_chars", where, src.split == "sections", "only split: sections cuts sections")
+        for field in ("include", "exclude"):
+            for j, pattern in enumerate(getattr(src, field)):
+                if _escapes(pattern):
+                    yield Issue((*where, field, j), f"pattern '{pattern}' reaches outside the source's folder",
+                                "patterns are relative to the source: no leading '/', no '..' segments")
+
+
+def _escapes(path: str) -> bool:
+    """Whether a path relative to a root could leave it (absolute, or a '..' segment)."""
+    return path.startswith(("/", "\\", "~")) or ".." in path.replace("\\", "/").split("/")

@@ -2,6 +2,7 @@
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -16,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from compass.specs.base import SpecModel
+from compass.specs.base import Issue, Loc, SpecModel, unused
 from compass.specs.limits import MAX_PARALLEL, MAX_RETRIES
 
 # What a `how` field does to a step's artifact, declared beside each field (every model below lists all of its own):
@@ -584,3 +585,20 @@ class How(SpecModel):
         """Data-parallel ranks of a training phase: its ranks over tensor x pipeline parallelism."""
         par = self.parallelism
         return max(1, self.shape(phase).ranks // (par.tensor_parallel * par.pipeline_parallel))
+
+
+def how_rules(how: How, at: Loc = ("how",)) -> Iterator[Issue]:
+    """Rules inside `how` alone: fields that apply only to a task runner or a requeue, one evaluation schedule."""
+    orch = how.orchestration
+    where = (*at, "orchestration")
+    ray = orch.task_runner == "ray"
+    yield from unused(orch, "ray_address", where, ray, "only task_runner: ray joins a Ray cluster")
+    yield from unused(orch, "ray_num_cpus", where, ray and orch.ray_address is None,
+                       "only a Ray that compass starts itself takes a CPU count")
+    if orch.cluster is not None:
+        yield from unused(orch.cluster, "signal_before_s", (*where, "cluster"), orch.cluster.requeue,
+                           "only a job that requeues itself is signalled before its time limit (requeue: false)")
+    ev = how.evaluation
+    if ev.schedule_cron and ev.schedule_interval_seconds:
+        yield Issue((*at, "evaluation"), "both schedule_cron and schedule_interval_seconds are set",
+                    "choose one schedule")

@@ -154,3 +154,15 @@ class Distillation(_TrlStep):
 PostTrainStep = Annotated[
     MidTraining | Sft | Preference | Grpo | Distillation, Field(discriminator="method")
 ]
+
+
+def checkpoint_refs(post_training: list[PostTrainStep]) -> list[str]:
+    """Every checkpoint a post-training step names (pair answerers, teachers)."""
+    refs = []
+    for step in post_training:
+        pairs = getattr(step, "pairs", None)
+        if pairs is not None and pairs.kind == "strong_vs_weak":
+            refs += [pairs.strong, pairs.weak]
+        if step.method == "distill":
+            refs.append(step.teacher)
+    return refs

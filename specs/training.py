@@ -1,10 +1,11 @@
 """`what.pretraining` and `what.long_context`: staged training with mixtures and one LR schedule across stages."""
 
+from collections.abc import Iterator
 from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from compass.specs.base import NAME_MAX, SpecModel
+from compass.specs.base import NAME_MAX, Issue, Loc, SpecModel, unused
 from compass.specs.limits import MAX_TOKENS
 
 
@@ -182,3 +183,39 @@ class LongContext(SpecModel):
     retrieval_source: str | None = Field(
         default=None, description="Source whose held-out text is the haystack (default: the first stage's "
                                   "most weighted source).")
+
+
+def pretraining_rules(pt: Pretraining, at: Loc = ("what", "pretraining")) -> Iterator[Issue]:
+    """Rules inside what.pretraining: the schedule's fields against its kind and the stages' segments."""
+    sched = pt.schedule
+    segments = [s.schedule_segment for s in pt.stages]
+    total_steps = sum(max(1, int(s.tokens // (s.global_batch_size * s.sequence_length))) for s in pt.stages)
+    if sched.kind != "wsd" and any(seg != "auto" for seg in segments):
+        i = next(i for i, seg in enumerate(segments) if seg != "auto")
+        yield Issue((*at, "stages", i, "schedule_segment"),
+                    f"schedule_segment only applies to wsd, not {sched.kind}", "remove it or use kind: wsd")
+    if "decay" in segments:
+        first = segments.index("decay")
+        if any(seg != "decay" for seg in segments[first:]):
+            yield Issue((*at, "stages", first, "schedule_segment"),
+                        "only the last stages may decay: a stable stage follows a decay stage",
+                        "mark every stage after the first decay stage as decay")
+    if pt.stages and sched.warmup_steps >= total_steps:
+        yield Issue((*at, "schedule", "warmup_steps"),
+                    f"warmup_steps={sched.warmup_steps} covers the whole run ({total_steps} steps)",
+                    "shorten the warmup (SmolLM3 warmed up for 2,000 steps)")
+    if sched.kind == "multistep":
+        m = sched.milestones
+        if not m:
+            yield Issue((*at, "schedule", "milestones"), "multistep needs milestones",
+                        "e.g. milestones: [0.8, 0.9]")
+        if any(not 0 < x < 1 for x in m) or m != sorted(m):
+            yield Issue((*at, "schedule", "milestones"),
+                        "milestones must be increasing fractions between 0 and 1", "e.g. [0.8, 0.9]")
+    elif sched.milestones:
+        yield Issue((*at, "schedule", "milestones"), f"milestones do not apply to {sched.kind}",
+                    "remove them or use kind: multistep")
+    at = (*at, "schedule")
+    yield from unused(sched, "gamma", at, sched.kind == "multistep", "only multistep multiplies the LR by gamma")
+    yield from unused(sched, "decay_fraction", at, sched.kind == "wsd", "only wsd decays by a fraction")
+    yield from unused(sched, "min_lr_ratio", at, sched.kind in ("wsd", "cosine"), f"{sched.kind} never decays")

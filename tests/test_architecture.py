@@ -317,3 +317,65 @@ def test_every_package_says_what_lives_in_it():
     missing = [str(p.relative_to(REPO)) for layer in LAYERS for p in sorted((REPO / layer).rglob("__init__.py"))
                if not ast.get_docstring(ast.parse(p.read_text()))]
     assert not missing, missing
+
+
+def sections_read(function: ast.FunctionDef) -> set[str]:
+    """The spec sections a check reads through its `spec` argument (`spec.what.data` -> what.data, `spec.how` ->
+    how), following local aliases (`what = spec.what`); the whole spec handed on counts as every section."""
+    aliases: dict[str, str] = {"spec": ""}
+    for node in ast.walk(function):  # aliases first: `x = spec.what` / `x = spec.how`
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            chain = _chain(node.value)
+            if chain and chain[0] == "spec" and len(chain) <= 2:
+                aliases[node.targets[0].id] = ".".join(chain[1:])
+    read: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and any(isinstance(a, ast.Name) and a.id == "spec" for a in node.args):
+            read.add("*")
+        chain = _chain(node) if isinstance(node, ast.Attribute) else None
+        if chain and chain[0] in aliases:
+            path = [p for p in [aliases[chain[0]], *chain[1:]] if p]
+            if path and path[0] in ("what", "how", "why"):
+                read.add(".".join(path[:2]) if path[0] == "what" and len(path) > 1 else path[0])
+    return {s for s in read if s != "what"}
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(names)] if isinstance(node, ast.Name) else None
+
+
+def test_a_rule_reading_one_section_sits_beside_its_schema():
+    """specs/checks.py keeps the rules that read two sections or more of the spec (issue 42 part 6); a rule of one
+    section lives in that section's module, callable with the section alone (architecture_rules, data_rules,
+    pretraining_rules, how_rules)."""
+    from compass.specs.architecture import Architecture, architecture_rules
+    from compass.specs.data import Data, data_rules
+    from compass.specs.how import How, how_rules
+    from compass.specs.training import Pretraining, pretraining_rules
+
+    tree = ast.parse((REPO / "specs" / "checks.py").read_text())
+    one_section = {}
+    for function in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        if "spec" not in [a.arg for a in function.args.args]:
+            continue
+        read = sections_read(function)
+        if "*" not in read and len(read) < 2:
+            one_section[function.name] = sorted(read)
+    assert not one_section, f"rules of one section in specs/checks.py: {one_section}: move them beside the schema"
+    loaded = load_spec(REPO / "tests" / "specs" / "minimal.yaml").spec
+    bad_pattern = loaded.what.data.sources[0].model_copy(update={"include": ["../outside/*.txt"]})
+    data = Data.model_validate({**loaded.what.data.model_dump(exclude_unset=True),
+                                "sources": [bad_pattern.model_dump(exclude_unset=True)]})
+    assert [i.loc for i in data_rules(data)] == [("what", "data", "sources", 0, "include", 0)]
+    assert list(architecture_rules(Architecture.model_validate(
+        {**loaded.what.architecture.model_dump(exclude_unset=True), "num_kv_heads": 3}), ("x",)))[0].loc == \
+        ("x", "num_kv_heads")
+    assert list(pretraining_rules(Pretraining.model_validate(loaded.what.pretraining.model_dump(exclude_unset=True))))\
+        == []
+    assert list(how_rules(How.model_validate({"evaluation": {"schedule_cron": "0 * * * *",
+                                                             "schedule_interval_seconds": 60}})))[0].loc == \
+        ("how", "evaluation")
