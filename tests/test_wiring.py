@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pytest
@@ -150,3 +150,52 @@ def test_no_kind_module_imports_another():
                      for alias in node.names}
         others = {m for m in imported if m.startswith("compass.tasks.kinds.")} - {f"compass.tasks.kinds.{path.stem}"}
         assert not others, f"{path.name} imports {sorted(others)}"
+
+
+def test_a_step_reads_its_inputs_back_as_its_kind_declared_them(tmp_path: Path):
+    """`given()` is the inverse of `roles()` for every step of the example specs that start from random weights
+    (every kind but the starting checkpoint's) and the minimal spec: the committed artifacts by role come back in the
+    kind's own Inputs class, field for field."""
+    specs = [REPO / "specs" / "examples" / "tiny.yaml", REPO / "specs" / "examples" / "smollm3-3b.yaml",
+             write_minimal_spec(tmp_path)]
+    checked = 0
+    for spec in specs:
+        plan = compile_spec(load_spec(spec).spec)
+        for step in plan.steps:
+            kind = registry.kind(step.kind)
+            artifacts = {role: ("artifact of", step_id) for role, step_id in step.inputs.items()}
+            given = kind.inputs.given(artifacts)
+            back = {f.name: _refs(getattr(given, f.name)) for f in fields(given)}
+            assert type(step.wired)(**back) == step.wired, step.id
+            checked += 1
+    assert checked > 50
+
+
+def _refs(value):
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return {key: StepRef.parse(art[1]) for key, art in value.items()}
+    return StepRef.parse(value[1])
+
+
+def test_an_input_a_step_needs_and_was_not_given_is_named():
+    from compass.tasks.common.inputs import TrainingInputs
+
+    with pytest.raises(KeyError, match=r"TrainingInputs.tokenizer: the step was given no input 'tokenizer' \(given: "
+                                       r"tokens:web\)"):
+        TrainingInputs.given({"tokens:web": "web tokens"})
+    given = TrainingInputs.given({"tokenizer": "tok", "tokens:web": "web", "tokens:code": "code"})
+    assert given.previous is None and given.gate == {} and given.tokens == {"web": "web", "code": "code"}
+
+
+def test_executors_read_their_inputs_through_their_kinds_inputs_class():
+    """No step kind indexes `ctx.inputs` by a role string (`ctx.inputs["previous"]`, `.get`, `.items()`): each asks
+    `ctx.given(ItsInputs)`, so a renamed or missing input is a field error, not a KeyError at run time."""
+    found = []
+    for path in sorted((REPO / "tasks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "inputs" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "ctx":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, f"ctx.inputs read by role in: {found}"

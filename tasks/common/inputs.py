@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from compass.tasks.steps.kind import PlanBuilder
-from compass.tasks.steps.wiring import Inputs, StepRef
+from compass.tasks.steps.wiring import Inputs, R, StepRef
 
 TOKENIZE = "tokenize"  # the kind that adds a source's token set on demand (tasks/kinds/encode_tokens.py)
 GATE = "gate"
@@ -16,39 +16,39 @@ EVALUATE = "evaluate"
 
 
 @dataclass(frozen=True)
-class Gated(Inputs):
+class Gated(Inputs[R]):
     """A step that waits for every gate's verdict (none without a production `why`)."""
 
-    gate: Mapping[str, StepRef] = field(default_factory=dict)
+    gate: Mapping[str, R] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class TrainingInputs(Inputs):
+class TrainingInputs(Inputs[R]):
     """A training step: the tokenizer, a token set per source of its mixture, and the model it continues (none for
     a first stage, which waits for the gates instead)."""
 
-    tokenizer: StepRef
-    tokens: Mapping[str, StepRef]
-    previous: StepRef | None = None
-    gate: Mapping[str, StepRef] = field(default_factory=dict)
+    tokenizer: R
+    tokens: Mapping[str, R]
+    previous: R | None = None
+    gate: Mapping[str, R] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class EvaluateInputs(Inputs):
+class EvaluateInputs(Inputs[R]):
     """The model to score, the tokenizer, the held-out token sets perplexity reads, and the passkey haystack's."""
 
-    model: StepRef
-    tokenizer: StepRef
-    tokens: Mapping[str, StepRef]
-    haystack: StepRef | None = None
+    model: R
+    tokenizer: R
+    tokens: Mapping[str, R]
+    haystack: R | None = None
 
 
 @dataclass(frozen=True)
-class Evaluations(Inputs):
+class Evaluations(Inputs[R]):
     """The evaluation of each model step, by the model step's id (roles `eval:<kind>:<name>`)."""
 
     prefixes: ClassVar[Mapping[str, str]] = {"evaluations": "eval:"}
-    evaluations: Mapping[str, StepRef]
+    evaluations: Mapping[str, R]
 
 
 def evaluations_by_model(plan: PlanBuilder) -> dict[str, StepRef]:

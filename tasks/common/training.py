@@ -22,6 +22,7 @@ from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
 from compass.model.training.records import MetricsRow, TrainResult, goodput_table, read_metrics, write_metrics
 from compass.specs.how import Shape, SlurmCluster
+from compass.tasks.common.inputs import TrainingInputs
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.steps.context import Runtime, StepContext, StepResult
@@ -35,19 +36,19 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     `exports_evaluated`: the step's artifact is evaluated (its kind reads MODEL_TRAINER_HOW), so with
     how.evaluation.every_checkpoint no export is pruned before that."""
     how = ctx.runtime.how
-    tok_dir = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
+    given = ctx.given(TrainingInputs)
+    tok_dir = TokenizerArtifact(given.tokenizer.local()).chosen
     ids = tokenizer_ids(tok_dir)
-    previous = ctx.inputs.get("previous")
+    previous = given.previous
     state = weights = None  # a previous stage's full training state, or a starting checkpoint's weights
     if previous is not None:
         state, weights = ModelArtifact(previous.local()).continues_from()
     if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/staging.py) first
         cache = Path(how.storage.local_cache).expanduser()
-        tokens = ctx.inputs_with_prefix("tokens:")
-        sources = {name: ctx.store.staged_path(art.uri, cache) for name, art in tokens.items()}
-        staging = Staging(store_root=ctx.store.root, cache=cache, uris={n: a.uri for n, a in tokens.items()})
+        sources = {name: ctx.store.staged_path(art.uri, cache) for name, art in given.tokens.items()}
+        staging = Staging(store_root=ctx.store.root, cache=cache, uris={n: a.uri for n, a in given.tokens.items()})
     else:
-        sources, staging = ctx.local_inputs("tokens:"), None
+        sources, staging = {name: art.local() for name, art in given.tokens.items()}, None
     hardware, parallelism = how.hardware, how.parallelism
     shape = ctx.runtime.placement.shape
     if shape is not None:  # the phase's nodes and devices; data parallel over what tensor parallelism leaves
@@ -232,7 +233,8 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
     if export:
         for folder in [out.final, *out.kept_checkpoints()]:
             export(folder)
-    history = read_metrics(ModelArtifact(ctx.inputs["previous"].local()).metrics) if "previous" in ctx.inputs else []
+    continued = ctx.given(TrainingInputs).previous
+    history = read_metrics(ModelArtifact(continued.local()).metrics) if continued else []
     rows = read_metrics(work.metrics)
     write_metrics(out.metrics, history + rows)
     plot_loss(out.metrics, out.loss_plot, f"{ctx.name}: loss over all stages so far")

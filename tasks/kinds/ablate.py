@@ -25,7 +25,7 @@ from compass.tasks.common.training import build_job, run_training
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
-from compass.tasks.steps.wiring import Inputs, StepRef
+from compass.tasks.steps.wiring import Inputs, R
 
 
 class AblateConfig(StepConfig):
@@ -63,11 +63,11 @@ class CompareConfig(StepConfig):
 
 
 @dataclass(frozen=True)
-class CompareInputs(Inputs):
+class CompareInputs(Inputs[R]):
     """Every (variant, seed) run, by `ablate/<variant>-s<seed>` (the roles the comparison's identity was made with)."""
 
     prefixes: ClassVar[Mapping[str, str]] = {"runs": ""}
-    runs: Mapping[str, StepRef]
+    runs: Mapping[str, R]
 
 
 def build(plan: PlanBuilder) -> None:
@@ -196,7 +196,7 @@ def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
     by_variant: dict[str, dict[str, dict[int, float]]] = {}
     changes: dict[str, Any] = {}
     probes: dict[str, list[list[dict[str, Any]]]] = {}
-    for art in ctx.inputs.values():
+    for art in ctx.given(CompareInputs).runs.values():
         variant, _, seed = art.step_id.split(":", 1)[1].rpartition("-s")
         produced = art.manifest.metrics
         missing = [m for m in metrics if not isinstance(produced.get(m), int | float)]

@@ -26,7 +26,7 @@ from compass.tasks.data.places import DataPlaces
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
-from compass.tasks.steps.wiring import Inputs, StepRef
+from compass.tasks.steps.wiring import Inputs, R
 
 
 class CurateConfig(StepConfig):
@@ -49,8 +49,8 @@ def heldout_unit(source: DataSource) -> HeldoutUnit | None:
 
 
 @dataclass(frozen=True)
-class CurateInputs(Inputs):
-    raw: StepRef  # the source's ingested documents
+class CurateInputs(Inputs[R]):
+    raw: R  # the source's ingested documents
 
 
 def build(plan: PlanBuilder) -> None:
@@ -100,7 +100,8 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
 
     cfg = ctx.config
     cur = cfg.curation
-    raw = ctx.inputs["raw"].folder_url(DOCUMENTS)  # read in place by datatrove (s3:// or a local folder)
+    ingested = ctx.given(CurateInputs).raw
+    raw = ingested.folder_url(DOCUMENTS)  # read in place by datatrove (s3:// or a local folder)
     places = DataPlaces.of(ctx)  # kept across attempts: completed ranks are not redone
     logs = places.stage_logs
     stages: list[StageStats] = []
@@ -111,7 +112,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
             return [JsonlReader(folder), unmeasured.pop()]
         return [JsonlReader(folder)]
 
-    raw_shards = ctx.inputs["raw"].files(DOCUMENTS, ".jsonl.gz")
+    raw_shards = ingested.files(DOCUMENTS, ".jsonl.gz")
     raw_bytes = sum(e.size for e in raw_shards)  # every stage reads at most this much (filtered copies of it)
 
     def run(stage: str, pipeline: list, tasks: int) -> StageStats:
@@ -172,7 +173,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
                  for split in SPLITS for rank, r in enumerate(tagged) if r.get(f"{split}_documents")}
     stats = {"before": before, "after": kept, "splits": after, "per_shard": per_shard, "removed_by": reasons,
              "stages": [s.model_dump() for s in stages],
-             "dropped_at_ingest": ctx.inputs["raw"].manifest.metrics.get("dropped", {})}
+             "dropped_at_ingest": ingested.manifest.metrics.get("dropped", {})}
     curated.stats.write_text(json.dumps(stats, indent=2))
     if kept["documents"] == 0:
         raise ValueError(f"curation of {ctx.name} removed every document ({reasons}); loosen its filters")

@@ -79,8 +79,8 @@ def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path
 
 
 def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
-    evaluations = {role.removeprefix("eval:"): json.loads((art.local() / "results.json").read_text())
-                   for role, art in ctx.inputs.items()}
+    evaluations = {model: json.loads((art.local() / "results.json").read_text())
+                   for model, art in ctx.given(Evaluations).evaluations.items()}
     points = curve_points(evaluations)
     (ctx.out / "curves.json").write_text(json.dumps(points, indent=1))
     plot_curves(points, ctx.out / "curves.png", "evaluation against tokens seen")

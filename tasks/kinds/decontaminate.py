@@ -33,7 +33,7 @@ from compass.tasks.common.fence import (
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
-from compass.tasks.steps.wiring import Inputs, StepRef
+from compass.tasks.steps.wiring import Inputs, R
 
 
 class FenceIndexConfig(StepConfig):
@@ -64,9 +64,9 @@ WHOLE_FIELDS = ("name", "method", "dataset", "pairs")
 
 
 @dataclass(frozen=True)
-class FenceInputs(Inputs):
-    index: StepRef
-    curated: Mapping[str, StepRef]  # the curated sources a training mixture names
+class FenceInputs(Inputs[R]):
+    index: R
+    curated: Mapping[str, R]  # the curated sources a training mixture names
 
 
 def provide_index(plan: PlanBuilder, name: str) -> None:
@@ -115,12 +115,13 @@ def run_decontaminate(ctx: StepContext[DecontaminateConfig]) -> StepResult:
     from compass.tasks.post_training.drawn import drawn
 
     cfg = ctx.config
-    index = ctx.inputs["index"]
+    given = ctx.given(FenceInputs)
+    index = given.index
     fence = Fence.read(index.local() / INDEX_FOLDER)
     ranks_read = index.folder_url(INDEX_FOLDER)  # the store's copy: every rank (an array task too) reads it there
     places = DataPlaces.of(ctx)
     reports: list[SourceReport] = []
-    for source, curated in sorted(ctx.inputs_with_prefix("curated:").items()):  # as curation's stages run
+    for source, curated in sorted(given.curated.items()):  # as curation's stages run
         shards = curated.files(TRAIN, ".jsonl.gz")
         report = SourceReport(source)
         if shards:

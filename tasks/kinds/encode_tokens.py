@@ -22,14 +22,14 @@ from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
-from compass.tasks.steps.wiring import Inputs, StepRef
+from compass.tasks.steps.wiring import Inputs, R
 
 
 @dataclass(frozen=True)
-class TokenizeInputs(Inputs):
-    tokenizer: StepRef
-    curated: StepRef
-    fence: StepRef | None = None  # the decontamination fence whose matches the train split leaves out (`remove`)
+class TokenizeInputs(Inputs[R]):
+    tokenizer: R
+    curated: R
+    fence: R | None = None  # the decontamination fence whose matches the train split leaves out (`remove`)
 
 
 def provide(plan: PlanBuilder, source: str) -> None:
@@ -90,8 +90,9 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext,
 
 
 def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
-    tokenizer = TokenizerArtifact(ctx.inputs["tokenizer"].local()).chosen
-    metrics = tokenize_curated(tokenizer, ctx.inputs["curated"], ctx, ctx.inputs.get("fence"))
+    given = ctx.given(TokenizeInputs)
+    tokenizer = TokenizerArtifact(given.tokenizer.local()).chosen
+    metrics = tokenize_curated(tokenizer, given.curated, ctx, given.fence)
     summary = (f"### tokenize `{ctx.name}`\n\n{metrics['train_tokens']:,} training tokens in "
                f"{metrics['train_documents']:,} documents; {metrics['heldout_tokens']:,} held-out tokens")
     return StepResult(metrics=metrics, summary=summary)

@@ -214,11 +214,12 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     points of the evaluation curves (metric against tokens seen)."""
     started = time.perf_counter()
     suite = ctx.config.suite
-    model = ctx.inputs["model"]
+    given = ctx.given(EvaluateInputs)
+    model = given.model
     model_folder = model.local()
-    sources = ctx.local_inputs("tokens:")
+    sources = {name: tokens.local() for name, tokens in given.tokens.items()}
     retrieval = ctx.config.retrieval
-    haystack = ctx.inputs["haystack"].local() if "haystack" in ctx.inputs else None
+    haystack = given.haystack.local() if given.haystack else None
     where = device_for(ctx.runtime.how)
     lighteval = _lighteval_on_ranks(ctx, where)
     final = evaluate_model(ModelArtifact(model_folder).final, suite, sources, ctx.scratch / FINAL, retrieval, haystack,

@@ -61,7 +61,8 @@ def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
     cfg = ctx.config
     stage = cfg.stage
     job = build_job(ctx, cfg.recipe(), whole_from=cfg.previous_length,
-                    tokens_before=tokens_seen(ctx.inputs["previous"].local()) or 0,
+                    tokens_before=tokens_seen(continued.local()) if (continued := ctx.given(TrainingInputs).previous)
+                    else 0,
                     micro_batch_size=stage.micro_batch_size)
     export = inference_scaling(cfg.inference_scaling, stage.sequence_length, stage.rope_theta)
     result = train_and_export(ctx, job, "long-context", export)

@@ -45,11 +45,14 @@ def provide(plan: PlanBuilder, name: str) -> None:
 
 def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
     cfg = ctx.config
-    previous = ctx.inputs["previous"].local()
+    given = ctx.given(TrainingInputs).previous
+    if given is None:
+        raise ValueError(f"mid-training {ctx.name} was given no model to continue")
+    previous = given.local()
     artifact = ModelArtifact(previous)
-    if not artifact.state.exists() and ctx.inputs["previous"].step_id.split(":")[0] != "base_model":
+    if not artifact.state.exists() and given.step_id.split(":")[0] != "base_model":
         raise ValueError(f"mid-training {ctx.name} continues a training state or a starting checkpoint, and "
-                         f"{ctx.inputs['previous'].step_id} is neither: put mid-training right after pretraining, "
+                         f"{given.step_id} is neither: put mid-training right after pretraining, "
                          "long-context extension, or what.model.init_from")
     hf = json.loads((artifact.final / "config.json").read_text())
     rope = hf.get("rope_parameters") or {}

@@ -44,7 +44,7 @@ from compass.tasks.post_training.drawn import DISTILL_SEED, MAX_CHARS_PER_TOKEN,
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
-from compass.tasks.steps.wiring import Inputs, StepRef
+from compass.tasks.steps.wiring import Inputs, R
 
 
 class PostTrainConfig(StepConfig):
@@ -76,16 +76,16 @@ CONFIGS: dict[str, type[PostTrainConfig]] = {"sft": SftConfig, "dpo": Preference
 
 
 @dataclass(frozen=True)
-class PostTrainInputs(Inputs):
+class PostTrainInputs(Inputs[R]):
     """The tokenizer, the model it continues, and the models a method reads besides: the strong and weak answerers
     of preference pairs, a distillation teacher."""
 
-    tokenizer: StepRef
-    previous: StepRef
-    strong: StepRef | None = None
-    weak: StepRef | None = None
-    teacher: StepRef | None = None
-    fence: StepRef | None = None  # the decontamination fence whose matches are left out (`remove`)
+    tokenizer: R
+    previous: R
+    strong: R | None = None
+    weak: R | None = None
+    teacher: R | None = None
+    fence: R | None = None  # the decontamination fence whose matches are left out (`remove`)
 
 
 def build(plan: PlanBuilder) -> None:
@@ -197,9 +197,11 @@ def preference_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict
                          "max_samples")
     where = device_for(ctx.runtime.how)
     named = {"strong": cfg.pairs.strong, "weak": cfg.pairs.weak}
-    answers = {role: answer_prompts(ModelArtifact(ctx.inputs[role].local()).final, prompts, where,
+    given = ctx.given(PostTrainInputs)
+    answerers = {"strong": given.strong, "weak": given.weak}
+    answers = {role: answer_prompts(ModelArtifact(_required(answerer, role, ctx).local()).final, prompts, where,
                                     own_template=named[role].startswith(NAMED_MODEL_PREFIX))
-               for role in ("strong", "weak")}
+               for role, answerer in answerers.items()}
     return [{"prompt": p, "chosen": [{"role": "assistant", "content": s}],
              "rejected": [{"role": "assistant", "content": w}]}
             for p, s, w in zip(prompts, answers["strong"], answers["weak"], strict=True) if s and w and s != w]
@@ -230,7 +232,7 @@ def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str,
     elif pairs_spec is not None:  # verifier
         root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
         problems = verifier_problems(root, pairs_spec.easiest_first, cfg.max_samples, ctx.name)
-        pairs = on_policy_pairs(ModelArtifact(ctx.inputs["previous"].local()).final, problems,
+        pairs = on_policy_pairs(ModelArtifact(ctx.given(PostTrainInputs).previous.local()).final, problems,
                                 pairs_spec.samples_per_prompt,
                                 pairs_spec.verifier, 32, PAIR_SEED, device_for(ctx.runtime.how))
         why = (f"no problem got both a right and a wrong answer among {pairs_spec.samples_per_prompt} "
@@ -268,7 +270,8 @@ def distill_rows(ctx: StepContext[DistillConfig], model, tokenizer) -> tuple[lis
     """The student (the previous model, shrunk to `student_layers` if asked) distils on the dataset's prompts."""
     cfg = ctx.config
     if cfg.teacher.startswith(NAMED_MODEL_PREFIX):
-        same_vocabulary(ModelArtifact(ctx.inputs["teacher"].local()).final, tokenizer, f"distill {ctx.name}")
+        teacher = _required(ctx.given(PostTrainInputs).teacher, "teacher", ctx)
+        same_vocabulary(ModelArtifact(teacher.local()).final, tokenizer, f"distill {ctx.name}")
     if cfg.student_layers:
         total = model.config.num_hidden_layers
         kept = keep_layers(model, cfg.student_layers)
@@ -319,6 +322,13 @@ ROWS = {"sft": sft_rows, "dpo": preference_rows, "orpo": preference_rows, "kto":
         "grpo": grpo_rows, "distill": distill_rows}
 
 
+def _required(artifact: InputArtifact | None, role: str, ctx: StepContext) -> InputArtifact:
+    """An input the step's method needs (the pairs' answerers, the teacher) that its builder gives it."""
+    if artifact is None:
+        raise ValueError(f"post_training {ctx.name}: the plan gave no {role} model to a {ctx.config.method} step")
+    return artifact
+
+
 def _fenced_rows(fence: InputArtifact, rows: list[dict[str, Any]], problems: bool
                  ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """The rows that match no benchmark item of the fence (GRPO's problems compared item for item), and how many
@@ -357,14 +367,15 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     started = time.time()  # one rank trains in this process: its attempt starts with the step
     cfg = ctx.config
     method = cfg.method
-    previous = ModelArtifact(ctx.inputs["previous"].local())
+    given = ctx.given(PostTrainInputs)
+    previous = ModelArtifact(given.previous.local())
     out = ModelArtifact(ctx.out)
     work = WorkFolder(ctx.workdir)
     work.root.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_chat_model(previous.final)
     rows, facts = ROWS[method](ctx, model, tokenizer)
-    if "fence" in ctx.inputs:  # `remove`: what matches a benchmark evaluated is left out, and said
-        rows, facts["decontaminated"] = _fenced_rows(ctx.inputs["fence"], rows, problems=method == "grpo")
+    if given.fence is not None:  # `remove`: what matches a benchmark evaluated is left out, and said
+        rows, facts["decontaminated"] = _fenced_rows(given.fence, rows, problems=method == "grpo")
     if not rows:  # TRL would stop at its first batch with a bare StopIteration, and the step be retried
         shapes = PAIR_SHAPES if method in ("dpo", "orpo", "kto") else CONVERSATION_SHAPES
         raise DataError(f"post_training {ctx.name}: {cfg.dataset} gives no example to train on: its JSONL lines "
@@ -374,7 +385,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     world = shape.ranks if shape else 1
     job = TrlJob(step=f"{ctx.kind}:{ctx.name}", section=cfg.model_dump(exclude={"seed", "vibe_prompts"}),
                  seed=cfg.seed, how=ctx.runtime.how, work=work.root, world=world, device=where.device, bf16=where.bf16,
-                 teacher=ModelArtifact(ctx.inputs["teacher"].local()).final if "teacher" in ctx.inputs else None,
+                 teacher=ModelArtifact(given.teacher.local()).final if given.teacher is not None else None,
                  tensorboard=_tensorboard_run(ctx), trackers=tracker_run_of(ctx), prometheus=_endpoint(ctx))
     if cfg.peft is not None or world > 1:  # the ranks' start (and the base an adapter merges into)
         model.save_pretrained(str(work.trl_start), safe_serialization=True)

@@ -23,7 +23,7 @@ from compass.specs.tokenizer import HubCandidate, Tokenizer
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
-from compass.tasks.steps.wiring import Inputs, StepRef
+from compass.tasks.steps.wiring import Inputs, R
 
 _CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
 _HAS_ALNUM = re.compile(r"\w")
@@ -41,8 +41,8 @@ class Doc:
 
 
 @dataclass(frozen=True)
-class SelectionInputs(Inputs):
-    curated: Mapping[str, StepRef]  # every curated source: candidates train and are measured on them
+class SelectionInputs(Inputs[R]):
+    curated: Mapping[str, R]  # every curated source: candidates train and are measured on them
 
 
 def build(plan: PlanBuilder) -> None:
@@ -152,7 +152,7 @@ def run_tokenizer_selection(ctx: StepContext[TokenizerConfig]) -> StepResult:
     from tokenizers import Tokenizer as FastTokenizer
 
     cfg = ctx.config
-    curated = ctx.inputs_with_prefix("curated:")
+    curated = ctx.given(SelectionInputs).curated
     trains = any(cand.kind == "bpe" for cand in cfg.candidates)  # only a trained candidate reads training text
     train_docs = list(_balanced(curated, TRAIN, cfg.train_chars)) if trains else []
     heldout = _heldout_by_group(curated, cfg.eval_chars)

@@ -56,8 +56,9 @@ def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
     """Pass or fail only when the criterion's 95% interval over the benchmark's items clears its threshold; a
     metric without items (a perplexity over held-out tokens) is judged by its value."""
     final = ctx.config.final
-    measured = {role.removeprefix("eval:"): art.manifest.metrics for role, art in ctx.inputs.items()}
-    items = {role.removeprefix("eval:"): items_of(art) for role, art in ctx.inputs.items()}
+    evaluations = ctx.given(Evaluations).evaluations  # by the evaluated model's step id
+    measured = {model: art.manifest.metrics for model, art in evaluations.items()}
+    items = {model: items_of(art) for model, art in evaluations.items()}
     rows = []
     for crit in ctx.config.criteria:
         checkpoint = final if crit.checkpoint == "final" else crit.checkpoint

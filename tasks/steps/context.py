@@ -11,10 +11,12 @@ from typing import Any, BinaryIO, Generic, TypeVar
 from compass.infra.manifest import FileEntry, Manifest
 from compass.infra.store import Store
 from compass.specs.how import How
-from compass.tasks.steps.kind import StepConfig, inputs_with_prefix
+from compass.tasks.steps.kind import StepConfig
 from compass.tasks.steps.placement import HERE, Placement
+from compass.tasks.steps.wiring import Inputs
 
 ConfigT = TypeVar("ConfigT", bound=StepConfig)
+GivenInputs = TypeVar("GivenInputs", bound=Inputs)
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,10 @@ class StepContext(Generic[ConfigT]):
     # recorded as they wrote them (tasks/data/places.py): the commit lists them without reading them back
     published: list[FileEntry] = field(default_factory=list)
 
-    def inputs_with_prefix(self, prefix: str) -> dict[str, InputArtifact]:
-        return inputs_with_prefix(self.inputs, prefix)
-
-    def local_inputs(self, prefix: str) -> dict[str, Path]:
-        """Local folders of the inputs whose role starts with `prefix`, keyed by the rest of the role."""
-        return {name: art.local() for name, art in self.inputs_with_prefix(prefix).items()}
+    def given(self, inputs: type[GivenInputs]) -> GivenInputs:
+        """The step's inputs as its kind declared them (its Inputs class), each field the committed artifact:
+        `ctx.given(TrainingInputs).previous`, not `ctx.inputs["previous"]`."""
+        return inputs.given(self.inputs)
 
 
 @dataclass

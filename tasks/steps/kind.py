@@ -310,10 +310,5 @@ class PlanBuilder:
         return None
 
 
-def inputs_with_prefix(inputs: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """The inputs whose role starts with `prefix` (e.g. 'tokens:'), keyed by the rest of the role."""
-    return {role[len(prefix):]: value for role, value in inputs.items() if role.startswith(prefix)}
-
-
 def issues_of(checks: Iterable[Iterator[Issue]]) -> list[Issue]:
     return [issue for check in checks for issue in check]
