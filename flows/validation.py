@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compass.flows.compiler import Plan, PlanError, compile_spec
-from compass.infra.shared_probe import ProbeResult, verified
+from compass.infra.shared_probe import ProbeResult, refusal, verified
 from compass.specs.base import Issue
 from compass.specs.checks import phases_of
 from compass.specs.how import PHASES, Phase, SlurmCluster
@@ -168,32 +168,49 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
         result = verified(cluster, list(wanted), list(modules) if ask.gpus or how.hardware.accelerator == "cpu" else [],
                           partition=ask.partition, gpus=ask.gpus)
         yield from _probe_issues(result, cluster, wanted, modules, ask)
+        if ask.without_gpu and not result.problem:  # the same partition's jobs that ask none: taken there?
+            refused = refusal(cluster, ask.partition)
+            if refused:
+                yield _refused(refused, ProbeAsk(ask.partition, 0, ask.without_gpu))
 
 
 @dataclass(frozen=True)
 class ProbeAsk:
     """One probe job's request: a partition (None: the cluster's default), GPUs or none, as the jobs of `phases`
-    ask there."""
+    ask there; `without_gpu`, the phases of the same partition whose jobs ask no GPU when the probe asks one."""
 
     partition: str | None
     gpus: int
     phases: tuple[Phase, ...]
+    without_gpu: tuple[Phase, ...] = ()
 
 
 def probed_partitions(spec: TrainingSpec) -> list[ProbeAsk]:
-    """What the spec's jobs ask for, as probes: each partition they go to, once with a GPU where phases there ask
-    for GPUs and once without where phases there ask none. A site may refuse jobs that ask no GPU on its GPU
-    partitions: its data jobs are then refused here, before anything is submitted, and the GPU nodes the training
-    needs are the ones proven to see the shared root."""
+    """What the spec's jobs ask for, as probes: one probe job per partition they go to, with a GPU where phases
+    there ask for GPUs (the GPU nodes the training needs are the ones proven to see the shared root). The phases of
+    that partition that ask no GPU are asked of the controller alone (`sbatch --test-only`): a site may refuse such
+    jobs on its GPU partitions, and its data jobs are then refused here, before anything is submitted."""
     how = spec.how
-    asked: dict[tuple[str | None, int], list[Phase]] = {}
+    asked: dict[str | None, dict[int, list[Phase]]] = {}
     for phase in sorted(phases_of(spec), key=PHASES.index):
         shape = how.shape(phase)
         gpus = 1 if how.hardware.accelerator != "cpu" and shape.devices_per_node else 0
-        asked.setdefault((shape.partition, gpus), []).append(phase)
+        asked.setdefault(shape.partition, {}).setdefault(gpus, []).append(phase)
     default = how.orchestration.cluster.partition if how.orchestration.cluster else None
-    return [ProbeAsk(partition, gpus, tuple(phases)) for (partition, gpus), phases in asked.items()] or \
-        [ProbeAsk(default, 0, ())]
+    return [ProbeAsk(partition, 1, tuple(by[1]), tuple(by.get(0, ()))) if 1 in by else
+            ProbeAsk(partition, 0, tuple(by[0])) for partition, by in asked.items()] or [ProbeAsk(default, 0, ())]
+
+
+def _refused(problem: str, ask: ProbeAsk) -> Issue:
+    """A partition that did not take (or would not take) the one-task job the phases of `ask` ask for."""
+    where = f"partition {ask.partition}" if ask.partition else "the default partition"
+    phase = ask.phases[0] if ask.phases else "data"
+    asked = "with a GPU" if ask.gpus else "without a GPU"
+    phases = ", ".join(ask.phases) or phase
+    return Issue(("how", "resources", phase, "partition"),
+                 f"{problem}: {where} did not take a one-task job {asked}, as the {phases} jobs ask",
+                 f"give the phase a partition that takes such jobs (how.resources.{phase}.partition: e.g. a "
+                 "CPU partition for data where GPU partitions take only jobs that ask for GPUs), or free a node")
 
 
 def _probe_issues(result: ProbeResult, cluster: SlurmCluster, wanted: dict[str, tuple[tuple[str | int, ...], str]],
@@ -206,14 +223,7 @@ def _probe_issues(result: ProbeResult, cluster: SlurmCluster, wanted: dict[str, 
                     f"Python ({sys.executable})", "install compass in a virtual environment under the shared root "
                     "(or an image every node has) and run compass from it")
     elif result.problem and "did not run" in result.problem:
-        where = f"partition {ask.partition}" if ask.partition else "the default partition"
-        phase = ask.phases[0] if ask.phases else "data"
-        asked = "with a GPU" if ask.gpus else "without a GPU"
-        yield Issue(("how", "resources", phase, "partition"),
-                    f"{result.problem}: {where} did not take a one-task job {asked}, as the "
-                    f"{', '.join(ask.phases) or phase} jobs ask",
-                    f"give the phase a partition that takes such jobs (how.resources.{phase}.partition: e.g. a CPU "
-                    "partition for data where GPU partitions take only jobs that ask for GPUs), or free a node")
+        yield _refused(result.problem, ask)
     elif result.problem:
         yield Issue(at, result.problem, hint)
     for module in result.missing_modules:

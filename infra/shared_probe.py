@@ -1,7 +1,7 @@
 """Proof that the cluster's compute nodes see what the orchestrating machine sees, before anything is submitted.
 
-The login node writes a token under the shared root; a one-task job (srun, on a compute node of a partition the
-spec's jobs go to, asking one GPU where they ask GPUs: flows/validation.probed_partitions) reads it, writes one
+The login node writes a token under the shared root; a one-task job (srun, on a compute node of each partition the
+spec's jobs go to, asking one GPU where some ask GPUs: flows/validation.probed_partitions) reads it, writes one
 back, and reports which of the other paths the steps will touch it cannot see (the store, local data, this Python).
 The login node then reads the node's file. A shared root that is only mounted here, or a path only this machine
 has, is named with the spec field to change, and nothing is submitted.
@@ -97,16 +97,7 @@ def probe(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = N
         return ProbeResult("", f"cannot write under {root} on this machine ({exc.strerror})", ())
     token = uuid.uuid4().hex
     (folder / FROM_LOGIN).write_text(token)
-    command = ["srun", f"--immediate={cluster.probe_timeout_s}", "--nodes=1", "--ntasks=1", "--time=5",
-               "--job-name=compass-probe", "--quiet"]
-    for flag, value in (("partition", partition or cluster.partition), ("account", cluster.account),
-                        ("qos", cluster.qos), ("constraint", cluster.constraint)):
-        if value is not None:
-            command.append(f"--{flag}={value}")
-    if gpus:
-        command.append(f"--gpus-per-node={gpus}")
-    if cluster.exclude:
-        command.append(f"--exclude={','.join(cluster.exclude)}")
+    command = ["srun", f"--immediate={cluster.probe_timeout_s}", "--quiet", *_one_task(cluster, partition, gpus)]
     command += [python, "-m", "compass.infra.shared_probe", str(folder), token, ",".join(modules or []), *paths]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=cluster.probe_timeout_s + 120)
@@ -127,6 +118,35 @@ def probe(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = N
         return ProbeResult("", f"the probe job did not start within {cluster.probe_timeout_s} s", ())
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _one_task(cluster: SlurmCluster, partition: str | None, gpus: int) -> list[str]:
+    """The probe's request: one task on one node for a few minutes, where and as the spec's jobs ask."""
+    flags = ["--nodes=1", "--ntasks=1", "--time=5", "--job-name=compass-probe"]
+    for flag, value in (("partition", partition or cluster.partition), ("account", cluster.account),
+                        ("qos", cluster.qos), ("constraint", cluster.constraint)):
+        if value is not None:
+            flags.append(f"--{flag}={value}")
+    if gpus:
+        flags.append(f"--gpus-per-node={gpus}")
+    if cluster.exclude:
+        flags.append(f"--exclude={','.join(cluster.exclude)}")
+    return flags
+
+
+def refusal(cluster: SlurmCluster, partition: str | None, gpus: int = 0) -> str:
+    """Why the controller would refuse the probe's one-task request ('' when it takes it): `sbatch --test-only`, so
+    nothing runs or queues; the site's submit rules (job_submit plugins) and the partition's limits answer. For the
+    jobs of a partition that ask no GPU where a probe with a GPU already proves its nodes."""
+    command = ["sbatch", "--test-only", *_one_task(cluster, partition, gpus), "--wrap", "true"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`sbatch --test-only` failed ({exc})"
+    if done.returncode == 0:
+        return ""
+    said = [line.removeprefix("sbatch: error: ") for line in (done.stderr or done.stdout).strip().splitlines()]
+    return f"Slurm refuses it ({done.returncode}): {' '.join(said)[:300]}"
 
 
 def _answer(stdout: str) -> dict | None:

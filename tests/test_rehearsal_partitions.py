@@ -77,6 +77,19 @@ def test_each_partition_is_probed_with_what_its_jobs_ask(gpu_only_cluster, tmp_p
     assert runs_as["pretraining"] == "Slurm job, whole nodes"  # the cluster's partition: not repeated
 
 
+def test_phases_that_share_a_partition_are_probed_by_one_job(gpu_only_cluster, tmp_path: Path):
+    """Issue 42 (g): every phase on the partition `cpu` (whose nodes have the GPUs), training with GPUs and the data
+    jobs without: one probe job, with a GPU; the controller alone is asked whether it takes the data jobs (`sbatch
+    --test-only`: no job runs). Before, a second probe job ran there without a GPU."""
+    before = {j["JobId"] for j in history(gpu_only_cluster)}
+    spec = gpu_spec(tmp_path)
+    spec.write_text(spec.read_text().replace("shared_root: ", "partition: cpu, shared_root: "))
+    done = plan(tmp_path, spec)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probes = [(j["Name"], j["Partition"], j["JobState"]) for j in history(gpu_only_cluster) if j["JobId"] not in before]
+    assert probes == [("compass-probe", "cpu", "COMPLETED")]
+
+
 def test_data_jobs_the_gpu_partition_refuses_are_named_before_anything_is_submitted(gpu_only_cluster,
                                                                                      tmp_path: Path):
     before = {j["JobId"] for j in history(gpu_only_cluster)}
