@@ -343,7 +343,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
 
             summary[loaded.size] = smoke_table(plan, spec, loaded.size_changes, loaded.size, results, store)
             create_table_artifact(key=artifact_key(spec.name, loaded.size), table=summary[loaded.size],
-                                  description=f"{loaded.size} run of {original.spec.name}: what each step exercised "
+                                  description=f"{loaded.size} run of {spec_path}: what each step exercised "
                                               "and shrank")
         return summary
 
