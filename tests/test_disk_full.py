@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,3 +76,23 @@ def test_a_rank_notes_its_full_disk_for_the_step_and_a_new_attempt_starts_clean(
     assert raised.value.errno == errno.EDQUOT and raised.value.filename.endswith("state.pt")
     clear_full_disk_notes(tmp_path)
     assert full_disk_noted(tmp_path) is None
+
+
+def test_a_disk_that_fills_before_the_summary_is_written_is_named(small_disk: Path, monkeypatch: pytest.MonkeyPatch):
+    """Found by chaos.py (a data step, the disk filled while it committed): the step's summary, written into its
+    staging folder after the step's own work, raised a bare OSError with a traceback, retried at once."""
+    from compass.flows import runner
+    from compass.infra.errors import DiskFull
+    from compass.infra.store import Store
+    from compass.tasks.steps.context import StepResult
+    from tests.test_store import one_step
+
+    def fills_the_disk_then_reports(ctx) -> StepResult:
+        with open(small_disk / "ballast", "wb") as ballast:  # what another writer took meanwhile
+            os.posix_fallocate(ballast.fileno(), 0, shutil.disk_usage(small_disk).free)
+        return StepResult(metrics={"documents": 1}, summary="### a summary of what the step did\n" * 200)
+
+    ctx, step = one_step(small_disk, monkeypatch, fills_the_disk_then_reports)
+    ctx = runner.RunContext(ctx.plan, Store(str(small_disk / "store")), ctx.spec_hash, ctx.runtime)
+    with pytest.raises(DiskFull, match=r"slow:web: no space left on the device of .*staging.*\([\d,]+ MiB free"):
+        runner.run_step(ctx, step, logging.getLogger("test"))

@@ -103,8 +103,8 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
                            log, store=store, work_key=run.work_key, spec_hash=run.spec_hash, uri=run.uri)
         with _default_grad_mode(), disk_full_named(run.step_id, out):
             result = kind.run(sctx)
-        if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
-            (out / SUMMARY_FILE).write_text(result.summary)
+            if result.summary:  # kept with the artifact: a cached re-run shows it again in the UI
+                (out / SUMMARY_FILE).write_text(result.summary)
         manifest = Manifest(
             kind=run.kind, name=run.name, fingerprint=run.fingerprint, uri=run.uri, config=run.config.identity(),
             how=kind.how_read(run.config, run.runtime.how),
