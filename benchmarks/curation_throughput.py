@@ -10,7 +10,6 @@ peak memory (max RSS of the process and its datatrove workers) is measured separ
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import tempfile
@@ -62,11 +61,12 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
 
-    from compass.tasks.data.curate_blocks import REPRODUCIBLE_GZIP, LanguageIdFilter, SplitTagger, document_text
+    from compass.infra.layout import SHARD_SUFFIX
+    from compass.tasks.data.curate_blocks import SHARD_CODEC, LanguageIdFilter, SplitTagger, document_text
 
-    n = len(list(docs.glob("*.jsonl.gz")))
-    gzip6 = REPRODUCIBLE_GZIP  # compass's shards' gzip (level 6): datatrove's default, level 9, costs more
-    gz = "${rank}.jsonl.gz"  # named by hand: datatrove adds .gz for its own "gzip" only, and readers infer from it
+    n = len(list(docs.glob("*" + SHARD_SUFFIX)))
+    codec = SHARD_CODEC  # compass's shards' zstd (level 3): fsspec's own "zstd" writes at level 10, costing more
+    gz = "${rank}" + SHARD_SUFFIX  # named by hand: datatrove names only its own codecs, and readers infer from it
     logs, work = out / "logs", out / "work"
     exact = ExactDedupConfig(content_getter=document_text)
     mh = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8)
@@ -76,17 +76,18 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
                               skip_completed=False).run()
 
     go([JsonlReader(str(docs)), GopherRepetitionFilter(), GopherQualityFilter(min_doc_words=30),
-        LanguageIdFilter(["en"], 0.5), JsonlWriter(str(work / "filtered"), output_filename=gz, compression=gzip6)],
+        LanguageIdFilter(["en"], 0.5), JsonlWriter(str(work / "filtered"), output_filename=gz, compression=codec)],
        n, "filter")
     go([JsonlReader(str(work / "filtered")), ExactDedupSignature(str(work / "es"), exact)], n, "es")
     go([ExactFindDedups(str(work / "es"), str(work / "ed"), exact)], 1, "ef")
     go([JsonlReader(str(work / "filtered")), ExactDedupFilter(str(work / "ed"), exact),
-        JsonlWriter(str(work / "exact"), output_filename=gz, compression=gzip6)], n, "ex")
+        JsonlWriter(str(work / "exact"), output_filename=gz, compression=codec)], n, "ex")
     go([JsonlReader(str(work / "exact")), MinhashDedupSignature(str(work / "ms"), mh)], n, "ms")
     go([MinhashDedupBuckets(str(work / "ms"), str(work / "mb"), config=mh)], mh.num_buckets, "mb")
     go([MinhashDedupCluster(str(work / "mb"), str(work / "mr"), config=mh)], 1, "mc")
     go([JsonlReader(str(work / "exact")), MinhashDedupFilter(str(work / "mr")), SplitTagger(0.05),
-        JsonlWriter(str(out / "curated"), output_filename="${split}/${rank}.jsonl.gz", compression=gzip6)], n, "mf")
+        JsonlWriter(str(out / "curated"), output_filename="${split}/${rank}" + SHARD_SUFFIX,
+                   compression=codec)], n, "mf")
 
 
 def run_through_compass(docs: Path, out: Path, workers: int) -> None:
@@ -145,8 +146,11 @@ def main() -> None:
     prepare_environment()
     docs = ingest(Path(args.spec), args.source, Path(args.store))
     n_docs = n_bytes = 0
-    for shard in docs.glob("*.jsonl.gz"):
-        with gzip.open(shard, "rt") as f:
+    from compass.infra.layout import SHARD_SUFFIX
+    from compass.tasks.data.curate_blocks import open_shard
+
+    for shard in docs.glob("*" + SHARD_SUFFIX):
+        with open(shard, "rb") as raw, open_shard(raw) as f:
             for line in f:
                 n_docs += 1
                 n_bytes += len(json.loads(line)["text"].encode())

@@ -131,7 +131,8 @@ def run_datatrove_stages(ctx: dict, workers: int, out: Path) -> tuple[float, int
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.tokens import DocumentTokenizer
 
-    # datatrove's JsonlWriter with gzip at level 6 and no timestamp, as compass writes (ShardWriter is exactly that)
+    # datatrove's JsonlWriter with zstd at level 3, as compass writes (ShardWriter is exactly that)
+    from compass.infra.layout import SHARD_SUFFIX
     from compass.tasks.data.curate_blocks import ShardWriter, SplitTagger
 
     files = len(list((Path(ctx["work"]) / "source").glob("*.jsonl")))
@@ -140,7 +141,7 @@ def run_datatrove_stages(ctx: dict, workers: int, out: Path) -> tuple[float, int
                            ShardWriter(str(out / "ingested"))],
                           tasks=files, workers=workers, logging_dir=str(out / "logs-ingest")).run()
     LocalPipelineExecutor([JsonlReader(str(out / "ingested")), SplitTagger(0.05),
-                           ShardWriter(str(out / "split"), output_filename="${split}/${rank}.jsonl.gz")],
+                           ShardWriter(str(out / "split"), output_filename="${split}/${rank}" + SHARD_SUFFIX)],
                           tasks=files, workers=workers, logging_dir=str(out / "logs-split")).run()
     tokens = 0
     for split in ("train", "heldout"):

@@ -13,7 +13,8 @@ CHECKSUMS = "checksums.json"  # written last into a checkpoint folder: its commi
 _CHECKPOINT_NAME = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
 TRAIN, HELDOUT = "train", "heldout"  # the curated splits: what training reads, what evaluation holds out
 SPLITS = (TRAIN, HELDOUT)
-DOCUMENTS = "documents"  # an ingest artifact's folder of gzipped JSONL document shards
+DOCUMENTS = "documents"  # an ingest artifact's folder of document shards
+SHARD_SUFFIX = ".jsonl.zst"  # a document shard: JSONL compressed with zstd (tasks/data/curate_blocks.py ShardWriter)
 FINAL = "final"  # the name of a model's final weights where a checkpoint name is expected (`final` in a spec)
 # a Hugging Face tokenizer folder (the chat template is its own file in transformers 5)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

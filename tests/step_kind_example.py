@@ -5,13 +5,13 @@ tests/test_placement.py places it."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 from dataclasses import dataclass, replace
 
-from compass.infra.layout import TRAIN, CuratedArtifact
+from compass.infra.layout import SHARD_SUFFIX, TRAIN, CuratedArtifact
 from compass.specs.how import How, Shape
+from compass.tasks.data.curate_blocks import open_shard
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.wiring import Inputs, StepRef
@@ -36,8 +36,9 @@ def build(plan: PlanBuilder) -> None:
 def run(ctx: StepContext[WordCountConfig]) -> StepResult:
     pattern = re.compile(rf"\b\w{{{ctx.config.min_length},}}\b")
     words = documents = 0
-    for shard in sorted(CuratedArtifact(ctx.inputs["curated"].local()).split(TRAIN).glob("*.jsonl.gz")):
-        with gzip.open(shard, "rt") as f:
+    curated = ctx.given(WordCountInputs).curated
+    for shard in sorted(CuratedArtifact(curated.local()).split(TRAIN).glob("*" + SHARD_SUFFIX)):
+        with open(shard, "rb") as raw, open_shard(raw) as f:
             for line in f:
                 words += len(pattern.findall(json.loads(line)["text"]))
                 documents += 1

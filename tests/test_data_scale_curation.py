@@ -4,30 +4,28 @@ on the step's machine: the counts equal the documents, words and bytes of the fi
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import re
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.shards import SHARD_SUFFIX, shard_lines, shard_records
 
 WORD = re.compile(r"\w+", re.UNICODE)
 
 
 def _files_count(folder: Path) -> dict[str, int]:
     docs = words = size = 0
-    for shard in sorted(folder.glob("*.jsonl.gz")):
-        with gzip.open(shard, "rt", encoding="utf-8") as f:
-            for line in f:
-                text = json.loads(line)["text"]
-                docs, words, size = docs + 1, words + len(WORD.findall(text)), size + len(text.encode())
+    for shard in sorted(folder.glob("*" + SHARD_SUFFIX)):
+        for record in shard_records(shard):
+            text = record["text"]
+            docs, words, size = docs + 1, words + len(WORD.findall(text)), size + len(text.encode())
     return {"documents": docs, "words": words, "bytes": size}
 
 
 def _lines(shard: Path) -> int:
-    with gzip.open(shard, "rt", encoding="utf-8") as f:
-        return sum(1 for _ in f)
+    return len(shard_lines(shard))
 
 
 def test_curation_counts_in_its_datatrove_passes_what_the_files_hold(tmp_path: Path):
@@ -59,11 +57,11 @@ def test_curation_counts_in_its_datatrove_passes_what_the_files_hold(tmp_path: P
         for split, counted in stats["splits"].items():
             assert counted == _files_count(curated.split(split)), split
         on_disk = {f"{split}/{shard.name}": _lines(shard) for split in stats["splits"]
-                   for shard in sorted(curated.split(split).glob("*.jsonl.gz"))}
+                   for shard in sorted(curated.split(split).glob("*" + SHARD_SUFFIX))}
         assert stats["per_shard"] == on_disk  # each shard's documents, from the ranks' own counts
         raw = json.loads((store.local_path(raw_uri) / "stats.json").read_text())["per_shard"]
-        assert {name: c["documents"] for name, c in raw.items()} == {
-            shard.name: _lines(shard) for shard in sorted((store.local_path(raw_uri) / "documents").glob("*.gz"))}
+        ingested = sorted((store.local_path(raw_uri) / "documents").glob("*" + SHARD_SUFFIX))
+        assert {name: c["documents"] for name, c in raw.items()} == {shard.name: _lines(shard) for shard in ingested}
         metrics = store.read_manifest(uri).metrics
         assert metrics["words_in"] == stats["before"]["words"] > 0
         assert metrics["train_documents"] == stats["splits"]["train"]["documents"] > 0

@@ -17,6 +17,7 @@ from compass.specs.how import How
 from compass.tasks.kinds import ingest as ingest_kind
 from compass.tasks.kinds.ingest import IngestConfig, file_groups, run_ingest, task_count
 from compass.tasks.steps.context import Runtime, StepContext
+from tests.shards import SHARD_SUFFIX, decompress
 
 
 def _context(source: Path, work: Path, how: How | None = None, max_documents: int | None = None) -> StepContext:
@@ -39,11 +40,11 @@ def _source(folder: Path, files: int = 5, per_file: int = 40) -> list[str]:
 
 
 def _shards(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted((out / "documents").glob("*.jsonl.gz"))}
+    return {p.name: p.read_bytes() for p in sorted((out / "documents").glob("*" + SHARD_SUFFIX))}
 
 
 def _texts(shards: dict[str, bytes]) -> list[str]:
-    return [json.loads(line)["text"] for data in shards.values() for line in gzip.decompress(data).splitlines()]
+    return [json.loads(line)["text"] for data in shards.values() for line in decompress(data).splitlines()]
 
 
 def test_files_are_cut_into_contiguous_groups_of_about_equal_bytes():
@@ -77,22 +78,22 @@ def test_ingest_runs_one_task_per_group_and_a_relaunch_redoes_only_the_failed_ta
     work = tmp_path / "run" / "datatrove"
     done = sorted(p.name for p in (work / "logs" / "ingest" / "completions").iterdir())
     assert done == ["00000"]
-    first = (work / "documents" / "00000.jsonl.gz").stat()
+    first = (work / "documents" / f"00000{SHARD_SUFFIX}").stat()
 
     (source / "part-04.jsonl").write_text(good)  # fixed; the relaunch reads the same files
     result = run_ingest(ctx)
-    again = (work / "documents" / "00000.jsonl.gz").stat()
+    again = (work / "documents" / f"00000{SHARD_SUFFIX}").stat()
     assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # rank 0 was not redone
     assert result.metrics["tasks"] == 2 and result.metrics["shards"] == 2 and result.metrics["documents"] == 200
     shards = _shards(ctx.out)
-    assert list(shards) == ["00000.jsonl.gz", "00001.jsonl.gz"]
+    assert list(shards) == [f"00000{SHARD_SUFFIX}", f"00001{SHARD_SUFFIX}"]
     assert _texts(shards) == texts  # the shards in order: the source's files in order
-    ids = [json.loads(line)["id"] for data in shards.values() for line in gzip.decompress(data).splitlines()]
+    ids = [json.loads(line)["id"] for data in shards.values() for line in decompress(data).splitlines()]
     assert ids[0] == "web/part-00.jsonl#0" and ids[-1] == "web/part-04.jsonl#39"
 
     undisturbed = _context(source, tmp_path / "fresh")
     run_ingest(undisturbed)
-    assert _shards(undisturbed.out) == shards  # byte for byte: gzip without timestamps
+    assert _shards(undisturbed.out) == shards  # byte for byte: reproducible zstd
 
 
 def test_max_documents_takes_the_first_documents_in_file_order(tmp_path: Path):
@@ -142,7 +143,7 @@ def test_web_archives_become_one_document_per_html_page_with_its_url(tmp_path: P
                       logging.getLogger("test"))
     result = run_ingest(ctx)
     assert result.metrics["documents"] == 5 and result.metrics["dropped"] == {"not_html": 1}
-    records = [json.loads(line) for shard in _shards(out).values() for line in gzip.decompress(shard).splitlines()]
+    records = [json.loads(line) for shard in _shards(out).values() for line in decompress(shard).splitlines()]
     assert [r["metadata"]["url"] for r in records] == [url for url, _ in pages]
     assert records[0]["text"].startswith("Page 0") and "var x" not in records[0]["text"]
     assert "menu" not in records[0]["text"] and records[0]["metadata"]["date"]

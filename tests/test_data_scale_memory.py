@@ -6,7 +6,6 @@ The token shards hold every document, each ending with EOS, one shard per curate
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 import shutil
@@ -18,6 +17,7 @@ import pytest
 
 from compass.infra.store import Store
 from tests.conftest import REPO
+from tests.shards import SHARD_SUFFIX, compress
 from tests.test_data_scale_tokenizer import committed
 
 SHARD_CHARS = 2**25 + 1  # 32 MiB of text per shard
@@ -90,9 +90,8 @@ def test_tokenizing_three_times_the_text_does_not_raise_the_peak_memory(tmp_path
         text = " ".join(rng.choice(words) for _ in range(DOC_WORDS))
         documents.append(json.dumps({"text": text}))
         chars += len(text)
-    shard = tmp_path / "shard.jsonl.gz"
-    with gzip.open(shard, "wt", compresslevel=1) as f:
-        f.write("\n".join(documents) + "\n")
+    shard = tmp_path / f"shard{SHARD_SUFFIX}"
+    shard.write_bytes(compress(("\n".join(documents) + "\n").encode()))
     peaks = {}
     for shards in (SMALL, LARGE):
         folder = tmp_path / f"source-{shards}"
@@ -100,9 +99,8 @@ def test_tokenizing_three_times_the_text_does_not_raise_the_peak_memory(tmp_path
         (curated / "train").mkdir(parents=True)
         (curated / "heldout").mkdir()
         for i in range(shards):  # the same shard again: what is measured is the reading, not the generating
-            shutil.copy(shard, curated / "train" / f"{i:05d}.jsonl.gz")
-        with gzip.open(curated / "heldout" / "00000.jsonl.gz", "wt") as f:
-            f.write(documents[0] + "\n")
+            shutil.copy(shard, curated / "train" / f"{i:05d}{SHARD_SUFFIX}")
+        (curated / "heldout" / f"00000{SHARD_SUFFIX}").write_bytes(compress((documents[0] + "\n").encode()))
         (folder / "tokens").mkdir()
         try:
             peaks[shards] = _check(folder, tmp_path / "tokenizer", committed(Store(str(folder / "store")), curated).uri,

@@ -4,14 +4,13 @@ of a source once its groups are full, and a selection without a BPE candidate re
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import logging
 from pathlib import Path
 
 from compass.infra.store import Store
 from compass.tasks.kinds import select_tokenizer as selection
+from tests.shards import SHARD_SUFFIX, shard_records, write_shard
 
 
 def committed(store, folder: Path):
@@ -29,10 +28,9 @@ def _source(root: Path, shards: int, per_shard: int, language: str = "en") -> Pa
     for split in ("train", "heldout"):
         (root / split).mkdir(parents=True)
         for i in range(shards):
-            with gzip.open(root / split / f"{i:05d}.jsonl.gz", "wt") as f:
-                for j in range(per_shard):
-                    f.write(json.dumps({"text": f"shard {i} doc {j} " + "word " * 20,
-                                        "metadata": {"language": language}}) + "\n")
+            write_shard(root / split / f"{i:05d}{SHARD_SUFFIX}", [
+                {"text": f"shard {i} doc {j} " + "word " * 20, "metadata": {"language": language}}
+                for j in range(per_shard)])
     return root
 
 
@@ -50,10 +48,9 @@ def test_a_sample_is_drawn_across_the_shards_from_a_bounded_number_of_them(tmp_p
 def test_held_out_reading_stops_once_the_groups_of_a_source_are_full(tmp_path: Path):
     english = _source(tmp_path / "en", shards=4, per_shard=50)
     french = _source(tmp_path / "fr", shards=4, per_shard=50, language="fr")
-    with open(english / "heldout" / "00003.jsonl.gz", "ab") as f:
-        f.write(b"not gzip")  # after the shard's 50 documents: reached only if the reading went on
-    with gzip.open(english / "heldout" / "00000.jsonl.gz", "rt") as f:
-        per_doc = len(json.loads(f.readline())["text"])
+    with open(english / "heldout" / f"00003{SHARD_SUFFIX}", "ab") as f:
+        f.write(b"not zstd")  # after the shard's 50 documents: reached only if the reading went on
+    per_doc = len(shard_records(english / "heldout" / f"00000{SHARD_SUFFIX}")[0]["text"])
     store = Store(str(tmp_path / "store"))
     curated = {"en": committed(store, english), "fr": committed(store, french)}
     groups = selection._heldout_by_group(curated, budget=1000)
@@ -70,7 +67,7 @@ def test_a_selection_without_a_bpe_candidate_reads_no_training_text(tmp_path: Pa
 
     source = _source(tmp_path / "en", shards=2, per_shard=20)
     for shard in (source / "train").iterdir():
-        shard.write_bytes(b"not gzip")  # any read of the training split fails
+        shard.write_bytes(b"not zstd")  # any read of the training split fails
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(["shard doc word"] * 10, trainers.BpeTrainer(vocab_size=300,

@@ -4,8 +4,6 @@ neighbours were trained on; records of a JSONL file stay documents of their own.
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from compass.infra.store import Store
 from compass.specs import load_spec
 from compass.tasks.steps.context import Runtime
 from tests.conftest import FIXTURES, write_minimal_spec
+from tests.shards import SHARD_SUFFIX, shard_records
 
 pytestmark = pytest.mark.slow
 SECTIONED = ('        include: ["*.txt"]\n        format: text\n',  # Shakespeare's plays, each cut into sections
@@ -31,11 +30,10 @@ def sides_of_each_file(tmp_path: Path, **replacements: str) -> dict[str, set[str
     outcomes = run_in_process(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
                               Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
     sides: dict[str, set[str]] = defaultdict(set)
-    for shard in Path(outcomes["curate:notes"].uri).rglob("*.jsonl.gz"):
+    for shard in Path(outcomes["curate:notes"].uri).rglob("*" + SHARD_SUFFIX):
         split = shard.relative_to(outcomes["curate:notes"].uri).parts[0]
-        with gzip.open(shard, "rt") as f:
-            for line in f:
-                sides[json.loads(line)["metadata"]["path"]].add(split)
+        for record in shard_records(shard):
+            sides[record["metadata"]["path"]].add(split)
     return sides
 
 

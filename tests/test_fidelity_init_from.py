@@ -5,7 +5,6 @@ weights; mid-training reads reasoning traces; the lineage names the checkpoint (
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -17,6 +16,7 @@ import pytest
 
 from tests.conftest import FIXTURES, VENV_BIN, base_env, run_up_to
 from tests.hub_cache import COMMIT, seed_model, seed_smollm3_base, tiny_llama
+from tests.shards import SHARD_SUFFIX, shard_records
 
 REPO_ID = "acme/tiny-base"
 SFT = """    - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 16,
@@ -180,8 +180,7 @@ def test_fine_tuning_an_existing_base_runs_and_records_where_it_started(offline_
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (Path(base.uri) / "chosen").iterdir()}
 
     documents = Path(outcomes["ingest:traces"].uri) / "documents"
-    with gzip.open(next(documents.glob("*.jsonl.gz")), "rt") as f:
-        first = json.loads(f.readline())["text"]
+    first = shard_records(next(documents.glob("*" + SHARD_SUFFIX)))[0]["text"]
     assert first.startswith("<|im_start|>system\n/think<|im_end|>\n<|im_start|>user\nWhat is ")
     assert re.search(r"<think>\n(-?[\d.]+ [-+*/] -?[\d.]+ = -?[\d.]+\n)+</think>\n-?[\d.]+<\|im_end\|>", first), first
     mid = outcomes["mid_training:reasoning"].manifest.metrics

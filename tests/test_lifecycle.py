@@ -4,7 +4,6 @@ plan reasons, lineage, and the artifacts the UI shows."""
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import re
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, Cli, prefect_client, seeded, settled_task_runs, write_minimal_spec
+from tests.shards import SHARD_SUFFIX, shard_records
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,8 @@ def executed(summary: dict) -> set[str]:
 
 def read_ids(folder: Path) -> set[str]:
     ids = set()
-    for shard in folder.glob("*.jsonl.gz"):
-        with gzip.open(shard, "rt") as f:
-            ids |= {json.loads(line)["id"] for line in f}
+    for shard in folder.glob("*" + SHARD_SUFFIX):
+        ids |= {record["id"] for record in shard_records(shard)}
     return ids
 
 

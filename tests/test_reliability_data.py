@@ -14,6 +14,7 @@ from compass.infra.errors import DataError, MalformedData
 from compass.specs.how import How
 from compass.tasks.kinds.ingest import IngestConfig, run_ingest
 from compass.tasks.steps.context import Runtime, StepContext
+from tests.shards import SHARD_SUFFIX, shard_records
 
 
 def ingest(folder: Path, tmp_path: Path, fmt: str, include: list[str], max_document_chars: int = 2_000_000):
@@ -36,8 +37,8 @@ def test_binary_and_non_utf8_files_are_skipped_and_counted(tmp_path: Path):
     result = ingest(data, tmp_path, "text", ["*.txt"])
     assert result.metrics["documents"] == 1 and result.metrics["skipped_files"] == 2
     assert result.metrics["skipped"] == {"b.txt": "binary: NUL bytes", "c.txt": "not UTF-8: byte 0xe9 at offset 3"}
-    texts = [json.loads(line)["text"] for s in (tmp_path / "out" / "documents").glob("*.jsonl.gz")
-             for line in gzip.decompress(s.read_bytes()).decode().splitlines()]
+    texts = [record["text"] for s in (tmp_path / "out" / "documents").glob("*" + SHARD_SUFFIX)
+             for record in shard_records(s)]
     assert not any("\ufffd" in t for t in texts)
 
 
@@ -177,8 +178,7 @@ def test_records_with_nul_bytes_or_mostly_replacement_characters_are_dropped_by_
     assert result.metrics["dropped"] == {"nul_bytes": 1, "replacement_characters": 1, "too_long": 1}
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["dropped_documents"] == result.metrics["dropped"]
-    with gzip.open(tmp_path / "out" / "documents" / "00000.jsonl.gz", "rt") as f:
-        kept = [json.loads(line)["text"] for line in f]
+    kept = [record["text"] for record in shard_records(tmp_path / "out" / "documents" / f"00000{SHARD_SUFFIX}")]
     assert kept == [good, stray]
 
 

@@ -4,8 +4,6 @@ while an untouched folder keeps the cached artifact. The digest is compass's to 
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import os
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from compass.specs.loader import SpecError, load_spec
+from tests.shards import SHARD_SUFFIX, shard_records
 
 
 def _spec(folder: Path, source: Path, extra: str = "") -> Path:
@@ -76,9 +75,8 @@ def test_an_edited_source_is_ingested_again_with_its_new_text(tmp_path: Path):
         outcomes = run_in_process(plan, store, loaded.spec_hash, Runtime(how=loaded.spec.how,
                                                                          base_dir=loaded.base_dir),
                                   logging.getLogger("test"))
-        shards = sorted((Path(outcomes["ingest:notes"].uri) / "documents").glob("*.jsonl.gz"))
-        return " ".join(json.loads(line)["text"] for s in shards for line in gzip.decompress(s.read_bytes())
-                        .decode().splitlines())
+        shards = sorted((Path(outcomes["ingest:notes"].uri) / "documents").glob("*" + SHARD_SUFFIX))
+        return " ".join(record["text"] for s in shards for record in shard_records(s))
 
     assert "old text" in ingest()
     page.write_text("Warmup then decay: the new text of the only document.")

@@ -4,8 +4,6 @@ are no training text)."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 from pathlib import Path
 
@@ -13,6 +11,7 @@ from compass.infra.store import Store
 from compass.specs.how import How
 from compass.tasks.kinds.ingest import IngestConfig, run_ingest
 from compass.tasks.steps.context import Runtime, StepContext
+from tests.shards import SHARD_SUFFIX, shard_records
 
 
 def _ingest(source: Path, work: Path, store: Store | None = None):
@@ -24,8 +23,8 @@ def _ingest(source: Path, work: Path, store: Store | None = None):
     ctx = StepContext("ingest", "web", config, {}, out, work, work, Runtime(how=How(), base_dir=work),
                       logging.getLogger("test"), store=store)
     result = run_ingest(ctx)
-    texts = [json.loads(line)["text"] for shard in sorted((out / "documents").glob("*.jsonl.gz"))
-             for line in gzip.decompress(shard.read_bytes()).decode().splitlines()]
+    texts = [record["text"] for shard in sorted((out / "documents").glob("*" + SHARD_SUFFIX))
+             for record in shard_records(shard)]
     return result, texts
 
 

@@ -62,7 +62,7 @@ class DigestedFile:
         if self.closed:
             return
         if self._outer is not self._hashed:
-            self._outer.close()  # gzip's trailer; a compressor never closes the file it was given
+            self._outer.close()  # the stream's end (a zstd frame's); a compressor never closes the file it was given
         self._hashed.raw.close()
         self.closed = True
         self._on_close(self._hashed)

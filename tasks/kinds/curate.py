@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from compass.infra.layout import DOCUMENTS, HELDOUT, SPLITS, TRAIN, CuratedArtifact
+from compass.infra.layout import DOCUMENTS, HELDOUT, SHARD_SUFFIX, SPLITS, TRAIN, CuratedArtifact
 from compass.specs.base import Issue
 from compass.specs.data import Curation, DataSource, HeldoutUnit
 from compass.specs.spec import TrainingSpec
@@ -112,7 +112,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
             return [JsonlReader(folder), unmeasured.pop()]
         return [JsonlReader(folder)]
 
-    raw_shards = ingested.files(DOCUMENTS, ".jsonl.gz")
+    raw_shards = ingested.files(DOCUMENTS, SHARD_SUFFIX)
     raw_bytes = sum(e.size for e in raw_shards)  # every stage reads at most this much (filtered copies of it)
 
     def run(stage: str, pipeline: list, tasks: int) -> StageStats:
@@ -159,7 +159,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
 
     stages.append(run("split",
                        [*read(current), SplitTagger(cur.heldout_fraction, ctx.config.heldout_unit or "document"),
-                        ShardWriter(places.output("split"), output_filename="${split}/${rank}.jsonl.gz",
+                        ShardWriter(places.output("split"), output_filename="${split}/${rank}" + SHARD_SUFFIX,
                                     adapter=portable_record, written_records=places.records("split"))], n_shards))
     places.publish(ctx, ["split"], "split")
 
@@ -169,7 +169,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     kept = {k: after[TRAIN][k] + after[HELDOUT][k] for k in before}
     reasons = _removal_reasons(stages)
     tagged = rank_block_stats(logs, "split", n_shards, f"{SplitTagger.type}: {SplitTagger.name}")
-    per_shard = {f"{split}/{rank:05d}.jsonl.gz": int(r[f"{split}_documents"])
+    per_shard = {f"{split}/{rank:05d}{SHARD_SUFFIX}": int(r[f"{split}_documents"])
                  for split in SPLITS for rank, r in enumerate(tagged) if r.get(f"{split}_documents")}
     stats = {"before": before, "after": kept, "splits": after, "per_shard": per_shard, "removed_by": reasons,
              "stages": [s.model_dump() for s in stages],
@@ -233,7 +233,8 @@ def _counted(stages: list[StageStats], block: type, prefix: str = "") -> dict[st
     return {m: int(stats.get(f"{prefix}{m}", 0)) for m in ("documents", "words", "bytes")}
 
 
-KIND = StepKind("curate", CurateConfig, run_curate, build, version="4", resources=phase("data"),
+# 5: shards in zstd (level 3), not gzip -6
+KIND = StepKind("curate", CurateConfig, run_curate, build, version="5", resources=phase("data"),
                 check_spec=check_spec, fans_out=True, inputs=CurateInputs, after=("ingest",),
                 headline=("documents_in", "documents_out"))
 STEP_KINDS = (KIND,)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from compass.infra.layout import TRAIN
+from compass.infra.layout import SHARD_SUFFIX, TRAIN
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark
 from compass.specs.post_training import PostTrainStep
@@ -122,11 +122,11 @@ def run_decontaminate(ctx: StepContext[DecontaminateConfig]) -> StepResult:
     places = DataPlaces.of(ctx)
     reports: list[SourceReport] = []
     for source, curated in sorted(given.curated.items()):  # as curation's stages run
-        shards = curated.files(TRAIN, ".jsonl.gz")
+        shards = curated.files(TRAIN, SHARD_SUFFIX)
         report = SourceReport(source)
         if shards:
             folder = places.local / "fence-reports" / source
-            pipeline = [JsonlReader(curated.folder_url(TRAIN), glob_pattern="*.jsonl.gz", doc_progress=False),
+            pipeline = [JsonlReader(curated.folder_url(TRAIN), glob_pattern="*" + SHARD_SUFFIX, doc_progress=False),
                         FenceScan(ranks_read, str(folder), source)]
             run_stage(ctx.runtime, f"scan-{source}", places.stage_logs, pipeline, len(shards), ctx.log,
                       sum(e.size for e in shards))

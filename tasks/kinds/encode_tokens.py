@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compass.infra.layout import SPLITS, TRAIN, TokenizerArtifact
+from compass.infra.layout import SHARD_SUFFIX, SPLITS, TRAIN, TokenizerArtifact
 from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by, trained_sources
 from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
@@ -60,15 +60,15 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext,
     counts: dict[str, Any] = {}
     removed: dict[str, int] = {}
     for split in SPLITS:
-        tasks = len(curated.files(split, ".jsonl.gz"))
+        tasks = len(curated.files(split, SHARD_SUFFIX))
         ranks = []  # rank r wrote token shard r
         if tasks:
-            reader = JsonlReader(curated.folder_url(split), glob_pattern="*.jsonl.gz", doc_progress=False)
+            reader = JsonlReader(curated.folder_url(split), glob_pattern="*" + SHARD_SUFFIX, doc_progress=False)
             writer = TokenShards(str(tokenizer / "tokenizer.json"), shard_folder, split, eos, dtype.name,
                                  written_records=places.records(f"tokenize-{split}"))
             fence = [FenceFilter(fenced.folder_url(INDEX_FOLDER))] if fenced is not None and split == TRAIN else []
             run_stage(ctx.runtime, f"tokenize-{split}", places.stage_logs, [reader, *fence, writer], tasks, ctx.log,
-                      sum(e.size for e in curated.files(split, ".jsonl.gz")))
+                      sum(e.size for e in curated.files(split, SHARD_SUFFIX)))
             if fence:
                 dropped = rank_block_stats(places.stage_logs, f"tokenize-{split}", tasks,
                                            f"{FenceFilter.type}: {FenceFilter.name}")

@@ -1,4 +1,4 @@
-"""Ingest: turn a raw source (package, local folder, s3 prefix) into datatrove documents (jsonl.gz shards).
+"""Ingest: turn a raw source (package, local folder, s3 prefix) into datatrove documents (JSONL shards in zstd).
 
 A datatrove pipeline (tasks/data/source_reader.SourceReader -> a reproducible JSONL shard writer) run by the executor
 the step's placement names, like every data step: each task reads a contiguous group of the source's files, as
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from compass.infra.errors import DataError
-from compass.infra.layout import DOCUMENTS
+from compass.infra.layout import DOCUMENTS, SHARD_SUFFIX
 from compass.infra.packages import fetch_package
 from compass.infra.store import Store
 from compass.specs.base import Issue
@@ -182,7 +182,7 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
     places.publish(ctx, ["ingest"], DOCUMENTS, DOCUMENTS)
     block = f"{SourceReader.type}: {SourceReader.name}"
     ranks = rank_block_stats(places.stage_logs, "ingest", len(groups), block)
-    per_shard = {f"{rank:05d}.jsonl.gz": {"documents": int(r.get("documents", 0)),
+    per_shard = {f"{rank:05d}{SHARD_SUFFIX}": {"documents": int(r.get("documents", 0)),
                                           "characters": int(r.get("characters", 0))}
                  for rank, r in enumerate(ranks) if r.get("documents")}  # a rank with no documents writes no shard
     return _result(ctx, n_files, n_docs, n_chars, len(groups), per_shard, skipped, dropped, provenance)
@@ -228,7 +228,7 @@ def _write_generated(ctx: StepContext[IngestConfig], documents: Iterator[dict], 
             writer.write(document, rank=0)
     if counts["documents"] == 0:
         raise DataError(f"source {ctx.name}: no documents generated")
-    return _result(ctx, 0, counts["documents"], counts["characters"], 1, {"00000.jsonl.gz": counts}, {}, dropped,
+    return _result(ctx, 0, counts["documents"], counts["characters"], 1, {"00000" + SHARD_SUFFIX: counts}, {}, dropped,
                    provenance | {"files": 0})
 
 
@@ -309,7 +309,8 @@ def _select(fs, base: str, include: list[str], exclude: list[str], store: Store 
 # 2: binary and non-UTF-8 files are skipped (they were decoded with U+FFFD replacements)
 # 3: records with NUL bytes or mostly U+FFFD are dropped; files and lines are read with a byte cap
 # 4: a datatrove pipeline: one shard per task (groups of files by bytes), reproducible gzip
-KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="4", resources=phase("data"),
+# 5: shards in zstd (level 3), not gzip -6
+KIND = StepKind("ingest", IngestConfig, run_ingest, build, version="5", resources=phase("data"),
                 check_machine=check_machine, fans_out=True,
                 headline=("documents", "characters"))
 STEP_KINDS = (KIND,)

@@ -5,7 +5,6 @@ choose by the spec's rule."""
 from __future__ import annotations
 
 import bisect
-import gzip
 import json
 import re
 import shutil
@@ -16,10 +15,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
 
-from compass.infra.layout import HELDOUT, TOKENIZER_FILES, TRAIN, TokenizerArtifact
+from compass.infra.layout import HELDOUT, SHARD_SUFFIX, TOKENIZER_FILES, TRAIN, TokenizerArtifact
 from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
 from compass.specs.tokenizer import HubCandidate, Tokenizer
+from compass.tasks.data.curate_blocks import open_shard
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
@@ -221,7 +221,7 @@ def _read(curated: InputArtifact, split: str) -> Iterator[Doc]:
     """A source's documents drawn across its shards: round-robin over up to SAMPLED_SHARDS shards spread evenly
     over the shard list, so a sample of a few million characters sees the whole source, not its first shard, and
     opens a bounded number of files whatever the shard count. Shards are streamed from the store, never copied."""
-    shards = curated.files(split, ".jsonl.gz")
+    shards = curated.files(split, SHARD_SUFFIX)
     if len(shards) > SAMPLED_SHARDS:
         shards = [shards[i * len(shards) // SAMPLED_SHARDS] for i in range(SAMPLED_SHARDS)]
     with ExitStack() as opened:
@@ -236,7 +236,7 @@ def _read(curated: InputArtifact, split: str) -> Iterator[Doc]:
 
 
 def _documents(raw: BinaryIO) -> Iterator[Doc]:
-    with gzip.open(raw, "rt", encoding="utf-8") as f:
+    with open_shard(raw) as f:
         for line in f:
             d = json.loads(line)
             yield Doc(d["text"], _group_of(d.get("metadata", {})))
