@@ -62,7 +62,8 @@ def run_by_hand(docs: Path, out: Path, workers: int) -> None:
     from datatrove.pipeline.writers import JsonlWriter
 
     from compass.infra.layout import SHARD_SUFFIX
-    from compass.tasks.data.curate_blocks import SHARD_CODEC, LanguageIdFilter, SplitTagger, document_text
+    from compass.tasks.data.curate_blocks import LanguageIdFilter, SplitTagger, document_text
+    from compass.tasks.data.shard_codec import SHARD_CODEC
 
     n = len(list(docs.glob("*" + SHARD_SUFFIX)))
     codec = SHARD_CODEC  # compass's shards' zstd (level 3): fsspec's own "zstd" writes at level 10, costing more
@@ -147,7 +148,7 @@ def main() -> None:
     docs = ingest(Path(args.spec), args.source, Path(args.store))
     n_docs = n_bytes = 0
     from compass.infra.layout import SHARD_SUFFIX
-    from compass.tasks.data.curate_blocks import open_shard
+    from compass.tasks.data.shard_codec import open_shard
 
     for shard in docs.glob("*" + SHARD_SUFFIX):
         with open(shard, "rb") as raw, open_shard(raw) as f:

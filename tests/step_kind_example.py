@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from compass.infra.layout import SHARD_SUFFIX, TRAIN, CuratedArtifact
 from compass.specs.how import How, Shape
-from compass.tasks.data.curate_blocks import open_shard
+from compass.tasks.data.shard_codec import open_shard
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.wiring import Inputs, StepRef

@@ -109,8 +109,9 @@ def test_tokenizing_three_times_the_text_does_not_raise_the_peak_memory(tmp_path
             for big in ("store", "tokens", "work", "curated"):
                 shutil.rmtree(folder / big, ignore_errors=True)
     assert LARGE * chars >= 3 * 2**26  # 192 MiB of text went through the larger run
-    # 128 MiB more text, the same peak (a whole-source list would add 128 MiB; 20 MB covers sampling jitter)
-    assert peaks[LARGE] < peaks[SMALL] + 20e6, {k: f"{v / 1e9:.3f} GB" for k, v in peaks.items()}
+    # 128 MiB more text, the same peak (a whole-source list would add 128 MiB). 40 MB covers the jitter: +6 to +8 MB
+    # on an idle machine, +20.4 MB once in a loaded suite (each worker tokenizes 3 shards, not 1)
+    assert peaks[LARGE] < peaks[SMALL] + 40e6, {k: f"{v / 1e9:.3f} GB" for k, v in peaks.items()}
 
 
 def _check(folder: Path, tokenizer: Path, uri: str, shards: int, shard_documents: int) -> float:

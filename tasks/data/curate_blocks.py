@@ -7,10 +7,8 @@ Module-level and importable, because datatrove's local executor re-imports them 
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 from functools import cached_property
-from typing import IO, BinaryIO
 
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
@@ -24,10 +22,10 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.writers import JsonlWriter
-from fsspec.compression import register_compression
 
 from compass.infra.layout import HELDOUT, SHARD_SUFFIX, TRAIN
 from compass.specs.data import HeldoutUnit
+from compass.tasks.data.shard_codec import SHARD_CODEC
 
 WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -168,33 +166,6 @@ def portable_record(writer, document) -> dict:
     data = writer._default_adapter(document)
     data.get("metadata", {}).pop("file_path", None)
     return data
-
-
-SHARD_CODEC = "zstd-shards"
-ZSTD_LEVEL = 3  # zstd's default: gzip -6's ratio at ~6x its speed (fsspec's own "zstd" writes at level 10)
-
-
-def _zstd_shard(infile, mode: str = "rb", **kwargs):
-    """A document shard's zstd stream. Writing: level 3, one thread, no content size or timestamp in the frame, so a
-    shard recomputed by a relaunch, another executor or another machine is byte-identical (its digest in the
-    manifest too). Shards cost a small share of the data path this way (gzip -6 cost 2 of every 7 seconds of the
-    tokenizer's work per shard written: benchmarks/data_throughput.py)."""
-    import zstandard
-
-    if "r" in mode:  # as gzip.GzipFile(fileobj=...), closing the stream leaves the file to its opener
-        return zstandard.ZstdDecompressor().stream_reader(infile, read_across_frames=True, closefd=False)
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(infile, closefd=False)
-
-
-register_compression(SHARD_CODEC, _zstd_shard, [], force=True)  # here, wherever a shard is written
-
-
-def open_shard(raw: BinaryIO, mode: str = "rt") -> IO:
-    """A shard's JSONL lines from its compressed bytes (text, or bytes with mode "rb")."""
-    import zstandard
-
-    stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False)
-    return io.TextIOWrapper(stream, encoding="utf-8") if "t" in mode else stream
 
 
 class ShardWriter(JsonlWriter):

@@ -19,7 +19,7 @@ from compass.infra.layout import HELDOUT, SHARD_SUFFIX, TOKENIZER_FILES, TRAIN, 
 from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
 from compass.specs.tokenizer import HubCandidate, Tokenizer
-from compass.tasks.data.curate_blocks import open_shard
+from compass.tasks.data.shard_codec import open_shard
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
 from compass.tasks.steps.placement import phase
