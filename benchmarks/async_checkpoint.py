@@ -43,7 +43,7 @@ def run(job, mode: str) -> tuple[float, float, float]:
 
     every = job.checkpoints.every_steps
     saves = {"asynchronous": mode == "async"} | ({} if mode != "none" else {"every_steps": 10**9})
-    job = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update=saves)})
+    job = job.with_how(checkpoints=job.checkpoints.model_copy(update=saves))
     train_stage(job, callbacks=[Clock()])
     durations = {i + 1: stamps[i] - stamps[i - 1] for i in range(1, len(stamps))}
     measured = {step: d for step, d in durations.items() if step > every and step != len(stamps)}  # not the export

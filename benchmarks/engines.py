@@ -46,8 +46,8 @@ def train(name: str, ctx: dict) -> tuple[float, float]:
                       architecture=demo.model_dump(), parallelism=parallelism, checkpoints={"every_steps": 10**9})
     job = job.model_copy(update={"workdir": work})
     if ctx["accelerator"] != "cpu":  # NCCL, one rank per GPU, bf16
-        job = job.model_copy(update={"hardware": job.hardware.model_copy(update={"accelerator": ctx["accelerator"]}),
-                                     "precision": "bf16"})
+        job = job.with_how(hardware=job.hardware.model_copy(update={"accelerator": ctx["accelerator"]}),
+                           precision="bf16")
     job.write(work / "job.json")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ctx["ranks"]),
                            "--master-port", str(free_port()), "-m", "compass.model.training.trainer",

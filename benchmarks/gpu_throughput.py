@@ -61,7 +61,7 @@ def word_level_tokenizer(folder: Path) -> None:
 
 def job(work: Path, steps: int, micro: int, attention: str = "auto"):
     from compass.model.training.job import SpecialIds, StageRecipe, TrainJob
-    from compass.specs.how import Checkpoints, Hardware, Parallelism
+    from compass.specs.how import Checkpoints, Hardware, How, Parallelism
     from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
 
     stage = PretrainStage(name="bench", tokens=steps * micro * SEQ, sequence_length=SEQ, global_batch_size=micro,
@@ -72,10 +72,10 @@ def job(work: Path, steps: int, micro: int, attention: str = "auto"):
     word_level_tokenizer(work / "tokenizer")
     return TrainJob(recipe=recipe, workdir=work / "run", tokenizer_dir=work / "tokenizer", vocab_size=VOCAB,
                     special_ids=SpecialIds(eos=0, pad=0), sources={"web": synthetic_source(work / "web")},
-                    micro_batch_size=micro, parallelism=Parallelism(deepspeed=False, micro_batch_size=micro),
-                    precision="bf16", hardware=Hardware(accelerator="h100"),
-                    checkpoints=Checkpoints(every_steps=10**9, keep_last=1), attention=attention, compile=True,
-                    loss="auto")
+                    how=How(parallelism=Parallelism(deepspeed=False, micro_batch_size=micro), precision="bf16",
+                            hardware=Hardware(accelerator="h100"),
+                            checkpoints=Checkpoints(every_steps=10**9, keep_last=1), attention=attention,
+                            compile=True, loss="auto"))
 
 
 DEVICE_PEAK = "device peak"  # the child that measures the device's dense bf16 matmul rate

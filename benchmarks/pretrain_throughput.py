@@ -85,7 +85,7 @@ def run_compass(job, warmup: int, compile_: bool) -> float:
         def post_step(self, trainer, record):
             stamps.append(time.perf_counter())
 
-    train_stage(job.model_copy(update={"compile": compile_}), callbacks=[Clock()])
+    train_stage(job.with_how(compile=compile_), callbacks=[Clock()])
     timed = len(stamps) - 1 - warmup  # from the end of step `warmup` to the end of the last step but one
     return timed * tokens_per_step(job) / (stamps[-2] - stamps[warmup - 1])
 

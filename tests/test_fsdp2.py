@@ -153,7 +153,7 @@ def test_fsdp2_composes_with_compile_and_activation_checkpointing(stage1_job, tm
         job = stage1_job(tmp_path / name, **{**FSDP2, **change})
         recipe = job.recipe
         short = recipe.model_copy(update={"stages": [recipe.stages[0].model_copy(update={"tokens": 6 * 4 * 64})]})
-        job = job.model_copy(update={"recipe": short, "compile": name == "composed"})
+        job = job.model_copy(update={"recipe": short}).with_how(compile=name == "composed")
         assert launch_ranks(job, tmp_path / name, ranks=2).wait(900) == 0, name
     assert losses(tmp_path / "composed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
     compiled = json.loads((tmp_path / "composed" / "result.json").read_text())["compiled"]

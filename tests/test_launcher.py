@@ -70,7 +70,7 @@ def test_two_nodes_on_this_machine_train_one_stage_together(stage1_job, tmp_path
     job = stage1_job(tmp_path, deepspeed=True, zero_stage=1, data_parallel=2, micro_batch_size=2)
     hardware = job.hardware.model_copy(update={"nodes": 2, "hosts": ["127.0.0.1", "localhost"],
                                                "launcher": "torchrun", "rendezvous_port": free_port()})
-    result = run_training(job.model_copy(update={"hardware": hardware}), logging.getLogger("test"))
+    result = run_training(job.with_how(hardware=hardware), logging.getLogger("test"))
     assert result.rank_check == "2 ranks (2 data-parallel x 1 tensor-parallel): identical replicas, distinct data"
     assert {p.name for p in tmp_path.glob("launcher-*.log")} == {"launcher-0.log", "launcher-1.log"}
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -54,8 +54,8 @@ def test_diverging_run_rolls_back_then_stops_with_cause_and_remedy(stage1_job, t
     job = job.model_copy(update={
         "recipe": recipe.model_copy(update={  # an absurd LR: the loss blows up
             "optimizer": recipe.optimizer.model_copy(update={"lr": 5e4, "grad_clip": 0.0}),
-            "monitors": recipe.monitors.model_copy(update={"max_rollbacks": 2})}),
-        "checkpoints": job.checkpoints.model_copy(update={"every_steps": 1})})
+            "monitors": recipe.monitors.model_copy(update={"max_rollbacks": 2})})
+    }).with_how(checkpoints=job.checkpoints.model_copy(update={"every_steps": 1}))
     with pytest.raises(TrainingStopped) as info:
         train_stage(job)
     message = str(info.value)

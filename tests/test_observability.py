@@ -182,8 +182,8 @@ def test_prometheus_reads_every_rank_while_a_stage_trains(stage1_job, tmp_path: 
     job = stage1_job(tmp_path / "work", data_parallel=2)
     stages = [s.model_copy(update={"tokens": 512_000}) if s.name == "stage1" else s for s in job.recipe.stages]
     job = job.model_copy(update={"recipe": job.recipe.model_copy(update={"stages": stages}),
-                                 "checkpoints": Checkpoints(every_steps=100_000, keep_last=1),
                                  "telemetry": Telemetry(run="minimal", step="pretrain:stage1", folder=folder)})
+    job = job.with_how(checkpoints=Checkpoints(every_steps=100_000, keep_last=1))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = prometheus.start(folder, port, scrape_interval_s=1)

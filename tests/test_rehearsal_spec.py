@@ -85,14 +85,14 @@ def test_a_gpu_specs_cpu_rank_replaces_only_cuda_only_kernels_and_says_so(stage1
     from compass.model.training.trainer import cpu_rank_kernels
 
     job = stage1_job(tmp_path)
-    gpu = job.model_copy(update={"hardware": job.hardware.model_copy(update={"accelerator": "h100"}),
-                                 "loss": "liger", "attention": "flash"})
+    gpu = job.with_how(hardware=job.hardware.model_copy(update={"accelerator": "h100"}), loss="liger",
+                       attention="flash")
     on_cpu, said = cpu_rank_kernels(gpu, cuda=False)
     assert (on_cpu.loss, on_cpu.attention) == ("chunked", "sdpa")
     assert said == ["attention flash -> sdpa (flash attention needs a CUDA GPU)",
                     "loss liger -> chunked (Liger's fused kernel needs CUDA)"]
     assert cpu_rank_kernels(gpu, cuda=True) == (gpu, [])  # a GPU rank keeps them (and fails without the extras)
-    kept = gpu.model_copy(update={"loss": "auto", "attention": "sdpa"})
+    kept = gpu.with_how(loss="auto", attention="sdpa")
     assert cpu_rank_kernels(kept, cuda=False) == (kept, [])  # nothing CUDA-only: nothing said
 
 

@@ -120,8 +120,8 @@ def test_a_deepspeed_stage_trains_and_resumes_in_a_process_no_launcher_started(s
         job = stage1_job(folder, deepspeed=True, zero_stage=0)
         stage = job.recipe.stages[0].model_copy(update={"tokens": 12 * 4 * 64})  # 12 steps
         recipe = job.recipe.model_copy(update={"stages": [stage, *job.recipe.stages[1:]]})
-        job.model_copy(update={"precision": "bf16", "recipe": recipe,
-                               "checkpoints": Checkpoints(every_steps=4, keep_last=2)}).write(folder / "job.json")
+        job.model_copy(update={"recipe": recipe}).with_how(
+            precision="bf16", checkpoints=Checkpoints(every_steps=4, keep_last=2)).write(folder / "job.json")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                             "LOCAL_RANK") and not k.startswith(("SLURM_", "OMPI_"))}
     first = subprocess.run([sys.executable, "-c", TRAIN_IN_ONE_PROCESS, str(straight / "job.json")], cwd=REPO,

@@ -322,8 +322,8 @@ def short(job, steps: int = 4, **changes):
     recipe = job.recipe
     stage = recipe.stages[0].model_copy(update={"tokens": steps * 4 * 64})
     parallelism = job.parallelism.model_copy(update=changes.pop("parallelism", {}))
-    return job.model_copy(update={"recipe": recipe.model_copy(update={"stages": [stage, *recipe.stages[1:]]}),
-                                  "parallelism": parallelism, **changes})
+    job = job.model_copy(update={"recipe": recipe.model_copy(update={"stages": [stage, *recipe.stages[1:]]})})
+    return job.with_how(parallelism=parallelism, **changes)
 
 
 def losses(workdir: Path) -> list[float]:

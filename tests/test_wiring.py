@@ -199,3 +199,33 @@ def test_executors_read_their_inputs_through_their_kinds_inputs_class():
                     and node.value.id == "ctx":
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not found, f"ctx.inputs read by role in: {found}"
+
+
+def test_every_rank_job_carries_how_whole_and_a_job_refuses_a_copy_that_would_change_nothing(tmp_path: Path):
+    """The trainer's, TRL's and lighteval's job records carry the spec's `how` one way (the whole of it, as the job
+    runs it); a TrainJob's `how` sections read through it, change with with_how, and model_copy refuses a key that
+    is not a job field (a `how` section set beside its property would change nothing)."""
+    from compass.model.training.job import SpecialIds, StageRecipe, TrainJob
+    from compass.specs.how import Checkpoints, Hardware, How
+    from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+    from compass.tasks.evaluation.lighteval_ranks import LightevalJob
+    from compass.tasks.post_training.trl_job import TrlJob
+
+    for job_type in (TrainJob, TrlJob, LightevalJob):
+        assert job_type.model_fields["how"].annotation is How, job_type
+        assert not {"hardware", "precision", "parallelism", "checkpoints"} & set(job_type.model_fields), job_type
+    stage = PretrainStage(name="s", tokens=64, sequence_length=8, global_batch_size=2, mixture={"web": 1.0})
+    recipe = StageRecipe(architecture=load_spec(TINY).spec.what.architecture, optimizer=Optimizer(),
+                         schedule=Schedule(kind="constant"), stages=[stage], stage="s", seed=0,
+                         intra_document_masking=True, monitors=Monitors())
+    job = TrainJob(recipe=recipe, workdir=tmp_path, tokenizer_dir=tmp_path, vocab_size=16,
+                   special_ids=SpecialIds(eos=0, pad=0), sources={"web": tmp_path}, how=How(precision="bf16"))
+    assert (job.precision, job.hardware.accelerator, job.micro_batch_size) == ("bf16", "cpu", 1)
+    on_gpu = job.with_how(hardware=Hardware(accelerator="h100"), checkpoints=Checkpoints(every_steps=3))
+    assert (on_gpu.hardware.accelerator, on_gpu.checkpoints.every_steps, on_gpu.precision) == ("h100", 3, "bf16")
+    assert TrainJob.model_validate_json(on_gpu.model_dump_json()) == on_gpu  # what every rank reads back
+    with pytest.raises(TypeError, match=r"with_how\(hardware=\.\.\.\)"):
+        job.model_copy(update={"hardware": Hardware(accelerator="h100")})
+    with pytest.raises(TypeError, match="not fields of how"):
+        job.with_how(hang_timeout_s=5)
+    assert job.model_copy(update={"tokens_before": 7}).tokens_before == 7

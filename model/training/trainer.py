@@ -116,7 +116,7 @@ def cpu_rank_kernels(job: TrainJob, cuda: bool) -> tuple[TrainJob, list[str]]:
     if job.loss == "liger":
         update["loss"] = "chunked"
         said.append("loss liger -> chunked (Liger's fused kernel needs CUDA)")
-    return job.model_copy(update=update), said
+    return job.with_how(**update), said
 
 
 LARGE_MODEL = 1_000_000_000  # parameters from which checkpoints export to Hugging Face every 10th time only

@@ -50,6 +50,8 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     else:
         sources, staging = {name: art.local() for name, art in given.tokens.items()}, None
     hardware, parallelism = how.hardware, how.parallelism
+    if micro_batch_size:  # the stage's own (long context)
+        parallelism = parallelism.model_copy(update={"micro_batch_size": micro_batch_size})
     shape = ctx.runtime.placement.shape
     if shape is not None:  # the phase's nodes and devices; data parallel over what tensor parallelism leaves
         hardware = hardware.model_copy(update={"nodes": shape.nodes, "devices_per_node": shape.devices_per_node,
@@ -61,11 +63,9 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
         vocab_size=recipe.architecture.vocab_size or ids.vocab_size,
         special_ids=SpecialIds(eos=ids.eos, pad=ids.pad), sources=sources, staging=staging,
         init_from=state, init_weights=weights, whole_from=whole_from,
-        tokens_before=tokens_before, micro_batch_size=micro_batch_size or how.parallelism.micro_batch_size,
-        parallelism=parallelism, precision=how.precision, hardware=hardware, checkpoints=how.checkpoints,
+        tokens_before=tokens_before, how=how.model_copy(update={"hardware": hardware, "parallelism": parallelism}),
         keep_exports_until_evaluated=exports_evaluated and how.evaluation.every_checkpoint,
-        attention=how.attention, compile=how.compile, loss=how.loss, telemetry=telemetry_of(ctx),
-        hang_timeout_s=how.monitoring.hang_timeout_s)
+        telemetry=telemetry_of(ctx))
 
 
 def telemetry_of(ctx: StepContext) -> Telemetry:

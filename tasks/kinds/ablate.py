@@ -111,8 +111,8 @@ def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
     job = build_job(ctx, recipe, exports_evaluated=False)  # its probes read the work folder's checkpoints
     if cfg.probes:  # a checkpoint at each probe point (and the end), every one of them kept to be evaluated
         steps = schedule_shape(recipe.schedule, recipe.stages).stages[0].steps
-        job = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={
-            "every_steps": max(1, math.ceil(steps / (cfg.probes + 1))), "keep_last": cfg.probes + 2})})
+        job = job.with_how(checkpoints=job.checkpoints.model_copy(update={
+            "every_steps": max(1, math.ceil(steps / (cfg.probes + 1))), "keep_last": cfg.probes + 2}))
     result = run_training(job, ctx.log, ctx.runtime.placement, ctx.runtime.how.orchestration.cluster)
     val = result.val_loss
     metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,

@@ -28,8 +28,7 @@ def on_gpus(job):
     """The job on 2 GPUs of this node."""
     if gpus() < 2:
         pytest.skip("tensor parallelism over NCCL needs 2 GPUs on this node")
-    return job.model_copy(update={"hardware": job.hardware.model_copy(update={"accelerator": "h100",
-                                                                               "devices_per_node": 2})})
+    return job.with_how(hardware=job.hardware.model_copy(update={"accelerator": "h100", "devices_per_node": 2}))
 
 
 def test_preflight_measures_every_gpu_of_this_node_on_nccl(tmp_path: Path):

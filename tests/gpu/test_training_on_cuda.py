@@ -25,9 +25,9 @@ def on_gpu(job, steps: int = 6):
         raise RuntimeError("make test-gpu needs a CUDA device: run it on a GPU node")
     recipe = job.recipe
     stage = recipe.stages[0].model_copy(update={"tokens": steps * 4 * 64})
-    return job.model_copy(update={"recipe": recipe.model_copy(update={"stages": [stage, *recipe.stages[1:]]}),
-                                  "hardware": job.hardware.model_copy(update={"accelerator": "h100"}),
-                                  "precision": "bf16", "checkpoints": Checkpoints(every_steps=3, keep_last=5)})
+    job = job.model_copy(update={"recipe": recipe.model_copy(update={"stages": [stage, *recipe.stages[1:]]})})
+    return job.with_how(hardware=job.hardware.model_copy(update={"accelerator": "h100"}), precision="bf16",
+                        checkpoints=Checkpoints(every_steps=3, keep_last=5))
 
 
 def test_a_bf16_stage_trains_checkpoints_and_resumes_on_this_gpu(stage1_job, tmp_path: Path):
@@ -96,7 +96,8 @@ def test_the_trainer_runs_flash_varlen_attention_at_micro_batch_3(stage1_job, tm
         job = on_gpu(stage1_job(workdir, deepspeed=False, micro_batch_size=3), steps=4)
         stage = job.recipe.stages[0].model_copy(update={"global_batch_size": 6, "tokens": 4 * 6 * 64})
         recipe = job.recipe.model_copy(update={"stages": [stage, *job.recipe.stages[1:]]})
-        return job.model_copy(update={"recipe": recipe, "attention": attention, "micro_batch_size": 3})
+        return job.model_copy(update={"recipe": recipe}).with_how(
+            attention=attention, parallelism=job.parallelism.model_copy(update={"micro_batch_size": 3}))
 
     flash = train_stage(at_micro_batch_3(tmp_path / "flash", "flash"))
     assert "flash" in flash.setup.attention and flash.steps == 4
