@@ -91,9 +91,14 @@ def load_spec(path: str | Path) -> LoadedSpec:
 
 
 def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
-    """Parse, validate structurally, then run the cross-field checks; raise SpecError with all problems."""
-    from compass.specs.checks import check_spec
+    """Parse, resolve what the spec names outside itself, then run the cross-field checks; raise SpecError with
+    all problems."""
+    return check_loaded(resolve_facts(parse_spec_text(text, filename, base_dir)))
 
+
+def parse_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
+    """The YAML parsed and validated against the schema, and nothing else: no file, hub, network or machine is
+    read (tests/test_wiring_check_once.py), so a spec's shape can be judged anywhere."""
     base = base_dir or Path.cwd()
     data = _parse_yaml(text, filename)
     lines = _LineIndex(data)
@@ -102,16 +107,28 @@ def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = 
         spec = TrainingSpec.model_validate(plain)
     except ValidationError as exc:
         raise SpecError(_problems_from_validation(exc, plain, lines, filename)) from None
-    loaded = LoadedSpec(spec=spec, path=filename, base_dir=base, text=text, lines=lines, data=plain)
-    spec, issues = resolve_starting_model(spec, base)
+    return LoadedSpec(spec=spec, path=filename, base_dir=base, text=text, lines=lines, data=plain)
+
+
+def resolve_facts(loaded: LoadedSpec) -> LoadedSpec:
+    """The loader's only reads of the world, each a fact that enters step identity: the starting checkpoint's and
+    the named models' configs and stamps (what.model, what.models), and the listing of each local source folder.
+    Machine checks (hardware, the cluster, the shared root) are made once per run, apart (flows/validation.py)."""
+    spec, issues = resolve_starting_model(loaded.spec, loaded.base_dir)
     if not issues:
-        spec, issues = resolve_named_models(spec, base)
+        spec, issues = resolve_named_models(spec, loaded.base_dir)
     if not issues:
-        spec, issues = resolve_local_sources(spec, base)
+        spec, issues = resolve_local_sources(spec, loaded.base_dir)
     if issues:
         raise SpecError(loaded.problems(issues))
-    loaded = replace(loaded, spec=spec)
-    issues = check_spec(spec)
+    return replace(loaded, spec=spec)
+
+
+def check_loaded(loaded: LoadedSpec) -> LoadedSpec:
+    """The cross-field rules (specs/checks.py and each section's own), on the resolved spec; pure."""
+    from compass.specs.checks import check_spec
+
+    issues = check_spec(loaded.spec)
     if issues:
         raise SpecError(loaded.problems(issues))
     return loaded
