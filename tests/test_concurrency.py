@@ -12,7 +12,7 @@ from tests.conftest import Cli, prefect_client, remove_gpu_limit, seeded, write_
 
 pytestmark = pytest.mark.slow
 TWO_GPU_STEPS = """  ablations:
-    baseline: {tokens: 6000, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
+    baseline: {tokens: 2048, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
     variants:
       - {name: untied, change: {architecture.tied_embeddings: false}}
   pretraining:"""

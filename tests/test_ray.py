@@ -14,7 +14,7 @@ from tests.shards import SHARD_SUFFIX, decompress
 pytestmark = pytest.mark.slow
 
 ABLATIONS = """  ablations:
-    baseline: {tokens: 6000, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
+    baseline: {tokens: 2048, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7, code: 0.3}}
     variants:
       - {name: untied, change: {architecture.tied_embeddings: false}}
     seeds: [0]
