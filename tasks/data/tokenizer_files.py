@@ -3,6 +3,7 @@ ids training needs (end of document, padding, embedding size)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,3 +29,31 @@ def tokenizer_ids(folder: Path) -> TokenizerIds:
                          "tokenizer_config.json")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return TokenizerIds(tok.eos_token_id, pad, max(tok.get_vocab().values()) + 1)
+
+
+def eos_id(folder: Path) -> int:
+    """The end-of-document id, resolved as transformers resolves it (special_tokens_map.json's eos_token, else
+    tokenizer_config.json's: tests/test_tokenizer_files.py compares them) but read with tokenizers alone: the
+    tokenize step then needs no model library, whose import cost a cold process 4-5 s. A token the vocabulary
+    lacks (transformers would add it) is left to tokenizer_ids."""
+    from tokenizers import Tokenizer
+
+    token = (_json(folder / "special_tokens_map.json").get("eos_token")
+             or _json(folder / "tokenizer_config.json").get("eos_token"))
+    if isinstance(token, dict):
+        token = token.get("content")
+    found = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(token) if isinstance(token, str) else None
+    if found is not None:
+        return found
+    from compass.tasks.steps.kind import IMPORTING
+
+    with IMPORTING:  # transformers' lazy names, imported by one thread at a time
+        return tokenizer_ids(folder).eos
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -18,9 +18,9 @@ from compass.infra.layout import SHARD_SUFFIX, SPLITS, TRAIN, TokenizerArtifact
 from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by, trained_sources
 from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
-from compass.tasks.data.tokenizer_files import tokenizer_ids
+from compass.tasks.data.tokenizer_files import eos_id
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, EmptyConfig, PlanBuilder, StepKind
+from compass.tasks.steps.kind import EmptyConfig, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
 from compass.tasks.steps.wiring import Inputs, R
 
@@ -53,7 +53,7 @@ def tokenize_curated(tokenizer: Path, curated: InputArtifact, ctx: StepContext,
     from compass.tasks.data.token_shards import TokenShards
 
     vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size()
-    eos = tokenizer_ids(tokenizer).eos
+    eos = eos_id(tokenizer)
     dtype = token_dtype(vocab)
     places = DataPlaces.of(ctx)
     shard_folder = places.output("tokens")
@@ -99,7 +99,7 @@ def run_tokenize(ctx: StepContext[EmptyConfig]) -> StepResult:
 
 
 KIND = StepKind("tokenize", EmptyConfig, run_tokenize, None, version="3", resources=phase("data"),
-                imports=TRANSFORMERS, fans_out=True, inputs=TokenizeInputs, provide=provide,
+                fans_out=True, inputs=TokenizeInputs, provide=provide,  # no transformers: tokenizers alone
                 after=("curate", "tokenizer", "base_model"),
                 headline=("train_tokens", "heldout_tokens"))
 STEP_KINDS = (KIND,)

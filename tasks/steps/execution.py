@@ -12,7 +12,6 @@ import logging
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,15 +84,11 @@ def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
                        "stores) to a larger disk; the step resumes from its last checkpoint") from None
 
 
-_RESOLVING = threading.Lock()
-
-
 def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[Manifest, StepResult]:
     """Compute the step into a staging folder and commit it; returns the committed manifest and what the step
     reported. Torch is imported only here, when a step runs in this process."""
     kind = registry.kind(run.kind)
-    with _RESOLVING:  # one thread at a time (StepKind.import_names), and only for steps that compute here
-        kind.import_names()
+    kind.import_names()  # one thread at a time, and only for steps that compute here
     store = run.store
     started = time.time()
     log.info("%s running; commits to %s", run.step_id, run.uri)

@@ -8,6 +8,7 @@ Adding a kind means writing one module that defines such a record and listing it
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -99,6 +100,9 @@ class NodeFile:
 NodeFiles = Callable[[TrainingSpec], Iterable[NodeFile]]
 
 
+# Held while a thread imports a heavy library whose names resolve lazily (transformers): StepKind.import_names, and
+# any step that imports one on a rare path (tasks/data/tokenizer_files.eos_id).
+IMPORTING = threading.RLock()
 TRANSFORMERS = tuple(f"transformers:{name}" for name in (
     "PreTrainedTokenizerFast", "AutoTokenizer", "AutoModelForCausalLM", "AutoConfig", "PreTrainedModel",
     "PretrainedConfig", "AttentionInterface", "SmolLM3Config", "Qwen3Config", "Qwen3MoeConfig"))
@@ -166,13 +170,15 @@ class StepKind:
         return {p: v for p, v in self.how_read(config, how).items() if identity_of(p) == "results"}
 
     def import_names(self) -> None:
-        """Resolve `imports` now. transformers 5 resolves its top-level names lazily and not thread-safely: two
-        steps asking for one at once in their threads can get "cannot import name" (seen on the tokenize steps)."""
-        for entry in self.imports:
-            module, _, name = entry.partition(":")
-            loaded = importlib.import_module(module)
-            if name:
-                getattr(loaded, name)
+        """Resolve `imports` now, one thread at a time (IMPORTING). transformers 5 resolves its top-level names
+        lazily and not thread-safely: two steps asking for one at once in their threads can get "cannot import
+        name" (seen on the tokenize steps)."""
+        with IMPORTING:
+            for entry in self.imports:
+                module, _, name = entry.partition(":")
+                loaded = importlib.import_module(module)
+                if name:
+                    getattr(loaded, name)
 
     def step_tags(self, config: StepConfig, how: How) -> tuple[str, ...]:
         """`gpu` when the step holds devices (Prefect's concurrency limit counts those), else none: each tag costs
