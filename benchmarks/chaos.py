@@ -131,6 +131,14 @@ class Interruption:
     redone_s: float | None  # training steps: work computed again after the resume
     interval_s: float | None  # the step's checkpoint interval, in seconds of its training loop
     duplicates: int = 0  # --cluster: the step's Slurm jobs beyond the one expected (two after a scancel)
+    redone_steps: int | None = None  # training steps computed again after the resume (judged against the bound)
+
+    @property
+    def redone_intervals(self) -> float | None:
+        """Redone work in checkpoint intervals: counted in steps where recorded (journals before it: in seconds)."""
+        if self.redone_steps is not None:
+            return self.redone_steps / CHECKPOINT_EVERY
+        return self.redone_s / self.interval_s if self.redone_s is not None and self.interval_s else None
 
 
 @dataclass(frozen=True)
@@ -559,24 +567,28 @@ def interrupted(reference: Path, spec: Path, phase: str, kind: str, at: float, d
     ours, theirs = manifests(store)[step], manifests(reference)[step]
     differing = compared(theirs, ours)
     split = (ours.get("metrics") or {}).get("goodput")
-    redone = interval = None
+    redone = interval = redone_steps = None
     if split and split.get("attempts", 1) > 1:
         steps = (ours.get("metrics") or {}).get("steps") or 1
         # redone work is the training loop's wall time since the step resumed from (goodput.split): its compute,
-        # data waits and checkpoint stalls; the interval is measured in the same seconds
+        # data waits and checkpoint stalls; the interval is measured in the same seconds. It is judged in steps (the
+        # steps computed again, against CHECKPOINT_EVERY): seconds hold the resumed loop's warm-up, which at this
+        # size is several intervals of 0.1 s (index 84 of the seed-201 run)
         loop = split["compute_s"] + split["data_wait_s"] + split["checkpoint_s"]
         redone, interval = split["redone_s"], loop / steps * CHECKPOINT_EVERY
-        if redone > REDONE_BOUND * interval:
+        redone_steps = split.get("redone_steps")
+        if redone_steps is not None and redone_steps > REDONE_BOUND * CHECKPOINT_EVERY:
             keep_evidence(scratch, stderrs.text, cluster, job_name)
-            return Interruption(phase, kind, at, f"redone {redone / interval:.2f} checkpoint intervals, past the bound "
-                                f"of {REDONE_BOUND:.2f}", commands, differing, redone, interval)
+            return Interruption(phase, kind, at, f"redone {redone_steps / CHECKPOINT_EVERY:.2f} checkpoint intervals "
+                                f"({redone_steps} steps), past the bound of {REDONE_BOUND:.2f}", commands, differing,
+                                redone, interval, redone_steps=redone_steps)
     duplicates = 0
     if cluster is not None:  # the interrupted job, resubmitted only when it was cancelled
         duplicates = max(0, len(cluster.jobs_named(job_name) - before) - (2 if kind == "scancel" else 1))
     outcome = "artifacts differ" if differing else f"{duplicates} duplicate job(s)" if duplicates else "ok"
     if outcome != "ok":
         keep_evidence(scratch, stderrs.text, cluster, job_name)
-    return Interruption(phase, kind, at, outcome, commands, differing, redone, interval, duplicates)
+    return Interruption(phase, kind, at, outcome, commands, differing, redone, interval, duplicates, redone_steps)
 
 
 EVIDENCE = Path(tempfile.gettempdir()) / "compass-chaos-evidence"
@@ -665,6 +677,8 @@ def main() -> None:
                 journal.add(i, got)
             redone = f", redone {got.redone_s:.1f} s of a {got.interval_s:.1f} s interval" if got.redone_s is not None \
                 else ""
+            if got.redone_steps is not None:
+                redone += f" ({got.redone_steps} step(s); {CHECKPOINT_EVERY} between checkpoints)"
             print(f"{i + 1:3d} {phase:<11} {kind:<26} at {got.at:.0%}: {got.outcome}; {got.commands} command(s)"
                   f"{redone}" + (f"; differ: {', '.join(got.differing[:5])}" if got.differing else ""), flush=True)
     report(results, on_slurm=cluster is not None)
@@ -696,7 +710,7 @@ def report(results: list[Interruption], on_slurm: bool = False) -> None:
     counted = [r for r in results if not r.outcome.startswith("the step")]
     failed = [r for r in counted if r.outcome != "ok"]
     extra = [r for r in counted if r.commands > (2 if r.kind.endswith("twice") else 1)]
-    redone = [r.redone_s / r.interval_s for r in counted if r.redone_s is not None and r.interval_s]
+    redone = [r.redone_intervals for r in counted if r.redone_intervals is not None]
     print(f"\n{len(counted)} interruptions ({len(results) - len(counted)} missed: the step ended first) over "
           f"{len({r.phase for r in counted})} phases; {len(failed)} failed or differ from the uninterrupted run; "
           f"{len(extra)} needed more than one command per interruption"

@@ -26,6 +26,7 @@ def test_a_restart_redone_work_and_a_slow_checkpoint_land_in_their_buckets():
     assert got.startup_s == pytest.approx(2.0 + 3.0)
     assert got.restart_s == pytest.approx(26.0 - 20.0)
     assert got.redone_s == pytest.approx(20.0 - 10.0)  # steps 21-27 (the slow checkpoint's stall among them)
+    assert got.redone_steps == 27 - 20
     assert got.checkpoint_s == pytest.approx(0.2 + 0.3)  # the slow stall went with the redone steps
     assert got.compute_s == pytest.approx(7.0 + 9.0) and got.data_wait_s == pytest.approx(0.4 + 0.5)
     assert got.evaluation_s == pytest.approx(1.5)
@@ -127,7 +128,7 @@ def test_a_trl_step_s_slow_checkpoint_and_restart_land_in_their_buckets(tmp_path
     assert got is not None and got.attempts == 2 and got.total_s == pytest.approx(130.5 - 90.0)
     assert got.startup_s == pytest.approx(10.0 + 4.0)
     assert got.restart_s == pytest.approx(120.0 - 113.5)
-    assert got.redone_s == pytest.approx(2.5)  # step 3 of the first attempt
+    assert got.redone_s == pytest.approx(2.5) and got.redone_steps == 1  # step 3 of the first attempt
     assert got.checkpoint_s == pytest.approx(6.0 + 1.0)
     assert got.compute_s == pytest.approx(4 * 2.0) and got.data_wait_s == pytest.approx(4 * 0.5)
     assert got.other_s == pytest.approx(0.5)

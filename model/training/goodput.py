@@ -62,6 +62,7 @@ def split(attempts: list[Attempt]) -> GoodputSplit:
     ordered = sorted(attempts, key=lambda a: a.started_at)
     kept = Sums(at=0.0)
     startup = restart = redone = evaluation = 0.0
+    redone_steps = 0
     for i, attempt in enumerate(ordered):
         first = attempt.first_step or attempt.now
         startup += first.at - attempt.started_at
@@ -75,6 +76,7 @@ def split(attempts: list[Attempt]) -> GoodputSplit:
             if attempt.resumed_from is not None and after is not None and after.resumed_from < attempt.step:
                 base = attempt.marks.get(after.resumed_from) or Sums(at=first.at)  # (or before this attempt began)
                 redone += attempt.now.at - base.at  # it went back: the steps since were computed again
+                redone_steps += attempt.step - after.resumed_from
                 done = base
         kept = Sums(at=0.0, data_wait_s=kept.data_wait_s + done.data_wait_s, compute_s=kept.compute_s + done.compute_s,
                     checkpoint_s=kept.checkpoint_s + done.checkpoint_s)
@@ -86,7 +88,7 @@ def split(attempts: list[Attempt]) -> GoodputSplit:
     named = startup + kept.data_wait_s + kept.checkpoint_s + evaluation + restart + redone + compute
     return GoodputSplit(total_s=total, compute_s=compute, startup_s=startup, data_wait_s=kept.data_wait_s,
                         checkpoint_s=kept.checkpoint_s, evaluation_s=evaluation, restart_s=restart, redone_s=redone,
-                        other_s=max(0.0, total - named), attempts=len(ordered))
+                        other_s=max(0.0, total - named), attempts=len(ordered), redone_steps=redone_steps)
 
 
 WRITE_EVERY_S = 1.0  # an attempt's record is rewritten at most this often (and at each checkpoint)

@@ -159,6 +159,7 @@ class GoodputSplit(BaseModel):
     redone_s: float
     other_s: float
     attempts: int
+    redone_steps: int = 0  # optimizer steps computed again after resumes (the seconds hold a restart's warm-up)
 
     @property
     def goodput(self) -> float:
