@@ -22,14 +22,15 @@ from prefect.runtime import deployment, flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from compass.flows.compiler import Plan
-from compass.flows.confinement import outside_roots, store_outside_worker, worker_roots
-from compass.flows.mixture_report import consumption_section, source_sizes
-from compass.flows.plan_report import cost_sections, dag_section, to_markdown
-from compass.flows.plan_status import plan_status
-from compass.flows.progress import run_progress
-from compass.flows.run_outcome import run_outcome
+from compass.flows.reports.mixture import consumption_section, source_sizes
+from compass.flows.reports.plan_status import plan_status
+from compass.flows.reports.plan_tables import cost_sections, dag_section, to_markdown
+from compass.flows.reports.progress import run_progress
+from compass.flows.reports.run_outcome import run_outcome
+from compass.flows.reports.smoke import smoke_table
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
-from compass.flows.submit import ui_url
+from compass.flows.server.confinement import outside_roots, store_outside_worker, worker_roots
+from compass.flows.server.submit import ui_url
 from compass.flows.validation import check, checked_already, shrunk
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError, RootRefused
@@ -339,7 +340,6 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
                    "flow_pid": os.getpid(), "outcome": outcome.model_dump(mode="json")}
         if loaded.size != "full":
-            from compass.flows.smoke_report import smoke_table
 
             summary[loaded.size] = smoke_table(plan, spec, loaded.size_changes, loaded.size, results, store)
             create_table_artifact(key=artifact_key(spec.name, loaded.size), table=summary[loaded.size],

@@ -14,8 +14,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from compass.flows.progress import time_left
+from compass.flows.reports.progress import time_left
 from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
+from compass.model.training.goodput import read_attempts, split
 from compass.model.training.records import MetricsRow
 from compass.tasks.common.plots import token_axis
 from compass.tasks.common.training import loss_png
@@ -116,7 +117,6 @@ class LiveTraining:
 
     def _goodput(self) -> str | None:
         """The stage's goodput so far over its attempts (rank 0's ledger in the work folder), as one phrase."""
-        from compass.model.training.goodput import read_attempts, split
 
         try:
             attempts = read_attempts(WorkFolder(self.workdir).goodput)

@@ -7,13 +7,18 @@ Plain Python (no Prefect), so the Prefect task stays a thin wrapper and the logi
 from __future__ import annotations
 
 import logging
+import shutil
+import sys
 from dataclasses import dataclass, replace
 
 from compass.flows.compiler import Plan
 from compass.infra import verify
+from compass.infra.disk_full import ended_on_a_full_disk
 from compass.infra.errors import DamagedArtifact, RunStopped
+from compass.infra.layout import WorkFolder
 from compass.infra.locks import step_lock
 from compass.infra.manifest import Manifest
+from compass.infra.slurm import SlurmJobFailed, read_record, request_for, run_on_slurm, state_of
 from compass.infra.store import Store, artifact_folder
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import InputArtifact, Runtime, StepResult
@@ -132,11 +137,7 @@ def _run_as_slurm_job(run: StepRun, log: logging.Logger | logging.LoggerAdapter,
                       on_job) -> tuple[Manifest, StepResult | None]:
     """Submit the whole step as a job of its shape (or follow the one an earlier orchestrator submitted) and wait
     for it to commit; this process never computes. The job's log streams into the step's log."""
-    import sys
 
-    from compass.infra.disk_full import ended_on_a_full_disk
-    from compass.infra.layout import WorkFolder
-    from compass.infra.slurm import SlurmJobFailed, request_for, run_on_slurm
     from compass.tasks.steps.step_job import MODULE, StepJob, read_result
 
     how = run.runtime.how
@@ -165,15 +166,12 @@ def _run_as_slurm_job(run: StepRun, log: logging.Logger | logging.LoggerAdapter,
 def _sweep_finished_work(ctx: RunContext, step: Step) -> None:
     """A committed step's work folder that its orchestrator never removed (it died while the step's job finished):
     removed now, unless a job is still at work in it."""
-    from compass.infra.layout import WorkFolder
 
     fingerprint = ctx.plan.fingerprints[step.id]
     workdir = ctx.store.work_dir(step.kind, step.name, fingerprint)
     if not WorkFolder(workdir).step_job.exists():
         return
-    import shutil
 
-    from compass.infra.slurm import read_record, state_of
 
     record = read_record(workdir)
     state = state_of(record.job_id) if record and shutil.which("scontrol") else None

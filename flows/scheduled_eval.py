@@ -20,6 +20,8 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
+from compass.infra.credentials import apply_credentials_block
+from compass.infra.environment import prepare_environment
 from compass.infra.fingerprint import canonical_json
 from compass.infra.layout import WEIGHTS, ModelArtifact, pending_copy
 from compass.infra.locks import step_lock
@@ -97,8 +99,6 @@ def evaluate_new_checkpoints(checkpoint_root: str, benchmarks: list[dict[str, An
                              credentials_block: str | None = None,
                              how: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate every committed checkpoint under `checkpoint_root` that has no result for this suite."""
-    from compass.infra.credentials import apply_credentials_block
-    from compass.infra.environment import prepare_environment
 
     prepare_environment()
     apply_credentials_block(credentials_block)
@@ -154,8 +154,6 @@ def evaluate_committed_checkpoint(checkpoint: dict[str, Any], benchmarks: list[d
     """Evaluate the checkpoint a `compass.checkpoint.committed` event names (compass deploy's automation runs this
     for each one). Results go where the scheduled evaluation keeps them, keyed by the weights: neither this flow
     nor the schedule evaluates the same weights twice for one suite."""
-    from compass.infra.credentials import apply_credentials_block
-    from compass.infra.environment import prepare_environment
 
     prepare_environment()
     apply_credentials_block(credentials_block)

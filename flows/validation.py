@@ -9,6 +9,8 @@ Problems come back like the loader's, as `file:line: field: what (hint)`, all at
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,12 +19,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compass.flows.compiler import Plan, PlanError, compile_spec
+from compass.flows.server.confinement import local_paths
+from compass.infra.environment import hub_cache
 from compass.infra.shared_probe import ProbeResult, refusal, verified
+from compass.model.attention import flash_kernel
+from compass.specs import costs
 from compass.specs.base import Issue
-from compass.specs.checks import phases_of
+from compass.specs.checks import check_spec, phases_of
 from compass.specs.how import PHASES, Phase, SlurmCluster
 from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text
-from compass.specs.smoke import Size
+from compass.specs.smoke import Shrink, Size, shrunk_spec
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps import registry
 
@@ -100,8 +106,6 @@ def checked_already(text: str, base_dir: Path, size: Size) -> CheckedSpec | None
 def shrunk(loaded: LoadedSpec, size: Size) -> LoadedSpec:
     """The spec at smoke or rehearsal size (compass.specs.smoke); problems still point at the lines of the spec
     file."""
-    from compass.specs.checks import check_spec
-    from compass.specs.smoke import Shrink, shrunk_spec
     from compass.tasks.kinds.select_tokenizer import with_cached_vocabularies
 
     if size == "full":
@@ -123,7 +127,6 @@ SMOKE_HINT = "or exercise the spec on this CPU first: compass run SPEC --smoke"
 def _slurm_partition(partition: str | None, smoke_hint: str,
                      at: tuple[str, ...] = ("how", "orchestration", "cluster", "partition")) -> Iterator[Issue]:
     """The Slurm controller answers, and knows the partition the spec names (at `at`)."""
-    import subprocess
 
     command = ["sinfo", "-h", "-o", "%P"] + (["-p", partition] if partition else [])
     try:
@@ -144,7 +147,6 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     submitted until it does. With
     `gpu_extras`, also that the nodes import the CUDA-only kernels the spec names (on the GPU nodes). Each partition
     the jobs go to is probed, with and without a GPU as the jobs there ask (probed_partitions)."""
-    from compass.flows.confinement import local_paths
 
     cluster = spec.how.orchestration.cluster
     assert cluster is not None and cluster.shared_root is not None
@@ -230,7 +232,6 @@ def _probe_issues(result: ProbeResult, cluster: SlurmCluster, wanted: dict[str, 
         yield Issue(modules[module], f"{module} is not installed on compute node {result.node} (the spec's "
                     f"{modules[module][-1]} needs it)", "pip install 'compass-lifecycle[gpu]' in the nodes' "
                     "environment, or choose auto")
-    from compass.infra.environment import hub_cache
 
     for path in result.unseen:
         loc, what = wanted[path]
@@ -261,7 +262,6 @@ def _kernels_here(spec: TrainingSpec) -> Iterator[Issue]:
 
 
 def _flash_kernel():
-    from compass.model.attention import flash_kernel
 
     return flash_kernel()
 
@@ -288,7 +288,6 @@ def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Ite
     accelerator = how.hardware.accelerator
     smoke_hint = SMOKE_HINT
     if how.orchestration.cluster is not None:  # training runs on the cluster's nodes, not on this machine
-        import shutil
 
         missing = [c for c in ("sbatch", "scontrol", "scancel") if shutil.which(c) is None]
         if missing:
@@ -322,7 +321,6 @@ def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Ite
 def _memory(spec: TrainingSpec) -> Iterator[Issue]:
     """Every step that trains or evaluates fits its device: compass's training stages, TRL's steps and the passkey
     evaluation, each by the estimate `compass plan` prints. Refused here, not weeks into the run."""
-    from compass.specs import costs
 
     how = spec.how
     accelerator = how.hardware.accelerator

@@ -19,6 +19,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from compass.infra.layout import WorkFolder
+
 # what a full disk, a file past the size limit (`ulimit -f`) and an exhausted quota look like to a writer
 FULL = {errno.ENOSPC: "no space left on the device of", errno.EFBIG: "a file past this process's size limit at",
         errno.EDQUOT: "the disk quota exhausted at"}
@@ -79,7 +81,6 @@ def full_disk_met(exc: BaseException, where: Path) -> FullDisk | None:
 
 
 def _notes(workdir: Path) -> Path:
-    from compass.infra.layout import WorkFolder
 
     return WorkFolder(workdir).disk_full
 

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import psutil
+
 log = logging.getLogger("compass")
 _on_stop: dict[int, Callable[[], None]] = {}  # work started outside this process (Slurm jobs) to end with the run
 _lock = threading.Lock()
@@ -99,7 +101,6 @@ def end_flow_run(client: Any, run_id: Any, reason: str) -> None:
 
 def end_children(timeout: float = 5.0) -> None:
     """Terminate every process this one started (training launchers, data workers, an embedded server)."""
-    import psutil
 
     children = psutil.Process().children(recursive=True)
     for child in children:

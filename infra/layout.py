@@ -4,6 +4,7 @@ so a layout change is one edit and a reader can never look for a name no writer 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,7 +180,6 @@ class CheckpointFolder:
 
     def committed_sha256(self, rel: str) -> str | None:
         """A file's sha256 as the checksum file records it ({"size", "sha256"} per file; a bare digest before)."""
-        import json
 
         entry = json.loads(self.checksums.read_text()).get(rel)
         return entry if entry is None or isinstance(entry, str) else entry["sha256"]

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import psutil
+
 from compass.infra.store import Store
 
 
@@ -150,7 +152,6 @@ class StepLock:
 
 
 def _process_start(pid: int) -> float | None:
-    import psutil
 
     try:
         return psutil.Process(pid).create_time()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
+from compass.infra.interrupt import end_flow_run
 from compass.infra.locks import StepLock, holder_of, holder_stale
 from compass.infra.store import Store
 
@@ -74,7 +75,6 @@ def end_dead_runs(store: Store) -> list[DeadRun]:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from compass.infra.interrupt import end_flow_run
 
     ended = []
     with get_client(sync_client=True) as client:

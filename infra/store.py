@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 import fsspec
+import psutil
 from fsspec.core import url_to_fs
 
 from compass.infra import shard_index
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
+from compass.infra.verified_read import verified
+from compass.specs.how import write_root_problem
 
 INDEXES_KEPT = 8  # shard indexes a Store keeps decoded
 STORE_MARKER = ".compass-store"  # at a store's root, written before its first artifact
@@ -77,7 +80,6 @@ def _sweep_staging(base: Path) -> None:
 def _owner_alive(pid: int, folder: Path) -> bool:
     """Whether the process that made `folder` still runs: its PID exists and that process started before the
     folder was last written (a busy machine reuses the PID of a killed run for a process that started later)."""
-    import psutil
 
     try:
         started = psutil.Process(pid).create_time()
@@ -99,7 +101,6 @@ def root_problem(root: str) -> str | None:
             return (f"{scheme}:// cannot hold a store (compass writes and commits artifacts there): give a local "
                     "folder or s3://bucket/prefix")
         return None
-    from compass.specs.how import write_root_problem
 
     system = write_root_problem(root)
     if system:
@@ -212,7 +213,6 @@ class Store:
             with open(path, "rb") as f:
                 yield f
             return
-        from compass.infra.verified_read import verified
 
         with self.fs.open(path, "rb", block_size=1 << 22) as raw, verified(raw, entry, f"{uri}/{entry.path}") as f:
             yield f

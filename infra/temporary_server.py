@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 
 from compass.infra.die_with_parent import parent_death_preexec
+from compass.infra.environment import SERVER_STARTUP_S
+from compass.infra.net import free_port
 
 PORT_TAKEN = 3  # uvicorn's exit status when its port is bound by someone else between our check and its bind
 
@@ -59,7 +61,6 @@ def start_tied_temporary_server() -> TemporaryServer | None:
         return None
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("the temporary Prefect server must be started from the main thread")
-    from compass.infra.environment import SERVER_STARTUP_S
 
     timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", SERVER_STARTUP_S))
     server = _launch(timeout)
@@ -76,7 +77,6 @@ def _launch(timeout: float) -> TemporaryServer:
     """The uvicorn process serving Prefect's API on a free loopback port, once it answers its health check."""
     import httpx
 
-    from compass.infra.net import free_port
 
     deadline = time.monotonic() + timeout
     while True:

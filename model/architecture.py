@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from compass.model.attention import DOCUMENT_SDPA
+from compass.model.attention import DOCUMENT_SDPA, register
 from compass.specs.architecture import Architecture
 
 
@@ -68,7 +68,6 @@ def build_model(config: PretrainedConfig, seed: int, attn_implementation: str = 
     """Initialise from one seed: every data-parallel rank builds identical weights."""
     from transformers import AutoModelForCausalLM
 
-    from compass.model.attention import register
 
     register()
     torch.manual_seed(seed)
@@ -83,7 +82,6 @@ def load_pretrained(folder: Path, max_positions: int, rope_theta: float,
     recipe's context, and the recipe's RoPE base (long context from a checkpoint raises it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from compass.model.attention import register
 
     register()
     config = AutoConfig.from_pretrained(str(folder))

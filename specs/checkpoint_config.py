@@ -14,6 +14,7 @@ from typing import Any
 
 from compass.specs.architecture import Architecture, MoE, Positions
 from compass.specs.base import HintedError, Issue, Loc
+from compass.specs.costs import count_parameters
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import ResolvedCheckpoint
 
@@ -224,7 +225,6 @@ def resolve_named_models(spec: TrainingSpec, base_dir: Path) -> tuple[TrainingSp
 
 
 def _resolved(found: CheckpointConfig, derived: Architecture | None) -> ResolvedCheckpoint:
-    from compass.specs.costs import count_parameters
 
     parameters = count_parameters(derived, derived.vocab_size).total if derived and derived.vocab_size else None
     return ResolvedCheckpoint(location=found.location, stamp=found.stamp,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import psutil
+
 from compass.specs.architecture import Architecture
 from compass.specs.how import MEMORY_GIB, How, Phase
 from compass.specs.spec import TrainingSpec
@@ -197,7 +199,6 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
 def device_memory_bytes(how: How) -> float:
     """A GPU's memory by its kind; on CPU the ranks share this machine's memory, read from it."""
     if how.hardware.accelerator == "cpu":
-        import psutil
 
         return float(psutil.virtual_memory().total)
     return MEMORY_GIB[how.hardware.accelerator] * GIB

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml.comments import CommentedMap, CommentedSeq, merge_attrib
@@ -18,6 +18,7 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from compass.specs import yaml_limits
 from compass.specs.base import Issue, Loc
 from compass.specs.checkpoint_config import resolve_named_models, resolve_starting_model
+from compass.specs.checks import check_spec
 from compass.specs.how import SLURM_WORD
 from compass.specs.source_listing import resolve_local_sources
 from compass.specs.spec import TrainingSpec
@@ -126,7 +127,6 @@ def resolve_facts(loaded: LoadedSpec) -> LoadedSpec:
 
 def check_loaded(loaded: LoadedSpec) -> LoadedSpec:
     """The cross-field rules (specs/checks.py and each section's own), on the resolved spec; pure."""
-    from compass.specs.checks import check_spec
 
     issues = check_spec(loaded.spec)
     if issues:
@@ -296,7 +296,6 @@ def _unknown_field_hint(key: str, section: frozenset[str]) -> str:
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    from typing import get_args
 
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]

@@ -17,6 +17,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+from ruamel.yaml import YAML
+
+from compass.specs.spec import TrainingSpec
 
 EXAMPLES = Path(__file__).resolve().parent / "examples"
 
@@ -139,7 +142,6 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _examples() -> list[tuple[str, Any]]:
-    from ruamel.yaml import YAML
 
     yaml = YAML(typ="safe", pure=True)
     return [(p.name, yaml.load(p.read_text())) for p in sorted(EXAMPLES.glob("*.yaml"))]
@@ -221,7 +223,6 @@ def undocumented(root: type[BaseModel] | None = None) -> list[str]:
 
 
 def _root() -> type[BaseModel]:
-    from compass.specs.spec import TrainingSpec
 
     return TrainingSpec
 

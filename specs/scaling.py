@@ -11,6 +11,7 @@ holds one micro-batch of the global batch.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from compass.specs.costs import count_parameters, flops_per_token, planning_vocab
@@ -108,7 +109,6 @@ def throughput_from_preflight(report: dict, assumed_mfu: float) -> float:
     """Per-GPU training TFLOP/s from a `compass preflight --json` report: the ranks' median matmul throughput
     scaled as the spec's MFU relates to a healthy matmul's share of peak (a cluster whose matmuls are slow
     trains proportionally slower)."""
-    import statistics
 
     values = [r["matmul_tflops"] for r in report["rows"] if r.get("matmul_tflops")]
     if not values:

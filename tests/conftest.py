@@ -235,7 +235,7 @@ def remove_gpu_limit(api_url: str) -> None:
     and a test that deploys takes it away again, so no later test runs its GPU steps one at a time unawares."""
     from prefect.exceptions import ObjectNotFound
 
-    from compass.flows.deployments import GPU_TAG
+    from compass.flows.server.deployments import GPU_TAG
 
     with prefect_client(api_url) as client, contextlib.suppress(ObjectNotFound):  # none set: nothing to remove
         client.delete_concurrency_limit_by_tag(GPU_TAG)

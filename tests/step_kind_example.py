@@ -13,7 +13,8 @@ from compass.infra.layout import SHARD_SUFFIX, TRAIN, CuratedArtifact
 from compass.specs.how import How, Shape
 from compass.tasks.data.shard_codec import open_shard
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, StepRef
 
 

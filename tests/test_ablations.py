@@ -95,7 +95,7 @@ def test_ablation_runs_comparison_and_promotion(trained_store: Path, tmp_path: P
 def test_auto_promote_takes_the_largest_gain_beyond_noise_or_nothing(metric, rows, expected):
     """Each comparison decides one outcome: the largest gain in the metric's direction among 'better' variants (a
     bigger drop that is within noise does not count), or nothing to promote."""
-    from compass.flows.promote import PromoteError, winner
+    from compass.flows.cli.promote import PromoteError, winner
 
     comparison = {"metric": metric, "rows": [{"variant": v, "delta": d, "verdict": k} for v, d, k in rows]}
     if expected is None:

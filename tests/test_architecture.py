@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from compass.flows.compiler import compile_spec
-from compass.flows.plan_status import plan_status
+from compass.flows.reports.plan_status import plan_status
 from compass.infra.store import Store
 from compass.specs import load_spec
 from compass.tasks.steps import registry
@@ -68,16 +68,12 @@ def module_files() -> dict[str, Path]:
     return out
 
 
-def runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The compass modules a file imports when it runs (inside functions too; TYPE_CHECKING blocks left out), and
-    the kind modules a registry loads by name."""
+def compass_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The compass modules a file imports: at its top, inside functions and under TYPE_CHECKING (a type-only import
+    is coupling too), and the kind modules a registry loads by name."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
-                   ast.unparse(node.test) for stmt in node.body for n in ast.walk(stmt)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -90,12 +86,13 @@ def runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def test_no_import_cycle_anywhere():
-    """Strongly connected components of the import graph (function-level imports and the registry's kind modules
-    included): every one is a single module."""
+    """Strongly connected components of the import graph (function-level and TYPE_CHECKING imports and the
+    registry's kind modules included): every one is a single module. Type-only circles were broken by a Protocol
+    (model/training/loop_view.py: the trainer's face for callbacks) and by StepConfig's own module."""
     import sys
 
     modules = module_files()
-    graph = {name: runtime_imports(path, modules) - {name} for name, path in modules.items()}
+    graph = {name: compass_imports(path, modules) - {name} for name, path in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -131,7 +128,7 @@ def test_helpers_never_import_a_step_kind():
     modules = module_files()
     problems = [f"{path.relative_to(REPO)} imports {name}"
                 for helper in HELPERS for path in sorted((REPO / helper).rglob("*.py")) if path.name != "registry.py"
-                for name in runtime_imports(path, modules) if name.startswith("compass.tasks.kinds")]
+                for name in compass_imports(path, modules) if name.startswith("compass.tasks.kinds")]
     assert not problems, problems
 
 
@@ -195,7 +192,7 @@ def test_the_layers_only_exist_inside_the_compass_namespace(tmp_path: Path):
     for name in LAYERS:
         done = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr, name
-    code = "import compass.specs, compass.flows.cli, compass.model.training.trainer; print(compass.specs.__file__)"
+    code = "import compass.specs, compass.flows.cli.app, compass.model.training.trainer; print(compass.specs.__file__)"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert Path(done.stdout.strip()).parent == REPO / "specs"
 
@@ -216,6 +213,66 @@ def test_loading_the_registry_and_compiling_import_no_heavy_library():
             "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('datatrove.pipeline')])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# Libraries imported inside functions on purpose, and why: seconds of import (measured with -X importtime), or an
+# extra that a CPU install or a run without that feature lacks. Any other import goes at the top of its file.
+DEFERRED_LIBRARIES = {
+    "torch": "1-2 s", "transformers": "1-3 s", "datasets": "0.5 s", "trl": "3 s", "peft": "1 s", "accelerate": "1 s",
+    "lighteval": "3 s", "deepspeed": "2 s", "datatrove": "0.5-1 s", "prefect": "1 s", "prefect_ray": "1.3 s",
+    "ray": "1 s", "matplotlib": "0.5 s", "numpy": "0.1 s", "fsspec": "0.1 s", "s3fs": "0.5 s", "nltk": "1.4 s",
+    "py3langid": "0.14 s", "huggingface_hub": "0.3 s", "tokenizers": "0.1 s", "safetensors": "torch's",
+    "httpx": "0.14 s", "warcio": "only WARC sources", "mlflow": "1.4 s, how.tracking only",
+    "wandb": "0.5 s, how.tracking only", "vllm": "the vllm extra", "flash_attn": "the gpu extra",
+    "liger_kernel": "the gpu extra", "pynvml": "the gpu extra", "selenium": "tests only", "psycopg": "PostgreSQL only",
+    "sqlalchemy": "0.3 s", "tensorboard": "1 s", "scipy": "0.3 s", "pandas": "0.5 s", "pyarrow": "0.3 s",
+    "boto3": "0.3 s", "botocore": "0.3 s", "trackio": "0.6 s, how.tracking only",
+}
+
+
+def top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports a module runs when it is imported (its top, and the top of its top-level if/try blocks)."""
+    return [node for statement in tree.body if not (isinstance(statement, ast.If) and "TYPE_CHECKING" in
+                                                    ast.unparse(statement.test))
+            for node in (ast.walk(statement) if isinstance(statement, (ast.If, ast.Try)) else [statement])
+            if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def imported_names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules an import statement may load: `from a import b` may load `a` and `a.b`."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return [node.module or "", *[f"{node.module}.{a.name}" for a in node.names]]
+
+
+def test_imports_sit_at_the_top_unless_heavy_or_they_say_why():
+    """A file's top shows what it depends on (issue 42 part 7: a quarter of the imports sat inside functions). An
+    import inside a function loads a library of DEFERRED_LIBRARIES, a compass module that loads one at its top (its
+    packages' `__init__` included), or says why on its line (`# deferred: ...`)."""
+    modules = module_files()
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    tops = {name: top_level_imports(tree) for name, tree in trees.items()}
+    loads = {name: {m for m in (".".join(name.split(".")[:i]) for i in range(2, name.count(".") + 2)) if m != name}
+             | {imported for node in tops[name] for imported in imported_names(node)} for name in modules}
+    heavy = {name for name, loaded in loads.items() if any(m.split(".")[0] in DEFERRED_LIBRARIES for m in loaded)}
+    while grown := {name for name, loaded in loads.items() if name not in heavy and loaded & heavy}:
+        heavy |= grown  # a module that loads a heavy one at its top is heavy
+
+    def is_heavy(module: str) -> bool:
+        return module in heavy if module.startswith("compass.") else module.split(".")[0] in DEFERRED_LIBRARIES
+
+    problems = []
+    for name, tree in trees.items():
+        at_top = {id(node) for node in tops[name]} | {id(node) for statement in tree.body if isinstance(
+            statement, ast.If) and "TYPE_CHECKING" in ast.unparse(statement.test) for node in ast.walk(statement)}
+        lines = modules[name].read_text().splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in at_top or "# " in \
+                    lines[node.lineno - 1]:
+                continue
+            if not any(is_heavy(m) for m in imported_names(node) if m in modules or not m.startswith("compass.")):
+                problems.append(f"{modules[name].relative_to(REPO)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not problems, "light imports inside functions (move them to the top, or say why):\n" + "\n".join(problems)
 
 
 def test_each_kind_is_declared_once_with_everything_the_runner_needs():

@@ -47,7 +47,7 @@ def test_cli_exits_2_lists_every_problem_and_writes_nothing(tmp_path: Path):
     store = tmp_path / "store"
     for command in (["validate", str(spec)], ["plan", str(spec), "--store", str(store)],
                     ["run", str(spec), "--store", str(store)]):
-        done = subprocess.run([sys.executable, "-m", "compass.flows.cli", *command], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", *command], capture_output=True, text=True,
                               cwd=tmp_path, timeout=120)
         assert done.returncode == 2, done.stderr
         assert f"{spec}:" in done.stderr and "must divide" in done.stderr and "sum to 0.9" in done.stderr

@@ -112,7 +112,7 @@ def test_until_runs_the_named_steps_and_everything_they_need(tiny_text: str):
 
 
 def test_until_with_an_unknown_name_exits_2_before_running(tmp_path: Path):
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "run", str(EXAMPLES / "tiny.yaml"),
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "run", str(EXAMPLES / "tiny.yaml"),
                            "--until", "pretrian", "--store", str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
@@ -126,7 +126,7 @@ def test_schema_command_prints_a_schema_the_examples_satisfy():
     import jsonschema
     from ruamel.yaml import YAML
 
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "schema"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "schema"], capture_output=True, text=True,
                           check=True)
     schema = json.loads(done.stdout)
     assert set(schema["properties"]) == {"name", "description", "why", "what", "how"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.flows.mixture_report import CHARS_PER_TOKEN, SourceSize, consumption_section
+from compass.flows.reports.mixture import CHARS_PER_TOKEN, SourceSize, consumption_section
 from tests.conftest import REPO, write_minimal_spec
 
 
@@ -47,7 +47,7 @@ def test_max_epochs_must_be_positive(tmp_path: Path):
 
 
 def _plan_sizes(spec: Path, store: Path) -> dict[str, tuple[str, str]]:
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "plan", str(spec), "--store", str(store),
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "plan", str(spec), "--store", str(store),
                            "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     section = next(s for s in json.loads(done.stdout)["sections"] if s["title"] == "Data consumption by stage")
@@ -57,7 +57,7 @@ def _plan_sizes(spec: Path, store: Path) -> dict[str, tuple[str, str]]:
 @pytest.mark.slow  # the data steps end to end
 def test_compass_plan_reads_source_sizes_from_the_store_as_the_data_steps_commit(tmp_path: Path):
     from compass.flows.compiler import compile_spec
-    from compass.flows.plan_report import human
+    from compass.flows.reports.plan_tables import human
     from compass.flows.runner import run_in_process
     from compass.infra.store import Store
     from compass.specs import load_spec

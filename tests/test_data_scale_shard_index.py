@@ -161,7 +161,7 @@ def test_data_steps_commit_shard_sets_that_curation_tokenization_and_training_re
     tokens = Path(store.local_path(store.uri("tokenize", "notes", plan.fingerprints["tokenize:notes"])))
     shard = sorted((tokens / "train").glob("*.tokens"))[-1]
     shard.write_bytes(shard.read_bytes()[:-2])  # truncated after its commit
-    verify = [sys.executable, "-m", "compass.flows.cli", "verify", str(tmp_path / "store"), "--full", "--json"]
+    verify = [sys.executable, "-m", "compass.flows.cli.app", "verify", str(tmp_path / "store"), "--full", "--json"]
     done = subprocess.run(verify, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
     (problems,) = json.loads(done.stdout)["damaged"].values()

@@ -95,7 +95,7 @@ def test_refuse_stops_the_run_before_anything_trains_with_the_report(data_store:
                                                                       tmp_path: Path):
     spec = leaky_spec(tmp_path, "refuse")
     store = seeded(tmp_path / "store", data_store)
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store", str(store),
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "run", str(spec), "--store", str(store),
                            "--until", "pretrain:stage1"], cwd=REPO,
                           env=base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server},
                           capture_output=True, text=True, timeout=900)

@@ -80,8 +80,8 @@ def test_the_command_line_reference_lists_every_command_and_option(site: Path):
     """Generated from the click tree at every build: a command or option added to the CLI is on the page."""
     import typer.main
 
-    from compass.flows.cli import app
-    from compass.flows.cli_reference import commands
+    from compass.flows.cli.app import app
+    from compass.flows.cli.reference import commands
 
     page = html.unescape((site / "reference" / "cli" / "index.html").read_text())
     listed = list(commands(typer.main.get_command(app)))

@@ -100,9 +100,9 @@ def test_success_report_checks_the_why_criteria(evaluated):
 
 
 def test_the_run_ends_with_the_verdict_its_numbers_and_where_the_report_and_plots_are(evaluated):
-    """What `compass run` prints last and `--json` carries (flows/run_outcome.py): read from the committed report
-    and plots, not from the flow's memory."""
-    from compass.flows.run_outcome import outcome_lines, run_outcome
+    """What `compass run` prints last and `--json` carries (flows/reports/run_outcome.py): read from the committed
+    report and plots, not from the flow's memory."""
+    from compass.flows.reports.run_outcome import outcome_lines, run_outcome
     from compass.infra.store import Store
 
     report = evaluated["report:success"]

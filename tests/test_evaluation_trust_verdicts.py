@@ -61,7 +61,7 @@ def test_two_seeds_carry_their_interval(tmp_path: Path):
 
 
 def test_the_plan_warns_that_one_seed_gives_no_noise_estimate(tmp_path: Path):
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     ablations = ("  ablations:\n    baseline: {tokens: 4096, sequence_length: 64, global_batch_size: 4, "
                  "mixture: {notes: 0.7, code: 0.3}}\n    variants:\n      - {name: untied, change: "

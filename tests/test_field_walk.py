@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from compass.flows import plan_report
+from compass.flows.reports import plan_tables as plan_report
 from compass.flows.validation import check
 from compass.specs import load_spec
 from compass.specs.loader import SpecError, load_spec_text

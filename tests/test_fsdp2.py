@@ -121,7 +121,7 @@ def test_the_engine_decides_deepspeed_and_what_fsdp2_cannot_take_is_refused(tmp_
 
 def test_the_plan_recommends_the_least_sharding_that_fits():
     """The playbook's rule (SmolLM3 kept ZeRO-0 at 384 GPUs): shard only as much as memory needs."""
-    from compass.flows.plan_report import sharding_advice
+    from compass.flows.reports.plan_tables import sharding_advice
     from compass.specs import costs
     from compass.specs.loader import load_spec
     from tests.conftest import REPO

@@ -81,7 +81,7 @@ def test_a_hub_candidate_whose_cached_vocabulary_differs_is_refused_and_a_smoke_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The planner sizes the embedding and its costs from the declared vocabulary: a full run refuses a cached
     tokenizer of another size; a smoke run takes the cached one (a stand-in is what a laptop has) and says so."""
-    from compass.flows.smoke_report import smoke_table
+    from compass.flows.reports.smoke import smoke_table
 
     cache = tmp_path / "hub-cache"
     seed_model(cache, REPO_ID, published_tokenizer(tmp_path / "published"))

@@ -69,7 +69,7 @@ def test_a_results_field_changes_exactly_the_fingerprints_of_the_steps_that_read
 def plan_rows(spec: Path, store: Path) -> dict[str, list]:
     from typer.testing import CliRunner
 
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     done = CliRunner().invoke(app, ["plan", str(spec), "--store", str(store), "--json"])
     assert done.exit_code == 0, done.output
@@ -79,7 +79,7 @@ def plan_rows(spec: Path, store: Path) -> dict[str, list]:
 def why(*args: str) -> str:
     from typer.testing import CliRunner
 
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     done = CliRunner().invoke(app, ["why", *args])
     assert done.exit_code == 0, done.output

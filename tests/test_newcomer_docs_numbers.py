@@ -126,7 +126,7 @@ def test_the_plan_guide_shows_what_plan_prints_off_the_cluster(tmp_path: Path):
 
 
 def test_the_plan_guide_quotes_the_smoke_tables_pretraining_row(smollm3):
-    from compass.flows.smoke_report import smoke_table
+    from compass.flows.reports.smoke import smoke_table
     from compass.specs.smoke import shrunk_spec
 
     small, changes = shrunk_spec(smollm3, "smoke")
@@ -192,8 +192,8 @@ def test_the_getting_started_page_shows_the_readmes_commands():
     it shows (`--port 4200`) is that option's default."""
     import typer.main
 
-    from compass.flows.cli import app
-    from compass.flows.cli_reference import commands as cli_commands
+    from compass.flows.cli.app import app
+    from compass.flows.cli.reference import commands as cli_commands
 
     def commands(page: Path) -> list[str]:
         return block_after(page, next(line for line in page.read_text().splitlines()
@@ -217,7 +217,8 @@ def test_the_getting_started_page_shows_the_readmes_commands():
 def _limits():
     import inspect
 
-    from compass.flows import cli, cli_ops
+    from compass.flows.cli import app as cli
+    from compass.flows.cli import ops as cli_ops
     from compass.infra.locks import StepLock
     from compass.specs import base, yaml_limits
     from compass.specs.data import DataSource
@@ -299,7 +300,7 @@ def test_the_training_guide_quotes_the_numbers_compass_uses(pattern: str, read, 
 def _evaluation_and_slurm_guides():
     import inspect
 
-    from compass.flows import cli_preflight
+    from compass.flows.cli import preflight as cli_preflight
     from compass.infra import exits, shared_probe
     from compass.tasks.data import decontamination
     from compass.tasks.evaluation import retrieval

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.flows.plan_report import cost_sections
+from compass.flows.reports.plan_tables import cost_sections
 from compass.specs import load_spec
 from tests.conftest import write_minimal_spec
 
@@ -38,7 +38,7 @@ def test_a_plan_creates_nothing_and_says_which_store_it_plans_against(tmp_path: 
 
     from typer.testing import CliRunner
 
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     store = tmp_path / "not-yet"
     done = CliRunner().invoke(app, ["plan", str(write_minimal_spec(tmp_path)), "--store", str(store), "--json"])
@@ -56,7 +56,7 @@ def test_every_command_finds_the_spec_s_store_from_any_working_directory(tmp_pat
 
     from typer.testing import CliRunner
 
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     specs, elsewhere = tmp_path / "project" / "specs", tmp_path / "elsewhere"
     specs.mkdir(parents=True)

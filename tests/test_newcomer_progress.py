@@ -5,7 +5,7 @@ quiet_terminal."""
 
 from __future__ import annotations
 
-from compass.flows.progress import duration, run_progress, time_left
+from compass.flows.reports.progress import duration, run_progress, time_left
 from compass.model.training.records import MetricsRow
 
 

@@ -55,7 +55,7 @@ def check_quoted(quoted: str, printed: str) -> None:
 def states(spec: Path) -> dict[str, str]:
     """Each step's state in `compass plan` (run or cached) against the spec's own store."""
     from compass.flows.compiler import compile_spec
-    from compass.flows.plan_status import plan_status
+    from compass.flows.reports.plan_status import plan_status
     from compass.infra.store import Store
     from compass.specs import load_spec
 

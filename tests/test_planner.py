@@ -59,7 +59,7 @@ def test_plan_uses_measured_throughput_from_a_preflight_report(tmp_path: Path):
     report = tmp_path / "preflight.json"
     rows = [{"node": f"n{i}", "rank": i, "matmul_tflops": 296.7, "allreduce_busbw_gbps": 90.0} for i in range(8)]
     report.write_text(json.dumps({"rows": rows}))  # matmuls at half of a healthy H100's: training at half speed
-    command = [sys.executable, "-m", "compass.flows.cli", "plan", str(spec), "--no-machine-checks", "--json"]
+    command = [sys.executable, "-m", "compass.flows.cli.app", "plan", str(spec), "--no-machine-checks", "--json"]
     assumed = json.loads(subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=True).stdout)
     measured = json.loads(subprocess.run([*command, "--preflight", str(report)], capture_output=True, text=True,
                                          cwd=REPO, check=True).stdout)
@@ -81,7 +81,7 @@ def test_plan_shows_each_phase_on_its_own_gpus_and_days(tmp_path: Path):
     cache = tmp_path / "hub"
     seed_model(cache, "meta-llama/Llama-3.2-1B", llama_like_tokenizer(tmp_path / "tokenizer"))
     env = {**os.environ, "HF_HUB_CACHE": str(cache)}
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "plan", str(EXAMPLES / "smollm3-3b.yaml"),
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "plan", str(EXAMPLES / "smollm3-3b.yaml"),
                            "--no-machine-checks", "--json"], capture_output=True, text=True, cwd=REPO, env=env,
                           check=True)
     sections = {s["title"]: s for s in json.loads(done.stdout)["sections"]}

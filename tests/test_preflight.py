@@ -28,7 +28,7 @@ def row(node: str, rank: int, tflops: float, busbw: float | None = 1.0, **extra)
 def test_two_ranks_are_measured_and_judged(tmp_path: Path):
     spec = write_minimal_spec(tmp_path, **{"how:\n": f"how:\n  storage: {{root: {tmp_path / 'store'}}}\n"})
     staging = tmp_path / "nvme"
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "preflight", str(spec), "--ranks", "2",
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "preflight", str(spec), "--ranks", "2",
                            "--duration", "3", "--megabytes", "8", "--staging", str(staging), "--tolerance", "1",
                            "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -73,7 +73,7 @@ def test_a_slowed_rank_is_flagged_with_its_node_for_exclusion(tmp_path: Path):
     import psutil
 
     spec = write_minimal_spec(tmp_path, **{"how:\n": f"how:\n  storage: {{root: {tmp_path / 'store'}}}\n"})
-    run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli", "preflight", str(spec), "--ranks", "2",
+    run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli.app", "preflight", str(spec), "--ranks", "2",
                             "--duration", "4", "--megabytes", "4", "--tolerance", "0.3", "--json"], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     throttled: list[int] = []

@@ -13,7 +13,7 @@ SCRIPT = r"""
 import logging, os, subprocess, sys
 from pathlib import Path
 import prefect  # its logging configuration: the console handler on its loggers and the root
-from compass.flows.cli_common import err, out
+from compass.flows.cli.common import err, out
 from compass.flows.quiet_console import quiet_console
 
 RUN = {"task_run_name": "curate:notes", "task_run_id": None, "flow_run_name": "minimal", "flow_run_id": None,

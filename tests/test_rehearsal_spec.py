@@ -66,7 +66,7 @@ def test_a_rehearsal_keeps_how_and_caps_its_shapes_at_two_nodes_of_two_gpus(hub_
                        ("how.resources.long_context", "nodes"), ("how.resources.post_training", "devices_per_node"),
                        ("how.parallelism", "data_parallel"), ("how.checkpoints", "every_steps"),
                        ("how.storage", "root")}
-    from compass.flows.smoke_report import smoke_table
+    from compass.flows.reports.smoke import smoke_table
 
     rows = {r["step"]: r for r in smoke_table(rehearsal.plan, spec, rehearsal.loaded.size_changes, "rehearsal")}
     for step in ("pretrain:stage1", "mid_training:reasoning_mid"):  # compass's trainer, on the phase's shape
@@ -114,7 +114,7 @@ def test_a_rehearsals_library_steps_say_their_cpu_ranks_ran_fp32(hub_cache: Path
     rows, as it says the trainer's kernel substitutions. A smoke run (accelerator cpu) substitutes nothing."""
     import torch
 
-    from compass.flows.smoke_report import smoke_table
+    from compass.flows.reports.smoke import smoke_table
     from compass.infra.store import Store
     from compass.tasks.common.devices import cpu_substitutions, setup_of
     from tests.test_store import manifest_for

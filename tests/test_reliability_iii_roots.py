@@ -18,7 +18,7 @@ MINIMAL_HOW = "how:\n"
 
 
 def refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)

@@ -30,7 +30,7 @@ def test_redact_hides_passwords_however_they_are_written():
                                  "postgresql://prefect@127.0.0.1:{port}/prefect?password=hunter2",
                                  "postgresql://prefect:hunter2@127.0.0.1:{port}"])
 def test_R18_R19_a_database_url_never_prints_its_password(url: str):
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     done = CliRunner().invoke(app, ["server", "--database", url.format(port=free_port())])
     assert done.exit_code in (1, 2), done.output

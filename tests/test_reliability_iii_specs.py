@@ -14,7 +14,7 @@ from tests.conftest import write_minimal_spec
 
 
 def validate(spec: Path) -> str:
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     done = CliRunner().invoke(app, ["validate", str(spec)])
     assert done.exit_code == 2, done.output

@@ -15,7 +15,7 @@ from tests.test_store import _commit
 
 
 def test_R29_set_aside_moves_only_damaged_artifacts(tmp_path: Path):
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     root = tmp_path / "site"
     store = Store(str(root))
@@ -37,7 +37,7 @@ def test_R29_verify_acts_only_on_a_compass_store(tmp_path: Path):
     of a store's artifact folder without the store's marker is not set aside."""
     import shutil
 
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
     from compass.infra.store import STORE_MARKER
 
     store = Store(str(tmp_path / "store"))
@@ -187,7 +187,7 @@ def test_R36_a_file_name_that_is_not_utf8_is_skipped_and_named(tmp_path: Path):
 
 def test_R16_verify_summarises_each_damaged_artifact(tmp_path: Path):
     """A damaged artifact with thousands of missing files is one header and ten lines, not a line per file."""
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     store = Store(str(tmp_path / "store"))
     files = {f"train/{i:05d}.tokens": "t" for i in range(2000)}

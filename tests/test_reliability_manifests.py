@@ -76,7 +76,7 @@ def test_compass_verify_full_reports_an_entry_pointing_out_of_its_artifact(tmp_p
     planted = tmp_path / "planted.txt"
     planted.write_text("outside")
     _plant_entry(bad.uri, "../../../planted.txt", planted.read_bytes())
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "verify", str(tmp_path / "store"), "--full",
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "verify", str(tmp_path / "store"), "--full",
                            "--json"], capture_output=True, text=True, timeout=120)
     report = json.loads(done.stdout)
     assert done.returncode == 1 and report["checked"] == 2 and list(report["damaged"]) == [bad.uri], done.stdout
@@ -118,8 +118,8 @@ def test_a_damaged_manifest_does_not_stop_the_plan(tmp_path: Path):
     """A cached step's unreadable manifest and an older version's: the plan and its data report still come out
     (the run then sets the cached one aside)."""
     from compass.flows.compiler import compile_spec
-    from compass.flows.mixture_report import source_sizes
-    from compass.flows.plan_status import plan_status
+    from compass.flows.reports.mixture import source_sizes
+    from compass.flows.reports.plan_status import plan_status
     from compass.specs import load_spec
     from tests.conftest import write_minimal_spec
 
@@ -234,7 +234,7 @@ def test_lineage_prints_a_shared_ancestor_once(tmp_path: Path):
     """Two inputs of one artifact from the same curated source: its ancestry is printed once, then referenced."""
     from typer.testing import CliRunner
 
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     store = Store(str(tmp_path / "store"))
     raw = _commit(store, "ingest", "web", "e" * 64, {"data.txt": "x"}, provenance=[{"kind": "local", "path": "/w"}])
@@ -255,7 +255,7 @@ def test_lineage_prints_a_shared_ancestor_once(tmp_path: Path):
 def test_lineage_prints_paths_and_names_with_brackets_as_written(tmp_path: Path):
     from typer.testing import CliRunner
 
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     store = Store(str(tmp_path / "a[" / "x]" / "store"))  # '[/x]' in the path: a closing tag to rich
     raw = _commit(store, "ingest", "web", "e" * 64, {"data.txt": "x"},

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.flows.confinement import allowed_roots, outside_roots
+from compass.flows.server.confinement import allowed_roots, outside_roots
 from compass.specs import load_spec
 from tests.conftest import REPO, write_minimal_spec
 

@@ -36,7 +36,7 @@ def test_kill_9_of_compass_run_takes_the_temporary_server_with_it(tmp_path: Path
     spec = write_minimal_spec(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # the temporary server, not a real one
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store",
+    run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli.app", "run", str(spec), "--store",
                             str(tmp_path / "store")], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     parent = psutil.Process(run.pid)
@@ -58,7 +58,7 @@ def test_kill_9_of_compass_run_takes_the_temporary_server_with_it(tmp_path: Path
     assert not alive, f"outlived compass: {[(p.pid, p.cmdline()) for p in alive if p.is_running()]}"
 
     assert _states(database) == ["RUNNING"], _flow_runs(database)  # nothing in the killed process could report
-    again = subprocess.run([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store",
+    again = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "run", str(spec), "--store",
                             str(tmp_path / "store"), "--until", "ingest:notes"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -10,7 +10,8 @@ import pytest
 from compass.infra.errors import DataError
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
+from compass.tasks.steps.step_config import StepConfig
 from tests.conftest import prefect_client, settled_task_runs, write_minimal_spec
 
 pytestmark = pytest.mark.slow

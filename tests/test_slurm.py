@@ -145,7 +145,7 @@ def test_stopping_the_run_cancels_its_slurm_job(slurm, data_store: Path, prefect
     spec = cluster_spec(tmp_path, tmp_path / "shared", **CHECKPOINTED_STAGE)
     store = tmp_path / "store"
     seeded(store, data_store)
-    run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli", "run", str(spec), "--store", str(store),
+    run = subprocess.Popen([sys.executable, "-m", "compass.flows.cli.app", "run", str(spec), "--store", str(store),
                             "--until", "pretrain:stage1"], cwd=REPO, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "PREFECT_HOME": str(tmp_path / "ph"), "PREFECT_API_URL": prefect_server})

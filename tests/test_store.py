@@ -19,7 +19,8 @@ from compass.infra.manifest import MANIFEST, Manifest
 from compass.infra.store import Store
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import Runtime, StepResult
-from compass.tasks.steps.kind import Step, StepConfig, StepKind
+from compass.tasks.steps.kind import Step, StepKind
+from compass.tasks.steps.step_config import StepConfig
 
 
 class SlowConfig(StepConfig):
@@ -285,7 +286,7 @@ def test_compass_verify_checks_a_whole_store(tmp_path: Path):
     bad = _commit(store, "code", {"train/0.tokens": "def" * 10})
     assert good.uri != bad.uri
     (Path(bad.uri) / "train" / "0.tokens").write_text("truncated")
-    command = [sys.executable, "-m", "compass.flows.cli", "verify", str(tmp_path / "store"), "--json"]
+    command = [sys.executable, "-m", "compass.flows.cli.app", "verify", str(tmp_path / "store"), "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     report = json.loads(done.stdout)
     assert done.returncode == 1 and report["checked"] == 2 and list(report["damaged"]) == [bad.uri]

@@ -17,7 +17,8 @@ from compass.specs import load_spec
 from compass.tasks.steps import registry
 from compass.tasks.steps.build_order import BuildCycle, build_order
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import BuildOrderError, EmptyConfig, PlanBuilder, StepKind
+from compass.tasks.steps.kind import BuildOrderError, PlanBuilder, StepKind
+from compass.tasks.steps.step_config import EmptyConfig
 from compass.tasks.steps.wiring import Inputs, NoInputs, StepRef
 from tests.conftest import REPO, write_minimal_spec
 

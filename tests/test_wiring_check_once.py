@@ -19,7 +19,7 @@ def test_compass_run_lists_the_sources_and_checks_the_machine_once(prefect_serve
     from typer.testing import CliRunner
 
     from compass.flows import validation
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
     from compass.specs import source_listing
 
     listed, machine_checked = [], []

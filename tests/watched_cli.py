@@ -21,7 +21,7 @@ def main() -> None:
     record, *args = sys.argv[1:]
     atexit.register(_record, record)
     sys.argv = ["compass", *args]
-    from compass.flows.cli import app
+    from compass.flows.cli.app import app
 
     app()
 

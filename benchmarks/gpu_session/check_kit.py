@@ -21,7 +21,7 @@ MODULES = [
     "pydantic", "ruamel.yaml", "fsspec", "transformers", "datasets", "trl", "peft", "accelerate",
     "deepspeed", "liger_kernel.transformers.fused_linear_cross_entropy", "prometheus_client",
     "torch.utils.tensorboard", "pynvml", "tokenizers", "safetensors",
-    "compass.flows.compiler", "compass.flows.cli", "compass.infra.store", "compass.model.training.trainer",
+    "compass.flows.compiler", "compass.flows.cli.app", "compass.infra.store", "compass.model.training.trainer",
     "compass.model.training.preflight", "compass.tasks.common.training", "compass.tasks.post_training.trl_ranks",
     "compass.tasks.post_training.chat", "compass.tasks.post_training.adapters", "compass.tasks.evaluation.retrieval",
     "compass.flows.lifecycle",  # `compass preflight` resolves the store root there (imports prefect)

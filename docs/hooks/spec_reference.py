@@ -1,6 +1,6 @@
 """mkdocs hook: the reference pages are generated at every build: the spec's from its pydantic models
 (compass.specs.reference; the build fails on a field or model without a description), the command line's from the
-commands themselves (compass.flows.cli_reference)."""
+commands themselves (compass.flows.cli.reference)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def on_files(files: Files, config) -> Files:
                           f"from them): {', '.join(missing)}. Add description= to each Field, a docstring to each "
                           "model.")
     files.append(File.generated(config, PAGE, content=render()))
-    from compass.flows.cli_reference import render as render_cli
+    from compass.flows.cli.reference import render as render_cli
 
     files.append(File.generated(config, CLI_PAGE, content=render_cli()))
     return files

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
+from rich.table import Table
 from rich.tree import Tree
 
-from compass.flows.cli_common import (
+from compass.flows.cli.common import (
     EXIT_BAD_INPUT,
     MachineChecksOption,
     RehearseOption,
@@ -26,12 +27,19 @@ from compass.flows.cli_common import (
     out,
     store_root,
 )
-from compass.flows.cli_monitor import monitor
-from compass.flows.cli_ops import ops
-from compass.flows.cli_preflight import preflight
-from compass.flows.cli_why import why
+from compass.flows.cli.monitor import monitor
+from compass.flows.cli.ops import ops
+from compass.flows.cli.preflight import preflight
+from compass.flows.cli.why import why
+from compass.flows.quiet_console import quiet_console
+from compass.flows.validation import checked_for_this_run
+from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 from compass.infra.environment import prepare_environment
+from compass.infra.errors import DataError, RunStopped
 from compass.infra.temporary_server import start_tied_temporary_server
+from compass.specs.loader import SpecError
+from compass.specs.scaling import throughput_from_preflight
+from compass.specs.spec import TrainingSpec
 
 if TYPE_CHECKING:
     from compass.flows.validation import CheckedSpec
@@ -74,7 +82,6 @@ def plan(spec: SpecArg,
     loaded = checked.loaded
     tflops = None
     if preflight is not None:
-        from compass.specs.scaling import throughput_from_preflight
 
         try:
             tflops = throughput_from_preflight(json.loads(preflight.read_text()),
@@ -82,9 +89,9 @@ def plan(spec: SpecArg,
         except (OSError, ValueError, KeyError, TypeError) as exc:
             err.print(f"{preflight}: not a readable `compass preflight --json` report ({exc})", markup=False)
             raise typer.Exit(EXIT_BAD_INPUT) from None
-    from compass.flows.mixture_report import consumption_section, source_sizes
-    from compass.flows.plan_report import cost_sections, dag_section, print_sections
-    from compass.flows.plan_status import plan_status
+    from compass.flows.reports.mixture import consumption_section, source_sizes
+    from compass.flows.reports.plan_status import plan_status
+    from compass.flows.reports.plan_tables import cost_sections, dag_section, print_sections
     from compass.infra.store import Store
 
     target = Store(store_root(checked, store), create=False)  # a plan writes nothing
@@ -128,7 +135,6 @@ def run(spec: SpecArg,
         with _stdout_to_stderr(as_json):  # libraries print progress to stdout; --json keeps stdout for the summary
             summary = _run(spec, checked, root, until, no_recompute)
     else:
-        from compass.flows.quiet_console import quiet_console
 
         log_path = Path(".compass") / "logs" / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
         err.print(f"everything else the run prints: {log_path} (--verbose shows it here)", markup=False,
@@ -142,10 +148,8 @@ def _run(spec: Path, checked: CheckedSpec, root: str, until: list[str] | None, n
     """The lifecycle flow on the embedded (or PREFECT_API_URL's) server, handed the spec checked here (not loaded
     and checked again); exits 2, 3 or 1 as `compass run` says."""
     from compass.flows.lifecycle import RayNeedsServer, lifecycle, task_runner_for
-    from compass.flows.validation import checked_for_this_run
 
     loaded = checked.loaded
-    from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 
     try:
         runner = task_runner_for(loaded.spec.how.orchestration)  # refused before a temporary server starts
@@ -155,7 +159,6 @@ def _run(spec: Path, checked: CheckedSpec, root: str, until: list[str] | None, n
         err.print(f"[red]error:[/red] {escape(str(spec))}: {escape(str(exc))}")
         raise typer.Exit(2) from None
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
-    from compass.infra.errors import DataError, RunStopped
 
     try:
         with checked_for_this_run(checked):
@@ -179,7 +182,6 @@ def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, tab
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    from rich.table import Table
 
     if table:
         steps = Table(title=f"compass run: {escape(summary['spec'])}", title_justify="left")
@@ -198,7 +200,7 @@ def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, tab
             for row in summary[size]:
                 shrunk.add_row(row["step"], escape(row["exercised"]), escape(row["shrunk"]))
             out.print(shrunk)
-    from compass.flows.run_outcome import RunOutcome, outcome_lines
+    from compass.flows.reports.run_outcome import RunOutcome, outcome_lines
 
     outcome = RunOutcome.model_validate(summary["outcome"])
     for line in outcome_lines(outcome, str(log_path) if log_path else None):  # whole lines: paths stay copyable
@@ -360,7 +362,6 @@ def evaluate_schedule(
         print(json.dumps(evaluate_new_checkpoints(**params), indent=2))
         return
     if once:  # the scores on the terminal; the libraries' progress bars and warnings in the log
-        from compass.flows.quiet_console import quiet_console
         from compass.flows.scheduled_eval import scan_lines
 
         log_path = Path(".compass") / "logs" / f"evaluate-{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -397,9 +398,8 @@ def ablate_promote(
         = None,
         store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None) -> None:
     """Write a new spec whose baseline includes the winning change, and drop that variant."""
-    from compass.flows.promote import PromoteError, promote, winning_variant
+    from compass.flows.cli.promote import PromoteError, promote, winning_variant
     from compass.infra.store import Store
-    from compass.specs.loader import SpecError
 
     checked = load(spec)
     target = out_path or spec.with_name(spec.stem + ".promoted.yaml")
@@ -419,7 +419,6 @@ def ablate_promote(
 @app.command()
 def schema() -> None:
     """Print the spec's JSON Schema (for editor completion and checking)."""
-    from compass.specs.spec import TrainingSpec
 
     sys.stdout.write(json.dumps(TrainingSpec.model_json_schema(), indent=2) + "\n")
 

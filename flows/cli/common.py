@@ -14,8 +14,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.segment import Segment
 
-from compass.flows.validation import CheckedSpec
+from compass.flows.compiler import UnknownTarget
+from compass.flows.validation import CheckedSpec, load_checked
+from compass.specs.base import Issue
+from compass.specs.loader import SpecError
 from compass.specs.smoke import Size
+from compass.specs.sources import source_holding
 
 
 def visible(text: str) -> str:
@@ -70,9 +74,6 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
     """The checked spec and its plan, or exit 2 with every problem; `until` names must match steps of the plan.
     `smoke`, `rehearse`: at smoke or rehearsal size; `machine=False`: without the checks of this machine (planning
     for another one)."""
-    from compass.flows.compiler import UnknownTarget
-    from compass.flows.validation import load_checked
-    from compass.specs.loader import SpecError
 
     size = size_of(path, smoke, rehearse)
     try:
@@ -95,7 +96,6 @@ def load(path: Path, until: list[str] | None = None, smoke: bool = False, machin
 
 def _inside_a_source(checked: CheckedSpec, root: str) -> str | None:
     """A store inside a local source folder (specs/sources.py `source_holding`)."""
-    from compass.specs.sources import source_holding
 
     holder = source_holding(checked.spec.what.data.sources, checked.loaded.base_dir, root)
     if holder is None:
@@ -119,7 +119,6 @@ def store_root(checked: CheckedSpec, store: str | None, option: str = "--store")
     if store:
         err.print(f"{option} {store}: {problem}", markup=False, highlight=False, soft_wrap=True)
     else:
-        from compass.specs.base import Issue
 
         (located,) = checked.loaded.problems([Issue(("how", "storage", "root"), problem, "set another root")])
         err.print(str(located), markup=False, highlight=False)

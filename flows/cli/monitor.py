@@ -11,7 +11,8 @@ from typing import Annotated
 
 import typer
 
-from compass.flows.cli_common import EXIT_BAD_INPUT, SpecArg, err, load, out, store_root
+from compass.flows.cli.common import EXIT_BAD_INPUT, SpecArg, err, load, out, store_root
+from compass.infra import prometheus
 
 
 def monitoring_folder(spec: Path, store: str | None = None) -> Path:
@@ -29,7 +30,6 @@ def monitor(spec: SpecArg,
             scrape_interval: Annotated[float, typer.Option(min=1.0, help="Seconds between scrapes.")] = 5.0,
             store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None) -> None:
     """Start Prometheus over the run's training ranks, with compass's alert rules."""
-    from compass.infra import prometheus
 
     folder = monitoring_folder(spec, store)
     try:

@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
+from rich.table import Table
 
-from compass.flows.cli_common import EXIT_BAD_INPUT, RehearseOption, SmokeOption, err, load, out, store_root
+from compass.flows.cli.common import EXIT_BAD_INPUT, RehearseOption, SmokeOption, err, load, out, store_root
+from compass.flows.reports.recent_runs import recent_runs
+from compass.flows.server.confinement import WORKER_SPECS, WORKER_STORE
+from compass.flows.server.database import DatabaseError, prefect_database_url, redacted, unreachable
+from compass.flows.server.worker import serve
 
 ops = typer.Typer()
 LOOPBACK_NAMES = {"localhost"}
@@ -50,7 +56,6 @@ def server(host: Annotated[str, typer.Option(help="Address to listen on.")] = "1
                     "COMPASS_DATABASE_URL keeps the password off the command line.",
                envvar="COMPASS_DATABASE_URL", show_envvar=False)] = None) -> None:
     """Start a Prefect server (API and web UI) on 127.0.0.1; another address needs basic auth set."""
-    from compass.flows.server_database import DatabaseError, prefect_database_url, redacted, unreachable
 
     env = dict(os.environ)
     if database:
@@ -106,8 +111,7 @@ def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")
     files only under its --store, its --specs and COMPASS_ALLOWED_ROOTS (never where the submitter says), and write
     only into its --store when one is given."""
     need_server("compass worker")
-    from compass.flows.confinement import WORKER_SPECS, WORKER_STORE
-    from compass.flows.deployments import ensure_pool
+    from compass.flows.server.deployments import ensure_pool
 
     ensure_pool(pool)
     if store:  # the flow runs the worker starts inherit its environment
@@ -115,7 +119,6 @@ def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")
     if specs:
         os.environ[WORKER_SPECS] = str(specs.expanduser().resolve())
     sys.stdout.flush()
-    from compass.flows.worker_process import serve
 
     raise typer.Exit(serve(pool))
 
@@ -130,7 +133,7 @@ def deploy(spec: Annotated[Path | None, typer.Argument(
     """Create or update the work pool, the deployments and the GPU concurrency limit on the server."""
     loaded = load(spec) if spec else None
     need_server("compass deploy")
-    from compass.flows.deployments import deploy_all, ensure_gpu_limit, ensure_pool
+    from compass.flows.server.deployments import deploy_all, ensure_gpu_limit, ensure_pool
 
     created = ensure_pool(pool)
     evaluation = None
@@ -179,9 +182,9 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
     need_server("compass submit")
     from prefect.exceptions import ObjectNotFound
 
-    from compass.flows.submit import submit as create_run
-    from compass.flows.submit import ui_url
-    from compass.flows.submit import watch as follow
+    from compass.flows.server.submit import submit as create_run
+    from compass.flows.server.submit import ui_url
+    from compass.flows.server.submit import watch as follow
 
     try:
         run = create_run(checked.loaded, str(spec), deployment, store_root(checked, store), until)
@@ -209,14 +212,11 @@ def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 1
     """Recent lifecycle runs on the server: state, current step, goodput (the share of its steps' time spent
     computing, and the largest badput), store location."""
     need_server("compass status")
-    from compass.flows.recent_runs import recent_runs
 
     rows = recent_runs(limit)
     if as_json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return
-    from rich.markup import escape
-    from rich.table import Table
 
     table = Table(title="compass runs", title_justify="left")
     for col in ("run", "state", "started", "step", "done", "goodput", "store", "deployment"):

@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
+from rich.table import Table
 
-from compass.flows.cli_common import SpecArg, err, load, out, store_root
+from compass.flows.cli.common import SpecArg, err, load, out, store_root
+from compass.infra.net import free_port
+from compass.specs.how import PEAK_TFLOPS
 from compass.specs.scaling import MATMUL_SHARE_OF_PEAK as ACHIEVABLE
 
 
@@ -33,9 +37,7 @@ def preflight(spec: SpecArg,
     `srun --ntasks-per-node=1 python -m torch.distributed.run --nnodes $SLURM_NNODES ...
     -m compass.model.training.preflight`
     the way training runs, or here for this node."""
-    from compass.infra.net import free_port
     from compass.model.training.preflight import judge
-    from compass.specs.how import PEAK_TFLOPS
 
     checked = load(spec)
     hw = checked.loaded.spec.how.hardware
@@ -63,8 +65,6 @@ def preflight(spec: SpecArg,
 
 
 def _print(verdict, expected: dict[str, float]) -> None:
-    from rich.markup import escape
-    from rich.table import Table
 
     table = Table(title="compass preflight", title_justify="left")
     for col in ("node", "rank", "device", "matmul TFLOPS", "all-reduce GB/s", "store w/r MB/s", "staging w/r MB/s",

@@ -3,6 +3,7 @@ playbook's loop: integrate what helped, then test the next change against the ne
 
 from __future__ import annotations
 
+import difflib
 import io
 import json
 from pathlib import Path
@@ -67,7 +68,6 @@ def _layout_of(text: str) -> YAML:
 def _unfolded(original: str, written: str) -> str:
     """`written` with each stretch that differs from `original` only in where its lines break (a flow mapping or
     list the file wraps over lines, which YAML writes on one) taken back from `original`."""
-    import difflib
 
     before, after = original.splitlines(keepends=True), written.splitlines(keepends=True)
     merged: list[str] = []

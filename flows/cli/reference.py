@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import typer.main
+
+from compass.flows.cli.app import app
+
 
 def commands(group: Any, prefix: str = "compass") -> Iterator[tuple[str, Any]]:
     """Every command under `group` (typer's click group: typer carries its own click, so this reads the tree by
@@ -33,9 +37,7 @@ def _option(param: Any) -> tuple[str, str, str]:
 
 def render() -> str:
     """The page: one section per command, its help, then a table of its arguments and options."""
-    import typer.main
 
-    from compass.flows.cli import app
 
     lines = ["# Command line", "",
              "Generated from the commands themselves at every build of this site (`compass COMMAND --help` says the "

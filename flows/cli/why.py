@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from compass.flows.cli_common import (
+from compass.flows.cli.common import (
     EXIT_BAD_INPUT,
     MachineChecksOption,
     SmokeOption,
@@ -42,7 +42,7 @@ def why(step: Annotated[str, typer.Argument(help="A step id (pretrain:stage1), o
     """Why a step would run (which config or how field changed, old -> new; which input, and why that input
     runs; or the kind's code version) or is reused (its artifact, and the placement it was made under where that
     differs from the spec's now). Reads the store only."""
-    from compass.flows.plan_status import plan_status
+    from compass.flows.reports.plan_status import plan_status
     from compass.infra.store import Store
 
     checked = load(spec, smoke=smoke, machine=machine_checks)

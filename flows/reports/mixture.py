@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compass.flows.compiler import Plan
-from compass.flows.plan_report import Section, human
-from compass.flows.plan_status import StepStatus
+from compass.flows.reports.plan_status import StepStatus
+from compass.flows.reports.plan_tables import Section, human
 from compass.infra.manifest import DamagedManifest
 from compass.infra.store import Store
 from compass.specs.spec import TrainingSpec

@@ -5,10 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.markup import escape
+from rich.table import Table
+
 from compass.flows.compiler import Plan
-from compass.flows.plan_status import StepStatus
-from compass.specs import costs
+from compass.flows.reports.plan_status import StepStatus
+from compass.model.attention import DOCUMENT_SDPA, flash_kernel
+from compass.specs import costs, scaling
+from compass.specs.checks import phases_of
+from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
+from compass.specs.how import PHASES
+from compass.specs.scaling import step_shapes
 from compass.specs.spec import TrainingSpec
+from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
 
 
 @dataclass
@@ -54,7 +63,6 @@ def dag_section(plan: Plan, statuses: list[StepStatus], store_root: str, new_sto
 
 def scaling_section(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> Section:
     """Wall time by GPU count, the GPUs the target needs, and where adding GPUs stops helping."""
-    from compass.specs import scaling
 
     hw = spec.how.hardware
     points = scaling.scaling(spec, tflops_per_gpu)
@@ -120,7 +128,6 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                 training_core_section(spec)]
     if (fence := fence_section(spec)) is not None:
         sections.append(fence)
-    from compass.specs.scaling import step_shapes
 
     if (hw.accelerator != "cpu" or hw.target_days) and step_shapes(spec):  # (nothing to scale: a fine-tune only)
         sections.append(scaling_section(spec, tflops_per_gpu))
@@ -172,8 +179,6 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
 
 def placement_section(spec: TrainingSpec) -> Section:
     """Where each phase of the spec runs and on what: its shape (how.resources, defaults from how.hardware)."""
-    from compass.specs.checks import phases_of
-    from compass.specs.how import PHASES
 
     how = spec.how
     cluster = how.orchestration.cluster
@@ -240,7 +245,6 @@ def orchestration_section(spec: TrainingSpec) -> Section:
 
 def training_core_section(spec: TrainingSpec) -> Section:
     """How the training steps will run: attention kernel, loss kernel, compile, checkpoints, precision."""
-    from compass.model.attention import DOCUMENT_SDPA, flash_kernel
 
     how = spec.how
     gpu = how.hardware.accelerator != "cpu"
@@ -270,7 +274,6 @@ def training_core_section(spec: TrainingSpec) -> Section:
 def goodput_section(spec: TrainingSpec) -> Section:
     """Each training stage's predicted goodput: the causes a run's ledger measures (`compass status`, the step's
     manifest), predicted from the checkpoint cadence and how.hardware's reliability numbers."""
-    from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
 
     hw = spec.how.hardware
 
@@ -295,7 +298,7 @@ def goodput_section(spec: TrainingSpec) -> Section:
 
 def rough_duration(seconds: float) -> str:
     """An estimate's seconds in the largest unit that reads well: 45 s, 12 min, 3.2 h, 4.1 d (a run's measured
-    times use flows/progress.py's clock format)."""
+    times use flows/reports/progress.py's clock format)."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size * (2 if unit == "d" else 1):
             return f"{seconds / size:.2g} {unit}" if seconds / size < 100 else f"{seconds / size:,.0f} {unit}"
@@ -310,7 +313,6 @@ def evaluates_every_export(spec: TrainingSpec) -> bool:
 
 def fence_section(spec: TrainingSpec) -> Section | None:
     """The decontamination fence: what is indexed, what is scanned, and what a match does."""
-    from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
     from compass.tasks.data.decontamination import SHORT_MIN
 
     if not needs_fence(spec):
@@ -343,8 +345,6 @@ def to_markdown(sections: list[Section]) -> str:
 
 def print_sections(sections: list[Section], console: Any) -> None:
     """As rich tables; every value escaped (paths and names are data, never markup)."""
-    from rich.markup import escape
-    from rich.table import Table
 
     for s in sections:
         table = Table(title=escape(s.title), title_justify="left", show_lines=False, header_style="bold")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from prefect.deployments.runner import EntrypointType
@@ -100,7 +101,6 @@ def deploy_all(pool: str, evaluation: dict[str, Any] | None = None,
 def ensure_checkpoint_automation(spec_name: str, deployment: str) -> str:
     """An automation that runs `deployment` once for every `compass.checkpoint.committed` event of this spec's
     runs, with the event's checkpoint as the flow's parameter (replacing an automation of the same name)."""
-    from datetime import timedelta
 
     from prefect.automations import Automation, EventTrigger, Posture, RunDeployment
     from prefect.client.orchestration import get_client

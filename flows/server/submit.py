@@ -14,6 +14,8 @@ from uuid import UUID
 
 from prefect.client.schemas.objects import FlowRun
 
+from compass.specs.loader import load_spec_text
+
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -31,7 +33,6 @@ def submit(loaded: Any, spec_path: str, deployment: str, store_root: str,
     loaded at smoke or rehearsal size goes as its text, with `smoke` or `rehearse` set: the flow shrinks it again."""
     from prefect.deployments import run_deployment
 
-    from compass.specs.loader import load_spec_text
 
     text_hash = load_spec_text(loaded.text, spec_path, loaded.base_dir).spec_hash if loaded.size != "full" else None
     parameters: dict[str, Any] = {"spec_yaml": loaded.text, "spec_path": spec_path,

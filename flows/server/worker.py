@@ -17,13 +17,16 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
+from compass.infra.die_with_parent import parent_death_preexec
+
 GRACE_S = 3.0  # how long Prefect's own stop may take before an idle worker is stopped for it
 POLL_S = 0.2
 
 
 def flow_runs_of(pid: int) -> list[int]:
     """The flow runs a worker is running: its child processes."""
-    import psutil
 
     try:
         return [child.pid for child in psutil.Process(pid).children()]
@@ -34,7 +37,6 @@ def flow_runs_of(pid: int) -> list[int]:
 def serve(pool: str) -> int:
     """Run the process worker on `pool` until it ends or is asked to stop; its exit code."""
     prefect = Path(sys.executable).with_name("prefect")
-    from compass.infra.die_with_parent import parent_death_preexec
 
     worker = subprocess.Popen([str(prefect), "worker", "start", "--pool", pool, "--type", "process"],
                               start_new_session=True, preexec_fn=parent_death_preexec())  # it dies with compass

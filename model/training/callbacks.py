@@ -23,18 +23,18 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from tqdm import tqdm
 
 from compass.infra.errors import StopRequested
 from compass.infra.layout import WorkFolder
 from compass.model.training import checkpoints as ckpt
 from compass.model.training import collectives
+from compass.model.training.loop_view import TrainingLoop
 from compass.model.training.monitors import Event, TrainingMonitor, TrainingStopped
 from compass.model.training.records import PHASES, MetricsRow, read_metrics, write_metrics
 from compass.specs.training import Monitors
-
-if TYPE_CHECKING:
-    from compass.model.training.trainer import Trainer
 
 log = logging.getLogger("compass.train")
 
@@ -50,14 +50,14 @@ class Rollback(Exception):
 class Callback:
     """Base class: every hook does nothing."""
 
-    def on_start(self, trainer: Trainer) -> None: ...
-    def pre_step(self, trainer: Trainer) -> None: ...
-    def before_update(self, trainer: Trainer, loss: float, grad_norm: float) -> None: ...
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None: ...
-    def post_checkpoint(self, trainer: Trainer, folder: Path) -> None: ...
-    def post_restore(self, trainer: Trainer, step: int) -> None: ...
-    def on_error(self, trainer: Trainer, exc: BaseException) -> None: ...
-    def on_end(self, trainer: Trainer) -> None: ...
+    def on_start(self, trainer: TrainingLoop) -> None: ...
+    def pre_step(self, trainer: TrainingLoop) -> None: ...
+    def before_update(self, trainer: TrainingLoop, loss: float, grad_norm: float) -> None: ...
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None: ...
+    def post_checkpoint(self, trainer: TrainingLoop, folder: Path) -> None: ...
+    def post_restore(self, trainer: TrainingLoop, step: int) -> None: ...
+    def on_error(self, trainer: TrainingLoop, exc: BaseException) -> None: ...
+    def on_end(self, trainer: TrainingLoop) -> None: ...
 
     def state_dict(self) -> dict[str, Any] | None:
         """What a checkpoint keeps of this callback (None: nothing)."""
@@ -75,7 +75,7 @@ class Monitoring(Callback):
         self.monitor = TrainingMonitor(monitors, on_gpu)
         self.rollbacks = 0
 
-    def before_update(self, trainer: Trainer, loss: float, grad_norm: float) -> None:
+    def before_update(self, trainer: TrainingLoop, loss: float, grad_norm: float) -> None:
         if trainer.monitor_stopped:  # a stop decided after the last step, on this rank or another: all stop here,
             # each with the deciding rank's event (every rank is here together: one gather, only when stopping)
             decided = [e for e in collectives.all_gather_object(trainer.monitor_stop) if e is not None]
@@ -92,7 +92,7 @@ class Monitoring(Callback):
                 raise TrainingStopped(event, f"(more than {self.monitors.max_rollbacks} rollbacks)")
             raise Rollback(event)
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         phases = {phase: row.seconds(phase) for phase in PHASES if getattr(row, f"{phase}_s") is not None}
         for event in self.monitor.record(row.step, row.loss, row.tokens_per_s or 0.0, phases):
             trainer.report(event)
@@ -101,7 +101,7 @@ class Monitoring(Callback):
                 # all-reduce and every rank stops before that update (raising here alone hung the rest)
                 trainer.monitor_stop = event
 
-    def post_restore(self, trainer: Trainer, step: int) -> None:
+    def post_restore(self, trainer: TrainingLoop, step: int) -> None:
         self.monitor.forget_since_rollback()
 
     def state_dict(self) -> dict[str, Any]:
@@ -111,7 +111,7 @@ class Monitoring(Callback):
         self.rollbacks = state["rollbacks"]
         self.monitor.load_state_dict(state)
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainingLoop) -> None:
         if trainer.rank == 0 and trainer.events:
             with open(WorkFolder(trainer.job.workdir).events, "a") as f:
                 f.writelines(e.model_dump_json() + "\n" for e in trainer.events)
@@ -124,16 +124,16 @@ class MetricsFile(Callback):
     def __init__(self, path: Path):
         self.path = path
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainingLoop) -> None:
         if trainer.rank == 0:
             truncate_metrics(self.path, trainer.global_step)
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         if trainer.rank == 0:
             with open(self.path, "a") as f:
                 f.write(row.line())
 
-    def post_restore(self, trainer: Trainer, step: int) -> None:
+    def post_restore(self, trainer: TrainingLoop, step: int) -> None:
         if trainer.rank == 0:
             truncate_metrics(self.path, trainer.offset + step)
 
@@ -144,13 +144,12 @@ class Progress(Callback):
     def __init__(self) -> None:
         self.bar: Any = None
 
-    def on_start(self, trainer: Trainer) -> None:
-        from tqdm import tqdm
+    def on_start(self, trainer: TrainingLoop) -> None:
 
         self.bar = tqdm(total=trainer.stage_steps, initial=trainer.step, desc=trainer.stage.name, unit="step",
                         disable=trainer.rank != 0 or not sys.stderr.isatty())
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         if trainer.rank != 0:
             return
         self.bar.update(1)
@@ -160,13 +159,13 @@ class Progress(Callback):
             log.info("%s step %d/%d loss %.4f lr %.2e grad %.2f %.0f tok/s", trainer.stage.name, step, total,
                      row.loss, row.lr, row.grad_norm, row.tokens_per_s)
 
-    def post_restore(self, trainer: Trainer, step: int) -> None:
+    def post_restore(self, trainer: TrainingLoop, step: int) -> None:
         self.bar.n = step
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainingLoop) -> None:
         self.bar.close()
 
-    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_error(self, trainer: TrainingLoop, exc: BaseException) -> None:
         self.bar.close()
 
 
@@ -178,12 +177,12 @@ class Checkpointing(Callback):
     def __init__(self, every: int, keep_last: int, export_every: int = 1, pending: Path | None = None):
         self.every, self.keep_last, self.export_every, self.pending = every, keep_last, export_every, pending
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         last = trainer.step == trainer.stage_steps
         if trainer.step % self.every == 0 or last:
             trainer.save_checkpoint(export=last or (trainer.step // self.every) % self.export_every == 0)
 
-    def post_checkpoint(self, trainer: Trainer, folder: Path) -> None:
+    def post_checkpoint(self, trainer: TrainingLoop, folder: Path) -> None:
         if trainer.rank == 0:
             ckpt.prune(folder.parent, self.keep_last, keep={trainer.stage_steps}, pending=self.pending)
 
@@ -199,10 +198,10 @@ class StopWhenAsked(Callback):
     def __init__(self, stop_file: Path):
         self.stop_file = stop_file
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainingLoop) -> None:
         trainer.stop_asked_here = lambda: StopWhenAsked.signalled or (trainer.rank == 0 and self.stop_file.exists())
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         if not trainer.stop_asked or trainer.step == trainer.stage_steps:  # the stage's end is checkpointed anyway
             return
         if trainer.written is None or trainer.written != ckpt.step_dir(trainer.checkpoint_root, trainer.step):

@@ -20,7 +20,9 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
+from compass.infra.net import free_port
 from compass.model.training.collective_ledger import CollectiveLedger
+from compass.model.training.rank_device import gpu_index
 
 Op = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -63,7 +65,6 @@ def group_of_one(backend: str) -> None:
     if "MASTER_ADDR" in os.environ:  # a launcher's single rank: its rendezvous (torchrun's agent holds the store)
         dist.init_process_group(backend=backend, rank=0, world_size=1)
         return
-    from compass.infra.net import free_port
 
     dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
@@ -87,7 +88,6 @@ def backend_device(backend: str | None = None) -> torch.device:
     """Where the group's collectives move tensors: this rank's GPU for NCCL, the CPU for gloo (or no group)."""
     backend = backend or (dist.get_backend() if active() else "gloo")
     if backend in CUDA_BACKENDS:
-        from compass.model.training.rank_device import gpu_index
 
         return torch.device("cuda", gpu_index())
     return torch.device("cpu")

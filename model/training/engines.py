@@ -9,6 +9,7 @@ The module an engine trains is `CausalLMWithLoss` (model/lm.py): its forward ret
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import sys
@@ -51,7 +52,6 @@ def tensors_digest(tensors: Any) -> int:
     """A short digest of the tensors' dtypes and bytes (the start-of-run check compares it across ranks). Any dtype:
     the bytes are read through a uint8 view, since numpy has no bfloat16 (DeepSpeed's bf16 engine holds bf16
     weights: `.numpy()` of them raised before any bf16 run's first step)."""
-    import hashlib
 
     h = hashlib.sha256()
     for t in tensors:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compass.model.attention import takes_sequence_lengths
 from compass.model.training.packing import PackedBatch, make_batch
 
 PROBE_TOKENS = 64
@@ -40,7 +41,6 @@ def exported_loss(folder: Path, batch: PackedBatch) -> float:
     """The batch's mean cross-entropy under the exported folder, loaded by transformers in fp32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    from compass.model.attention import takes_sequence_lengths
     from compass.model.lm import CausalLMWithLoss
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -12,6 +12,7 @@ checkpoint holds shards with their global layout, so DCP can reshard it on load.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,6 @@ class FSDP2Engine:
     def write_hf_weights(self, folder: Path) -> bool:
         """The export's weights written from the shards: every rank writes its own in safetensors through DCP's
         Hugging Face writer, which consolidates them into one file; no rank holds the whole model. A collective."""
-        import shutil
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageWriter

@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel, ConfigDict
 
 from compass.model.training.records import GoodputSplit, MetricsRow
@@ -166,6 +167,5 @@ def process_start() -> float:
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):  # not Linux
-        import psutil
 
         return psutil.Process(os.getpid()).create_time()

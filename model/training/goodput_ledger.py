@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from compass.infra.layout import CheckpointFolder
 from compass.model.training.callbacks import Callback
 from compass.model.training.goodput import AttemptFile, Sums
+from compass.model.training.loop_view import TrainingLoop
 from compass.model.training.records import GoodputSplit, MetricsRow
-
-if TYPE_CHECKING:
-    from compass.model.training.trainer import Trainer
 
 
 class GoodputLedger(Callback):
@@ -24,11 +21,11 @@ class GoodputLedger(Callback):
         if rank == 0:
             self.record.begin()
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainingLoop) -> None:
         if trainer.rank == 0:
             self.record.start(trainer.step)
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         attempt = self.record.attempt
         if attempt is None:
             return
@@ -43,11 +40,11 @@ class GoodputLedger(Callback):
         elif self.record.due():
             self.record.write()
 
-    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_error(self, trainer: TrainingLoop, exc: BaseException) -> None:
         if self.record.attempt is not None:  # a stop asked (the time limit), a monitor's stop, a fault: its last record
             self.record.write()
 
-    def post_restore(self, trainer: Trainer, step: int) -> None:
+    def post_restore(self, trainer: TrainingLoop, step: int) -> None:
         """A rollback went back to `step`'s checkpoint: the steps since are computed again."""
         attempt = self.record.attempt
         if attempt is None:

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from compass.model.attention import document_starts, known_starts
+
 
 class Documents(Protocol):
     n_documents: int
@@ -52,7 +54,6 @@ class PackedBatch:
         """Keyword arguments of CausalLMWithLoss: token ids, position ids, labels and, with `sequence_lengths`, the
         documents as flash-attention's varlen kernels take them (see `varlen_kwargs`). The document starts are read
         here, on the host, so that splitting rows into documents never waits on the device."""
-        from compass.model.attention import document_starts, known_starts
 
         positions = self.position_ids.to(device, non_blocking=True)
         starts = document_starts(self.position_ids)

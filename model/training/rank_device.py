@@ -16,6 +16,7 @@ rehearsal may: a GPU spec's rank elsewhere without CUDA is refused (`refuse_cpu_
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 
@@ -51,7 +52,6 @@ class DeviceError(RuntimeError):
 def refuse_cpu_ranks(accelerator: str, cuda_available: bool, env: dict[str, str] | None = None) -> None:
     """A GPU spec's rank where CUDA is not available computes on the CPU only in a rehearsal. Elsewhere it is a
     node whose driver, job or torch build lost its GPUs, and a weeks-long run would train on its CPU without a word."""
-    import socket
 
     env = dict(os.environ if env is None else env)
     if accelerator == "cpu" or cuda_available or env.get(REHEARSAL_ENV) == "1":
@@ -74,7 +74,6 @@ def visible_gpus(env: dict[str, str] | None = None) -> list[str] | None:
 def resolve(accelerator: str, cuda_available: bool | None = None, env: dict[str, str] | None = None) -> RankDevice:
     """This rank's device: a GPU when `accelerator` names one (how.hardware.accelerator), the CPU otherwise.
     `cuda_available` None: ask torch."""
-    import socket
 
     env = dict(os.environ if env is None else env)
     local_rank = int(env.get("LOCAL_RANK", 0))

@@ -19,15 +19,17 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import psutil
+from prometheus_client import CollectorRegistry, Gauge, start_wsgi_server
+from prometheus_client.core import GaugeMetricFamily
 
 from compass.model.training.callbacks import Callback
 from compass.model.training.job import Telemetry
+from compass.model.training.loop_view import TrainingLoop
 from compass.model.training.records import CAUSES, PHASES, GoodputSplit, MetricsRow
 from compass.model.training.trackers import TrackerRun, Trackers
-
-if TYPE_CHECKING:
-    from compass.model.training.trainer import Trainer
 
 LABELS = ("run", "step", "stage", "node", "rank")
 
@@ -67,14 +69,12 @@ class _HostAndDevice:
     """Read at scrape time, so a rank that hangs still reports its memory, CPU and GPU."""
 
     def __init__(self, labels: dict[str, str], gpu_index: int | None):
-        import psutil
 
         self.labels, self.gpu_index = labels, gpu_index
         self.process = psutil.Process()
         self.process.cpu_percent()  # the first reading is meaningless: start the interval now
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
 
         def family(name: str, extra: str | None = None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, EXPOSED[name][0], labels=[*LABELS, *([extra] if extra else [])])
@@ -127,7 +127,6 @@ class RankEndpoint:
     trainer's exporter (below) and TRL's (tasks/post_training/trl_prometheus.py) fill the same gauges."""
 
     def __init__(self, telemetry: Telemetry, labels: dict[str, str], local_rank: int, gpu_index: int | None):
-        from prometheus_client import CollectorRegistry, Gauge, start_wsgi_server
 
         self.labels = labels
         self.values = list(labels.values())
@@ -170,14 +169,14 @@ class PrometheusExporter(Callback):
         self.endpoint: RankEndpoint | None = None
         self.goodput_at = 0.0
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainingLoop) -> None:
         t = self.telemetry
         labels = {"run": t.run, "step": t.step, "stage": trainer.stage.name, "node": socket.gethostname(),
                   "rank": str(trainer.rank)}
         cuda = trainer.device.type == "cuda"
         self.endpoint = RankEndpoint(t, labels, _dist()[2], trainer.device.index if cuda else None)
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         endpoint = self.endpoint
         if endpoint is None:
             return
@@ -199,10 +198,10 @@ class PrometheusExporter(Callback):
             if split is not None:
                 endpoint.set_goodput(split)
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainingLoop) -> None:
         self.close()
 
-    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_error(self, trainer: TrainingLoop, exc: BaseException) -> None:
         self.close()
 
     def close(self) -> None:
@@ -235,7 +234,7 @@ class TensorBoardLog(Callback):
         self.telemetry = telemetry
         self.writer: Any = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainingLoop) -> None:
         if trainer.rank != 0:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -244,16 +243,16 @@ class TensorBoardLog(Callback):
         self.writer = SummaryWriter(str(tensorboard_run(self.telemetry.folder, self.telemetry.step)),
                                     purge_step=tokens + 1 if trainer.global_step else None)
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         if self.writer is None:
             return
         for name, value in step_scalars(row).items():
             self.writer.add_scalar(name, value, row.tokens)
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainingLoop) -> None:
         self.close()
 
-    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_error(self, trainer: TrainingLoop, exc: BaseException) -> None:
         self.close()
 
     def close(self) -> None:
@@ -277,18 +276,18 @@ class TrackerLog(Callback):
         self.run = run
         self.trackers: Trackers | None = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainingLoop) -> None:
         if trainer.rank == 0:
             self.trackers = Trackers(self.run)
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         if self.trackers is not None:
             self.trackers.log(step_scalars(row), row.tokens)
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainingLoop) -> None:
         self._close(failed=False)
 
-    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_error(self, trainer: TrainingLoop, exc: BaseException) -> None:
         self._close(failed=True)
 
     def _close(self, failed: bool) -> None:

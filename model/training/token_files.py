@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from compass.infra.errors import DamagedArtifact
 from compass.infra.layout import TRAIN
 
 META = "meta.json"
@@ -34,7 +35,6 @@ def write_counts(folder: Path, split: str, documents: list[int], tokens: list[in
 
 def read_counts(text: str, where: str) -> tuple[list[int], list[int]]:
     """(documents, tokens) per shard from a counts file's text; DamagedArtifact when it does not hold them."""
-    from compass.infra.errors import DamagedArtifact
 
     try:
         data = json.loads(text)
@@ -151,7 +151,6 @@ class TokenizedSource:
             path = self.shards[i].with_name(self.shards[i].name.removesuffix(TOKENS_SUFFIX) + OFFSETS_SUFFIX)
             offsets = np.load(path, mmap_mode="r")
             if (len(offsets) - 1, int(offsets[-1])) != self._counts[i]:
-                from compass.infra.errors import DamagedArtifact
 
                 raise DamagedArtifact(f"{path}: {len(offsets) - 1} documents and {int(offsets[-1])} tokens, its "
                                       f"split's counts say {self._counts[i][0]} and {self._counts[i][1]}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -77,7 +78,6 @@ class _Mlflow(_Sink):
     """MlflowClient against the tracking server (no fluent global state: steps run on threads side by side)."""
 
     def __init__(self, run: TrackerRun):
-        import os
 
         for name, value in FAIL_FAST.items():  # a server that does not answer costs seconds, not MLflow's ~5 minutes
             os.environ.setdefault(name, value)  # (7 retries with backoff, 120 s per request); a user's own wins

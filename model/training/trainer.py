@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from compass.infra.die_with_parent import die_with_parent
 from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.errors import StopRequested
 from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
@@ -554,7 +555,6 @@ def _stop_requested(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point for launchers: `python -m compass.model.training.trainer JOB.json` (torchrun / deepspeed run it per
     rank); rank 0 writes `result.json` beside the job."""
-    from compass.infra.die_with_parent import die_with_parent
 
     # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
     die_with_parent(never_a_child_of_init=True)

@@ -27,10 +27,10 @@ from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
 from compass.model.training import collectives
 from compass.model.training.callbacks import Callback
 from compass.model.training.collective_ledger import missing_peers, read_ledger
+from compass.model.training.loop_view import TrainingLoop
 
 if TYPE_CHECKING:
     from compass.model.training.records import MetricsRow
-    from compass.model.training.trainer import Trainer
 
 HUNG_EXIT_CODE = RETRIABLE_EXIT  # a retry may well succeed
 FIRST_STEP_ALLOWANCE = 3
@@ -54,24 +54,24 @@ class HangWatchdog(Callback):
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainingLoop) -> None:
         self._arm(trainer, self.timeout_s * FIRST_STEP_ALLOWANCE)
         self.thread = threading.Thread(target=self._watch, name="compass-hang-watchdog", daemon=True)
         self.thread.start()
 
-    def post_step(self, trainer: Trainer, row: MetricsRow) -> None:
+    def post_step(self, trainer: TrainingLoop, row: MetricsRow) -> None:
         self._arm(trainer, self.timeout_s)
 
-    def post_restore(self, trainer: Trainer, step: int) -> None:
+    def post_restore(self, trainer: TrainingLoop, step: int) -> None:
         self._arm(trainer, self.timeout_s * FIRST_STEP_ALLOWANCE)
 
-    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_error(self, trainer: TrainingLoop, exc: BaseException) -> None:
         self.stopped.set()
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainingLoop) -> None:
         self.stopped.set()
 
-    def _arm(self, trainer: Trainer, seconds: float) -> None:
+    def _arm(self, trainer: TrainingLoop, seconds: float) -> None:
         ledger = collectives.ledger()
         if ledger is not None:
             ledger.at_step(trainer.global_step + 1)

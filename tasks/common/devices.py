@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compass.model.training.rank_device import refuse_cpu_ranks
 from compass.specs.how import How
 
 
@@ -22,7 +23,6 @@ class Device:
 def device_for(how: How) -> Device:
     import torch
 
-    from compass.model.training.rank_device import refuse_cpu_ranks
 
     refuse_cpu_ranks(how.hardware.accelerator, torch.cuda.is_available())  # a GPU spec on the CPU: rehearsals only
     cuda = how.hardware.accelerator != "cpu" and torch.cuda.is_available()

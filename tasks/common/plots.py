@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
 from pydantic import BaseModel, ConfigDict
 
 UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
@@ -73,7 +74,6 @@ class PlotDescription(BaseModel):
     @classmethod
     def read(cls, png: Path | bytes) -> PlotDescription:
         """The description a PNG written by `figure_png` carries (PIL reads PNG text chunks)."""
-        from PIL import Image
 
         with Image.open(io.BytesIO(png) if isinstance(png, bytes) else png) as image:
             return cls.model_validate_json(image.text[PLOT_KEY])

@@ -17,12 +17,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from compass.infra.disk_full import clear_full_disk_notes, ended_on_a_full_disk
+from compass.infra.errors import StopRequested
+from compass.infra.exits import RetriableRanksFailure, clear_retriable, retriable_reasons
+from compass.infra.launcher import TRAINER_MODULE
 from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtifact, WorkFolder
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
 from compass.model.training.records import MetricsRow, TrainResult, goodput_table, read_metrics, write_metrics
 from compass.specs.how import Shape, SlurmCluster
 from compass.tasks.common.inputs import TrainingInputs
+from compass.tasks.common.plots import figure_png, use_token_axis
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.data.tokenizer_files import tokenizer_ids
 from compass.tasks.steps.context import Runtime, StepContext, StepResult
@@ -110,7 +114,6 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
     the placement's launcher (tasks/steps/launchers.py: torchrun here or over ssh to how.hardware.hosts; srun over
     the step's Slurm job's nodes as `cluster.launch` says). A stop asked before the time limit (the ranks
     checkpointed and left) ends the step without a result: the Slurm job's batch shell requeues it."""
-    from compass.infra.launcher import TRAINER_MODULE
 
     work = WorkFolder(job.workdir)
     job.workdir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +129,6 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
             result = train_stage(job)
         result.write(work.train_result)
         return result
-    from compass.infra.exits import RetriableRanksFailure, clear_retriable, retriable_reasons
 
     work.train_result.unlink(missing_ok=True)
     clear_retriable(job.workdir)
@@ -137,7 +139,6 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
         return TrainResult.read(work.train_result)
     checkpoints = work.complete_checkpoints()
     if work.stop_file.exists() and checkpoints:
-        from compass.infra.errors import StopRequested
 
         raise StopRequested(checkpoints[-1].step)
     ended_on_a_full_disk(job.workdir)
@@ -176,7 +177,6 @@ def loss_png(rows: list[MetricsRow], title: str, dpi: int = 100) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from compass.tasks.common.plots import figure_png, use_token_axis
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for stage in dict.fromkeys(r.stage for r in rows):

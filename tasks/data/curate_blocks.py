@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from functools import cached_property
 
 from datatrove.data import Document, DocumentsPipeline
@@ -143,7 +144,6 @@ def _quiet_console_task_logger():
     """datatrove sends every task's INFO log to stderr, which buries compass's own progress. Keep its full
     log files (they become part of the artifact) and show only warnings on the console. Patched here because
     worker processes import this module to unpickle the blocks above, so they get the same behaviour."""
-    import sys
 
     import datatrove.executor.base as executor_base
     from datatrove.utils.logging import add_task_logger, close_task_logger, logger

@@ -13,9 +13,11 @@ still running rather than submitting their ranks twice.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,10 +27,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import multiprocess
 from pydantic import BaseModel, ConfigDict
 
 from compass.infra import interrupt
 from compass.infra.die_with_parent import children_die_with_this_thread
+from compass.infra.slurm import ask_controller, cluster_setting
 from compass.specs.how import Shape, SlurmCluster
 from compass.tasks.steps.context import Runtime
 from compass.tasks.steps.launchers import launcher_for
@@ -81,7 +85,6 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
             executor = RayPipelineExecutor(pipeline, tasks=tasks, workers=orch.workers,
                                            logging_dir=str(logging_dir), skip_completed=True)
         else:
-            import multiprocess
 
             from compass.tasks.data.executors import LocalExecutor
 
@@ -174,7 +177,6 @@ def _run_as_array(pipeline: list, tasks: int, logging_dir: Path, shape: Shape, c
 
 def array_size_limit() -> int:
     """The cluster's MaxArraySize (tasks per array), Slurm's default 1001 where the controller does not say."""
-    from compass.infra.slurm import cluster_setting
 
     value = cluster_setting("MaxArraySize")
     return int(value) if value.isdigit() and int(value) > 0 else 1001
@@ -198,7 +200,6 @@ def _queued(job_id: str) -> list[str]:
     """The arrays' tasks the controller still holds (pending, running, completing; `job_id` one id or several,
     comma-separated), as `id state` lines; a
     controller that does not answer is asked again (infra/slurm.ask_controller), never taken for "none left"."""
-    from compass.infra.slurm import ask_controller
 
     out = ask_controller(["squeue", "-h", "-r", "-o", "%i %T", "-j", job_id])
     return [line for line in (out or "").splitlines() if line.strip()]
@@ -207,10 +208,7 @@ def _queued(job_id: str) -> list[str]:
 def _recorded_live_jobs(record: Path, name: str, log: logging.Logger | logging.LoggerAdapter) -> str:
     """The recorded arrays' ids, comma-separated, while the controller still holds any of their tasks and every
     one of them is this stage's (its job name, this user: a planted or stale record names someone else's); ''."""
-    import getpass
-    import re
 
-    from compass.infra.slurm import ask_controller
 
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
         data = json.loads(record.read_text())

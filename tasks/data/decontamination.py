@@ -13,6 +13,7 @@ normalization, operators kept) is a hit however short it is.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterable
@@ -119,7 +120,6 @@ class Fence:
     @classmethod
     def read(cls, folder: str | Path) -> Fence:
         """From a local folder or a store URL (s3://...: the ranks of a remote store's tokenize read it there)."""
-        import io
 
         import fsspec
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 from typing import IO, BinaryIO
 
+import zstandard
 from fsspec.compression import register_compression
 
 SHARD_CODEC = "zstd-shards"
@@ -18,7 +19,6 @@ def _zstd_shard(infile, mode: str = "rb", **kwargs):
     shard recomputed by a relaunch, another executor or another machine is byte-identical (its digest in the
     manifest too). gzip -6 cost 2 of every 7 seconds of the tokenizer's own work per shard written
     (benchmarks/data_throughput.py); zstd a sixth of that."""
-    import zstandard
 
     if "r" in mode:  # as gzip.GzipFile(fileobj=...), closing the stream leaves the file to its opener
         return zstandard.ZstdDecompressor().stream_reader(infile, read_across_frames=True, closefd=False)

@@ -15,6 +15,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Literal
 
+import lxml.html
+import orjson
 from fsspec.spec import AbstractBufferedFile
 
 from compass.infra.errors import MalformedData
@@ -175,7 +177,6 @@ def _bounded_lines(stream, max_bytes: int) -> Iterator[tuple[int, bytes | None]]
 def _parsed(line: bytes):
     """orjson's parse (several times the standard library's); a line it refuses is parsed again by the standard
     library, for the error message users know (what is wrong, at which column)."""
-    import orjson
 
     try:
         return orjson.loads(line)
@@ -235,7 +236,6 @@ def _rows_per_batch(parquet, key: str) -> int:
 
 
 def _html_tree(raw: bytes):
-    import lxml.html
 
     tree = lxml.html.fromstring(raw)
     for el in tree.xpath(_DROP):

@@ -11,6 +11,9 @@ from pathlib import Path
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
+from compass.infra.fingerprint import sha256_file
+from compass.infra.manifest import FileEntry
+
 BATCH = 256
 BATCH_CHARS = 1 << 23  # 8M characters
 
@@ -60,8 +63,6 @@ class TokenShards(PipelineStep):
 
 def _publish(local: Path, remote: str | None, split: str, rank: int) -> list:
     """The shard's files hashed, and uploaded to `remote` when given; returns their FileEntry records."""
-    from compass.infra.fingerprint import sha256_file
-    from compass.infra.manifest import FileEntry
     from compass.model.training.token_files import shard_paths
 
     written = []

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from compass.tasks.steps.kind import IMPORTING
+
 
 @dataclass(frozen=True)
 class TokenizerIds:
@@ -45,7 +47,6 @@ def eos_id(folder: Path) -> int:
     found = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(token) if isinstance(token, str) else None
     if found is not None:
         return found
-    from compass.tasks.steps.kind import IMPORTING
 
     with IMPORTING:  # transformers' lazy names, imported by one thread at a time
         return tokenizer_ids(folder).eos

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from compass.specs.evaluation import Benchmark
+from compass.tasks.evaluation.lighteval_benchmarks import local_configs, locate
+from compass.tasks.evaluation.offline_benchmarks import prepare
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,6 @@ def items_of(benchmark: Benchmark) -> Iterator[BenchmarkItem]:
     if benchmark.source == "lighteval":
         yield from _lighteval_items(benchmark)
         return
-    from compass.tasks.evaluation.offline_benchmarks import prepare
 
     folder, _ = prepare(benchmark.name)
     with (folder / "validation.jsonl").open(encoding="utf-8") as f:
@@ -36,7 +37,6 @@ def items_of(benchmark: Benchmark) -> Iterator[BenchmarkItem]:
 def _lighteval_items(benchmark: Benchmark) -> Iterator[BenchmarkItem]:
     from lighteval.tasks.lighteval_task import LightevalTask
 
-    from compass.tasks.evaluation.lighteval_benchmarks import local_configs, locate
 
     local = locate(benchmark.name, benchmark.fewshot)
     (config,) = local_configs({benchmark.name: str(local.dataset)})

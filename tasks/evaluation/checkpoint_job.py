@@ -21,9 +21,12 @@ from pydantic import BaseModel, ConfigDict
 
 from compass.infra.fingerprint import sha256_file
 from compass.infra.layout import WEIGHTS, pending_copy
+from compass.infra.slurm import SlurmJobFailed, request_for, run_on_slurm
 from compass.infra.store import Store
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How
+from compass.tasks.common.devices import device_for
+from compass.tasks.evaluation.lighteval_run import run_lighteval
 
 MODULE = "compass.tasks.evaluation.checkpoint_job"
 JOB_FILE = "checkpoint-evaluation.json"
@@ -49,7 +52,6 @@ def evaluate(job: CheckpointEvaluation, log: logging.Logger | logging.LoggerAdap
     cluster = job.how.orchestration.cluster if job.how else None
     if cluster is None:
         return score(job)
-    from compass.infra.slurm import SlurmJobFailed, request_for, run_on_slurm
 
     store = Store(job.store_root, cluster.shared_root)
     sha = job.checkpoint["weights_sha256"]
@@ -73,8 +75,6 @@ def evaluate(job: CheckpointEvaluation, log: logging.Logger | logging.LoggerAdap
 
 def score(job: CheckpointEvaluation) -> dict[str, Any]:
     """Evaluate the checkpoint in this process and write its record to `job.target`."""
-    from compass.tasks.common.devices import device_for
-    from compass.tasks.evaluation.lighteval_run import run_lighteval
 
     store = Store(job.store_root)
     where = device_for(job.how) if job.how else None

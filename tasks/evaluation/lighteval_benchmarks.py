@@ -6,12 +6,14 @@ missing is refused when the spec is checked, before any work starts."""
 from __future__ import annotations
 
 import copy
+import difflib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from compass.infra.environment import hub_cache
+from compass.infra.lighteval_compat import install
 from compass.specs.base import HintedError
 
 LOCAL_PREFIX = "compass_local_"  # lighteval refuses custom tasks that reuse a built-in task's name
@@ -39,7 +41,6 @@ class LocalTask:
 @cache
 def registry() -> dict[str, Any]:
     """lighteval's built-in task configs by name (imports every task module once: several seconds)."""
-    from compass.infra.lighteval_compat import install
 
     install()
     from lighteval.tasks.registry import Registry
@@ -78,7 +79,6 @@ def _fewshot_split(config: Any) -> str | None:
 
 def locate(name: str, fewshot: int = 0) -> LocalTask:
     """The task `name` with its data found on this machine; raises TaskDataMissing saying what is missing."""
-    import difflib
 
     configs = registry()
     config = configs.get(name)

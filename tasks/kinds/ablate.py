@@ -20,11 +20,15 @@ from compass.specs.ablation import AblationBaseline
 from compass.specs.architecture import Architecture
 from compass.specs.evaluation import Benchmark
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+from compass.tasks.common.devices import device_for
 from compass.tasks.common.inputs import TrainingInputs, gates, tokens
+from compass.tasks.common.plots import figure_png, use_token_axis
 from compass.tasks.common.training import build_job, run_training
+from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, R
 
 
@@ -133,8 +137,6 @@ def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
 def _probe_evaluations(ctx: StepContext[AblateConfig], tokens_per_step: int) -> list[dict[str, Any]]:
     """The benchmarks on every kept checkpoint of the run, oldest first (the last is the run's end)."""
     from compass.model.training import checkpoints as ckpt
-    from compass.tasks.common.devices import device_for
-    from compass.tasks.evaluation.lighteval_run import run_lighteval
 
     points = []
     folders = [CheckpointFolder(p) for p in ckpt.complete_checkpoints(WorkFolder(ctx.workdir).checkpoints)]
@@ -249,7 +251,6 @@ def _plot_probes(probes: dict[str, list[list[dict[str, Any]]]], metrics: list[st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from compass.tasks.common.plots import figure_png, use_token_axis
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.2), squeeze=False)
     for ax, metric in zip(axes.flat, metrics, strict=True):
@@ -271,7 +272,6 @@ def _plot(rows: list[dict], metric: str, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from compass.tasks.common.plots import figure_png
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [r["variant"] for r in rows]

@@ -23,12 +23,14 @@ from typing import Any
 
 from compass.infra.fingerprint import weights_digest
 from compass.infra.layout import TOKENIZER_FILES, ModelArtifact
+from compass.specs.checkpoint_config import read_checkpoint_config
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.common.inputs import Gated, gates
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 
 NOT_COPIED = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", ".cache", ".git*")
 
@@ -92,7 +94,6 @@ def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
 
 
 def run_base_model(ctx: StepContext[BaseModelConfig]) -> StepResult:
-    from compass.specs.checkpoint_config import read_checkpoint_config
     from compass.tasks.data.tokenizer_files import tokenizer_ids  # (transformers, when the step runs)
 
     cfg = ctx.config

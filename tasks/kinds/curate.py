@@ -24,8 +24,9 @@ from compass.specs.spec import TrainingSpec
 from compass.tasks.data.datatrove_stages import StageStats, rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, R
 
 

@@ -11,7 +11,8 @@ from typing import Any
 from compass.tasks.common.inputs import Evaluations, evaluations_by_model
 from compass.tasks.common.plots import figure_png, use_token_axis
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
+from compass.tasks.steps.step_config import StepConfig
 
 
 class CurvesConfig(StepConfig):

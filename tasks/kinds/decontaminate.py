@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from compass.infra.layout import SHARD_SUFFIX, TRAIN
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark
 from compass.specs.post_training import PostTrainStep
+from compass.specs.sources import SourceUriError, parse_source_uri
 from compass.specs.spec import TrainingSpec
 from compass.tasks.common.fence import (
     FENCE_INDEX_KIND,
@@ -30,9 +32,13 @@ from compass.tasks.common.fence import (
     needs_fence,
     trained_sources,
 )
+from compass.tasks.evaluation.benchmark_items import items_of
+from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, DATASETS, GENERATIVE, PACKAGE
+from compass.tasks.post_training.drawn import drawn
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, R
 
 
@@ -92,7 +98,6 @@ def build(plan: PlanBuilder) -> None:
 
 def run_index(ctx: StepContext[FenceIndexConfig]) -> StepResult:
     from compass.tasks.data.decontamination import Fence
-    from compass.tasks.evaluation.benchmark_items import items_of
 
     cfg = ctx.config
     fence = Fence.build((item for b in cfg.benchmarks for item in items_of(b)), cfg.n_grams)
@@ -112,7 +117,6 @@ def run_decontaminate(ctx: StepContext[DecontaminateConfig]) -> StepResult:
     from compass.tasks.data.decontamination import Fence, Matcher, SourceReport
     from compass.tasks.data.fence_blocks import FenceScan
     from compass.tasks.data.places import DataPlaces
-    from compass.tasks.post_training.drawn import drawn
 
     cfg = ctx.config
     given = ctx.given(FenceInputs)
@@ -178,10 +182,7 @@ def stops_the_run(metrics: dict[str, Any]) -> str | None:
 def check_spec(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     """Contamination the spec itself shows is refused before anything runs: under `refuse`, a trained source over
     the benchmarks' own package whose include reaches the evaluation split of a benchmark the spec scores."""
-    from fnmatch import fnmatch
 
-    from compass.specs.sources import SourceUriError, parse_source_uri
-    from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, DATASETS, GENERATIVE, PACKAGE
 
     if spec.what.decontamination.policy != "refuse" or not needs_fence(spec):
         return

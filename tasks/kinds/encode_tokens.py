@@ -20,8 +20,9 @@ from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
 from compass.tasks.data.tokenizer_files import eos_id
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
-from compass.tasks.steps.kind import EmptyConfig, PlanBuilder, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import EmptyConfig
 from compass.tasks.steps.wiring import Inputs, R
 
 

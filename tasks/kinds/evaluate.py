@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from compass.infra.layout import FINAL, HELDOUT, ModelArtifact
+from compass.model.attention import DOCUMENT_SDPA, register
 from compass.model.training.history import kept_checkpoints, tokens_seen
 from compass.model.training.records import GoodputSplit, goodput_table
 from compass.model.training.trackers import Trackers
@@ -25,11 +26,14 @@ from compass.specs.spec import TrainingSpec
 from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.inputs import EvaluateInputs, tokens
 from compass.tasks.common.tracking import tracker_run_of
+from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
 from compass.tasks.evaluation.lighteval_run import run_lighteval
+from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, GENERATIVE, VERIFIED, formulations
 from compass.tasks.evaluation.scores import ITEMS, BenchmarkScores, ItemScore
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 
 
 class Retrieval(BaseModel):
@@ -76,7 +80,6 @@ def build(plan: PlanBuilder) -> None:
 
 def check_spec(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     """Every benchmark of compass's own is one whose offline data compass knows, in a formulation it has."""
-    from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, GENERATIVE, VERIFIED, formulations
 
     offline = [*BENCHMARKS, *GENERATIVE, *VERIFIED]
     for i, task in enumerate(spec.what.evaluation.benchmarks):
@@ -93,7 +96,6 @@ def check_spec(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
 
 def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
     """Every lighteval benchmark's dataset is on this machine before any work starts."""
-    from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
 
     for i, task in enumerate(spec.what.evaluation.benchmarks):
         if task.source == "lighteval":
@@ -105,7 +107,6 @@ def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
 
 def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
     """Each lighteval task's dataset in the Hugging Face cache (one this machine lacks is check_machine's error)."""
-    from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
 
     for i, task in enumerate(spec.what.evaluation.benchmarks):
         if task.source == "lighteval":
@@ -169,7 +170,6 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
                     rows.append({"task": name, "metric": metric, "value": round(value, 4),
                                  "stderr": round(values.get(f"{metric}_stderr", float("nan")), 4)})
     if sources:
-        from compass.model.attention import DOCUMENT_SDPA, register
 
         register()
 

@@ -19,11 +19,14 @@ from compass.infra.fingerprint import weights_digest
 from compass.specs.evaluation import Benchmark
 from compass.specs.spec import TrainingSpec
 from compass.specs.why import ProductionWhy, SuccessCriterion
+from compass.tasks.common.devices import device_for
 from compass.tasks.evaluation.intervals import criterion_verdict, item_values, mean_interval
+from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.evaluation.scores import ItemScore
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 
 NOT_JUSTIFIED = "not justified"
 
@@ -93,8 +96,6 @@ def node_files(spec: TrainingSpec) -> Iterator[NodeFile]:
 
 
 def run_gate(ctx: StepContext[GateConfig]) -> StepResult:
-    from compass.tasks.common.devices import device_for
-    from compass.tasks.evaluation.lighteval_run import run_lighteval
 
     cfg = ctx.config
     folder, origin = resolve_model(cfg.model, ctx.scratch)

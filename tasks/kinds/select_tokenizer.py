@@ -15,14 +15,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
 
+from compass.infra.environment import hub_cache
 from compass.infra.layout import HELDOUT, SHARD_SUFFIX, TOKENIZER_FILES, TRAIN, TokenizerArtifact
 from compass.specs.base import Issue
 from compass.specs.spec import TrainingSpec
 from compass.specs.tokenizer import HubCandidate, Tokenizer
 from compass.tasks.data.shard_codec import open_shard
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
-from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import TRANSFORMERS, NodeFile, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, R
 
 _CODE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
@@ -61,7 +63,6 @@ def hub_snapshot(candidate: HubCandidate) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from compass.infra.environment import hub_cache
 
     try:
         folder = Path(snapshot_download(candidate.repo, revision=candidate.revision, local_files_only=True,
@@ -76,7 +77,6 @@ def hub_snapshot(candidate: HubCandidate) -> Path:
 def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
     """Local candidates must be folders with a tokenizer.json; hub candidates must be in the local cache, with the
     vocabulary the spec declares (the planner sizes the embedding and its costs from the declaration)."""
-    from compass.infra.environment import hub_cache
 
     for i, c in enumerate(spec.what.tokenizer.candidates if spec.what.tokenizer else []):
         at = ("what", "tokenizer", "candidates", i)

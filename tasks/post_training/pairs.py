@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from compass.tasks.common.devices import Device
+from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, is_pair_row
 
 Pair = dict[str, Any]
@@ -38,7 +39,6 @@ def on_policy_pairs(model_dir: Path, problems: list[dict[str, str]], samples_per
                     max_new_tokens: int, seed: int, where: Device | None = None) -> list[Pair]:
     """Sample each problem `samples_per_prompt` times from the model being trained (on the step's GPU when it has
     one), grade, pair."""
-    from compass.tasks.post_training.chat import generate, load_chat_model
 
     model, tokenizer = load_chat_model(model_dir, where)
     conversations = [[{"role": "user", "content": p["question"]}] for p in problems for _ in range(samples_per_prompt)]

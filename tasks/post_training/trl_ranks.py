@@ -5,20 +5,30 @@ the Trainer) joins them in one data-parallel group: gloo on CPU, NCCL on GPUs.""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from compass.infra.die_with_parent import die_with_parent
 from compass.infra.disk_full import full_disk_met, note_full_disk
+from compass.infra.environment import prepare_environment
 from compass.infra.layout import WorkFolder
+from compass.model.training.goodput import process_start
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
+from compass.tasks.common.devices import Device, hf_attention
+from compass.tasks.post_training.adapters import with_adapters
+from compass.tasks.post_training.chat import load_chat_model
 from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, length_penalty
+from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
 from compass.tasks.post_training.trl_checkpoints import CompleteCheckpoints, newest_complete
 from compass.tasks.post_training.trl_goodput import TrlGoodput
 from compass.tasks.post_training.trl_job import TrlJob, TrlResult
 from compass.tasks.post_training.trl_prometheus import TrlPrometheus
+from compass.tasks.post_training.trl_trackers import tracker_callback
 
 Rows = list[dict[str, Any]]  # a step's training rows: conversations, pairs or prompts
 SFT_SAMPLES = 8  # rows of what SFT trained on, kept with the artifact to compare with the template
@@ -79,7 +89,6 @@ def uses_liger(how: Any, device: str) -> bool:
     """Liger's fused kernels when the spec names them, or with `auto` on a GPU where Liger is installed (as the
     pretraining loss picks them). A GPU spec's rank on the CPU (a rehearsal on CPU ranks) takes TRL's own loss, as
     the trainer takes the chunked one: Liger's kernels need CUDA."""
-    import importlib.util
 
     if how.loss == "liger":
         if device != "cuda":
@@ -102,7 +111,6 @@ def _callbacks(job: TrlJob, ledger: TrlGoodput) -> list[Any]:
 
         out.append(TensorBoardCallback(SummaryWriter(str(job.tensorboard))))
     if job.trackers is not None and _rank() == 0:
-        from compass.tasks.post_training.trl_trackers import tracker_callback
 
         out.append(tracker_callback(job.trackers))
     if job.prometheus is not None:  # after the ledger: the goodput it serves includes this step
@@ -125,7 +133,6 @@ def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: Trl
                          callbacks=_callbacks(job, ledger))
     facts: dict[str, Any] = {}
     if not section.packing:  # one row per conversation: the template's tokens, every system prompt in them
-        from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
 
         conversations = [r["messages"] for r in rows]
         trained = trained_rows(conversations, [list(r) for r in trainer.train_dataset["input_ids"]], tokenizer)
@@ -169,7 +176,6 @@ def _reference(model: Any) -> Any:
     """The frozen reference: the start model as this rank holds it. Left to itself TRL reloads it from the
     folder the model came from, which lacks the ChatML rows compass adds to a base's embeddings (a base from
     what.model going straight to DPO indexed past them); with adapters TRL disables them instead."""
-    import copy
 
     from peft import PeftModel
 
@@ -198,7 +204,6 @@ def _text(completion: Any) -> str:
 
 def require_vllm(step: str) -> None:
     """vLLM is optional (GPU nodes only): its absence is named, with the fix, before any work."""
-    import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError(f"{step}: how.generation is vllm and the vllm package is not installed on this node "
@@ -231,7 +236,6 @@ def distill_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from compass.tasks.post_training.chat import load_chat_model
 
     section: Distillation = job.section
     teacher, _ = load_chat_model(job.teacher)
@@ -251,13 +255,11 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
     LoRA rank 0 saves the weights (the adapter) for the step to export; rank 0 writes the result, with where the
     step's time went since `started_at` (this attempt's start; trl_goodput.py). Returns (the trainer, the
     result)."""
-    from compass.tasks.common.devices import Device, hf_attention
 
     work = WorkFolder(job.work)
     if attention := hf_attention(job.how):
         model.set_attn_implementation(attention)
     if job.section.peft is not None:
-        from compass.tasks.post_training.adapters import with_adapters
 
         model = with_adapters(model, job.section.peft, work.trl_start, Device(job.device, job.bf16))
         trainable, total = model.get_nb_trainable_parameters()
@@ -296,10 +298,6 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
 
 
 def main(job_path: str) -> None:
-    from compass.infra.die_with_parent import die_with_parent
-    from compass.infra.environment import prepare_environment
-    from compass.model.training.goodput import process_start
-    from compass.tasks.post_training.chat import load_chat_model
 
     # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
     die_with_parent(never_a_child_of_init=True)

@@ -11,8 +11,8 @@ from typing import Any, BinaryIO, Generic, TypeVar
 from compass.infra.manifest import FileEntry, Manifest
 from compass.infra.store import Store
 from compass.specs.how import How
-from compass.tasks.steps.kind import StepConfig
 from compass.tasks.steps.placement import HERE, Placement
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs
 
 ConfigT = TypeVar("ConfigT", bound=StepConfig)

@@ -8,6 +8,7 @@ removes the work folder after reading what it needs from it.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import shutil
 import sys
@@ -26,8 +27,8 @@ from compass.infra.store import Store, owned_prefix
 from compass.infra.verify import stamp
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
-from compass.tasks.steps.kind import StepConfig
 from compass.tasks.steps.launchers import launcher_for
+from compass.tasks.steps.step_config import StepConfig
 
 SUMMARY_FILE = "summary.md"
 
@@ -120,7 +121,6 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
 def headline(names: tuple[str, ...], metrics: dict[str, Any], most: int = 6) -> str:
     """`: final_loss 2.31, tokens_per_s 1,840`: the step's key numbers for its commit line; a name may be a
     pattern (`val_ppl:*`)."""
-    import fnmatch
 
     shown = []
     for name in [m for pattern in names for m in fnmatch.filter(metrics, pattern)][:most]:

@@ -12,47 +12,20 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
 from compass.specs.base import Issue, Loc
 from compass.specs.how import How
 from compass.specs.how_identity import identity_of, value_at
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
+from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.launchers import launcher_for
+from compass.tasks.steps.placement import Resources, place
+from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, NoInputs, StepRef
 
-if TYPE_CHECKING:
-    from compass.tasks.steps.context import StepContext, StepResult
-    from compass.tasks.steps.placement import Resources
-
 GPU_TAG = "gpu"  # steps that hold devices: Prefect's concurrency limit, max_parallel_gpu_steps on one machine
-
-
-class StepConfig(BaseModel):
-    """The slice of the spec one step reads. Its canonical JSON (with the inputs' fingerprints and the kind's
-    code version) is the step's identity, so it holds what changes the output and nothing else."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    omit_when_none: ClassVar[frozenset[str]] = frozenset()  # optional parts left out of the identity when unset
-
-    def identity(self) -> dict[str, Any]:
-        data = self.model_dump(mode="json")
-        for key in self.omit_when_none:
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
-
-    def sets_how(self) -> frozenset[str]:
-        """`how` paths this step's own config overrides (a long-context stage's micro_batch_size): its kind reads
-        them from `how` no longer, so they leave its identity."""
-        return frozenset()
-
-
-class EmptyConfig(StepConfig):
-    """A step whose output depends on its inputs only."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +156,6 @@ class StepKind:
     def step_tags(self, config: StepConfig, how: How) -> tuple[str, ...]:
         """`gpu` when the step holds devices (Prefect's concurrency limit counts those), else none: each tag costs
         a concurrency-slot request to the server per task (flows/lifecycle.py)."""
-        from compass.tasks.steps.launchers import launcher_for
-        from compass.tasks.steps.placement import place
 
         return (GPU_TAG,) if launcher_for(place(self, config, how)).holds_devices else ()
 

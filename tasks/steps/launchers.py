@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from compass.infra.die_with_parent import parent_death_preexec
+from compass.infra.launcher import TRAINER_MODULE, plan_launch
 from compass.infra.layout import WorkFolder
 from compass.infra.manifest import Execution
 from compass.infra.net import free_port
+from compass.infra.slurm import ranks_command
 from compass.specs.how import Hardware, SlurmCluster
 from compass.tasks.steps.placement import Mode, Placement
 
@@ -82,7 +85,6 @@ class LocalRanks(Launcher):
 
     def start_ranks(self, module: str, job_path: Path, world: int, hardware: Hardware, cluster: SlurmCluster | None,
                     log: Log, launcher: str = "torchrun") -> int:
-        from compass.infra.launcher import TRAINER_MODULE, plan_launch
 
         nodes, hosts = hardware.nodes, hardware.hosts
         if nodes > 1 and not hosts:  # a spec may be planned and costed without them, not launched
@@ -128,7 +130,6 @@ class InSlurmJob(Launcher):
 
     def start_ranks(self, module: str, job_path: Path, world: int, hardware: Hardware, cluster: SlurmCluster | None,
                     log: Log, launcher: str = "torchrun") -> int:
-        from compass.infra.slurm import ranks_command
 
         nodes = hardware.nodes
         port = hardware.rendezvous_port if nodes > 1 else free_port()
@@ -154,7 +155,6 @@ def _run_all(plan, workdir: Path, what: str) -> None:
     """Start every node's launcher, wait for all; one failing stops the others (they would wait forever)."""
     work = WorkFolder(workdir)
     logs = [open(work.launcher_log(i), "w") for i in range(len(plan.commands))]  # noqa: SIM115
-    from compass.infra.die_with_parent import parent_death_preexec
 
     tied = parent_death_preexec()  # a killed step takes its launchers (and, through them, its ranks) with it
     procs = [subprocess.Popen(c.argv, cwd=workdir, stdout=f, stderr=subprocess.STDOUT,

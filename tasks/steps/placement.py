@@ -18,15 +18,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from compass.specs.how import How, Phase, Shape
-
-if TYPE_CHECKING:
-    from compass.tasks.steps.kind import StepConfig, StepKind
+from compass.tasks.steps.step_config import StepConfig
 
 Mode = Literal["in_process", "local_ranks", "ray_tasks", "slurm_job", "in_slurm_job"]
-Resources = Callable[["StepConfig", How], Shape]  # a kind's resources: its steps' shape, from its config and `how`
+Resources = Callable[[StepConfig, How], Shape]  # a kind's resources: its steps' shape, from its config and `how`
+
+
+class Placeable(Protocol):
+    """What placing a step reads of its kind (tasks/steps/kind.py StepKind provides it)."""
+
+    @property
+    def resources(self) -> Resources | None: ...
+
+    @property
+    def fans_out(self) -> bool: ...
 
 
 def phase(name: Phase) -> Resources:
@@ -61,7 +69,7 @@ class Placement:
 HERE = Placement("in_process", None)
 
 
-def place(kind: StepKind, config: StepConfig, how: How) -> Placement:
+def place(kind: Placeable, config: StepConfig, how: How) -> Placement:
     """Where one step of `kind` with `config` runs under `how`."""
     if kind.resources is None:
         return HERE  # bookkeeping: it reads manifests, never a model or a corpus

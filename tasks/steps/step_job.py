@@ -19,6 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from compass.infra.disk_full import FullDisk, clear_full_disk_notes, note_full_disk
+from compass.infra.errors import DiskFull, StopRequested
+from compass.infra.exits import RETRIABLE_EXIT, RetriableRanksFailure
 from compass.infra.layout import WorkFolder
 from compass.infra.store import Store
 from compass.specs.how import How
@@ -96,9 +99,6 @@ def read_result(workdir: Path) -> StepResult | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from compass.infra.disk_full import FullDisk, clear_full_disk_notes, note_full_disk
-    from compass.infra.errors import DiskFull, StopRequested
-    from compass.infra.exits import RETRIABLE_EXIT, RetriableRanksFailure
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job = StepJob.model_validate_json(Path((argv if argv is not None else sys.argv[1:])[0]).read_text())

@@ -38,7 +38,7 @@ def test_preflight_measures_every_gpu_of_this_node_on_nccl(tmp_path: Path):
                                            "parallelism: {micro_batch_size: 2}":
                                            f"parallelism: {{micro_batch_size: 2, data_parallel: {n}}}",
                                            "global_batch_size: 4,": f"global_batch_size: {2 * n},"})
-    done = subprocess.run([sys.executable, "-m", "compass.flows.cli", "preflight", str(spec), "--ranks", str(n),
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "preflight", str(spec), "--ranks", str(n),
                            "--duration", "5", "--megabytes", "64", "--json"], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert done.stdout.strip(), f"compass preflight exited {done.returncode} with no report:\n{done.stderr[-3000:]}"
