@@ -104,7 +104,8 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
     from compass.specs.how import How, Orchestration
     from compass.tasks.kinds.curate import CurateConfig
     from compass.tasks.steps.context import Runtime
-    from compass.tasks.steps.kind import EmptyConfig, Step
+    from compass.tasks.steps.kind import Step
+    from compass.tasks.steps.step_config import EmptyConfig
 
     store = Store(str(out / "store"))
     raw = Step("ingest", "bench", EmptyConfig())
