@@ -28,8 +28,9 @@ root and infra/setup.sh's Slurm), each training step over both nodes (a rank per
 interruption come in: `scancel` of the step's job, the time limit's warning signal (what Slurm sends the batch shell
 before the limit: the ranks checkpoint and the job requeues itself), and a node lost (its slurmd, step daemons and
 rank killed; Slurm requeues the job once it declares the node down, and the node comes back). Each continued run is
-also checked for duplicate jobs: the step's jobs in the controller's records are one, or two after a scancel (the
-cancelled job and the one resubmitted).
+also checked for duplicate jobs in the controller's records: no job of the step submitted while another of its jobs
+ran or after one had completed it (a cancelled or failed job is resubmitted once by the continued run), none left
+queued.
 
     sudo python benchmarks/chaos.py --cluster [--kinds scancel,time limit,slurmd stopped,kill -9 orchestrator]
 
@@ -130,7 +131,7 @@ class Interruption:
     differing: tuple[str, ...]  # committed files that differ from the reference's
     redone_s: float | None  # training steps: work computed again after the resume
     interval_s: float | None  # the step's checkpoint interval, in seconds of its training loop
-    duplicates: int = 0  # --cluster: the step's Slurm jobs beyond the one expected (two after a scancel)
+    duplicates: int = 0  # --cluster: jobs of the step submitted while another ran, or after one completed it
     redone_steps: int | None = None  # training steps computed again after the resume (judged against the bound)
 
     @property
@@ -174,12 +175,40 @@ class Cluster:
 
     def jobs_named(self, name: str) -> set[str]:
         """Every job of that name the controller holds or finished (its completion log: jobcomp/filetxt)."""
+        return {j["JobId"] for j in self.finished(name)} | set(self.queued(name))
+
+    def finished(self, name: str) -> list[dict[str, str]]:
+        """The completion log's records of the jobs of that name: one per run of a job (a requeued job has more)."""
         from tests.slurm_cluster import finished_jobs
 
-        done = finished_jobs(self.conf)
+        return [j for j in finished_jobs(self.conf) if j.get("Name") == name]
+
+    def queued(self, name: str) -> list[str]:
+        """The ids of the jobs of that name still pending or running."""
         queued = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.split("\n")
-        return ({j["JobId"] for j in done if j.get("Name") == name} |
-                {line.split()[0] for line in queued if line.strip() and line.split()[1] == name})
+        return [line.split()[0] for line in queued if line.strip() and line.split()[1] == name]
+
+
+def duplicate_jobs(records: list[dict[str, str]], still_queued: int = 0) -> int:
+    """Jobs of one step that should not exist, from the controller's records of its runs (SubmitTime, EndTime,
+    JobState; a requeued job has a record per run): a job submitted while an earlier one had not ended (two at once),
+    or after one that completed (the step was committed). A job submitted again after one failed or was cancelled
+    (a full disk, a scancel) is the continued run's one resubmission, not a duplicate; a job left queued once the
+    continued run has ended is one."""
+    jobs: dict[str, tuple[str, str, str]] = {}  # id -> (first submitted, last ended, last state)
+    for record in records:
+        first, last, state = jobs.get(record["JobId"], (record["SubmitTime"], "", ""))
+        ended = record.get("EndTime", "")
+        ended = ended if ended[:1].isdigit() else record["SubmitTime"]  # "Unknown": never started
+        jobs[record["JobId"]] = (min(first, record["SubmitTime"]),
+                                 *((ended, record["JobState"]) if ended >= last else (last, state)))
+    ordered = sorted(jobs.values())
+    duplicates = still_queued
+    for i, (submitted, _, _) in enumerate(ordered):
+        earlier = ordered[:i]
+        if any(ended > submitted or state == "COMPLETED" for _, ended, state in earlier):
+            duplicates += 1
+    return duplicates
 
 
 def run(spec: Path, store: Path, *until: str) -> subprocess.Popen:
@@ -583,8 +612,9 @@ def interrupted(reference: Path, spec: Path, phase: str, kind: str, at: float, d
                                 f"({redone_steps} steps), past the bound of {REDONE_BOUND:.2f}", commands, differing,
                                 redone, interval, redone_steps=redone_steps)
     duplicates = 0
-    if cluster is not None:  # the interrupted job, resubmitted only when it was cancelled
-        duplicates = max(0, len(cluster.jobs_named(job_name) - before) - (2 if kind == "scancel" else 1))
+    if cluster is not None:
+        duplicates = duplicate_jobs([j for j in cluster.finished(job_name) if j["JobId"] not in before],
+                                    len(set(cluster.queued(job_name)) - before))
     outcome = "artifacts differ" if differing else f"{duplicates} duplicate job(s)" if duplicates else "ok"
     if outcome != "ok":
         keep_evidence(scratch, stderrs.text, cluster, job_name)
@@ -628,6 +658,9 @@ def main() -> None:
     parser.add_argument("--journal", type=Path, help="append each result to this file; the interruptions it holds "
                         "(same seed, phases, kinds, mode) are skipped and counted in the report")
     args = parser.parse_args()
+    # stopped with SIGTERM (a long run ended to free the machine): unwind, so the cluster's daemons, the runs'
+    # processes and the disk-full mounts go with it (Python's default would leave them behind)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     known = KINDS + SLURM_KINDS if args.cluster else KINDS
     phases, kinds = args.phases.split(","), (args.kinds.split(",") if args.kinds else list(known))
     unknown = [p for p in phases if p not in PHASES] + [k for k in kinds if k not in known]

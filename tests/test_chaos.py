@@ -62,3 +62,35 @@ def test_a_journal_lets_a_long_run_go_on_later_and_refuses_another_draw(tmp_path
     assert "1 failed or differ" in done.stdout and "mean 0.20" in done.stdout, done.stdout
     other = subprocess.run([*command[:5], "5", *command[6:]], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert other.returncode == 1 and "were drawn with" in other.stderr and "--seed" in other.stderr, other.stderr
+
+
+def test_a_job_is_a_duplicate_only_beside_another_or_after_the_step_committed():
+    """--cluster's duplicate count, from the controller's records of a step's jobs: a job resubmitted after one
+    failed (a full disk) or was cancelled is the continued run's one resubmission; a requeued job (one id, a
+    record per run) is one job; a job submitted while another ran, after one completed, or left queued is a
+    duplicate (the seed-301 run counted the full disk's failed job and its resubmission as one too many)."""
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from chaos import duplicate_jobs
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def job(i: int, submitted: str, ended: str, state: str) -> dict[str, str]:
+        return {"JobId": str(i), "SubmitTime": f"2026-11-29T20:{submitted}", "EndTime": f"2026-11-29T20:{ended}",
+                "JobState": state}
+
+    failed_then_again = [job(43, "17:17", "17:28", "FAILED"), job(44, "17:53", "18:10", "COMPLETED")]
+    assert duplicate_jobs(failed_then_again) == 0
+    cancelled_then_again = [job(7, "01:00", "01:30", "CANCELLED"), job(8, "01:30", "02:00", "COMPLETED")]
+    assert duplicate_jobs(cancelled_then_again) == 0
+    requeued = [job(41, "16:11", "16:29", "PENDING"), job(41, "16:29", "16:31", "COMPLETED")]
+    assert duplicate_jobs(requeued) == 0
+    assert duplicate_jobs([job(5, "01:00", "02:00", "COMPLETED"), job(6, "01:30", "02:10", "COMPLETED")]) == 1
+    assert duplicate_jobs([job(5, "01:00", "02:00", "COMPLETED"), job(6, "03:00", "03:10", "COMPLETED")]) == 1
+    assert duplicate_jobs([job(5, "01:00", "02:00", "FAILED")], still_queued=1) == 1
+    never_started = {**job(9, "01:00", "01:00", "CANCELLED"), "EndTime": "Unknown"}
+    assert duplicate_jobs([never_started, job(10, "01:05", "02:00", "COMPLETED")]) == 0
