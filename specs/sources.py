@@ -27,7 +27,7 @@ class SourceUri:
         return self.scheme in ("deb", "pypi", "stdlib")
 
 
-TRACE_SETS = ("arithmetic",)  # traces://NAME: reasoning traces compass works out itself (tasks/reasoning.py)
+TRACE_SETS = ("arithmetic",)  # traces://NAME: traces compass works out (tasks/post_training/reasoning.py)
 _DEB = re.compile(r"^deb://(?P<pkg>[a-z0-9][a-z0-9.+-]+)(=(?P<ver>[A-Za-z0-9.+:~-]+))?$")
 _PYPI = re.compile(r"^pypi://(?P<pkg>[A-Za-z0-9][A-Za-z0-9._-]*)(==(?P<ver>[A-Za-z0-9.+!-]+))?$")
 

@@ -7,7 +7,7 @@ newest complete checkpoint and produces bitwise the same weights on CPU (compile
 
 The loop draws batches (packed ahead on a thread, each rank only its own rows), accumulates gradients with one
 host sync per optimizer step, and steps the optimizer; metrics, progress, monitors and checkpoints are callbacks
-(model/callbacks.py). Checkpoints are snapshotted to host memory and written on a background thread.
+(model/training/callbacks.py). Checkpoints are snapshotted to host memory and written on a background thread.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class Trainer:
         self.tp = job.parallelism.tensor_parallel
         self.held = held_dtype(job.parallelism.deepspeed, job.precision)  # the weights' dtype inside the engine
         gbs = self.stage.global_batch_size
-        if job.staging is not None:  # every node reads its own verified copy of the data (model/staging.py)
+        if job.staging is not None:  # every node reads its own verified copy of the data (model/training/staging.py)
             rows = node_rows(self.rank, local_rank, local_world_size(), self.world, self.tp, gbs)
             job = job.model_copy(update={"sources": stage_sources(job.staging, local_rank, rows, gbs)})
         self.job = job

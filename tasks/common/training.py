@@ -47,7 +47,7 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     state = weights = None  # a previous stage's full training state, or a starting checkpoint's weights
     if previous is not None:
         state, weights = ModelArtifact(previous.local()).continues_from()
-    if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/staging.py) first
+    if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/training/staging.py) first
         cache = Path(how.storage.local_cache).expanduser()
         sources = {name: ctx.store.staged_path(art.uri, cache) for name, art in given.tokens.items()}
         staging = Staging(store_root=ctx.store.root, cache=cache, uris={n: a.uri for n, a in given.tokens.items()})

@@ -48,7 +48,7 @@ class SelectionInputs(Inputs[R]):
 
 
 def build(plan: PlanBuilder) -> None:
-    if plan.spec.what.tokenizer is None:  # the starting checkpoint's (tasks/base_model.py)
+    if plan.spec.what.tokenizer is None:  # the starting checkpoint's (tasks/kinds/base_model.py)
         return
     curated = {s.name: s.ref for s in plan.of_kind("curate")}
     plan.add(KIND, "select", TokenizerConfig(**dict(plan.spec.what.tokenizer)), SelectionInputs(curated))

@@ -41,7 +41,7 @@ def load_chat_model(folder: Path, where: Device | None = None, own_template: boo
         with torch.random.fork_rng(devices=[]):  # the new rows are the same every time this base is loaded
             torch.manual_seed(0)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    if "/no_think" not in (tokenizer.chat_template or ""):  # a hybrid reasoner keeps its template (tasks/reasoning.py)
+    if "/no_think" not in (tokenizer.chat_template or ""):  # a hybrid reasoner keeps its template (reasoning.py)
         tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.eos_token = IM_END
     model.config.eos_token_id = tokenizer.eos_token_id
