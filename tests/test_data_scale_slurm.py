@@ -163,7 +163,7 @@ def test_data_steps_run_as_slurm_arrays_redo_only_a_cancelled_task_and_equal_a_l
     said = " ".join((second.stdout + second.stderr).split())
     assert "stage filter: Slurm array" in said and " of 1 tasks" in said, said[-4000:]
     curated = _files(store, "curate")
-    later = {"exact-signature": SHARDS, "exact-filter": SHARDS, "split": SHARDS,  # one task per shard
+    later = {"exact-signature": SHARDS, "split": SHARDS,  # one task per shard (exact dedup's filter: in the split)
              **{f"tokenize-{split}": sum(p.startswith(f"{split}/") for p in curated) for split in SPLITS}}
     for stage, n in later.items():
         tasks = _array_tasks(slurm, f"compass-arrays-{stage}")

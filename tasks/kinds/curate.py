@@ -125,43 +125,52 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
     if cur.language_id is not None:
         lid = cur.language_id
         blocks.append(LanguageIdFilter(lid.keep, lid.min_score, cfg.language))
-    current = raw
-    if blocks:
-        current = places.intermediate("filtered")
-        stages.append(run("filter",
-                           [*read(raw), *blocks, ShardWriter(current)], n_shards))
+    # The content filters (the costly blocks) are written out once where a dedup stage must read what they kept;
+    # each dedup's removal (a lookup of the indices it found) then rides along in every later pass over that
+    # folder, and the last blocks run in the split's own pass: no intermediate copy of the corpus is written for a
+    # dedup, and none for the filters alone.
+    current, pending = raw, blocks
+    removals: list = []  # fresh dedup filters for each pass, in order
+
+    def filtered() -> list:
+        return [make() for make in removals]
+
+    if (cur.exact_dedup or cur.minhash) and pending:
+        folder = places.intermediate("filtered")
+        stages.append(run("filter", [*read(current), *pending, ShardWriter(folder)], n_shards))
         if not _written(stages[-1]):
             raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                              "loosen its filters")
+        current, pending = folder, []
 
     if cur.exact_dedup:
         exact = ExactDedupConfig(content_getter=document_text)
         sigs, dups = places.intermediate("exact-sigs"), places.intermediate("exact-dups")
         stages.append(run("exact-signature", [*read(current), ExactDedupSignature(sigs, exact)], n_shards))
         stages.append(run("exact-find", [ExactFindDedups(sigs, dups, exact)], 1))
-        stages.append(run("exact-filter",
-                           [*read(current), ExactDedupFilter(dups, exact),
-                            ShardWriter(places.intermediate("exact"))], n_shards))
-        current = places.intermediate("exact")
+        removals.append(lambda: ExactDedupFilter(dups, exact))
 
     if cur.minhash:
         mh = cur.minhash
         config = MinhashConfig(n_grams=mh.n_grams, num_buckets=mh.num_buckets, hashes_per_bucket=mh.hashes_per_bucket)
         sigs, buckets = places.intermediate("mh-sigs"), places.intermediate("mh-buckets")
         remove = places.intermediate("mh-remove")
-        stages.append(run("minhash-signature", [*read(current), MinhashDedupSignature(sigs, config)], n_shards))
+        # the signatures index the documents the exact removal kept, as the MinHash filter below sees them
+        stages.append(run("minhash-signature", [*read(current), *filtered(), MinhashDedupSignature(sigs, config)],
+                          n_shards))
         stages.append(run("minhash-buckets", [MinhashDedupBuckets(sigs, buckets, config=config)],
                           config.num_buckets))
         stages.append(run("minhash-cluster", [MinhashDedupCluster(buckets, remove, config=config)], 1))
-        stages.append(run("minhash-filter",
-                           [*read(current), MinhashDedupFilter(remove),
-                            ShardWriter(places.intermediate("minhash"))], n_shards))
-        current = places.intermediate("minhash")
+        removals.append(lambda: MinhashDedupFilter(remove))
 
     stages.append(run("split",
-                       [*read(current), SplitTagger(cur.heldout_fraction, ctx.config.heldout_unit or "document"),
+                       [*read(current), *pending, *filtered(),
+                        SplitTagger(cur.heldout_fraction, ctx.config.heldout_unit or "document"),
                         ShardWriter(places.output("split"), output_filename="${split}/${rank}" + SHARD_SUFFIX,
                                     adapter=portable_record, written_records=places.records("split"))], n_shards))
+    if not _written(stages[-1]):
+        raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
+                         "loosen its filters")
     places.publish(ctx, ["split"], "split")
 
     curated = CuratedArtifact(ctx.out)
@@ -234,8 +243,9 @@ def _counted(stages: list[StageStats], block: type, prefix: str = "") -> dict[st
     return {m: int(stats.get(f"{prefix}{m}", 0)) for m in ("documents", "words", "bytes")}
 
 
-# 5: shards in zstd (level 3), not gzip -6
-KIND = StepKind("curate", CurateConfig, run_curate, build, version="5", resources=phase("data"),
+# 5: shards in zstd (level 3), not gzip -6; 6: the dedup removals and the filters without a dedup run in later
+# passes, not written out (a rank whose intermediate was empty no longer shifts the later ranks' files)
+KIND = StepKind("curate", CurateConfig, run_curate, build, version="6", resources=phase("data"),
                 check_spec=check_spec, fans_out=True, inputs=CurateInputs, after=("ingest",),
                 headline=("documents_in", "documents_out"))
 STEP_KINDS = (KIND,)
