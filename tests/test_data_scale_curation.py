@@ -90,17 +90,7 @@ def _curated_pass_by_pass(documents: Path, config, work: Path) -> Path:
     """The curation of `config` (filters, exact dedup, MinHash) as datatrove passes that each write their output (what
     compass ran before the dedups' removals moved into the later passes)."""
     from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import (
-        ExactDedupConfig,
-        ExactDedupFilter,
-        ExactDedupSignature,
-        ExactFindDedups,
-        MinhashConfig,
-        MinhashDedupBuckets,
-        MinhashDedupCluster,
-        MinhashDedupFilter,
-        MinhashDedupSignature,
-    )
+    from datatrove.pipeline import dedup
     from datatrove.pipeline.readers import JsonlReader
 
     from compass.tasks.data.curate_blocks import (
@@ -113,8 +103,8 @@ def _curated_pass_by_pass(documents: Path, config, work: Path) -> Path:
     )
 
     cur, shards = config.curation, len(list(documents.glob("*" + SHARD_SUFFIX)))
-    mh = MinhashConfig(n_grams=cur.minhash.n_grams, num_buckets=cur.minhash.num_buckets,
-                       hashes_per_bucket=cur.minhash.hashes_per_bucket)
+    mh = dedup.MinhashConfig(n_grams=cur.minhash.n_grams, num_buckets=cur.minhash.num_buckets,
+                             hashes_per_bucket=cur.minhash.hashes_per_bucket)
 
     def run(name: str, pipeline: list, tasks: int = shards) -> None:
         LocalPipelineExecutor(pipeline, tasks=tasks, workers=1, logging_dir=str(work / "logs" / name)).run()
@@ -122,16 +112,16 @@ def _curated_pass_by_pass(documents: Path, config, work: Path) -> Path:
     filters = [FILTERS[f.name](**f.params) for f in cur.filters]
     filters.append(LanguageIdFilter(cur.language_id.keep, cur.language_id.min_score, config.language))
     run("filter", [JsonlReader(str(documents)), *filters, ShardWriter(str(work / "filtered"))])
-    exact = ExactDedupConfig(content_getter=document_text)
+    exact = dedup.ExactDedupConfig(content_getter=document_text)
     assert cur.exact_dedup
-    run("exact-signature", [JsonlReader(str(work / "filtered")), ExactDedupSignature(str(work / "es"), exact)])
-    run("exact-find", [ExactFindDedups(str(work / "es"), str(work / "ed"), exact)], 1)
-    run("exact-filter", [JsonlReader(str(work / "filtered")), ExactDedupFilter(str(work / "ed"), exact),
+    run("exact-signature", [JsonlReader(str(work / "filtered")), dedup.ExactDedupSignature(str(work / "es"), exact)])
+    run("exact-find", [dedup.ExactFindDedups(str(work / "es"), str(work / "ed"), exact)], 1)
+    run("exact-filter", [JsonlReader(str(work / "filtered")), dedup.ExactDedupFilter(str(work / "ed"), exact),
                          ShardWriter(str(work / "exact"))])
-    run("signature", [JsonlReader(str(work / "exact")), MinhashDedupSignature(str(work / "sigs"), mh)])
-    run("buckets", [MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), config=mh)], mh.num_buckets)
-    run("cluster", [MinhashDedupCluster(str(work / "buckets"), str(work / "remove"), config=mh)], 1)
-    run("remove", [JsonlReader(str(work / "exact")), MinhashDedupFilter(str(work / "remove")),
+    run("signature", [JsonlReader(str(work / "exact")), dedup.MinhashDedupSignature(str(work / "sigs"), mh)])
+    run("buckets", [dedup.MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), config=mh)], mh.num_buckets)
+    run("cluster", [dedup.MinhashDedupCluster(str(work / "buckets"), str(work / "remove"), config=mh)], 1)
+    run("remove", [JsonlReader(str(work / "exact")), dedup.MinhashDedupFilter(str(work / "remove")),
                    ShardWriter(str(work / "deduplicated"))])
     run("split", [JsonlReader(str(work / "deduplicated")),
                   SplitTagger(cur.heldout_fraction, config.heldout_unit or "document"),
