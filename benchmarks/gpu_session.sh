@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_session.sh                 # writes into $OUT (default /tmp/gpu-session)
 #
 # Environment (defaults): OUT (/tmp/gpu-session) TEST_S (200) BENCH_S (240) TEST_TIMEOUT (150, per test)
-#   TEST_FILES (the tests/gpu files, in this order) BENCH_ATTN ("flex sdpa": one benchmark run per attention)
+#   TEST_FILES (the tests/gpu files, in this order) BENCH_ATTN ("varlen flex": one benchmark run per attention)
 #   BENCH_STEPS (10) BENCH_WARMUP (4) BENCH_ROUNDS (1) BENCH_VARIANTS ("bare torch loop,compass trainer")
 #   PY (python3) SITE (/tmp/site: where .whl installs) SKIP_INSTALL (unset; 1: use PY's own packages, e.g. a
 #   local .venv on a CPU machine, where the tests stop at "needs a CUDA device")
@@ -25,7 +25,7 @@ BENCH_S=${BENCH_S:-240}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 TEST_FILES=${TEST_FILES:-tests/gpu/test_collectives_on_nccl.py tests/gpu/test_training_on_cuda.py
 tests/gpu/test_preflight_on_cuda.py tests/gpu/test_post_training_on_cuda.py tests/gpu/test_kernels_on_cuda.py}
-BENCH_ATTN=${BENCH_ATTN:-flex sdpa}
+BENCH_ATTN=${BENCH_ATTN:-varlen flex}
 BENCH_STEPS=${BENCH_STEPS:-10}
 BENCH_WARMUP=${BENCH_WARMUP:-4}
 BENCH_ROUNDS=${BENCH_ROUNDS:-1}

@@ -1,7 +1,7 @@
-"""GPU training throughput and MFU of a SmolLM3-shaped 1.7B model at 4096 tokens per row, bf16, with the best
-attention kernel installed (flash-attn varlen, else compass's per-document SDPA), torch.compile and the fused
-loss (Liger when installed, else compass's chunked loss): compass's trainer against a bare torch loop with the
-same model code and against Hugging Face's Trainer (bf16, its own attention and loss, compiled). One GPU.
+"""GPU training throughput and MFU of a SmolLM3-3B-shaped model (36 layers, 3.1B) at 4096 tokens per row, bf16,
+with the best attention kernel installed (flash-attn varlen, else torch's varlen kernels), torch.compile and the
+fused loss (Liger when installed, else compass's chunked loss): compass's trainer against a bare torch loop with
+the same model code and against Hugging Face's Trainer (bf16, its own attention and loss, compiled). One GPU.
 
     pip install 'compass-lifecycle[gpu]'   # flash-attn, liger-kernel, nvidia-ml-py
     python benchmarks/gpu_throughput.py [--steps 30] [--warmup 10] [--rounds 3] [--micro 1]
@@ -28,7 +28,7 @@ DOCUMENT_MEAN = 1500  # tokens: documents of a web mixture, several per 4096-tok
 def architecture():
     from compass.specs.architecture import Architecture
 
-    return Architecture(num_layers=24, hidden_size=2048, ffn_size=8192, num_heads=16, num_kv_heads=4,
+    return Architecture(num_layers=36, hidden_size=2048, ffn_size=11008, num_heads=16, num_kv_heads=4,
                         positions={"kind": "rnope", "rope_theta": 50000, "nope_every": 4}, tied_embeddings=True,
                         vocab_size=VOCAB)
 
@@ -107,7 +107,7 @@ def flops_per_step(job) -> float:
 
 def run_compass(job, warmup: int, done=None) -> float:
     """compass's trainer on the stage; `done` receives the rate after the last timed step and may end the process
-    there: the stage-end checkpoint of a 1.7B model (weights and AdamW state, ~20 GB) is not throughput, and on a
+    there: the stage-end checkpoint of a 3B model (weights and AdamW state, ~37 GB) is not throughput, and on a
     GPU session's budget it took longer than the steps."""
     from compass.model.training.callbacks import Callback
     from compass.model.training.trainer import train_stage
@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: "
                         + ", ".join(VARIANTS) + " (the bare torch loop is the baseline)")
-    parser.add_argument("--attention", default="auto", choices=["auto", "flash", "flex", "sdpa"],
+    parser.add_argument("--attention", default="auto", choices=["auto", "flash", "varlen", "flex", "sdpa"],
                         help="how.attention for compass's trainer and the bare loop (HF's Trainer keeps its own)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()

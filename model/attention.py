@@ -5,13 +5,16 @@ and the backend keeps each document to itself:
 - `flash`: flash-attention's variable-length kernels (`flash_attention_3` on Hopper when `flash_attn_interface` is
   installed, else `flash_attention_2`), fed the documents' cumulative lengths over the flattened micro-batch
   (transformers infers them from position ids for one row only); CUDA only;
+- `varlen`: torch's own variable-length Flash kernels (`varlen_attn`, no external wheel) fed the same lengths, on
+  CUDA in bf16/fp16; elsewhere a per-document reference operator (model/varlen.py). Either compiles as one
+  operator: no graph break in a layer;
 - `flex`: PyTorch's FlexAttention with the block mask transformers derives from the position ids; it has no
   backward on CPU in torch 2.13, so it trains on CUDA only;
 - `sdpa`: compass's per-document SDPA, registered with transformers' AttentionInterface: each row is split at its
   document starts and every document runs causal `scaled_dot_product_attention` alone, so memory grows linearly
   with the row (PyTorch's flash or memory-efficient kernels; on CPU its flash kernel);
 - `eager`: transformers' reference implementation with the mask it builds from the position ids (quadratic);
-- `auto`: flash where it runs, else compass's SDPA.
+- `auto`: flash where it is installed, else varlen on CUDA, else compass's SDPA.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
-Backend = Literal["auto", "flash", "flex", "sdpa", "eager"]
+Backend = Literal["auto", "flash", "varlen", "flex", "sdpa", "eager"]
 DOCUMENT_SDPA = "compass_document_sdpa"
+DOCUMENT_VARLEN = "compass_varlen"
 
 
 def document_starts(position_ids: torch.Tensor) -> list[list[int]]:
@@ -75,12 +79,15 @@ def document_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 
 
 def register() -> None:
-    """Make compass's per-document SDPA a transformers attention implementation (idempotent)."""
+    """Make compass's per-document SDPA and varlen attention transformers attention implementations (idempotent)."""
     import torch
     from transformers import AttentionInterface
 
+    from compass.model.varlen import document_varlen
+
     # the splits depend on the data: compiled graphs call it eagerly
     AttentionInterface.register(DOCUMENT_SDPA, torch.compiler.disable(document_sdpa))
+    AttentionInterface.register(DOCUMENT_VARLEN, document_varlen)  # one operator: stays inside compiled graphs
 
 
 def forward_kwargs(implementation: str, training: bool) -> dict[str, Any]:
@@ -96,7 +103,7 @@ def takes_sequence_lengths(implementation: str) -> bool:
     """Whether a transformers attention implementation needs the documents' lengths passed in (flash's varlen
     kernels at a micro-batch above one row; see model/training/packing.py `varlen_kwargs`). transformers tells a
     flash implementation by its name the same way."""
-    return "flash" in implementation
+    return "flash" in implementation or implementation == DOCUMENT_VARLEN
 
 
 def flash_kernel() -> str | None:
@@ -127,4 +134,6 @@ def implementation(choice: Backend, cuda: bool) -> str:
         raise ValueError(problem)
     if choice == "flash" or (choice == "auto" and cuda and flash_kernel()):
         return flash_kernel() or "flash_attention_2"
+    if choice == "varlen" or (choice == "auto" and cuda):
+        return DOCUMENT_VARLEN
     return {"flex": "flex_attention", "eager": "eager"}.get(choice, DOCUMENT_SDPA)

@@ -527,7 +527,7 @@ class Monitoring(SpecModel):
         return folder
 
 
-AttentionBackend = Literal["auto", "flash", "flex", "sdpa", "eager"]
+AttentionBackend = Literal["auto", "flash", "varlen", "flex", "sdpa", "eager"]
 LossKernel = Literal["auto", "chunked", "liger"]
 
 
@@ -548,9 +548,10 @@ class How(SpecModel):
         default="fp32", description="Training precision: fp32, bf16 mixed precision, or fp16 (DeepSpeed); CPU trains "
                                     "in fp32 only.")
     attention: AttentionBackend = Field(
-        default="auto", description="Packed-document attention: flash (flash-attn varlen, CUDA), flex "
-        "(FlexAttention, CUDA for training), sdpa (compass's per-document SDPA, memory-linear), eager (reference); "
-        "auto = flash where installed, else sdpa.")
+        default="auto", description="Packed-document attention: flash (flash-attn varlen, CUDA), varlen (torch's "
+        "own varlen Flash kernels on CUDA in bf16/fp16, a per-document reference elsewhere; compiles without graph "
+        "breaks), flex (FlexAttention, CUDA for training), sdpa (compass's per-document SDPA, memory-linear), eager "
+        "(reference); auto = flash where installed, else varlen on CUDA, else sdpa.")
     compile: bool = Field(default=False, description="torch.compile the model (inductor; CPU and CUDA).")
     loss: LossKernel = Field(
         default="auto", description="chunked (cross-entropy a chunk of tokens at a time, no full fp32 logits) or "

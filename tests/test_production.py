@@ -310,12 +310,14 @@ def test_the_production_spec_rehearses_its_pretraining_on_two_gpu_nodes(producti
     assert manifest["execution"]["mode"] == "in_slurm_job" and manifest["execution"]["nodes"] == NODES
     metrics = manifest["metrics"]
     assert_production_ranks(metrics, done.stderr, rows=12)  # 2 micro-batches x 3 rows x 2 replicas
-    assert metrics["setup"]["substituted"] == ["loss liger -> chunked (Liger's fused kernel needs CUDA)"]
+    assert metrics["setup"]["substituted"] == [
+        "attention auto -> varlen (a GPU rank's varlen kernels need CUDA: their per-document reference, fed the same "
+        "lengths)", "loss liger -> chunked (Liger's fused kernel needs CUDA)"]
     rows = {r["step"]: r for r in summary["rehearsal"]}
     assert rows["pretrain:stage1"]["exercised"].startswith(
         "DeepSpeed ZeRO-0 + TP 2 in bf16 on 4 ranks over 2 node(s) x 2 h100 (Slurm, launch srun), attention auto, "
         "loss liger, node-local staging")
-    assert "on CPU ranks: loss liger -> chunked" in rows["pretrain:stage1"]["exercised"]
+    assert "on CPU ranks: attention auto -> varlen" in rows["pretrain:stage1"]["exercised"]
     assert "hardware.nodes 48 -> 2" in rows["(every step)"]["shrunk"]
     assert "accelerator" not in rows["(every step)"]["shrunk"] and "precision" not in rows["(every step)"]["shrunk"]
 

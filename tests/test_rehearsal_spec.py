@@ -88,9 +88,12 @@ def test_a_gpu_specs_cpu_rank_replaces_only_cuda_only_kernels_and_says_so(stage1
     gpu = job.with_how(hardware=job.hardware.model_copy(update={"accelerator": "h100"}), loss="liger",
                        attention="flash")
     on_cpu, said = cpu_rank_kernels(gpu, cuda=False)
-    assert (on_cpu.loss, on_cpu.attention) == ("chunked", "sdpa")
-    assert said == ["attention flash -> sdpa (flash attention needs a CUDA GPU)",
-                    "loss liger -> chunked (Liger's fused kernel needs CUDA)"]
+    assert (on_cpu.loss, on_cpu.attention) == ("chunked", "varlen")
+    assert said == ["attention flash -> varlen (a GPU rank's varlen kernels need CUDA: their per-document reference, "
+                    "fed the same lengths)", "loss liger -> chunked (Liger's fused kernel needs CUDA)"]
+    flex, said = cpu_rank_kernels(gpu.with_how(attention="flex", loss="auto"), cuda=False)
+    assert flex.attention == "sdpa" and said == ["attention flex -> sdpa (FlexAttention has no backward pass on CPU "
+                                                 "in this torch: it trains on CUDA only)"]
     assert cpu_rank_kernels(gpu, cuda=True) == (gpu, [])  # a GPU rank keeps them (and fails without the extras)
     kept = gpu.with_how(loss="auto", attention="sdpa")
     assert cpu_rank_kernels(kept, cuda=False) == (kept, [])  # nothing CUDA-only: nothing said

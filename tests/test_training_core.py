@@ -357,7 +357,8 @@ def test_compile_and_activation_checkpointing_train_the_same_model(stage1_job, t
     from compass.model.training.trainer import train_stage
 
     runs = {"eager": {}, "checkpointed": {"parallelism": {"activation_checkpointing": True}},
-            "compiled": {"compile": True}, "eager-attention": {"attention": "eager"}}
+            "compiled": {"compile": True}, "eager-attention": {"attention": "eager"},
+            "compiled-varlen": {"compile": True, "attention": "varlen"}}
     counters = {"eager": LayerCalls(), "checkpointed": LayerCalls()}
     results = {}
     for name, changes in runs.items():
@@ -374,6 +375,12 @@ def test_compile_and_activation_checkpointing_train_the_same_model(stage1_job, t
     assert losses(tmp_path / "checkpointed") == reference
     assert losses(tmp_path / "compiled") == pytest.approx(reference, rel=1e-4)
     assert losses(tmp_path / "eager-attention") == pytest.approx(reference, rel=1e-4)
+    # torch's varlen attention (issue 43) trains the same model with its attention inside the compiled graphs: no
+    # graph break, where compass's per-document SDPA breaks around every layer's attention
+    assert results["compiled"].compiled.graph_breaks > 0
+    varlen = results["compiled-varlen"].compiled
+    assert varlen is not None and varlen.graph_breaks == 0, varlen.break_reasons
+    assert losses(tmp_path / "compiled-varlen") == pytest.approx(reference, rel=1e-4)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from compass.flows.compiler import Plan
 from compass.flows.reports.plan_status import StepStatus
-from compass.model.attention import DOCUMENT_SDPA, flash_kernel
+from compass.model.attention import DOCUMENT_SDPA, DOCUMENT_VARLEN, flash_kernel
 from compass.specs import costs, scaling
 from compass.specs.checks import phases_of
 from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
@@ -251,10 +251,11 @@ def training_core_section(spec: TrainingSpec) -> Section:
     flash = flash_kernel()
     if how.attention == "auto":
         attention = (f"{flash} (flash-attn installed here)" if gpu and flash else
-                     f"flash-attention where flash-attn is installed on the GPU nodes, else {DOCUMENT_SDPA}" if gpu
-                     else DOCUMENT_SDPA)
+                     f"flash-attention where flash-attn is installed on the GPU nodes, else {DOCUMENT_VARLEN} (torch's "
+                     "varlen kernels)" if gpu else DOCUMENT_SDPA)
     else:
         attention = {"flash": flash or "flash_attention_2 (flash-attn not installed here)",
+                     "varlen": f"{DOCUMENT_VARLEN} (torch's varlen kernels on CUDA in bf16/fp16)",
                      "flex": "flex_attention", "sdpa": DOCUMENT_SDPA, "eager": "eager"}[how.attention]
     loss = {"auto": "liger fused linear cross-entropy where liger-kernel is installed on CUDA, else chunked"
                     if gpu else "chunked cross-entropy", "chunked": "chunked cross-entropy",

@@ -76,6 +76,23 @@ def to_host(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+class HostStaging:
+    """A state copied to host memory for the writer thread, into buffers kept from one checkpoint to the next:
+    torch's DefaultStager keeps one host storage per storage it copied (pinned on CUDA, the copy non-blocking), so
+    host memory holds one copy of the weights and both Adam moments however many checkpoints a stage writes (a new
+    copy per checkpoint left each to the allocator). A buffer is overwritten at the next checkpoint only: the trainer
+    lets the previous write finish first (`Trainer.save_checkpoint` settles it)."""
+
+    def __init__(self, cuda: bool):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+
+    def copy(self, state: Any) -> Any:
+        return self.stager.stage(state)
+
+
 Write = Callable[[Path], list[Path]]  # writes some files of a checkpoint into the folder it is given; returns them
 
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from compass.model.training import collectives
-from compass.model.training.checkpoints import Write, to_host
+from compass.model.training.checkpoints import HostStaging, Write
 from compass.model.training.collectives import rank_env
 from compass.specs.training import Optimizer
 
@@ -98,6 +98,7 @@ class TorchEngine:
         self.accumulation = accumulation
         self.clip = opt.grad_clip
         self.sharding = ""  # every rank holds every state
+        self.staging = HostStaging(device.type == "cuda")
 
     def __call__(self, **inputs):
         return self.model(**inputs)
@@ -122,7 +123,8 @@ class TorchEngine:
         rank, _, _ = rank_env()
         if rank != 0:
             return []
-        state = to_host({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "extra": extra})
+        state = self.staging.copy({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                                   "extra": extra})
 
         def write(out: Path) -> list[Path]:
             torch.save(state, out / "state.pt")
@@ -187,10 +189,13 @@ def _no_shm_op() -> None:
     return None
 
 
-def _capturing_checkpoint_engine(config: Any) -> Any:
+def _capturing_checkpoint_engine(config: Any, cuda: bool) -> Any:
     """DeepSpeed's torch checkpoint engine with `save` turned into a snapshot: each state dict DeepSpeed would
-    write is copied to host memory and kept, for the checkpoint writer's thread to serialise."""
+    write is copied to host memory (into buffers reused at every checkpoint) and kept, for the checkpoint writer's
+    thread to serialise."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    staging = HostStaging(cuda)
 
     class Capturing(TorchCheckpointEngine):
         def __init__(self) -> None:
@@ -198,7 +203,7 @@ def _capturing_checkpoint_engine(config: Any) -> Any:
             self.captured: list[tuple[str, Any]] = []
 
         def save(self, state_dict: Any, path: str) -> None:
-            self.captured.append((path, to_host(state_dict)))
+            self.captured.append((path, staging.copy(state_dict)))
 
     return Capturing()
 
@@ -243,7 +248,8 @@ class DeepSpeedEngine:
             config["tensor_parallel"] = {"autotp_size": tensor_parallel}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                                  dist_init_required=False)
-        self.engine.checkpoint_engine = self.capture = _capturing_checkpoint_engine(self.engine._config)
+        cuda = torch.device(self.engine.device).type == "cuda"
+        self.engine.checkpoint_engine = self.capture = _capturing_checkpoint_engine(self.engine._config, cuda)
         self.module = self.engine.module
         self.zero_stage = zero_stage
         self.tensor_parallel = tensor_parallel

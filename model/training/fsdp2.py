@@ -21,7 +21,7 @@ import torch
 
 from compass.infra.layout import WEIGHTS
 from compass.model.training import collectives
-from compass.model.training.checkpoints import Write, to_host
+from compass.model.training.checkpoints import HostStaging, Write, to_host
 from compass.model.training.engines import adamw, clipped_step, hf_state, tensors_digest
 from compass.specs.training import Optimizer
 
@@ -55,6 +55,7 @@ class FSDP2Engine:
         self.accumulation = accumulation
         self.clip = opt.grad_clip
         self.checkpoint_group = collectives.side_group()  # DCP's writes talk here, off the training thread
+        self.staging = HostStaging(device.type == "cuda")  # DCP stages every checkpoint's shards into the same buffers
         self.rank = collectives.rank_env()[0]
 
     def __call__(self, **inputs):
@@ -94,7 +95,7 @@ class FSDP2Engine:
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
         shards = folder / SHARDS
         pending = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(shards),
-                                 process_group=self.checkpoint_group)
+                                 process_group=self.checkpoint_group, async_stager=self.staging.stager)
         kept = to_host(extra) if self.rank == 0 else None
         rank = self.rank
 

@@ -110,8 +110,11 @@ def cpu_rank_kernels(job: TrainJob, cuda: bool) -> tuple[TrainJob, list[str]]:
         return job, []
     update: dict[str, str] = {}
     said: list[str] = []
-    problem = attention.unavailable(job.attention, cuda=False)
-    if problem:
+    if job.attention in ("auto", "flash"):  # a GPU rank's kernel takes the documents' lengths: so does its reference
+        update["attention"] = "varlen"
+        said.append(f"attention {job.attention} -> varlen (a GPU rank's varlen kernels need CUDA: their "
+                    "per-document reference, fed the same lengths)")
+    elif problem := attention.unavailable(job.attention, cuda=False):
         update["attention"] = "sdpa"
         said.append(f"attention {job.attention} -> sdpa ({problem})")
     if job.loss == "liger":

@@ -46,7 +46,9 @@ def setup_of(how: How) -> dict[str, object]:
     return {"device": where.device, "precision": where.dtype, "substituted": cpu_substitutions(how)}
 
 
-HF_ATTENTION = {"flash": "flash_attention_2", "flex": "flex_attention", "sdpa": "sdpa", "eager": "eager"}
+# varlen: a library's rows are padded, not packed, and carry no cumulative lengths: torch's SDPA with their mask
+HF_ATTENTION = {"flash": "flash_attention_2", "varlen": "sdpa", "flex": "flex_attention", "sdpa": "sdpa",
+                "eager": "eager"}
 
 
 def hf_attention(how: How) -> str | None:

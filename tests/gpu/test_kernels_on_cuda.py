@@ -82,6 +82,26 @@ def test_flex_attention_equals_per_document_sdpa_on_a_packed_micro_batch_of_3(cu
     assert torch.nn.functional.cosine_similarity(flex[1], expected[1], dim=0) > 0.99
 
 
+def test_torchs_varlen_equals_per_document_sdpa_and_compiles_without_a_graph_break(cuda):
+    """torch's own varlen Flash kernels (what `auto` trains with on a GPU without flash-attn) on a packed
+    micro-batch of 3 with grouped queries train like compass's SDPA, and a compiled model keeps them in its graph."""
+    from compass.model import varlen
+    from compass.model.attention import DOCUMENT_SDPA, DOCUMENT_VARLEN, implementation
+
+    assert implementation("varlen", cuda=True) == DOCUMENT_VARLEN
+    batch = packed_micro_batch()
+    expected = loss_and_grads(tiny_model(DOCUMENT_SDPA, cuda, torch.bfloat16), batch, cuda, lengths=False)
+    model = tiny_model(DOCUMENT_VARLEN, cuda, torch.bfloat16)
+    assert varlen.uses_torch_kernel(torch.zeros(1, device=cuda, dtype=torch.bfloat16))
+    got = loss_and_grads(model, batch, cuda, lengths=True)
+    torch.testing.assert_close(got[0], expected[0], atol=2e-2, rtol=2e-2)
+    assert torch.nn.functional.cosine_similarity(got[1], expected[1], dim=0) > 0.99
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(model.model)(**{k: v for k, v in batch.inputs(cuda, sequence_lengths=True).items()
+                                                   if k != "labels"}, use_cache=False)
+    assert report.graph_break_count == 0, report.break_reasons
+
+
 @pytest.mark.gpu_extra
 def test_liger_loss_equals_the_chunked_loss(cuda):
     from compass.model.attention import DOCUMENT_SDPA
