@@ -42,6 +42,16 @@ def test_gpu_throughput_says_it_needs_cuda_where_there_is_none():
     assert out.strip() == "no CUDA device: skipped"
 
 
+def test_gpu_throughputs_cpu_path_runs_the_same_code_at_a_tiny_size():
+    """`--tiny`: the benchmark's own code (job, trainer, bare loop, MFU against a measured matmul peak) on the CPU
+    at a toy shape with torch's varlen attention, so a first GPU session does not meet its bugs; its result file is
+    its own (gpu_throughput-tiny), never in place of a GPU's numbers."""
+    out = bench("gpu_throughput.py", "--tiny", "--steps", "6", "--warmup", "2", "--rounds", "1", "--attention",
+                "varlen", "--variants", "bare torch loop,compass trainer", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert "measured compass trainer" in out and "CPU throughput" in out and "attention varlen" in out, out
+    assert "MFU (median): bare torch loop" in out and "fp32, uncompiled (--tiny)" in out
+
+
 @pytest.mark.gpu
 def test_gpu_throughput_measures_the_trainer_against_a_bare_loop_on_cuda():
     out = bench("gpu_throughput.py", "--steps", "4", "--warmup", "2", "--rounds", "1", "--variants",

@@ -161,3 +161,27 @@ def _tensors(state) -> list[torch.Tensor]:
     if isinstance(state, list | tuple):
         return [t for v in state for t in _tensors(v)]
     return []
+
+
+@pytest.mark.slow
+def test_the_gpu_session_script_runs_every_step_on_cpu_up_to_its_first_cuda_call(tmp_path):
+    """benchmarks/gpu_session.sh, the one command of a short GPU visit, run here with the suite's own packages: the
+    kit check, every tests/gpu file and the benchmark for each attention run and stop where CUDA is first needed
+    (or at the GPU kit's prebuilt data, which travels with the tree), and the summary names each part."""
+    import os
+    import subprocess
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "SKIP_INSTALL": "1", "PY": str(REPO / ".venv" / "bin" / "python"), "OUT": str(tmp_path),
+           "TEST_S": "120", "BENCH_S": "60", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=400)
+    out = done.stdout + done.stderr
+    summary = out[out.rindex("\nsetup:") + 1:]  # the closing summary
+    assert summary.startswith("setup:     ok; kit check: 0 unmet requirements"), summary
+    failures = [line for line in summary.splitlines() if line.strip().startswith(("ERROR", "FAILED"))]
+    assert failures and all("needs a CUDA device" in line or "prebuilt_data" in line for line in failures), failures
+    assert any("test_torchs_varlen_equals_per_document_sdpa" in line for line in failures)  # the new kernel is there
+    assert "benchmark: --attention varlen: ok" in summary and "no CUDA device: skipped" in summary
+    assert {p.name for p in tmp_path.iterdir()} >= {"gpu_session.log", "gpu_tests.log", "gpu_throughput.log"}
