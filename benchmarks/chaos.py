@@ -2,7 +2,8 @@
 continued run checked against an uninterrupted one (issue 47, item 1).
 
 One uninterrupted run of the chaos spec (the suite's minimal spec with two ranks per step, checkpoints every few
-steps and an SFT, a DPO and a GRPO step) is the reference. Each interruption then draws a phase, a kind and a point:
+steps, a long-context stage, a mid-training step and an SFT, a DPO and a GRPO step) is the reference. Each
+interruption then draws a phase, a kind and a point:
 
 - its store holds the reference's artifacts upstream of the phase's step (they are found committed), not the step
   and what follows it;
@@ -74,8 +75,8 @@ CHECKPOINT_EVERY = 3  # optimizer steps between checkpoints: resumes land mid-st
 # limit) checkpoints first: 0.
 REDONE_BOUND = 2.0
 PHASES = {"data": "curate:notes", "tokenize": "tokenize:notes", "pretraining": "pretrain:stage1",
-          "sft": "post_train:sft", "dpo": "post_train:dpo", "grpo": "post_train:grpo",
-          "evaluation": "evaluate:pretrain-stage1"}
+          "long_context": "long_context:ctx128", "mid_training": "mid_training:mid", "sft": "post_train:sft",
+          "dpo": "post_train:dpo", "grpo": "post_train:grpo", "evaluation": "evaluate:pretrain-stage1"}
 DISK_FULL = "disk full during a commit"  # root only: the store on a disk of its own size (a tmpfs)
 DISK_FULL_CHECKPOINT = "disk full during a checkpoint"  # the same, filled when a rank writes a checkpoint
 FILLS_DISK = (DISK_FULL, DISK_FULL_CHECKPOINT)
@@ -90,7 +91,13 @@ CLUSTER_HOW = """  hardware: {{nodes: 2, devices_per_node: 1}}
 """
 RANK_MODULES = ("compass.model.training.trainer", "compass.tasks.post_training.trl_ranks")
 TIMED_FILES = ("metrics.jsonl", "summary.md", "results.json")  # hold wall-clock times: not compared bit for bit
-POST_TRAINING = """  post_training:
+POST_TRAINING = """  long_context:
+    stages:
+      - {name: ctx128, sequence_length: 128, rope_theta: 20000, tokens: 6144, global_batch_size: 4,
+         mixture: {notes: 1.0}, lr: 1.0e-3}
+    retrieval_samples: 1
+  post_training:
+    - {method: mid_training, name: mid, dataset: notes, tokens: 6144, lr: 1.0e-4, batch_size: 4}
     - {method: sft, name: sft, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-3, max_samples: 32, max_length: 128,
        batch_size: 4}
     - {method: dpo, name: dpo, loss_type: sigmoid, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 16,
