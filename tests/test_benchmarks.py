@@ -42,6 +42,7 @@ def test_gpu_throughput_says_it_needs_cuda_where_there_is_none():
     assert out.strip() == "no CUDA device: skipped"
 
 
+@pytest.mark.slow  # three processes (two variants and the matmul peak), each building the model: about a minute
 def test_gpu_throughputs_cpu_path_runs_the_same_code_at_a_tiny_size():
     """`--tiny`: the benchmark's own code (job, trainer, bare loop, MFU against a measured matmul peak) on the CPU
     at a toy shape with torch's varlen attention, so a first GPU session does not meet its bugs; its result file is
