@@ -127,13 +127,14 @@ def unavailable(choice: Backend, cuda: bool, training: bool = True) -> str | Non
     return None
 
 
-def implementation(choice: Backend, cuda: bool) -> str:
-    """The transformers `attn_implementation` for a backend choice on this device."""
+def implementation(choice: Backend, cuda: bool, dropout: bool = False) -> str:
+    """The transformers `attn_implementation` for a backend choice on this device; `dropout`: the model has
+    attention dropout, which torch's varlen kernels do not (`auto` then takes per-document SDPA)."""
     problem = unavailable(choice, cuda, training=False)
     if problem:
         raise ValueError(problem)
     if choice == "flash" or (choice == "auto" and cuda and flash_kernel()):
         return flash_kernel() or "flash_attention_2"
-    if choice == "varlen" or (choice == "auto" and cuda):
+    if choice == "varlen" or (choice == "auto" and cuda and not dropout):
         return DOCUMENT_VARLEN
     return {"flex": "flex_attention", "eager": "eager"}.get(choice, DOCUMENT_SDPA)

@@ -37,7 +37,8 @@ def check_spec(spec: TrainingSpec) -> list[Issue]:
     checks: tuple[Callable[[TrainingSpec], Iterable[Issue]], ...] = (
         lambda s: architecture_rules(s.what.architecture, ("what", "architecture")), lambda s: data_rules(s.what.data),
         _mixtures, _stages, lambda s: pretraining_rules(s.what.pretraining), _parallelism, _resources,
-        _trl_micro_batches, _tokenizer, _post_training, _ablations, lambda s: how_rules(s.how), _evaluation, _gate)
+        _trl_micro_batches, _tokenizer, _post_training, _ablations, lambda s: how_rules(s.how), _evaluation, _gate,
+        _attention)
     return [issue for check in checks for issue in check(spec)]
 
 
@@ -164,6 +165,15 @@ def _stages(spec: TrainingSpec) -> Iterator[Issue]:
     if spec.what.architecture.positions.kind == "nope" and lc:
         yield Issue(("what", "long_context"), "long-context stages change rope_theta, but the model has no RoPE",
                     "use positions.kind: rope or rnope, or drop the long-context stages")
+
+
+def _attention(spec: TrainingSpec) -> Iterator[Issue]:
+    """torch's varlen kernels run without attention dropout: refused where the architecture asks for some (`auto`
+    picks per-document SDPA then)."""
+    arch = spec.what.architecture
+    if spec.how.attention == "varlen" and arch is not None and arch.dropout > 0:
+        yield Issue(("how", "attention"), f"varlen attention has no dropout, and what.architecture.dropout is "
+                    f"{arch.dropout:g}", "set how.attention to sdpa or flash, or what.architecture.dropout to 0")
 
 
 def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:

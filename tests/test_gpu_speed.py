@@ -56,6 +56,7 @@ def test_auto_picks_torchs_varlen_on_cuda_without_the_flash_attn_wheel(monkeypat
     assert attention.implementation("auto", cuda=True) == DOCUMENT_VARLEN
     assert attention.implementation("varlen", cuda=False) == DOCUMENT_VARLEN
     assert attention.implementation("auto", cuda=False) == DOCUMENT_SDPA
+    assert attention.implementation("auto", cuda=True, dropout=True) == DOCUMENT_SDPA  # varlen has no dropout
     monkeypatch.setattr(attention, "flash_kernel", lambda: "flash_attention_2")
     assert attention.implementation("auto", cuda=True) == "flash_attention_2"
 

@@ -110,7 +110,8 @@ def cpu_rank_kernels(job: TrainJob, cuda: bool) -> tuple[TrainJob, list[str]]:
         return job, []
     update: dict[str, str] = {}
     said: list[str] = []
-    if job.attention in ("auto", "flash"):  # a GPU rank's kernel takes the documents' lengths: so does its reference
+    dropout = job.recipe.architecture.dropout > 0  # varlen has none: per-document SDPA then
+    if job.attention in ("auto", "flash") and not dropout:  # a GPU rank's kernel takes the lengths: so does this one
         update["attention"] = "varlen"
         said.append(f"attention {job.attention} -> varlen (a GPU rank's varlen kernels need CUDA: their "
                     "per-document reference, fed the same lengths)")
@@ -177,7 +178,8 @@ class Trainer:
         loss = resolve_loss(job.loss)  # `auto` picks liger where installed: not under ZeRO-3 (below)
         if job.parallelism.sharding_stage == 3:  # ZeRO-3 or FSDP2
             loss = "recomputed"  # the head's weight is whole only inside its own forward (liger: refused)
-        self.attention, self.loss_kind = attention.implementation(job.attention, cuda), loss
+        dropout = recipe.architecture.dropout > 0
+        self.attention, self.loss_kind = attention.implementation(job.attention, cuda, dropout), loss
         self.sequence_lengths = attention.takes_sequence_lengths(self.attention)
         self.dynamo_start: DynamoCounts | None = None  # set where the model is compiled
         ckpt.seed_rngs(recipe.seed)  # a resumed run's checkpoints then hold the generators an uninterrupted run's do
