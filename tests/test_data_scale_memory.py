@@ -34,7 +34,7 @@ import psutil
 from compass.infra.store import Store
 from compass.tasks.kinds.encode_tokens import tokenize_curated
 from compass.tasks.steps.context import InputArtifact, Runtime, StepContext
-from compass.tasks.steps.kind import EmptyConfig
+from compass.tasks.steps.step_config import EmptyConfig
 
 def hwm_kib(pid):
     try:
