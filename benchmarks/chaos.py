@@ -83,6 +83,7 @@ FILLS_DISK = (DISK_FULL, DISK_FULL_CHECKPOINT)
 KINDS = ("kill -9 orchestrator", "SIGTERM orchestrator", "kill -9 rank", "kill -9 orchestrator twice", DISK_FULL,
          DISK_FULL_CHECKPOINT)
 SLURM_KINDS = ("scancel", "time limit", "slurmd stopped")  # --cluster only
+ENDED_FOR_GOOD = ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 CLUSTER_HOW = """  hardware: {{nodes: 2, devices_per_node: 1}}
   parallelism: {{data_parallel: 2, micro_batch_size: 2}}
   checkpoints: {{every_steps: {every}, keep_last: 2}}
@@ -351,7 +352,9 @@ def interrupt_job(kind: str, job: str, cluster: Cluster) -> threading.Thread | N
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             state = state_of(job)
-            if state is None or state.state == "PENDING":  # requeued (or gone: nothing more to do)
+            # requeued, ended for good (a job that failed before the controller saw the node down: the run
+            # resubmits it, and that job needs the node back too), or gone; a NODE_FAIL turns PENDING next
+            if state is None or state.state in ("PENDING", *ENDED_FOR_GOOD):
                 break
             time.sleep(0.5)
         if kind == "time limit":  # Slurm's two-minute BeginTime of a requeued job, moved to now, once the nodes
