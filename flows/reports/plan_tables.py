@@ -249,10 +249,13 @@ def training_core_section(spec: TrainingSpec) -> Section:
     how = spec.how
     gpu = how.hardware.accelerator != "cpu"
     flash = flash_kernel()
+    arch = spec.what.architecture
+    fallback = DOCUMENT_SDPA if arch is not None and arch.dropout > 0 else \
+        f"{DOCUMENT_VARLEN} (torch's varlen kernels)"  # varlen has no attention dropout
     if how.attention == "auto":
         attention = (f"{flash} (flash-attn installed here)" if gpu and flash else
-                     f"flash-attention where flash-attn is installed on the GPU nodes, else {DOCUMENT_VARLEN} (torch's "
-                     "varlen kernels)" if gpu else DOCUMENT_SDPA)
+                     f"flash-attention where flash-attn is installed on the GPU nodes, else {fallback}" if gpu
+                     else DOCUMENT_SDPA)
     else:
         attention = {"flash": flash or "flash_attention_2 (flash-attn not installed here)",
                      "varlen": f"{DOCUMENT_VARLEN} (torch's varlen kernels on CUDA in bf16/fp16)",
