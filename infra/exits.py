@@ -3,6 +3,8 @@
 A rank whose collective hung (the hang watchdog) or broke (a peer lost: NCCL's or gloo's error) ends with
 RETRIABLE_EXIT and writes why into its work folder's `retriable/`, one file per rank: srun reports only the highest
 exit code of its tasks (143 once it has terminated the others), so the code alone does not reach the batch shell.
+srun that could not start the ranks on one of the job's nodes (its slurmd lost after the job began) writes its
+note there too (`launch`): the ranks never ran, and a requeued job finds the node back or replaced.
 The step then exits RETRIABLE_EXIT too, and the batch shell requeues its job, under a budget, with no orchestrator
 needed (infra/slurm.sbatch_script); a requeued job resumes from its newest checkpoint. Any other failure fails
 the job: a bug or bad data would fail again.
@@ -10,9 +12,12 @@ the job: a bug or bad data would fail again.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from compass.infra.layout import WorkFolder
+
+log = logging.getLogger("compass.exits")
 
 RETRIABLE_EXIT = 75  # EX_TEMPFAIL: a retry may well succeed
 
@@ -25,17 +30,29 @@ class RetriableRanksFailure(RuntimeError):
         super().__init__("the ranks ended for faults a retry may cure: " + "; ".join(reasons))
 
 
-def mark_retriable(workdir: Path, rank: int, why: str) -> None:
+def mark_retriable(workdir: Path, who: int | str, why: str) -> None:
+    """Say why the ranks' end is retriable: `who` is a rank (its number) or what launched them (`launch`)."""
     folder = WorkFolder(workdir).retriable
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank-{rank}").write_text(why[:2000])
+    (folder / (f"rank-{who}" if isinstance(who, int) else who)).write_text(why[:2000])
+
+
+def broken_collective(workdir: Path, rank: int, error: BaseException) -> int:
+    """A rank's collective broke (a peer lost: torch.distributed.DistError from NCCL or gloo): say so for the step
+    and return the exit code the rank ends with."""
+    first = (str(error).splitlines() or [""])[0][:300]
+    why = f"rank {rank}: a collective failed ({type(error).__name__}: {first})"
+    log.error("%s; the job retries from its newest checkpoint", why)
+    mark_retriable(workdir, rank, why)
+    return RETRIABLE_EXIT
 
 
 def retriable_reasons(workdir: Path) -> list[str]:
     folder = WorkFolder(workdir).retriable
-    return [p.read_text() for p in sorted(folder.glob("rank-*"))] if folder.exists() else []
+    return [p.read_text() for p in sorted(folder.iterdir()) if p.is_file()] if folder.exists() else []
 
 
 def clear_retriable(workdir: Path) -> None:
-    for path in WorkFolder(workdir).retriable.glob("rank-*"):
+    folder = WorkFolder(workdir).retriable
+    for path in folder.iterdir() if folder.exists() else ():
         path.unlink(missing_ok=True)

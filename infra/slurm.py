@@ -21,9 +21,11 @@ import contextlib
 import getpass
 import logging
 import os
+import re
 import shlex
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,8 +195,39 @@ def ranks_command(module_argv: list[str], python: str, nodes: int, ranks_per_nod
     return [*common, "--ntasks-per-node=1", f"--cpus-per-task={cpus_on_node}", *devices, "bash", "-c", node]
 
 
+LAUNCH_FAILED = re.compile(r"Task launch for \S+ failed on node (\S+): (.+)")  # srun's words (22.05 to 24.x)
+
+
+@dataclass(frozen=True)
+class RanksStepEnd:
+    """How srun starting a step's ranks ended: its exit status, and the nodes it could not start them on with
+    Slurm's reason (their slurmd gone or refusing: the ranks there never ran)."""
+
+    code: int
+    unlaunched: tuple[str, ...] = ()
+
+
+def run_ranks_step(argv: list[str], cwd: Path) -> RanksStepEnd:
+    """Run srun (ranks_command), passing its standard error through to the job's log, ranks' lines included,
+    while reading Slurm's own launch failures from it."""
+    proc = subprocess.Popen(argv, cwd=cwd, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    out = getattr(sys.stderr, "buffer", None)
+    unlaunched = []
+    for line in proc.stderr:
+        if out is not None:
+            out.write(line)
+            out.flush()
+        else:
+            sys.stderr.write(line.decode(errors="replace"))
+        if found := LAUNCH_FAILED.search(line.decode(errors="replace")):
+            unlaunched.append(f"{found[1]}: {found[2].strip()}")
+    return RanksStepEnd(proc.wait(), tuple(unlaunched))
+
+
 def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
-    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, infra/exits.py)
+    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, ranks srun could not start
+    on a lost node: infra/exits.py)
     requeues its own job, at most `budget` times over the job's life (counted in the work folder: time-limit
     requeues do not spend it), so a fault weeks into a stage resumes from the newest checkpoint with no
     orchestrator alive."""
@@ -204,7 +237,8 @@ def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
     return [f'if [ "$status" = {RETRIABLE_EXIT} ]; then',
             f'  faults=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo "$faults" > {count}',
             f'  if [ "$faults" -le {budget} ]; then echo "compass: a retriable fault (exit {RETRIABLE_EXIT}: a hung or '
-            f'broken collective): requeue $faults of {budget}"; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+            f'broken collective, or a lost node): requeue $faults of {budget}"; '
+            f'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
             f'  echo "compass: retriable faults beyond the budget of {budget} (how.orchestration.retries)"',
             "fi"]
 

@@ -5,6 +5,7 @@ The same decisions on a real Slurm cluster: tests/test_placement_slurm.py."""
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -153,3 +154,49 @@ def test_the_slurm_word_fields_refuse_what_would_reach_the_batch_script():
         SlurmCluster(partition="gpu\n#SBATCH --uid=0")
     with pytest.raises(ValueError):
         How.model_validate({"resources": {"pretraining": {"time_limit": "2 days"}}})
+
+
+FAKE_SRUN = """#!/bin/bash
+echo "rank 0 on node1: started" >&2
+{lost}
+exit {code}
+"""
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_ranks_srun_cannot_start_on_a_lost_node_are_a_retriable_fault_and_a_failing_rank_is_not(
+        lost: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A node lost after its job began but before srun started the ranks there: srun says so in its own words and
+    exits; the step notes it as retriable (the batch shell then requeues the job). Before, the job ended FAILED and
+    waited for an orchestrator. A rank that failed by itself (srun exits without those words) stays a failure. srun
+    here is a stand-in on PATH saying what Slurm 22.05 says (the real one: tests/test_rehearsal_faults.py)."""
+    import logging
+
+    from compass.infra.exits import clear_retriable, retriable_reasons
+    from compass.specs.how import Hardware, Shape
+    from compass.tasks.steps.launchers import InSlurmJob
+    from compass.tasks.steps.placement import Placement
+
+    words = ('echo "srun: error: Task launch for StepId=12.0 failed on node node2: Communication connection '
+             'failure" >&2' if lost else 'echo "Traceback: ValueError: a bug" >&2')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(lost=words, code=233 if lost else 1))
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    work = tmp_path / "work"
+    work.mkdir()
+    shape = Shape(phase="post_training", nodes=2, devices_per_node=1, cpus_per_node=None, memory_gb=None,
+                  time_limit=None, whole_nodes=False)
+    launcher = InSlurmJob(Placement("in_slurm_job", shape))
+    hardware = Hardware(accelerator="cpu", nodes=2, devices_per_node=1)
+    code = launcher.start_ranks("compass.tasks.post_training.trl_ranks", work / "job.json", 2, hardware, None,
+                                logging.getLogger("test"))
+    assert code == (233 if lost else 1)
+    reasons = retriable_reasons(work)
+    if lost:
+        assert reasons == ["srun could not start the ranks on node2: Communication connection failure"]
+        clear_retriable(work)
+        assert retriable_reasons(work) == []
+    else:
+        assert reasons == []

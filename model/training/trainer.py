@@ -30,7 +30,7 @@ import torch
 from compass.infra.die_with_parent import die_with_parent
 from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.errors import StopRequested
-from compass.infra.exits import RETRIABLE_EXIT, mark_retriable
+from compass.infra.exits import broken_collective
 from compass.infra.layout import (
     CheckpointFolder,
     WorkFolder,
@@ -576,10 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         collectives.leave()
         return 0  # no result.json: the job is requeued and resumes from the checkpoint
     except torch.distributed.DistError as broken:  # a peer lost or a collective broken (NCCL, gloo): retriable
-        why = f"rank {rank}: a collective failed ({type(broken).__name__}: {str(broken).splitlines()[0][:300]})"
-        log.error("%s; the job retries from its newest checkpoint", why)
-        mark_retriable(job.workdir, rank, why)
-        return RETRIABLE_EXIT
+        return broken_collective(job.workdir, rank, broken)
     except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
         if (full := full_disk_met(failed, job.workdir)) is not None:
             note_full_disk(job.workdir, f"rank-{rank}", full)

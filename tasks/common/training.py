@@ -158,10 +158,13 @@ def run_module_ranks(module: str, job_path: Path, world: int, shape: Shape, runt
     hardware = how.hardware.model_copy(update={"nodes": shape.nodes,
                                                "hosts": how.hardware.hosts if shape.nodes > 1 else []})
     clear_full_disk_notes(job_path.parent)
+    clear_retriable(job_path.parent)
     code = launcher_for(runtime.placement).start_ranks(module, job_path, world, hardware, how.orchestration.cluster,
                                                        log)
     if code:
         ended_on_a_full_disk(job_path.parent)
+        if reasons := retriable_reasons(job_path.parent):  # a lost peer or node: the batch shell requeues the job
+            raise RetriableRanksFailure(reasons)
         raise RuntimeError(f"the ranks of {module} ended with {code}; their output is in the job's log")
 
 

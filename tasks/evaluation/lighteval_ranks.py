@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from compass.infra.die_with_parent import die_with_parent
 from compass.infra.environment import prepare_environment
+from compass.infra.exits import broken_collective
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How, Shape
 from compass.tasks.common.devices import Device
@@ -58,7 +59,11 @@ def lighteval_on_ranks(model_dir: Path, tasks: list[Benchmark], folder: Path, wh
     return BenchmarkScores.model_validate_json(job.result.read_text())
 
 
-def main(job_path: str) -> None:
+def main(job_path: str) -> int:
+    """One lighteval rank; its exit code: RETRIABLE_EXIT when a collective broke (a peer lost), so the step's
+    Slurm job requeues itself."""
+    from torch.distributed import DistError
+
     from compass.model.training import collectives
 
     die_with_parent(never_a_child_of_init=True)
@@ -67,17 +72,20 @@ def main(job_path: str) -> None:
     rank = collectives.rank_env()[0]
     scratch = job.folder / f"rank{rank}"
     scratch.mkdir(parents=True, exist_ok=True)
-    scores = run_lighteval(job.model_dir, job.tasks, scratch, Device(job.device, job.bf16), job.how,
-                           data_parallel=True)
+    try:
+        scores = run_lighteval(job.model_dir, job.tasks, scratch, Device(job.device, job.bf16), job.how,
+                               data_parallel=True)
+    except DistError as broken:  # a peer lost or a collective broken (NCCL, gloo): retriable
+        return broken_collective(Path(job_path).parent, rank, broken)
     if rank == 0:
         tmp = job.result.with_suffix(".tmp")
         tmp.write_text(scores.model_dump_json())
         tmp.replace(job.result)
     collectives.leave()
+    return 0
 
 
 if __name__ == "__main__":
     from compass.model.training import collectives
 
-    main(sys.argv[1])
-    collectives.exit_process(0)
+    collectives.exit_process(main(sys.argv[1]))

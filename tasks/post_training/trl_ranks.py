@@ -16,6 +16,7 @@ from typing import Any
 from compass.infra.die_with_parent import die_with_parent
 from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.environment import prepare_environment
+from compass.infra.exits import broken_collective
 from compass.infra.layout import WorkFolder
 from compass.model.training.goodput import process_start
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
@@ -297,7 +298,9 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
     return trainer, result
 
 
-def main(job_path: str) -> None:
+def main(job_path: str) -> int:
+    """One TRL rank (`python -m compass.tasks.post_training.trl_ranks JOB.json`); its exit code: RETRIABLE_EXIT when
+    a collective broke (a peer lost), so the step's Slurm job requeues itself as a trainer's does."""
 
     # torchrun starts ranks in sessions of their own: a killed launcher must not leave them training
     die_with_parent(never_a_child_of_init=True)
@@ -305,19 +308,23 @@ def main(job_path: str) -> None:
     job = TrlJob.read(Path(job_path))
     work = WorkFolder(job.work)
     model, tokenizer = load_chat_model(work.trl_start)
+    from torch.distributed import DistError
+
+    from compass.model.training import collectives
+
     try:
         train(job, model, tokenizer, read_rows(work.trl_rows), process_start())
+    except DistError as broken:  # a peer lost or a collective broken (NCCL, gloo): retriable
+        return broken_collective(work.root, collectives.rank_env()[0], broken)
     except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
         if (full := full_disk_met(failed, work.root)) is not None:
             note_full_disk(work.root, f"rank-{os.environ.get('RANK', '0')}", full)
         raise
-    from compass.model.training import collectives
-
     collectives.leave()
+    return 0
 
 
 if __name__ == "__main__":
     from compass.model.training import collectives
 
-    main(sys.argv[1])
-    collectives.exit_process(0)
+    collectives.exit_process(main(sys.argv[1]))

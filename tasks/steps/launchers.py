@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from compass.infra.die_with_parent import parent_death_preexec
+from compass.infra.exits import mark_retriable
 from compass.infra.launcher import TRAINER_MODULE, plan_launch
 from compass.infra.layout import WorkFolder
 from compass.infra.manifest import Execution
 from compass.infra.net import free_port
-from compass.infra.slurm import ranks_command
+from compass.infra.slurm import ranks_command, run_ranks_step
 from compass.specs.how import Hardware, SlurmCluster
 from compass.tasks.steps.placement import Mode, Placement
 
@@ -136,7 +137,11 @@ class InSlurmJob(Launcher):
         argv = ranks_command(["-m", module, str(job_path)], sys.executable, nodes, world // nodes, port,
                              cluster.launch if cluster else "srun", gpus=hardware.accelerator != "cpu")
         log.info("starting %d ranks on %d node(s): %s", world, nodes, " ".join(argv[:-1]))
-        return subprocess.run(argv, cwd=job_path.parent).returncode
+        ended = run_ranks_step(argv, job_path.parent)
+        if ended.code and ended.unlaunched:  # a node lost after the job began: a requeued job finds it back
+            mark_retriable(job_path.parent, "launch",
+                           "srun could not start the ranks on " + "; ".join(ended.unlaunched))
+        return ended.code
 
     def execution(self) -> Execution:
         return super().execution().model_copy(update={"slurm_job": os.environ.get("SLURM_JOB_ID"),
