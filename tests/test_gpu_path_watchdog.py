@@ -5,6 +5,7 @@ tests/hang_ranks.py; on NCCL the same thread watches the same steps."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -82,3 +83,40 @@ def test_records_left_by_an_earlier_launch_are_not_read(tmp_path, monkeypatch):
     assert set(read_ledger(tmp_path, this_launch())) == {0}
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert read_ledger(tmp_path, this_launch())[1].seq == 40
+
+
+LOST_PEER = """
+import os, sys, time
+import torch
+from compass.model.training import collectives
+collectives.init("gloo", timeout_s=120)
+rank = collectives.rank_env()[0]
+collectives.all_reduce(torch.ones(1))
+if rank == 1:
+    os._exit(9)  # lost: its connections close
+time.sleep(1)
+try:
+    collectives.all_reduce(torch.ones(1))
+except Exception as failed:
+    print("broken collective:", collectives.broke_a_collective(failed), type(failed).__name__, flush=True)
+print("a bug:", collectives.broke_a_collective(RuntimeError("shape mismatch")), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_peer_lost_under_gloo_is_a_broken_collective_a_retry_may_cure(tmp_path):
+    """gloo's error for a lost peer reaches Python as a plain RuntimeError, not torch's DistError: the ranks
+    (trainer, TRL, lighteval) tell it from a bug by its source (collectives.broke_a_collective), exit retriable and
+    their Slurm job requeues itself. Before, only DistError (NCCL's) counted, so on gloo a lost peer failed the job."""
+    from compass.infra.net import free_port
+
+    script = tmp_path / "lost_peer.py"
+    script.write_text(LOST_PEER)
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+             for rank in (0, 1)]  # not torchrun: it would stop rank 0 as soon as rank 1 is gone
+    out = ranks[0].communicate(timeout=300)[0]
+    ranks[1].wait(60)
+    assert "broken collective: True RuntimeError" in out, out[-4000:]
+    assert "a bug: False" in out, out[-4000:]

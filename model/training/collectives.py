@@ -48,6 +48,17 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
+GLOO_TRANSPORT = "gloo/transport/"  # where gloo's own errors come from: a peer's connection closed, reset or timed out
+
+
+def broke_a_collective(error: BaseException) -> bool:
+    """The error is a collective broken under this rank (a peer lost, a connection closed, a collective timed out),
+    a fault a retry may cure: torch's DistError (NCCL's DistBackendError among them), or gloo's transport error,
+    which reaches Python as a plain RuntimeError naming its source file ("[../gloo/transport/tcp/pair.cc:553]
+    Connection closed by peer")."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and GLOO_TRANSPORT in str(error))
+
+
 def init(backend: str, timeout_s: float | None = None) -> None:
     """Join the launcher's process group (several ranks only; one rank needs none). `timeout_s`: how long a
     collective may wait before the backend gives up (the hang watchdog fires first, with every rank's stacks)."""

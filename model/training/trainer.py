@@ -575,9 +575,9 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", stopped)
         collectives.leave()
         return 0  # no result.json: the job is requeued and resumes from the checkpoint
-    except torch.distributed.DistError as broken:  # a peer lost or a collective broken (NCCL, gloo): retriable
-        return broken_collective(job.workdir, rank, broken)
     except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
+        if collectives.broke_a_collective(failed):  # a peer lost or a collective broken (NCCL, gloo): retriable
+            return broken_collective(job.workdir, rank, failed)
         if (full := full_disk_met(failed, job.workdir)) is not None:
             note_full_disk(job.workdir, f"rank-{rank}", full)
         raise

@@ -62,8 +62,6 @@ def lighteval_on_ranks(model_dir: Path, tasks: list[Benchmark], folder: Path, wh
 def main(job_path: str) -> int:
     """One lighteval rank; its exit code: RETRIABLE_EXIT when a collective broke (a peer lost), so the step's
     Slurm job requeues itself."""
-    from torch.distributed import DistError
-
     from compass.model.training import collectives
 
     die_with_parent(never_a_child_of_init=True)
@@ -75,8 +73,10 @@ def main(job_path: str) -> int:
     try:
         scores = run_lighteval(job.model_dir, job.tasks, scratch, Device(job.device, job.bf16), job.how,
                                data_parallel=True)
-    except DistError as broken:  # a peer lost or a collective broken (NCCL, gloo): retriable
-        return broken_collective(Path(job_path).parent, rank, broken)
+    except Exception as failed:
+        if collectives.broke_a_collective(failed):  # a peer lost or a collective broken (NCCL, gloo): retriable
+            return broken_collective(Path(job_path).parent, rank, failed)
+        raise
     if rank == 0:
         tmp = job.result.with_suffix(".tmp")
         tmp.write_text(scores.model_dump_json())

@@ -308,15 +308,13 @@ def main(job_path: str) -> int:
     job = TrlJob.read(Path(job_path))
     work = WorkFolder(job.work)
     model, tokenizer = load_chat_model(work.trl_start)
-    from torch.distributed import DistError
-
     from compass.model.training import collectives
 
     try:
         train(job, model, tokenizer, read_rows(work.trl_rows), process_start())
-    except DistError as broken:  # a peer lost or a collective broken (NCCL, gloo): retriable
-        return broken_collective(work.root, collectives.rank_env()[0], broken)
     except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
+        if collectives.broke_a_collective(failed):  # a peer lost or a collective broken (NCCL, gloo): retriable
+            return broken_collective(work.root, collectives.rank_env()[0], failed)
         if (full := full_disk_met(failed, work.root)) is not None:
             note_full_disk(work.root, f"rank-{os.environ.get('RANK', '0')}", full)
         raise
