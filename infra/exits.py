@@ -38,7 +38,7 @@ def mark_retriable(workdir: Path, who: int | str, why: str) -> None:
 
 
 def broken_collective(workdir: Path, rank: int, error: BaseException) -> int:
-    """A rank's collective broke (a peer lost: torch.distributed.DistError from NCCL or gloo): say so for the step
+    """A rank's collective broke (a peer lost: model/training/collectives.broke_a_collective): say so for the step
     and return the exit code the rank ends with."""
     first = (str(error).splitlines() or [""])[0][:300]
     why = f"rank {rank}: a collective failed ({type(error).__name__}: {first})"

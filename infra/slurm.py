@@ -226,11 +226,10 @@ def run_ranks_step(argv: list[str], cwd: Path) -> RanksStepEnd:
 
 
 def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
-    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, ranks srun could not start
-    on a lost node: infra/exits.py)
-    requeues its own job, at most `budget` times over the job's life (counted in the work folder: time-limit
-    requeues do not spend it), so a fault weeks into a stage resumes from the newest checkpoint with no
-    orchestrator alive."""
+    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, or ranks srun could not
+    start on a lost node: infra/exits.py) requeues its own job, at most `budget` times over the job's life (counted
+    in the work folder: time-limit requeues do not spend it), so a fault weeks into a stage resumes from the newest
+    checkpoint with no orchestrator alive."""
     if budget <= 0:
         return []
     count = shlex.quote(str(work.failure_requeues))
