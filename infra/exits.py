@@ -52,6 +52,12 @@ def retriable_reasons(workdir: Path) -> list[str]:
     return [p.read_text() for p in sorted(folder.iterdir()) if p.is_file()] if folder.exists() else []
 
 
+def raise_if_retriable(workdir: Path) -> None:
+    """Raise RetriableRanksFailure when the ranks (or what launched them) said their end is retriable."""
+    if reasons := retriable_reasons(workdir):  # a hung or broken collective, a lost node: the job requeues itself
+        raise RetriableRanksFailure(reasons)
+
+
 def clear_retriable(workdir: Path) -> None:
     folder = WorkFolder(workdir).retriable
     for path in folder.iterdir() if folder.exists() else ():

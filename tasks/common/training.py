@@ -18,7 +18,7 @@ from pathlib import Path
 
 from compass.infra.disk_full import clear_full_disk_notes, ended_on_a_full_disk
 from compass.infra.errors import StopRequested
-from compass.infra.exits import RetriableRanksFailure, clear_retriable, retriable_reasons
+from compass.infra.exits import clear_retriable, raise_if_retriable
 from compass.infra.launcher import TRAINER_MODULE
 from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtifact, WorkFolder
 from compass.infra.net import free_port
@@ -142,9 +142,7 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
 
         raise StopRequested(checkpoints[-1].step)
     ended_on_a_full_disk(job.workdir)
-    reasons = retriable_reasons(job.workdir)
-    if reasons:  # a hung or broken collective: the batch shell requeues the job under its budget
-        raise RetriableRanksFailure(reasons)
+    raise_if_retriable(job.workdir)  # the batch shell requeues the job under its budget
     raise NoTrainResult(errno.ENOENT, f"the training ranks ended ({code}) without writing their result (a stop "
                         f"asked of the run makes them checkpoint and leave); their output: {work.slurm_log} under "
                         "Slurm, the launcher logs in the work folder here", str(work.train_result))
@@ -163,8 +161,7 @@ def run_module_ranks(module: str, job_path: Path, world: int, shape: Shape, runt
                                                        log)
     if code:
         ended_on_a_full_disk(job_path.parent)
-        if reasons := retriable_reasons(job_path.parent):  # a lost peer or node: the batch shell requeues the job
-            raise RetriableRanksFailure(reasons)
+        raise_if_retriable(job_path.parent)  # the batch shell requeues the job under its budget
         raise RuntimeError(f"the ranks of {module} ended with {code}; their output is in the job's log")
 
 
