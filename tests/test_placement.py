@@ -169,7 +169,7 @@ def test_ranks_srun_cannot_start_on_a_lost_node_are_a_retriable_fault_and_a_fail
     """A node lost after its job began but before srun started the ranks there: srun says so in its own words and
     exits; the step notes it as retriable (the batch shell then requeues the job). Before, the job ended FAILED and
     waited for an orchestrator. A rank that failed by itself (srun exits without those words) stays a failure. srun
-    here is a stand-in on PATH saying what Slurm 22.05 says (the real one: tests/test_rehearsal_faults.py)."""
+    here is a stand-in on PATH saying what Slurm 22.05 says (the real one: tests/test_rehearsal_node_lost.py)."""
     import logging
 
     from compass.infra.exits import clear_retriable, retriable_reasons
