@@ -13,7 +13,7 @@ from pathlib import Path
 from datatrove.pipeline.base import PipelineStep
 
 from compass.specs.how import How
-from compass.tasks.data.datatrove_stages import run_stage
+from compass.tasks.data.datatrove_stages import WORKER_MODULES, run_stage
 from compass.tasks.steps.context import Runtime
 
 
@@ -77,3 +77,32 @@ def test_two_in_process_stages_at_once_keep_their_own_task_logs(tmp_path: Path):
         text = (tmp_path / "logs" / label / "logs" / "task_00000.log").read_text()
         assert all(f"{label} rank 0 line {i}" in text for i in range(5)), text
         assert other not in text, text
+
+
+class LoadedModules(PipelineStep):
+    """Writes which of the data path's worker modules, and whether torch, a rank's process had loaded when it ran."""
+
+    name = "loaded modules"
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        import json
+        import sys
+
+        loaded = [name for name in WORKER_MODULES if name in sys.modules]
+        Path(self.folder, f"{rank}.json").write_text(json.dumps({"loaded": loaded, "torch": "torch" in sys.modules}))
+        yield from data or []
+
+
+def test_pool_workers_start_with_the_data_blocks_modules_already_imported(tmp_path: Path):
+    """The forkserver imports the data blocks' modules once; without that every worker of every stage imported
+    them itself (~0.5 s a stage). None of them pulls in torch."""
+    import json
+
+    run_stage(runtime(0), "pooled", tmp_path / "logs", [LoadedModules(str(tmp_path))], 2, logging.getLogger("test"))
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert [r["loaded"] for r in ranks] == [list(WORKER_MODULES)] * 2
+    assert not any(r["torch"] for r in ranks)
