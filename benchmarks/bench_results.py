@@ -87,12 +87,14 @@ class BenchResult(BaseModel):
         return cls.model_validate_json(path.read_text())
 
 
-def _commit() -> str:
+def _commit(checkout: Path = HERE) -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short=10", "HEAD") or "unknown"
-    return f"{commit}-dirty" if git("status", "--porcelain", "--untracked-files=no") else commit
+    # the results folder is what `make bench` itself rewrites, script after script: not a change to what it measures
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)benchmarks/results")
+    return f"{commit}-dirty" if changed else commit
 
 
 def _machine() -> str:

@@ -91,3 +91,26 @@ def test_a_benchmark_writes_its_result_file_with_where_and_when(tmp_path: Path):
     assert 0 < chunked.ratio < 1  # chunked needs less than the full logits
     assert any(n.startswith("chunked needs") for n in s.notes) and "chunked needs" in done.stdout
     assert written.measured.commit and written.measured.date and "cores" in written.measured.machine
+
+
+def test_a_result_names_its_commit_dirty_only_for_changes_outside_the_results_folder(tmp_path: Path):
+    """`make bench` rewrites benchmarks/results/ script after script: that is no change to the code it measures,
+    while an edited source file is."""
+    r = bench_module("bench_results")
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "x.json").write_text("{}")
+    (tmp_path / "model.py").write_text("a = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "benchmarks" / "results" / "x.json").write_text('{"ratio": 1.0}')
+    assert r._commit(tmp_path / "benchmarks") == head
+    (tmp_path / "model.py").write_text("a = 2\n")
+    assert r._commit(tmp_path / "benchmarks") == f"{head}-dirty"
