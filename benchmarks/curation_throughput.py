@@ -97,8 +97,9 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
 
     from compass.flows.compiler import Plan
     from compass.flows.runner import RunContext, run_step
-    from compass.infra.fingerprint import fingerprint
-    from compass.infra.manifest import Manifest
+    from compass.infra.fingerprint import fingerprint, sha256_file
+    from compass.infra.layout import SHARD_SUFFIX
+    from compass.infra.manifest import FileEntry, Manifest
     from compass.infra.store import Store
     from compass.specs.data import Curation
     from compass.specs.how import How, Orchestration
@@ -115,12 +116,15 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
     fps[cur.id] = fingerprint("curate", cur.config.identity(), {"raw": fps[raw.id]}, "bench")
     plan = Plan("bench", [raw, cur], fps)
     raw_uri = store.uri("ingest", "bench", fps[raw.id])
+    # its shards listed as a commit lists them: the step sizes its stages (tasks, executor) from that list
+    files = [FileEntry(path=f"documents/{shard.name}", size=shard.stat().st_size, sha256=sha256_file(str(shard)))
+             for shard in sorted(docs.glob("*" + SHARD_SUFFIX))]
     with store.staging() as staged:  # register the ingested documents as a committed input artifact
         os.symlink(docs, staged / "documents")
         store._move_into_place(staged, Path(raw_uri), Manifest(
             kind="ingest", name="bench", fingerprint=fps[raw.id], uri=raw_uri, config={}, spec_hash="-",
             spec_name="bench", code_version="-", phase_version="-", libraries={}, host="-", python="-",
-            started_at=0, finished_at=0).model_dump_json())
+            started_at=0, finished_at=0, files=files).model_dump_json())
     ctx = RunContext(plan, store, "bench", Runtime(how=How(orchestration=Orchestration(workers=workers))))
     run_step(ctx, cur, logging.getLogger("bench"))
 

@@ -396,9 +396,10 @@ class Orchestration(SpecModel):
     workers: PositiveInt = Field(default=2, le=MAX_PARALLEL, description="Processes a data step may use.")
     in_process_below_mib: NonNegativeFloat = Field(
         default=4, description="A local data stage with less input than this runs its datatrove ranks one after "
-                               "another in the step's own process: starting a pool of workers, each importing the "
-                               "pipeline's libraries, costs more than such work. The ranks and their shards are the "
-                               "same either way. 0: always a pool of `workers`.")
+                               "another in the step's own process: starting a pool of workers costs more than such "
+                               "work. A byte read by content filters, language id or MinHash signatures counts 100 "
+                               "(curation's costly passes get a pool from a few dozen KiB). The ranks and their "
+                               "shards are the same either way. 0: always a pool of `workers`.")
     max_parallel_steps: PositiveInt = Field(default=2, le=MAX_PARALLEL, description="Steps running at once.")
     cluster: SlurmCluster | None = Field(
         default=None, description="Run every step that computes as a Slurm job (None: on this machine, in this "

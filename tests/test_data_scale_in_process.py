@@ -14,6 +14,7 @@ from datatrove.pipeline.base import PipelineStep
 
 from compass.specs.how import How
 from compass.tasks.data.datatrove_stages import WORKER_MODULES, run_stage
+from compass.tasks.kinds.curate import CONTENT_COST
 from compass.tasks.steps.context import Runtime
 
 
@@ -106,3 +107,16 @@ def test_pool_workers_start_with_the_data_blocks_modules_already_imported(tmp_pa
     ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     assert [r["loaded"] for r in ranks] == [list(WORKER_MODULES)] * 2
     assert not any(r["torch"] for r in ranks)
+
+
+def test_a_costly_pass_over_the_same_bytes_gets_a_pool(tmp_path: Path):
+    """A content-filtering pass costs ~100x a copy per byte: 100 KiB of input runs here as a copy and in a pool of
+    workers as a pass of curation's filters."""
+    log = logging.getLogger("test")
+    copy, costly = tmp_path / "copy", tmp_path / "costly"
+    copy.mkdir(), costly.mkdir()
+    run_stage(runtime(4), "copy", tmp_path / "logs", [RecordRank(str(copy), "copy")], 2, log, input_bytes=100 << 10)
+    run_stage(runtime(4), "costly", tmp_path / "logs", [RecordRank(str(costly), "costly")], 2, log,
+              input_bytes=100 << 10, cost_per_byte=CONTENT_COST)
+    assert pids(copy) == {os.getpid()}
+    assert len(list(costly.glob("*.pid"))) == 2 and os.getpid() not in pids(costly)

@@ -74,10 +74,12 @@ class StageIncomplete(RuntimeError):
 
 
 def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: int,
-              log: logging.Logger | logging.LoggerAdapter, input_bytes: int | None = None) -> StageStats:
+              log: logging.Logger | logging.LoggerAdapter, input_bytes: int | None = None,
+              cost_per_byte: float = 1.0) -> StageStats:
     """Run one datatrove pipeline of `tasks` ranks with the executor the placement says and return its merged
-    block statistics; raises StageIncomplete naming the ranks that did not complete. `input_bytes`, when known:
-    a local stage with less than how.orchestration.in_process_below_mib to read runs in this process."""
+    block statistics; raises StageIncomplete naming the ranks that did not complete. `input_bytes`, when known,
+    times `cost_per_byte` (what a byte costs this stage against reading and writing it: content filters cost ~100x):
+    a local stage with less than how.orchestration.in_process_below_mib of such work runs in this process."""
     logging_dir = logs / stage
     in_process = False
     placement = runtime.placement
@@ -99,7 +101,7 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
             multiprocess.set_forkserver_preload(list(WORKER_MODULES))  # forkserver_preload: workers die with the run
             shape = placement.shape
             workers = shape.cpus_per_node if shape and shape.cpus_per_node else orch.workers
-            if input_bytes is not None and input_bytes < orch.in_process_below_mib * 2**20:
+            if input_bytes is not None and input_bytes * cost_per_byte < orch.in_process_below_mib * 2**20:
                 workers = 1
             workers = min(tasks, workers)
             executor = LocalExecutor(pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir),
