@@ -188,7 +188,9 @@ def fixture_job(work: Path, *, steps: int, seq: int, batch: int, micro: int, arc
     config = step.config
     stage = config.stages[0].model_copy(update={"tokens": steps * seq * batch, "sequence_length": seq,
                                                 "global_batch_size": batch})
-    recipe = config.model_copy(update={"architecture": config.architecture.model_copy(update=architecture),
+    # validated, not copied: a nested field given as a dict (positions) becomes its model, as a spec's would
+    arch = type(config.architecture).model_validate({**config.architecture.model_dump(), **architecture})
+    recipe = config.model_copy(update={"architecture": arch,
                                        "stages": [stage],
                                        "monitors": config.monitors.model_copy(update={"throughput": None})})
     return build_job(StepContext("pretrain", "stage1", recipe, inputs, work, work, work / "job", Runtime(how=how),
