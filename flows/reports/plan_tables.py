@@ -226,7 +226,8 @@ def orchestration_section(spec: TrainingSpec) -> Section:
             ["retries", f"{orch.retries} per step, {orch.retry_delay_seconds:g} s apart (faults only: a data or "
                         "spec error fails at once)"],
             ["time limit per step", default_limit + (f"; {limits}" if limits else "")],
-            ["data step processes", f"{orch.workers}" + (f" (a step reading under {orch.in_process_below_mib:g} MiB "
+            ["data step processes", f"{orch.workers}" + (f" (a stage reading under {orch.in_process_below_mib:g} MiB, "
+                                                          "1/100 of that for curation's filter and MinHash passes, "
                                                           "runs in its own process)" if orch.in_process_below_mib
                                                           else "")]]
     cluster = orch.cluster
