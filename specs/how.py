@@ -20,6 +20,12 @@ from pydantic import (
 from compass.specs.base import Issue, Loc, SpecModel, unused
 from compass.specs.limits import MAX_PARALLEL, MAX_RETRIES
 
+# What a byte of input costs a data pass that runs content filters, language id or MinHash signatures, against a
+# pass that reads and writes it (measured on books_en's 3.4 MiB of shards: a copy 0.06 s/MiB, filters and language
+# id 10 s/MiB, MinHash signatures 3.8 s/MiB): such a pass is worth a pool of workers from a few dozen KiB up
+# (`in_process_below_mib`; tasks/kinds/curate.py weighs its passes by it).
+CONTENT_BYTE_COST = 100
+
 # What a `how` field does to a step's artifact, declared beside each field (every model below lists all of its own):
 # results: it changes what the step produces (precision, kernels, compile, micro-batch, checkpoint cadence), so it
 #   enters the fingerprint of the steps whose kind reads it (StepKind.reads_how); a change re-runs them;
@@ -397,9 +403,9 @@ class Orchestration(SpecModel):
     in_process_below_mib: NonNegativeFloat = Field(
         default=4, description="A local data stage with less input than this runs its datatrove ranks one after "
                                "another in the step's own process: starting a pool of workers costs more than such "
-                               "work. A byte read by content filters, language id or MinHash signatures counts 100 "
-                               "(curation's costly passes get a pool from a few dozen KiB). The ranks and their "
-                               "shards are the same either way. 0: always a pool of `workers`.")
+                               "work. A byte read by content filters, language id or MinHash signatures counts "
+                               f"{CONTENT_BYTE_COST} (curation's costly passes get a pool from a few dozen KiB). The "
+                               "ranks and their shards are the same either way. 0: always a pool of `workers`.")
     max_parallel_steps: PositiveInt = Field(default=2, le=MAX_PARALLEL, description="Steps running at once.")
     cluster: SlurmCluster | None = Field(
         default=None, description="Run every step that computes as a Slurm job (None: on this machine, in this "

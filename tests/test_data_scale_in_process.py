@@ -12,9 +12,8 @@ from pathlib import Path
 
 from datatrove.pipeline.base import PipelineStep
 
-from compass.specs.how import How
+from compass.specs.how import CONTENT_BYTE_COST, How
 from compass.tasks.data.datatrove_stages import WORKER_MODULES, run_stage
-from compass.tasks.kinds.curate import CONTENT_COST
 from compass.tasks.steps.context import Runtime
 
 
@@ -117,6 +116,6 @@ def test_a_costly_pass_over_the_same_bytes_gets_a_pool(tmp_path: Path):
     copy.mkdir(), costly.mkdir()
     run_stage(runtime(4), "copy", tmp_path / "logs", [RecordRank(str(copy), "copy")], 2, log, input_bytes=100 << 10)
     run_stage(runtime(4), "costly", tmp_path / "logs", [RecordRank(str(costly), "costly")], 2, log,
-              input_bytes=100 << 10, cost_per_byte=CONTENT_COST)
+              input_bytes=100 << 10, cost_per_byte=CONTENT_BYTE_COST)
     assert pids(copy) == {os.getpid()}
     assert len(list(costly.glob("*.pid"))) == 2 and os.getpid() not in pids(costly)

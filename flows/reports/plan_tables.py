@@ -14,7 +14,7 @@ from compass.model.attention import DOCUMENT_SDPA, DOCUMENT_VARLEN, flash_kernel
 from compass.specs import costs, scaling
 from compass.specs.checks import phases_of
 from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
-from compass.specs.how import PHASES
+from compass.specs.how import CONTENT_BYTE_COST, PHASES
 from compass.specs.scaling import step_shapes
 from compass.specs.spec import TrainingSpec
 from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
@@ -227,9 +227,9 @@ def orchestration_section(spec: TrainingSpec) -> Section:
                         "spec error fails at once)"],
             ["time limit per step", default_limit + (f"; {limits}" if limits else "")],
             ["data step processes", f"{orch.workers}" + (f" (a stage reading under {orch.in_process_below_mib:g} MiB, "
-                                                          "1/100 of that for curation's filter and MinHash passes, "
-                                                          "runs in its own process)" if orch.in_process_below_mib
-                                                          else "")]]
+                                                          f"1/{CONTENT_BYTE_COST} of that for curation's filter and "
+                                                          "MinHash passes, runs in its own process)"
+                                                          if orch.in_process_below_mib else "")]]
     cluster = orch.cluster
     if cluster is not None:
         rows.append(["near a job's time limit",

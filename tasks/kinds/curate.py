@@ -20,6 +20,7 @@ from typing import ClassVar
 from compass.infra.layout import DOCUMENTS, HELDOUT, SHARD_SUFFIX, SPLITS, TRAIN, CuratedArtifact
 from compass.specs.base import Issue
 from compass.specs.data import Curation, DataSource, HeldoutUnit
+from compass.specs.how import CONTENT_BYTE_COST
 from compass.specs.spec import TrainingSpec
 from compass.tasks.data.datatrove_stages import StageStats, rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
@@ -28,11 +29,6 @@ from compass.tasks.steps.kind import PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
 from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, R
-
-# What a byte of input costs a pass that runs content filters, language id or MinHash signatures, against a pass
-# that reads and writes it (measured on books_en's 3.4 MiB of shards: a copy 0.06 s/MiB, filters and language id
-# 10 s/MiB, MinHash signatures 3.8 s/MiB): such a pass is worth a pool of workers from a few dozen KiB up.
-CONTENT_COST = 100
 
 
 class CurateConfig(StepConfig):
@@ -142,7 +138,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
 
     if (cur.exact_dedup or cur.minhash) and pending:
         folder = places.intermediate("filtered")
-        stages.append(run("filter", [*read(current), *pending, ShardWriter(folder)], n_shards, CONTENT_COST))
+        stages.append(run("filter", [*read(current), *pending, ShardWriter(folder)], n_shards, CONTENT_BYTE_COST))
         if not _written(stages[-1]):
             raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                              "loosen its filters")
@@ -162,7 +158,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
         remove = places.intermediate("mh-remove")
         # the signatures index the documents the exact removal kept, as the MinHash filter below sees them
         stages.append(run("minhash-signature", [*read(current), *filtered(), MinhashDedupSignature(sigs, config)],
-                          n_shards, CONTENT_COST))
+                          n_shards, CONTENT_BYTE_COST))
         stages.append(run("minhash-buckets", [MinhashDedupBuckets(sigs, buckets, config=config)],
                           config.num_buckets))
         stages.append(run("minhash-cluster", [MinhashDedupCluster(buckets, remove, config=config)], 1))
@@ -173,7 +169,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
                         SplitTagger(cur.heldout_fraction, ctx.config.heldout_unit or "document"),
                         ShardWriter(places.output("split"), output_filename="${split}/${rank}" + SHARD_SUFFIX,
                                     adapter=portable_record, written_records=places.records("split"))], n_shards,
-                       CONTENT_COST if pending else 1.0))
+                       CONTENT_BYTE_COST if pending else 1.0))
     if not _written(stages[-1]):
         raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                          "loosen its filters")
