@@ -24,7 +24,7 @@ from compass.specs.how import CONTENT_BYTE_COST
 from compass.specs.spec import TrainingSpec
 from compass.tasks.data.datatrove_stages import StageStats, rank_block_stats, run_stage
 from compass.tasks.data.places import DataPlaces
-from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
 from compass.tasks.steps.step_config import StepConfig
@@ -174,6 +174,14 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
         raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                          "loosen its filters")
     places.publish(ctx, ["split"], "split")
+    return _curation_result(ctx, ingested, logs, stages, n_shards)
+
+
+def _curation_result(ctx: StepContext[CurateConfig], ingested: InputArtifact, logs: Path, stages: list[StageStats],
+                     n_shards: int) -> StepResult:
+    """What the passes kept and removed, from their datatrove stats: the artifact's stats.json, the step's metrics,
+    its summary and table. Fails the step when nothing is left."""
+    from compass.tasks.data.curate_blocks import Measure, SplitTagger
 
     curated = CuratedArtifact(ctx.out)
     before = _counted(stages, Measure)
