@@ -78,7 +78,7 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
               cost_per_byte: float = 1.0) -> StageStats:
     """Run one datatrove pipeline of `tasks` ranks with the executor the placement says and return its merged
     block statistics; raises StageIncomplete naming the ranks that did not complete. `input_bytes`, when known,
-    times `cost_per_byte` (what a byte costs this stage against reading and writing it: content filters cost ~100x):
+    times `cost_per_byte` (what a byte costs this stage against reading and writing it: specs/how.CONTENT_BYTE_COST):
     a local stage with less than how.orchestration.in_process_below_mib of such work runs in this process."""
     logging_dir = logs / stage
     in_process = False
