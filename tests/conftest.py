@@ -99,8 +99,34 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                                f"{(home / 'server.log').read_text()[-2000:]}") from None
         yield url
     finally:
+        drain_prefect_clients()  # before the server goes: what this process still has to send, it sends now
         stop_group(proc)
         log.close()
+
+
+def drain_prefect_clients() -> None:
+    """Send what this process's Prefect log and event workers still hold, and stop them: each is bound to the API
+    URL it first wrote to, and one drained at the process's exit, after its server has stopped, prints "Error
+    logging to API"."""
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=30)
+
+
+@pytest.fixture
+def prefect_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """caplog for a test that reads Prefect's flow- and task-run records: Prefect configures logging when first
+    imported (dictConfig replaces the root logger's handlers, caplog's among them), so it is imported here, during
+    set-up, before caplog attaches its handler for the test itself. Without this fixture the test would see the
+    records only when a test before it in the same worker had imported Prefect."""
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()
+    return caplog
 
 
 def stop_group(proc: subprocess.Popen) -> None:

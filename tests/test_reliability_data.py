@@ -268,7 +268,7 @@ def test_compass_run_of_a_malformed_jsonl_line_prints_one_message_and_no_traceba
     assert not list((tmp_path / "store").glob("ingest/notes-*/manifest.json"))  # nothing committed for it
 
 
-def test_prefect_run_loggers_print_a_data_error_without_its_traceback(caplog: pytest.LogCaptureFixture):
+def test_prefect_run_loggers_print_a_data_error_without_its_traceback(prefect_logs: pytest.LogCaptureFixture):
     """What Prefect's engines log when a task or flow fails: a full disk keeps its one message, any other error
     keeps its traceback."""
     import errno
@@ -283,6 +283,6 @@ def test_prefect_run_loggers_print_a_data_error_without_its_traceback(caplog: py
             raise error
         except Exception as exc:
             task_runs.error("Task run failed with exception: %r", exc, exc_info=True)
-    full, other = [r for r in caplog.records if r.name == "prefect.task_runs"]
+    full, other = [r for r in prefect_logs.records if r.name == "prefect.task_runs"]
     assert full.exc_info is None and "0 MiB free" in full.getMessage()
     assert other.exc_info is not None and other.exc_info[0] is KeyError

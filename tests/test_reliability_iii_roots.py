@@ -74,7 +74,7 @@ def test_R31_a_store_option_inside_a_local_source_is_refused(tmp_path: Path, mon
 
 @pytest.mark.slow
 def test_R30_a_submitted_store_root_outside_the_workers_store_fails_before_any_step(
-        prefect_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+        prefect_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_logs: pytest.LogCaptureFixture):
     """As a worker's flow run (Prefect's deployment id set, the worker's store and spec folder configured). Each
     refusal is one line in the flow run's log, without a traceback (issue 45 item 8): the store root's, and the
     spec's reading outside the worker's roots."""
@@ -99,20 +99,20 @@ def test_R30_a_submitted_store_root_outside_the_workers_store_fails_before_any_s
                                             f"writes ({store}"),
                            ("/usr/compass-store", "store_root /usr/compass-store: /usr/compass-store is a system "
                                                   "folder")):
-        caplog.clear()
+        prefect_logs.clear()
         with temporary_settings({PREFECT_API_URL: prefect_server}), pytest.raises(ValueError) as refusal:
             lifecycle(spec_yaml=spec.read_text(), spec_path=str(spec), base_dir=str(specs), store_root=root,
                       until=["ingest:notes"])
         assert expected in str(refusal.value)
-        assert expected in caplog.text and "Traceback" not in caplog.text
+        assert expected in prefect_logs.text and "Traceback" not in prefect_logs.text
     assert not elsewhere.exists() and not Path("/usr/compass-store").exists()
 
     outside = tmp_path / "outside"  # the worker's files a submitter wants read
     shutil.copytree(FIXTURES / "corpus", outside)
     monkeypatch.delenv("COMPASS_ALLOWED_ROOTS")
     reading = write_minimal_spec(specs, **{f"{FIXTURES}/corpus": str(outside)})
-    caplog.clear()
+    prefect_logs.clear()
     with temporary_settings({PREFECT_API_URL: prefect_server}), pytest.raises(SpecError):
         lifecycle(spec_yaml=reading.read_text(), spec_path=str(reading), base_dir=str(specs), store_root=str(store),
                   until=["ingest:notes"])
-    assert "outside the folders this worker reads" in caplog.text and "Traceback" not in caplog.text
+    assert "outside the folders this worker reads" in prefect_logs.text and "Traceback" not in prefect_logs.text
