@@ -1,13 +1,20 @@
-"""Step identity under random single-field mutations of `how`: each mutation of an example spec must re-run exactly
-the steps whose identity it changes and their descendants: 0 false reuses (a step whose output the field changes,
-found committed) and 0 needless re-runs (a step whose output it does not change, run again).
+"""Step identity under random single-field mutations of `how`, and under random mutations of the files a spec names:
+each mutation must re-run exactly the steps whose identity it changes and their descendants: 0 false reuses (a step
+whose output the change alters, found committed) and 0 needless re-runs (a step whose output it does not change,
+run again).
 
 The oracle reads the classification (specs/how.py `field_identity`, `StepKind.reads_how`): a "results" field
 changes the steps whose kind reads it (unless their config sets it: `StepConfig.sets_how`) and everything
 downstream of them; a "numerics" or "placement" field changes nothing. The fingerprints are the compiler's. A
 mutation the schema refuses is drawn again (counted apart).
 
-    python benchmarks/identity_mutations.py [--mutations 500] [--seed 0]
+File mutations (`--files N`): a copy of the suite's minimal spec whose source, SFT dataset and local tokenizer
+candidate are folders of its own; each mutation edits a file of one of them (its content at the same size, its
+size, its name, a file added or removed; under `how.storage.input_stamps: content` also a touch that keeps the
+bytes, which must re-run nothing). The oracle: the step that reads the field (the source's ingest, the dataset's
+post-training step and the fence that scans it, the tokenizer selection) and every step downstream.
+
+    python benchmarks/identity_mutations.py [--mutations 500] [--files 100] [--seed 0]
 """
 
 from __future__ import annotations
@@ -116,15 +123,9 @@ def expected_changes(plan: Any, before: Any, after: Any, path: str) -> set[str]:
     read = DERIVED.get(path, path)
     if read != path and value_at(before.how, read) == value_at(after.how, read):
         return set()  # the derived value is the same (engine: deepspeed where deepspeed: true said it already)
-    changed = {s.id for s in plan.steps
-               if (read in registry.kind(s.kind).reads_how and read not in s.config.sets_how())
-               or s.kind == THROUGH_CONFIG.get(path)}
-    grew = True
-    while grew:
-        downstream = {s.id for s in plan.steps if set(s.inputs.values()) & changed} - changed
-        changed |= downstream
-        grew = bool(downstream)
-    return changed
+    return _downstream(plan, {s.id for s in plan.steps
+                              if (read in registry.kind(s.kind).reads_how and read not in s.config.sets_how())
+                              or s.kind == THROUGH_CONFIG.get(path)})
 
 
 def run(mutations: int, seed: int) -> tuple[list[Outcome], int]:
@@ -155,9 +156,110 @@ def run(mutations: int, seed: int) -> tuple[list[Outcome], int]:
     return outcomes, refused
 
 
+FILE_KINDS = ("content", "size", "rename", "add", "remove", "touch")
+READERS = {"source": ("ingest:notes",), "dataset": ("post_train:chat",), "tokenizer": ("tokenizer:",)}
+
+
+def _file_fixture(folder: Path, content_stamps: bool) -> dict[str, Path]:
+    """The minimal spec in `folder` with a source, an SFT dataset and a local tokenizer of its own; {field: the
+    folder it names}."""
+    import json
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import FIXTURES, write_minimal_spec
+
+    source, dataset, tokenizer = folder / "notes", folder / "sft", folder / "tok"
+    shutil.copytree(FIXTURES / "corpus" / "en", source)
+    dataset.mkdir()
+    for part in range(3):
+        (dataset / f"part{part}.jsonl").write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"{i} + {part}?"}, {"role": "assistant", "content": f"{i + part}."}]}) + "\n"
+            for i in range(6)))
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    (tokenizer / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    how = "how:\n  storage: {input_stamps: content}\n" if content_stamps else "how:\n"
+    write_minimal_spec(folder, **{
+        f"{FIXTURES}/corpus/en": str(source),
+        "      - {kind: bpe, vocab_size: 400}\n": "      - {kind: bpe, vocab_size: 400}\n"
+                                               f"      - {{kind: local, name: mine, path: {tokenizer}}}\n",
+        "  pretraining:": f"  post_training:\n    - {{method: sft, name: chat, dataset: {dataset}, lr: 1.0e-3}}\n"
+                          "  pretraining:",
+        "how:\n": how})
+    return {"source": source, "dataset": dataset, "tokenizer": tokenizer}
+
+
+def _mutate_file(folder: Path, kind: str, rng: random.Random) -> None:
+    import os
+
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    path = rng.choice(files)
+    if kind == "content":  # the same size, other bytes
+        data = bytearray(path.read_bytes())
+        at = rng.randrange(len(data))
+        data[at] = ord("#") if data[at] != ord("#") else ord("%")
+        path.write_bytes(bytes(data))
+    elif kind == "size":
+        with open(path, "a") as f:
+            f.write(" and one more line.\n")
+    elif kind == "rename":
+        path.rename(path.with_name(f"renamed-{rng.randrange(10**6)}{path.suffix}"))
+    elif kind == "add":
+        path.with_name(f"added-{rng.randrange(10**6)}{path.suffix}").write_bytes(path.read_bytes())
+    elif kind == "remove":
+        path.unlink()
+    elif kind == "touch":  # the same bytes, another date
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + rng.randrange(1, 10**9)))
+
+
+def _downstream(plan: Any, steps: set[str]) -> set[str]:
+    """`steps` and every step that reads one of them, transitively."""
+    grew = True
+    while grew:
+        more = {s.id for s in plan.steps if set(s.inputs.values()) & steps} - steps
+        steps |= more
+        grew = bool(more)
+    return steps
+
+
+def run_files(mutations: int, seed: int) -> list[Outcome]:
+    """Random file mutations of the fixture's folders (module docstring), each judged against the oracle."""
+    import shutil
+    import tempfile
+
+    from compass.flows.compiler import compile_spec
+    from compass.specs import load_spec
+
+    rng = random.Random(seed)
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="identity-files-") as scratch:
+        for i in range(mutations):
+            content = rng.random() < 0.5
+            kind = rng.choice(FILE_KINDS if content else FILE_KINDS[:-1])  # a touch re-runs under listing stamps
+            field = rng.choice(sorted(READERS))
+            folder = Path(scratch) / str(i)
+            folders = _file_fixture(folder, content)
+            spec = folder / "spec.yaml"
+            before = compile_spec(load_spec(spec).spec)
+            _mutate_file(folders[field], kind, rng)
+            after = compile_spec(load_spec(spec).spec)
+            actual = {s for s in before.fingerprints if before.fingerprints[s] != after.fingerprints[s]}
+            readers = {s.id for s in before.steps if any(s.id.startswith(r) for r in READERS[field])}
+            if field == "dataset":  # the fence scans what post-training draws
+                readers |= {s.id for s in before.steps if s.kind == "decontaminate"}
+            expected = set() if kind == "touch" else _downstream(before, readers)
+            outcomes.append(Outcome("minimal.yaml", f"{field}:{kind}{' (content stamps)' if content else ''}",
+                                    "files", tuple(sorted(expected - actual)), tuple(sorted(actual - expected))))
+            shutil.rmtree(folder)
+    return outcomes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mutations", type=int, default=500)
+    parser.add_argument("--files", type=int, default=100, help="file mutations (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     outcomes, refused = run(args.mutations, args.seed)
@@ -172,7 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     for o in (false_reuses + needless)[:20]:
         print(f"  {o.spec} how.{o.path} ({o.identity}): reused {list(o.false_reuses)}, re-ran "
               f"{list(o.needless_reruns)}")
-    return 0 if not false_reuses and not needless else 1
+    files = run_files(args.files, args.seed) if args.files else []
+    file_reuses = [o for o in files if o.false_reuses]
+    file_needless = [o for o in files if o.needless_reruns]
+    if files:
+        kinds = sorted({o.path for o in files})
+        print(f"file mutations: {len(files)} over {len(READERS)} file-reading fields ({len(kinds)} field and "
+              f"mutation kinds)")
+        print(f"file false reuses: {len(file_reuses)}")
+        print(f"file needless re-runs: {len(file_needless)}")
+        for o in (file_reuses + file_needless)[:20]:
+            print(f"  {o.path}: reused {list(o.false_reuses)}, re-ran {list(o.needless_reruns)}")
+    return 0 if not (false_reuses or needless or file_reuses or file_needless) else 1
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from compass.infra.store import Store, root_problem
 from compass.infra.temporary_server import temporary_server_running
 from compass.model.training.rank_device import REHEARSAL_ENV
 from compass.specs.how import Orchestration
-from compass.specs.loader import SpecError, load_spec_text
+from compass.specs.loader import SpecError, load_spec_text, parse_spec_text
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import Runtime
 from compass.tasks.steps.kind import GPU_TAG, Step
@@ -288,6 +288,10 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     base = Path(base_dir) if base_dir else Path.cwd()
     size = "smoke" if smoke else "rehearsal" if rehearse else "full"
     checked = None if spec_hash else checked_already(spec_yaml, base, size)  # `compass run`'s, in this process
+    parsed = checked.spec if checked else parse_spec_text(spec_yaml, spec_path, base).spec
+    block = parsed.how.storage.credentials_block
+    if apply_credentials_block(block):  # before the spec's s3:// paths are read and stamped
+        logger.info("store credentials from Prefect Secret block '%s'", block)
     if checked is None:
         original = load_spec_text(spec_yaml, spec_path, base_dir=base)
         if spec_hash and spec_hash != original.spec_hash:
@@ -295,8 +299,6 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
                              f"({original.spec_hash[:12]}); submit the spec again")
         checked = check(shrunk(original, size))
     loaded, spec = checked.loaded, checked.spec
-    if apply_credentials_block(spec.how.storage.credentials_block):
-        logger.info("store credentials from Prefect Secret block '%s'", spec.how.storage.credentials_block)
     if _needs_ray_runner(spec.how.orchestration):  # a deployment starts this flow with its default runner
         return lifecycle.with_options(task_runner=task_runner_for(spec.how.orchestration))(
             spec_yaml=spec_yaml, spec_path=spec_path, base_dir=base_dir, store_root=store_root, until=until,

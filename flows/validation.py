@@ -26,6 +26,7 @@ from compass.model.attention import flash_kernel
 from compass.specs import costs
 from compass.specs.base import Issue
 from compass.specs.checks import check_spec, phases_of
+from compass.specs.file_stamp import s3_credentials_here
 from compass.specs.how import PHASES, Phase, SlurmCluster
 from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text
 from compass.specs.smoke import Shrink, Size, shrunk_spec
@@ -311,7 +312,7 @@ def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Ite
                     "use attention: sdpa (or auto) on CPU")
     yield from _trackers(spec)
     s3 = _s3_uris(spec)
-    if s3 and not spec.how.storage.credentials_block and not _s3_credentials():
+    if s3 and not spec.how.storage.credentials_block and not s3_credentials_here():
         loc, uri = s3[0]
         yield Issue(loc, f"{uri} is on S3 and no S3 credentials are set on this machine",
                     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for S3-compatible "
@@ -370,28 +371,6 @@ def _s3_uris(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], str]]:
     uris += [(("what", "data", "sources", i, "uri"), s.uri) for i, s in enumerate(spec.what.data.sources)]
     uris += [(("what", "post_training", i, "dataset"), p.dataset) for i, p in enumerate(spec.what.post_training)]
     return [(loc, uri) for loc, uri in uris if uri.startswith("s3://")]
-
-
-def _s3_credentials() -> bool:
-    """Whether the AWS credential chain finds credentials here: the environment, profiles and files, web identity
-    and container roles at once; else botocore's whole chain, which ends with the instance role of the metadata
-    service (one try of a second; none where AWS_EC2_METADATA_DISABLED is set)."""
-    keys = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
-    files = [Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", Path.home() / ".aws" / "credentials")),
-             Path(os.environ.get("AWS_CONFIG_FILE", Path.home() / ".aws" / "config"))]
-    if any(os.environ.get(k) for k in keys) or any(f.exists() for f in files):
-        return True
-    import botocore.exceptions
-    import botocore.session
-
-    session = botocore.session.get_session()
-    session.set_config_variable("metadata_service_timeout", 1)
-    session.set_config_variable("metadata_service_num_attempts", 1)
-    try:
-        return session.get_credentials() is not None
-    except botocore.exceptions.BotoCoreError:
-        return False
 
 
 def _step_kind_names(spec: TrainingSpec) -> Iterator[Issue]:

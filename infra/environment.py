@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from compass.specs.file_stamp import hub_cache
+
+__all__ = ["OFFLINE", "SERVER_STARTUP_S", "hub_cache", "prepare_environment"]
+
 OFFLINE = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
@@ -38,11 +42,3 @@ def prepare_environment(home: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "compass")  # training progress in the run's logs
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")
     os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")  # SQLite contention under parallel tasks
-
-
-def hub_cache() -> Path:
-    """The Hugging Face hub cache as the environment names it now (huggingface_hub reads it once, at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home) / "hub"

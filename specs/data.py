@@ -89,7 +89,8 @@ class DataSource(SpecModel):
     curation: Curation = Field(default=Curation(), description="The curation pipeline this source goes through.")
     listing: str | None = Field(
         default=None, description="Filled in by compass when it loads the spec (never written by hand): for a "
-        "local folder, a digest of the selected files' paths, sizes and modification times. It is part of the "
+        "local folder, a digest of the selected files' paths, sizes and modification times (or sha256: "
+        "how.storage.input_stamps); for an s3:// prefix, of its objects' keys, sizes and ETags. It is part of the "
         "ingest step's identity, so an edited, added or removed file ingests the source again.")
     max_epochs: PositiveFloat = Field(
         default=4.0, description="How many times training may read this source over all its stages (pretraining, "

@@ -201,7 +201,7 @@ class Storage(SpecModel):
 
     field_identity: ClassVar[dict[str, Identity]] = {
         "root": "placement", "credentials_block": "placement", "local_cache": "placement", "verify": "placement",
-        "shard_index_above": "placement", "on_damage": "placement"}
+        "shard_index_above": "placement", "on_damage": "placement", "input_stamps": "placement"}
 
     root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact. A "
                       "relative folder starts at the spec's folder, like every path in a spec (`store`: beside the "
@@ -227,6 +227,14 @@ class Storage(SpecModel):
                     "manifest names with the folder's file count, bytes and the index's sha256: manifests stay "
                     "small at a million shards. Checks then compare every such file's size and hash a fresh random "
                     "sample of 32 per folder ('full' hashes them all).")
+    input_stamps: Literal["listing", "content"] = Field(
+        default="listing",
+        description="How the files a spec names outside the store (local sources, post-training datasets, local "
+                    "tokenizers) are stamped into the identity of the steps that read them: 'listing' by their "
+                    "paths, sizes and modification times (a touched file runs its steps again); 'content' by their "
+                    "sha256 (each file hashed again only when its size, mtime or inode changed), so a touched file "
+                    "with the same bytes does not. Switching it stamps every such file anew: their steps run once "
+                    "more. s3:// prefixes are stamped by their ETags either way.")
     on_damage: Literal["recompute", "stop"] = Field(
         default="recompute",
         description="A cached artifact altered after its commit is set aside and recomputed, or stops the run "

@@ -20,7 +20,7 @@ from compass.specs.base import Issue, Loc
 from compass.specs.checkpoint_config import resolve_named_models, resolve_starting_model
 from compass.specs.checks import check_spec
 from compass.specs.how import SLURM_WORD
-from compass.specs.source_listing import resolve_local_sources
+from compass.specs.input_stamps import resolve_input_stamps
 from compass.specs.spec import TrainingSpec
 
 
@@ -113,13 +113,14 @@ def parse_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None =
 
 def resolve_facts(loaded: LoadedSpec) -> LoadedSpec:
     """The loader's only reads of the world, each a fact that enters step identity: the starting checkpoint's and
-    the named models' configs and stamps (what.model, what.models), and the listing of each local source folder.
+    the named models' configs and stamps (what.model, what.models), and the stamp of every file the spec names
+    (specs/input_stamps.py: sources, post-training datasets, tokenizers).
     Machine checks (hardware, the cluster, the shared root) are made once per run, apart (flows/validation.py)."""
     spec, issues = resolve_starting_model(loaded.spec, loaded.base_dir)
     if not issues:
         spec, issues = resolve_named_models(spec, loaded.base_dir)
     if not issues:
-        spec, issues = resolve_local_sources(spec, loaded.base_dir)
+        spec, issues = resolve_input_stamps(spec, loaded.base_dir)
     if issues:
         raise SpecError(loaded.problems(issues))
     return replace(loaded, spec=spec)

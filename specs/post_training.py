@@ -5,7 +5,10 @@ from typing import Annotated, Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from compass.specs.base import NAME_MAX, SpecModel
+from compass.specs.file_stamp import FileStamp
 from compass.specs.limits import MAX_TOKENS
+
+DATASET_FILES = "*.jsonl"  # what a TRL step reads of a dataset folder, at any depth: its stamp covers these files
 
 
 class _PostStep(SpecModel):
@@ -36,6 +39,11 @@ class Lora(SpecModel):
 
 class _TrlStep(_PostStep):
     """A step trained by a TRL trainer: epochs over a dataset of conversations, prompts or pairs."""
+
+    dataset_stamp: FileStamp | None = Field(
+        default=None, description="Filled in by compass when it loads the spec (never written by hand): the "
+        "dataset's JSONL files (a local path's names, sizes and modification times, or an s3:// prefix's ETags). "
+        "It is part of the step's identity, so an edited, added or removed file trains the step again.")
 
     epochs: PositiveFloat = Field(default=1.0, description="Passes over the step's examples (fractions allowed).")
     max_length: PositiveInt = Field(

@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PositiveInt
 
 from compass.specs.base import NAME_MAX, SpecModel
+from compass.specs.file_stamp import FileStamp
 
 
 class BpeCandidate(SpecModel):
@@ -28,6 +29,9 @@ class LocalCandidate(SpecModel):
     name: str = Field(max_length=NAME_MAX, pattern=r"^[a-z0-9][a-z0-9_.-]*$",
                       description="The candidate's name in the comparison and its folder in the artifact.")
     path: str = Field(description="Folder holding tokenizer.json, relative to the spec's folder.")
+    path_stamp: FileStamp | None = Field(
+        default=None, description="Filled in by compass when it loads the spec (never written by hand): the "
+                                  "folder's files, part of the tokenizer step's identity.")
 
     @property
     def key(self) -> str:
@@ -43,6 +47,9 @@ class HubCandidate(SpecModel):
                       description="Hugging Face repository id (owner/name), e.g. meta-llama/Llama-3.2-1B.")
     revision: str = Field(default="main", description="Branch, tag or commit of the cached snapshot.")
     vocab_size: PositiveInt = Field(description="Its vocabulary size, for planning before it is loaded.")
+    repo_stamp: FileStamp | None = Field(
+        default=None, description="Filled in by compass when it loads the spec (never written by hand): the "
+                                  "commit the revision resolves to in the local cache, and its files.")
 
     @property
     def key(self) -> str:

@@ -124,16 +124,20 @@ def test_numerics_and_placement_fields_reuse_and_say_under_what_it_was_made(trai
 
 @pytest.mark.slow  # a subprocess compiling 3 specs 150 times: kept out of make test-fast
 def test_random_mutations_of_how_rerun_exactly_what_their_class_says():
-    """benchmarks/identity_mutations.py at a smaller count (its default is 500): it fails with 20 false reuses in
-    200 mutations when the compiler leaves `how` out of the fingerprints."""
+    """benchmarks/identity_mutations.py at a smaller count (its defaults are 500 and 100): it fails with 20 false
+    reuses in 200 mutations when the compiler leaves `how` out of the fingerprints."""
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
-    done = subprocess.run([sys.executable, "identity_mutations.py", "--mutations", "150"], cwd=REPO / "benchmarks",
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "identity_mutations.py", "--mutations", "150", "--files", "40"],
+                          cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "false reuses: 0\nneedless re-runs: 0" in done.stdout
+    # every file of a source, an SFT dataset or a tokenizer edited, resized, renamed, added, removed or touched: it
+    # fails with 7 false reuses in 20 when the datasets' stamps are left out
+    assert "file mutations: 40 over 3 file-reading fields" in done.stdout
+    assert "file false reuses: 0\nfile needless re-runs: 0" in done.stdout
     mutated = int(done.stdout.split("fields mutated: ")[1].split()[0])
     assert mutated > 60  # most of how's fields drawn, of every class

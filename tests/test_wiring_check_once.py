@@ -20,10 +20,10 @@ def test_compass_run_lists_the_sources_and_checks_the_machine_once(prefect_serve
 
     from compass.flows import validation
     from compass.flows.cli.app import app
-    from compass.specs import source_listing
+    from compass.specs import input_stamps
 
     listed, machine_checked = [], []
-    real_listing, real_machine = source_listing.listing_digest, validation._machine
+    real_listing, real_machine = input_stamps.listing_digest, validation._machine
 
     def listing(folder: Path, *args):
         listed.append(folder)
@@ -33,7 +33,7 @@ def test_compass_run_lists_the_sources_and_checks_the_machine_once(prefect_serve
         machine_checked.append(args[0].name)
         return real_machine(*args, **kwargs)
 
-    monkeypatch.setattr(source_listing, "listing_digest", listing)
+    monkeypatch.setattr(input_stamps, "listing_digest", listing)
     monkeypatch.setattr(validation, "_machine", machine)
     monkeypatch.chdir(tmp_path)
     spec = write_minimal_spec(tmp_path)

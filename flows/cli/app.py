@@ -37,6 +37,7 @@ from compass.infra.credentials import CredentialsBlockError, apply_credentials_b
 from compass.infra.environment import prepare_environment
 from compass.infra.errors import DataError, RunStopped
 from compass.infra.temporary_server import start_tied_temporary_server
+from compass.specs.file_stamp import FileStamp
 from compass.specs.loader import SpecError
 from compass.specs.scaling import throughput_from_preflight
 from compass.specs.spec import TrainingSpec
@@ -311,6 +312,13 @@ def _label(node: dict) -> str:
         if "weights_sha256" in p:  # a checkpoint from outside the run (starting point, gate)
             label += escape(f"\n  checkpoint: {p.get('source')} revision {p.get('revision', '-')} "
                             f"weights sha256 {str(p['weights_sha256'])[:16]}")
+            continue
+        if p.get("kind") == "files":  # a file the spec names, stamped into the step's identity
+            try:
+                shown = FileStamp.model_validate({k: p.get(k) for k in FileStamp.model_fields}).line()
+            except ValueError:  # a manifest edited by hand: its entry as it is
+                shown = str(p)
+            label += escape(f"\n  files ({p.get('field')}): {shown}")
             continue
         what = p.get("package") or p.get("path") or p.get("uri") or p.get("kind")
         label += escape(f"\n  source: {p.get('kind')} {what} {p.get('version', '')} " + (

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from compass.flows.compiler import Plan
+from compass.infra import verify
 from compass.infra.manifest import DamagedManifest, Manifest
 from compass.infra.store import Store
 from compass.specs.how_identity import identity_of
+from compass.specs.input_stamps import LEGACY_STAMPS, stamped_field
 from compass.tasks.steps import registry
 from compass.tasks.steps.kind import Step
 
@@ -61,6 +63,29 @@ def changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> str:
     return ", ".join(shown) + more
 
 
+def split_stamps(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str, Any]]]:
+    """The config without its file stamps, and the stamps by the field they stamp (`dataset`,
+    `candidates[1].path`; a source's listing as `source files`): (what the field names, the stamp)."""
+    stamps: dict[str, tuple[str, Any]] = {}
+
+    def strip(value: Any, prefix: str) -> Any:
+        if isinstance(value, list):
+            return [strip(v, f"{prefix}[{i}]") for i, v in enumerate(value)]
+        if not isinstance(value, dict):
+            return value
+        kept = {}
+        for key, inner in value.items():
+            named = stamped_field(key)
+            if named is None:
+                kept[key] = strip(inner, f"{prefix}.{key}" if prefix else key)
+            elif inner is not None:
+                label = "source files" if key in LEGACY_STAMPS else f"{prefix}.{named}" if prefix else named
+                stamps[label] = (str(value.get(named)), inner)
+        return kept
+
+    return strip(config, ""), stamps
+
+
 def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
     """State and reason per step; when the store cannot be reached, says so instead of failing the plan."""
     try:
@@ -78,6 +103,13 @@ def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
             except DamagedManifest as exc:
                 why = f"damaged manifest, set aside when run: {str(exc).removeprefix(uri + '/')}"
                 out.append(StepStatus(step.id, uri, "run", why))
+                continue
+            damaged = verify.damage(store, uri, plan.how.storage.verify)  # what the run checks before reusing it
+            if damaged:
+                then = ("set aside and run again" if plan.how.storage.on_damage == "recompute" else
+                        "the run stops there (how.storage.on_damage: stop)")
+                out.append(StepStatus(step.id, uri, "run", f"altered after its commit ({verify.describe(damaged)}): "
+                                      f"{then}"))
                 continue
             made = made_under(plan, step, manifest)
             out.append(StepStatus(step.id, uri, "cached", "committed" + (f"; made under {made}" if made else "")))
@@ -121,8 +153,14 @@ def why_run(plan: Plan, step: Step, store: Store) -> tuple[str, tuple[str, ...]]
     last = previous[0]
     kind = registry.kind(step.kind)
     reasons = []
-    if changed_fields(last.config, step.config.identity()):
-        reasons.append("config changed: " + changes(last.config, step.config.identity()))
+    (old_config, old_files), (new_config, new_files) = split_stamps(last.config), split_stamps(step.config.identity())
+    for field in sorted(old_files.keys() | new_files.keys()):
+        if old_files.get(field) != new_files.get(field):
+            named = (new_files.get(field) or old_files[field])[0]
+            reasons.append(f"{field} changed: {named}" if field in old_files else
+                           f"{field} {named}: made before its files entered its identity")
+    if changed_fields(old_config, new_config):
+        reasons.append("config changed: " + changes(old_config, new_config))
     then = {p: v for p, v in last.how.items() if identity_of(p) == "results"}
     now = kind.how_identity(step.config, plan.how)
     if then != now:

@@ -59,14 +59,16 @@ class DecontaminateConfig(StepConfig):
         dataset scanned neither does its draw."""
         data = super().identity()
         fields = DRAW_FIELDS if self.scan == "drawn" else WHOLE_FIELDS
-        data["post_training"] = [{k: p.get(k) for k in fields} for p in data["post_training"]]
+        data["post_training"] = [{k: p.get(k) for k in fields if k != "dataset_stamp" or p.get(k)}
+                                 for p in data["post_training"]]
         if self.scan == "drawn":
             data.pop("scan")  # the default leaves every earlier fence's identity as it was
         return data
 
 
-DRAW_FIELDS = ("name", "method", "dataset", "max_samples", "max_length", "pairs")
-WHOLE_FIELDS = ("name", "method", "dataset", "pairs")
+# a dataset's stamp only where it has one (local and s3:// data): a packaged dataset's fence keeps its identity
+DRAW_FIELDS = ("name", "method", "dataset", "dataset_stamp", "max_samples", "max_length", "pairs")
+WHOLE_FIELDS = ("name", "method", "dataset", "dataset_stamp", "pairs")
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class IngestConfig(StepConfig):
     max_documents: int | None
     max_document_chars: int = MAX_DOCUMENT_CHARS
     python: str | None = None  # stdlib:// sources: the standard library differs between Python versions
-    listing: str | None = None  # local folders: their files' paths, sizes and mtimes (specs/source_listing.py)
+    listing: str | None = None  # the source's files: a local folder's or an s3:// prefix's (specs/input_stamps.py)
 
 
 def build(plan: PlanBuilder) -> None:

@@ -63,6 +63,8 @@ from compass.tasks.steps.wiring import Inputs, R
 class PostTrainConfig(StepConfig):
     """What every post-training step reads besides its own section: the run's seed and the vibe prompts."""
 
+    omit_when_none = frozenset({"dataset_stamp"})  # packaged data is named by its version: identities as before
+
     seed: int
     vibe_prompts: list[str]
 

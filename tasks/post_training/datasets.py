@@ -19,6 +19,7 @@ import numpy as np
 
 from compass.infra.packages import cache_root, fetch_package
 from compass.infra.remote import local_copy
+from compass.specs.post_training import DATASET_FILES
 from compass.specs.sources import parse_source_uri
 
 Messages = list[dict[str, str]]
@@ -86,7 +87,7 @@ def _conversation_index(root: Path, max_chars: int) -> ConversationIndex:
     dataset is indexed again."""
 
 
-    files = sorted(root.rglob("*.jsonl"))
+    files = sorted(root.rglob(DATASET_FILES))
     key = hashlib.sha256(json.dumps([str(root.resolve()), max_chars, INDEX_VERSION] +
                                     [[str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]
                                      for p in files]).encode()).hexdigest()[:24]
@@ -190,7 +191,7 @@ def dataset_problem(root: Path, pairs: bool, needed: int) -> str | None:
         return f"'{root}' does not exist"
     if not root.is_dir():
         return f"'{root}' is a file; the dataset is the folder holding its .jsonl files"
-    files = sorted(root.rglob("*.jsonl"))
+    files = sorted(root.rglob(DATASET_FILES))
     if not files:
         return f"'{root}' holds no .jsonl file"
     found, lines, first_other = 0, 0, None

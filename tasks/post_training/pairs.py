@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from compass.specs.post_training import DATASET_FILES
 from compass.tasks.common.devices import Device
 from compass.tasks.post_training.chat import generate, load_chat_model
 from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, is_pair_row
@@ -50,7 +51,7 @@ def on_policy_pairs(model_dir: Path, problems: list[dict[str, str]], samples_per
 def dataset_pairs(root: Path, limit: int | None) -> list[Pair]:
     """Pairs from JSONL lines with `prompt`, `chosen` and `rejected` (strings or chat messages)."""
     pairs: list[Pair] = []
-    for path in sorted(root.rglob("*.jsonl")):
+    for path in sorted(root.rglob(DATASET_FILES)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:

@@ -25,6 +25,7 @@ from compass.infra.errors import DiskFull
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, owned_prefix
 from compass.infra.verify import stamp
+from compass.specs.input_stamps import stamp_provenance
 from compass.tasks.steps import registry
 from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
 from compass.tasks.steps.launchers import launcher_for
@@ -108,7 +109,8 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
                     for r, a in run.inputs.items()],
             spec_hash=run.spec_hash, spec_name=run.spec_name, code_version=code_version(),
             phase_version=kind.version, libraries=library_versions(), **host_facts(),
-            started_at=started, finished_at=time.time(), metrics=result.metrics, provenance=result.provenance,
+            started_at=started, finished_at=time.time(), metrics=result.metrics,
+            provenance=[*result.provenance, *stamp_provenance(run.config)],
             execution=launcher_for(run.runtime.placement).execution())
         with disk_full_named(run.step_id, Path(store.root_path) if not store.is_remote else out):
             manifest = store.commit(out, manifest, run.runtime.how.storage.shard_index_above, sctx.published)

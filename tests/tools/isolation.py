@@ -66,7 +66,9 @@ def _run(name: str, args: list[str], out: Path, env: dict[str, str], timeout: fl
 
 
 def _env() -> dict[str, str]:
-    return os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    """As `make test` sets it; no PYTHONPATH (`python -m pytest` in the checkout finds tests.tools, and a test
+    checks that the top-level folders do not import from elsewhere)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
 
 
 def alone(files: list[Path], out: Path, jobs: int) -> list[FileRun]:
