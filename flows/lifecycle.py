@@ -316,7 +316,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         raise RootRefused(f"store_root {root}: {unwritable}")
     store = Store(root, cluster.shared_root if cluster else None)
     with _recorded_run(store):
-        statuses = plan_status(full, store)
+        statuses = plan_status(full, store, depth="sizes")  # each step checks its artifact again when it runs
         create_markdown_artifact(
             key=artifact_key(spec.name, "plan"),
             markdown=f"## compass plan: {spec.name}\n\nspec hash `{loaded.spec_hash[:16]}`, store `{store.root}`\n\n"

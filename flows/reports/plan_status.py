@@ -86,8 +86,9 @@ def split_stamps(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tupl
     return strip(config, ""), stamps
 
 
-def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
-    """State and reason per step; when the store cannot be reached, says so instead of failing the plan."""
+def plan_status(plan: Plan, store: Store, depth: verify.Depth | None = None) -> list[StepStatus]:
+    """State and reason per step; when the store cannot be reached, says so instead of failing the plan. A cached
+    artifact is checked against its manifest at `depth` (default: how.storage.verify, as the run checks it)."""
     try:
         store.fs.exists(store.root_path)
     except Exception as exc:  # credentials, network, endpoint: the plan is still worth printing
@@ -104,7 +105,7 @@ def plan_status(plan: Plan, store: Store) -> list[StepStatus]:
                 why = f"damaged manifest, set aside when run: {str(exc).removeprefix(uri + '/')}"
                 out.append(StepStatus(step.id, uri, "run", why))
                 continue
-            damaged = verify.damage(store, uri, plan.how.storage.verify)  # what the run checks before reusing it
+            damaged = verify.damage(store, uri, depth or plan.how.storage.verify)  # as the run checks it
             if damaged:
                 then = ("set aside and run again" if plan.how.storage.on_damage == "recompute" else
                         "the run stops there (how.storage.on_damage: stop)")
