@@ -43,9 +43,9 @@ from compass.model.training.rank_device import REHEARSAL_ENV
 from compass.specs.how import Orchestration
 from compass.specs.loader import SpecError, load_spec_text, parse_spec_text
 from compass.tasks.steps import registry
+from compass.tasks.steps.backends import launcher_for
 from compass.tasks.steps.context import Runtime
 from compass.tasks.steps.kind import GPU_TAG, Step
-from compass.tasks.steps.launchers import launcher_for
 
 
 def artifact_key(*parts: str) -> str:
@@ -158,12 +158,12 @@ def _ray_options(ctx: RunContext, step: Step):
     """Ray resources a step's task asks for, from its placement (a no-op with the local task runner). A data step
     that spreads its work over Ray (datatrove's RayPipelineExecutor) has a driver that takes no CPU slot, or with
     every slot held by such drivers their inner tasks would never be scheduled."""
-    if ctx.runtime.how.orchestration.task_runner != "ray":
+    resources = launcher_for(placement_of(ctx, step)).ray_resources(ctx.runtime.how)
+    if not resources:
         return nullcontext()
     from prefect_ray.context import remote_options
 
-    resources = launcher_for(placement_of(ctx, step)).ray_resources(ctx.runtime.how.hardware.accelerator)
-    return remote_options(**resources) if resources else nullcontext()
+    return remote_options(**resources)
 
 
 def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
@@ -194,7 +194,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
         # steps whose work runs in Slurm job arrays take turns: each one's arrays already spread over the whole data
         # phase, and drivers holding CPUs while their arrays wait for those CPUs would deadlock a small partition
         drivers_running = sum(_drives_arrays(ctx, plan.step(sid)) for sid in running)
-        local_devices = orch.task_runner != "ray" and orch.cluster is None  # Ray and Slurm place them themselves
+        local_devices = orch.task_runner != "ray"  # Ray places them itself (and no step holds devices under Slurm)
         for step in ready:
             if len(running) >= orch.max_parallel_steps:
                 break
@@ -244,7 +244,7 @@ def _resolve_imports_of_steps_to_compute(plan: Plan, ctx: RunContext) -> None:
     modules (torch, transformers' lazy names). Only the kinds with a step to compute in this process: a step found
     committed imports nothing, and a step run as a Slurm job imports in its own process."""
     to_compute = [s for s in plan.steps
-                  if launcher_for(placement_of(ctx, s)).computes_here and not ctx.store.is_committed(step_uri(ctx, s))]
+                  if placement_of(ctx, s).computes_here and not ctx.store.is_committed(step_uri(ctx, s))]
     for kind in {registry.kind(s.kind).name: registry.kind(s.kind) for s in to_compute}.values():
         kind.import_names()
 
@@ -268,7 +268,7 @@ def _rehearsing(rehearsal: bool) -> Iterator[None]:
 
 
 def _drives_arrays(ctx: RunContext, step: Step) -> bool:
-    return placement_of(ctx, step).tasks is not None
+    return placement_of(ctx, step).drives_arrays
 
 
 @flow(name="compass-lifecycle", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=False,
@@ -305,7 +305,6 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
             smoke=smoke, no_recompute=no_recompute, rehearse=rehearse)
     full = checked.plan
     plan = full.up_to(until) if until else full
-    cluster = spec.how.orchestration.cluster
     root = store_root or spec.how.storage.root_at(base)
     if deployment.id:  # submitted to a shared worker: read local files only under its own roots, never the submitter's
         outside = list(outside_roots(spec, base, worker_roots()))
@@ -314,7 +313,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
     unwritable = root_problem(root) or (store_outside_worker(root) if deployment.id else None)
     if unwritable:  # before anything is created there
         raise RootRefused(f"store_root {root}: {unwritable}")
-    store = Store(root, cluster.shared_root if cluster else None)
+    store = Store(root, spec.how.orchestration.shared_root)
     with _recorded_run(store):
         statuses = plan_status(full, store, depth="sizes")  # each step checks its artifact again when it runs
         create_markdown_artifact(

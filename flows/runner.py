@@ -1,5 +1,5 @@
-"""Run one Step against the store: skip when committed, lock, verify the inputs, then execute it where its
-placement says (tasks/steps/placement.py): here, or as a Slurm job that commits it on the cluster.
+"""Run one Step against the store: skip when committed, lock, verify the inputs, then hand it whole to the backend
+of its placement (tasks/steps/backends/): computed here, or by a Slurm job that commits it on the cluster.
 
 Plain Python (no Prefect), so the Prefect task stays a thin wrapper and the logic tests without a server.
 """
@@ -7,25 +7,24 @@ Plain Python (no Prefect), so the Prefect task stays a thin wrapper and the logi
 from __future__ import annotations
 
 import logging
-import shutil
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from compass.flows.compiler import Plan
 from compass.infra import verify
-from compass.infra.disk_full import ended_on_a_full_disk
 from compass.infra.errors import DamagedArtifact, RunStopped
 from compass.infra.layout import WorkFolder
 from compass.infra.locks import step_lock
 from compass.infra.manifest import Manifest
-from compass.infra.slurm import SlurmJobFailed, read_record, request_for, run_on_slurm, state_of
 from compass.infra.store import Store, artifact_folder
 from compass.tasks.steps import registry
+from compass.tasks.steps.backends import WholeWork, launcher_for, stale_work
 from compass.tasks.steps.context import InputArtifact, Runtime, StepResult
-from compass.tasks.steps.execution import SUMMARY_FILE, StepRun, clear_work, disk_full_named, execute
+from compass.tasks.steps.execution import SUMMARY_FILE, StepRun, clear_work, execute
 from compass.tasks.steps.kind import Step
-from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import Placement, place
+from compass.tasks.steps.step_job import MODULE as STEP_JOB_MODULE
+from compass.tasks.steps.step_job import StepJob, read_result
 
 __all__ = ["SUMMARY_FILE", "RunContext", "StepOutcome", "run_in_process", "run_step", "step_uri"]
 
@@ -106,10 +105,8 @@ def _run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerA
                       workdir=store.work_dir(step.kind, step.name, fingerprint), work_key=key,
                       runtime=replace(ctx.runtime, placement=placement), spec_hash=ctx.spec_hash,
                       spec_name=ctx.plan.spec_name)
-        if launcher_for(placement).computes_here:
-            manifest, result = execute(run, log)
-        else:  # a Slurm job computes and commits it
-            manifest, result = _run_as_slurm_job(run, log, lambda job: lock.annotate(job=job))
+        manifest, result = launcher_for(placement).run_whole(_whole_step(run, log, lock.annotate), run.runtime.how,
+                                                             log)
         clear_work(store, key, run.workdir)
         return StepOutcome(step.id, uri, True, manifest, result)
 
@@ -133,49 +130,25 @@ def _inputs(ctx: RunContext, step: Step) -> dict[str, InputArtifact]:
     return inputs
 
 
-def _run_as_slurm_job(run: StepRun, log: logging.Logger | logging.LoggerAdapter,
-                      on_job) -> tuple[Manifest, StepResult | None]:
-    """Submit the whole step as a job of its shape (or follow the one an earlier orchestrator submitted) and wait
-    for it to commit; this process never computes. The job's log streams into the step's log."""
-
-    from compass.tasks.steps.step_job import MODULE, StepJob, read_result
-
-    how = run.runtime.how
-    cluster = how.orchestration.cluster
-    assert cluster is not None and run.runtime.placement.shape is not None
+def _whole_step(run: StepRun, log: logging.Logger | logging.LoggerAdapter,
+                annotate: Callable[..., None]) -> WholeWork[tuple[Manifest, StepResult | None]]:
+    """The step as its backend runs it: computed and committed here, or by a job of its shape that rebuilds the run
+    from its job file (tasks/steps/step_job.py) and commits it; the job's id goes into the step's lock."""
     work = WorkFolder(run.workdir)
-    run.workdir.mkdir(parents=True, exist_ok=True)
-    tmp = work.step_job.with_suffix(".tmp")
-    tmp.write_text(StepJob.of(run).model_dump_json(indent=1))
-    tmp.rename(work.step_job)
-    label = f"{run.kind}-{run.name}"[:40]
-    request = request_for(run.runtime.placement.shape, cluster, how.hardware.accelerator, run.workdir,
-                          (sys.executable, "-m", MODULE, str(work.step_job)), label,
-                          fault_requeues=how.orchestration.retries)
-    try:
-        job_id = run_on_slurm(request, cluster, log, done=lambda: run.store.is_committed(run.uri), on_job=on_job)
-    except SlurmJobFailed:
-        with disk_full_named(run.step_id, run.workdir):  # the job ended on a full disk: the one message, no retry
-            ended_on_a_full_disk(run.workdir)
-        raise
-    if not run.store.is_committed(run.uri):
-        raise SlurmJobFailed(f"Slurm job {job_id} completed without committing {run.step_id}; see {work.slurm_log}")
-    return run.store.read_manifest(run.uri), read_result(run.workdir)
+    return WholeWork(
+        what=run.step_id, label=f"{run.kind}-{run.name}", workdir=run.workdir, module=STEP_JOB_MODULE,
+        job_file=work.step_job, job_text=lambda inside: StepJob.of(run, inside).model_dump_json(indent=1),
+        compute=lambda: execute(run, log), done=lambda: run.store.is_committed(run.uri),
+        collect=lambda: (run.store.read_manifest(run.uri), read_result(run.workdir)),
+        on_job=lambda job: annotate(job=job))
 
 
 def _sweep_finished_work(ctx: RunContext, step: Step) -> None:
     """A committed step's work folder that its orchestrator never removed (it died while the step's job finished):
     removed now, unless a job is still at work in it."""
-
     fingerprint = ctx.plan.fingerprints[step.id]
     workdir = ctx.store.work_dir(step.kind, step.name, fingerprint)
-    if not WorkFolder(workdir).step_job.exists():
-        return
-
-
-    record = read_record(workdir)
-    state = state_of(record.job_id) if record and shutil.which("scontrol") else None
-    if state is None or not state.live:
+    if stale_work(workdir):
         clear_work(ctx.store, artifact_folder(step.kind, step.name, fingerprint), workdir)
 
 

@@ -9,9 +9,6 @@ Problems come back like the loader's, as `file:line: field: what (hint)`, all at
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -20,18 +17,15 @@ from pathlib import Path
 
 from compass.flows.compiler import Plan, PlanError, compile_spec
 from compass.flows.server.confinement import local_paths
-from compass.infra.environment import hub_cache
-from compass.infra.shared_probe import ProbeResult, refusal, verified
-from compass.model.attention import flash_kernel
 from compass.specs import costs
-from compass.specs.base import Issue
+from compass.specs.base import Issue, Loc
 from compass.specs.checks import check_spec, phases_of
 from compass.specs.file_stamp import s3_credentials_here
-from compass.specs.how import PHASES, Phase, SlurmCluster
 from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text
 from compass.specs.smoke import Shrink, Size, shrunk_spec
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps import registry
+from compass.tasks.steps.backends import MachineCheck, backends_of, one_of_each
 
 
 @dataclass(frozen=True)
@@ -122,38 +116,13 @@ def shrunk(loaded: LoadedSpec, size: Size) -> LoadedSpec:
     return result
 
 
-SMOKE_HINT = "or exercise the spec on this CPU first: compass run SPEC --smoke"
-
-
-def _slurm_partition(partition: str | None, smoke_hint: str,
-                     at: tuple[str, ...] = ("how", "orchestration", "cluster", "partition")) -> Iterator[Issue]:
-    """The Slurm controller answers, and knows the partition the spec names (at `at`)."""
-
-    command = ["sinfo", "-h", "-o", "%P"] + (["-p", partition] if partition else [])
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        done = subprocess.CompletedProcess(command, 1, "", str(exc))
-    if done.returncode:
-        yield Issue(("how", "orchestration", "cluster"), "the spec runs its steps as Slurm jobs and this machine's "
-                    f"Slurm controller does not answer ({_first_line(done.stderr or done.stdout)})",
-                    f"run compass on a Slurm login node (or set SLURM_CONF), {smoke_hint}")
-    elif partition and not done.stdout.strip():
-        yield Issue(at, f"Slurm has no partition '{partition}'", "name one that `sinfo` lists")
-
-
-def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -> Iterator[Issue]:
-    """A probe job on a compute node proves the shared root is shared, and that the nodes see the local store, the
-    local data and the Hugging Face cache's snapshots the steps read (compass.infra.shared_probe); nothing else is
-    submitted until it does. With
-    `gpu_extras`, also that the nodes import the CUDA-only kernels the spec names (on the GPU nodes). Each partition
-    the jobs go to is probed, with and without a GPU as the jobs there ask (probed_partitions)."""
-
-    cluster = spec.how.orchestration.cluster
-    assert cluster is not None and cluster.shared_root is not None
-    wanted: dict[str, tuple[tuple[str | int, ...], str]] = {}
+def _node_paths(spec: TrainingSpec, base_dir: Path) -> dict[str, tuple[Loc, str]]:
+    """The paths outside the store the steps read wherever they run, by path (the spec field, what it is): the
+    store's nearest existing folder (the first run may create the store itself), the local data, the Hugging Face
+    cache's snapshots (tokenizers, datasets, models); a cluster's probe job proves a compute node sees each."""
+    wanted: dict[str, tuple[Loc, str]] = {}
     root = spec.how.storage.root_at(base_dir)
-    if "://" not in root:  # the nearest folder that exists: the store itself may be created by the first run
+    if "://" not in root:
         folder = Path(root)
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
@@ -161,120 +130,10 @@ def _shared_paths(spec: TrainingSpec, base_dir: Path, gpu_extras: bool = True) -
     for loc, uri, path in local_paths(spec, base_dir):
         if path.exists():
             wanted[str(path)] = (loc, f"{uri} ({path})")
-    for kind in registry.kinds():  # the Hugging Face cache's snapshots the steps read (tokenizers, datasets, models)
+    for kind in registry.kinds():
         for needed in kind.node_files(spec) if kind.node_files else ():
             wanted[str(needed.path)] = (needed.loc, f"{needed.what} ({needed.path})")
-    how = spec.how
-    modules = {"flash_attn": ("how", "attention")} if how.attention == "flash" and gpu_extras else {}
-    modules |= {"liger_kernel": ("how", "loss")} if how.loss == "liger" and gpu_extras else {}
-    for ask in probed_partitions(spec):
-        result = verified(cluster, list(wanted), list(modules) if ask.gpus or how.hardware.accelerator == "cpu" else [],
-                          partition=ask.partition, gpus=ask.gpus)
-        yield from _probe_issues(result, cluster, wanted, modules, ask)
-        if ask.without_gpu and not result.problem:  # the same partition's jobs that ask none: taken there?
-            refused = refusal(cluster, ask.partition)
-            if refused:
-                yield _refused(refused, ProbeAsk(ask.partition, 0, ask.without_gpu))
-
-
-@dataclass(frozen=True)
-class ProbeAsk:
-    """One probe job's request: a partition (None: the cluster's default), GPUs or none, as the jobs of `phases`
-    ask there; `without_gpu`, the phases of the same partition whose jobs ask no GPU when the probe asks one."""
-
-    partition: str | None
-    gpus: int
-    phases: tuple[Phase, ...]
-    without_gpu: tuple[Phase, ...] = ()
-
-
-def probed_partitions(spec: TrainingSpec) -> list[ProbeAsk]:
-    """What the spec's jobs ask for, as probes: one probe job per partition they go to, with a GPU where phases
-    there ask for GPUs (the GPU nodes the training needs are the ones proven to see the shared root). The phases of
-    that partition that ask no GPU are asked of the controller alone (`sbatch --test-only`): a site may refuse such
-    jobs on its GPU partitions, and its data jobs are then refused here, before anything is submitted."""
-    how = spec.how
-    asked: dict[str | None, dict[int, list[Phase]]] = {}
-    for phase in sorted(phases_of(spec), key=PHASES.index):
-        shape = how.shape(phase)
-        gpus = 1 if how.hardware.accelerator != "cpu" and shape.devices_per_node else 0
-        asked.setdefault(shape.partition, {}).setdefault(gpus, []).append(phase)
-    default = how.orchestration.cluster.partition if how.orchestration.cluster else None
-    return [ProbeAsk(partition, 1, tuple(by[1]), tuple(by.get(0, ()))) if 1 in by else
-            ProbeAsk(partition, 0, tuple(by[0])) for partition, by in asked.items()] or [ProbeAsk(default, 0, ())]
-
-
-def _refused(problem: str, ask: ProbeAsk) -> Issue:
-    """A partition that did not take (or would not take) the one-task job the phases of `ask` ask for."""
-    where = f"partition {ask.partition}" if ask.partition else "the default partition"
-    phase = ask.phases[0] if ask.phases else "data"
-    asked = "with a GPU" if ask.gpus else "without a GPU"
-    phases = ", ".join(ask.phases) or phase
-    return Issue(("how", "resources", phase, "partition"),
-                 f"{problem}: {where} did not take a one-task job {asked}, as the {phases} jobs ask",
-                 f"give the phase a partition that takes such jobs (how.resources.{phase}.partition: e.g. a "
-                 "CPU partition for data where GPU partitions take only jobs that ask for GPUs), or free a node")
-
-
-def _probe_issues(result: ProbeResult, cluster: SlurmCluster, wanted: dict[str, tuple[tuple[str | int, ...], str]],
-                  modules: dict[str, tuple[str, ...]], ask: ProbeAsk) -> Iterator[Issue]:
-    """What a probe of one partition found, each at the spec field to change."""
-    at = ("how", "orchestration", "cluster", "shared_root")
-    hint = "set shared_root to a folder every compute node mounts at the same path (Lustre, GPFS, NFS, FSx)"
-    if result.problem and "did not run" in result.problem and "No such file" in result.problem:
-        yield Issue(("how", "orchestration", "cluster"), f"{result.problem}: the compute nodes do not see this "
-                    f"Python ({sys.executable})", "install compass in a virtual environment under the shared root "
-                    "(or an image every node has) and run compass from it")
-    elif result.problem and "did not run" in result.problem:
-        yield _refused(result.problem, ask)
-    elif result.problem:
-        yield Issue(at, result.problem, hint)
-    for module in result.missing_modules:
-        yield Issue(modules[module], f"{module} is not installed on compute node {result.node} (the spec's "
-                    f"{modules[module][-1]} needs it)", "pip install 'compass-lifecycle[gpu]' in the nodes' "
-                    "environment, or choose auto")
-
-    for path in result.unseen:
-        loc, what = wanted[path]
-        fix = (f"set HF_HUB_CACHE to a folder under how.orchestration.cluster.shared_root ({cluster.shared_root}) "
-               f"and copy the cache ({hub_cache()}) there" if Path(path).is_relative_to(hub_cache()) else
-               f"move it under how.orchestration.cluster.shared_root ({cluster.shared_root}) or onto S3")
-        yield Issue(loc, f"{what} is not visible on compute node {result.node}: the steps' jobs could not read it",
-                    fix)
-
-
-def _kernels_here(spec: TrainingSpec) -> Iterator[Issue]:
-    """Without a cluster the steps compute on this machine: CUDA for GPUs and the GPU extras the spec names. Torch
-    is imported only to check what the spec asks of it (it took 3 of `compass validate`'s 5.6 s on a CPU spec)."""
-    how = spec.how
-    accelerator = how.hardware.accelerator
-    if accelerator != "cpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            yield Issue(("how", "hardware", "accelerator"), f"the spec trains on {accelerator} GPUs and this machine "
-                        "has no CUDA device", f"run it where the GPUs are, {SMOKE_HINT}")
-    if how.attention == "flash" and _flash_kernel() is None:
-        yield Issue(("how", "attention"), "flash attention needs the flash-attn package, not installed here",
-                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or attention: auto")
-    if how.loss == "liger" and not _liger_available():
-        yield Issue(("how", "loss"), "the liger loss needs CUDA and the liger-kernel package",
-                    "pip install 'compass-lifecycle[gpu]' on the GPU nodes, or loss: auto")
-
-
-def _flash_kernel():
-
-    return flash_kernel()
-
-
-def _liger_available() -> bool:
-    from compass.model.loss import liger_available
-
-    return liger_available()
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "no output")[:160]
+    return wanted
 
 
 def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Iterator[Issue]:
@@ -287,26 +146,9 @@ def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Ite
 
     how = spec.how
     accelerator = how.hardware.accelerator
-    smoke_hint = SMOKE_HINT
-    if how.orchestration.cluster is not None:  # training runs on the cluster's nodes, not on this machine
-
-        missing = [c for c in ("sbatch", "scontrol", "scancel") if shutil.which(c) is None]
-        if missing:
-            yield Issue(("how", "orchestration", "cluster"), f"the spec runs its steps as Slurm jobs and "
-                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on this machine's PATH",
-                        f"run compass on a Slurm login node, {smoke_hint}")
-        else:
-            reachable = list(_slurm_partition(how.orchestration.cluster.partition, smoke_hint))
-            for phase in PHASES:  # a phase's own partition, where the spec names one
-                named = getattr(how.resources, phase).partition
-                if not reachable and named:
-                    reachable += _slurm_partition(named, smoke_hint, ("how", "resources", phase, "partition"))
-            yield from reachable
-            if not reachable and how.orchestration.cluster.shared_root:
-                yield from _shared_paths(spec, base_dir, gpu_extras=not rehearsal)
-    else:
-        if not rehearsal:
-            yield from _kernels_here(spec)
+    check = MachineCheck(spec, base_dir, rehearsal, node_paths=lambda: _node_paths(spec, base_dir))
+    for backend in one_of_each(backends_of(how, phases_of(spec))):  # each kind of machine the steps run on, once
+        yield from backend.machine_checks(check)
     if how.attention == "flex" and accelerator == "cpu":
         yield Issue(("how", "attention"), "FlexAttention has no backward pass on CPU: it cannot train here",
                     "use attention: sdpa (or auto) on CPU")

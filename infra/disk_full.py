@@ -16,9 +16,12 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from compass.infra.errors import DiskFull
 from compass.infra.layout import WorkFolder
 
 # what a full disk, a file past the size limit (`ulimit -f`) and an exhausted quota look like to a writer
@@ -120,3 +123,20 @@ def ended_on_a_full_disk(workdir: Path) -> None:
     full = full_disk_noted(workdir) or (FullDisk(errno.ENOSPC, None) if nearly_full(workdir) else None)
     if full is not None:
         raise full.error(workdir)
+
+
+@contextmanager
+def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
+    """A full disk met within becomes the one DiskFull message: the step, the path, the space free there, what to
+    do; any other error passes as it is."""
+    try:
+        yield
+    except Exception as exc:
+        if (full := full_disk_met(exc, where)) is None:
+            raise
+        code, path = full.code, Path(full.path) if full.path else where
+        probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+        free = shutil.disk_usage(probe).free
+        raise DiskFull(code, f"{step_id}: {FULL[code]} {path} ({free / 2**20:,.0f} MiB free there): free "
+                       "space (or raise the limit: ulimit -f, the quota), or move how.storage.root (and TMPDIR for S3 "
+                       "stores) to a larger disk; the step resumes from its last checkpoint") from None

@@ -30,7 +30,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from compass.infra.slurm import cluster_setting
 from compass.specs.how import SlurmCluster
 
 FROM_LOGIN, FROM_NODE = "from-login", "from-node"
@@ -51,12 +50,14 @@ class ProbeResult:
 
 
 def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,
-             python: str = sys.executable, partition: str | None = None, gpus: int = 0) -> ProbeResult:
+             python: str = sys.executable, partition: str | None = None, gpus: int = 0,
+             cluster_name: str = "") -> ProbeResult:
     """The probe's answer: a recorded pass of the same question under a day old, else a probe job (recorded when it
     passes). `partition`: where to probe (None: the cluster's); `gpus`: GPUs the probe job asks for, on a partition
-    whose jobs ask for GPUs (sites refuse jobs that ask none there, and the GPU nodes are the ones to prove)."""
+    whose jobs ask for GPUs (sites refuse jobs that ask none there, and the GPU nodes are the ones to prove);
+    `cluster_name`: the controller's ClusterName, so a record never answers for another cluster."""
     assert cluster.shared_root is not None
-    question = _question(cluster, paths, modules, python, partition, gpus)
+    question = _question(cluster, paths, modules, python, partition, gpus, cluster_name)
     record = Path(cluster.shared_root).expanduser() / ".compass-probe" / f"verified-{question}.json"
     try:
         seen = json.loads(record.read_text())
@@ -76,11 +77,11 @@ def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None 
 
 
 def _question(cluster: SlurmCluster, paths: list[str], modules: list[str] | None, python: str,
-              partition: str | None, gpus: int) -> str:
+              partition: str | None, gpus: int, cluster_name: str) -> str:
     """What a probe answers, as a key: the cluster it ran on and everything it was asked."""
     slurm = cluster.model_dump(include={"shared_root", "account", "qos", "constraint", "exclude"})
     slurm |= {"partition": partition or cluster.partition, "gpus": gpus}
-    asked = {"cluster": cluster_setting("ClusterName"), "slurm": slurm,
+    asked = {"cluster": cluster_name, "slurm": slurm,
              "paths": sorted(paths), "modules": sorted(modules or []), "python": python}
     return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
 

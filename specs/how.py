@@ -418,6 +418,11 @@ class Orchestration(SpecModel):
     cluster: SlurmCluster | None = Field(
         default=None, description="Run every step that computes as a Slurm job (None: on this machine, in this "
                                   "process or launched with torchrun/deepspeed per how.hardware).")
+
+    @property
+    def shared_root(self) -> str | None:
+        """Where the steps' work folders live: the cluster's shared root (None: beside the store)."""
+        return self.cluster.shared_root if self.cluster else None
     max_parallel_gpu_steps: PositiveInt = Field(
         default=1, le=MAX_PARALLEL, description="Steps that use the accelerator (training, evaluation) running at "
                                                 "once in one process: they would compete for one device."

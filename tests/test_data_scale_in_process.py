@@ -13,7 +13,8 @@ from pathlib import Path
 from datatrove.pipeline.base import PipelineStep
 
 from compass.specs.how import CONTENT_BYTE_COST, How
-from compass.tasks.data.datatrove_stages import WORKER_MODULES, run_stage
+from compass.tasks.data.datatrove_stages import run_stage
+from compass.tasks.steps.backends.local import WORKER_MODULES
 from compass.tasks.steps.context import Runtime
 
 

@@ -173,8 +173,8 @@ def test_ranks_srun_cannot_start_on_a_lost_node_are_a_retriable_fault_and_a_fail
     import logging
 
     from compass.infra.exits import clear_retriable, retriable_reasons
-    from compass.specs.how import Hardware, Shape
-    from compass.tasks.steps.launchers import InSlurmJob
+    from compass.specs.how import Hardware, How, Shape
+    from compass.tasks.steps.backends import Ranks, launcher_for
     from compass.tasks.steps.placement import Placement
 
     words = ('echo "srun: error: Task launch for StepId=12.0 failed on node node2: Communication connection '
@@ -188,10 +188,10 @@ def test_ranks_srun_cannot_start_on_a_lost_node_are_a_retriable_fault_and_a_fail
     work.mkdir()
     shape = Shape(phase="post_training", nodes=2, devices_per_node=1, cpus_per_node=None, memory_gb=None,
                   time_limit=None, whole_nodes=False)
-    launcher = InSlurmJob(Placement("in_slurm_job", shape))
+    backend = launcher_for(Placement("in_slurm_job", shape))
     hardware = Hardware(accelerator="cpu", nodes=2, devices_per_node=1)
-    code = launcher.start_ranks("compass.tasks.post_training.trl_ranks", work / "job.json", 2, hardware, None,
-                                logging.getLogger("test"))
+    code = backend.start_ranks(Ranks("compass.tasks.post_training.trl_ranks", work / "job.json", 2, hardware), How(),
+                               logging.getLogger("test"))
     assert code == (233 if lost else 1)
     reasons = retriable_reasons(work)
     if lost:

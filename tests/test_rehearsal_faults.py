@@ -37,7 +37,7 @@ def test_a_controller_that_does_not_answer_is_asked_again_not_read_as_a_finished
     import time
 
     from compass.infra.slurm import ask_controller, state_of
-    from compass.tasks.data.datatrove_stages import _queued
+    from compass.tasks.steps.backends.slurm_arrays import _queued
 
     job = subprocess.run(["sbatch", "--parsable", "--cpus-per-task=1", f"--output={tmp_path}/out", "--wrap",
                           "sleep 60"], env={**os.environ, **gpu_cluster}, capture_output=True, text=True,

@@ -66,7 +66,7 @@ def test_R1_a_record_naming_another_job_is_neither_followed_nor_cancelled(victim
 
 def test_R1_a_data_stages_array_record_naming_another_job_is_not_followed(victim: str, tmp_path: Path,
                                                                           caplog: pytest.LogCaptureFixture):
-    from compass.tasks.data.datatrove_stages import ARRAY_RECORD, _recorded_live_jobs
+    from compass.tasks.steps.backends.slurm_arrays import ARRAY_RECORD, _recorded_live_jobs
 
     record = tmp_path / ARRAY_RECORD
     record.write_text(f'{{"job_ids": ["{victim}"], "submitted_at": {time.time()}}}')
@@ -88,7 +88,7 @@ def test_R3_an_option_like_id_is_never_read_as_a_job_id(slurm, tmp_path: Path, c
         caplog.text
     array = tmp_path / "array_job.json"
     array.write_text('{"job_ids": ["--user=alice"]}')
-    from compass.tasks.data.datatrove_stages import _recorded_live_jobs
+    from compass.tasks.steps.backends.slurm_arrays import _recorded_live_jobs
 
     assert _recorded_live_jobs(array, "compass-x", logging.getLogger("test.r3")) == ""
     assert "names ['--user=alice'], not Slurm job ids: ignored" in caplog.text

@@ -165,8 +165,8 @@ def test_stopping_the_run_cancels_its_slurm_job(slurm, data_store: Path, prefect
 
 
 def test_plan_checks_the_controller_and_the_partition(slurm):
-    from compass.flows.validation import _slurm_partition
+    from compass.tasks.steps.backends.slurm_checks import slurm_partition
 
-    assert list(_slurm_partition("debug", "")) == []
-    (issue,) = _slurm_partition("hopper-prod", "")
+    assert list(slurm_partition("debug", "")) == []
+    (issue,) = slurm_partition("hopper-prod", "")
     assert "no partition 'hopper-prod'" in issue.message

@@ -14,10 +14,11 @@ from compass.model.attention import DOCUMENT_SDPA, DOCUMENT_VARLEN, flash_kernel
 from compass.specs import costs, scaling
 from compass.specs.checks import phases_of
 from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
-from compass.specs.how import CONTENT_BYTE_COST, PHASES
+from compass.specs.how import CONTENT_BYTE_COST
 from compass.specs.scaling import step_shapes
 from compass.specs.spec import TrainingSpec
 from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
+from compass.tasks.steps.backends import backends_of, one_of_each
 
 
 @dataclass
@@ -178,31 +179,18 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
 
 
 def placement_section(spec: TrainingSpec) -> Section:
-    """Where each phase of the spec runs and on what: its shape (how.resources, defaults from how.hardware)."""
+    """Where each phase of the spec runs and on what: its shape (how.resources, defaults from how.hardware) and what
+    its backend says it runs as."""
 
     how = spec.how
-    cluster = how.orchestration.cluster
-    present = phases_of(spec)
+    placed = backends_of(how, phases_of(spec))
     rows = []
-    for phase in PHASES:
-        if phase not in present:
-            continue
+    for phase, backend in placed:
         shape = how.shape(phase)
-        if cluster is not None and phase == "data":
-            runs = "Slurm jobs; curation and tokenization as job arrays of 1-CPU tasks"
-        elif cluster is not None:
-            runs = "Slurm job" + (", whole nodes" if shape.whole_nodes and not shape.cpus_per_node else "")
-        elif phase == "data" and how.orchestration.task_runner == "ray":
-            runs = "Ray tasks"
-        else:
-            runs = f"{shape.ranks} ranks (torchrun)" if shape.ranks > 1 else "this process"
-        if cluster is not None and shape.partition != cluster.partition:
-            runs += f" on partition {shape.partition}"
         rows.append([phase.replace("_", " "), shape.nodes, shape.devices_per_node, shape.ranks,
                      shape.cpus_per_node or "-", f"{shape.memory_gb:g} GB" if shape.memory_gb else "-",
-                     shape.time_limit or "-", runs])
-    notes = [f"Slurm jobs on partition {cluster.partition or '(default)'}, work folders under {cluster.shared_root}; "
-             f"ranks start with {cluster.launch}" if cluster else "no cluster: every step computes on this machine",
+                     shape.time_limit or "-", backend.describe(how).runs_as])
+    notes = [*dict.fromkeys(note for backend in one_of_each(placed) for note in backend.describe(how).notes),
              "steps that only read other steps' results (comparisons, curves, reports) run in the orchestrator"]
     devices = "GPUs" if how.hardware.accelerator != "cpu" else "ranks"
     return Section("Where each phase runs", ["phase", "nodes", f"{devices}/node", devices, "CPUs/node", "memory",
@@ -218,7 +206,8 @@ def orchestration_section(spec: TrainingSpec) -> Section:
     default_limit = f"{orch.timeout_seconds:,.0f} s" if orch.timeout_seconds else "none"
     runner = ("Ray" + (f" at {orch.ray_address}" if orch.ray_address else ", started here")
               if orch.task_runner == "ray" else "threads of this process")
-    placer = "Slurm" if orch.cluster is not None else "Ray" if orch.task_runner == "ray" else None
+    described = [backend.describe(spec.how) for backend in one_of_each(backends_of(spec.how, phases_of(spec)))]
+    placer = next((d.places_devices for d in described if d.places_devices), None)
     devices = (f"{placer} places the devices; `compass deploy` of this spec lets {orch.max_parallel_gpu_steps} "
                "device-holding steps run at once over all of a server's runs" if placer else
                f"{orch.max_parallel_gpu_steps} holding devices")
@@ -230,17 +219,7 @@ def orchestration_section(spec: TrainingSpec) -> Section:
                                                           f"1/{CONTENT_BYTE_COST} of that for curation's filter and "
                                                           "MinHash passes, runs in its own process)"
                                                           if orch.in_process_below_mib else "")]]
-    cluster = orch.cluster
-    if cluster is not None:
-        rows.append(["near a job's time limit",
-                     f"USR1 {cluster.signal_before_s} s before it: checkpoint, requeue and resume" if cluster.requeue
-                     else "no signal (requeue off): the job ends at its limit; a retry resumes from its newest "
-                          "checkpoint"])
-        asks = {"account": cluster.account, "qos": cluster.qos, "constraint": cluster.constraint,
-                "exclude": ",".join(cluster.exclude) or None, "time limit": cluster.time_limit}
-        rows.append(["Slurm options", ", ".join(f"{k} {v}" for k, v in asks.items() if v) or "none"])
-        rows.append(["job state read every", f"{cluster.poll_seconds:g} s (the probe waits "
-                                             f"{cluster.probe_timeout_s} s)"])
+    rows += [list(row) for row in dict.fromkeys(row for d in described for row in d.settings)]
     return Section("Orchestration", ["setting", "value"], rows, [])
 
 

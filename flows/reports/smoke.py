@@ -8,7 +8,9 @@ from compass.flows.compiler import Plan
 from compass.specs.how import Phase
 from compass.specs.smoke import Shrink, Size
 from compass.specs.spec import TrainingSpec
+from compass.tasks.steps.backends import launcher_for
 from compass.tasks.steps.kind import Step
+from compass.tasks.steps.placement import place_phase
 
 if TYPE_CHECKING:
     from compass.infra.store import Store
@@ -28,8 +30,7 @@ def _engine(spec: TrainingSpec, step: Step, rehearsal: bool) -> str:
     if not rehearsal:
         return engine + (f" + AutoTP {par.tensor_parallel} on {par.tensor_parallel} gloo processes" if tp else "")
     shape = how.shape(PHASE_OF.get(step.kind, "mid_training"))
-    cluster = how.orchestration.cluster
-    launch = f"Slurm, launch {cluster.launch}" if cluster else f"{how.hardware.launcher}"
+    launch = launcher_for(place_phase(PHASE_OF.get(step.kind, "mid_training"), how)).describe(how).launch
     return (f"{engine}{tp} in {how.precision} on {shape.ranks} ranks over {shape.nodes} node(s) x "
             f"{shape.devices_per_node} {how.hardware.accelerator} ({launch})")
 

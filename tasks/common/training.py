@@ -24,13 +24,13 @@ from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtif
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
 from compass.model.training.records import MetricsRow, TrainResult, goodput_table, read_metrics, write_metrics
-from compass.specs.how import Shape, SlurmCluster
+from compass.specs.how import Shape
 from compass.tasks.common.inputs import TrainingInputs
 from compass.tasks.common.plots import figure_png, use_token_axis
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.data.tokenizer_files import tokenizer_ids
+from compass.tasks.steps.backends import Ranks, launcher_for
 from compass.tasks.steps.context import Runtime, StepContext, StepResult
-from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import HERE, Placement
 
 
@@ -109,18 +109,15 @@ class NoTrainResult(FileNotFoundError):
     job requeues itself) or died before the stage's end without a retriable reason."""
 
 
-def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: SlurmCluster | None = None) -> TrainResult:
+def run_training(job: TrainJob, log, placement: Placement = HERE) -> TrainResult:
     """Run the trainer on the job where the step's placement says: one rank in this process; several started by
-    the placement's launcher (tasks/steps/launchers.py: torchrun here or over ssh to how.hardware.hosts; srun over
-    the step's Slurm job's nodes as `cluster.launch` says). A stop asked before the time limit (the ranks
-    checkpointed and left) ends the step without a result: the Slurm job's batch shell requeues it."""
+    the placement's backend (tasks/steps/backends/: torchrun here or over ssh to how.hardware.hosts; srun over
+    the step's Slurm job's nodes as how.orchestration.cluster.launch says). A stop asked before the time limit (the
+    ranks checkpointed and left) ends the step without a result: the Slurm job's batch shell requeues it."""
 
     work = WorkFolder(job.workdir)
     job.workdir.mkdir(parents=True, exist_ok=True)
     job.write(work.train_job)
-    launcher = launcher_for(placement)
-    if not launcher.computes_here:
-        raise RuntimeError("a step placed as a Slurm job runs whole inside it (flows/runner.py), trainer included")
     if job.world_size == 1:
         from compass.model.training import collectives
         from compass.model.training.trainer import train_stage
@@ -133,8 +130,8 @@ def run_training(job: TrainJob, log, placement: Placement = HERE, cluster: Slurm
     work.train_result.unlink(missing_ok=True)
     clear_retriable(job.workdir)
     clear_full_disk_notes(job.workdir)
-    code = launcher.start_ranks(TRAINER_MODULE, work.train_job, job.world_size, job.hardware, cluster, log,
-                                launcher=job.hardware.launcher)
+    code = launcher_for(placement).start_ranks(
+        Ranks(TRAINER_MODULE, work.train_job, job.world_size, job.hardware, job.hardware.launcher), job.how, log)
     if work.train_result.exists():
         return TrainResult.read(work.train_result)
     checkpoints = work.complete_checkpoints()
@@ -157,8 +154,7 @@ def run_module_ranks(module: str, job_path: Path, world: int, shape: Shape, runt
                                                "hosts": how.hardware.hosts if shape.nodes > 1 else []})
     clear_full_disk_notes(job_path.parent)
     clear_retriable(job_path.parent)
-    code = launcher_for(runtime.placement).start_ranks(module, job_path, world, hardware, how.orchestration.cluster,
-                                                       log)
+    code = launcher_for(runtime.placement).start_ranks(Ranks(module, job_path, world, hardware), how, log)
     if code:
         ended_on_a_full_disk(job_path.parent)
         raise_if_retriable(job_path.parent)  # the batch shell requeues the job under its budget
@@ -214,7 +210,7 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
         for mirror in mirrors:
             mirror.start()
     try:
-        result = run_training(job, ctx.log, ctx.runtime.placement, ctx.runtime.how.orchestration.cluster)
+        result = run_training(job, ctx.log, ctx.runtime.placement)
     finally:
         for mirror in mirrors:
             mirror.stop()

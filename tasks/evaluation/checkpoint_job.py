@@ -1,8 +1,9 @@
 """One checkpoint's scheduled or event-triggered evaluation (flows/scheduled_eval.py), computed where the spec's
-evaluation phase computes: in the calling process on the spec's device and precision or, under a cluster, as a
-Slurm job of the evaluation phase's shape (`python -m compass.tasks.evaluation.checkpoint_job JOB.json`, the job
-file in a work folder on the shared root), exactly as the run's own evaluate step is placed. The orchestrating
-worker then loads no model: it submits, follows and reads the result the job wrote.
+evaluation phase is placed (tasks/steps/placement.py; its backend's `run_whole`): in the calling process on the
+spec's device and precision or, under a cluster, as a Slurm job of the evaluation phase's shape (`python -m
+compass.tasks.evaluation.checkpoint_job JOB.json`, the job file in a work folder on the shared root), exactly as the
+run's own evaluate step is placed. The orchestrating worker then loads no model: it submits, follows and reads the
+result the job wrote.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from pydantic import BaseModel, ConfigDict
 
 from compass.infra.fingerprint import sha256_file
 from compass.infra.layout import WEIGHTS, pending_copy
-from compass.infra.slurm import SlurmJobFailed, request_for, run_on_slurm
 from compass.infra.store import Store
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How
 from compass.tasks.common.devices import device_for
 from compass.tasks.evaluation.lighteval_run import run_lighteval
+from compass.tasks.steps.backends import WholeWork, launcher_for
+from compass.tasks.steps.placement import HERE, place_phase
 
 MODULE = "compass.tasks.evaluation.checkpoint_job"
 JOB_FILE = "checkpoint-evaluation.json"
@@ -47,30 +49,24 @@ class CheckpointEvaluation(BaseModel):
 
 
 def evaluate(job: CheckpointEvaluation, log: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
-    """The result record, computed here, or by a Slurm job when the spec has a cluster (its work folder on the
-    cluster's shared root)."""
-    cluster = job.how.orchestration.cluster if job.how else None
-    if cluster is None:
-        return score(job)
-
-    store = Store(job.store_root, cluster.shared_root)
+    """The result record, computed where the spec's evaluation phase is placed: here, or by a Slurm job of its shape
+    (its work folder on the cluster's shared root)."""
+    how = job.how or How()
+    placement = place_phase("evaluation", how) if job.how else HERE
+    store = Store(job.store_root, how.orchestration.shared_root)
     sha = job.checkpoint["weights_sha256"]
     work = store.work_dir("evaluations", job.suite[:12], sha)
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / JOB_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(job.model_dump_json(indent=1))
-    tmp.rename(path)
-    request = request_for(job.how.shape("evaluation"), cluster, job.how.hardware.accelerator, work,
-                          (sys.executable, "-m", MODULE, str(path)), f"evaluate-{sha[:12]}",
-                          fault_requeues=job.how.orchestration.retries)
-    job_id = run_on_slurm(request, cluster, log, done=lambda: store.fs.exists(job.target))
-    if not store.fs.exists(job.target):
-        raise SlurmJobFailed(f"Slurm job {job_id} completed without writing {job.target}")
-    with store.fs.open(job.target) as f:
-        record = json.load(f)
-    shutil.rmtree(work, ignore_errors=True)
-    return record
+
+    def collect() -> dict[str, Any]:
+        with store.fs.open(job.target) as f:
+            record = json.load(f)
+        shutil.rmtree(work, ignore_errors=True)
+        return record
+
+    return launcher_for(placement).run_whole(WholeWork(
+        what=f"the evaluation of {job.checkpoint.get('folder')} ({job.target})", label=f"evaluate-{sha[:12]}",
+        workdir=work, module=MODULE, job_file=work / JOB_FILE, job_text=lambda inside: job.model_dump_json(indent=1),
+        compute=lambda: score(job), done=lambda: store.fs.exists(job.target), collect=collect), how, log)
 
 
 def score(job: CheckpointEvaluation) -> dict[str, Any]:

@@ -117,7 +117,7 @@ def run_ablation(ctx: StepContext[AblateConfig]) -> StepResult:
         steps = schedule_shape(recipe.schedule, recipe.stages).stages[0].steps
         job = job.with_how(checkpoints=job.checkpoints.model_copy(update={
             "every_steps": max(1, math.ceil(steps / (cfg.probes + 1))), "keep_last": cfg.probes + 2}))
-    result = run_training(job, ctx.log, ctx.runtime.placement, ctx.runtime.how.orchestration.cluster)
+    result = run_training(job, ctx.log, ctx.runtime.placement)
     val = result.val_loss
     metrics = {"val_loss": statistics.fmean(val.values()), "val_loss_by_source": val,
                **{f"val_loss:{source}": loss for source, loss in val.items()},

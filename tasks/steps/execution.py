@@ -20,15 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compass.infra.disk_full import FULL, full_disk_met
-from compass.infra.errors import DiskFull
+from compass.infra.disk_full import disk_full_named
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, owned_prefix
 from compass.infra.verify import stamp
 from compass.specs.input_stamps import stamp_provenance
 from compass.tasks.steps import registry
+from compass.tasks.steps.backends import launcher_for
 from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
-from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.step_config import StepConfig
 
 SUMMARY_FILE = "summary.md"
@@ -69,21 +68,6 @@ def _default_grad_mode() -> Iterator[None]:
         return
     with torch.enable_grad():
         yield
-
-
-@contextmanager
-def disk_full_named(step_id: str, where: Path) -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:
-        if (full := full_disk_met(exc, where)) is None:
-            raise
-        code, path = full.code, Path(full.path) if full.path else where
-        probe = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
-        free = shutil.disk_usage(probe).free
-        raise DiskFull(code, f"{step_id}: {FULL[code]} {path} ({free / 2**20:,.0f} MiB free there): free "
-                       "space (or raise the limit: ulimit -f, the quota), or move how.storage.root (and TMPDIR for S3 "
-                       "stores) to a larger disk; the step resumes from its last checkpoint") from None
 
 
 def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[Manifest, StepResult]:

@@ -20,7 +20,6 @@ from compass.specs.how_identity import identity_of, value_at
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.tasks.steps.context import StepContext, StepResult
-from compass.tasks.steps.launchers import launcher_for
 from compass.tasks.steps.placement import Resources, place
 from compass.tasks.steps.step_config import StepConfig
 from compass.tasks.steps.wiring import Inputs, NoInputs, StepRef
@@ -157,7 +156,7 @@ class StepKind:
         """`gpu` when the step holds devices (Prefect's concurrency limit counts those), else none: each tag costs
         a concurrency-slot request to the server per task (flows/lifecycle.py)."""
 
-        return (GPU_TAG,) if launcher_for(place(self, config, how)).holds_devices else ()
+        return (GPU_TAG,) if place(self, config, how).holds_devices else ()
 
 
 class BuildOrderError(ValueError):

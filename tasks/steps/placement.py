@@ -1,8 +1,9 @@
 """Where a step runs: the one decision, made here from the kind's resources and the spec's `how`.
 
 A kind declares the resources its steps need (StepKind.resources: the shape of one of the spec's phases, or its
-own); what acts on the mode is the placement's launcher (tasks/steps/launchers.py), which the runner, the rank
-launches and datatrove's executor ask. Nothing else decides where work runs.
+own); what acts on the placement is its backend (tasks/steps/backends/: `launcher_for(placement)`), which every
+consumer asks (the runner, the rank launches, datatrove's stages, checkpoint evaluation, validation, the plan).
+Nothing else decides where work runs, and nothing but the backends acts on the mode.
 
 - in_process: the orchestrating process runs it (no cluster, one rank; or no resources: bookkeeping);
 - local_ranks: the orchestrating machine launches its ranks with torchrun (or over ssh to how.hardware.hosts);
@@ -10,7 +11,7 @@ launches and datatrove's executor ask. Nothing else decides where work runs.
 - slurm_job: a Slurm job of the step's shape runs it whole and commits it; the orchestrator submits, follows
   and reads what it committed (every step that computes, with a cluster). A kind that fans out (its work is
   datatrove stages) gets a one-CPU driver job instead, and its stages run as Slurm job arrays of the phase's
-  shape (Placement.tasks: datatrove's SlurmPipelineExecutor, tasks/data/datatrove_stages.py);
+  shape (Placement.tasks: datatrove's SlurmPipelineExecutor, tasks/steps/backends/slurm_arrays.py);
 - in_slurm_job: what the step sees inside that job: its ranks start with srun over the job's nodes.
 """
 
@@ -54,12 +55,20 @@ class Placement:
     tasks: Shape | None = None  # a fanning-out step under a cluster: what its Slurm job arrays share out, one CPU each
 
     @property
-    def computes(self) -> bool:
-        return self.shape is not None
+    def computes_here(self) -> bool:
+        """The orchestrating process computes the step (and imports what its kind needs); else a Slurm job does."""
+        return self.mode != "slurm_job"
 
     @property
-    def ranks(self) -> int:
-        return self.shape.ranks if self.shape else 0
+    def holds_devices(self) -> bool:
+        """It holds this machine's devices (GPUs, or training ranks on CPU) while it runs: such steps take turns
+        (the `gpu` tag's concurrency limit). A Slurm job's devices are Slurm's to share out, Ray's are Ray's."""
+        return self.mode in ("in_process", "local_ranks") and bool(self.shape and self.shape.devices_per_node)
+
+    @property
+    def drives_arrays(self) -> bool:
+        """Its datatrove stages run as Slurm job arrays (a fanning-out step under a cluster)."""
+        return self.tasks is not None
 
     def inside_job(self) -> Placement:
         """The placement the step itself sees once its Slurm job runs it."""
@@ -73,9 +82,19 @@ def place(kind: Placeable, config: StepConfig, how: How) -> Placement:
     """Where one step of `kind` with `config` runs under `how`."""
     if kind.resources is None:
         return HERE  # bookkeeping: it reads manifests, never a model or a corpus
-    shape = kind.resources(config, how)
+    return placed(kind.resources(config, how), how, kind.fans_out)
+
+
+def place_phase(phase: Phase, how: How, fans_out: bool = False) -> Placement:
+    """Where a step of the phase's shape runs: the plan's table, validation's machine checks, a checkpoint's
+    evaluation (the same decision as its steps')."""
+    return placed(how.shape(phase), how, fans_out)
+
+
+def placed(shape: Shape, how: How, fans_out: bool = False) -> Placement:
+    """Where a step of `shape` runs under `how`; `fans_out`: its work is datatrove stages."""
     if how.orchestration.cluster is not None:
-        if kind.fans_out:
+        if fans_out:
             return Placement("slurm_job", driver(shape), tasks=shape)
         return Placement("slurm_job", shape)
     if shape.phase == "data" and how.orchestration.task_runner == "ray":

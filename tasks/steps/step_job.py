@@ -64,13 +64,14 @@ class StepJob(BaseModel):
     spec_name: str
 
     @classmethod
-    def of(cls, run: StepRun) -> StepJob:
+    def of(cls, run: StepRun, placement: Placement) -> StepJob:
+        """The job file of `run`, for a job that sees `placement` (in_slurm_job, the step's shape)."""
         config_type = f"{type(run.config).__module__}:{type(run.config).__qualname__}"
         return cls(kind=run.kind, name=run.name, config_type=config_type, config=run.config.model_dump(mode="json"),
                    fingerprint=run.fingerprint, uri=run.uri,
                    inputs={role: JobInput(step_id=a.step_id, uri=a.uri) for role, a in run.inputs.items()},
                    workdir=run.workdir, work_key=run.work_key, how=run.runtime.how, base_dir=run.runtime.base_dir,
-                   run=run.runtime.run, placement=run.runtime.placement.inside_job(), store_root=run.store.root,
+                   run=run.runtime.run, placement=placement, store_root=run.store.root,
                    scratch_root=run.store.scratch_root, spec_hash=run.spec_hash, spec_name=run.spec_name)
 
     def step_run(self) -> StepRun:
