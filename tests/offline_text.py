@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from compass.tasks.evaluation.benchmark_items import BenchmarkItem
+from compass.tasks.data.decontamination import BenchmarkItem
 
 
 def clean_documents() -> list[str]:

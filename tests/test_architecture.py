@@ -67,9 +67,9 @@ def module_files() -> dict[str, Path]:
     return out
 
 
-def compass_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+def compass_imports(path: Path, modules: dict[str, Path], by_name: bool = True) -> set[str]:
     """The compass modules a file imports: at its top, inside functions and under TYPE_CHECKING (a type-only import
-    is coupling too), and the kind modules a registry loads by name."""
+    is coupling too), and (`by_name`) the kind modules a registry loads by name."""
     tree = ast.parse(path.read_text())
     found = set()
     for node in ast.walk(tree):
@@ -78,7 +78,7 @@ def compass_imports(path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
                       for a in node.names}
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules \
+        elif by_name and isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules \
                 and path.name == "registry.py":
             found.add(node.value)
     return found & set(modules)
@@ -119,6 +119,40 @@ def test_no_import_cycle_anywhere():
             visit(name)
     assert sum(len(edges) for edges in graph.values()) > 200  # the graph is the real one
     assert not cycles, cycles
+
+
+def test_sibling_folders_import_one_way():
+    """Inside every folder, its sub-folders form a stack: none imports a sibling that imports it back, directly or
+    through others (before: tasks/evaluation and tasks/post_training read each other's arithmetic problems and
+    package, tasks/data read evaluation's items while evaluation's kinds read data, tasks/steps ran tasks/data's
+    executors). The registry's list of kind modules by name is no import: the framework names the kinds it loads."""
+    modules = module_files()
+    folders = {name: path.parent for name, path in modules.items()}
+    edges: dict[Path, set[Path]] = {}
+    for name, path in modules.items():
+        for other in compass_imports(path, modules, by_name=False):
+            a, b = folders[name], folders[other]
+            if a == b or a.parent == b.parent == a or a in b.parents or b in a.parents:
+                continue  # one folder, or a folder and what it holds: not siblings
+            common = next(p for p in a.parents if p in b.parents or p == b.parent)
+            child_a = next(p for p in [a, *a.parents] if p.parent == common)
+            child_b = next(p for p in [b, *b.parents] if p.parent == common)
+            edges.setdefault(child_a, set()).add(child_b)
+    back = [(a, b) for a, targets in edges.items() for b in targets if _reaches(edges, b, a)]
+    assert sum(len(t) for t in edges.values()) > 10  # the graph is the real one
+    assert not back, "\n".join(f"{a.relative_to(REPO)} -> {b.relative_to(REPO)} -> ... -> back" for a, b in back)
+
+
+def _reaches(edges: dict[Path, set[Path]], start: Path, goal: Path) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo += edges.get(node, ())
+    return False
 
 
 def test_helpers_never_import_a_step_kind():

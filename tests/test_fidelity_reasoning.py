@@ -52,7 +52,7 @@ def test_each_mode_continues_from_its_generation_prompt_and_trains_only_the_answ
 
 
 def test_worked_steps_compute_what_the_verifier_checks():
-    from compass.tasks.post_training.datasets import arithmetic_reward
+    from compass.tasks.common.arithmetic import arithmetic_reward
     from compass.tasks.post_training.reasoning import reasoning_conversations, worked_steps
 
     assert worked_steps("12 + 7 * 2") == (["7 * 2 = 14", "12 + 14 = 26"], "26")

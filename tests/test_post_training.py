@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from compass.tasks.post_training.datasets import (
+from compass.tasks.common.arithmetic import (
     arithmetic_reward,
     evaluate_expression,
     exact_answer_reward,

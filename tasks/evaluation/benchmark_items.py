@@ -7,18 +7,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from compass.specs.evaluation import Benchmark
+from compass.tasks.data.decontamination import BenchmarkItem
 from compass.tasks.evaluation.lighteval_benchmarks import local_configs, locate
 from compass.tasks.evaluation.offline_benchmarks import prepare
-
-
-@dataclass(frozen=True)
-class BenchmarkItem:
-    benchmark: str  # the benchmark's metric prefix: arc_easy:cf, lighteval:winogrande
-    query: str
-    golds: tuple[str, ...]
 
 
 def items_of(benchmark: Benchmark) -> Iterator[BenchmarkItem]:

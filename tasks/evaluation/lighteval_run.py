@@ -14,7 +14,7 @@ from typing import Any
 from compass.infra.lighteval_compat import grad_mode_kept, install
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How
-from compass.tasks.common.devices import Device, hf_attention
+from compass.tasks.common.devices import Device, hf_attention, require_vllm
 from compass.tasks.evaluation.lighteval_benchmarks import LOCAL_PREFIX, locate
 from compass.tasks.evaluation.offline_benchmarks import prepare
 from compass.tasks.evaluation.scores import BenchmarkScores, ItemScore, item_score
@@ -128,7 +128,6 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
 
 def _vllm_config(model_dir: Path, where: Device, how: How) -> Any:
     """lighteval's vLLM model on the step's GPUs (how.generation: vllm; validation refuses it on CPU specs)."""
-    from compass.tasks.post_training.trl_ranks import require_vllm
 
     require_vllm("evaluate")
     from lighteval.models.vllm.vllm_model import VLLMModelConfig

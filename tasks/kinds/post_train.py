@@ -27,6 +27,7 @@ from compass.specs.post_training import Distillation, Grpo, MidTraining, Prefere
 from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
+from compass.tasks.common.arithmetic import fenced, training_arithmetic
 from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by
 from compass.tasks.common.tracking import tracker_run_of
@@ -40,8 +41,6 @@ from compass.tasks.post_training.datasets import (
     chat_examples,
     dataset_problem,
     dataset_root,
-    fenced,
-    training_arithmetic,
 )
 from compass.tasks.post_training.drawn import DISTILL_SEED, MAX_CHARS_PER_TOKEN, PAIRS_SEED, SFT_SEED
 from compass.tasks.post_training.reasoning import (

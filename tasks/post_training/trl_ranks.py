@@ -20,10 +20,10 @@ from compass.infra.exits import broken_collective
 from compass.infra.layout import WorkFolder
 from compass.model.training.goodput import process_start
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
-from compass.tasks.common.devices import Device, hf_attention
+from compass.tasks.common.arithmetic import arithmetic_reward, exact_answer_reward, length_penalty
+from compass.tasks.common.devices import Device, hf_attention, require_vllm
 from compass.tasks.post_training.adapters import with_adapters
 from compass.tasks.post_training.chat import load_chat_model
-from compass.tasks.post_training.datasets import arithmetic_reward, exact_answer_reward, length_penalty
 from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
 from compass.tasks.post_training.trl_checkpoints import CompleteCheckpoints, newest_complete
 from compass.tasks.post_training.trl_goodput import TrlGoodput
@@ -201,14 +201,6 @@ def reward_functions(verifier: str, tokenizer: Any, per_token: float, target: in
 
 def _text(completion: Any) -> str:
     return completion[0]["content"] if isinstance(completion, list) else str(completion)
-
-
-def require_vllm(step: str) -> None:
-    """vLLM is optional (GPU nodes only): its absence is named, with the fix, before any work."""
-
-    if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError(f"{step}: how.generation is vllm and the vllm package is not installed on this node "
-                           "(pip install vllm in the environment the steps run in, or use generation: transformers)")
 
 
 def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:

@@ -42,7 +42,7 @@ _IN_PROCESS = threading.Lock()
 # What a local stage's pool workers import to run the data steps' pipelines, imported once by the forkserver that
 # forks them: every worker of every later stage starts with them loaded (each paid ~0.5 s of imports per stage).
 # Light on purpose: no torch, no transformers.
-WORKER_MODULES = ("compass.infra.forkserver_preload", "compass.tasks.data.executors",
+WORKER_MODULES = ("compass.infra.forkserver_preload", "compass.tasks.steps.backends.executors",
                   "compass.tasks.data.curate_blocks", "compass.tasks.data.source_reader",
                   "compass.tasks.data.token_shards", "compass.tasks.data.fence_blocks",
                   "compass.tasks.data.written_files", "compass.model.training.token_files",
@@ -106,7 +106,7 @@ class TiedExecutor:
 def local_pool(stage: Stage, shape: Shape | None, how: How) -> StageExecutor:
     """A stage on this machine's CPUs (the phase's, or how.orchestration.workers), in this process when its work
     is under how.orchestration.in_process_below_mib."""
-    from compass.tasks.data.executors import LocalExecutor
+    from compass.tasks.steps.backends.executors import LocalExecutor
 
     orch = how.orchestration
     multiprocess.set_forkserver_preload(list(WORKER_MODULES))  # forkserver_preload: workers die with the run

@@ -44,7 +44,7 @@ class ArrayStage:
 
 
 def _array_executor(stage: Stage, shape: Shape, cluster: SlurmCluster):
-    from compass.tasks.data.executors import ArrayExecutor, JobIds
+    from compass.tasks.steps.backends.executors import ArrayExecutor, JobIds
 
     memory_per_cpu = DEFAULT_MEMORY_PER_CPU_GB
     if shape.memory_gb and shape.cpus_per_node:
