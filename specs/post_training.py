@@ -171,6 +171,6 @@ def checkpoint_refs(post_training: list[PostTrainStep]) -> list[str]:
         pairs = getattr(step, "pairs", None)
         if pairs is not None and pairs.kind == "strong_vs_weak":
             refs += [pairs.strong, pairs.weak]
-        if step.method == "distill":
+        if isinstance(step, Distillation):
             refs.append(step.teacher)
     return refs
