@@ -314,8 +314,8 @@ def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
                 yield Issue((*at, "method"),
                             "mid-training continues the pretraining state, so it comes before SFT, preference "
                             "optimisation and RL", "move it to the top of post_training")
-        if not isinstance(step, MidTraining):  # a field of another method of the family (DPO's loss_type)
-            for name, readers in family_reads(type(step)).items():
+        if not isinstance(step, MidTraining):  # a field of another method of the family (DPO's loss_type, SimPO's
+            for name, readers in family_reads(type(step)).items():  # simpo_gamma)
                 yield from unused(step, name, at, step.method in readers,
                                   f"only {' and '.join(readers)} reads it, not {step.method}")
         if step.method == "grpo" and bool(step.length_penalty) != (step.target_length is not None):

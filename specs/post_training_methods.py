@@ -5,7 +5,7 @@ A method is a value of a section's `method` literal (specs/post_training.py) and
 facts only: TRL's classes are named as `module:Class` (specs imports no library), and the callables that build a
 method's rows and its trainer live in tasks/, keyed by the record's `section` (one builder per section model:
 tasks/kinds/post_train.py `CONFIGS` and `ROWS`, tasks/post_training/trl_ranks.py `TRAINERS`). A method inside an
-existing family (one more preference method) is its literal value and its record, nothing else; the
+existing family (SimPO among the preference methods) is its literal value and its record, nothing else; the
 trainer builder reads `trl_config`, `trl_trainer`, `reads`, `fixed`, `reference_model` and `splits_pairs` from
 here, so the frozen models the planner counts are the ones the builder hands TRL (tests/test_post_training_methods.py
 compares both with what each TRL trainer holds)."""
@@ -65,6 +65,10 @@ METHODS: Mapping[str, PostTrainingMethod] = MappingProxyType({m.name: m for m in
                        trl_trainer="trl.experimental.orpo:ORPOTrainer", fused_loss=False, **_PAIRS),
     PostTrainingMethod("kto", label="TRL KTO", trl_config="trl:KTOConfig", trl_trainer="trl:KTOTrainer",
                        splits_pairs=True, reference_model=True, **_PAIRS),
+    # SimPO: CPO's trainer with the SimPO loss and no behaviour-cloning term (TRL's recipe), reference-free
+    PostTrainingMethod("simpo", label="TRL SimPO (CPOTrainer)", trl_config="trl.experimental.cpo:CPOConfig",
+                       trl_trainer="trl.experimental.cpo:CPOTrainer", reads=("simpo_gamma",),
+                       fixed=MappingProxyType({"loss_type": "simpo", "cpo_alpha": 0.0}), fused_loss=False, **_PAIRS),
     # GRPO's reference model exists only with TRL's beta > 0; compass leaves it at TRL's 0.0
     PostTrainingMethod("grpo", Grpo, "TRL GRPO", "trl:GRPOConfig", "trl:GRPOTrainer"),
     PostTrainingMethod("distill", Distillation, "TRL GKD", "trl.experimental.gkd:GKDConfig",
@@ -83,7 +87,7 @@ def method_of(step: Sft | Preference | Grpo | Distillation) -> PostTrainingMetho
 
 def family_reads(section: type) -> dict[str, tuple[str, ...]]:
     """Each field of a section model that only some of its methods read, and the methods that read it (DPO's
-    loss_type)."""
+    loss_type, SimPO's simpo_gamma)."""
     readers: dict[str, tuple[str, ...]] = {}
     for method in METHODS.values():
         if issubclass(section, method.section):

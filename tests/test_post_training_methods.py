@@ -1,10 +1,12 @@
 """Every post-training method is one record (specs/post_training_methods.py) that the planner, the checks, the
-kind, the TRL ranks and the smoke report read: each method of the spec's literals has its record and builders, and
-the frozen models the plan counts beside the trained one are those the TRL trainer compass builds holds (ORPO none,
-DPO and KTO their reference, GKD its teacher)."""
+kind, the TRL ranks and the smoke report read: each method of the spec's literals has its record and builders, the
+frozen models the plan counts beside the trained one are those the TRL trainer compass builds holds (ORPO and SimPO
+none, DPO and KTO their reference, GKD its teacher), and SimPO, added as a literal value and a record, trains
+through the pipeline."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, get_args
@@ -12,6 +14,7 @@ from typing import Any, get_args
 import pytest
 
 from compass.flows.compiler import compile_spec
+from compass.flows.reports.smoke import exercised
 from compass.specs import load_spec
 from compass.specs.costs import count_parameters, library_step_memory, planning_vocab
 from compass.specs.how import How
@@ -24,7 +27,7 @@ from compass.tasks.post_training.chat import load_chat_model
 from compass.tasks.post_training.trl_goodput import TrlGoodput
 from compass.tasks.post_training.trl_job import TrlJob, TrlSection
 from compass.tasks.post_training.trl_ranks import TRAINERS, build_trainer
-from tests.conftest import write_minimal_spec
+from tests.conftest import TRL_CHECKPOINTS, seeded, write_minimal_spec
 
 FAMILIES = [m for m in get_args(get_args(PostTrainStep)[0]) if m is not MidTraining]  # TRL's section models
 DATASET = "pypi://evals==3.0.1.post1"
@@ -39,6 +42,7 @@ def test_every_method_of_the_spec_has_one_record_and_a_builder_of_each_kind():
     assert list(get_args(get_args(TrlSection)[0])) == FAMILIES  # what a rank job's section may be
     literals = {name: family for family in FAMILIES for name in get_args(family.model_fields["method"].annotation)}
     assert set(literals) == set(METHODS)
+    assert "simpo" in literals and literals["simpo"] is Preference
     for name, method in METHODS.items():
         assert method.name == name and literals[name] is method.section
         assert issubclass(CONFIGS[method.section], method.section)
@@ -51,7 +55,7 @@ def test_a_method_without_a_record_is_refused_never_trained_as_another():
     """The preference builder once ended in `else: KTO`: a new preference method without its trainer trained KTO."""
     section = Preference.model_construct(method="cpo", name="x", dataset="x", lr=1e-4)
     job = TrlJob.model_construct(step="post_train:x", section=section)
-    with pytest.raises(ValueError, match=r"'cpo' has no record .*known: sft, dpo, orpo, kto"):
+    with pytest.raises(ValueError, match=r"'cpo' has no record .*known: sft, dpo, orpo, kto, simpo"):
         build_trainer(job, None, None, [], None)
 
 
@@ -141,11 +145,102 @@ def test_the_frozen_models_planned_are_those_the_trl_trainer_holds(every_method,
     assert held == sorted(["ref_model"] * method.frozen_models(lora) + ["teacher_model"] * method.teacher)
 
 
-def test_orpo_plans_no_reference_model_dpo_and_kto_one(every_method):
+def test_orpo_and_simpo_plan_no_reference_model_dpo_and_kto_one(every_method):
     """ORPO was planned with DPO's reference copy it never holds: one model's fp32 weights per GPU too many."""
     spec, _ = every_method
     n = count_parameters(spec.what.architecture, planning_vocab(spec)).total
     weights = {m.step.removeprefix("post_train:"): m.weights for m in library_step_memory(spec)}
-    assert weights["orpo"] == weights["sft"] == 16 * n
+    assert weights["orpo"] == weights["simpo"] == weights["sft"] == 16 * n
     assert weights["dpo"] == weights["kto"] == weights["orpo"] + 4 * n
     assert weights["dpo_lora"] == weights["orpo_lora"] == 4 * n  # TRL disables the adapter for DPO's reference
+
+
+def test_simpo_is_trls_cpo_trainer_with_the_simpo_loss(tiny_model: Path, tmp_path: Path):
+    """SimPO: CPOTrainer with loss_type simpo and no behaviour-cloning term; the spec's beta and simpo_gamma reach
+    it, and without simpo_gamma TRL's default margin stands."""
+    section = Preference(method="simpo", name="simpo", dataset="x", lr=1e-4, batch_size=2, max_length=64, beta=2.0,
+                         simpo_gamma=0.7)
+    trainer = built_trainer(section, tiny_model, tmp_path / "gamma")
+    assert (trainer.loss_type, trainer.cpo_alpha, trainer.beta, trainer.simpo_gamma) == ("simpo", 0.0, 2.0, 0.7)
+    default = built_trainer(section.model_copy(update={"simpo_gamma": None}), tiny_model, tmp_path / "default")
+    assert default.simpo_gamma == 0.5
+
+
+def test_simpo_gamma_stays_out_of_other_steps_identity_and_the_report_says_the_trainer(every_method):
+    """A field added for SimPO leaves every other step's identity as it was (None is left out); the smoke report
+    names each method's TRL trainer from its record."""
+    spec, plan = every_method
+    for method in ("dpo", "orpo", "kto", "simpo"):
+        assert "simpo_gamma" not in plan.step(f"post_train:{method}").config.identity()
+    gamma = plan.step("post_train:simpo").config.model_copy(update={"simpo_gamma": 1.0})
+    assert gamma.identity()["simpo_gamma"] == 1.0
+    said = {m: exercised(plan.step(f"post_train:{m}"), spec) for m in ("dpo", "orpo", "kto", "simpo", "distill")}
+    assert said == {"dpo": "TRL DPO (sigmoid)", "orpo": "TRL ORPO", "kto": "TRL KTO",
+                    "simpo": "TRL SimPO (CPOTrainer)", "distill": "TRL GKD"}
+
+
+def test_a_field_of_another_preference_method_is_refused_where_it_stands(tmp_path: Path):
+    from compass.specs.loader import SpecError
+
+    steps = ("  post_training:\n"
+             f"    - {{method: dpo, name: dpo, dataset: '{DATASET}', lr: 1.0e-4, simpo_gamma: 0.5}}\n"
+             f"    - {{method: simpo, name: simpo, dataset: '{DATASET}', lr: 1.0e-4, loss_type: ipo}}\n"
+             f"    - {{method: orpo, name: orpo, dataset: '{DATASET}', lr: 1.0e-4, loss_type: ipo}}\n"
+             "  pretraining:")
+    spec = write_minimal_spec(tmp_path, **{"  pretraining:": steps})
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    said = sorted(str(p).removeprefix(f"{spec}:") for p in info.value.problems)
+    assert said == [
+        "45: what.post_training[0].simpo_gamma: simpo_gamma has no effect here: only simpo reads it, not dpo "
+        "(remove simpo_gamma)",
+        "46: what.post_training[1].loss_type: loss_type has no effect here: only dpo reads it, not simpo "
+        "(remove loss_type)",
+        "47: what.post_training[2].loss_type: loss_type has no effect here: only dpo reads it, not orpo "
+        "(remove loss_type)"]
+
+
+PAIRS = [{"prompt": f"What is {a} + {a}?", "chosen": str(2 * a), "rejected": f"the cat {a}"} for a in range(16)]
+SIMPO = ("  post_training:\n"  # a short SFT first: the chat model whose margins SimPO moves
+         f"    - {{method: sft, name: sft, dataset: '{DATASET}', lr: 1.0e-3, max_samples: 8, max_length: 128,\n"
+         "       batch_size: 4}\n"
+         "    - {method: simpo, name: simpo, dataset: prefs, lr: 1.0e-3, beta: 2.0, simpo_gamma: 0.5, batch_size: 4,\n"
+         "       max_length: 64}\n"
+         "  pretraining:")
+
+
+@pytest.mark.slow
+def test_simpo_trains_through_the_pipeline_without_a_reference_model(trl_trained_store: Path, tmp_path: Path):
+    """A spec with `method: simpo` compiles, plans no reference model, and its post_train step trains on the
+    dataset's pairs from the pretrained model (the session's), raising the chosen answers over the rejected ones,
+    and commits its artifact."""
+    from compass.flows.reports.plan_status import plan_status
+    from compass.infra.store import Store
+    from tests.conftest import run_up_to
+    from tests.test_post_training import preference_margin
+
+    (tmp_path / "prefs").mkdir()
+    (tmp_path / "prefs" / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    spec_path = write_minimal_spec(tmp_path, **{"  pretraining:": SIMPO, "how:\n": TRL_CHECKPOINTS})
+    spec = load_spec(spec_path).spec
+    n = count_parameters(spec.what.architecture, planning_vocab(spec)).total
+    (row,) = [m for m in library_step_memory(spec) if m.step == "post_train:simpo"]
+    assert (row.weights, row.micro_batch) == (16 * n, 4)  # no reference model beside the trained weights
+
+    store = seeded(tmp_path / "store", trl_trained_store)
+    plan, outcomes = run_up_to(spec_path, "post_train:simpo", store)
+    assert not any(o.executed for sid, o in outcomes.items() if sid.startswith("pretrain:"))  # the session's
+    simpo = outcomes["post_train:simpo"]
+    metrics = simpo.manifest.metrics
+    assert simpo.executed and metrics["method"] == "simpo" and metrics["pairs"] == 16
+    assert metrics["steps"] == 4 and metrics["final_loss"] is not None
+    assert simpo.manifest.config["simpo_gamma"] == 0.5 and simpo.manifest.config["beta"] == 2.0
+    statuses = {s.step_id: s.state for s in plan_status(plan, Store(str(store)))}
+    assert statuses["post_train:simpo"] == "cached"  # committed: the plan finds it in the store
+
+    pairs = [json.loads(line) for line in (Path(simpo.uri) / "pairs.jsonl").read_text().splitlines()]
+    previous = {i.role: i.uri for i in simpo.manifest.inputs}["previous"]
+    assert previous == outcomes["post_train:sft"].uri
+    before = preference_margin(Path(previous) / "final", pairs)
+    after = preference_margin(Path(simpo.uri) / "final", pairs)
+    assert after > before, (before, after)

@@ -1,5 +1,5 @@
 """Post-training steps with TRL: SFT (assistant-only loss), preference optimisation (DPO and its loss types,
-ORPO, KTO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD),
+ORPO, KTO, SimPO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD),
 each method as its record says (specs/post_training_methods.py);
 mid-training (continued pretraining on a curated source) is its own kind on compass's trainer
 (tasks/kinds/mid_training.py).
@@ -76,7 +76,7 @@ class SftConfig(Sft, PostTrainConfig):
 
 
 class PreferenceConfig(Preference, PostTrainConfig):
-    pass
+    omit_when_none = PostTrainConfig.omit_when_none | {"simpo_gamma"}  # SimPO's, unset: other methods' identities
 
 
 class GrpoConfig(Grpo, PostTrainConfig):
