@@ -21,7 +21,8 @@ from compass.specs.architecture import Architecture, architecture_rules
 from compass.specs.base import Issue, Loc, repeats, unused
 from compass.specs.data import data_rules
 from compass.specs.how import PHASES, Phase, how_rules
-from compass.specs.post_training import PostTrainStep, checkpoint_refs
+from compass.specs.post_training import MidTraining, PostTrainStep, checkpoint_refs
+from compass.specs.post_training_methods import family_reads
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.specs.training import pretraining_rules
@@ -313,8 +314,10 @@ def _post_training(spec: TrainingSpec) -> Iterator[Issue]:
                 yield Issue((*at, "method"),
                             "mid-training continues the pretraining state, so it comes before SFT, preference "
                             "optimisation and RL", "move it to the top of post_training")
-        if step.method in ("orpo", "kto"):
-            yield from unused(step, "loss_type", at, False, f"{step.method} has its own loss; loss_type is DPO's")
+        if not isinstance(step, MidTraining):  # a field of another method of the family (DPO's loss_type, SimPO's
+            for name, readers in family_reads(type(step)).items():  # simpo_gamma)
+                yield from unused(step, name, at, step.method in readers,
+                                  f"only {' and '.join(readers)} reads it, not {step.method}")
         if step.method == "grpo" and bool(step.length_penalty) != (step.target_length is not None):
             yield Issue((*at, "length_penalty" if step.length_penalty else "target_length"),
                         "length_penalty and target_length work together: the penalty is per token beyond the target",

@@ -22,6 +22,8 @@ import psutil
 
 from compass.specs.architecture import Architecture
 from compass.specs.how import MEMORY_GIB, How, Phase
+from compass.specs.post_training import Distillation, Grpo, MidTraining
+from compass.specs.post_training_methods import method_of
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 
@@ -116,7 +118,7 @@ def stage_costs(spec: TrainingSpec) -> list[StageCost]:
     stages += [("long_context", s.name, s.tokens, s.sequence_length) for s in spec.what.long_context.stages]
     context = reached_context(spec)
     stages += [("mid_training", s.name, s.tokens, context) for s in spec.what.post_training
-               if s.method == "mid_training"]  # the pretraining engine, at the context reached
+               if isinstance(s, MidTraining)]  # the pretraining engine, at the context reached
     out = []
     for section, name, tokens, seq in stages:
         flops = flops_per_token(arch, vocab, seq) * tokens
@@ -217,7 +219,7 @@ def training_memory(spec: TrainingSpec) -> list[tuple[tuple[str | int, ...], int
     context = reached_context(spec)
     out += [(("what", "post_training", i, "method"), context,
              memory_per_gpu(spec, par.sharding_stage, context, phase="mid_training"))
-            for i, s in enumerate(spec.what.post_training) if s.method == "mid_training"]
+            for i, s in enumerate(spec.what.post_training) if isinstance(s, MidTraining)]
     return out
 
 
@@ -240,9 +242,6 @@ class LibraryStepMemory:
         return self.weights + self.activations + self.logits
 
 
-PAIRED = ("dpo", "orpo", "kto")  # each row is a chosen and a rejected sequence
-
-
 ANSWER_BATCH = 16  # prompts a pair answerer generates for at once (tasks/post_training/chat.generate)
 
 
@@ -259,9 +258,9 @@ def named_parameters(spec: TrainingSpec, ref: str, default: int) -> int:
 def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
     """Each TRL step's memory per GPU (its share of the global batch at `max_length`; fp32 master weights, gradients
     and AdamW moments for full fine-tuning, sharded by the spec's ZeRO stage over the step's ranks, frozen weights
-    for LoRA, DPO's reference copy, GKD's teacher, full-
-    vocabulary logits in fp32) and, with long-context stages, passkey's (weights, the KV cache at the longest
-    length and one layer's activations at a time: no logits beyond the answer)."""
+    for LoRA, the frozen models its method's trainer holds beside them (a reference model, GKD's teacher), full-
+    vocabulary logits in fp32: specs/post_training_methods.py) and, with long-context stages, passkey's (weights,
+    the KV cache at the longest length and one layer's activations at a time: no logits beyond the answer)."""
     arch, how = spec.what.architecture, spec.how
     vocab = planning_vocab(spec)
     n = count_parameters(arch, vocab).total
@@ -271,14 +270,15 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
     ranks = how.shape("post_training").ranks
     out = []
     for post in spec.what.post_training:
-        if post.method == "mid_training":
+        if isinstance(post, MidTraining):
             continue
+        method = method_of(post)
         batch = post.batch_size
-        if post.method == "grpo":
+        if isinstance(post, Grpo):
             batch = max(post.num_generations, batch // post.num_generations * post.num_generations)
         per_rank = max(1, batch // ranks)
-        micro = min(getattr(post, "micro_batch_size", None) or per_rank, per_rank)
-        rows = micro * (2 if post.method in PAIRED else 1)
+        micro = min(post.micro_batch_size or per_rank, per_rank)
+        rows = micro * method.sequences_per_row
         lora = post.peft is not None
         zero = how.parallelism.zero_stage if how.parallelism.deepspeed and ranks > 1 else 0
         if lora:
@@ -287,17 +287,16 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
             weights = n * (4 / (ranks if zero >= 3 else 1) + 4 / (ranks if zero >= 2 else 1) +
                            8 / (ranks if zero >= 1 else 1))
         frozen = 4 / (ranks if zero >= 3 else 1)  # TRL shards a frozen model beside the trained one at ZeRO-3 too
-        if post.method in PAIRED and not lora:
-            weights += n * frozen  # the reference model
-        if post.method == "distill":
+        weights += method.frozen_models(lora) * n * frozen  # the reference model
+        if method.teacher and isinstance(post, Distillation):
             weights += named_parameters(spec, post.teacher, n) * frozen  # the teacher: a checkpoint of this run is
             # at most the student's size; one of what.models is counted from its config
         seq = post.max_length
         per_layer = 34 * seq * rows * d * act_bytes / 2
         acts = (2 * L * seq * rows * d * act_bytes + per_layer) if how.parallelism.activation_checkpointing \
             else L * per_layer
-        logits = (fused_logits(rows * seq, vocab, d) if how.loss == "liger" and post.method != "distill" else
-                  rows * seq * vocab * 4 * (2 if post.method == "distill" else 1))
+        logits = (fused_logits(rows * seq, vocab, d) if how.loss == "liger" and method.fused_loss else
+                  rows * seq * vocab * 4 * method.logits_copies)
         out.append(LibraryStepMemory(f"post_train:{post.name}", ranks, batch, per_rank, micro, seq, weights, acts,
                                      logits))
         pairs = getattr(post, "pairs", None)

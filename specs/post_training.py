@@ -117,15 +117,23 @@ class PairsFromVerifier(SpecModel):
 
 
 class Preference(_TrlStep):
-    """Preference optimisation with TRL: DPO and its loss variants (APO-zero/down, IPO, ...), ORPO, KTO."""
+    """Preference optimisation with TRL: DPO and its loss variants (APO-zero/down, IPO, ...), ORPO, KTO, SimPO."""
 
-    method: Literal["dpo", "orpo", "kto"] = Field(
-        description="TRL's trainer of that name (KTO takes each pair as one desirable and one undesirable answer).")
+    method: Literal["dpo", "orpo", "kto", "simpo"] = Field(
+        description="dpo, orpo, kto: TRL's trainer of that name (KTO takes each pair as one desirable and one "
+                    "undesirable answer); simpo: TRL's CPOTrainer with the SimPO loss and no behaviour-cloning term "
+                    "(length-normalised). DPO and KTO train beside a frozen reference copy of the model, ORPO and "
+                    "SimPO without one.")
     loss_type: PreferenceLoss = Field(default="sigmoid", description="DPO only: TRL's loss_type (sigmoid is the "
                                                                      "original DPO loss).")
     beta: PositiveFloat = Field(
         default=0.1, description="TRL's beta: for DPO and KTO, how strongly the model is held near the reference "
-                                 "(higher = closer); for ORPO, the weight of the odds-ratio loss.")
+                                 "(higher = closer); for ORPO, the weight of the odds-ratio loss; for SimPO, the "
+                                 "scale of the length-normalised reward margin (the SimPO paper uses about 2 to "
+                                 "2.5; the default 0.1 is DPO's and gives SimPO a weak signal).")
+    simpo_gamma: PositiveFloat | None = Field(
+        default=None, description="SimPO only: the target reward margin (TRL's simpo_gamma; the paper uses about 0.5 "
+                                  "to 1.5); None: TRL's default, 0.5.")
     pairs: Annotated[PairsFromCheckpoints | PairsFromVerifier, Field(discriminator="kind")] | None = Field(
         default=None, description="Where the pairs come from (None: the dataset's JSONL lines with prompt, chosen "
                                   "and rejected).")
@@ -171,6 +179,6 @@ def checkpoint_refs(post_training: list[PostTrainStep]) -> list[str]:
         pairs = getattr(step, "pairs", None)
         if pairs is not None and pairs.kind == "strong_vs_weak":
             refs += [pairs.strong, pairs.weak]
-        if step.method == "distill":
+        if isinstance(step, Distillation):
             refs.append(step.teacher)
     return refs

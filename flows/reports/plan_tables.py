@@ -15,6 +15,7 @@ from compass.specs import costs, scaling
 from compass.specs.checks import phases_of
 from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
 from compass.specs.how import CONTENT_BYTE_COST
+from compass.specs.post_training_methods import with_reference_model
 from compass.specs.scaling import step_shapes
 from compass.specs.spec import TrainingSpec
 from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
@@ -166,7 +167,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                                  "activations", "logits", "total", f"fits {gib(device)}"], rows,
                                 ["TRL: batch_size is the global batch, split evenly over how.resources.post_training, "
                                  "each share in micro_batch_size passes that accumulate; fp32 master weights, grads "
-                                 "and AdamW moments (LoRA: frozen weights); DPO's reference and GKD's teacher beside "
+                                 "and AdamW moments (LoRA: frozen weights); the reference model of "
+                                 f"{' and '.join(with_reference_model())} (not under LoRA) and GKD's teacher beside "
                                  "them",
                                  "passkey: the KV cache at the longest context and one layer at a time, no "
                                  "full-vocabulary logits"]))

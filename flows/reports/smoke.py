@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from compass.flows.compiler import Plan
 from compass.specs.how import Phase
+from compass.specs.post_training_methods import method_of
 from compass.specs.smoke import Shrink, Size
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps.backends import launcher_for
@@ -60,9 +61,8 @@ def exercised(step: Step, spec: TrainingSpec, rehearsal: bool = False) -> str:
             ["z-loss"] if arch.z_loss else [])
         return f"{core}; {', '.join(features)}"
     if step.kind == "post_train":
-        method = getattr(config, "method", "")
-        detail = {"dpo": f"TRL DPO ({getattr(config, 'loss_type', '')})", "mid_training": f"mid-training, {core}"}
-        return detail.get(method, f"TRL {method}")
+        method = method_of(config)
+        return method.label + (f" ({config.loss_type})" if "loss_type" in method.reads else "")
     if step.kind == "evaluate":
         return "lighteval: " + ", ".join(t.key for t in config.suite.benchmarks) + (
             ", perplexity" if config.suite.perplexity_sources else "") + (", passkey" if config.retrieval else "")

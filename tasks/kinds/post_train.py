@@ -1,5 +1,6 @@
 """Post-training steps with TRL: SFT (assistant-only loss), preference optimisation (DPO and its loss types,
-ORPO, KTO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD);
+ORPO, KTO, SimPO) on pairs the pipeline builds, RL with verifiable rewards (GRPO) and on-policy distillation (GKD),
+each method as its record says (specs/post_training_methods.py);
 mid-training (continued pretraining on a curated source) is its own kind on compass's trainer
 (tasks/kinds/mid_training.py).
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from compass.model.training.job import Telemetry
 from compass.model.training.records import MetricsRow, goodput_table, read_metrics, write_metrics
 from compass.specs.base import Issue
 from compass.specs.post_training import Distillation, Grpo, MidTraining, Preference, Sft
+from compass.specs.post_training_methods import method_of
 from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
@@ -73,7 +75,7 @@ class SftConfig(Sft, PostTrainConfig):
 
 
 class PreferenceConfig(Preference, PostTrainConfig):
-    pass
+    omit_when_none = PostTrainConfig.omit_when_none | {"simpo_gamma"}  # SimPO's, unset: other methods' identities
 
 
 class GrpoConfig(Grpo, PostTrainConfig):
@@ -85,8 +87,8 @@ class DistillConfig(Distillation, PostTrainConfig):
 
 
 TrlConfig = SftConfig | PreferenceConfig | GrpoConfig | DistillConfig
-CONFIGS: dict[str, type[PostTrainConfig]] = {"sft": SftConfig, "dpo": PreferenceConfig, "orpo": PreferenceConfig,
-                                              "kto": PreferenceConfig, "grpo": GrpoConfig, "distill": DistillConfig}
+CONFIGS: dict[type, type[PostTrainConfig]] = {Sft: SftConfig, Preference: PreferenceConfig, Grpo: GrpoConfig,
+                                              Distillation: DistillConfig}  # by the section model of a method's record
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def build(plan: PlanBuilder) -> None:
         previous = plan.newest_model()
         if previous is None:
             raise ValueError(f"post-training {post.name} has no model to continue")
-        config = CONFIGS[post.method](**dict(post), **common)
+        config = CONFIGS[method_of(post).section](**dict(post), **common)
         at = ("what", "post_training", i)
         refs = []
         if isinstance(post, Preference) and post.pairs and post.pairs.kind == "strong_vs_weak":
@@ -328,8 +330,8 @@ def keep_layers(model, keep: int) -> list[int]:
     return kept
 
 
-ROWS = {"sft": sft_rows, "dpo": preference_rows, "orpo": preference_rows, "kto": preference_rows,
-        "grpo": grpo_rows, "distill": distill_rows}
+ROWS: dict[type, Callable[..., tuple[list[dict[str, Any]], dict[str, Any]]]] = {
+    Sft: sft_rows, Preference: preference_rows, Grpo: grpo_rows, Distillation: distill_rows}  # by section model
 
 
 def _required(artifact: InputArtifact | None, role: str, ctx: StepContext) -> InputArtifact:
@@ -375,18 +377,18 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
 
     started = time.time()  # one rank trains in this process: its attempt starts with the step
     cfg = ctx.config
-    method = cfg.method
+    method, record = cfg.method, method_of(cfg)
     given = ctx.given(PostTrainInputs)
     previous = ModelArtifact(given.previous.local())
     out = ModelArtifact(ctx.out)
     work = WorkFolder(ctx.workdir)
     work.root.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_chat_model(previous.final)
-    rows, facts = ROWS[method](ctx, model, tokenizer)
+    rows, facts = ROWS[record.section](ctx, model, tokenizer)
     if given.fence is not None:  # `remove`: what matches a benchmark evaluated is left out, and said
-        rows, facts["decontaminated"] = _fenced_rows(given.fence, rows, problems=method == "grpo")
+        rows, facts["decontaminated"] = _fenced_rows(given.fence, rows, problems=isinstance(cfg, Grpo))
     if not rows:  # TRL would stop at its first batch with a bare StopIteration, and the step be retried
-        shapes = PAIR_SHAPES if method in ("dpo", "orpo", "kto") else CONVERSATION_SHAPES
+        shapes = PAIR_SHAPES if record.paired else CONVERSATION_SHAPES
         raise DataError(f"post_training {ctx.name}: {cfg.dataset} gives no example to train on: its JSONL lines "
                         f"are read in the shapes {shapes}")
     where = device_for(ctx.runtime.how)
@@ -428,7 +430,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
                    for i, h in enumerate(logs)]
     write_metrics(out.metrics, read_metrics(previous.metrics) + metric_rows)
     vibe = _vibe_check(ctx, exported, tokenizer)
-    if method == "grpo":
+    if isinstance(cfg, Grpo):
         facts |= _reward_facts([h["reward"] for h in result.log_history if "reward" in h], ctx)
     metrics = {"method": method, "steps": result.global_step, "first_loss": logs[0]["loss"] if logs else None,
                "final_loss": logs[-1]["loss"] if logs else None,

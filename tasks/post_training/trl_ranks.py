@@ -1,15 +1,18 @@
-"""Every rank of a TRL step: the start model, the step's rows, the TRL trainer of its method, checkpoints at the
-spec's cadence and resume from the newest complete one. One rank runs `train` in the step's process; several are
+"""Every rank of a TRL step: the start model, the step's rows, the TRL trainer of its method (its record in
+specs/post_training_methods.py names TRL's classes), checkpoints at the spec's cadence and resume from the newest
+complete one. One rank runs `train` in the step's process; several are
 started with `python -m compass.tasks.post_training.trl_ranks JOB` under torchrun or srun, and accelerate (inside
 the Trainer) joins them in one data-parallel group: gloo on CPU, NCCL on GPUs."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from compass.infra.exits import broken_collective
 from compass.infra.layout import WorkFolder
 from compass.model.training.goodput import process_start
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
+from compass.specs.post_training_methods import PostTrainingMethod, method_of
 from compass.tasks.common.arithmetic import arithmetic_reward, exact_answer_reward, length_penalty
 from compass.tasks.common.devices import Device, hf_attention, require_vllm
 from compass.tasks.post_training.adapters import with_adapters
@@ -123,15 +127,27 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def trl_classes(method: PostTrainingMethod) -> tuple[type, type]:
+    """TRL's config and trainer classes a method's record names (`module:Class`)."""
+    if method.trl_trainer.startswith("trl.experimental"):
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns on importing its experimental trainers
+    return _imported(method.trl_config), _imported(method.trl_trainer)
+
+
+def _imported(path: str) -> type:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
 
     section: Sft = job.section
-    args = SFTConfig(**common_args(job), max_length=section.max_length, packing=section.packing,
-                     assistant_only_loss=section.assistant_only_loss, dataset_num_proc=None)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                         callbacks=_callbacks(job, ledger))
+    config, trainer_class = trl_classes(method_of(section))
+    args = config(**common_args(job), max_length=section.max_length, packing=section.packing,
+                  assistant_only_loss=section.assistant_only_loss, dataset_num_proc=None)
+    trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                            callbacks=_callbacks(job, ledger))
     facts: dict[str, Any] = {}
     if not section.packing:  # one row per conversation: the template's tokens, every system prompt in them
 
@@ -144,32 +160,22 @@ def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: Trl
 
 
 def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
+    """The preference method's TRL trainer as its record says: its classes, the arguments it fixes and the fields of
+    its own it reads, a frozen reference model only where it has one (what the planner counts), KTO's pairs split
+    into a desirable and an undesirable completion."""
     from datasets import Dataset
 
     section: Preference = job.section
-    common = common_args(job)
-    if section.method == "dpo":
-        from trl import DPOConfig, DPOTrainer
-
-        args = DPOConfig(**common, loss_type=section.loss_type, beta=section.beta, max_length=section.max_length)
-        trainer = DPOTrainer(model=model, ref_model=_reference(model), args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=tokenizer, callbacks=_callbacks(job, ledger))
-    elif section.method == "orpo":
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-
-        args = ORPOConfig(**common, beta=section.beta, max_length=section.max_length)
-        trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                              processing_class=tokenizer, callbacks=_callbacks(job, ledger))
-    else:  # kto: unpaired, chosen answers desirable and rejected ones not
-        from trl import KTOConfig, KTOTrainer
-
-        unpaired = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
-                    for p in rows for side in ("chosen", "rejected")]
-        args = KTOConfig(**common, beta=section.beta, max_length=section.max_length)
-        trainer = KTOTrainer(model=model, ref_model=_reference(model), args=args,
-                             train_dataset=Dataset.from_list(unpaired), processing_class=tokenizer,
-                             callbacks=_callbacks(job, ledger))
+    method = method_of(section)
+    config, trainer_class = trl_classes(method)
+    own = {name: value for name in method.reads if (value := getattr(section, name)) is not None}
+    args = config(**common_args(job), **method.fixed, **own, beta=section.beta, max_length=section.max_length)
+    if method.splits_pairs:  # the chosen answers desirable, the rejected ones not
+        rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                for p in rows for side in ("chosen", "rejected")]
+    reference = {"ref_model": _reference(model)} if method.reference_model else {}
+    trainer = trainer_class(model=model, **reference, args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     return trainer, {}
 
 
@@ -205,9 +211,9 @@ def _text(completion: Any) -> str:
 
 def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
     section: Grpo = job.section
+    config, trainer_class = trl_classes(method_of(section))  # TRL's beta left at 0.0: no reference model
     groups = section.num_generations
     batch = max(groups, section.batch_size // groups * groups)  # whole groups of completions per optimizer step
     common = {**common_args(job, tokens=False), "per_device_train_batch_size": per_rank_batch(batch, job.world),
@@ -215,32 +221,35 @@ def grpo_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: Tr
     vllm = job.how.generation == "vllm"
     if vllm:
         require_vllm(job.step)
-    args = GRPOConfig(**common, num_generations=groups, max_completion_length=section.max_completion_length,
-                      use_vllm=vllm, vllm_mode="colocate", log_completions=False)
+    args = config(**common, num_generations=groups, max_completion_length=section.max_completion_length,
+                  use_vllm=vllm, vllm_mode="colocate", log_completions=False)
     rewards = reward_functions(section.verifier, tokenizer, section.length_penalty, section.target_length)
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=_callbacks(job, ledger))
+    trainer = trainer_class(model=model, reward_funcs=rewards, args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     return trainer, {}
 
 
 def distill_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     from datasets import Dataset
 
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
-
-
     section: Distillation = job.section
+    config, trainer_class = trl_classes(method_of(section))
     teacher, _ = load_chat_model(job.teacher)
-    args = GKDConfig(**common_args(job), lmbda=section.lmbda, max_length=section.max_length, dataset_num_proc=None)
-    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tokenizer, callbacks=_callbacks(job, ledger))
+    args = config(**common_args(job), lmbda=section.lmbda, max_length=section.max_length, dataset_num_proc=None)
+    trainer = trainer_class(model=model, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     return trainer, {"teacher_layers": teacher.config.num_hidden_layers,
                      "teacher_parameters": sum(p.numel() for p in teacher.parameters())}
 
 
-TRAINERS = {"sft": sft_trainer, "dpo": preference_trainer, "orpo": preference_trainer,
-            "kto": preference_trainer, "grpo": grpo_trainer, "distill": distill_trainer}
+TrainerBuilder = Callable[[TrlJob, Any, Any, Rows, TrlGoodput], tuple[Any, dict]]
+TRAINERS: dict[type, TrainerBuilder] = {Sft: sft_trainer, Preference: preference_trainer, Grpo: grpo_trainer,
+                                        Distillation: distill_trainer}  # by the section model of a method's record
+
+
+def build_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
+    """The TRL trainer of the job's method, and facts for the step's manifest."""
+    return TRAINERS[method_of(job.section).section](job, model, tokenizer, rows, ledger)
 
 
 def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float) -> tuple[Any, TrlResult]:
@@ -260,9 +269,9 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
     else:
         adapters = {}
     ledger = TrlGoodput(work.goodput, started_at, int(os.environ.get("RANK", "0")))
-    trainer, facts = TRAINERS[job.section.method](job, model, tokenizer, rows, ledger)
+    trainer, facts = build_trainer(job, model, tokenizer, rows, ledger)
     facts |= adapters
-    if job.section.method != "grpo":  # GRPO batches whole groups of completions itself
+    if not isinstance(job.section, Grpo):  # GRPO batches whole groups of completions itself
         # every step is the whole global batch on any number of ranks (a short last batch would be padded with
         # repeated rows across ranks), unless the data is shorter than one batch
         global_batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps * job.world
