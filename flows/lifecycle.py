@@ -27,7 +27,9 @@ from compass.flows.reports.plan_status import plan_status
 from compass.flows.reports.plan_tables import cost_sections, dag_section, to_markdown
 from compass.flows.reports.progress import run_progress
 from compass.flows.reports.run_outcome import run_outcome
+from compass.flows.reports.run_summary import RunSummary
 from compass.flows.reports.smoke import smoke_table
+from compass.flows.reports.step_record import StepRecord
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
 from compass.flows.server.confinement import outside_roots, store_outside_worker, worker_roots
 from compass.flows.server.submit import ui_url
@@ -54,15 +56,15 @@ def artifact_key(*parts: str) -> str:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def execute_step(ctx: RunContext, step: Step) -> dict[str, Any]:
+def execute_step(ctx: RunContext, step: Step) -> StepRecord:
     log = get_run_logger()
     with _followed_live(ctx, step, log) as live:
         outcome = run_step(ctx, step, log)
         if live is not None and outcome.executed:
             live.after_commit(outcome.uri, outcome.manifest)
     _publish(ctx, step, outcome)
-    return {"step": step.id, "uri": outcome.uri, "executed": outcome.executed,
-            "seconds": round(outcome.manifest.duration_s, 2), "pid": os.getpid()}
+    return StepRecord(step=step.id, uri=outcome.uri, executed=outcome.executed,
+                      seconds=round(outcome.manifest.duration_s, 2), pid=os.getpid())
 
 
 def _followed_live(ctx: RunContext, step: Step, log: Any):
@@ -166,7 +168,7 @@ def _ray_options(ctx: RunContext, step: Step):
     return remote_options(**resources)
 
 
-def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
+def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[StepRecord]:
     """Submit each step once its inputs are done, at most `max_parallel_steps` at a time.
 
     Submitting only ready steps means no worker thread ever blocks waiting for an upstream step; the finished
@@ -178,7 +180,7 @@ def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str,
         stop_run(exc)
 
 
-def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[dict[str, Any]]:
+def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[StepRecord]:
     _resolve_imports_of_steps_to_compute(plan, ctx)
     started = time.monotonic()
     limited = limited_tags(plan)
@@ -186,7 +188,7 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[d
     running: dict[str, PrefectFuture] = {}
     finished: dict[str, PrefectFuture] = {}
     completed: queue.SimpleQueue[str] = queue.SimpleQueue()  # step ids, as their threads end
-    results: list[dict[str, Any]] = []
+    results: list[StepRecord] = []
     failure: BaseException | None = None
     while pending or running:
         ready = [s for s in pending if set(s.needs) <= set(finished)] if failure is None else []
@@ -333,20 +335,20 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         ctx = RunContext(plan, store, loaded.spec_hash, runtime)
         with _rehearsing(loaded.size == "rehearsal"):
             results = run_plan(plan, ctx, orch)
-        ran = [r["step"] for r in results if r["executed"]]
+        ran = [r.step for r in results if r.executed]
         logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
         # a flow run's page is linked when a server outlives the run (a temporary server ends with it)
         served = flow_run.id and os.environ.get("PREFECT_API_URL") and not temporary_server_running()
         outcome = run_outcome(results, store, ui_url(flow_run.id) if served else None)
-        summary = {"spec": spec.name, "store": store.root, "steps": results, "left_out": left_out,
-                   "flow_pid": os.getpid(), "outcome": outcome.model_dump(mode="json")}
+        small = None
         if loaded.size != "full":
-
-            summary[loaded.size] = smoke_table(plan, spec, loaded.size_changes, loaded.size, results, store)
-            create_table_artifact(key=artifact_key(spec.name, loaded.size), table=summary[loaded.size],
+            small = smoke_table(plan, spec, loaded.size_changes, loaded.size, results, store)
+            create_table_artifact(key=artifact_key(spec.name, loaded.size), table=small,
                                   description=f"{loaded.size} run of {spec_path}: what each step exercised "
                                               "and shrank")
-        return summary
+        summary = RunSummary(spec=spec.name, store=store.root, steps=results, left_out=left_out, flow_pid=os.getpid(),
+                             outcome=outcome, **({loaded.size: small} if small is not None else {}))
+        return summary.model_dump(mode="json")  # JSON across the flow run's boundary: RunSummary reads it back
 
 
 def _recorded_run(store: Store):

@@ -20,6 +20,7 @@ FINAL = "final"  # the name of a model's final weights where a checkpoint name i
 # a Hugging Face tokenizer folder (the chat template is its own file in transformers 5)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 REQUIRED_TOKENIZER_FILES = TOKENIZER_FILES[:1]  # without it the export loads in nothing
+COMPARISON = "comparison.json"  # a tokenizer selection's, or the ablations' comparison of variants
 WEIGHTS = "model.safetensors"  # a Hugging Face folder's weights as compass exports them (one file)
 
 
@@ -130,7 +131,7 @@ class TokenizerArtifact:
 
     @property
     def comparison(self) -> Path:
-        return self.root / "comparison.json"
+        return self.root / COMPARISON
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ class Store:
     def uri(self, kind: str, name: str, fingerprint: str) -> str:
         return f"{self.root}/{artifact_folder(kind, name, fingerprint)}"
 
-    def _path(self, uri: str) -> str:
+    def path_of(self, uri: str) -> str:
         """fsspec path (no protocol) of a URI inside this store."""
         if uri != self.root and not uri.startswith(self.root.rstrip("/") + "/"):  # /store-old is not in /store
             raise ValueError(f"{uri} is not inside the store {self.root}")
@@ -168,11 +168,11 @@ class Store:
 
     # --- reading ----------------------------------------------------------------------------------------
     def is_committed(self, uri: str) -> bool:
-        return self.fs.exists(f"{self._path(uri)}/{MANIFEST}")
+        return self.fs.exists(f"{self.path_of(uri)}/{MANIFEST}")
 
     def read_manifest(self, uri: str) -> Manifest:
         """The artifact's manifest; DamagedManifest when it cannot describe the artifact (`checked_manifest`)."""
-        return checked_manifest(self.fs, self._path(uri), uri)
+        return checked_manifest(self.fs, self.path_of(uri), uri)
 
     def committed(self, kind: str, name: str | None = None) -> list[Manifest]:
         """Committed artifacts of one kind (of one step name, any fingerprint, when given), newest first; a damaged
@@ -191,24 +191,24 @@ class Store:
 
     def read_bytes(self, uri: str, relative: str) -> bytes:
         """One file of an artifact."""
-        with self.fs.open(f"{self._path(uri)}/{relative}", "rb") as f:
+        with self.fs.open(f"{self.path_of(uri)}/{relative}", "rb") as f:
             return f.read()
 
     def read_head(self, uri: str, relative: str, size: int) -> bytes:
         """The first `size` bytes of one file of an artifact (a header), without reading the rest."""
-        with self.fs.open(f"{self._path(uri)}/{relative}", "rb", block_size=size) as f:
+        with self.fs.open(f"{self.path_of(uri)}/{relative}", "rb", block_size=size) as f:
             return f.read(size)
 
     def folder_url(self, uri: str, under: str) -> str:
         """A committed artifact's sub-folder as a URL a library reads directly (a local path, or s3://...)."""
-        return f"{self._path(uri)}/{under}" if not self.is_remote else f"{uri.rstrip('/')}/{under}"
+        return f"{self.path_of(uri)}/{under}" if not self.is_remote else f"{uri.rstrip('/')}/{under}"
 
     @contextmanager
     def open_committed(self, uri: str, entry: FileEntry) -> Iterator[BinaryIO]:
         """One file of a committed artifact as a stream, with no local copy: from S3 it is hashed as it is read
         and checked against the manifest at its end (infra/verified_read.py); a local store's files were checked
         before the step (infra/verify.py)."""
-        path = f"{self._path(uri)}/{entry.path}"
+        path = f"{self.path_of(uri)}/{entry.path}"
         if not self.is_remote:
             with open(path, "rb") as f:
                 yield f
@@ -221,7 +221,7 @@ class Store:
         """A local folder with the artifact's files: the folder itself, or a verified download from S3
         (`only`: just the files under that sub-folder, e.g. one checkpoint of a model artifact)."""
         if not self.is_remote:
-            return Path(self._path(uri))
+            return Path(self.path_of(uri))
         return self.copy_verified(uri, cache_dir or self._local_base("cache", Path(tempfile.gettempdir()) /
                                                                      "compass-cache"), only)
 
@@ -253,7 +253,7 @@ class Store:
             for entry in files:
                 target = partial / entry.path
                 target.parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(f"{self._path(uri)}/{entry.path}", str(target))
+                self.fs.get_file(f"{self.path_of(uri)}/{entry.path}", str(target))
                 if sha256_file(str(target)) != entry.sha256:
                     shutil.rmtree(partial, ignore_errors=True)
                     raise OSError(f"checksum mismatch for {uri}/{entry.path}: the store's file differs from its "
@@ -337,7 +337,7 @@ class Store:
         manifest = manifest.model_copy(update={"files": listed, "shard_sets": sets})
         body = manifest.model_dump_json(indent=2)
         self._mark()
-        target = self._path(manifest.uri)
+        target = self.path_of(manifest.uri)
         if self.is_remote:
             self._upload(staged, uploaded, target, body, published)
         else:

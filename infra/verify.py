@@ -178,7 +178,7 @@ def stamp(store: Store, manifest: Manifest) -> None:
 def set_aside(store: Store, uri: str) -> str:
     """Make a damaged artifact uncommitted, keeping its files for inspection; returns where they went. Named by its
     URI, not its manifest, which may be the damaged part (a linked folder is moved as the link)."""
-    path = store._path(uri)
+    path = store.path_of(uri)
     folder = path[len(store.root_path):].strip("/")
     suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     if store.is_remote:  # the files stay and are overwritten by the next commit; the manifest marks the damage

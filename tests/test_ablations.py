@@ -96,8 +96,9 @@ def test_auto_promote_takes_the_largest_gain_beyond_noise_or_nothing(metric, row
     """Each comparison decides one outcome: the largest gain in the metric's direction among 'better' variants (a
     bigger drop that is within noise does not count), or nothing to promote."""
     from compass.flows.cli.promote import PromoteError, winner
+    from compass.tasks.common.comparison import ComparedVariant, Comparison
 
-    comparison = {"metric": metric, "rows": [{"variant": v, "delta": d, "verdict": k} for v, d, k in rows]}
+    comparison = Comparison(metric=metric, rows=[ComparedVariant(variant=v, delta=d, verdict=k) for v, d, k in rows])
     if expected is None:
         with pytest.raises(PromoteError, match="nothing to promote"):
             winner(comparison)

@@ -103,11 +103,13 @@ def test_the_run_ends_with_the_verdict_its_numbers_and_where_the_report_and_plot
     """What `compass run` prints last and `--json` carries (flows/reports/run_outcome.py): read from the committed
     report and plots, not from the flow's memory."""
     from compass.flows.reports.run_outcome import outcome_lines, run_outcome
+    from compass.flows.reports.step_record import StepRecord
     from compass.infra.store import Store
 
     report = evaluated["report:success"]
     store = Store(str(Path(report.uri).parents[1]))
-    results = [{"step": step, "uri": outcome.uri, "executed": True} for step, outcome in evaluated.items()]
+    results = [StepRecord(step=step, uri=outcome.uri, executed=True, seconds=1.0, pid=1)
+               for step, outcome in evaluated.items()]
     outcome = run_outcome(results, store, "http://127.0.0.1:4200/runs/flow-run/x")
     (row,) = report.manifest.metrics["criteria"]
     assert outcome.verdict is not None and outcome.verdict.passed == report.manifest.metrics["passed"]
@@ -126,11 +128,11 @@ def test_the_run_ends_with_the_verdict_its_numbers_and_where_the_report_and_plot
     assert lines[2:] == [f"report: {report.uri}/report.json",
                          f"time of the {len(timed)} steps that trained or evaluated: {outcome.goodput.line()}",
                          f"plots: {outcome.plots[0]}", "Prefect run: http://127.0.0.1:4200/runs/flow-run/x"]
-    cached = run_outcome([r | {"executed": False} for r in results], store)  # nothing ran: no time to split
+    cached = run_outcome([r.model_copy(update={"executed": False}) for r in results], store)  # nothing ran: no split
     assert cached.goodput is None and cached.goodput_steps == 0
     failing = outcome.model_copy(update={"verdict": outcome.verdict.model_copy(update={"passed": False})})
     assert outcome_lines(failing)[0].startswith("success criteria NOT MET")
-    assert run_outcome([r for r in results if r["step"] != "report:success"], store).verdict is None
+    assert run_outcome([r for r in results if r.step != "report:success"], store).verdict is None
 
 
 def test_every_model_step_gets_its_evaluation(evaluated):

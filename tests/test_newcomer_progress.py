@@ -6,6 +6,7 @@ quiet_terminal."""
 from __future__ import annotations
 
 from compass.flows.reports.progress import duration, run_progress, time_left
+from compass.flows.reports.step_record import StepRecord
 from compass.model.training.records import MetricsRow
 
 
@@ -15,7 +16,8 @@ def row(step: int, tokens_per_s: float = 1000.0, stage: str = "stage1") -> Metri
 
 
 def test_the_run_says_how_far_it_is_after_each_step():
-    results = [{"step": "ingest:notes", "executed": False}, {"step": "curate:notes", "executed": True}]
+    results = [StepRecord(step="ingest:notes", uri="store/ingest/notes", executed=False, seconds=0, pid=1),
+               StepRecord(step="curate:notes", uri="store/curate/notes", executed=True, seconds=2.5, pid=1)]
     assert run_progress(results, 8, 125.4) == "[2/8] curate:notes done: 1 ran, 1 cached, 25% of the plan in 2m05s"
     assert [duration(s) for s in (9.6, 61, 3725)] == ["10s", "1m01s", "1h02m"]
 

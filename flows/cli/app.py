@@ -32,6 +32,7 @@ from compass.flows.cli.ops import ops
 from compass.flows.cli.preflight import preflight
 from compass.flows.cli.why import why
 from compass.flows.quiet_console import quiet_console
+from compass.flows.reports.run_summary import RunSummary
 from compass.flows.validation import checked_for_this_run
 from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 from compass.infra.environment import prepare_environment
@@ -175,41 +176,41 @@ def _run(spec: Path, checked: CheckedSpec, root: str, until: list[str] | None, n
     return summary
 
 
-def _print_summary(spec: Path, summary: dict, as_json: bool, started: float, table: bool,
+def _print_summary(spec: Path, returned: dict, as_json: bool, started: float, table: bool,
                    log_path: Path | None = None) -> None:
     """The run's outcome: JSON, or the success criteria's verdict, where the report, plots, log and Prefect run are,
     and a line of counts (each step's commit line said where it went), with a table of every step under
     --verbose."""
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(returned, indent=2))
         return
+    summary = RunSummary.model_validate(returned)
 
     if table:
-        steps = Table(title=f"compass run: {escape(summary['spec'])}", title_justify="left")
+        steps = Table(title=f"compass run: {escape(summary.spec)}", title_justify="left")
         for col in ("step", "state", "seconds", "output"):
             steps.add_column(col, overflow="fold")
-        for r in summary["steps"]:
-            steps.add_row(r["step"], "[green]ran[/green]" if r["executed"] else "cached",
-                          str(r["seconds"]) if r["executed"] else "-", escape(r["uri"]))
+        for r in summary.steps:
+            steps.add_row(r.step, "[green]ran[/green]" if r.executed else "cached",
+                          str(r.seconds) if r.executed else "-", escape(r.uri))
         out.print(steps)
-    for size in ("smoke", "rehearsal"):
-        if summary.get(size):
+    for size, rows in (("smoke", summary.smoke), ("rehearsal", summary.rehearsal)):
+        if rows:
             shrunk = Table(title=f"{size} run of {escape(str(spec))}: what each step exercised and what was shrunk",
                            title_justify="left", show_lines=True)
             for col in ("step", "exercised", "shrunk"):
                 shrunk.add_column(col, overflow="fold")
-            for row in summary[size]:
+            for row in rows:
                 shrunk.add_row(row["step"], escape(row["exercised"]), escape(row["shrunk"]))
             out.print(shrunk)
-    from compass.flows.reports.run_outcome import RunOutcome, outcome_lines
+    from compass.flows.reports.run_outcome import outcome_lines
 
-    outcome = RunOutcome.model_validate(summary["outcome"])
-    for line in outcome_lines(outcome, str(log_path) if log_path else None):  # whole lines: paths stay copyable
+    for line in outcome_lines(summary.outcome, str(log_path) if log_path else None):  # whole lines: paths stay copyable
         out.print(line, markup=False, highlight=False, soft_wrap=True)
-    ran = sum(r["executed"] for r in summary["steps"])
-    left_out = f", {len(summary['left_out'])} left out by --until" if summary["left_out"] else ""
-    out.print(f"{ran} ran, {len(summary['steps']) - ran} cached{left_out}; {time.time() - started:.0f}s. "
-              f"Results: {summary['store']}", markup=False, soft_wrap=True)
+    ran = len(summary.ran)
+    left_out = f", {len(summary.left_out)} left out by --until" if summary.left_out else ""
+    out.print(f"{ran} ran, {len(summary.steps) - ran} cached{left_out}; {time.time() - started:.0f}s. "
+              f"Results: {summary.store}", markup=False, soft_wrap=True)
 
 
 @contextmanager

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import difflib
 import io
-import json
 from pathlib import Path
 
 from ruamel.yaml import YAML
 
 from compass.flows.validation import CheckedSpec, load_checked
+from compass.infra.layout import COMPARISON
 from compass.infra.store import Store
+from compass.tasks.common.comparison import Comparison
 
 
 class PromoteError(ValueError):
@@ -26,22 +27,18 @@ def winning_variant(checked: CheckedSpec, store: Store) -> str:
     uri = store.uri("compare", "ablations", plan.fingerprints["compare:ablations"])
     if not store.is_committed(uri):
         raise PromoteError(f"no comparison at {uri}: run the spec first (compass run), or name --variant")
-    with store.fs.open(f"{store._path(uri)}/comparison.json", "r") as f:
-        return winner(json.load(f))
+    return winner(Comparison.model_validate_json(store.read_bytes(uri, COMPARISON)))
 
 
-def winner(comparison: dict) -> str:
+def winner(comparison: Comparison) -> str:
     """The variant a comparison judged best: 'better' (beyond the seed noise) with the largest gain in the
     metric's good direction; PromoteError when none is better."""
-    better = [r for r in comparison["rows"][1:] if r["verdict"] == "better"]
+    better = comparison.better()
     if not better:
-        verdicts = ", ".join(f"{r['variant']}: {r['verdict']}" for r in comparison["rows"][1:])
+        verdicts = ", ".join(f"{r.variant}: {r.verdict}" for r in comparison.rows[1:])
         raise PromoteError(f"no variant beat the baseline beyond the seed noise ({verdicts}); nothing to promote")
-    lower = comparison.get("better_is", {}).get(comparison["metric"],
-                                                "lower" if any(w in comparison["metric"] for w in ("loss", "ppl"))
-                                                else "higher") == "lower"
-    gain = -1 if lower else 1
-    return max(better, key=lambda r: gain * r["delta"])["variant"]
+    gain = -1 if comparison.direction() == "lower" else 1
+    return max(better, key=lambda r: gain * r.delta).variant
 
 
 LAYOUTS = ((2, 4, 2), (2, 2, 0), (4, 4, 0), (4, 6, 2), (4, 4, 2), (3, 3, 0))  # mapping, sequence, dash offset

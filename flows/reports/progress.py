@@ -3,8 +3,7 @@ and a training step's time left in its live progress line."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from compass.flows.reports.step_record import StepRecord
 from compass.model.training.records import MetricsRow
 
 
@@ -16,11 +15,11 @@ def duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def run_progress(results: list[dict[str, Any]], total: int, elapsed_s: float) -> str:
+def run_progress(results: list[StepRecord], total: int, elapsed_s: float) -> str:
     """The run's progress after a step ends: steps done of the plan's, how many ran and how many were cached, and
     the time so far (each training step's own time left is in its live progress line: time_left)."""
-    ran = sum(r["executed"] for r in results)
-    return (f"[{len(results)}/{total}] {results[-1]['step']} done: {ran} ran, {len(results) - ran} cached, "
+    ran = sum(r.executed for r in results)
+    return (f"[{len(results)}/{total}] {results[-1].step} done: {ran} ran, {len(results) - ran} cached, "
             f"{len(results) / total:.0%} of the plan in {duration(elapsed_s)}")
 
 

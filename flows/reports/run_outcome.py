@@ -4,10 +4,9 @@ A run that ends "exit 0" while its own report says NOT MET must say so where it 
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict
 
+from compass.flows.reports.step_record import StepRecord
 from compass.infra.store import Store
 from compass.model.training.records import GoodputSplit, summed
 
@@ -44,21 +43,21 @@ class RunOutcome(BaseModel):
     goodput_steps: int = 0
 
 
-def run_outcome(results: list[dict[str, Any]], store: Store, prefect_run: str | None = None) -> RunOutcome:
-    """From the run's step results (flows/lifecycle.py: step id, uri, executed) and their committed manifests."""
+def run_outcome(results: list[StepRecord], store: Store, prefect_run: str | None = None) -> RunOutcome:
+    """From the run's step records and their committed manifests."""
     verdict, plots, splits = None, [], []
     for result in results:
-        kind = result["step"].split(":", 1)[0]
-        if result["executed"]:
-            split = (store.read_manifest(result["uri"]).metrics or {}).get("goodput")
+        kind = result.kind
+        if result.executed:
+            split = (store.read_manifest(result.uri).metrics or {}).get("goodput")
             if split:
                 splits.append(GoodputSplit.model_validate(split))
         if kind == "report":
-            metrics = store.read_manifest(result["uri"]).metrics or {}
-            verdict = Verdict(passed=bool(metrics.get("passed")), report=f"{result['uri']}/report.json",
+            metrics = store.read_manifest(result.uri).metrics or {}
+            verdict = Verdict(passed=bool(metrics.get("passed")), report=f"{result.uri}/report.json",
                               criteria=tuple(Criterion(**row) for row in metrics.get("criteria", [])))
         elif kind in PLOTTING_KINDS:
-            plots += [f"{result['uri']}/{f.path}" for f in store.read_manifest(result["uri"]).files
+            plots += [f"{result.uri}/{f.path}" for f in store.read_manifest(result.uri).files
                       if f.path.endswith(".png")]
     return RunOutcome(verdict=verdict, plots=tuple(plots), prefect_run=prefect_run, goodput=summed(splits),
                       goodput_steps=len(splits))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from compass.flows.compiler import Plan
+from compass.flows.reports.step_record import StepRecord
 from compass.specs.how import Phase
 from compass.specs.post_training_methods import method_of
 from compass.specs.smoke import Shrink, Size
@@ -85,25 +86,25 @@ def _sections(step: Step) -> tuple[str, ...]:
     }.get(step.kind, ())
 
 
-def substituted(result: dict[str, Any] | None, store: Store | None) -> list[str]:
+def substituted(result: StepRecord | None, store: Store | None) -> list[str]:
     """What a step's CPU ranks replaced (its manifest's setup): the trainer's CUDA-only kernels, a library model's
     bf16."""
-    if not result or not store or not result.get("uri"):
+    if not result or not store:
         return []
     try:
-        setup = (store.read_manifest(result["uri"]).metrics or {}).get("setup") or {}
+        setup = (store.read_manifest(result.uri).metrics or {}).get("setup") or {}
     except (OSError, ValueError):
         return []
     return list(setup.get("substituted") or [])
 
 
 def smoke_table(plan: Plan, spec: TrainingSpec, changes: tuple[Shrink, ...], size: Size = "smoke",
-                results: list[dict[str, Any]] | None = None, store: Store | None = None) -> list[dict[str, str]]:
+                results: list[StepRecord] | None = None, store: Store | None = None) -> list[dict[str, str]]:
     """One row per step, then one for what changed for every step (`how`: hardware, precision, parallelism). A
     rehearsal's training, post-training and evaluation rows also say what its CPU ranks replaced (CUDA-only kernels,
     bf16 for TRL and lighteval), read from the steps' manifests (`results`)."""
     rehearsal = size == "rehearsal"
-    by_step = {r["step"]: r for r in results or []}
+    by_step = {r.step: r for r in results or []}
     rows = []
     for step in plan.steps:
         prefixes = _sections(step)

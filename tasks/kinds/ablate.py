@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
+from compass.infra.layout import COMPARISON, CheckpointFolder, ModelArtifact, WorkFolder
 from compass.model.training.job import StageRecipe
 from compass.model.training.records import goodput_table
 from compass.model.training.schedules import schedule_shape
@@ -20,6 +20,7 @@ from compass.specs.ablation import AblationBaseline
 from compass.specs.architecture import Architecture
 from compass.specs.evaluation import Benchmark
 from compass.specs.training import Monitors, Optimizer, PretrainStage, Schedule
+from compass.tasks.common.comparison import ComparedVariant, Comparison
 from compass.tasks.common.devices import device_for
 from compass.tasks.common.inputs import TrainingInputs, gates, tokens
 from compass.tasks.common.plots import figure_png, use_token_axis
@@ -229,8 +230,9 @@ def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
                     f"{m} verdict": judged[m]["verdict"]}
         rows.append(row)
     directions = {m: "lower" if lower.get(m, "loss" in m or "ppl" in m) else "higher" for m in metrics}
-    (ctx.out / "comparison.json").write_text(json.dumps({"metric": first, "metrics": metrics,
-                                                         "better_is": directions, "rows": rows}, indent=2))
+    comparison = Comparison(metric=first, metrics=metrics, better_is=directions,
+                            rows=[ComparedVariant.model_validate(r) for r in rows])
+    (ctx.out / COMPARISON).write_text(comparison.json_text())
     _plot(rows, first, ctx.out / "comparison.png")
     if probes:
         _plot_probes(probes, [m for m in metrics if "/" in m], ctx.out / "probes.png")

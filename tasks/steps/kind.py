@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -285,6 +285,3 @@ class PlanBuilder:
                                  "what.models"))
         return None
 
-
-def issues_of(checks: Iterable[Iterator[Issue]]) -> list[Issue]:
-    return [issue for check in checks for issue in check]
