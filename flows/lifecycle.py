@@ -34,6 +34,7 @@ from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placemen
 from compass.flows.server.confinement import outside_roots, store_outside_worker, worker_roots
 from compass.flows.server.submit import ui_url
 from compass.flows.validation import check, checked_already, shrunk
+from compass.infra import resource_ledger
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.errors import DataError, RootRefused
 from compass.infra.interrupt import stop_run
@@ -58,13 +59,15 @@ def artifact_key(*parts: str) -> str:
 @task(cache_policy=NO_CACHE, persist_result=False)
 def execute_step(ctx: RunContext, step: Step) -> StepRecord:
     log = get_run_logger()
-    with _followed_live(ctx, step, log) as live:
-        outcome = run_step(ctx, step, log)
+    ledger, cpu = resource_ledger.Ledger(), resource_ledger.ThreadCpu()
+    with resource_ledger.counting(ledger), _followed_live(ctx, step, log) as live:
+        outcome = run_step(ctx, step, log)  # computed here, its manifest's resource ledger is this thread's
         if live is not None and outcome.executed:
             live.after_commit(outcome.uri, outcome.manifest)
-    _publish(ctx, step, outcome)
+        _publish(ctx, step, outcome)
     return StepRecord(step=step.id, uri=outcome.uri, executed=outcome.executed,
-                      seconds=round(outcome.manifest.duration_s, 2), pid=os.getpid())
+                      seconds=round(outcome.manifest.duration_s, 2), pid=os.getpid(),
+                      orchestrator=ledger.snapshot().merged(resource_ledger.Resources(cpu_s=cpu.spent())))
 
 
 def _followed_live(ctx: RunContext, step: Step, log: Any):
@@ -76,7 +79,8 @@ def _followed_live(ctx: RunContext, step: Step, log: Any):
     mon = ctx.runtime.how.monitoring
     workdir = ctx.store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id])
     return LiveTraining(step, workdir, ctx.plan.spec_name, ctx.store.root, mon.progress_every_s,
-                        mon.checkpoint_events, log, artifact_key(ctx.plan.spec_name, step.kind, step.name))
+                        mon.checkpoint_events, log, artifact_key(ctx.plan.spec_name, step.kind, step.name),
+                        mon.plot_every_s)
 
 
 def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
@@ -88,11 +92,13 @@ def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
             f"**took** {m.duration_s:.1f}s on {m.host}  \n**files** {m.file_count:,}, "
             f"{m.total_bytes:,} bytes\n\n**inputs**\n{inputs}\n{_embedded_plots(ctx.store, m)}")
     create_markdown_artifact(key=key, markdown=body, description=f"{step.id}: {m.uri}")
+    resource_ledger.count(artifacts_published=1)
     if outcome.result:
         for name, rows in outcome.result.tables.items():
             if rows:
                 create_table_artifact(key=artifact_key(ctx.plan.spec_name, name, step.name), table=rows,
                                       description=f"{step.id}: {name}")
+                resource_ledger.count(artifacts_published=1)
 
 
 def _cached_summary(store: Store, step: Step, manifest: Any) -> str:

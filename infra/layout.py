@@ -21,6 +21,7 @@ FINAL = "final"  # the name of a model's final weights where a checkpoint name i
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 REQUIRED_TOKENIZER_FILES = TOKENIZER_FILES[:1]  # without it the export loads in nothing
 COMPARISON = "comparison.json"  # a tokenizer selection's, or the ablations' comparison of variants
+METRICS = "metrics.jsonl"  # a model artifact's (and a training work folder's) one line per optimizer step
 WEIGHTS = "model.safetensors"  # a Hugging Face folder's weights as compass exports them (one file)
 
 
@@ -58,7 +59,13 @@ class ModelArtifact:
     @property
     def metrics(self) -> Path:
         """One JSON line per optimizer step over every stage so far (model/training/records.py: MetricsRow)."""
-        return self.root / "metrics.jsonl"
+        return self.root / METRICS
+
+    @staticmethod
+    def evaluated_parts(every_checkpoint: bool) -> tuple[str, ...]:
+        """What evaluating the model reads of its artifact: the final weights, the history (tokens seen), and with
+        `every_checkpoint` the kept checkpoints; never its training state."""
+        return (FINAL, METRICS, "checkpoints") if every_checkpoint else (FINAL, METRICS)
 
     @property
     def loss_plot(self) -> Path:
@@ -239,7 +246,7 @@ class WorkFolder:
 
     @property
     def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
+        return self.root / METRICS
 
     @property
     def events(self) -> Path:

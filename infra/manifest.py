@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from compass.infra.errors import DamagedArtifact
+from compass.infra.resource_ledger import Resources
 
 MANIFEST = "manifest.json"
 TRACKED_LIBRARIES = ("compass-lifecycle", "torch", "deepspeed", "prefect", "datatrove", "tokenizers", "transformers",
@@ -103,6 +104,8 @@ class Manifest(BaseModel):
     files: list[FileEntry] = Field(default_factory=list)
     shard_sets: list[ShardSet] = Field(default_factory=list)
     execution: Execution | None = None
+    # what the step read, copied, wrote, uploaded, listed, submitted and published (infra/resource_ledger.py)
+    resources: Resources | None = None
 
     @property
     def step_id(self) -> str:

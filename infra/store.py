@@ -23,7 +23,7 @@ import fsspec
 import psutil
 from fsspec.core import url_to_fs
 
-from compass.infra import shard_index
+from compass.infra import resource_ledger, shard_index
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
 from compass.infra.verified_read import verified
@@ -217,13 +217,15 @@ class Store:
         with self.fs.open(path, "rb", block_size=1 << 22) as raw, verified(raw, entry, f"{uri}/{entry.path}") as f:
             yield f
 
-    def local_path(self, uri: str, cache_dir: Path | None = None, only: str | None = None) -> Path:
+    def local_path(self, uri: str, cache_dir: Path | None = None, only: str | None = None,
+                   select: Callable[[str], bool] | None = None) -> Path:
         """A local folder with the artifact's files: the folder itself, or a verified download from S3
-        (`only`: just the files under that sub-folder, e.g. one checkpoint of a model artifact)."""
+        (`only`: just the files under that sub-folder, e.g. one checkpoint of a model artifact; `select`: those
+        whose relative paths it accepts)."""
         if not self.is_remote:
             return Path(self.path_of(uri))
         return self.copy_verified(uri, cache_dir or self._local_base("cache", Path(tempfile.gettempdir()) /
-                                                                     "compass-cache"), only)
+                                                                     "compass-cache"), only, select)
 
     def staged_path(self, uri: str, cache_dir: Path, only: str | None = None,
                     select: Callable[[str], bool] | None = None) -> Path:
@@ -249,6 +251,7 @@ class Store:
                                  for e in files):
             shutil.rmtree(cache, ignore_errors=True)  # a copy altered since: copy again
         if not done.exists():
+            resource_ledger.count_copied(sum(e.size for e in files))  # a reused copy costs no copy
             partial = cache.with_name(cache.name + f".part-{uuid.uuid4().hex[:8]}")
             for entry in files:
                 target = partial / entry.path
@@ -335,6 +338,10 @@ class Store:
                 uploaded.append(listed[-1])
         listed.sort(key=lambda e: e.path)
         manifest = manifest.model_copy(update={"files": listed, "shard_sets": sets})
+        if manifest.resources is not None:  # what the commit itself writes and sends
+            sent = sum(e.size for e in entries) if self.is_remote else 0
+            manifest = manifest.model_copy(update={"resources": manifest.resources.model_copy(update={
+                "written": manifest.total_bytes, "uploaded": manifest.resources.uploaded + sent})})
         body = manifest.model_dump_json(indent=2)
         self._mark()
         target = self.path_of(manifest.uri)

@@ -481,7 +481,8 @@ class Monitoring(SpecModel):
 
     field_identity: ClassVar[dict[str, Identity]] = {
         name: "placement" for name in ("prometheus", "listen", "port", "trackers", "mlflow_tracking_uri", "wandb_mode",
-                                       "project", "progress_every_s", "checkpoint_events", "hang_timeout_s", "folder")}
+                                       "project", "progress_every_s", "plot_every_s", "checkpoint_events",
+                                       "hang_timeout_s", "folder")}
 
     prometheus: bool = Field(default=True, description="Serve a Prometheus metrics endpoint on every training rank.")
     listen: str = Field(default="127.0.0.1", pattern=r"^[0-9a-fA-F.:]+$",
@@ -505,7 +506,12 @@ class Monitoring(SpecModel):
     project: str | None = Field(default=None, min_length=1, max_length=120, description="The trackers' project "
                                 "(MLflow experiment, W&B and trackio project); None: the spec's name.")
     progress_every_s: PositiveFloat = Field(default=10, le=3600, description="How often a running training "
-                                            "step updates its Prefect progress artifact and loss plot.")
+                                            "step logs its progress line and updates its Prefect progress "
+                                            "artifact (reading only the metrics written since).")
+    plot_every_s: PositiveFloat = Field(default=300, le=86400, description="How often a running training step "
+                                        "publishes a new version of its live loss plot (a Prefect artifact, at "
+                                        "most a few hundred points however long the run): a few minutes keeps a "
+                                        "weeks-long run to a few thousand versions.")
     checkpoint_events: bool = Field(default=True, description="Emit a Prefect event for each committed "
                                     "checkpoint (compass deploy's automation evaluates it).")
     hang_timeout_s: float = Field(default=900, ge=10, le=86400, description="A training rank whose step has not "

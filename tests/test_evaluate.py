@@ -156,6 +156,31 @@ def test_an_evaluation_step_says_where_its_time_went(evaluated):
     assert f"goodput {split['compute_s'] / split['total_s']:.0%}" in summary
 
 
+def test_an_evaluation_reads_the_weights_it_scores_and_the_held_out_split_nothing_else(evaluated):
+    """Issue 73, C1: the step's resource ledger (counted where the store hands files to it) holds the final weights,
+    the kept checkpoints and the history of the model, the held-out split of each perplexity source and its
+    metadata: no byte of the model's training state or of a source's training split (at SmolLM3's size: ~42 GB of
+    state and TBs of training tokens, copied from S3 before)."""
+    from compass.infra.layout import FINAL, HELDOUT, METRICS, TRAIN
+
+    outcome = evaluated["evaluate:pretrain-stage2"]
+    ledger = outcome.manifest.resources
+    assert ledger is not None and ledger.read == sum(ledger.read_by_input.values())
+    model = evaluated["pretrain:stage2"].manifest
+    tokens = evaluated["tokenize:notes"].manifest
+
+    def size(manifest, top: str) -> int:
+        return sum(f.size for f in manifest.files if f.path == top or f.path.startswith(f"{top}/"))
+
+    assert size(model, "state") > 0 and size(tokens, TRAIN) > 0  # what it must not read is there
+    assert ledger.read_by_input == {"model/final": size(model, FINAL), "model/checkpoints": size(model, "checkpoints"),
+                                    "model/.": size(model, METRICS),
+                                    "tokens:notes/heldout": size(tokens, HELDOUT),
+                                    "tokens:notes/.": sum(f.size for f in tokens.files if "/" not in f.path and
+                                                          f.path.startswith(("meta", HELDOUT)))}
+    assert ledger.written == outcome.manifest.total_bytes and ledger.cpu_s > 0 and ledger.peak_rss_mb > 0
+
+
 def test_every_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
     from PIL import Image
 

@@ -31,7 +31,7 @@ SCREENSHOTS = REPO / "test-artifacts"
 SUITE = ("  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 10}\n"
          "    perplexity_sources: [notes]\n  pretraining:")
 LONGER_STAGE = "{name: stage1, tokens: 150000,"  # 585 steps: long enough to be watched
-HOW = "how:\n  checkpoints: {every_steps: 300, keep_last: 2}\n  monitoring: {progress_every_s: 1}\n"
+HOW = "how:\n  checkpoints: {every_steps: 300, keep_last: 2}\n  monitoring: {progress_every_s: 1, plot_every_s: 1}\n"
 DEPLOYMENT = "compass-checkpoint-evaluation/on-checkpoint-minimal"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from compass.infra.resource_ledger import Resources
+
 
 class StepRecord(BaseModel):
     """One step of the run: committed at `uri`, computed by this run (`executed`) or found cached."""
@@ -15,6 +17,9 @@ class StepRecord(BaseModel):
     executed: bool
     seconds: float
     pid: int
+    # what this process spent on the step: computing it (in-process), or submitting and following its job (the
+    # job's own ledger is in the manifest): artifacts published, CPU, peak memory
+    orchestrator: Resources | None = None
 
     @property
     def kind(self) -> str:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import io
 import logging
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from compass.infra import resource_ledger
 from compass.infra.layout import TRAIN
 from compass.infra.manifest import MANIFEST
 from compass.infra.store import Store
@@ -35,10 +37,20 @@ def is_training_tokens(path: str) -> bool:
     return path.startswith(f"{TRAIN}/") and path.endswith(TOKENS_SUFFIX)
 
 
-def stage_sources(staging: Staging, local_rank: int, rows: range, total_rows: int,
+def stage_sources(staging: Staging, local_rank: int, rows: range, total_rows: int, workdir: Path | None = None,
                   timeout_s: float = 6 * 3600) -> dict[str, Path]:
     """The node-local copy of every source for the node's rows `rows` of `total_rows` (made here on local rank
-    0, awaited on the others)."""
+    0, awaited on the others). What local rank 0 copied is left in `workdir`'s resource ledger parts, one per node
+    (infra/resource_ledger.py), for the step's manifest."""
+    ledger = resource_ledger.Ledger()
+    with resource_ledger.counting(ledger):
+        staged = _stage(staging, local_rank, rows, total_rows, timeout_s)
+    if workdir is not None and local_rank == 0:
+        ledger.write_part(workdir, f"staging-{socket.gethostname()}")
+    return staged
+
+
+def _stage(staging: Staging, local_rank: int, rows: range, total_rows: int, timeout_s: float) -> dict[str, Path]:
     store = Store(staging.store_root)
     staged: dict[str, Path] = {}
     for name, uri in staging.uris.items():

@@ -28,6 +28,12 @@ def counts_path(folder: Path, split: str) -> Path:
     return folder / f"{split}{COUNTS_SUFFIX}"
 
 
+def split_parts(split: str) -> tuple[str, ...]:
+    """What reading one split of a tokenized source takes of its artifact: its shards, their counts and the
+    source's metadata (the other split never)."""
+    return (META, split, f"{split}{COUNTS_SUFFIX}")
+
+
 def write_counts(folder: Path, split: str, documents: list[int], tokens: list[int]) -> None:
     """The documents and tokens of shards 0..n-1 of a split (shard i is `<split>/<i:05d>`)."""
     counts_path(folder, split).write_text(json.dumps({"documents": documents, "tokens": tokens}))

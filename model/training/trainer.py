@@ -157,7 +157,7 @@ class Trainer:
         gbs = self.stage.global_batch_size
         if job.staging is not None:  # every node reads its own verified copy of the data (model/training/staging.py)
             rows = node_rows(self.rank, local_rank, local_world_size(), self.world, self.tp, gbs)
-            job = job.model_copy(update={"sources": stage_sources(job.staging, local_rank, rows, gbs)})
+            job = job.model_copy(update={"sources": stage_sources(job.staging, local_rank, rows, gbs, job.workdir)})
         self.job = job
         self.shape = schedule_shape(recipe.schedule, recipe.stages)
         names = [s.name for s in self.shape.stages]

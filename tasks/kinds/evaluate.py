@@ -18,6 +18,7 @@ from compass.infra.layout import FINAL, HELDOUT, ModelArtifact
 from compass.model.attention import DOCUMENT_SDPA, register
 from compass.model.training.history import kept_checkpoints, tokens_seen
 from compass.model.training.records import GoodputSplit, goodput_table
+from compass.model.training.token_files import split_parts
 from compass.model.training.trackers import Trackers
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
@@ -216,10 +217,12 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     suite = ctx.config.suite
     given = ctx.given(EvaluateInputs)
     model = given.model
-    model_folder = model.local()
-    sources = {name: tokens.local() for name, tokens in given.tokens.items()}
+    # only what is scored: the final weights (and the kept checkpoints), the held-out splits; never a model's
+    # training state or a source's training split (the step's resource ledger shows what it read)
+    model_folder = model.local(*ModelArtifact.evaluated_parts(ctx.config.every_checkpoint))
+    sources = {name: tokens.local(*split_parts(HELDOUT)) for name, tokens in given.tokens.items()}
     retrieval = ctx.config.retrieval
-    haystack = given.haystack.local() if given.haystack else None
+    haystack = given.haystack.local(*split_parts(HELDOUT)) if given.haystack else None
     where = device_for(ctx.runtime.how)
     lighteval = _lighteval_on_ranks(ctx, where)
     final = evaluate_model(ModelArtifact(model_folder).final, suite, sources, ctx.scratch / FINAL, retrieval, haystack,

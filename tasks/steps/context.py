@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Generic, TypeVar
 
+from compass.infra import resource_ledger
 from compass.infra.manifest import FileEntry, Manifest
 from compass.infra.store import Store
 from compass.specs.how import How
@@ -41,19 +42,32 @@ class Runtime:
 
 @dataclass
 class InputArtifact:
+    """A committed artifact a step reads. What it hands the step (a folder, a sub-folder, one file) is counted in
+    the step's resource ledger as read, by role and top folder: a step asks for the part it needs
+    (`local(only=...)`), and the ledger shows when it takes more."""
+
     role: str
     step_id: str
     uri: str
     manifest: Manifest
     store: Store
 
-    def local(self) -> Path:
-        """The artifact's files on local disk (downloaded and verified first when the store is remote)."""
-        return self.store.local_path(self.uri)
+    def local(self, *parts: str) -> Path:
+        """The artifact's folder on local disk (downloaded and verified first when the store is remote); `parts`:
+        just those of its top-level folders and files (the held-out split and its metadata, the final weights),
+        the rest neither copied nor counted as read."""
+        if not parts:
+            self._read(None)
+            return self.store.local_path(self.uri)
+        for part in parts:
+            self._read(part)
+        wanted = tuple(parts)
+        return self.store.local_path(self.uri, select=lambda path: path.split("/", 1)[0] in wanted)
 
     def folder_url(self, under: str) -> str:
         """Its sub-folder `under` where readers such as datatrove's stream it from (no copy; the runner checked
         the files against the manifest before the step: infra/verify.py)."""
+        self._read(under)
         return self.store.folder_url(self.uri, under)
 
     def files(self, under: str, suffix: str = "") -> list[FileEntry]:
@@ -62,7 +76,38 @@ class InputArtifact:
 
     def open(self, entry: FileEntry) -> AbstractContextManager[BinaryIO]:
         """One of its files streamed from the store, no whole-artifact copy (Store.open_committed)."""
+        self._count(entry.path.split("/", 1)[0] if "/" in entry.path else ".", entry.size)
         return self.store.open_committed(self.uri, entry)
+
+    def _read(self, under: str | None) -> None:
+        """Count the files under `under` (all: None) as read; a shard set by its recorded bytes, without reading
+        its index (a million shards must not cost a million entries here)."""
+        if resource_ledger.current() is None:
+            return
+        prefix = under.strip("/") + "/" if under else ""
+        by_folder: dict[str, int] = {}
+
+        def add(path: str, size: int) -> None:
+            top = path.split("/", 1)[0] if "/" in path else "."
+            by_folder[top] = by_folder.get(top, 0) + size
+
+        for entry in self.manifest.files:
+            if entry.path.startswith(prefix) or entry.path == under:
+                add(entry.path, entry.size)
+        for shards in self.manifest.shard_sets:
+            if f"{shards.folder}/".startswith(prefix):
+                add(f"{shards.folder}/", shards.bytes)
+            elif prefix.startswith(f"{shards.folder}/"):  # a sub-folder of a shard set: its members there
+                for entry in self.store.shard_members(self.manifest, shards.folder):
+                    if entry.path.startswith(prefix):
+                        add(entry.path, entry.size)
+        for folder, size in by_folder.items():
+            self._count(folder, size)
+
+    def _count(self, folder: str, size: int) -> None:
+        ledger = resource_ledger.current()
+        if ledger is not None:
+            ledger.read(self.role, folder, size)
 
 
 @dataclass

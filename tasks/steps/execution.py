@@ -15,11 +15,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compass.infra import resource_ledger
 from compass.infra.disk_full import disk_full_named
 from compass.infra.manifest import InputRef, Manifest, code_version, host_facts, library_versions
 from compass.infra.store import Store, owned_prefix
@@ -28,6 +29,7 @@ from compass.specs.input_stamps import stamp_provenance
 from compass.tasks.steps import registry
 from compass.tasks.steps.backends import launcher_for
 from compass.tasks.steps.context import InputArtifact, Runtime, StepContext, StepResult
+from compass.tasks.steps.kind import StepKind
 from compass.tasks.steps.step_config import StepConfig
 
 SUMMARY_FILE = "summary.md"
@@ -75,8 +77,16 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
     reported. Torch is imported only here, when a step runs in this process."""
     kind = registry.kind(run.kind)
     kind.import_names()  # one thread at a time, and only for steps that compute here
-    store = run.store
     started = time.time()
+    ledger = resource_ledger.current()
+    with nullcontext(ledger) if ledger is not None else resource_ledger.counting(resource_ledger.Ledger()) as counted:
+        return _execute(run, kind, counted, started, log)
+
+
+def _execute(run: StepRun, kind: StepKind, ledger: resource_ledger.Ledger, started: float,
+             log: logging.Logger | logging.LoggerAdapter) -> tuple[Manifest, StepResult]:
+    store = run.store
+    cpu = resource_ledger.ThreadCpu()
     log.info("%s running; commits to %s", run.step_id, run.uri)
     with store.staging() as out, \
             tempfile.TemporaryDirectory(prefix=owned_prefix("scratch"), dir=out.parent) as scratch:
@@ -95,6 +105,8 @@ def execute(run: StepRun, log: logging.Logger | logging.LoggerAdapter) -> tuple[
             phase_version=kind.version, libraries=library_versions(), **host_facts(),
             started_at=started, finished_at=time.time(), metrics=result.metrics,
             provenance=[*result.provenance, *stamp_provenance(run.config)],
+            resources=ledger.snapshot().merged(resource_ledger.parts(run.workdir)).merged(
+                resource_ledger.Resources(cpu_s=cpu.spent())),
             execution=launcher_for(run.runtime.placement).execution())
         with disk_full_named(run.step_id, Path(store.root_path) if not store.is_remote else out):
             manifest = store.commit(out, manifest, run.runtime.how.storage.shard_index_above, sctx.published)
