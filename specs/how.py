@@ -434,7 +434,8 @@ class Checkpoints(SpecModel):
 
     field_identity: ClassVar[dict[str, Identity]] = {
         # the artifact of a training step holds its kept, exported checkpoints: what every-checkpoint evaluation scores
-        "every_steps": "results", "keep_last": "results", "hf_export_every": "results", "asynchronous": "placement"}
+        "every_steps": "results", "keep_last": "results", "hf_export_every": "results", "asynchronous": "placement",
+        "every_minutes": "placement"}
 
     every_steps: PositiveInt = Field(default=1000, description="Optimizer steps between checkpoints (a stage's last "
                                                                "step is always saved); TRL steps save at it too.")
@@ -443,6 +444,11 @@ class Checkpoints(SpecModel):
                                                           "evaluation.every_checkpoint, an older one's training state "
                                                           "is deleted but its Hugging Face export is kept, in the "
                                                           "step's artifact, until it is evaluated.")
+    every_minutes: PositiveFloat | None = Field(
+        default=None, le=10080, description="TRL post-training steps also save whenever this long has passed since "
+        "their last save (their checkpoints only resume the step: the artifact keeps the final weights), so a step "
+        "whose optimizer steps are long saves before its job's time limit whatever every_steps says; a job asked "
+        "to stop near its limit saves and requeues either way. None: by every_steps alone.")
     asynchronous: bool = Field(default=True, description="Copy the state to host memory and write it on a "
                                "background thread while training goes on (at most one write in flight).")
     hf_export_every: PositiveInt | None = Field(

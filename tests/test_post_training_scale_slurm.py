@@ -1,10 +1,14 @@
-"""A TRL step as its Slurm job on the suite's one-node cluster: two ranks started with srun inside the job, and
-`scontrol requeue` mid-training resumes from the newest complete checkpoint to the weights of an undisturbed run."""
+"""A TRL step as its Slurm job on the suite's one-node cluster: two ranks started with srun inside the job; the time
+limit's warning signal mid-training (USR1 to the batch shell, as Slurm sends it `signal_before_s` before the limit)
+makes the ranks save a complete checkpoint and stop at the same step, the job requeue itself, and the requeued job
+resume from that checkpoint to the weights of an undisturbed run (issue 73, H2: before, the TRL ranks never saw the
+stop and an SFT longer than the time limit never finished)."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -20,14 +24,15 @@ from compass.tasks.post_training.trl_checkpoints import newest_complete
 from compass.tasks.steps.context import Runtime
 from tests.conftest import cluster_spec, seeded, write_minimal_spec
 from tests.test_post_training_scale import POST, TRL_SHAPE, run_steps, spec_with_ranks, weights
-from tests.test_slurm import controller_log, release_when_pending, scontrol, wait_for
+from tests.test_slurm import controller_log, release_when_pending, wait_for
 
 pytestmark = pytest.mark.slow
 
 LONGER = {"  pretraining:": POST.replace("max_samples: 48", "max_samples: 160"), "how:\n": TRL_SHAPE % 2}
 
 
-def test_a_requeued_trl_job_resumes_from_its_checkpoint(slurm, trl_trained_store: Path, tmp_path: Path):
+def test_a_trl_job_near_its_time_limit_saves_stops_requeues_and_resumes(slurm, trl_trained_store: Path,
+                                                                         tmp_path: Path):
     pretrained = seeded(tmp_path / "pretrained" / "store", trl_trained_store)
     reference_store = tmp_path / "reference" / "store"
     shutil.copytree(pretrained, reference_store)
@@ -59,7 +64,10 @@ def test_a_requeued_trl_job_resumes_from_its_checkpoint(slurm, trl_trained_store
     assert "error" not in box, box["error"]
     job = slurm_jobs.read_record(work.root).job_id
     wait_for(lambda: newest_complete(work.trl_checkpoints) is not None, "a complete TRL checkpoint")
-    scontrol("requeue", job)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)  # the time limit is near
+    wait_for(lambda: slurm_jobs.state_of(job).state == "PENDING", "the job to requeue itself")
+    said = work.slurm_log.read_text()  # before the requeued job starts its own log
+    stopped = int(said.split("post_train:sft: stopped at step ")[1].split()[0])  # the ranks saved and stopped
     release_when_pending(job)
     thread.join(600)
     assert "error" not in box, f"{box.get('error')}\ncontroller: {controller_log(slurm)}"
@@ -67,6 +75,7 @@ def test_a_requeued_trl_job_resumes_from_its_checkpoint(slurm, trl_trained_store
     metrics = outcome.manifest.metrics
     assert metrics["ranks"] == 2 and outcome.manifest.execution.slurm_job == job  # the same job, restarted
     assert metrics["resumed_from_step"] and metrics["resumed_from_step"] < metrics["steps"]
+    assert metrics["resumed_from_step"] == stopped  # resumed from the checkpoint the stop wrote
     assert metrics["steps"] == undisturbed.manifest.metrics["steps"]
     got, want = weights(outcome), weights(undisturbed)
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compass.infra.errors import DataError
+from compass.infra.errors import DataError, StopRequested
 from compass.infra.layout import ModelArtifact, WorkFolder
 from compass.infra.packages import fetch_package
 from compass.model.training.history import tokens_seen
@@ -53,6 +53,7 @@ from compass.tasks.post_training.reasoning import (
     reasoning_conversations,
     with_mode,
 )
+from compass.tasks.post_training.trl_checkpoints import newest_complete
 from compass.tasks.post_training.trl_job import TrlJob, TrlResult
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepKind
@@ -414,6 +415,8 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
         from compass.tasks.common.training import run_module_ranks
 
         run_module_ranks(TRL_RANKS_MODULE, work.trl_job, world, shape, ctx.runtime, ctx.log)
+        if not work.trl_result.exists() and work.stop_file.exists() and newest_complete(work.trl_checkpoints):
+            raise StopRequested(int(newest_complete(work.trl_checkpoints).name.rsplit("-", 1)[1]))  # requeued
         result = TrlResult.read(work.trl_result)
     del model
     facts |= {k: v for k, v in result.facts.items() if k != "sft_samples"}

@@ -51,3 +51,42 @@ class CompleteCheckpoints(TrainerCallback):
                 shutil.rmtree(old, ignore_errors=True)
         collectives.barrier()
         return control
+
+
+class StopAndSave(TrainerCallback):
+    """A TRL step near its Slurm time limit (the batch shell touches the stop file on USR1; a rank's own USR1 sets
+    `signalled`) saves a complete checkpoint after the current step and stops, every rank at the same step (the
+    ranks agree through one all-reduce per step); the requeued job resumes from it. With `every_s`, it also saves
+    when that long has passed since the last save (a step whose optimizer steps are long: a 2-day SFT at 64k saving
+    every 2,000 steps would never save before its time limit)."""
+
+    signalled = False  # set by the USR1 handler of the ranks' main (trl_ranks.py)
+
+    def __init__(self, stop_file: Path | None, every_s: float | None = None):
+        import time
+
+        self.stop_file, self.every_s = stop_file, every_s
+        self.saved_at = time.monotonic()
+        self.stopped_at: int | None = None  # the step it stopped after
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import time
+
+        from compass.model.training import collectives
+
+        asked = StopAndSave.signalled or (state.is_world_process_zero and self.stop_file is not None
+                                          and self.stop_file.exists())
+        due = self.every_s is not None and time.monotonic() - self.saved_at >= self.every_s
+        stop, save = collectives.any_rank(asked), collectives.any_rank(due)  # rank 0's clock and file decide
+        if stop and state.global_step < state.max_steps:
+            control.should_save = control.should_training_stop = True
+            self.stopped_at = state.global_step
+        elif save:
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        import time
+
+        self.saved_at = time.monotonic()
+        return control

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 from compass.infra.die_with_parent import die_with_parent
 from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.environment import prepare_environment
+from compass.infra.errors import StopRequested
 from compass.infra.exits import broken_collective
 from compass.infra.layout import WorkFolder
 from compass.model.training.goodput import process_start
@@ -29,7 +31,7 @@ from compass.tasks.common.devices import Device, hf_attention, require_vllm
 from compass.tasks.post_training.adapters import with_adapters
 from compass.tasks.post_training.chat import load_chat_model
 from compass.tasks.post_training.reasoning import system_prompts_kept, trained_rows
-from compass.tasks.post_training.trl_checkpoints import CompleteCheckpoints, newest_complete
+from compass.tasks.post_training.trl_checkpoints import CompleteCheckpoints, StopAndSave, newest_complete
 from compass.tasks.post_training.trl_goodput import TrlGoodput
 from compass.tasks.post_training.trl_job import TrlJob, TrlResult
 from compass.tasks.post_training.trl_prometheus import TrlPrometheus
@@ -109,7 +111,10 @@ def per_rank_batch(batch_size: int, world: int) -> int:
 
 def _callbacks(job: TrlJob, ledger: TrlGoodput) -> list[Any]:
     # the ledger after CompleteCheckpoints: its barriers are part of the checkpoint's time
-    out: list[Any] = [CompleteCheckpoints(WorkFolder(job.work).trl_checkpoints, job.how.checkpoints.keep_last), ledger]
+    stop_file = os.environ.get("COMPASS_STOP_FILE")  # under Slurm: touched near the time limit (infra/slurm.py)
+    minutes = job.how.checkpoints.every_minutes
+    out: list[Any] = [StopAndSave(Path(stop_file) if stop_file else None, minutes * 60 if minutes else None),
+                      CompleteCheckpoints(WorkFolder(job.work).trl_checkpoints, job.how.checkpoints.keep_last), ledger]
     if job.tensorboard is not None and _rank() == 0:
         from torch.utils.tensorboard import SummaryWriter
         from transformers.integrations import TensorBoardCallback
@@ -279,6 +284,11 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
     resume = newest_complete(work.trl_checkpoints)
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        stopper = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StopAndSave))
+        if stopper.stopped_at is not None:  # saved before the time limit: the requeued job resumes from it
+            raise StopRequested(stopper.stopped_at)
+    except StopRequested:
+        raise
     except BaseException:
         ledger.failed()
         for callback in trainer.callback_handler.callbacks:  # the tracker runs end as failed, the endpoint goes
@@ -299,6 +309,10 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
     return trainer, result
 
 
+def _stop_requested(signum: int, frame: Any) -> None:
+    StopAndSave.signalled = True
+
+
 def main(job_path: str) -> int:
     """One TRL rank (`python -m compass.tasks.post_training.trl_ranks JOB.json`); its exit code: RETRIABLE_EXIT when
     a collective broke (a peer lost), so the step's Slurm job requeues itself as a trainer's does."""
@@ -311,8 +325,13 @@ def main(job_path: str) -> int:
     model, tokenizer = load_chat_model(work.trl_start)
     from compass.model.training import collectives
 
+    signal.signal(signal.SIGUSR1, _stop_requested)
     try:
         train(job, model, tokenizer, read_rows(work.trl_rows), process_start())
+    except StopRequested as stopped:  # no result: the step sees the stop and the job is requeued, resuming from it
+        print(f"{job.step}: {stopped}", file=sys.stderr)
+        collectives.leave()
+        return 0
     except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
         if collectives.broke_a_collective(failed):  # a peer lost or a collective broken (NCCL, gloo): retriable
             return broken_collective(work.root, collectives.rank_env()[0], failed)

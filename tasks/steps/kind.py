@@ -90,7 +90,8 @@ CHECKPOINT_HOW = ("checkpoints.every_steps", "checkpoints.keep_last", "checkpoin
 # evaluation when every_checkpoint asks
 MODEL_TRAINER_HOW = (*TRAINER_HOW, *CHECKPOINT_HOW, "evaluation.every_checkpoint")
 TRL_HOW = ("precision", "attention", "loss", "compile", "generation", "hardware.accelerator",
-           "parallelism.zero_stage")  # TRL's optimizer is the HF Trainer's under either engine
+           "parallelism.zero_stage",  # TRL's optimizer is the HF Trainer's under either engine
+           "checkpoints.every_minutes")  # placement: when it saves to resume, recorded, never in the fingerprint
 EVALUATION_HOW = ("precision", "attention", "compile", "generation", "hardware.accelerator")
 
 
