@@ -2,7 +2,7 @@
 ran and the Prefect artifacts it published, and the orchestrating process's memory and CPU while it ran. Counted
 where the I/O happens (the store's reads, copies and commits; staging in the ranks; the live publisher), never
 estimated, and recorded in the step's manifest beside the goodput ledger, so a cost that grows with the corpus or
-the run's length shows in every run at any size (specs/scale_costs.py predicts the same quantities).
+the run's length shows in every run at any size.
 
 The step's thread holds its ledger in a context variable (`counting`): the store counts into it whatever thread of
 the step asks. A rank process (node-local staging runs in the trainer) counts into a ledger of its own and leaves

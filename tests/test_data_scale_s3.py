@@ -84,7 +84,7 @@ def _one_file_artifact(prefix: str, scratch: Path):
 
 
 def _replace(store, manifest) -> None:
-    store.fs.pipe_file(f"{store._path(manifest.uri)}/{manifest.files[0].path}", REPLACED)
+    store.fs.pipe_file(f"{store.path_of(manifest.uri)}/{manifest.files[0].path}", REPLACED)
 
 
 def test_a_shard_changed_on_s3_after_its_commit_fails_the_read_at_its_end(
@@ -286,7 +286,7 @@ def test_shards_written_in_place_are_checked_against_the_listing_and_nothing_els
         committed = store.commit(out, manifest, published=[recorded])
     assert [e.path for e in committed.files] == ["documents/00000.jsonl.gz", "stats.json"]
     store.fs.invalidate_cache()
-    assert store.fs.ls(folder) == [f"{store._path(manifest.uri)}/documents/00000.jsonl.gz"]  # the stale one is gone
+    assert store.fs.ls(folder) == [f"{store.path_of(manifest.uri)}/documents/00000.jsonl.gz"]  # the stale one is gone
     from compass.infra import verify
 
     assert verify.damage(store, manifest.uri, "full") == []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from compass.flows.reports.step_record import StepRecord
 from tests.conftest import REPO, VENV_BIN
 from tests.hub_cache import llama_like_tokenizer, seed_model
 
@@ -138,7 +139,7 @@ def test_a_rehearsals_library_steps_say_their_cpu_ranks_ran_fp32(hub_cache: Path
                                 metrics={"setup": setup_of(rehearsal.spec.how)})
         with store.staging() as out:
             store.commit(out, manifest)
-        results.append({"step": step_id, "uri": manifest.uri})
+        results.append(StepRecord(step=step_id, uri=manifest.uri, executed=True, seconds=1.0, pid=1))
     rows = {r["step"]: r for r in smoke_table(rehearsal.plan, rehearsal.spec, rehearsal.loaded.size_changes,
                                               "rehearsal", results, store)}
     for step_id in ("post_train:apo", "evaluate:pretrain-stage3"):

@@ -53,7 +53,6 @@ from compass.tasks.post_training.reasoning import (
     reasoning_conversations,
     with_mode,
 )
-from compass.tasks.post_training.trl_checkpoints import newest_complete
 from compass.tasks.post_training.trl_job import TrlJob, TrlResult
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import TRANSFORMERS, TRL_HOW, PlanBuilder, StepKind
@@ -415,6 +414,8 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
         from compass.tasks.common.training import run_module_ranks
 
         run_module_ranks(TRL_RANKS_MODULE, work.trl_job, world, shape, ctx.runtime, ctx.log)
+        from compass.tasks.post_training.trl_checkpoints import newest_complete  # (imports transformers)
+
         if not work.trl_result.exists() and work.stop_file.exists() and newest_complete(work.trl_checkpoints):
             raise StopRequested(int(newest_complete(work.trl_checkpoints).name.rsplit("-", 1)[1]))  # requeued
         result = TrlResult.read(work.trl_result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -63,15 +64,11 @@ class StopAndSave(TrainerCallback):
     signalled = False  # set by the USR1 handler of the ranks' main (trl_ranks.py)
 
     def __init__(self, stop_file: Path | None, every_s: float | None = None):
-        import time
-
         self.stop_file, self.every_s = stop_file, every_s
         self.saved_at = time.monotonic()
         self.stopped_at: int | None = None  # the step it stopped after
 
     def on_step_end(self, args, state, control, **kwargs):
-        import time
-
         from compass.model.training import collectives
 
         asked = StopAndSave.signalled or (state.is_world_process_zero and self.stop_file is not None
@@ -86,7 +83,5 @@ class StopAndSave(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        import time
-
         self.saved_at = time.monotonic()
         return control
