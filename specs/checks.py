@@ -218,6 +218,7 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
     elif how.precision == "fp16" and par.engine_name != "deepspeed":
         yield Issue(("how", "precision"), f"fp16 trains only under DeepSpeed (its loss scaler); the {par.engine_name} "
                     "engine would train in fp32", "use bf16, or parallelism.engine: deepspeed")
+    yield from _gradient_reduction(spec)
     if par.pipeline_parallel > 1:
         yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
                     "use data and tensor parallelism (with ZeRO) instead")
@@ -406,6 +407,32 @@ def _variant_architecture(name: str, proxy: dict[str, Any], path: str, value: An
         return
     for issue in architecture_rules(arch, at):
         yield Issue(at, f"variant '{name}' makes a model compass cannot build: {issue.message}", issue.hint)
+
+
+COMPASS_TRAINED = ("ablation", "pretraining", "long_context", "mid_training")  # phases compass's trainer runs
+
+
+def _gradient_reduction(spec: TrainingSpec) -> Iterator[Issue]:
+    """how.reduce_precision is either fp32 or the training precision, and an engine that can honour it: DeepSpeed
+    at ZeRO-0 sums and all-reduces bf16/fp16 gradients in the weights' dtype (its DDP_BFLOAT16 / FP16 optimizers;
+    fp32 accumulation there raises NotImplementedError in DeepSpeed 0.19), so fp32 asks for ZeRO-1 or above. TRL's
+    steps at ZeRO-0 train under DDP with fp32 weights: only compass's own trainer meets the limit."""
+    how, par = spec.how, spec.how.parallelism
+    at = ("how", "reduce_precision")
+    if how.precision == "fp32" and how.reduce_precision != "fp32":
+        yield Issue(at, f"reduce_precision {how.reduce_precision} applies to bf16/fp16 training; this spec trains in "
+                    "fp32, whose gradients are fp32", "remove reduce_precision")
+    elif how.reduce_precision not in ("fp32", how.precision):
+        yield Issue(at, f"gradients of {how.precision} training are reduced in fp32 or in {how.precision}, not in "
+                    f"{how.reduce_precision}", f"use reduce_precision: fp32 (the recipe's) or {how.precision}")
+    elif (how.precision != "fp32" and how.reduce_precision == "fp32" and par.engine_name == "deepspeed"
+          and par.zero_stage == 0 and how.hardware.accelerator != "cpu"  # there: bf16 itself is refused
+          and phases_of(spec) & set(COMPASS_TRAINED)):
+        yield Issue(("how", "parallelism", "zero_stage"), f"DeepSpeed at ZeRO-0 sums and all-reduces {how.precision} "
+                    f"gradients in {how.precision} (its low-precision DDP optimizer), and how.reduce_precision asks "
+                    "for fp32 (the recipe's)", "use zero_stage: 1 (fp32 accumulation and reduction, and each rank "
+                    "keeps and checkpoints only its share of the optimizer state), or reduce_precision: "
+                    f"{how.precision}")
 
 
 def phases_of(spec: TrainingSpec) -> set[Phase]:

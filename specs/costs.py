@@ -169,6 +169,15 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer + self.activations + self.logits
 
 
+def gradient_bytes(how: How, zero_stage: int) -> int:
+    """Bytes per parameter a rank holds for gradients of bf16/fp16 training. Summed in fp32 (how.reduce_precision):
+    below ZeRO-2 a whole fp32 accumulator beside the 16-bit gradients (DeepSpeed's BF16_Optimizer), from ZeRO-2 up
+    (and FSDP2) fp32 partitions only; summed in 16 bits, the weights' own gradients."""
+    if how.reduce_precision != "fp32":
+        return 2
+    return 4 if zero_stage >= 2 else 6
+
+
 def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = None,
                    micro_batch: int | None = None, phase: Phase = "pretraining") -> MemoryEstimate:
     """Bytes per GPU for one training micro-step of `phase` (its data parallelism shards ZeRO's states) at
@@ -180,7 +189,7 @@ def memory_per_gpu(spec: TrainingSpec, zero_stage: int, seq_len: int | None = No
     n = count_parameters(arch, vocab).total
     tp = par.tensor_parallel
     dp = par.data_parallel if phase == "pretraining" else how.data_parallel(phase)
-    w_bytes, g_bytes, o_bytes = (4, 4, 8) if how.precision == "fp32" else (2, 2, 12)
+    w_bytes, g_bytes, o_bytes = (4, 4, 8) if how.precision == "fp32" else (2, gradient_bytes(how, zero_stage), 12)
     if zero_stage == 3 and par.engine_name == "fsdp2":
         dp = par.shard_ranks(dp)  # HSDP: one copy of the states per shard group
     weights = n * w_bytes / tp / (dp if zero_stage >= 3 else 1)

@@ -568,8 +568,8 @@ class How(SpecModel):
     checkpoints, evaluation cadence and monitoring."""
 
     field_identity: ClassVar[dict[str, Identity]] = {
-        "precision": "results", "attention": "results", "compile": "results", "loss": "results",
-        "generation": "results"}  # its sections classify their own fields
+        "precision": "results", "reduce_precision": "results", "attention": "results", "compile": "results",
+        "loss": "results", "generation": "results"}  # its sections classify their own fields
 
     hardware: Hardware = Field(default=Hardware(), description="Accelerator, nodes and devices, and the launch.")
     resources: Resources = Field(default=Resources(), description="Per-phase nodes, devices, CPUs, memory and time "
@@ -579,6 +579,11 @@ class How(SpecModel):
     precision: Precision = Field(
         default="fp32", description="Training precision: fp32, bf16 mixed precision, or fp16 (DeepSpeed); CPU trains "
                                     "in fp32 only.")
+    reduce_precision: Precision = Field(
+        default="fp32", description="Under bf16 or fp16 training, the dtype gradients are summed over micro-batches "
+        "and reduced across data-parallel ranks in: fp32 (the SmolLM3 and nanotron recipe; DeepSpeed from ZeRO-1 up, "
+        "FSDP2's reduce_dtype, DDP's own fp32 gradients), or the training precision itself (half the bytes on the "
+        "wire, a rounding error per sum that grows with the data-parallel size). fp32 training reduces in fp32.")
     attention: AttentionBackend = Field(
         default="auto", description="Packed-document attention: flash (flash-attn varlen, CUDA), varlen (torch's "
         "own varlen Flash kernels on CUDA in bf16/fp16, a per-document reference elsewhere; compiles without graph "

@@ -24,6 +24,8 @@ def assert_production_ranks(metrics: dict, log: str, engine: str = "deepspeed", 
             assert rank["visible"] == ["0", "1"], rank  # Slurm's list of the node's GPUs, not unset, not one
     setup = metrics["setup"]
     assert (setup["engine"], setup["precision"]) == (engine, "bf16"), setup
+    # the recipe's numerics, read from the engine the ranks built: bf16 compute, gradients summed and reduced in fp32
+    assert setup["gradients"] == "accumulated in float32, reduced in float32", setup
     # the start-of-run checks read the bf16 weights DeepSpeed holds (before: numpy has no bfloat16, a TypeError)
     assert metrics["parallel"] == ("4 ranks (2 data-parallel x 2 tensor-parallel): identical replicas, distinct data, "
                                    "distinct shards; shards gathered equal the initial weights")

@@ -287,7 +287,7 @@ def copy_artifacts(fs, source: str, target: str, kinds: tuple[str, ...]) -> None
 def test_the_production_spec_rehearses_its_pretraining_on_two_gpu_nodes(production: Production, gpu_cluster,
                                                                         tmp_path: Path):
     """`compass run SPEC --rehearse`, the first thing to run on a new cluster: the SmolLM3 spec's own `how` (DeepSpeed
-    ZeRO-0 in bf16, TP 2, `launch: srun`, node-local staging, the shared-root probe, requeue) on 2 nodes x 2 GPUs of
+    ZeRO-1 in bf16, TP 2, `launch: srun`, node-local staging, the shared-root probe, requeue) on 2 nodes x 2 GPUs of
     the emulated cluster, `what` at smoke size. Its data steps are the smoke run's (the same fingerprints: copied, not
     recomputed); its first stage trains as a Slurm job whose ranks compute on the CPU in bf16, each recording the GPU
     it would open, and Liger's CUDA-only loss gives way to the chunked one through the same dispatch, as the run's
@@ -316,7 +316,7 @@ def test_the_production_spec_rehearses_its_pretraining_on_two_gpu_nodes(producti
         "lengths)", "loss liger -> chunked (Liger's fused kernel needs CUDA)"]
     rows = {r["step"]: r for r in summary["rehearsal"]}
     assert rows["pretrain:stage1"]["exercised"].startswith(
-        "DeepSpeed ZeRO-0 + TP 2 in bf16 on 4 ranks over 2 node(s) x 2 h100 (Slurm, launch srun), attention auto, "
+        "DeepSpeed ZeRO-1 + TP 2 in bf16 on 4 ranks over 2 node(s) x 2 h100 (Slurm, launch srun), attention auto, "
         "loss liger, node-local staging")
     assert "on CPU ranks: attention auto -> varlen" in rows["pretrain:stage1"]["exercised"]
     assert "hardware.nodes 48 -> 2" in rows["(every step)"]["shrunk"]

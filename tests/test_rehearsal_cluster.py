@@ -1,7 +1,7 @@
 """The production launch rehearsed on an emulated GPU cluster: two Slurm nodes on this machine, each declaring two
 GPUs as GRES (tests/slurm_cluster.py), so Slurm sets CUDA_VISIBLE_DEVICES, SLURM_LOCALID and SLURMD_NODENAME per
 task exactly as on GPU nodes. The minimal spec's first pretraining stage runs the way the SmolLM3 spec trains:
-DeepSpeed in bf16 at ZeRO-0 with TP 2, on 2 nodes x 2 GPUs, node-local staging, with `launch: torchrun` (and FSDP2
+DeepSpeed in bf16 at ZeRO-1 with TP 2, on 2 nodes x 2 GPUs, node-local staging, with `launch: torchrun` (and FSDP2
 with srun), submitted by `compass run`. The ranks compute on the CPU (no CUDA here) and record the GPU each would
 open. The spec's own launch (`srun`) is rehearsed on the SmolLM3 spec itself, with `compass run --rehearse`
 (tests/test_production.py).
@@ -47,7 +47,7 @@ def srun(env: dict[str, str], *args: str) -> str:
 
 PRODUCTION_HOW = """how:
   hardware: {accelerator: h100, nodes: 2, devices_per_node: 2}
-  parallelism: {deepspeed: true, zero_stage: 0, data_parallel: 2, tensor_parallel: 2, micro_batch_size: 1}
+  parallelism: {deepspeed: true, zero_stage: 1, data_parallel: 2, tensor_parallel: 2, micro_batch_size: 1}
   precision: bf16
   storage: {local_cache: CACHE}
   orchestration: {cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED, launch: LAUNCH}}
@@ -55,12 +55,12 @@ PRODUCTION_HOW = """how:
 
 
 def rehearse(tmp_path: Path, data_store: Path, api_url: str, launch: str,
-             engine: str = "deepspeed: true, zero_stage: 0") -> dict:
+             engine: str = "deepspeed: true, zero_stage: 1") -> dict:
     """`compass run` of the first pretraining stage, the SmolLM3 spec's `how` at 2 x 2 GPUs; its manifest's metrics."""
     spec = write_minimal_spec(tmp_path, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
                                            "tokens: 20000, sequence_length: 64": "tokens: 2048, sequence_length: 64"})
     how = PRODUCTION_HOW.replace("CACHE", str(tmp_path / "node-scratch")).replace("SHARED", str(tmp_path / "shared"))
-    spec.write_text(spec.read_text() + how.replace("LAUNCH", launch).replace("deepspeed: true, zero_stage: 0", engine))
+    spec.write_text(spec.read_text() + how.replace("LAUNCH", launch).replace("deepspeed: true, zero_stage: 1", engine))
     seeded(tmp_path / "store", data_store)
     env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": api_url}
     done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(tmp_path / "store"),

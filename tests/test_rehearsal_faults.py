@@ -63,7 +63,7 @@ def test_a_controller_that_does_not_answer_is_asked_again_not_read_as_a_finished
 
 FAULTY_HOW = """how:
   hardware: {accelerator: h100, nodes: NODES, devices_per_node: DEVICES}
-  parallelism: {deepspeed: true, zero_stage: 0, data_parallel: 2, micro_batch_size: 1}
+  parallelism: {deepspeed: true, zero_stage: 1, data_parallel: 2, micro_batch_size: 1}
   precision: bf16
   checkpoints: {every_steps: 5}
   monitoring: {hang_timeout_s: 20}

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 GPU_HOW = """how:
   hardware: {accelerator: h100, devices_per_node: 2}
   precision: bf16
-  parallelism: {data_parallel: 2, micro_batch_size: 1}
+  parallelism: {zero_stage: 1, data_parallel: 2, micro_batch_size: 1}
   orchestration: {cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED}}
 """
 

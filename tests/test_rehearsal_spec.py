@@ -43,9 +43,10 @@ def test_a_rehearsal_keeps_how_and_caps_its_shapes_at_two_nodes_of_two_gpus(hub_
             "attention": how.attention, "engine": how.parallelism.engine_name, "zero": how.parallelism.zero_stage,
             "tp": how.parallelism.tensor_parallel, "micro": how.parallelism.micro_batch_size,
             "checkpointing": how.parallelism.activation_checkpointing, "cluster": how.orchestration.cluster,
-            "retries": how.orchestration.retries, "cache": how.storage.local_cache}
+            "retries": how.orchestration.retries, "cache": how.storage.local_cache,
+            "reduce": how.reduce_precision}
     assert kept == {"accelerator": "h100", "precision": "bf16", "loss": "liger", "attention": real.attention,
-                    "engine": "deepspeed", "zero": 0, "tp": 2, "micro": 3, "checkpointing": True,
+                    "reduce": "fp32", "engine": "deepspeed", "zero": 1, "tp": 2, "micro": 3, "checkpointing": True,
                     "cluster": real.orchestration.cluster, "retries": 3, "cache": "/scratch/compass"}
     shapes = {phase: (how.shape(phase).nodes, how.shape(phase).devices_per_node)
               for phase in ("pretraining", "long_context", "ablation", "post_training", "evaluation")}
@@ -71,7 +72,7 @@ def test_a_rehearsal_keeps_how_and_caps_its_shapes_at_two_nodes_of_two_gpus(hub_
 
     rows = {r["step"]: r for r in smoke_table(rehearsal.plan, spec, rehearsal.loaded.size_changes, "rehearsal")}
     for step in ("pretrain:stage1", "mid_training:reasoning_mid"):  # compass's trainer, on the phase's shape
-        assert rows[step]["exercised"].startswith("DeepSpeed ZeRO-0 + TP 2 in bf16 on 4 ranks over 2 node(s) x 2 "
+        assert rows[step]["exercised"].startswith("DeepSpeed ZeRO-1 + TP 2 in bf16 on 4 ranks over 2 node(s) x 2 "
                                                   "h100 (Slurm, launch srun)"), rows[step]
     assert "batch_size 576 -> 12" in rows["mid_training:reasoning_mid"]["shrunk"]
 

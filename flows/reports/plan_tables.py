@@ -248,6 +248,8 @@ def training_core_section(spec: TrainingSpec) -> Section:
     rows = [["attention", f"{how.attention}: {attention}"], ["loss", f"{how.loss}: {loss}"],
             ["compile", str(how.compile)], ["activation checkpointing", str(how.parallelism.activation_checkpointing)],
             ["precision", how.precision + (" (bf16 autocast on CUDA)" if how.precision == "bf16" else "")],
+            ["gradients", "fp32" if how.precision == "fp32" else
+             f"summed over micro-batches and reduced across ranks in {how.reduce_precision} (how.reduce_precision)"],
             ["checkpoints", f"every {how.checkpoints.every_steps} steps, keep {how.checkpoints.keep_last}, "
                             + ("written in the background" if how.checkpoints.asynchronous else "synchronous")
                             + ("; every export kept in the step's artifact until evaluated (evaluation."

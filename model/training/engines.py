@@ -35,6 +35,7 @@ class Engine(Protocol):
     name: str
     module: torch.nn.Module  # the bare CausalLMWithLoss (no DDP or DeepSpeed wrapper)
     sharding: str  # how the training states are spread over the ranks, in words ("" for one whole copy each)
+    gradients: str  # the dtypes gradients are accumulated and reduced in, as the engine set them up
 
     def __call__(self, **inputs: Any) -> Any: ...
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -88,16 +89,24 @@ def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int):
+    def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int,
+                 reduce_precision: str = "fp32"):
         self.module = model
         _, world, _ = rank_env()
         device = next(model.parameters()).device  # the rank's own GPU (model/training/rank_device.py), or the CPU
         self.model = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type ==
                                                                 "cuda" else None) if world > 1 else model)
+        reduced = torch.float32  # the weights are fp32 (bf16 computes under autocast): so are their gradients
+        if world > 1 and reduce_precision == "bf16":  # how.reduce_precision: bf16 on the wire, DDP's own hook
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            self.model.register_comm_hook(None, bf16_compress_hook)
+            reduced = torch.bfloat16
         self.optimizer = adamw(groups, opt, device)
         self.accumulation = accumulation
         self.clip = opt.grad_clip
         self.sharding = ""  # every rank holds every state
+        self.gradients = gradients_in_words(torch.float32, reduced)
         self.staging = HostStaging(device.type == "cuda")
 
     def __call__(self, **inputs):
@@ -201,9 +210,14 @@ def _capturing_checkpoint_engine(config: Any, cuda: bool) -> Any:
         def __init__(self) -> None:
             super().__init__(config)
             self.captured: list[tuple[str, Any]] = []
+            self.loaded: list[str] = []
 
         def save(self, state_dict: Any, path: str) -> None:
             self.captured.append((path, staging.copy(state_dict)))
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            self.loaded.append(str(path))
+            return super().load(path, map_location=map_location)
 
     return Capturing()
 
@@ -218,11 +232,30 @@ def _partitioned_at_any_size(model: torch.nn.Module, zero_stage: int) -> dict[st
     return {"stage3_param_persistence_threshold": min(100_000, total // 1000)}
 
 
+def gradient_dtypes(precision: str, reduce_precision: str, zero_stage: int) -> dict[str, Any]:
+    """DeepSpeed's settings for the dtype gradients are accumulated over micro-batches and reduced across ranks in.
+    Left alone, bf16/fp16 training does both in the weights' 16 bits (DeepSpeed's default communication dtype is the
+    model's); the recipe (SmolLM3's, nanotron's) does both in fp32. DeepSpeed 0.19 accumulates in fp32 from ZeRO-1 up
+    (at ZeRO-1 in bf16 through its BF16_Optimizer); at ZeRO-0 it cannot, which validation refuses
+    (specs/checks.py)."""
+    if precision == "fp32":
+        return {}
+    if reduce_precision != "fp32":
+        return {"communication_data_type": precision}
+    return {"communication_data_type": "fp32", **({"data_types": {"grad_accum_dtype": "fp32"}} if zero_stage else {})}
+
+
+def gradients_in_words(accumulated: torch.dtype, reduced: torch.dtype) -> str:
+    """What the run's setup records: "accumulated in float32, reduced in float32"."""
+    return f"accumulated in {str(accumulated).removeprefix('torch.')}, reduced in {str(reduced).removeprefix('torch.')}"
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, model: torch.nn.Module, groups: list[dict], opt: Optimizer, accumulation: int,
-                 micro_batch: int, zero_stage: int, precision: str, backend: str, tensor_parallel: int = 1):
+                 micro_batch: int, zero_stage: int, precision: str, backend: str, tensor_parallel: int = 1,
+                 reduce_precision: str = "fp32"):
         deepspeed = import_deepspeed()
         keep_deepspeed_off_the_cpu_shm_op()
         _, world, local_rank = rank_env()
@@ -241,6 +274,7 @@ class DeepSpeedEngine:
             "fp16": {"enabled": precision == "fp16"},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
+            **gradient_dtypes(precision, reduce_precision, zero_stage),
         }
         if tensor_parallel == 1:  # DeepSpeed's check counts every rank as a data-parallel one, TP peers too
             config["train_batch_size"] = micro_batch * accumulation * world
@@ -254,6 +288,21 @@ class DeepSpeedEngine:
         self.zero_stage = zero_stage
         self.tensor_parallel = tensor_parallel
         self.sharding = f"ZeRO-{zero_stage} over {world // tensor_parallel} data-parallel ranks" if zero_stage else ""
+        self.gradients = gradients_in_words(self._accumulated_in(), self.engine.communication_data_type)
+
+    def _accumulated_in(self) -> torch.dtype:
+        """The dtype DeepSpeed's optimizer sums micro-batch gradients in, read from the optimizer it built."""
+        opt = self.engine.optimizer
+        if hasattr(opt, "fp32_groups_gradients_flat"):  # BF16_Optimizer (bf16 at ZeRO-1 with fp32 accumulation)
+            return opt.fp32_groups_gradients_flat[0].dtype
+        if hasattr(opt, "gradient_accumulation_dtype"):  # ZeRO-1/2/3's own optimizers
+            return opt.gradient_accumulation_dtype
+        return next(self.module.parameters()).dtype  # ZeRO-0: in the weights' .grad
+
+    @property
+    def files_read(self) -> list[str]:
+        """The checkpoint files this rank's engine has loaded (each rank reads its own optimizer share)."""
+        return list(self.capture.loaded)
 
     def __call__(self, **inputs):
         return self.engine(**inputs)
@@ -268,12 +317,12 @@ class DeepSpeedEngine:
         from deepspeed.runtime.utils import combine_grad_norm_groups, get_global_norm_of_tensors
 
         opt = self.engine.optimizer
-        if self.zero_stage in (1, 2):
+        if hasattr(opt, "scaled_global_norm"):  # ZeRO-1/2's optimizer (not BF16_Optimizer, below)
             return opt.scaled_global_norm() / opt.loss_scale
         if self.zero_stage == 3:
             return combine_grad_norm_groups(opt._get_norm_groups()) / opt.loss_scale
-        if hasattr(opt, "get_grads_for_norm"):  # bf16/fp16 at ZeRO-0: DeepSpeed's low-precision optimizer
-            grads, _ = opt.get_grads_for_norm()
+        if hasattr(opt, "get_grads_for_norm"):  # bf16/fp16 at ZeRO-0 (DeepSpeed's low-precision optimizer) and
+            grads, _ = opt.get_grads_for_norm()  # BF16_Optimizer (bf16 at ZeRO-1: every rank holds the reduced sum)
         else:  # fp32 at ZeRO-0: DeepSpeed clips the full gradients with deepspeed.runtime.utils.clip_grad_norm_
             grads = self._full_gradients_once()
         return get_global_norm_of_tensors(grads, mpu=self.engine.mpu) if grads else torch.zeros(())

@@ -22,7 +22,7 @@ import torch
 from compass.infra.layout import WEIGHTS
 from compass.model.training import collectives
 from compass.model.training.checkpoints import HostStaging, Write, to_host
-from compass.model.training.engines import adamw, clipped_step, hf_state, tensors_digest
+from compass.model.training.engines import adamw, clipped_step, gradients_in_words, hf_state, tensors_digest
 from compass.specs.training import Optimizer
 
 SHARDS = "dcp"  # the checkpoint's sub-folder of DCP files (`__<rank>_<n>.distcp`, `.metadata`)
@@ -34,7 +34,7 @@ class FSDP2Engine:
 
     def __init__(self, model: torch.nn.Module, groups_of: Callable[[torch.nn.Module], list[dict]], opt: Optimizer,
                  accumulation: int, precision: str, shard_group: int | None = None,
-                 reshard_after_forward: bool = True, tensor_parallel: int = 1):
+                 reshard_after_forward: bool = True, tensor_parallel: int = 1, reduce_precision: str = "fp32"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device = next(model.parameters()).device
@@ -45,8 +45,11 @@ class FSDP2Engine:
 
             parallelize_blocks(model.hf, mesh["tp"])
         self.initial_digest = _whole_digest(model)  # before sharding: every rank of a TP rank's column built it
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # a rehearsal's CPU
-                  if precision == "bf16" else MixedPrecisionPolicy())  # ranks too: bf16 rehearsed, not fp32
+        reduce = torch.bfloat16 if reduce_precision == "bf16" else torch.float32  # how.reduce_precision
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)  # a rehearsal's CPU ranks
+                  if precision == "bf16" else MixedPrecisionPolicy())  # too: bf16 rehearsed, not fp32
+        # the sharded gradients are the fp32 parameters' own: micro-batches accumulate there in fp32
+        self.gradients = gradients_in_words(torch.float32, reduce if precision == "bf16" else torch.float32)
         for block in model.hf.model.layers:
             fully_shard(block, mesh=data_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=data_mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit

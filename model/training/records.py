@@ -82,6 +82,7 @@ class TrainingSetup(BaseModel):
     precision: str
     engine: str
     sharding: str = ""  # how the engine spreads the states: "" (none), "ZeRO-2 over 4 ranks", "HSDP: 2 x 2", ...
+    gradients: str = ""  # the dtypes the engine sums and reduces gradients in: "accumulated in float32, reduced in ..."
     prefetch: int
     async_checkpoints: bool
     data_from: str  # "store", or the node-local cache the sources were staged into

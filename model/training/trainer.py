@@ -188,6 +188,7 @@ class Trainer:
         self.engine = self._engine(self.lm)
         self.setup = TrainingSetup(attention=self.attention, loss=loss, compile=job.compile, precision=job.precision,
                                    engine=self.engine.name, sharding=self.engine.sharding,
+                                   gradients=self.engine.gradients,
                                    prefetch=job.prefetch,
                                    async_checkpoints=job.checkpoints.asynchronous,
                                    data_from=str(job.staging.cache) if job.staging else "store",
@@ -247,12 +248,14 @@ class Trainer:
 
             decay = recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay
             return FSDP2Engine(lm.to(self.device), lambda hf: parameter_groups(hf, *decay), recipe.optimizer,
-                               self.accumulation, job.precision, par.shard_group,
-                               par.reshard_after_forward, par.tensor_parallel)  # groups of the sharded parameters
+                               self.accumulation, job.precision, par.shard_group, par.reshard_after_forward,
+                               par.tensor_parallel, job.how.reduce_precision)  # groups of the sharded parameters
         if par.deepspeed:
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
-                                   par.zero_stage, job.precision, backend, par.tensor_parallel)
-        return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation)
+                                   par.zero_stage, job.precision, backend, par.tensor_parallel,
+                                   job.how.reduce_precision)
+        return TorchEngine(lm.to(self.device), groups, recipe.optimizer, self.accumulation,
+                           job.how.reduce_precision if job.precision != "fp32" else "fp32")
 
     @property
     def tokens_per_step(self) -> int:

@@ -63,7 +63,7 @@ def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
     if job.world > 1:  # one rank opens no group (a backend named here would make accelerate look for one)
         args["ddp_backend"] = "nccl" if job.device == "cuda" else "gloo"
         if zero := zero_stage(how, job.world):
-            args["deepspeed"] = deepspeed_config(zero)
+            args["deepspeed"] = deepspeed_config(zero, "bf16" if job.bf16 else "fp32", how.reduce_precision)
             if job.device == "cpu":
                 from compass.model.training.engines import keep_deepspeed_off_the_cpu_shm_op
 
@@ -80,16 +80,19 @@ def zero_stage(how: Any, world: int) -> int:
     return par.zero_stage if par.deepspeed and world > 1 else 0
 
 
-def deepspeed_config(stage: int) -> dict[str, Any]:
+def deepspeed_config(stage: int, precision: str = "fp32", reduce_precision: str = "fp32") -> dict[str, Any]:
     """DeepSpeed's config for the HF Trainer inside TRL: ZeRO at `stage`; batch sizes, clipping and precision
     filled in by the Trainer from the TrainingArguments ("auto"), and the Trainer's own AdamW and schedule kept, so
-    the curve is the one of plain data parallel. At stage 3 the weights are gathered for the final save."""
+    the curve is the one of plain data parallel. At stage 3 the weights are gathered for the final save. Gradients
+    of bf16 training are summed and reduced in how.reduce_precision, as compass's own trainer does."""
+    from compass.model.training.engines import gradient_dtypes
+
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "zero_allow_untested_optimizer": True}
+            "zero_allow_untested_optimizer": True, **gradient_dtypes(precision, reduce_precision, stage)}
 
 
 def uses_liger(how: Any, device: str) -> bool:

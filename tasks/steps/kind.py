@@ -82,14 +82,14 @@ TRANSFORMERS = tuple(f"transformers:{name}" for name in (
 
 # What each family of kinds reads from `how` (StepKind.reads_how): compass's trainer (pretraining, long context,
 # mid-training, ablations), TRL's trainers, and evaluation (lighteval, perplexity, passkey).
-TRAINER_HOW = ("precision", "attention", "loss", "compile", "parallelism.engine_name", "parallelism.micro_batch_size",
-               "hardware.accelerator", "parallelism.zero_stage", "parallelism.tensor_parallel",
-               "parallelism.shard_group")
+TRAINER_HOW = ("precision", "reduce_precision", "attention", "loss", "compile", "parallelism.engine_name",
+               "parallelism.micro_batch_size", "hardware.accelerator", "parallelism.zero_stage",
+               "parallelism.tensor_parallel", "parallelism.shard_group")
 CHECKPOINT_HOW = ("checkpoints.every_steps", "checkpoints.keep_last", "checkpoints.hf_export_every")
 # a training step whose artifact is evaluated (pretraining, long context, mid-training) keeps every export for
 # evaluation when every_checkpoint asks
 MODEL_TRAINER_HOW = (*TRAINER_HOW, *CHECKPOINT_HOW, "evaluation.every_checkpoint")
-TRL_HOW = ("precision", "attention", "loss", "compile", "generation", "hardware.accelerator",
+TRL_HOW = ("precision", "reduce_precision", "attention", "loss", "compile", "generation", "hardware.accelerator",
            "parallelism.zero_stage",  # TRL's optimizer is the HF Trainer's under either engine
            "checkpoints.every_minutes")  # placement: when it saves to resume, recorded, never in the fingerprint
 EVALUATION_HOW = ("precision", "attention", "compile", "generation", "hardware.accelerator")
