@@ -227,6 +227,8 @@ class _Shrinker:
         self.set("how.parallelism", par, "tensor_parallel", self.tp)
         self.set("how.parallelism", par, "micro_batch_size", 1)
         self.set("how", how, "precision", "fp32")
+        if "reduce_precision" in how:  # fp32 training's gradients are fp32
+            self.set("how", how, "reduce_precision", "fp32")
         self.set("how", how, "attention", "auto")
         self.set("how", how, "loss", "auto")
         self.set("how", how, "compile", False)
