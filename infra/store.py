@@ -6,6 +6,7 @@ writes `manifest.json` last, so an artifact without a manifest is never taken fo
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -13,7 +14,6 @@ import re
 import shutil
 import socket
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -115,6 +115,9 @@ def root_problem(root: str) -> str | None:
 
 def _cache_home() -> Path:
     return Path(os.environ.get("COMPASS_CACHE", Path.home() / ".cache" / "compass"))
+
+
+LOCKS = ".locks"  # beside staged copies: one lock file per copy, held while it is made
 
 
 class Store:
@@ -238,34 +241,52 @@ class Store:
         return cache_dir / f"{manifest.fingerprint}-{content}"
 
     def copy_verified(self, uri: str, cache_dir: Path, only: str | None = None,
-                      select: Callable[[str], bool] | None = None) -> Path:
+                      select: Callable[[str], bool] | None = None,
+                      before_copy: Callable[[Path, int], None] | None = None) -> Path:
         """The artifact's files copied under `cache_dir` (a download from S3, or node-local staging from any
         store), each checked against the manifest's sha256 as it arrives; a complete copy (its manifest written
-        last) whose file sizes still match is reused. `select`: only the files whose relative paths it accepts
-        (a copy of another selection is another folder)."""
+        last) whose file sizes still match is reused, and marked used (its manifest's mtime). `select`: only the
+        files whose relative paths it accepts (a copy of another selection is another folder). A copy cut short
+        (a killed job, a requeue) is resumed: the files it verified stay (`.part/.verified`); processes copying
+        the same folder take turns (a lock file in `cache_dir/.locks`). `before_copy(the copy's folder, bytes
+        still to copy)` runs first (node-local staging makes room beside it)."""
         manifest = self.read_manifest(uri)
         files = self._selected(manifest, only, select)
         cache = self.staged_path(uri, cache_dir, only, select)
         done = cache / MANIFEST
-        if done.exists() and any(not (cache / e.path).is_file() or (cache / e.path).stat().st_size != e.size
-                                 for e in files):
-            shutil.rmtree(cache, ignore_errors=True)  # a copy altered since: copy again
-        if not done.exists():
-            resource_ledger.count_copied(sum(e.size for e in files))  # a reused copy costs no copy
-            partial = cache.with_name(cache.name + f".part-{uuid.uuid4().hex[:8]}")
-            for entry in files:
-                target = partial / entry.path
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(f"{self.path_of(uri)}/{entry.path}", str(target))
-                if sha256_file(str(target)) != entry.sha256:
-                    shutil.rmtree(partial, ignore_errors=True)
-                    raise OSError(f"checksum mismatch for {uri}/{entry.path}: the store's file differs from its "
-                                  "manifest (`compass verify` the store)")
+        (cache_dir / LOCKS).mkdir(parents=True, exist_ok=True)
+        with open(cache_dir / LOCKS / f"{cache.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if done.exists() and any(not (cache / e.path).is_file()
+                                     or (cache / e.path).stat().st_size != e.size for e in files):
+                shutil.rmtree(cache, ignore_errors=True)  # a copy altered since: copy again
+            if done.exists():
+                os.utime(done)  # used now: the last to be removed to make room
+                return cache
+            partial = cache.with_name(cache.name + ".part")
+            verified_list = partial / ".verified"
+            kept = set(verified_list.read_text().split("\n")) if verified_list.exists() else set()
+            kept = {e.path for e in files if e.path in kept and (partial / e.path).is_file()
+                    and (partial / e.path).stat().st_size == e.size}
+            remaining = [e for e in files if e.path not in kept]
+            if before_copy is not None:
+                before_copy(cache, sum(e.size for e in remaining))
+            resource_ledger.count_copied(sum(e.size for e in remaining))  # a reused copy costs no copy
+            partial.mkdir(parents=True, exist_ok=True)
+            with open(verified_list, "a") as record:
+                for entry in remaining:
+                    target = partial / entry.path
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    self.fs.get_file(f"{self.path_of(uri)}/{entry.path}", str(target))
+                    if sha256_file(str(target)) != entry.sha256:
+                        target.unlink(missing_ok=True)
+                        raise OSError(f"checksum mismatch for {uri}/{entry.path}: the store's file differs from "
+                                      "its manifest (`compass verify` the store)")
+                    record.write(entry.path + "\n")
+                    record.flush()
+            verified_list.unlink()
             (partial / MANIFEST).write_text(manifest.model_dump_json(indent=2))
-            try:
-                partial.rename(cache)
-            except OSError:  # another process finished the same copy first
-                shutil.rmtree(partial, ignore_errors=True)
+            partial.rename(cache)
         return cache
 
     def _selected(self, manifest: Manifest, only: str | None,

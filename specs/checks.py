@@ -24,6 +24,7 @@ from compass.specs.how import PHASES, Phase, how_rules
 from compass.specs.post_training import MidTraining, PostTrainStep, checkpoint_refs
 from compass.specs.post_training_methods import family_reads
 from compass.specs.spec import TrainingSpec
+from compass.specs.staging_costs import GIB, over_capacity
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
 from compass.specs.training import pretraining_rules
 
@@ -219,6 +220,7 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
         yield Issue(("how", "precision"), f"fp16 trains only under DeepSpeed (its loss scaler); the {par.engine_name} "
                     "engine would train in fp32", "use bf16, or parallelism.engine: deepspeed")
     yield from _gradient_reduction(spec)
+    yield from _node_scratch(spec)
     if par.pipeline_parallel > 1:
         yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
                     "use data and tensor parallelism (with ZeRO) instead")
@@ -410,6 +412,18 @@ def _variant_architecture(name: str, proxy: dict[str, Any], path: str, value: An
 
 
 COMPASS_TRAINED = ("ablation", "pretraining", "long_context", "mid_training")  # phases compass's trainer runs
+
+
+def _node_scratch(spec: TrainingSpec) -> Iterator[Issue]:
+    """Each step's copy onto its nodes' local disk (specs/staging_costs.py) fits how.storage.local_cache_gib."""
+    for cost in over_capacity(spec):
+        shape = spec.how.shape(cost.phase)
+        yield Issue(("how", "storage", "local_cache_gib"),
+                    f"{cost.step} stages {cost.per_node / GIB:,.0f} GiB of token shards on each of its {cost.nodes} "
+                    f"node(s) ({cost.tokens:.3g} tokens drawn, with the window's margin), more than the "
+                    f"{spec.how.storage.local_cache_gib:,.0f} GiB of local_cache_gib",
+                    f"give how.resources.{cost.phase} more nodes (now {shape.nodes}: each copies its share), "
+                    "train the step on fewer tokens, or point local_cache at a larger disk")
 
 
 def _gradient_reduction(spec: TrainingSpec) -> Iterator[Issue]:

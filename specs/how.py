@@ -200,8 +200,9 @@ class Storage(SpecModel):
         return str((base_dir / Path(self.root).expanduser()).resolve())
 
     field_identity: ClassVar[dict[str, Identity]] = {
-        "root": "placement", "credentials_block": "placement", "local_cache": "placement", "verify": "placement",
-        "shard_index_above": "placement", "on_damage": "placement", "input_stamps": "placement"}
+        "root": "placement", "credentials_block": "placement", "local_cache": "placement",
+        "local_cache_gib": "placement", "verify": "placement", "shard_index_above": "placement",
+        "on_damage": "placement", "input_stamps": "placement"}
 
     root: str = Field(default="store", description="Local folder or s3://bucket/prefix for every artifact. A "
                       "relative folder starts at the spec's folder, like every path in a spec (`store`: beside the "
@@ -215,6 +216,11 @@ class Storage(SpecModel):
                                   "verified against their manifests, and the "
                                   "trainer reads only from there (a shared file system evicting shards cannot "
                                   "stall it); a verified copy is reused.")
+    local_cache_gib: PositiveFloat | None = Field(
+        default=None, description="The capacity of each node's local_cache folder (GiB): validation refuses a "
+                                  "step whose nodes would copy more (compass plan's staging table), and staging "
+                                  "removes the least recently used earlier copies there to make room for a step's "
+                                  "own, checking the disk's free space before it copies.")
     verify: Literal["sizes", "stamped", "full"] = Field(
         default="stamped",
         description="How a cached artifact or a step's input is checked against its manifest before use: "
@@ -636,6 +642,8 @@ def how_rules(how: How, at: Loc = ("how",)) -> Iterator[Issue]:
     if orch.cluster is not None:
         yield from unused(orch.cluster, "signal_before_s", (*where, "cluster"), orch.cluster.requeue,
                            "only a job that requeues itself is signalled before its time limit (requeue: false)")
+    yield from unused(how.storage, "local_cache_gib", (*at, "storage"), how.storage.local_cache is not None,
+                      "only a local_cache folder has a capacity to check")
     ev = how.evaluation
     if ev.schedule_cron and ev.schedule_interval_seconds:
         yield Issue((*at, "evaluation"), "both schedule_cron and schedule_interval_seconds are set",

@@ -27,7 +27,7 @@ def test_training_reads_its_data_from_the_node_local_copy(stage1_job, tmp_path: 
     assert not nvme.exists()  # nothing copied before the trainer starts (it does, on each node)
     result = run_training(staged, logging.getLogger("test"))
     assert result.setup.data_from == str(nvme)
-    copies = sorted(nvme.iterdir())
+    copies = sorted(p for p in nvme.iterdir() if not p.name.startswith("."))  # (.locks: one per copy)
     assert len(copies) == len(staged.sources) and all((c / MANIFEST).exists() for c in copies)
     plain = run_training(stage1_job(tmp_path / "plain"), logging.getLogger("test"))
     assert plain.setup.data_from == "store"
@@ -58,4 +58,7 @@ def test_staging_from_s3_is_verified_against_the_manifest(s3, tmp_path: Path):  
     s3.client().put_object(Bucket="data", Key=f"runs/tokenize/web-{'b' * 12}/heldout.tokens", Body=b"\x03\x04" * 500)
     with pytest.raises(OSError, match=r"checksum mismatch for .*heldout.tokens"):
         store.copy_verified(manifest.uri, tmp_path / "node2")
-    assert list((tmp_path / "node2").iterdir()) == []  # no partial copy is left to be taken as staged
+    left = [p for p in (tmp_path / "node2").iterdir() if not p.name.startswith(".")]
+    # no copy is left to be taken as staged: the partial copy keeps only what it verified, for a retry to resume
+    assert [p.name for p in left] == [copy.name + ".part"] and not (left[0] / MANIFEST).exists()
+    assert not (left[0] / "heldout.tokens").exists()

@@ -18,6 +18,7 @@ from compass.specs.how import CONTENT_BYTE_COST
 from compass.specs.post_training_methods import with_reference_model
 from compass.specs.scaling import step_shapes
 from compass.specs.spec import TrainingSpec
+from compass.specs.staging_costs import GIB, WINDOW_MARGIN, staging_costs, token_bytes
 from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
 from compass.tasks.steps.backends import backends_of, one_of_each
 
@@ -128,6 +129,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                        f"{hw.assumed_mfu:.0%}; each phase on its own {unit}s (how.resources)"])
     sections = [params, placement_section(spec), orchestration_section(spec), compute, goodput_section(spec),
                 training_core_section(spec)]
+    if (staging := staging_section(spec)) is not None:
+        sections.append(staging)
     if (fence := fence_section(spec)) is not None:
         sections.append(fence)
 
@@ -178,6 +181,23 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                             ["context", f"{arch.num_kv_heads} KV heads", f"MHA ({arch.num_heads})", "saving"],
                             kv_rows))
     return sections
+
+
+def staging_section(spec: TrainingSpec) -> Section | None:
+    """What each training step copies onto each of its nodes' local disk, against the disk's capacity."""
+    rows = staging_costs(spec)
+    if not rows:
+        return None
+    capacity = spec.how.storage.local_cache_gib
+    limit = f"fits {capacity:,.0f} GiB" if capacity is not None else "fits (local_cache_gib not given)"
+    return Section("Node-local staging", ["step", "tokens drawn", "nodes", "per node", limit],
+                   [[c.step, human(c.tokens), c.nodes, gib(c.per_node),
+                     "-" if capacity is None else ("yes" if c.per_node <= capacity * GIB else "NO")] for c in rows],
+                   [f"each node copies its rows' share of the stage's window of every source (the tokens drawn x "
+                    f"{WINDOW_MARGIN}, {token_bytes(costs.planning_vocab(spec))} bytes a token) into "
+                    f"{spec.how.storage.local_cache}: an upper bound (a window never exceeds its source); earlier "
+                    "copies there are removed, least recently used first, to make room; the step's resource ledger "
+                    "counts what it copied (copied_by_node)"])
 
 
 def placement_section(spec: TrainingSpec) -> Section:

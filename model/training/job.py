@@ -65,6 +65,7 @@ class Staging(BaseModel):
     store_root: str
     cache: Path
     uris: dict[str, str]
+    capacity_bytes: int | None = None  # how.storage.local_cache_gib: staging makes room within it
 
 
 class Telemetry(BaseModel):

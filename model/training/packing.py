@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from compass.model.attention import document_starts, known_starts
+from compass.model.training.windows import Window
 
 
 class Documents(Protocol):
@@ -112,15 +114,17 @@ def node_rows(rank: int, local_rank: int, local_world: int, world: int, tp: int,
 
 
 class RowBlock:
-    """Row `row`'s block of a source's documents (row_documents), indexed from 0."""
+    """Row `row`'s block of the stage's window of a source's documents (row_documents over the window; the whole
+    source without one: model/training/windows.py), indexed from 0."""
 
-    def __init__(self, source: Documents, row: int, rows: int):
+    def __init__(self, source: Documents, row: int, rows: int, window: Window | None = None):
         self.source = source
-        block = row_documents(source.n_documents, row, rows)
+        self.window = window if window is not None else Window(0, source.n_documents)
+        block = row_documents(self.window.documents, row, rows)
         self.first, self.n_documents = block.start, len(block)
 
     def document(self, i: int) -> np.ndarray:
-        return self.source.document(self.first + i)
+        return self.source.document(self.window.index(self.first + i, self.source.n_documents))
 
 
 class Packer:
@@ -218,12 +222,14 @@ class RowPacker:
 
     def __init__(self, sources: dict[str, Documents], weights: dict[str, float], seq_len: int, seed: int,
                  rows: int, owned: range | None = None, whole_from: int | None = None, pad_id: int = 0,
-                 masking: bool = True):
+                 masking: bool = True, windows: Mapping[str, Window] | None = None):
+        """`windows`: the documents of each source the stage reads (model/training/windows.py; default whole)."""
         self.rows, self.masking = rows, masking
         self.owned = owned if owned is not None else range(rows)
         names = sorted(weights)
-        self.streams = {r: Packer({n: RowBlock(sources[n], r, rows) for n in names}, weights, seq_len, seed,
-                                  whole_from, pad_id, stream=r) for r in self.owned}
+        windows = windows or {}
+        self.streams = {r: Packer({n: RowBlock(sources[n], r, rows, windows.get(n)) for n in names}, weights,
+                                  seq_len, seed, whole_from, pad_id, stream=r) for r in self.owned}
 
     def next_batch(self) -> PackedBatch:
         sequences = [self.streams[r].next_sequence() for r in self.owned]

@@ -76,6 +76,7 @@ from compass.model.training.staging import stage_sources
 from compass.model.training.telemetry import telemetry_callbacks
 from compass.model.training.token_files import TokenizedSource
 from compass.model.training.watchdog import HangWatchdog, process_group_timeout_s
+from compass.model.training.windows import SourceSize, stage_windows
 from compass.specs.costs import flops_per_token
 
 log = logging.getLogger("compass.train")
@@ -157,7 +158,8 @@ class Trainer:
         gbs = self.stage.global_batch_size
         if job.staging is not None:  # every node reads its own verified copy of the data (model/training/staging.py)
             rows = node_rows(self.rank, local_rank, local_world_size(), self.world, self.tp, gbs)
-            job = job.model_copy(update={"sources": stage_sources(job.staging, local_rank, rows, gbs, job.workdir)})
+            job = job.model_copy(update={"sources": stage_sources(job.staging, local_rank, rows, gbs, job.workdir,
+                                                                  recipe=recipe)})
         self.job = job
         self.shape = schedule_shape(recipe.schedule, recipe.stages)
         names = [s.name for s in self.shape.stages]
@@ -194,10 +196,12 @@ class Trainer:
                                    data_from=str(job.staging.cache) if job.staging else "store",
                                    substituted=substituted)
         rows = rank_rows(self.dp_rank, self.dp, gbs)  # TP peers: the same rows
-        self.packer = RowPacker({n: TokenizedSource(p) for n, p in job.sources.items()}, self.stage.mixture,
+        sources = {n: TokenizedSource(p) for n, p in job.sources.items()}
+        self.windows = stage_windows(recipe, {n: SourceSize(s.n_documents, s.n_tokens) for n, s in sources.items()})
+        self.packer = RowPacker(sources, self.stage.mixture,
                                 self.stage.sequence_length, seed=recipe.seed + 7919 * (self.offset + 1), rows=gbs,
                                 owned=rows, whole_from=job.whole_from, pad_id=job.special_ids.pad,
-                                masking=recipe.intra_document_masking)
+                                masking=recipe.intra_document_masking, windows=self.windows)
         self._probe = probe_batch(self.lm.hf.config.vocab_size, self.stage.sequence_length)  # the export check's
         self.ledger = GoodputLedger(WorkFolder(job.workdir).goodput, started_at, self.rank)  # where its time goes
         self.callbacks = [*default_callbacks(job, self.parameters), self.ledger, *(callbacks or [])]

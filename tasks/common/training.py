@@ -50,7 +50,9 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/training/staging.py) first
         cache = Path(how.storage.local_cache).expanduser()
         sources = {name: ctx.store.staged_path(art.uri, cache) for name, art in given.tokens.items()}
-        staging = Staging(store_root=ctx.store.root, cache=cache, uris={n: a.uri for n, a in given.tokens.items()})
+        capacity = how.storage.local_cache_gib
+        staging = Staging(store_root=ctx.store.root, cache=cache, uris={n: a.uri for n, a in given.tokens.items()},
+                          capacity_bytes=int(capacity * 1024**3) if capacity is not None else None)
     else:
         sources, staging = {name: art.local() for name, art in given.tokens.items()}, None
     hardware, parallelism = how.hardware, how.parallelism
