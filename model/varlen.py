@@ -10,11 +10,67 @@ its attention inside the graph (compass's per-document SDPA splits rows by data:
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.varlen import varlen_attn
+
+try:  # torch 2.9 and later; its keywords changed from release to release (TorchVarlen)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # an older torch on the GPU nodes: said when the kernel is needed, not at import
+    varlen_attn = None
+
+
+@dataclass(frozen=True)
+class TorchVarlen:
+    """How the installed torch's `varlen_attn` takes causality, the softmax scale and grouped KV heads: torch 2.9
+    had `is_causal` and neither a scale nor GQA; later releases added `scale`, replaced `is_causal` with
+    `window_size` and added `enable_gqa`. Read once from its signature; what it lacks is done around it (the query
+    pre-scaled, KV heads repeated), so every release computes the same attention."""
+
+    causal: str  # "window_size" or "is_causal"
+    scale: bool
+    gqa: bool
+
+    def call(self, kernel: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int, scale: float) -> torch.Tensor:
+        """Causal varlen attention of flattened [T, H, D] query and [T, KV, D] key/value."""
+        kwargs: dict[str, Any] = {"window_size": (-1, 0)} if self.causal == "window_size" else {"is_causal": True}
+        if self.scale:
+            kwargs["scale"] = scale
+        else:  # the kernel scales by D ** -0.5: the query carries the rest
+            query = query * (scale * query.shape[-1] ** 0.5)
+        if key.shape[1] != query.shape[1]:
+            if self.gqa:
+                kwargs["enable_gqa"] = True
+            else:
+                repeat = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        return kernel(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, **kwargs)
+
+
+def torch_varlen(kernel: Callable[..., Any] | None = None) -> TorchVarlen:
+    """The installed torch's varlen signature (or `kernel`'s); ValueError naming torch's version where there is
+    none or it cannot be causal."""
+    return _signature_of(kernel if kernel is not None else varlen_attn)
+
+
+@cache
+def _signature_of(kernel: Callable[..., Any] | None) -> TorchVarlen:
+    if kernel is None:
+        raise ValueError(f"how.attention varlen needs torch.nn.attention.varlen.varlen_attn (torch 2.9 or later); "
+                         f"this node's torch is {torch.__version__}: install the torch of the set-up's cluster "
+                         "lock, or use attention: flash (flash-attn) or sdpa")
+    names = inspect.signature(kernel).parameters
+    causal = next((n for n in ("window_size", "is_causal") if n in names), None)
+    if causal is None:
+        raise ValueError(f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal: it "
+                         "cannot attend causally; use attention: flash or sdpa")
+    return TorchVarlen(causal, "scale" in names, "enable_gqa" in names)
 
 
 def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -112,8 +168,7 @@ def document_varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     scale = scaling if scaling is not None else dim ** -0.5
     flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
     if uses_torch_kernel(query):
-        out = varlen_attn(*flat, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scale,
-                          window_size=(-1, 0), enable_gqa=key.shape[1] != heads)
+        out = torch_varlen().call(varlen_attn, *flat, cu_seq_lens_q, max_length_q, scale)
     else:
         out = packed_causal_attention(*flat, cu_seq_lens_q, scale)
     return out.reshape(batch, length, heads, dim), None

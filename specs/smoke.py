@@ -243,6 +243,8 @@ class _Shrinker:
         storage = how["storage"]
         self.set("how.storage", storage, "root", storage["root"].rstrip("/") + "-smoke")
         self.set("how.storage", storage, "local_cache", None)  # a cluster's /scratch is not on this machine
+        if "local_cache_gib" in storage:  # ... nor its capacity
+            self.changes.append(Shrink("how.storage", "local_cache_gib", storage.pop("local_cache_gib"), None))
 
 
     def rehearsal_how(self, how: dict[str, Any]) -> None:

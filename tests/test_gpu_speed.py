@@ -64,9 +64,9 @@ def test_auto_picks_torchs_varlen_on_cuda_without_the_flash_attn_wheel(monkeypat
     seen = {}
     monkeypatch.setattr(varlen, "uses_torch_kernel", lambda query: True)
 
-    def kernel(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs):
+    def kernel(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
         seen.update(shapes=(query.shape, key.shape), cu=cu_q.tolist(), same=cu_k is cu_q, longest=(max_q, max_k),
-                    **kwargs)
+                    scale=scale, window_size=window_size, enable_gqa=enable_gqa)  # torch 2.13's keywords
         return torch.zeros_like(query)
 
     monkeypatch.setattr(varlen, "varlen_attn", kernel)

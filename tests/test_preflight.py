@@ -38,6 +38,9 @@ def test_two_ranks_are_measured_and_judged(tmp_path: Path):
     assert all(r["matmul_tflops"] > 0 and r["allreduce_busbw_gbps"] > 0 and r["rounds"] >= 2 for r in rows)
     assert rows[0]["store"]["write_mbps"] > 0 and rows[0]["staging"]["read_mbps"] > 0  # one per node
     assert "store" not in rows[1] and report["exclude"] == "" and report["flagged"] == {}
+    # each rank ran one packed-attention forward and backward on its own torch (the spec's attention is auto)
+    assert all(r["packed_attention"]["ok"] and r["packed_attention"]["kernel"] == "compass::packed_causal_attention"
+               for r in rows)
     assert list(staging.iterdir()) == []  # the probe file is removed
 
 

@@ -40,14 +40,16 @@ def preflight(spec: SpecArg,
     from compass.model.training.preflight import judge
 
     checked = load(spec)
-    hw = checked.loaded.spec.how.hardware
+    how = checked.loaded.spec.how
+    hw = how.hardware
     n = ranks or hw.devices_per_node
     root = store_root(checked, None)
     store = None if root.startswith("s3://") else Path(root)
     with tempfile.TemporaryDirectory(prefix="compass-preflight-") as folder:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
                    str(free_port()), "-m", "compass.model.training.preflight", folder, str(store or ""),
-                   str(staging or ""), str(duration), str(megabytes)]
+                   str(staging or ""), str(duration), str(megabytes),
+                   "packed" if how.attention in ("varlen", "auto") else "none"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             err.print(f"preflight failed ({done.returncode}):\n{done.stderr[-3000:]}", markup=False)
@@ -64,11 +66,19 @@ def preflight(spec: SpecArg,
         raise typer.Exit(1)
 
 
+def _packed(row: dict) -> str:
+    packed = row.get("packed_attention")
+    if not packed:
+        return "-"
+    verdict = "ok" if packed["ok"] else "FAILED"
+    return f"{verdict}: {packed['kernel']} {packed['dtype']}, torch {packed['torch']}"
+
+
 def _print(verdict, expected: dict[str, float]) -> None:
 
     table = Table(title="compass preflight", title_justify="left")
     for col in ("node", "rank", "device", "matmul TFLOPS", "all-reduce GB/s", "store w/r MB/s", "staging w/r MB/s",
-                "GPU"):
+                "GPU", "packed attention"):
         table.add_column(col, overflow="fold")
     for r in verdict.rows:
         gpu = r.get("gpu") or {}
@@ -76,7 +86,7 @@ def _print(verdict, expected: dict[str, float]) -> None:
         table.add_row(escape(r["node"]), str(r["rank"]), escape(r["device"]), f"{r['matmul_tflops']:.3g}",
                       "-" if r["allreduce_busbw_gbps"] is None else f"{r['allreduce_busbw_gbps']:.3g}",
                       io["store"], io["staging"],
-                      f"{gpu['temperature_c']}C {gpu['sm_clock_mhz']}MHz" if gpu else "-")
+                      f"{gpu['temperature_c']}C {gpu['sm_clock_mhz']}MHz" if gpu else "-", _packed(r))
     out.print(table)
     if expected:
         out.print(f"expected matmul: {expected['matmul_tflops']:.0f} TFLOPS ({ACHIEVABLE:.0%} of the data sheet)")

@@ -6,7 +6,10 @@ one process per device, on every node) measures:
 - matmul throughput of its device (bf16 on GPU, fp32 on CPU), against the data sheet's dense peak on GPU;
 - all-reduce bus bandwidth across every rank (NCCL on GPU, gloo on CPU), as nccl-tests defines it;
 - write and read throughput of the store and of the node's staging folder (local rank 0 only: one per node);
-- on CUDA, through NVML: temperature, SM clock, throttle reasons, ECC errors and memory.
+- on CUDA, through NVML: temperature, SM clock, throttle reasons, ECC errors and memory;
+- one packed-attention forward and backward through the kernel training takes on this device and this node's own
+  torch (torch's varlen_attn on CUDA in bf16, compass's operator elsewhere), against dense masked attention in
+  fp32: a torch whose kernel is missing or computes otherwise is found here, not at step 1.
 It writes `rank-<rank>.json` in OUT; `judge` compares ranks with the median of their peers.
 A duration repeats the measurements until it has passed (a burn-in) and keeps the worst of each.
 """
@@ -128,7 +131,44 @@ def gpu_health(gpu: str) -> dict[str, Any]:
         pynvml.nvmlShutdown()
 
 
-def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s: float, megabytes: int) -> dict:
+PACKED_TOLERANCE = {"bfloat16": 5e-2, "float32": 1e-4}  # largest error relative to the reference's largest value
+
+
+def packed_attention(device: Any) -> dict[str, Any]:
+    """One packed micro-batch (2 rows, 4 documents, GQA 4:2) through `document_varlen`, forward and backward, against
+    dense block-causal attention in fp32 on the host: the kernel, torch's version, the largest relative error of
+    the output and the gradients, and whether it is within tolerance (or the error that stopped it)."""
+    import torch
+    import torch.nn.functional as F
+
+    from compass.model.varlen import document_varlen, uses_torch_kernel
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    host = [torch.randn(2, heads, 64, 32, generator=generator) for heads in (4, 2, 2)]
+    cu = torch.tensor([0, 20, 64, 100, 128], dtype=torch.int32)
+    leaves = [t.to(device, dtype, copy=True).requires_grad_() for t in host]
+    kernel = "torch varlen_attn" if uses_torch_kernel(leaves[0]) else "compass::packed_causal_attention"
+    row: dict[str, Any] = {"kernel": kernel, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch.")}
+    try:
+        out, _ = document_varlen(None, *leaves, None, cu_seq_lens_q=cu.to(device), max_length_q=44)
+        out.float().square().sum().backward()
+    except Exception as exc:  # the check's finding: reported and judged, not a crash of the preflight
+        return {**row, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
+    reference = [t.detach().clone().requires_grad_() for t in host]
+    flat = [t.transpose(1, 2).reshape(128, t.shape[1], 32).transpose(0, 1) for t in reference]  # [H, T, D]
+    document = torch.repeat_interleave(torch.arange(4), cu.diff().long())
+    allowed = (document[:, None] == document[None, :]) & torch.ones(128, 128, dtype=torch.bool).tril()
+    dense = F.scaled_dot_product_attention(*flat, attn_mask=allowed, enable_gqa=True)  # [H, T, D]
+    dense.transpose(0, 1).reshape(2, 64, 4, 32).square().sum().backward()
+    pairs = [(out.detach().float().cpu(), dense.transpose(0, 1).reshape(2, 64, 4, 32).detach())]
+    pairs += [(leaf.grad.float().cpu(), ref.grad) for leaf, ref in zip(leaves, reference, strict=True)]
+    error = max(float((got - want).abs().max() / want.abs().max()) for got, want in pairs)
+    return {**row, "max_error": round(error, 6), "ok": error <= PACKED_TOLERANCE[row["dtype"]]}
+
+
+def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s: float, megabytes: int,
+                 check_packed: bool = True) -> dict:
     """This rank's measurements (the worst over `duration_s` when it is a burn-in)."""
     import torch
 
@@ -160,6 +200,8 @@ def measure_rank(out: Path, store: Path | None, staging: Path | None, duration_s
                 row[name] = io_throughput(folder, megabytes)
     if cuda:
         row["gpu"] = gpu_health(place.gpu or str(place.index))
+    if check_packed:
+        row["packed_attention"] = packed_attention(device)
     (out / f"rank-{rank}.json").write_text(json.dumps(row))
     collectives.leave()  # gloo's threads left running abort the process at exit
     return row
@@ -209,6 +251,12 @@ def judge(rows: list[dict], tolerance: float, expected: dict[str, float] | None 
             if median is not None and value < (1 - tolerance) * median:
                 flag(node, f"{name} writes {value:.0f} MB/s, {1 - value / median:.0%} below the median")
     for r in rows:
+        packed = r.get("packed_attention")
+        if packed and not packed["ok"]:
+            flag(r["node"], f"rank {r['rank']} packed attention ({packed['kernel']}, torch {packed['torch']}) "
+                            + (packed["error"] if "error" in packed else
+                               f"is {packed['max_error']:.3g} off the reference (tolerance "
+                               f"{PACKED_TOLERANCE[packed['dtype']]:g})"))
         gpu = r.get("gpu") or {}
         if gpu.get("throttling"):
             flag(r["node"], f"rank {r['rank']} GPU throttling: {', '.join(gpu['throttling'])}")
@@ -218,11 +266,12 @@ def judge(rows: list[dict], tolerance: float, expected: dict[str, float] | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m compass.model.training.preflight OUT [STORE] [STAGING] DURATION MEGABYTES` on every rank."""
+    """`python -m compass.model.training.preflight OUT [STORE] [STAGING] DURATION MEGABYTES [packed|none]` on every
+    rank (the last: whether training packs documents through the varlen path, so its kernel is checked)."""
     args = argv if argv is not None else sys.argv[1:]
     out, store, staging = Path(args[0]), args[1], args[2]
     measure_rank(out, Path(store) if store else None, Path(staging) if staging else None, float(args[3]),
-                 int(args[4]))
+                 int(args[4]), check_packed=(args[5] if len(args) > 5 else "packed") == "packed")
     return 0
 
 
