@@ -7,16 +7,19 @@ The login node then reads the node's file. A shared root that is only mounted he
 has, is named with the spec field to change, and nothing is submitted.
 
 Once a probe passes, its answer is recorded under the shared root (`.compass-probe/verified-<key>.json`) and reused
-for a day by every later check of the same question: the same cluster (Slurm's ClusterName), partition, GPU or
-none, account, QOS, constraint and excluded nodes, shared root, paths, modules and Python. So a `compass run`
-probes once per question (not again when its flow validates), and a `compass run` that comes back to follow a live
-job, on a partition that job fills, needs no free node.
+for `probe_valid_hours` (a day) by every later check of the same question: the same cluster (Slurm's ClusterName),
+partition, GPU or none, account, QOS, constraint and excluded nodes, shared root, paths, modules and Python. So a
+`compass run` probes once per question (not again when its flow validates). Past that, a record is still reused
+while a job of this user runs on that partition from a work folder under the shared root (squeue's %Z): that job's
+nodes read and write the shared root as it runs, so a `compass run` that comes back after days to follow a live
+48-node job, on a partition that job fills, submits no probe and needs no free node.
 
 `python -m compass.infra.shared_probe FOLDER TOKEN PATH...` is the job's side.
 """
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import importlib.util
 import json
@@ -27,13 +30,13 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from compass.specs.how import SlurmCluster
 
 FROM_LOGIN, FROM_NODE = "from-login", "from-node"
-VALID_S = 24 * 3600  # how long a passed probe answers for the same question
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ProbeResult:
     unseen: tuple[str, ...]  # paths the node does not see
     missing_modules: tuple[str, ...] = ()  # modules the node's Python cannot import
     reused: bool = False  # answered by a recorded probe of the same question, no job submitted
+    live_job: str = ""  # reused past its validity: the running job (under the shared root) that proves it
 
     @property
     def passed(self) -> bool:
@@ -51,18 +55,24 @@ class ProbeResult:
 
 def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None = None,
              python: str = sys.executable, partition: str | None = None, gpus: int = 0,
-             cluster_name: str = "") -> ProbeResult:
-    """The probe's answer: a recorded pass of the same question under a day old, else a probe job (recorded when it
-    passes). `partition`: where to probe (None: the cluster's); `gpus`: GPUs the probe job asks for, on a partition
-    whose jobs ask for GPUs (sites refuse jobs that ask none there, and the GPU nodes are the ones to prove);
-    `cluster_name`: the controller's ClusterName, so a record never answers for another cluster."""
+             cluster_name: str = "", live_job: Callable[[str, str | None], str | None] | None = None) -> ProbeResult:
+    """The probe's answer: a recorded pass of the same question younger than cluster.probe_valid_hours (or older,
+    while `live_job(shared root, partition)` names a job of this user running there from under the shared root:
+    default `live_job_under`), else a probe job (recorded when it passes). `partition`: where to probe (None: the
+    cluster's); `gpus`: GPUs the probe job asks for, on a partition whose jobs ask for GPUs (sites refuse jobs
+    that ask none there, and the GPU nodes are the ones to prove); `cluster_name`: the controller's ClusterName, so
+    a record never answers for another cluster."""
     assert cluster.shared_root is not None
     question = _question(cluster, paths, modules, python, partition, gpus, cluster_name)
     record = Path(cluster.shared_root).expanduser() / ".compass-probe" / f"verified-{question}.json"
     try:
         seen = json.loads(record.read_text())
-        if time.time() - float(seen["at"]) < VALID_S:
+        age_s = time.time() - float(seen["at"])
+        if age_s < cluster.probe_valid_hours * 3600:
             return ProbeResult(str(seen["node"]), "", (), (), reused=True)
+        running = (live_job or live_job_under)(cluster.shared_root, partition or cluster.partition)
+        if running:
+            return ProbeResult(str(seen["node"]), "", (), (), reused=True, live_job=running)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     result = probe(cluster, paths, modules, python, partition, gpus)
@@ -74,6 +84,24 @@ def verified(cluster: SlurmCluster, paths: list[str], modules: list[str] | None 
         except OSError:
             pass  # unrecorded: the next check probes again
     return result
+
+
+def live_job_under(shared_root: str, partition: str | None) -> str | None:
+    """A job of this user running on `partition` (None: any) whose working folder is under `shared_root` (squeue:
+    job id, state, partition, working folder), or None."""
+    root = os.path.realpath(os.path.expanduser(shared_root))
+    try:
+        done = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-t", "RUNNING", "-o", "%i|%P|%Z"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in done.stdout.splitlines() if done.returncode == 0 else []:
+        job_id, job_partition, folder = (line.split("|", 2) + ["", ""])[:3]
+        inside = os.path.realpath(folder.strip()) + os.sep
+        if inside.startswith(root.rstrip(os.sep) + os.sep) and (partition is None or
+                                                                 partition in job_partition.split(",")):
+            return job_id.strip()
+    return None
 
 
 def _question(cluster: SlurmCluster, paths: list[str], modules: list[str] | None, python: str,

@@ -272,7 +272,7 @@ class SlurmCluster(SpecModel):
     field_identity: ClassVar[dict[str, Identity]] = {
         name: "placement" for name in ("kind", "shared_root", "launch", "partition", "account", "qos", "constraint",
                                        "exclude", "time_limit", "requeue", "signal_before_s", "poll_seconds",
-                                       "probe_timeout_s")}
+                                       "probe_timeout_s", "probe_valid_hours")}
 
     kind: Literal["slurm"] = "slurm"
     shared_root: str | None = Field(
@@ -302,6 +302,11 @@ class SlurmCluster(SpecModel):
     probe_timeout_s: PositiveInt = Field(
         default=120, le=3600, description="How long `compass plan` waits for its probe job to start on a compute node "
                                           "before it gives up (a busy queue).")
+    probe_valid_hours: PositiveFloat = Field(
+        default=24, le=24 * 30, description="How long a passed shared-root probe answers for the same question "
+        "(cluster, partition, GPU, paths, Python); after that it is asked again, unless a job of this user is "
+        "running on that partition from a work folder under shared_root: a live run is its own proof, so a "
+        "compass run that comes back to follow it needs no free node.")
 
     @field_validator("shared_root")
     @classmethod
