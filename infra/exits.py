@@ -1,6 +1,7 @@
 """Faults a retry may cure, told apart from the rest where a rank ends.
 
-A rank whose collective hung (the hang watchdog) or broke (a peer lost: NCCL's or gloo's error) ends with
+A rank whose collective hung (the hang watchdog) or broke (a peer lost: NCCL's or gloo's error), or whose device
+failed (CUDA's ECC, Xid and NVLink errors: `device_fault`) ends with
 RETRIABLE_EXIT and writes why into its work folder's `retriable/`, one file per rank: srun reports only the highest
 exit code of its tasks (143 once it has terminated the others), so the code alone does not reach the batch shell.
 srun that could not start the ranks on one of the job's nodes (its slurmd lost after the job began) writes its
@@ -13,6 +14,7 @@ the job: a bug or bad data would fail again.
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 from compass.infra.layout import WorkFolder
@@ -42,6 +44,35 @@ def broken_collective(workdir: Path, rank: int, error: BaseException) -> int:
     and return the exit code the rank ends with."""
     first = (str(error).splitlines() or [""])[0][:300]
     why = f"rank {rank}: a collective failed ({type(error).__name__}: {first})"
+    log.error("%s; the job retries from its newest checkpoint", why)
+    mark_retriable(workdir, rank, why)
+    return RETRIABLE_EXIT
+
+
+# what CUDA, the driver and NCCL say of a device that failed under a rank (Xid events, ECC, NVLink, a GPU off the
+# bus): another attempt, on this node after a reset or on another, may well succeed. Errors a program causes
+# (a device-side assert, an illegal address, out of memory) are not among them: they would fail again.
+DEVICE_FAULTS = ("uncorrectable ECC error", "ECC error encountered", "cudaErrorECCUncorrectable", "Xid",
+                 "uncorrectable NVLink error", "NVLink error", "GPU is lost", "fallen off the bus",
+                 "unspecified launch failure", "busy or unavailable", "cudaErrorDevicesUnavailable",
+                 "NVML_ERROR_GPU_IS_LOST", "CUDA error: unknown error")
+
+
+def device_fault(error: BaseException) -> str | None:
+    """The first line of a RuntimeError that names a failed device (DEVICE_FAULTS), else None."""
+    text = str(error)
+    if isinstance(error, RuntimeError) and any(sign in text for sign in DEVICE_FAULTS):
+        return (text.splitlines() or [""])[0][:300]
+    return None
+
+
+def failed_device(workdir: Path, rank: int, error: BaseException) -> int | None:
+    """A rank whose device failed (device_fault): say so for the step (the job requeues itself, infra/slurm.py)
+    and return the exit code the rank ends with; None for any other error."""
+    first = device_fault(error)
+    if first is None:
+        return None
+    why = f"rank {rank} on {socket.gethostname()}: its device failed ({first})"
     log.error("%s; the job retries from its newest checkpoint", why)
     mark_retriable(workdir, rank, why)
     return RETRIABLE_EXIT

@@ -236,7 +236,7 @@ def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
     return [f'if [ "$status" = {RETRIABLE_EXIT} ]; then',
             f'  faults=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo "$faults" > {count}',
             f'  if [ "$faults" -le {budget} ]; then echo "compass: a retriable fault (exit {RETRIABLE_EXIT}: a hung or '
-            f'broken collective, or a lost node): requeue $faults of {budget}"; '
+            f'broken collective, a failed device, or a lost node): requeue $faults of {budget}"; '
             f'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
             f'  echo "compass: retriable faults beyond the budget of {budget} (how.orchestration.retries)"',
             "fi"]

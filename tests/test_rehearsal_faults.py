@@ -67,65 +67,94 @@ FAULTY_HOW = """how:
   precision: bf16
   checkpoints: {every_steps: 5}
   monitoring: {hang_timeout_s: 20}
-  orchestration: {retries: 1, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED, launch: srun}}
+  orchestration: {retries: RETRIES, cluster: {kind: slurm, poll_seconds: 0.5, shared_root: SHARED, launch: srun}}
 """
 
 
-def faulty_spec(folder: Path, nodes: int, tokens: int) -> Path:
+def faulty_spec(folder: Path, nodes: int, tokens: int, retries: int = 1) -> Path:
     """The minimal spec's first stage as 2 DeepSpeed bf16 ranks on `nodes` nodes of the cluster, checkpointed
-    every 5 steps: `tokens` / 256 steps."""
+    every 5 steps: `tokens` / 256 steps; `retries` requeues for retriable faults."""
     stage = f"tokens: {tokens}, sequence_length: 64"
     spec = write_minimal_spec(folder, **{"how:\n  parallelism: {micro_batch_size: 2}\n": "",
                                          "tokens: 20000, sequence_length: 64": stage})
-    how = FAULTY_HOW.replace("NODES", str(nodes)).replace("DEVICES", str(2 // nodes))
+    how = FAULTY_HOW.replace("NODES", str(nodes)).replace("DEVICES", str(2 // nodes)).replace("RETRIES", str(retries))
     spec.write_text(spec.read_text() + how.replace("SHARED", str(folder / "shared")))
     return spec
 
 
-def test_a_hung_rank_requeues_its_job_with_no_orchestrator_and_resumes(gpu_cluster, data_store: Path,
-                                                                       prefect_server: str, tmp_path: Path):
-    """N6: a rank frozen mid-stage (SIGSTOP): its peer waits in a collective until the hang watchdog (20 s here)
-    names the frozen rank (its collective ledger's heartbeat stopped) and ends it with the retriable exit; the batch
-    shell requeues the job itself (budget: orchestration.retries), and the requeued job resumes from the newest
-    checkpoint and commits. Before, only the time-limit signal requeued: the job ended FAILED and waited for a live
-    orchestrator's retry."""
+def rank_process(work: Path, rank: int, timeout_s: float = 60) -> int:
+    """The pid of the trainer rank `rank` of the step whose work folder is `work` (waiting for it to start)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-f", f"compass.model.training.trainer {work}"],
+                                                capture_output=True, text=True).stdout.split()]
+        for pid in ranks:
+            try:
+                if f"RANK={rank}\0".encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                    return pid
+            except OSError:
+                continue
+        assert time.monotonic() < deadline, f"no rank {rank} of {work} among {ranks}"
+        time.sleep(0.2)
+
+
+def test_a_hung_rank_and_a_failed_device_requeue_their_job_with_no_orchestrator_and_resume(
+        gpu_cluster, data_store: Path, prefect_server: str, tmp_path: Path):
+    """N6 and H6: a rank frozen mid-stage (SIGSTOP): its peer waits in a collective until the hang watchdog (20 s
+    here) names the frozen rank (its collective ledger's heartbeat stopped) and ends it with the retriable exit; the
+    batch shell requeues the job itself (budget: orchestration.retries). In the requeued job a rank's GPU reports
+    an uncorrectable ECC error (CUDA's RuntimeError, raised by tests/faults/sitecustomize.py on SIGUSR2): the rank
+    says its device failed and ends retriable, and the job requeues itself again. The job resumes each time from
+    its newest checkpoint and commits. Before, only the time-limit signal requeued (then: hangs and broken
+    collectives); a CUDA error ended the job FAILED, waiting for a live orchestrator's retry."""
     import signal
     import time
 
     from compass.infra.slurm import read_record, state_of
 
-    spec = faulty_spec(tmp_path, nodes=1, tokens=10240)
+    spec = faulty_spec(tmp_path, nodes=1, tokens=10240, retries=2)
     store = tmp_path / "store"
     seeded(store, data_store)
+    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests" / "faults"), env.get("PYTHONPATH")) if p)
     run = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until",
-                            "pretrain:stage1", "--json"], cwd=REPO,
-                           env=base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server},
+                            "pretrain:stage1", "--json"], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not list(store.glob(".work/pretrain/stage1-*/checkpoints/step-00000010")):
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-4000:]
-        time.sleep(0.5)
+    deadline = time.monotonic() + 900
+
+    def wait_for(arrived) -> None:
+        while not arrived():
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-4000:]
+            time.sleep(0.5)
+
+    def requeued_and_released(job: str) -> None:
+        wait_for(lambda: (state_of(job).state if state_of(job) else "") == "PENDING")  # by its own batch shell
+        time.sleep(2.5)  # Slurm's two-minute BeginTime for a requeued job, moved to now (tests/test_slurm.py)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+    wait_for(lambda: list(store.glob(".work/pretrain/stage1-*/checkpoints/step-00000010")))
     (work,) = store.glob(".work/pretrain/stage1-*")
-    ranks = [int(p) for p in subprocess.run(["pgrep", "-f", f"compass.model.training.trainer {work}"],
-                                            capture_output=True, text=True).stdout.split()]
-    frozen = next(p for p in ranks if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())
-    os.kill(frozen, signal.SIGSTOP)
+    os.kill(rank_process(work, 1), signal.SIGSTOP)
     job = read_record(work).job_id
-    while (state_of(job).state if state_of(job) else "") != "PENDING":  # requeued by its own batch shell
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-4000:]
-        time.sleep(0.5)
-    time.sleep(2.5)  # Slurm's two-minute BeginTime for a requeued job, moved to now (tests/test_slurm.py)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    requeued_and_released(job)
+    kept = {p.name for p in (work / "checkpoints").glob("step-*")}  # the frozen attempt's (it may have reached 20)
+    wait_for(lambda: {p.name for p in (work / "checkpoints").glob("step-*")} - kept)  # the requeued job trains
+    os.kill(rank_process(work, 1), signal.SIGUSR2)  # its GPU fails: CUDA's ECC error at the next call
+    requeued_and_released(job)
     out, err = run.communicate(timeout=600)
     assert run.returncode == 0, err[-6000:]
-    assert "hang watchdog: rank 0" in err and "requeue 1 of 1" in err, err[-6000:]
+    assert "hang watchdog: rank 0" in err and "requeue 1 of 2" in err, err[-6000:]
     # rank 0's line (the stopped rank may print its own when Slurm's SIGCONT before SIGTERM wakes its watchdog)
     (located,) = {line[line.index("compass hang: "):] for line in err.splitlines() if "compass hang: rank 0 " in line}
     assert "frozen or gone" in located and "rank 1 on node " in located, located  # named by its stale heartbeat
+    assert "rank 1 on " in err and "its device failed (CUDA error: uncorrectable ECC error encountered)" in err
+    assert "requeue 2 of 2" in err, err[-6000:]
     step = next(s for s in json.loads(out)["steps"] if s["step"] == "pretrain:stage1")
     manifest = Store(str(store)).read_manifest(step["uri"])
-    assert manifest.metrics["resumed_from"] >= 10 and manifest.metrics["steps"] == 40
-    assert manifest.execution.slurm_job == job  # the same job, requeued by itself
+    assert manifest.metrics["resumed_from"] >= 15 and manifest.metrics["steps"] == 40
+    assert manifest.execution.slurm_job == job  # the same job, requeued by itself twice
 
 
 @pytest.mark.timeout(1500)  # an undisturbed run, then the lost node's run with Slurm's two-minute requeue delay

@@ -30,7 +30,7 @@ import torch
 from compass.infra.die_with_parent import die_with_parent
 from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.errors import StopRequested
-from compass.infra.exits import broken_collective
+from compass.infra.exits import broken_collective, failed_device
 from compass.infra.layout import (
     CheckpointFolder,
     WorkFolder,
@@ -585,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
         if collectives.broke_a_collective(failed):  # a peer lost or a collective broken (NCCL, gloo): retriable
             return broken_collective(job.workdir, rank, failed)
+        if (code := failed_device(job.workdir, rank, failed)) is not None:  # ECC, Xid, NVLink: retriable
+            return code
         if (full := full_disk_met(failed, job.workdir)) is not None:
             note_full_disk(job.workdir, f"rank-{rank}", full)
         raise

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from compass.infra.die_with_parent import die_with_parent
 from compass.infra.environment import prepare_environment
-from compass.infra.exits import broken_collective
+from compass.infra.exits import broken_collective, failed_device
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How, Shape
 from compass.tasks.common.devices import Device
@@ -76,6 +76,8 @@ def main(job_path: str) -> int:
     except Exception as failed:
         if collectives.broke_a_collective(failed):  # a peer lost or a collective broken (NCCL, gloo): retriable
             return broken_collective(Path(job_path).parent, rank, failed)
+        if (code := failed_device(Path(job_path).parent, rank, failed)) is not None:  # ECC, Xid, NVLink: retriable
+            return code
         raise
     if rank == 0:
         tmp = job.result.with_suffix(".tmp")

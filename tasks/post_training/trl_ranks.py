@@ -21,7 +21,7 @@ from compass.infra.die_with_parent import die_with_parent
 from compass.infra.disk_full import full_disk_met, note_full_disk
 from compass.infra.environment import prepare_environment
 from compass.infra.errors import StopRequested
-from compass.infra.exits import broken_collective
+from compass.infra.exits import broken_collective, failed_device
 from compass.infra.layout import WorkFolder
 from compass.model.training.goodput import process_start
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
@@ -338,6 +338,8 @@ def main(job_path: str) -> int:
     except Exception as failed:  # a full disk named for the step that launched the ranks (infra/disk_full.py)
         if collectives.broke_a_collective(failed):  # a peer lost or a collective broken (NCCL, gloo): retriable
             return broken_collective(work.root, collectives.rank_env()[0], failed)
+        if (code := failed_device(work.root, collectives.rank_env()[0], failed)) is not None:  # ECC, Xid: retriable
+            return code
         if (full := full_disk_met(failed, work.root)) is not None:
             note_full_disk(work.root, f"rank-{os.environ.get('RANK', '0')}", full)
         raise
