@@ -36,33 +36,32 @@ def make_room(target: Path, needed: int, capacity: int | None, keep: frozenset[P
     cache_dir = target.parent
     spared = {target, target.with_name(target.name + ".part"), *keep}
     removed: list[Path] = []
-    copies = sorted((p for p in _copies(cache_dir) if p not in spared), key=_last_used)
-
-    def used() -> int:
-        return sum(folder_bytes(p) for p in _copies(cache_dir))
+    held = {p: folder_bytes(p) for p in _copies(cache_dir)}  # each copy's files listed once
+    copies = sorted((p for p in held if p not in spared), key=_last_used)
 
     def fits() -> bool:
         free = shutil.disk_usage(cache_dir).free
-        return needed <= free and (capacity is None or used() + needed <= capacity)
+        return needed <= free and (capacity is None or sum(held.values()) + needed <= capacity)
 
     for copy in copies:
         if fits():
             break
         lock = cache_dir / LOCKS / (copy.name.removesuffix(".part") + ".lock")
         if copy.name.endswith(".part") and lock.exists():
-            with open(lock, "a") as held:
+            with open(lock, "a") as busy:
                 try:
-                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(busy, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # being copied by another process now
-                fcntl.flock(held, fcntl.LOCK_UN)
+                fcntl.flock(busy, fcntl.LOCK_UN)
         log.info("removing the staged copy %s (least recently used) to make room", copy)
         shutil.rmtree(copy, ignore_errors=True)
+        held.pop(copy)
         removed.append(copy)
     if not fits():
         limit = f"local_cache_gib {capacity / 1024**3:,.1f} GiB, " if capacity is not None else ""
         raise ScratchFull(f"{cache_dir}: the step's copy needs {needed / 1024**3:,.2f} GiB more; {limit}"
-                          f"{used() / 1024**3:,.2f} GiB held by copies in use, "
+                          f"{sum(held.values()) / 1024**3:,.2f} GiB held by copies in use, "
                           f"{shutil.disk_usage(cache_dir).free / 1024**3:,.2f} GiB free on the disk (point "
                           "how.storage.local_cache at a larger disk, or give the phase more nodes)")
     return removed
