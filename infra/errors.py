@@ -39,8 +39,9 @@ class RunStopped(DataError):
 
 class StopRequested(Exception):
     """The scheduler asked the trainer to stop (a time limit near): the state is checkpointed at `step`. Raised by
-    the trainer's StopWhenAsked callback and TRL's stop check; the job's entry points end cleanly on it."""
+    the trainer's StopWhenAsked callback, TRL's stop check and the evaluate step between checkpoints (`step`: the
+    checkpoints it scored); the job's entry points end cleanly on it."""
 
-    def __init__(self, step: int):
-        super().__init__(f"stopped at step {step} on request; the checkpoint of step {step} is written")
+    def __init__(self, step: int, said: str | None = None):
+        super().__init__(said or f"stopped at step {step} on request; the checkpoint of step {step} is written")
         self.step = step

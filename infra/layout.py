@@ -22,6 +22,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 REQUIRED_TOKENIZER_FILES = TOKENIZER_FILES[:1]  # without it the export loads in nothing
 COMPARISON = "comparison.json"  # a tokenizer selection's, or the ablations' comparison of variants
 METRICS = "metrics.jsonl"  # a model artifact's (and a training work folder's) one line per optimizer step
+CHECKPOINTS = "checkpoints"  # a model artifact's kept checkpoints, each a Hugging Face folder `step-<N>`
 WEIGHTS = "model.safetensors"  # a Hugging Face folder's weights as compass exports them (one file)
 
 
@@ -54,18 +55,12 @@ class ModelArtifact:
     @property
     def checkpoints(self) -> Path:
         """Every kept checkpoint, each a Hugging Face folder named `step-<N>`."""
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS
 
     @property
     def metrics(self) -> Path:
         """One JSON line per optimizer step over every stage so far (model/training/records.py: MetricsRow)."""
         return self.root / METRICS
-
-    @staticmethod
-    def evaluated_parts(every_checkpoint: bool) -> tuple[str, ...]:
-        """What evaluating the model reads of its artifact: the final weights, the history (tokens seen), and with
-        `every_checkpoint` the kept checkpoints; never its training state."""
-        return (FINAL, METRICS, "checkpoints") if every_checkpoint else (FINAL, METRICS)
 
     @property
     def loss_plot(self) -> Path:

@@ -262,6 +262,19 @@ SLURM_WORD = r"^[A-Za-z0-9_][A-Za-z0-9_.,:@%+=\[\]-]{0,200}$"  # one sbatch valu
 SLURM_TIME = r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$"  # sbatch --time: minutes, H:MM:SS or D-HH:MM:SS
 
 
+def slurm_seconds(limit: str) -> float:
+    """sbatch's --time in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+    days-hours:minutes or days-hours:minutes:seconds (sbatch(1))."""
+    days, _, clock = limit.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 3:
+        return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+    return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+
+
 class SlurmCluster(SpecModel):
     """Every step that computes runs as a Slurm job of its phase's shape (how.resources); the orchestrating
     `compass run` only plans, submits, follows and commits. With `requeue`, a job is submitted with --requeue and a
@@ -473,7 +486,8 @@ class EvaluationCadence(SpecModel):
     """When checkpoints are evaluated besides each model step's final weights."""
 
     field_identity: ClassVar[dict[str, Identity]] = {
-        "every_checkpoint": "results", "schedule_cron": "placement", "schedule_interval_seconds": "placement"}
+        "every_checkpoint": "results", "schedule_cron": "placement", "schedule_interval_seconds": "placement",
+        "assumed_mfu": "placement"}
 
     every_checkpoint: bool = Field(
         default=True, description="Also evaluate every exported checkpoint of each evaluated training step (the "
@@ -486,6 +500,11 @@ class EvaluationCadence(SpecModel):
                                   "checkpoints in the store (None: none).")
     schedule_interval_seconds: PositiveInt | None = Field(
         default=None, description="The same schedule as an interval in seconds (set one of the two).")
+    assumed_mfu: float = Field(
+        default=0.15, gt=0, le=1, description="FLOPs utilisation of scoring, for the plan's evaluation times: "
+        "lighteval's transformers backend runs padded log-likelihood batches of short requests, below "
+        "training's utilisation. `compass plan` holds one checkpoint's predicted scoring against the evaluation "
+        "phase's time limit and refuses a limit it cannot fit in.")
 
 
 Tracker = Literal["tensorboard", "mlflow", "wandb", "trackio"]
@@ -614,6 +633,12 @@ class How(SpecModel):
     evaluation: EvaluationCadence = Field(default=EvaluationCadence(), description="When checkpoints are evaluated.")
     monitoring: Monitoring = Field(default=Monitoring(), description="Metrics endpoints, experiment trackers and "
                                                                      "progress reports.")
+
+    @property
+    def stop_lead_s(self) -> float:
+        """How long before its time limit a job is asked to stop (cluster.signal_before_s; 0 without a cluster)."""
+        cluster = self.orchestration.cluster
+        return float(cluster.signal_before_s) if cluster is not None and cluster.requeue else 0.0
 
     def shape(self, phase: Phase) -> Shape:
         """The phase's shape with every default filled in (see PhaseShape)."""

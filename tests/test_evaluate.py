@@ -28,25 +28,35 @@ def test_cloze_and_multiple_choice_formulations():
     assert mcf.choices == [" A", " B", " C"] and "\n B. carbon dioxide" in mcf.query and mcf.gold_index == 1
 
 
-@pytest.fixture(scope="module")
-def evaluated(tmp_path_factory: pytest.TempPathFactory):
-    from compass.flows.compiler import compile_spec
-    from compass.flows.runner import RunContext, run_step
-    from compass.infra.store import Store
+def evaluated_spec(benchmarks: bool = True):
+    """The minimal spec with every checkpoint evaluated (arc_easy, piqa and held-out perplexity; without
+    `benchmarks`, perplexity alone: the training steps' fingerprints are the same)."""
     from compass.specs import load_spec_text
+
+    suite = ("    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
+             "      - {name: piqa, formulation: mcf, limit: 20}\n") if benchmarks else ""
+    text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
+        "  pretraining:", f"  evaluation:\n{suite}    perplexity_sources: [notes]\n  pretraining:").replace(
+        "how:\n", "how:\n  checkpoints: {every_steps: 30, keep_last: 2}\n")
+    return load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
+
+
+def run_context(loaded, store_root: Path):
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext
+    from compass.infra.store import Store
     from compass.tasks.steps.context import Runtime
 
-    text = (REPO / "tests" / "specs" / "minimal.yaml").read_text().replace(
-        "  pretraining:", "  evaluation:\n    benchmarks:\n      - {name: arc_easy, formulation: cf, limit: 40}\n"
-        "      - {name: piqa, formulation: mcf, limit: 20}\n    perplexity_sources: [notes]\n  pretraining:").replace(
-        "how:\n", "how:\n  checkpoints: {every_steps: 30, keep_last: 2}\n")
-    loaded = load_spec_text(text, "minimal.yaml", base_dir=REPO / "tests" / "specs")
+    return RunContext(compile_spec(loaded.spec), Store(str(store_root)), loaded.spec_hash,
+                      Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
 
-    plan = compile_spec(loaded.spec)
-    store = Store(str(tmp_path_factory.mktemp("store")))
-    ctx = RunContext(plan, store, loaded.spec_hash,
-                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
-    outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in plan.steps}
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory):
+    from compass.flows.runner import run_step
+
+    ctx = run_context(evaluated_spec(), tmp_path_factory.mktemp("store"))
+    outcomes = {s.id: run_step(ctx, s, logging.getLogger("test")) for s in ctx.plan.steps}
     return outcomes
 
 
@@ -173,12 +183,58 @@ def test_an_evaluation_reads_the_weights_it_scores_and_the_held_out_split_nothin
         return sum(f.size for f in manifest.files if f.path == top or f.path.startswith(f"{top}/"))
 
     assert size(model, "state") > 0 and size(tokens, TRAIN) > 0  # what it must not read is there
-    assert ledger.read_by_input == {"model/final": size(model, FINAL), "model/checkpoints": size(model, "checkpoints"),
+    last = outcome.manifest.metrics["curve"][-1]["checkpoint"]  # the final weights: scored once, as final
+    checkpoints = size(model, "checkpoints") - size(model, f"checkpoints/{last}")
+    assert ledger.read_by_input == {"model/final": size(model, FINAL), "model/checkpoints": checkpoints,
                                     "model/.": size(model, METRICS),
                                     "tokens:notes/heldout": size(tokens, HELDOUT),
                                     "tokens:notes/.": sum(f.size for f in tokens.files if "/" not in f.path and
                                                           f.path.startswith(("meta", HELDOUT)))}
     assert ledger.written == outcome.manifest.total_bytes and ledger.cpu_s > 0 and ledger.peak_rss_mb > 0
+
+
+def test_an_evaluation_stopped_between_checkpoints_scores_only_the_rest_when_it_runs_again(
+        evaluated, tmp_path: Path, monkeypatch):
+    """Issue 73, C1: a job near its time limit (the stop file touched by its batch shell) ends the evaluate step
+    after the checkpoint it is scoring, its scores kept in the work folder by the checkpoint's digest; the next
+    attempt reads (and copies) only the checkpoints not yet scored and gives the same curve as one uninterrupted
+    attempt."""
+    import shutil
+
+    from compass.flows.runner import run_step, step_uri
+    from compass.infra.errors import StopRequested
+
+    loaded = evaluated_spec(benchmarks=False)
+    uri = Path(evaluated["pretrain:stage1"].uri)
+    store = tmp_path / "store"
+    for kind in uri.parents[1].iterdir():  # every artifact but the evaluations'
+        if kind.is_dir() and not kind.name.startswith(".") and kind.name not in ("evaluate", "monitoring"):
+            shutil.copytree(kind, store / kind.name)
+    ctx = run_context(loaded, store)
+    assert ctx.store.is_committed(step_uri(ctx, ctx.plan.step("pretrain:stage1")))  # the same training, not rerun
+    step = ctx.plan.step("evaluate:pretrain-stage1")
+    stop = tmp_path / "stop"
+    stop.touch()
+    monkeypatch.setenv("COMPASS_STOP_FILE", str(stop))
+    with pytest.raises(StopRequested, match="1 checkpoint"):
+        run_step(ctx, step, logging.getLogger("test"))
+    scored = ctx.store.work_dir(step.kind, step.name, ctx.plan.fingerprints[step.id]) / "scored"
+    assert len(list(scored.glob("*.json"))) == 1  # the final weights, scored first
+
+    stop.unlink()
+    outcome = run_step(ctx, step, logging.getLogger("test"))
+    assert outcome.ran and outcome.manifest.metrics["scored_before"] == 1
+    model = evaluated["pretrain:stage1"].manifest
+    ledger = outcome.manifest.resources
+    curve = outcome.manifest.metrics["curve"]
+    assert [p["checkpoint"] for p in curve] == ["step-00000030", "step-00000060", "step-00000078"]
+    sizes = {p["checkpoint"]: sum(f.size for f in model.files if f.path.startswith(f"checkpoints/{p['checkpoint']}/"))
+             for p in curve}
+    # the second attempt read the two checkpoints it scored, not the final weights scored before
+    assert "model/final" not in ledger.read_by_input
+    assert ledger.read_by_input["model/checkpoints"] == sizes["step-00000030"] + sizes["step-00000060"]
+    whole = evaluated["evaluate:pretrain-stage1"].manifest.metrics["curve"]
+    assert [p["val_ppl:notes"] for p in curve] == pytest.approx([p["val_ppl:notes"] for p in whole], rel=1e-6)
 
 
 def test_every_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):

@@ -20,6 +20,7 @@ from compass.specs.scaling import step_shapes
 from compass.specs.spec import TrainingSpec
 from compass.specs.staging_costs import GIB, WINDOW_MARGIN, staging_costs, token_bytes
 from compass.tasks.common.fence import fenced_post_training, needs_fence, trained_sources
+from compass.tasks.evaluation.costs import evaluation_costs
 from compass.tasks.steps.backends import backends_of, one_of_each
 
 
@@ -131,6 +132,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                 training_core_section(spec)]
     if (staging := staging_section(spec)) is not None:
         sections.append(staging)
+    if (evaluation := evaluation_section(spec)) is not None:
+        sections.append(evaluation)
     if (fence := fence_section(spec)) is not None:
         sections.append(fence)
 
@@ -198,6 +201,30 @@ def staging_section(spec: TrainingSpec) -> Section | None:
                     f"{spec.how.storage.local_cache}: an upper bound (a window never exceeds its source); earlier "
                     "copies there are removed, least recently used first, to make room; the step's resource ledger "
                     "counts what it copied (copied_by_node)"])
+
+
+def evaluation_section(spec: TrainingSpec) -> Section | None:
+    """Each evaluate step at the spec's size: checkpoints scored, one checkpoint's tokens and time, the jobs they
+    take, against the evaluation phase's time limit (for GPU specs and specs whose evaluation jobs have a limit)."""
+    how = spec.how
+    limit = how.shape("evaluation").time_limit
+    if how.hardware.accelerator == "cpu" and limit is None:
+        return None
+    rows = evaluation_costs(spec)
+    if not rows:
+        return None
+    fits = f"fits {limit}" if limit else "fits (no time limit)"
+    table = [[c.step, c.checkpoints, human(c.tokens), rough_duration(c.per_checkpoint_s), c.jobs,
+              rough_duration(c.total_s), "yes" if c.fits else "NO"] for c in rows]
+    notes = [f"forward FLOPs at {how.evaluation.assumed_mfu:.0%} of {how.hardware.peak:g} TFLOP/s "
+             "(how.evaluation.assumed_mfu), the benchmarks over the evaluation phase's ranks; weights read at "
+             f"{how.hardware.checkpoint_write_gbps:g} GB/s; {rough_duration(how.hardware.startup_estimate_s)} of "
+             "start-up per job; each checkpoint's scores are kept as it is scored, so a job asked to stop ends "
+             "between checkpoints and the next goes on"]
+    if rows[0].unestimated:
+        notes.append(f"not counted: {', '.join(rows[0].unestimated)} (lighteval's own tasks)")
+    return Section("Evaluation (per evaluate step)", ["step", "checkpoints", "tokens each", "each", "jobs", "all",
+                                                      fits], table, notes)
 
 
 def placement_section(spec: TrainingSpec) -> Section:

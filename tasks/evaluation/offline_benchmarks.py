@@ -4,6 +4,7 @@ cloze (CF) and multiple-choice (MCF) formulation as lighteval custom tasks."""
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import string
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from compass.infra.packages import cache_root, fetch_package
+from compass.specs.evaluation import Benchmark as Scored
 from compass.specs.sources import SourceUri
 from compass.tasks.common.arithmetic import arithmetic_reward, held_out_arithmetic_problems
 
@@ -168,6 +170,47 @@ def prepare(name: str) -> tuple[Path, dict[str, Any]]:
         tmp.rename(target)
     n = target.read_text(encoding="utf-8").count("\n")
     return folder, {**provenance, "benchmark": name, "documents": n, "task_version": TASK_VERSION}
+
+
+CHARS_PER_TOKEN = 4.0  # English text through a byte-level BPE of 50k-130k entries, for the plan's estimates
+GENERATED_TOKENS = 16  # generation_size of the generative tasks (task_table)
+
+
+def request_tokens(benchmark: Scored) -> float | None:
+    """Tokens one checkpoint's scoring of `benchmark` reads, for the plan: every log-likelihood request (each choice
+    with its context in CF, each letter after the listed options in MCF) or generation, each with its few-shot
+    examples, over the items it scores (`limit`). None for lighteval's own tasks, whose requests compass does not
+    build."""
+    if benchmark.source != "compass":
+        return None
+    chars = _request_chars(benchmark.name, benchmark.formulation)
+    used = chars[: benchmark.limit] if benchmark.limit else chars
+    if not used:
+        return 0.0
+    mean = sum(used) / len(used)
+    return sum(c + benchmark.fewshot * mean for c in used) / CHARS_PER_TOKEN
+
+
+@functools.cache
+def _request_chars(name: str, formulation: str) -> tuple[float, ...]:
+    """Characters of each item's requests (cached beside the prepared benchmark: one pass over its lines)."""
+    folder, _ = prepare(name)
+    cached = folder / f"requests-{formulation}.json"
+    if cached.exists():
+        return tuple(json.loads(cached.read_text()))
+    out = []
+    for line in (folder / "validation.jsonl").read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        if formulation == "gen":
+            doc = gen_prompt(row)
+            out.append(len(doc.query) + GENERATED_TOKENS * CHARS_PER_TOKEN)
+        else:
+            doc = (cf_prompt if formulation == "cf" else mcf_prompt)(row)
+            out.append(sum(len(doc.query) + len(c) for c in doc.choices))
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(cached)
+    return tuple(out)
 
 
 def cf_prompt(line: dict, task_name: str | None = None):

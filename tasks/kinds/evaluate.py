@@ -6,32 +6,35 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from compass.infra.layout import FINAL, HELDOUT, ModelArtifact
+from compass.infra.errors import StopRequested
+from compass.infra.layout import CHECKPOINTS, FINAL, HELDOUT, METRICS, checkpoint_step
 from compass.model.attention import DOCUMENT_SDPA, register
-from compass.model.training.history import kept_checkpoints, tokens_seen
+from compass.model.training.history import checkpoint_tokens, tokens_seen
 from compass.model.training.records import GoodputSplit, goodput_table
 from compass.model.training.token_files import split_parts
 from compass.model.training.trackers import Trackers
 from compass.specs.base import Issue
 from compass.specs.evaluation import Benchmark, Evaluation
-from compass.specs.how import How
+from compass.specs.how import How, slurm_seconds
 from compass.specs.spec import TrainingSpec
 from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.inputs import EvaluateInputs, tokens
 from compass.tasks.common.tracking import tracker_run_of
+from compass.tasks.evaluation.costs import evaluation_costs
 from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
 from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, GENERATIVE, VERIFIED, formulations
-from compass.tasks.evaluation.scores import ITEMS, BenchmarkScores, ItemScore
-from compass.tasks.steps.context import StepContext, StepResult
+from compass.tasks.evaluation.scored import ModelEvaluation, ScoredCheckpoints, folder_digest
+from compass.tasks.evaluation.scores import ITEMS, BenchmarkScores
+from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
 from compass.tasks.steps.step_config import StepConfig
@@ -93,6 +96,32 @@ def check_spec(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
             yield Issue(("what", "evaluation", "benchmarks", i, "formulation"),
                         f"{task.name} has no '{task.formulation}' formulation",
                         f"use formulation: {' or '.join(formulations(task.name))}")
+    if not any(task.source == "compass" and (task.name not in offline or task.formulation not in
+                                             formulations(task.name)) for task in spec.what.evaluation.benchmarks):
+        yield from check_time_limit(spec)
+
+
+def check_time_limit(spec: TrainingSpec) -> Iterator[Issue]:
+    """One checkpoint's scoring (tasks/evaluation/costs.py) fits in one evaluation job: a job asked to stop ends
+    between checkpoints, so a checkpoint longer than the job's time never completes and the step never ends."""
+    limit = spec.how.shape("evaluation").time_limit
+    if limit is None:
+        return
+    too_long = [c for c in evaluation_costs(spec) if not c.fits]
+    if not too_long:
+        return
+    given = spec.how.resources.evaluation.time_limit
+    at = ("how", "resources", "evaluation", "time_limit") if given else ("how", "orchestration", "cluster",
+                                                                           "time_limit")
+    worst = max(too_long, key=lambda c: c.per_checkpoint_s)
+    needed = worst.per_checkpoint_s + worst.startup_s + worst.stop_lead_s
+    steps = ", ".join(c.step for c in too_long)
+    yield Issue(at, f"{steps}: one checkpoint's evaluation takes ~{needed / 60:,.0f} min ({worst.step}: "
+                f"{worst.tokens:.3g} tokens scored, start-up and the stop signal's lead included), longer than the "
+                f"evaluation jobs' time limit {limit} ({slurm_seconds(limit) / 60:,.0f} min): no job could finish a "
+                "checkpoint", f"set how.resources.evaluation.time_limit to at least {math.ceil(needed / 3600)}:00:00, "
+                "give the evaluation phase more devices (how.resources.evaluation.devices_per_node), or score fewer "
+                "benchmark items (limit)")
 
 
 def check_machine(spec: TrainingSpec, _: Path) -> Iterator[Issue]:
@@ -127,17 +156,6 @@ def trained_length(config: Any) -> int:
 Lighteval = Callable[[Path, list[Benchmark], Path], BenchmarkScores]
 
 
-@dataclass(frozen=True)
-class ModelEvaluation:
-    """One checkpoint's scores: the metrics by name, the table's rows, the benchmarks' provenance and every
-    benchmark item as scored."""
-
-    metrics: dict[str, Any]
-    rows: list[dict[str, Any]]
-    provenance: list[dict[str, Any]]
-    items: dict[str, list[ItemScore]]
-    load_s: float = 0.0  # starting lighteval's ranks, preparing benchmarks, loading the model
-    score_s: float = 0.0  # scoring: lighteval's evaluation, held-out losses, passkey retrieval
 
 
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
@@ -207,43 +225,66 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
                 metrics[f"passkey@{length}/depth{c['depth']}"] = float(c["accuracy"])
                 rows.append({"task": f"passkey {length} tokens, depth {c['depth']}", "metric": "accuracy",
                              "value": c["accuracy"], "stderr": ""})
-    return ModelEvaluation(metrics, rows, scores.provenance, scores.items, load_s, score_s)
+    return ModelEvaluation(metrics=metrics, rows=rows, provenance=scores.provenance, items=scores.items,
+                           load_s=load_s, score_s=score_s)
 
 
 def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     """Evaluate the model step's final weights, and with `every_checkpoint` each checkpoint it kept: the
-    points of the evaluation curves (metric against tokens seen)."""
+    points of the evaluation curves (metric against tokens seen). Checkpoints are read one at a time, and each one's
+    scores are kept in the work folder by its files' digest: an attempt after a stop (the job's time limit near:
+    the stop file), a requeue or a crash scores only what no attempt scored yet."""
     started = time.perf_counter()
     suite = ctx.config.suite
     given = ctx.given(EvaluateInputs)
     model = given.model
-    # only what is scored: the final weights (and the kept checkpoints), the held-out splits; never a model's
-    # training state or a source's training split (the step's resource ledger shows what it read)
-    model_folder = model.local(*ModelArtifact.evaluated_parts(ctx.config.every_checkpoint))
+    # only what is scored: the final weights (and, one at a time, the kept checkpoints), the history, the held-out
+    # splits; never a model's training state or a source's training split (the step's resource ledger shows it)
+    model_folder = model.local(METRICS)  # the history: tokens seen at each checkpoint
     sources = {name: tokens.local(*split_parts(HELDOUT)) for name, tokens in given.tokens.items()}
     retrieval = ctx.config.retrieval
     haystack = given.haystack.local(*split_parts(HELDOUT)) if given.haystack else None
     where = device_for(ctx.runtime.how)
     lighteval = _lighteval_on_ranks(ctx, where)
-    final = evaluate_model(ModelArtifact(model_folder).final, suite, sources, ctx.scratch / FINAL, retrieval, haystack,
-                           where, ctx.runtime.how, lighteval)
+    scored = ScoredCheckpoints(ctx.workdir / "scored")
+    reused = 0
+
+    def evaluated_at(folder_in_artifact: str, local: Callable[[], Path], name: str) -> ModelEvaluation:
+        nonlocal reused
+        digest = folder_digest(model.manifest.files, folder_in_artifact)
+        if (kept := scored.get(digest)) is not None:
+            reused += 1
+            return kept
+        folder = local()
+        evaluation = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
+                                    ctx.runtime.how, lighteval)
+        scored.put(digest, evaluation)
+        model.release(folder, folder_in_artifact)
+        _stop_if_asked(ctx, scored.count())
+        return evaluation
+
+    final = evaluated_at(FINAL, lambda: model.local_folder(FINAL), FINAL)
     final_metrics = final.metrics
     curve = []
     evaluated = [final]
-    if ctx.config.every_checkpoint:
-        checkpoints = kept_checkpoints(model_folder)
-        for name, folder, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
-            evaluated.append(evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
-                                            ctx.runtime.how, lighteval))
+    if ctx.config.every_checkpoint and (names := _checkpoint_names(model)):
+        checkpoints = checkpoint_tokens(model_folder, names)
+        for name, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
+            under = f"{CHECKPOINTS}/{name}"
+            evaluated.append(evaluated_at(under, lambda under=under: model.local_folder(under), name))
             values = evaluated[-1].metrics
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
-        curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][2], **final_metrics})
+        curve.append({"checkpoint": checkpoints[-1][0], "tokens": checkpoints[-1][1], **final_metrics})
     else:
         curve.append({"checkpoint": FINAL, "tokens": tokens_seen(model_folder), **final_metrics})
+    if reused:
+        ctx.log.info("%s: %d of %d checkpoint(s) scored by an earlier attempt, not scored again", model.step_id,
+                     reused, len(evaluated))
     goodput = evaluation_split(evaluated, time.perf_counter() - started)
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
-               "curve": curve, "setup": setup_of(ctx.runtime.how), "goodput": goodput.model_dump(mode="json")}
+               "curve": curve, "scored_before": reused, "setup": setup_of(ctx.runtime.how),
+               "goodput": goodput.model_dump(mode="json")}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
     if final.items:  # the final model's benchmark items as scored: what a paired verdict and a recount read
         (ctx.out / ITEMS).write_text(json.dumps({k: [i.model_dump() for i in v] for k, v in final.items.items()}))
@@ -253,6 +294,22 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
                f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}; {goodput.line()}")
     return StepResult(metrics=metrics, summary=summary, tables={"evaluation": final.rows, **goodput_table(goodput)},
                       provenance=final.provenance)
+
+
+def _checkpoint_names(model: InputArtifact) -> list[str]:
+    """The kept checkpoints' folder names, from the model's manifest (none copied to read them)."""
+    prefix = f"{CHECKPOINTS}/"
+    names = {e.path[len(prefix):].split("/", 1)[0] for e in model.manifest.files if e.path.startswith(prefix)}
+    return sorted(n for n in names if checkpoint_step(n) is not None)
+
+
+def _stop_if_asked(ctx: StepContext[EvaluateConfig], scored: int) -> None:
+    """Between two checkpoints: a job near its time limit (the batch shell touched the stop file, infra/slurm.py)
+    ends here; its scores so far are kept and the requeued job goes on from the next checkpoint."""
+    stop = os.environ.get("COMPASS_STOP_FILE")
+    if stop and Path(stop).exists():
+        raise StopRequested(scored, f"stopped on request with {scored} checkpoint(s) scored and kept in "
+                                    f"{ctx.workdir / 'scored'}; the next attempt scores the rest")
 
 
 def evaluation_split(evaluated: list[ModelEvaluation], total_s: float) -> GoodputSplit:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,18 @@ class InputArtifact:
             self._read(part)
         wanted = tuple(parts)
         return self.store.local_path(self.uri, select=lambda path: path.split("/", 1)[0] in wanted)
+
+    def local_folder(self, under: str) -> Path:
+        """One sub-folder of the artifact on local disk (one checkpoint of a model): from a remote store only its
+        files are downloaded, and only they are counted as read. `release` removes that download."""
+        self._read(under)
+        return self.store.local_path(self.uri, only=under) / under
+
+    def release(self, folder: Path, under: str) -> None:
+        """Remove a remote store's download of `under` (from `local_folder`) once it is used: a step that reads
+        170 checkpoints one after another keeps one on local disk, not all of them. A local store's folder stays."""
+        if self.store.is_remote:
+            shutil.rmtree(folder.parents[len(Path(under).parts) - 1], ignore_errors=True)
 
     def folder_url(self, under: str) -> str:
         """Its sub-folder `under` where readers such as datatrove's stream it from (no copy; the runner checked
