@@ -55,7 +55,7 @@ class ScoredCheckpoints:
         if not path.exists():
             return None
         try:
-            return ModelEvaluation.model_validate_json(path.read_text())
+            return ModelEvaluation.model_validate(json.loads(path.read_text()))  # NaN (a missing stderr) kept
         except ValueError:  # unreadable (a disk that filled mid-write): score it again
             return None
 
@@ -63,7 +63,7 @@ class ScoredCheckpoints:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(digest)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(evaluation.model_dump(mode="json")))
+        tmp.write_text(json.dumps(evaluation.model_dump()))  # Python's JSON: a NaN stays NaN, not null
         tmp.replace(path)
 
     def count(self) -> int:
