@@ -224,6 +224,8 @@ def test_an_evaluation_stopped_between_checkpoints_scores_only_the_rest_when_it_
     stop.unlink()
     outcome = run_step(ctx, step, logging.getLogger("test"))
     assert outcome.executed and outcome.manifest.metrics["scored_before"] == 1
+    split = outcome.manifest.metrics["goodput"]  # this attempt's time: the two checkpoints it scored
+    assert 0 < split["compute_s"] + split["startup_s"] <= split["total_s"]
     model = evaluated["pretrain:stage1"].manifest
     ledger = outcome.manifest.resources
     curve = outcome.manifest.metrics["curve"]

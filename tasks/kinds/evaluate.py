@@ -156,8 +156,6 @@ def trained_length(config: Any) -> int:
 Lighteval = Callable[[Path, list[Benchmark], Path], BenchmarkScores]
 
 
-
-
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
                    retrieval: Retrieval | None = None, haystack: Path | None = None,
                    where: Device | None = None, how: How | None = None,
@@ -248,22 +246,24 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     lighteval = _lighteval_on_ranks(ctx, where)
     scored = ScoredCheckpoints(ctx.workdir / "scored")
     reused = 0
+    this_attempt: list[ModelEvaluation] = []  # its time split: what an earlier attempt scored took that one's time
 
-    def evaluated_at(folder_in_artifact: str, local: Callable[[], Path], name: str) -> ModelEvaluation:
+    def evaluated_at(folder_in_artifact: str, name: str) -> ModelEvaluation:
         nonlocal reused
         digest = folder_digest(model.manifest.files, folder_in_artifact)
         if (kept := scored.get(digest)) is not None:
             reused += 1
             return kept
-        folder = local()
+        folder = model.local_folder(folder_in_artifact)
         evaluation = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
                                     ctx.runtime.how, lighteval)
         scored.put(digest, evaluation)
+        this_attempt.append(evaluation)
         model.release(folder, folder_in_artifact)
         _stop_if_asked(ctx, scored.count())
         return evaluation
 
-    final = evaluated_at(FINAL, lambda: model.local_folder(FINAL), FINAL)
+    final = evaluated_at(FINAL, FINAL)
     final_metrics = final.metrics
     curve = []
     evaluated = [final]
@@ -271,7 +271,7 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
         checkpoints = checkpoint_tokens(model_folder, names)
         for name, tokens in checkpoints[:-1]:  # the last kept checkpoint holds the final weights
             under = f"{CHECKPOINTS}/{name}"
-            evaluated.append(evaluated_at(under, lambda under=under: model.local_folder(under), name))
+            evaluated.append(evaluated_at(under, name))
             values = evaluated[-1].metrics
             curve.append({"checkpoint": name, "tokens": tokens, **values})
             ctx.log.info("%s %s (%s tokens): %s", model.step_id, name, tokens, _shown(values))
@@ -281,7 +281,7 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     if reused:
         ctx.log.info("%s: %d of %d checkpoint(s) scored by an earlier attempt, not scored again", model.step_id,
                      reused, len(evaluated))
-    goodput = evaluation_split(evaluated, time.perf_counter() - started)
+    goodput = evaluation_split(this_attempt, time.perf_counter() - started)
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
                "curve": curve, "scored_before": reused, "setup": setup_of(ctx.runtime.how),
                "goodput": goodput.model_dump(mode="json")}
