@@ -45,6 +45,12 @@ def _batches(spec: TrainingSpec) -> dict[tuple[str, str], int]:
     return out
 
 
+def exported_every(spec: TrainingSpec) -> int:
+    """Every how many checkpoints a Hugging Face export is written (how.checkpoints.hf_export_every's default)."""
+    params = count_parameters(spec.what.architecture, planning_vocab(spec)).total
+    return spec.how.checkpoints.hf_export_every or (1 if params < 1e9 else EXPORT_EVERY_ABOVE_1B)
+
+
 def predicted_splits(spec: TrainingSpec) -> list[PredictedSplit]:
     """Each training stage's predicted split. A checkpoint stalls training for the copy of a rank's state to host
     memory (asynchronous) or its whole write at the node's storage bandwidth (synchronous); an asynchronous write
@@ -54,7 +60,7 @@ def predicted_splits(spec: TrainingSpec) -> list[PredictedSplit]:
     how = spec.how
     hw, every = how.hardware, how.checkpoints.every_steps
     params = count_parameters(spec.what.architecture, planning_vocab(spec)).total
-    export_every = how.checkpoints.hf_export_every or (1 if params < 1e9 else EXPORT_EVERY_ABOVE_1B)
+    export_every = exported_every(spec)
     batches = _batches(spec)
     out = []
     for cost in stage_costs(spec):

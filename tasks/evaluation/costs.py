@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from compass.specs.costs import count_parameters, flops_per_token, planning_vocab, stage_costs
-from compass.specs.goodput_plan import predicted_splits
+from compass.specs.costs import count_parameters, flops_per_token, planning_vocab, reached_context, stage_costs
+from compass.specs.goodput_plan import exported_every, predicted_splits
 from compass.specs.how import slurm_seconds
 from compass.specs.post_training import MidTraining
 from compass.specs.spec import TrainingSpec
@@ -65,14 +65,11 @@ class EvaluationCost:
 def _scored_models(spec: TrainingSpec) -> list[tuple[str, int, int]]:
     """(model step, exported checkpoints, sequence length) of every model step an evaluate step scores."""
     how = spec.how
-    exports = {}
-    params = count_parameters(spec.what.architecture, planning_vocab(spec)).total
-    export_every = how.checkpoints.hf_export_every or (1 if params < 1e9 else 10)
-    for split in predicted_splits(spec):
-        exports[split.stage] = math.ceil(split.checkpoints / export_every)
+    export_every = exported_every(spec)
+    exports = {split.stage: math.ceil(split.checkpoints / export_every) for split in predicted_splits(spec)}
     out = [(f"{c.section}:{c.name}", exports.get(f"{c.section}:{c.name}", 1) if how.evaluation.every_checkpoint
             else 1, c.seq_len) for c in stage_costs(spec)]
-    context = max([spec.what.trained_length, *(s.sequence_length for s in spec.what.long_context.stages)])
+    context = reached_context(spec)
     out += [(f"post_train:{p.name}", 1, context) for p in spec.what.post_training if not isinstance(p, MidTraining)]
     return out
 
