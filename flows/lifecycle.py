@@ -93,6 +93,10 @@ def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
             f"{m.total_bytes:,} bytes\n\n**inputs**\n{inputs}\n{_embedded_plots(ctx.store, m)}")
     create_markdown_artifact(key=key, markdown=body, description=f"{step.id}: {m.uri}")
     resource_ledger.count(artifacts_published=1)
+    if outcome.executed and m.resources is not None:  # what `compass status` sums for the run
+        create_table_artifact(key=artifact_key(ctx.plan.spec_name, resource_ledger.TABLE, step.name),
+                              table=[m.resources.row()], description=f"{step.id}: its resource ledger")
+        resource_ledger.count(artifacts_published=1)
     if outcome.result:
         for name, rows in outcome.result.tables.items():
             if rows:

@@ -9,7 +9,7 @@ Problems come back like the loader's, as `file:line: field: what (hint)`, all at
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -21,7 +21,7 @@ from compass.specs import costs
 from compass.specs.base import Issue, Loc
 from compass.specs.checks import check_spec, phases_of
 from compass.specs.file_stamp import s3_credentials_here
-from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text
+from compass.specs.loader import LoadedSpec, SpecError, load_spec, load_spec_text, merged_problems
 from compass.specs.smoke import Shrink, Size, shrunk_spec
 from compass.specs.spec import TrainingSpec
 from compass.tasks.steps import registry
@@ -65,13 +65,29 @@ def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
 
 
 def load_checked(path: str | Path, machine: bool = True, size: Size = "full") -> CheckedSpec:
-    loaded = load_spec(path)
-    return check(shrunk(loaded, size), machine)
+    return _checked(lambda: load_spec(path), machine, size)
 
 
 def load_checked_text(text: str, filename: str = "<spec>", base_dir: Path | None = None, machine: bool = True,
                       size: Size = "full") -> CheckedSpec:
-    loaded = load_spec_text(text, filename, base_dir)
+    return _checked(lambda: load_spec_text(text, filename, base_dir), machine, size)
+
+
+def _checked(load: Callable[[], LoadedSpec], machine: bool, size: Size) -> CheckedSpec:
+    """The loaded spec checked; one with problems of its own is still checked here as far as what parsed allows
+    (the error's `partial`), so that every problem comes out in one run."""
+    try:
+        loaded = load()
+    except SpecError as exc:
+        if exc.partial is None:
+            raise
+        try:
+            check(shrunk(exc.partial, size), machine)
+        except SpecError as more:
+            raise SpecError(merged_problems([*exc.problems, *more.problems])) from None
+        except Exception:  # a check that cannot judge a spec with problems: the problems found so far
+            raise exc from None
+        raise
     return check(shrunk(loaded, size), machine)
 
 

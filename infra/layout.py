@@ -23,6 +23,11 @@ REQUIRED_TOKENIZER_FILES = TOKENIZER_FILES[:1]  # without it the export loads in
 COMPARISON = "comparison.json"  # a tokenizer selection's, or the ablations' comparison of variants
 METRICS = "metrics.jsonl"  # a model artifact's (and a training work folder's) one line per optimizer step
 CHECKPOINTS = "checkpoints"  # a model artifact's kept checkpoints, each a Hugging Face folder `step-<N>`
+STATE = "state"  # a model artifact's full training state, what its next stage continues from
+# what a phase that continues a model reads of its artifact: the training state, the final export (its config, the
+# weights a post-training starts from and the rank checks compare with) and the history. Never the kept checkpoints
+# and their exports: at SmolLM3's size ~1 TB per stage, copied whole from S3 at each stage transition before.
+CONTINUED_PARTS = (STATE, FINAL, METRICS)
 WEIGHTS = "model.safetensors"  # a Hugging Face folder's weights as compass exports them (one file)
 
 
@@ -50,7 +55,7 @@ class ModelArtifact:
     @property
     def state(self) -> Path:
         """The full training state (weights, optimizer, scheduler, data position) the next stage continues from."""
-        return self.root / "state"
+        return self.root / STATE
 
     @property
     def checkpoints(self) -> Path:
@@ -276,6 +281,17 @@ class WorkFolder:
     def trl_rows(self) -> Path:
         """The TRL step's training rows (conversations, pairs or prompts), one JSON line each."""
         return self.root / "trl-rows.jsonl"
+
+    @property
+    def trl_datasets(self) -> Path:
+        """The rows as Arrow files and TRL's tokenized and packed forms of them, cached by the datasets library: the
+        ranks memory-map them, and prepare them once (tasks/post_training/trl_ranks.py: rows_dataset)."""
+        return self.root / "trl-datasets"
+
+    @property
+    def trl_prepared(self) -> Path:
+        """What each TRL rank prepared of the rows itself and what it loaded prepared (`rank-<r>.json`)."""
+        return self.root / "trl-prepared"
 
     @property
     def trl_checkpoints(self) -> Path:

@@ -24,6 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 PARTS = "resources"  # the work folder's folder of the ranks' part files
+TABLE = "resources"  # the table artifact of a step's ledger, in the UI and summed by `compass status`
 
 
 class Resources(BaseModel):
@@ -46,6 +47,23 @@ class Resources(BaseModel):
     # while the step ran, and the CPU time of the threads that worked for the step there
     peak_rss_mb: float = 0.0
     cpu_s: float = 0.0
+
+    def row(self) -> dict[str, float | int | None]:
+        """The totals as one row of a table artifact (the per-input and per-node splits stay in the manifest)."""
+        return self.model_dump(exclude={"read_by_input", "copied_by_node"})
+
+    def line(self) -> str:
+        """The counters a person reads first, in one line: the bytes each way, the Slurm jobs against their limit,
+        the artifacts published, the computing process's peak memory and CPU."""
+        jobs = ""
+        if self.slurm_jobs:
+            limit = f" (longest limit {_duration(self.slurm_limit_s)})" if self.slurm_limit_s else ""
+            jobs = f", {self.slurm_jobs} Slurm job{'s' * (self.slurm_jobs != 1)} {_duration(self.slurm_wall_s)}{limit}"
+        return (f"read {size_text(self.read)}, copied to local disk {size_text(self.copied)}, "
+                f"wrote {size_text(self.written)}, uploaded {size_text(self.uploaded)}, "
+                f"{self.files_listed:,} entries listed{jobs}, "
+                f"{self.artifacts_published} Prefect artifacts, peak {self.peak_rss_mb:,.0f} MiB, "
+                f"{self.cpu_s:,.1f} s CPU")
 
     def merged(self, other: Resources) -> Resources:
         """Two ledgers of one step summed (a rank's part into the step's); peaks take the larger."""
@@ -95,6 +113,19 @@ class Ledger:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(self.snapshot().model_dump_json())
         tmp.replace(path)
+
+
+def size_text(n: float) -> str:
+    """Bytes as a person reads them (binary units)."""
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= factor:
+            return f"{n / factor:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    minutes = seconds / 60
+    return f"{minutes / 60:.1f} h" if minutes >= 90 else f"{minutes:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def parts(workdir: Path) -> Resources:

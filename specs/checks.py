@@ -9,6 +9,7 @@ compass.flows.validation, before anything runs.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 from compass.specs.architecture import Architecture, architecture_rules
 from compass.specs.base import Issue, Loc, repeats, unused
 from compass.specs.data import data_rules
+from compass.specs.evaluation import COMPASS_BENCHMARKS
 from compass.specs.how import PHASES, Phase, how_rules
 from compass.specs.post_training import MidTraining, PostTrainStep, checkpoint_refs
 from compass.specs.post_training_methods import family_reads
@@ -88,14 +90,30 @@ def _mixtures(spec: TrainingSpec) -> Iterator[Issue]:
 
 
 def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
-    """Every criterion must name a metric the evaluation produces (whether each benchmark can run on this
-    machine is a machine check in compass.flows.validation)."""
+    """Every compass benchmark is one compass has offline data for, in a formulation it offers, and every criterion
+    names a metric the evaluation produces; a criterion naming a benchmark written wrong is that one mistake, said
+    once, at the benchmark (whether a lighteval task's data is on this machine is a machine check in
+    compass.flows.validation)."""
     ev = spec.what.evaluation
     names = {s.name for s in spec.what.data.sources}
+    wrong: set[str] = set()  # the keys (and the names meant) of benchmarks written wrong
     for i, task in enumerate(ev.benchmarks):
         if task.source == "lighteval" and "formulation" in task.model_fields_set:
             yield Issue(("what", "evaluation", "benchmarks", i, "formulation"), "a lighteval task has its own prompt; "
                         "formulation applies to compass benchmarks only", "remove formulation")
+        elif task.source == "compass" and task.name not in COMPASS_BENCHMARKS:
+            meant = difflib.get_close_matches(task.name, list(COMPASS_BENCHMARKS), n=1, cutoff=0.6)
+            wrong |= {task.key, *meant}
+            yield Issue(("what", "evaluation", "benchmarks", i, "name"),
+                        f"'{task.name}' is not a benchmark compass has offline data for",
+                        (f"did you mean '{meant[0]}'? " if meant else "") +
+                        f"compass has: {', '.join(COMPASS_BENCHMARKS)}; or set source: lighteval for a lighteval "
+                        "task whose dataset this machine holds")
+        elif task.source == "compass" and task.formulation not in COMPASS_BENCHMARKS[task.name]:
+            wrong.add(task.key)
+            yield Issue(("what", "evaluation", "benchmarks", i, "formulation"),
+                        f"{task.name} has no '{task.formulation}' formulation",
+                        f"use formulation: {' or '.join(COMPASS_BENCHMARKS[task.name])}")
     for i, src in enumerate(ev.perplexity_sources):
         if src not in names:
             yield Issue(("what", "evaluation", "perplexity_sources", i), f"unknown source '{src}'",
@@ -105,7 +123,7 @@ def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
                        "vibe prompts are answered by chat post-training steps (sft, dpo, grpo, ...); there are none")
     if not (ev.benchmarks or ev.perplexity_sources):
         return  # nothing is evaluated, so no success report is compiled
-    keys = {t.key for t in ev.benchmarks}  # each gives <key>/<metric>
+    keys = {t.key for t in ev.benchmarks} - wrong  # each gives <key>/<metric>
     if spec.what.long_context.stages:  # passkey@<length>, and per depth passkey@<length>/depth<d>
         keys |= {f"passkey@{n}" for n in [spec.what.trained_length,
                                           *(s.sequence_length for s in spec.what.long_context.stages)]}
@@ -113,6 +131,8 @@ def _evaluation(spec: TrainingSpec) -> Iterator[Issue]:
     for i, crit in enumerate(spec.why.success_criteria):
         prefix = crit.metric.split("/")[0]
         if crit.metric in plain or prefix in keys and (prefix.startswith("passkey@") or "/" in crit.metric):
+            continue
+        if prefix in wrong or prefix.split(":")[0] in wrong:  # the benchmark it names is written wrong: said there
             continue
         given = sorted(k if k.startswith("passkey@") else f"{k}/<metric>" for k in keys) + sorted(plain)
         yield Issue(("why", "success_criteria", i, "metric"), f"no evaluation produces the metric '{crit.metric}'",
@@ -439,14 +459,21 @@ def _gradient_reduction(spec: TrainingSpec) -> Iterator[Issue]:
     elif how.reduce_precision not in ("fp32", how.precision):
         yield Issue(at, f"gradients of {how.precision} training are reduced in fp32 or in {how.precision}, not in "
                     f"{how.reduce_precision}", f"use reduce_precision: fp32 (the recipe's) or {how.precision}")
-    elif (how.precision != "fp32" and how.reduce_precision == "fp32" and par.engine_name == "deepspeed"
-          and par.zero_stage == 0 and how.hardware.accelerator != "cpu"  # there: bf16 itself is refused
-          and phases_of(spec) & set(COMPASS_TRAINED)):
+    elif par.zero_stage == 0 and zero0_cannot_reduce_in_fp32(spec):
         yield Issue(("how", "parallelism", "zero_stage"), f"DeepSpeed at ZeRO-0 sums and all-reduces {how.precision} "
                     f"gradients in {how.precision} (its low-precision DDP optimizer), and how.reduce_precision asks "
                     "for fp32 (the recipe's)", "use zero_stage: 1 (fp32 accumulation and reduction, and each rank "
                     "keeps and checkpoints only its share of the optimizer state), or reduce_precision: "
                     f"{how.precision}")
+
+
+def zero0_cannot_reduce_in_fp32(spec: TrainingSpec) -> bool:
+    """Whether DeepSpeed at ZeRO-0 would leave this spec's gradients in its low precision: bf16/fp16 training,
+    reduction asked in fp32, on GPUs (on the CPU bf16 itself is refused), with a phase compass's trainer runs. The
+    planner recommends no such stage (flows/reports/plan_tables.sharding_advice)."""
+    how, par = spec.how, spec.how.parallelism
+    return (how.precision != "fp32" and how.reduce_precision == "fp32" and par.engine_name == "deepspeed"
+            and how.hardware.accelerator != "cpu" and bool(phases_of(spec) & set(COMPASS_TRAINED)))
 
 
 def phases_of(spec: TrainingSpec) -> set[Phase]:

@@ -6,6 +6,16 @@ from pydantic import Field, PositiveInt
 
 from compass.specs.base import SpecModel
 
+CHOICES = ("cf", "mcf")  # cloze and lettered multiple choice
+# The benchmarks compass scores on offline data, each with the formulations it offers: the vocabulary of a compass
+# benchmark's `name`. tasks/evaluation/offline_benchmarks.py holds their data and prompts (tests/test_researcher_day.py
+# holds the two to the same names).
+COMPASS_BENCHMARKS: dict[str, tuple[str, ...]] = {
+    **{name: CHOICES for name in ("arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu", "openbookqa",
+                                  "commonsense_qa", "sciq", "social_iqa", "winogrande", "boolq", "copa")},
+    "nq_open": ("gen",), "trivia_qa": ("gen",), "arithmetic": ("gen",),
+}
+
 
 class Benchmark(SpecModel):
     """One benchmark in one formulation: cloze (cf) gives early signal, multiple choice (mcf) later, generative

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 from collections.abc import Iterable
@@ -41,10 +42,13 @@ class SpecProblem:
 
 
 class SpecError(Exception):
-    """Every problem found in a spec file; the CLI prints them all and exits with code 2."""
+    """Every problem found in a spec file; the CLI prints them all and exits with code 2. `partial`: the spec with
+    what was refused left out, for the checks of a later phase that can still run on the rest (one pass finds
+    every problem, not the first phase's)."""
 
-    def __init__(self, problems: list[SpecProblem]):
+    def __init__(self, problems: list[SpecProblem], partial: LoadedSpec | None = None):
         self.problems = problems
+        self.partial = partial
         super().__init__("\n".join(str(p) for p in problems))
 
 
@@ -61,15 +65,19 @@ class LoadedSpec:
     data: Any = field(repr=False, compare=False)
     size: str = "full"  # "smoke" or "rehearsal" when the spec was shrunk (compass.specs.smoke.Size)
     size_changes: tuple[Any, ...] = ()  # what shrinking it changed (compass.specs.smoke.Shrink)
+    # a partial spec's fields the schema refused, each in its default's place (SpecError.partial): what a later
+    # check says of their sections comes of the defaults, and is left out
+    defaulted: tuple[Loc, ...] = ()
 
     @property
     def spec_hash(self) -> str:
         return spec_hash(self.spec)
 
     def problems(self, issues: Iterable[Issue]) -> list[SpecProblem]:
-        """The issues as located problems, in file order."""
+        """The issues as located problems, in file order (of a partial spec, those its defaults did not cause)."""
         return sorted((SpecProblem(self.path, self.lines.line_for(_data_loc(i.loc, self.data)), _dotted(i.loc),
-                                   i.message, i.hint) for i in issues), key=lambda p: p.line)
+                                   i.message, i.hint) for i in issues if not _of_defaults(i.loc, self.defaulted)),
+                      key=lambda p: p.line)
 
 
 def spec_hash(spec: TrainingSpec) -> str:
@@ -93,8 +101,27 @@ def load_spec(path: str | Path) -> LoadedSpec:
 
 def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
     """Parse, resolve what the spec names outside itself, then run the cross-field checks; raise SpecError with
-    all problems."""
-    return check_loaded(resolve_facts(parse_spec_text(text, filename, base_dir)))
+    all problems. A spec the schema refuses goes on to the later phases with the refused fields left out, so that
+    one run reports a field's, a path's and a benchmark's problem together (the error carries it as `partial`)."""
+    problems: list[SpecProblem] = []
+    try:
+        loaded = parse_spec_text(text, filename, base_dir)
+    except SpecError as exc:
+        if exc.partial is None:
+            raise
+        problems, loaded = list(exc.problems), exc.partial
+    try:
+        loaded = check_loaded(resolve_facts(loaded))
+    except SpecError as exc:
+        problems += exc.problems
+    if problems:
+        raise SpecError(merged_problems(problems), partial=loaded)
+    return loaded
+
+
+def merged_problems(problems: Iterable[SpecProblem]) -> list[SpecProblem]:
+    """Problems found by several phases, each once, in file order."""
+    return sorted(dict.fromkeys(problems), key=lambda p: p.line)
 
 
 def parse_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
@@ -107,8 +134,72 @@ def parse_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None =
     try:
         spec = TrainingSpec.model_validate(plain)
     except ValidationError as exc:
-        raise SpecError(_problems_from_validation(exc, plain, lines, filename)) from None
+        repaired = _repaired(plain, exc)
+        partial = None if repaired is None else LoadedSpec(spec=repaired[0], path=filename, base_dir=base, text=text,
+                                                           lines=lines, data=plain, defaulted=repaired[1])
+        raise SpecError(_problems_from_validation(exc, plain, lines, filename), partial) from None
     return LoadedSpec(spec=spec, path=filename, base_dir=base, text=text, lines=lines, data=plain)
+
+
+REPAIR_ROUNDS = 10  # a refused field left out can reveal another (a missing one above it): a few rounds at most
+
+# the sections a rule reads besides its own: a criterion names what the evaluation, the long-context stages and the
+# sources produce, so with one of them defaulted what it says of a criterion is not to be trusted
+READS_ALSO: dict[Loc, tuple[Loc, ...]] = {
+    ("why", "success_criteria"): (("what", "evaluation"), ("what", "long_context"), ("what", "data")),
+}
+
+
+def _repaired(plain: Any, exc: ValidationError) -> tuple[TrainingSpec, tuple[Loc, ...]] | None:
+    """The spec with each field the schema refused left out (its default in its place; a field that has none, the
+    nearest mapping above it), and those fields; None when that leaves nothing the schema accepts."""
+    data = copy.deepcopy(plain)
+    defaulted: list[Loc] = []
+    removed: list[Loc] = []
+    for _ in range(REPAIR_ROUNDS):
+        for err in exc.errors(include_url=False):
+            loc = _data_loc(tuple(err["loc"]), data)
+            if any(loc[:len(r)] == r for r in removed):
+                continue  # inside what an error before it left out
+            target = loc[:-1] if err["type"] == "missing" else loc
+            while target and not _is_key(data, target):
+                target = target[:-1]
+            if not target:
+                return None
+            _node(data, target[:-1]).pop(target[-1])
+            removed.append(target)
+            if err["type"] != "extra_forbidden":  # an unknown key means nothing: leaving it out defaults nothing
+                defaulted.append(target)
+        try:
+            return TrainingSpec.model_validate(data), tuple(defaulted)
+        except ValidationError as again:
+            exc = again
+    return None
+
+
+def _node(data: Any, path: Loc) -> Any:
+    """The value at a data path (None where there is none)."""
+    for part in path:
+        in_mapping = isinstance(data, dict) and isinstance(part, str) and part in data
+        in_list = isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data)
+        if not (in_mapping or in_list):
+            return None
+        data = data[part]
+    return data
+
+
+def _is_key(data: Any, path: Loc) -> bool:
+    parent = _node(data, path[:-1])
+    return isinstance(path[-1], str) and isinstance(parent, dict) and path[-1] in parent
+
+
+def _of_defaults(loc: Loc, defaulted: tuple[Loc, ...]) -> bool:
+    """Whether a problem at `loc` may come of a defaulted field: it lies in that field's section, or its rule
+    reads that section (READS_ALSO)."""
+    sections = {d[:2] for d in defaulted}
+    read = {s for reader, also in READS_ALSO.items() if loc[:len(reader)] == reader for s in also}
+    return any(loc[:len(s)] == s for s in sections) or any(s[:len(r)] == r or r[:len(s)] == s
+                                                              for s in sections for r in read)
 
 
 def resolve_facts(loaded: LoadedSpec) -> LoadedSpec:

@@ -19,7 +19,14 @@ from compass.specs.spec import TrainingSpec
 
 INTRANODE_BUSBW_GBPS = {"h100": 360.0, "h200": 360.0, "a100": 230.0, "l40s": 25.0, "cpu": 5.0}
 BACKWARD_SHARE = 2 / 3  # of a step's FLOPs: what the gradient all-reduce can hide behind
-GRAD_BYTES = 2  # bf16 gradients on the wire
+
+def reduced_bytes(spec: TrainingSpec) -> int:
+    """Bytes per gradient on the wire: fp32 where the gradients are summed and reduced in fp32 (how.reduce_precision,
+    the recipe's default, or fp32 training), else the training precision's 2."""
+    how = spec.how
+    return 4 if how.precision == "fp32" or how.reduce_precision == "fp32" else 2
+
+
 MATMUL_SHARE_OF_PEAK = 0.6  # of the data sheet's dense peak: what a healthy GPU reaches on a large bf16 matmul
 
 
@@ -53,7 +60,7 @@ def wall_days(spec: TrainingSpec, gpus: int, tflops_per_gpu: float | None = None
     tp = spec.how.parallelism.tensor_parallel
     per_gpu = (tflops_per_gpu or hw.peak * hw.assumed_mfu) * 1e12
     replicas = max(1, gpus // tp)
-    grad_bytes = GRAD_BYTES * count_parameters(spec.what.architecture, planning_vocab(spec)).total / tp
+    grad_bytes = reduced_bytes(spec) * count_parameters(spec.what.architecture, planning_vocab(spec)).total / tp
     busbw = (hw.internode_busbw_gbps if gpus > hw.devices_per_node else INTRANODE_BUSBW_GBPS[hw.accelerator]) * 1e9
     comm = grad_bytes * 2 * (replicas - 1) / replicas / busbw
     seconds = exposed_total = 0.0

@@ -116,3 +116,28 @@ def test_the_field_reaches_the_training_steps_fingerprints_only(tmp_path: Path):
     changed = {name for name in fp32 if fp32[name] != bf16[name]}
     assert "pretrain:stage1" in changed, changed
     assert not any(n.startswith(("ingest", "curate", "tokenize", "evaluate")) for n in changed), changed
+
+
+def test_the_plan_advises_no_stage_validation_refuses_and_counts_fp32_gradients_on_the_wire():
+    """The SmolLM3 example reduces in fp32 (the recipe's), on DeepSpeed at ZeRO-1: the plan's sharding advice is
+    ZeRO-1, not the ZeRO-0 that validation refuses with fp32 reduction, and its communication model sends 4 bytes a
+    gradient (2 with reduce_precision: bf16, where ZeRO-0 is the advice again)."""
+    from compass.flows.reports.plan_tables import sharding_advice
+    from compass.specs import costs, scaling
+    from compass.specs.loader import load_spec
+
+    spec = load_spec(REPO / "specs" / "examples" / "smollm3-3b.yaml").spec
+    device = costs.device_memory_bytes(spec.how)
+    assert sharding_advice(spec, device) == ("recommended: ZeRO-1, the least sharding that fits and reduces in fp32 "
+                                             "(DeepSpeed's ZeRO-0 reduces bf16 gradients in bf16); the spec's choice")
+    bf16 = spec.model_copy(update={"how": spec.how.model_copy(update={"reduce_precision": "bf16"})})
+    assert sharding_advice(bf16, device).startswith("recommended: no sharding (ZeRO-0 / DDP), the least sharding")
+    assert scaling.reduced_bytes(spec) == 4 and scaling.reduced_bytes(bf16) == 2
+
+    def slow_network(s):  # a network slow enough that the all-reduce shows past the backward pass
+        hw = s.how.hardware.model_copy(update={"internode_busbw_gbps": 1.0})
+        return s.model_copy(update={"how": s.how.model_copy(update={"hardware": hw})})
+
+    _, fp32_exposed, _ = scaling.wall_days(slow_network(spec), 384)
+    _, bf16_exposed, _ = scaling.wall_days(slow_network(bf16), 384)
+    assert fp32_exposed > bf16_exposed > 0

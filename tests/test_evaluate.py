@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -135,11 +136,21 @@ def test_the_run_ends_with_the_verdict_its_numbers_and_where_the_report_and_plot
     assert outcome.goodput is not None and outcome.goodput_steps == len(timed)
     assert outcome.goodput.total_s == pytest.approx(sum(t["total_s"] for t in timed.values()))
     assert outcome.goodput.compute_s == pytest.approx(sum(t["compute_s"] for t in timed.values()))
+    # what the steps read, copied and wrote, by kind: their manifests' resource ledgers summed (issue 73)
+    counted = Counter(step.split(":")[0] for step, o in evaluated.items() if o.manifest.resources is not None)
+    assert {k.kind: k.steps for k in outcome.resources} == counted and counted["pretrain"] == 2
+    (pretrain,) = [k.resources for k in outcome.resources if k.kind == "pretrain"]
+    stages = [evaluated[f"pretrain:{s}"].manifest.resources for s in ("stage1", "stage2")]
+    assert pretrain.written == sum(r.written for r in stages) > 0 and pretrain.read == sum(r.read for r in stages)
+    assert pretrain.peak_rss_mb == max(r.peak_rss_mb for r in stages)
+    ledgers = [f"  {k.kind} ({k.steps} step{'s' * (k.steps != 1)}): {k.resources.line()}" for k in outcome.resources]
+    assert f"  pretrain (2 steps): {pretrain.line()}" in ledgers
     assert lines[2:] == [f"report: {report.uri}/report.json",
                          f"time of the {len(timed)} steps that trained or evaluated: {outcome.goodput.line()}",
+                         "what the steps that ran read, copied and wrote (their resource ledgers), by kind:", *ledgers,
                          f"plots: {outcome.plots[0]}", "Prefect run: http://127.0.0.1:4200/runs/flow-run/x"]
     cached = run_outcome([r.model_copy(update={"executed": False}) for r in results], store)  # nothing ran: no split
-    assert cached.goodput is None and cached.goodput_steps == 0
+    assert cached.goodput is None and cached.goodput_steps == 0 and cached.resources == ()
     failing = outcome.model_copy(update={"verdict": outcome.verdict.model_copy(update={"passed": False})})
     assert outcome_lines(failing)[0].startswith("success criteria NOT MET")
     assert run_outcome([r for r in results if r.step != "report:success"], store).verdict is None
@@ -191,6 +202,25 @@ def test_an_evaluation_reads_the_weights_it_scores_and_the_held_out_split_nothin
                                     "tokens:notes/.": sum(f.size for f in tokens.files if "/" not in f.path and
                                                           f.path.startswith(("meta", HELDOUT)))}
     assert ledger.written == outcome.manifest.total_bytes and ledger.cpu_s > 0 and ledger.peak_rss_mb > 0
+
+
+def test_a_stage_reads_of_the_stage_it_continues_its_state_final_weights_and_history_only(evaluated):
+    """Issue 73, M3: a stage transition takes what it continues from (tasks/common/training.py, CONTINUED_PARTS):
+    the training state, the final export and the history, each counted once although the history is read twice
+    (to start and to continue it). The kept checkpoints and their exports (with every-checkpoint evaluation, ~1 TB
+    at SmolLM3's size) stay in the store: before, the whole artifact was copied from S3 at each transition."""
+    from compass.infra.layout import CHECKPOINTS, FINAL, METRICS, STATE
+
+    before = evaluated["pretrain:stage1"].manifest
+
+    def size(top: str) -> int:
+        return sum(f.size for f in before.files if f.path == top or f.path.startswith(f"{top}/"))
+
+    assert size(CHECKPOINTS) > 0 and size(STATE) > 0  # kept for the evaluation: there to be read, and not read
+    ledger = evaluated["pretrain:stage2"].manifest.resources
+    assert ledger is not None
+    read = {key: n for key, n in ledger.read_by_input.items() if key.startswith("previous/")}
+    assert read == {"previous/state": size(STATE), "previous/final": size(FINAL), "previous/.": size(METRICS)}
 
 
 def test_an_evaluation_stopped_between_checkpoints_scores_only_the_rest_when_it_runs_again(

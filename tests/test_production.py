@@ -356,8 +356,15 @@ def test_status_shows_the_run_its_last_step_and_store(production: Production):
     for seconds in ("total_s", "compute_s"):  # (the table rounds each step's to 10 ms)
         summed = sum(s[seconds] for s in splits.values())
         assert row["goodput"][seconds] == pytest.approx(summed, abs=0.01 * len(splits))
+    # bytes: the resource ledgers of every step that ran (each published with its manifest's), summed (issue 73)
+    ledgers = [m["resources"] for m in production.manifests().values() if m.get("resources")]
+    assert row["resources_steps"] == len(ledgers) >= 40
+    for counter in ("read", "copied", "written", "uploaded", "slurm_jobs", "files_listed"):
+        assert row["resources"][counter] == sum(ledger[counter] for ledger in ledgers), counter
+    assert row["resources"]["uploaded"] > 0  # the store is S3: every commit went up
     shown = production.cli("status").stdout
     assert "goodput" in shown and f"{row['goodput']['compute_s'] / row['goodput']['total_s']:.0%}" in shown
+    assert "bytes" in shown and "wrote" in shown
 
 
 def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Production):

@@ -219,9 +219,9 @@ def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 1
         return
 
     table = Table(title="compass runs", title_justify="left")
-    for col in ("run", "state", "started", "step", "done", "goodput", "store", "deployment"):
+    for col in ("run", "state", "started", "step", "done", "goodput", "bytes", "store", "deployment"):
         table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(*(escape(str(value)) for value in (r.name, r.state, r.started, r.current_step, r.steps_done,
-                                                         r.goodput_cell(), r.store, r.deployment)))
+                                                         r.goodput_cell(), r.resources_cell(), r.store, r.deployment)))
     out.print(table)

@@ -12,7 +12,7 @@ from compass.flows.compiler import Plan
 from compass.flows.reports.plan_status import StepStatus
 from compass.model.attention import DOCUMENT_SDPA, DOCUMENT_VARLEN, flash_kernel
 from compass.specs import costs, scaling
-from compass.specs.checks import phases_of
+from compass.specs.checks import phases_of, zero0_cannot_reduce_in_fp32
 from compass.specs.goodput_plan import HOST_COPY_GBPS, predicted_splits
 from compass.specs.how import CONTENT_BYTE_COST
 from compass.specs.post_training_methods import with_reference_model
@@ -74,7 +74,8 @@ def scaling_section(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> 
              "global batch exhausted" if p.capped else ""] for p in points]
     per_gpu = tflops_per_gpu or hw.peak * hw.assumed_mfu
     notes = [f"{per_gpu:,.0f} TFLOP/s per GPU ({'measured by preflight' if tflops_per_gpu else 'peak x assumed MFU'}"
-             f"), gradients all-reduced in bf16 each step over {scaling.INTRANODE_BUSBW_GBPS[hw.accelerator]:g} GB/s "
+             f"), gradients all-reduced in {'fp32' if scaling.reduced_bytes(spec) == 4 else spec.how.precision} each "
+             f"step over {scaling.INTRANODE_BUSBW_GBPS[hw.accelerator]:g} GB/s "
              f"within a node and {hw.internode_busbw_gbps:g} GB/s across nodes, hidden behind the backward pass up "
              "to its length"]
     knee = scaling.stops_helping(points)
@@ -395,17 +396,21 @@ def print_sections(sections: list[Section], console: Any) -> None:
 
 def sharding_advice(spec: TrainingSpec, device: float) -> str:
     """The playbook's rule (SmolLM3 kept ZeRO-0 at 384 GPUs: sharding costs throughput): the least sharding whose
-    memory fits the device, and how the spec's choice compares."""
+    memory fits the device, and how the spec's choice compares. Never a stage validation refuses: DeepSpeed's ZeRO-0
+    sums bf16 gradients in bf16, so with fp32 reduction (the recipe's) the least is ZeRO-1."""
     fitting = [z for z in range(4) if costs.memory_per_gpu(spec, z).total <= device]
     chosen = spec.how.parallelism.sharding_stage
     if not fitting:
         return ("no sharding fits: raise tensor_parallel, turn on activation_checkpointing or lower the micro-batch")
-    least = fitting[0]
+    least, why = fitting[0], ""
+    if least == 0 and zero0_cannot_reduce_in_fp32(spec):  # less memory with more sharding: ZeRO-1 fits too
+        precision = spec.how.precision
+        least, why = 1, f" and reduces in fp32 (DeepSpeed's ZeRO-0 reduces {precision} gradients in {precision})"
     name = {0: "no sharding (ZeRO-0 / DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 or FSDP2"}[least]
     if chosen == least:
-        return f"recommended: {name}, the least sharding that fits; the spec's choice"
+        return f"recommended: {name}, the least sharding that fits{why}; the spec's choice"
     more = "more sharding than needed (costs throughput)" if chosen > least else "does not fit"
-    return f"recommended: {name}, the least sharding that fits; the spec's choice {more}"
+    return f"recommended: {name}, the least sharding that fits{why}; the spec's choice {more}"
 
 
 def _one_seed_warning(spec: TrainingSpec) -> list[str]:

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from compass.infra import resource_ledger
+from compass.infra.resource_ledger import Resources, size_text
 from compass.model.training.records import CAUSES, GOODPUT_TABLE, GoodputSplit, cause_label, summed
 
 LIFECYCLE_FLOW = "compass-lifecycle"
@@ -23,9 +25,20 @@ class RunRow:
     deployment: str
     goodput: GoodputSplit | None = None  # the run's training, post-training and evaluation steps, summed
     goodput_steps: int = 0  # how many steps it sums (those that ran in this run, not the cached)
+    resources: Resources | None = None  # the resource ledgers of the steps that ran in this run, summed
+    resources_steps: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"goodput": self.goodput.model_dump(mode="json") if self.goodput else None}
+        return asdict(self) | {"goodput": self.goodput.model_dump(mode="json") if self.goodput else None,
+                               "resources": self.resources.row() if self.resources else None}
+
+    def resources_cell(self) -> str:
+        """`read 1.2 GiB, wrote 3.4 GiB, up 3.4 GiB`: the bytes the run's steps moved."""
+        if self.resources is None:
+            return "-"
+        r = self.resources
+        return (f"read {size_text(r.read)}, copied {size_text(r.copied)}, wrote {size_text(r.written)}, "
+                f"up {size_text(r.uploaded)}")
 
     def goodput_cell(self) -> str:
         """`81% (start-up 9%), 4 steps`: the share of the time spent computing and the largest badput."""
@@ -51,6 +64,7 @@ def recent_runs(limit: int = 10) -> list[RunRow]:
         for run in runs:
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
             splits = _goodput_splits(client, run.id)
+            ledgers = _resource_ledgers(client, run.id)
             rows.append(RunRow(
                 id=str(run.id), name=run.name, state=run.state.name if run.state else "Pending",
                 started=f"{run.start_time:%Y-%m-%d %H:%M:%S}" if run.start_time else "-",
@@ -58,7 +72,8 @@ def recent_runs(limit: int = 10) -> list[RunRow]:
                 steps_done=sum(t.state_type is not None and t.state_type.value == "COMPLETED" for t in tasks),
                 store=str(run.parameters.get("store_root") or "-"),
                 deployment=deployments.get(run.deployment_id, "-") if run.deployment_id else "-",
-                goodput=summed(splits), goodput_steps=len(splits)))
+                goodput=summed(splits), goodput_steps=len(splits),
+                resources=_summed(ledgers), resources_steps=len(ledgers)))
         return rows
 
 
@@ -75,6 +90,29 @@ def _goodput_splits(client: Any, run_id: Any) -> list[GoodputSplit]:
             if isinstance(row, dict) and {"total_s", "compute_s"} <= row.keys():
                 splits.append(GoodputSplit.model_validate({k: v for k, v in row.items() if k != "goodput"}))
     return splits
+
+
+def _resource_ledgers(client: Any, run_id: Any) -> list[Resources]:
+    """The ledgers the run's steps published (their `resources` table artifacts: only steps that ran publish one)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    key = ArtifactFilterKey(like_=f"%-{resource_ledger.TABLE}-%")
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=key))
+    ledgers = []
+    for artifact in artifacts:
+        rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        for row in rows if isinstance(rows, list) else []:
+            if isinstance(row, dict) and "written" in row:
+                ledgers.append(Resources.model_validate(row))
+    return ledgers
+
+
+def _summed(ledgers: list[Resources]) -> Resources | None:
+    total = None
+    for ledger in ledgers:
+        total = ledger if total is None else total.merged(ledger)
+    return total
 
 
 def _current_step(tasks: list[Any]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from compass.flows.reports.step_record import StepRecord
+from compass.infra.resource_ledger import Resources
 from compass.infra.store import Store
 from compass.model.training.records import GoodputSplit, summed
 
@@ -33,6 +34,17 @@ class Verdict(BaseModel):
     report: str  # the report.json's location in the store
 
 
+class KindResources(BaseModel):
+    """What the steps of one kind that ran in this run read, copied, wrote and sent (their manifests' resource
+    ledgers summed: the jobs' and ranks' counts, wherever they ran)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: str
+    steps: int
+    resources: Resources
+
+
 class RunOutcome(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -41,17 +53,23 @@ class RunOutcome(BaseModel):
     prefect_run: str | None  # the flow run's page in the Prefect UI
     goodput: GoodputSplit | None = None  # the steps that trained or evaluated in this run (not the cached), summed
     goodput_steps: int = 0
+    resources: tuple[KindResources, ...] = ()  # by kind, in the order the kinds first ended
 
 
 def run_outcome(results: list[StepRecord], store: Store, prefect_run: str | None = None) -> RunOutcome:
     """From the run's step records and their committed manifests."""
     verdict, plots, splits = None, [], []
+    by_kind: dict[str, tuple[int, Resources]] = {}
     for result in results:
         kind = result.kind
         if result.executed:
-            split = (store.read_manifest(result.uri).metrics or {}).get("goodput")
+            manifest = store.read_manifest(result.uri)
+            split = (manifest.metrics or {}).get("goodput")
             if split:
                 splits.append(GoodputSplit.model_validate(split))
+            if manifest.resources is not None:
+                steps, total = by_kind.get(kind, (0, Resources()))
+                by_kind[kind] = (steps + 1, total.merged(manifest.resources))
         if kind == "report":
             metrics = store.read_manifest(result.uri).metrics or {}
             verdict = Verdict(passed=bool(metrics.get("passed")), report=f"{result.uri}/report.json",
@@ -60,7 +78,8 @@ def run_outcome(results: list[StepRecord], store: Store, prefect_run: str | None
             plots += [f"{result.uri}/{f.path}" for f in store.read_manifest(result.uri).files
                       if f.path.endswith(".png")]
     return RunOutcome(verdict=verdict, plots=tuple(plots), prefect_run=prefect_run, goodput=summed(splits),
-                      goodput_steps=len(splits))
+                      goodput_steps=len(splits),
+                      resources=tuple(KindResources(kind=k, steps=n, resources=r) for k, (n, r) in by_kind.items()))
 
 
 def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
@@ -78,6 +97,9 @@ def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
     if outcome.goodput is not None:
         n = outcome.goodput_steps
         lines.append(f"time of the {n} step{'s' * (n != 1)} that trained or evaluated: {outcome.goodput.line()}")
+    if outcome.resources:
+        lines.append("what the steps that ran read, copied and wrote (their resource ledgers), by kind:")
+        lines += [f"  {k.kind} ({k.steps} step{'s' * (k.steps != 1)}): {k.resources.line()}" for k in outcome.resources]
     if outcome.plots:
         lines.append(f"plots: {', '.join(outcome.plots)}")
     if log:

@@ -20,7 +20,13 @@ from compass.infra.disk_full import clear_full_disk_notes, ended_on_a_full_disk
 from compass.infra.errors import StopRequested
 from compass.infra.exits import clear_retriable, raise_if_retriable
 from compass.infra.launcher import TRAINER_MODULE
-from compass.infra.layout import CheckpointFolder, ModelArtifact, TokenizerArtifact, WorkFolder
+from compass.infra.layout import (
+    CONTINUED_PARTS,
+    CheckpointFolder,
+    ModelArtifact,
+    TokenizerArtifact,
+    WorkFolder,
+)
 from compass.infra.net import free_port
 from compass.model.training.job import SpecialIds, StageRecipe, Staging, Telemetry, TrainJob
 from compass.model.training.records import MetricsRow, TrainResult, goodput_table, read_metrics, write_metrics
@@ -46,7 +52,7 @@ def build_job(ctx: StepContext, recipe: StageRecipe, *, whole_from: int | None =
     previous = given.previous
     state = weights = None  # a previous stage's full training state, or a starting checkpoint's weights
     if previous is not None:
-        state, weights = ModelArtifact(previous.local()).continues_from()
+        state, weights = ModelArtifact(previous.local(*CONTINUED_PARTS)).continues_from()
     if how.storage.local_cache and ctx.store is not None:  # each node copies them (model/training/staging.py) first
         cache = Path(how.storage.local_cache).expanduser()
         sources = {name: ctx.store.staged_path(art.uri, cache) for name, art in given.tokens.items()}
@@ -232,7 +238,7 @@ def train_and_export(ctx: StepContext, job: TrainJob, label: str,
         for folder in [out.final, *out.kept_checkpoints()]:
             export(folder)
     continued = ctx.given(TrainingInputs).previous
-    history = read_metrics(ModelArtifact(continued.local()).metrics) if continued else []
+    history = read_metrics(ModelArtifact(continued.local(*CONTINUED_PARTS)).metrics) if continued else []
     rows = read_metrics(work.metrics)
     write_metrics(out.metrics, history + rows)
     plot_loss(out.metrics, out.loss_plot, f"{ctx.name}: loss over all stages so far")

@@ -11,7 +11,7 @@ import io
 import json
 import re
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,12 +60,7 @@ def file_texts(fs, rel: str, s: ReadSettings, skipped: dict[str, str], dropped: 
     is skipped (noted in `skipped`), a record file that breaks its format is a MalformedData error naming the
     file and line, a record or file over the cap is dropped unread (counted in `dropped['too_long']`)."""
     max_bytes = s.max_document_chars * BYTES_PER_CHAR
-    with ExitStack() as stack:
-        stream = stack.enter_context(fs.open(rel, "rb"))
-        if isinstance(stream, AbstractBufferedFile):  # an object store's file: its readline takes no size cap
-            stream = stack.enter_context(io.BufferedReader(stream, buffer_size=1 << 20))
-        if rel.endswith(".gz"):
-            stream = stack.enter_context(gzip.GzipFile(fileobj=stream))
+    with opened(fs, rel) as stream:
         if s.format in ("jsonl", "parquet"):
             where = f"{s.uri.rstrip('/')}/{rel}"
             records = (_jsonl_records(stream, s.text_key, where, max_bytes, dropped) if s.format == "jsonl"
@@ -90,6 +85,19 @@ def file_texts(fs, rel: str, s: ReadSettings, skipped: dict[str, str], dropped: 
     if s.split == "sections":
         parts = _group(parts, s.section_chars)
     yield from (p.strip() for p in parts if p.strip())
+
+
+@contextmanager
+def opened(fs, rel: str) -> Iterator[io.BufferedIOBase]:
+    """One of a source's files as a byte stream: buffered when an object store holds it (its readline takes no
+    size cap), decompressed when it is gzipped."""
+    with ExitStack() as stack:
+        stream = stack.enter_context(fs.open(rel, "rb"))
+        if isinstance(stream, AbstractBufferedFile):
+            stream = stack.enter_context(io.BufferedReader(stream, buffer_size=1 << 20))
+        if rel.endswith(".gz"):
+            stream = stack.enter_context(gzip.GzipFile(fileobj=stream))
+        yield stream
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,13 @@ def _parsed(line: bytes):
 
 
 def _jsonl_records(stream, key: str, where: str, max_bytes: int, dropped: dict[str, int]) -> Iterator[str]:
+    return (str(record.get(key, "")) for _, record in jsonl_objects(stream, key, where, max_bytes, dropped))
+
+
+def jsonl_objects(stream, key: str, where: str, max_bytes: int,
+                  dropped: dict[str, int]) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a JSONL stream; a line that is no JSON object is a MalformedData error naming the
+    file (`where`) and the line, a line over `max_bytes` is counted in `dropped['too_long']` and left out."""
     for number, line in _bounded_lines(stream, max_bytes):
         if line is None:
             dropped["too_long"] = dropped.get("too_long", 0) + 1
@@ -201,7 +216,7 @@ def _jsonl_records(stream, key: str, where: str, max_bytes: int, dropped: dict[s
             raise MalformedData(f"{where}:{number}: not a JSON record: {exc.msg} at column {exc.colno}") from None
         if not isinstance(record, dict):
             raise MalformedData(f"{where}:{number}: a JSON {type(record).__name__}, not an object with '{key}'")
-        yield str(record.get(key, ""))
+        yield number, record
 
 
 PARQUET_BATCH_BYTES = 32 << 20  # text held as Python strings at once: 1,024 records of 1 MB took 2.6 GB

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from compass.infra.packages import cache_root, fetch_package
+from compass.specs.evaluation import CHOICES, COMPASS_BENCHMARKS
 from compass.specs.evaluation import Benchmark as Scored
 from compass.specs.sources import SourceUri
 from compass.tasks.common.arithmetic import arithmetic_reward, held_out_arithmetic_problems
@@ -133,8 +134,8 @@ VERIFIED = ("arithmetic",)
 
 
 def formulations(name: str) -> tuple[str, ...]:
-    """The formulations a compass benchmark offers."""
-    return ("gen",) if name in GENERATIVE or name in VERIFIED else ("cf", "mcf")
+    """The formulations a compass benchmark offers (the spec's vocabulary: specs/evaluation.py)."""
+    return COMPASS_BENCHMARKS.get(name, CHOICES)
 
 
 def held_out_arithmetic(root: Path) -> list[dict[str, Any]]:

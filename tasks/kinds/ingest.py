@@ -29,6 +29,7 @@ from compass.specs.base import Issue
 from compass.specs.sources import parse_source_uri, source_holding
 from compass.specs.spec import TrainingSpec
 from compass.tasks.data.datatrove_stages import rank_block_stats, run_stage
+from compass.tasks.data.source_check import record_problem
 from compass.tasks.data.source_files import MAX_DOCUMENT_CHARS, MAX_REPLACEMENT_SHARE, ReadSettings, drop_reason
 from compass.tasks.post_training.reasoning import trace_documents
 from compass.tasks.steps.context import StepContext, StepResult
@@ -68,14 +69,24 @@ def build(plan: PlanBuilder) -> None:
 
 
 def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
-    """A local source must exist on this machine, and must not hold the store (the store's manifests, locks and
-    shards would be the source's next documents)."""
+    """A local source must exist on this machine, its records (jsonl, parquet) must read as its ingest reads them
+    (tasks/data/source_check.py), and it must not hold the store (the store's manifests, locks and shards would be
+    the source's next documents)."""
     for i, src in enumerate(spec.what.data.sources):
         uri = parse_source_uri(src.uri)
-        if uri.scheme == "file" and not (base_dir / uri.path).expanduser().exists():
+        if uri.scheme != "file":
+            continue
+        folder = (base_dir / uri.path).expanduser()
+        if not folder.exists():
             yield Issue(("what", "data", "sources", i, "uri"),
                         f"local source '{uri.path}' does not exist (relative to {base_dir})",
                         "fix the path, or use s3://, deb://, pypi:// or stdlib://")
+        elif src.format in ("jsonl", "parquet"):
+            fs, root = _local_fs(), str(folder.resolve())
+            files = list(_select(fs, root, src.include, src.exclude).files)
+            problem = record_problem(fs, root, files, src.format, src.text_key, src.max_document_chars)
+            if problem is not None:
+                yield Issue(("what", "data", "sources", i, "uri"), problem.message, problem.hint)
     root = spec.how.storage.root_at(base_dir)
     holder = source_holding(spec.what.data.sources, base_dir, root)
     if holder:

@@ -5,6 +5,7 @@ is written into the exported config."""
 
 from __future__ import annotations
 
+from compass.infra.layout import CONTINUED_PARTS
 from compass.model.training.history import tokens_seen
 from compass.model.training.job import StageRecipe
 from compass.specs.architecture import Architecture
@@ -61,9 +62,9 @@ def build(plan: PlanBuilder) -> None:
 def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
     cfg = ctx.config
     stage = cfg.stage
+    continued = ctx.given(TrainingInputs).previous
     job = build_job(ctx, cfg.recipe(), whole_from=cfg.previous_length,
-                    tokens_before=tokens_seen(continued.local()) if (continued := ctx.given(TrainingInputs).previous)
-                    else 0,
+                    tokens_before=(tokens_seen(continued.local(*CONTINUED_PARTS)) or 0) if continued else 0,
                     micro_batch_size=stage.micro_batch_size)
     export = inference_scaling(cfg.inference_scaling, stage.sequence_length, stage.rope_theta)
     result = train_and_export(ctx, job, "long-context", export)

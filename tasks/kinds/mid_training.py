@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from compass.infra.layout import ModelArtifact
+from compass.infra.layout import CONTINUED_PARTS, ModelArtifact
 from compass.model.training.history import tokens_seen
 from compass.specs.architecture import Architecture
 from compass.specs.post_training import MidTraining
@@ -49,7 +49,7 @@ def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
     given = ctx.given(TrainingInputs).previous
     if given is None:
         raise ValueError(f"mid-training {ctx.name} was given no model to continue")
-    previous = given.local()
+    previous = given.local(*CONTINUED_PARTS)
     artifact = ModelArtifact(previous)
     if not artifact.state.exists() and given.step_id.split(":")[0] != "base_model":
         raise ValueError(f"mid-training {ctx.name} continues a training state or a starting checkpoint, and "

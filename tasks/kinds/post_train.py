@@ -11,6 +11,7 @@ vibe-check prompts so a person can read them in the UI."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from compass.infra.errors import DataError, StopRequested
-from compass.infra.layout import ModelArtifact, WorkFolder
+from compass.infra.layout import CONTINUED_PARTS, FINAL, ModelArtifact, WorkFolder
 from compass.infra.packages import fetch_package
 from compass.model.training.history import tokens_seen
 from compass.model.training.job import Telemetry
@@ -245,7 +246,7 @@ def build_pairs(ctx: StepContext[PreferenceConfig], tokenizer) -> list[dict[str,
     elif pairs_spec is not None:  # verifier
         root, _ = dataset_root(cfg.dataset, ctx.runtime.base_dir)
         problems = verifier_problems(root, pairs_spec.easiest_first, cfg.max_samples, ctx.name)
-        pairs = on_policy_pairs(ModelArtifact(ctx.given(PostTrainInputs).previous.local()).final, problems,
+        pairs = on_policy_pairs(ModelArtifact(ctx.given(PostTrainInputs).previous.local(FINAL)).final, problems,
                                 pairs_spec.samples_per_prompt,
                                 pairs_spec.verifier, 32, PAIR_SEED, device_for(ctx.runtime.how))
         why = (f"no problem got both a right and a wrong answer among {pairs_spec.samples_per_prompt} "
@@ -373,13 +374,13 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
     """Build the method's rows here (conversations, pairs, problems), train on the step's ranks (this process for
     one, torchrun or srun for several; resuming from the newest complete checkpoint of an earlier attempt), then
     export the weights with the tokenizer, continue the metrics history and answer the vibe prompts."""
-    from compass.tasks.post_training.trl_ranks import train
+    from compass.tasks.post_training.trl_ranks import prepared_by_rank, train, write_rows
 
     started = time.time()  # one rank trains in this process: its attempt starts with the step
     cfg = ctx.config
     method, record = cfg.method, method_of(cfg)
     given = ctx.given(PostTrainInputs)
-    previous = ModelArtifact(given.previous.local())
+    previous = ModelArtifact(given.previous.local(*CONTINUED_PARTS))
     out = ModelArtifact(ctx.out)
     work = WorkFolder(ctx.workdir)
     work.root.mkdir(parents=True, exist_ok=True)
@@ -402,14 +403,14 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
         model.save_pretrained(str(work.trl_start), safe_serialization=True)
         tokenizer.save_pretrained(str(work.trl_start))
     work.trl_result.unlink(missing_ok=True)
+    shutil.rmtree(work.trl_prepared, ignore_errors=True)  # what this attempt's ranks prepare
+    write_rows(work.trl_rows, rows)  # the ranks' on-disk dataset (trl_ranks.rows_dataset)
     if world == 1:
         trainer, result = train(job, model, tokenizer, rows, started)
         trained = None if cfg.peft is not None else trainer.model
         del trainer
     else:
         trained = None
-        with open(work.trl_rows, "w") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         job.write(work.trl_job)
         from compass.tasks.common.training import run_module_ranks
 
@@ -421,6 +422,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
         result = TrlResult.read(work.trl_result)
     del model
     facts |= {k: v for k, v in result.facts.items() if k != "sft_samples"}
+    facts["rows_prepared"] = prepared_by_rank(work)  # by rank: datasets' maps computed here, or loaded
     if samples := result.facts.get("sft_samples"):  # what SFT trained on, to compare with the template
         with open(out.sft_samples, "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
@@ -442,7 +444,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
                "resumed_from_step": result.resumed_from, "setup": setup_of(ctx.runtime.how), **facts,
                "goodput": result.goodput.model_dump(mode="json") if result.goodput else None}
     shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
-                      if k not in ("setup", "goodput"))
+                      if k not in ("setup", "goodput", "rows_prepared"))
     summary = (f"### {method} `{ctx.name}`\n\n{shown}" + (f"; {result.goodput.line()}" if result.goodput else "")
                + (f"\n\n{vibe}" if vibe else ""))
     table = [{"step": r.stage_step, "loss": round(r.loss, 4)} for r in metric_rows[:: max(1, len(metric_rows) // 20)]]

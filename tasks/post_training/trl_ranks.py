@@ -10,10 +10,12 @@ import copy
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,76 @@ SFT_SAMPLES = 8  # rows of what SFT trained on, kept with the artifact to compar
 def read_rows(path: Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def write_rows(path: Path, rows: Rows) -> None:
+    """The step's rows for its ranks, one JSON line each; a file already holding them is left as it is, so that an
+    attempt after a requeue finds the rows it prepared before (the datasets cache is keyed by the file's time)."""
+    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    if path.is_file() and path.stat().st_size == len(body) and path.read_bytes() == body:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(body)
+    tmp.replace(path)
+
+
+def rows_dataset(job: TrlJob) -> Any:
+    """The step's rows as an on-disk dataset: Arrow files in the work folder that every rank memory-maps, with
+    TRL's tokenized and packed forms of them cached beside them. TRL prepares a dataset in the global main process
+    first, then in the others (trl.trainer.utils.global_then_local_main_first); on disk, the others load what it
+    cached, so the rows are tokenized and packed once per step instead of once per rank (a 64k-token SFT set on
+    each of 8 ranks, one core each), and an attempt after a requeue loads them again. Loaded main process first
+    too: the ranks must not build the same Arrow files at once."""
+    from datasets import load_dataset
+    from trl.trainer.utils import global_then_local_main_first
+
+    work = WorkFolder(job.work)
+    with global_then_local_main_first():
+        return load_dataset("json", data_files=str(work.trl_rows), split="train", cache_dir=str(work.trl_datasets))
+
+
+class PreparedCount(logging.Handler):
+    """What the datasets library says while a rank prepares its dataset: each map's result computed (and cached)
+    here, or loaded as another process cached it."""
+
+    LOGGER = "datasets.arrow_dataset"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.computed = self.loaded = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Caching processed dataset"):
+            self.computed += 1
+        elif message.startswith("Loading cached processed dataset"):
+            self.loaded += 1
+
+    @contextmanager
+    def counting(self) -> Iterator[PreparedCount]:
+        logger = logging.getLogger(self.LOGGER)
+        level, propagate = logger.level, logger.propagate
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # counted, not printed
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+    def write(self, work: WorkFolder, rank: int) -> None:
+        work.trl_prepared.mkdir(parents=True, exist_ok=True)
+        (work.trl_prepared / f"rank-{rank}.json").write_text(json.dumps({"computed": self.computed,
+                                                                          "loaded": self.loaded}))
+
+
+def prepared_by_rank(work: WorkFolder) -> dict[str, dict[str, int]]:
+    """Each rank's PreparedCount of this attempt, by rank."""
+    folder = work.trl_prepared
+    return {p.stem.removeprefix("rank-"): json.loads(p.read_text())
+            for p in sorted(folder.glob("rank-*.json"))} if folder.is_dir() else {}
 
 
 def common_args(job: TrlJob, tokens: bool = True) -> dict[str, Any]:
@@ -148,13 +220,11 @@ def _imported(path: str) -> type:
 
 
 def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
-    from datasets import Dataset
-
     section: Sft = job.section
     config, trainer_class = trl_classes(method_of(section))
     args = config(**common_args(job), max_length=section.max_length, packing=section.packing,
                   assistant_only_loss=section.assistant_only_loss, dataset_num_proc=None)
-    trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+    trainer = trainer_class(model=model, args=args, train_dataset=rows_dataset(job), processing_class=tokenizer,
                             callbacks=_callbacks(job, ledger))
     facts: dict[str, Any] = {}
     if not section.packing:  # one row per conversation: the template's tokens, every system prompt in them
@@ -182,7 +252,8 @@ def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledg
         rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
                 for p in rows for side in ("chosen", "rejected")]
     reference = {"ref_model": _reference(model)} if method.reference_model else {}
-    trainer = trainer_class(model=model, **reference, args=args, train_dataset=Dataset.from_list(rows),
+    dataset = Dataset.from_list(rows) if method.splits_pairs else rows_dataset(job)
+    trainer = trainer_class(model=model, **reference, args=args, train_dataset=dataset,
                             processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     return trainer, {}
 
@@ -276,8 +347,11 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
         adapters = {"peft": job.section.peft.kind, "trainable_parameters": trainable, "total_parameters": total}
     else:
         adapters = {}
-    ledger = TrlGoodput(work.goodput, started_at, int(os.environ.get("RANK", "0")))
-    trainer, facts = build_trainer(job, model, tokenizer, rows, ledger)
+    rank = int(os.environ.get("RANK", "0"))
+    ledger = TrlGoodput(work.goodput, started_at, rank)
+    with PreparedCount().counting() as prepared:
+        trainer, facts = build_trainer(job, model, tokenizer, rows, ledger)
+    prepared.write(work, rank)
     facts |= adapters
     if not isinstance(job.section, Grpo):  # GRPO batches whole groups of completions itself
         # every step is the whole global batch on any number of ranks (a short last batch would be padded with

@@ -52,6 +52,9 @@ class InputArtifact:
     uri: str
     manifest: Manifest
     store: Store
+    # the files (and shard sets) already counted: a part handed to the step twice (a stage's history, read when the
+    # job is built and again when its metrics are continued) is one read of the store
+    _counted: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def local(self, *parts: str) -> Path:
         """The artifact's folder on local disk (downloaded and verified first when the store is remote); `parts`:
@@ -104,16 +107,21 @@ class InputArtifact:
             top = path.split("/", 1)[0] if "/" in path else "."
             by_folder[top] = by_folder.get(top, 0) + size
 
+        def once(path: str, size: int) -> None:
+            if path not in self._counted:
+                self._counted.add(path)
+                add(path, size)
+
         for entry in self.manifest.files:
             if entry.path.startswith(prefix) or entry.path == under:
-                add(entry.path, entry.size)
+                once(entry.path, entry.size)
         for shards in self.manifest.shard_sets:
             if f"{shards.folder}/".startswith(prefix):
-                add(f"{shards.folder}/", shards.bytes)
+                once(f"{shards.folder}/", shards.bytes)
             elif prefix.startswith(f"{shards.folder}/"):  # a sub-folder of a shard set: its members there
                 for entry in self.store.shard_members(self.manifest, shards.folder):
                     if entry.path.startswith(prefix):
-                        add(entry.path, entry.size)
+                        once(entry.path, entry.size)
         for folder, size in by_folder.items():
             self._count(folder, size)
 

@@ -1,0 +1,145 @@
+"""A researcher's day (issue 75): one run of `compass validate` says everything wrong with a spec, each mistake once
+and where it is written, with a fix that fits it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compass.flows.validation import load_checked
+from compass.specs.evaluation import COMPASS_BENCHMARKS
+from compass.specs.loader import SpecError
+from tests.conftest import FIXTURES, write_minimal_spec
+
+EVALUATION = "  pretraining:\n    schedule"  # where an evaluation section goes in the minimal spec
+
+
+def with_evaluation(folder: Path, benchmarks: str, criterion: str | None = None, **more: str) -> Path:
+    edits = {EVALUATION: f"  evaluation:\n    benchmarks: {benchmarks}\n    perplexity_sources: [notes]\n"
+                         f"{EVALUATION}", **more}
+    if criterion is not None:
+        edits["{metric: val_ppl:notes, op: \"<=\", threshold: 1000, checkpoint: final}"] = criterion
+    return write_minimal_spec(folder, **edits)
+
+
+def problems(spec: Path) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_checked(spec)
+    return [str(p) for p in info.value.problems]
+
+
+def test_three_mistakes_in_three_sections_come_out_in_one_run(tmp_path: Path):
+    """A field the schema refuses (how), a source path that is not there (what.data: a machine check) and a
+    misspelled benchmark (what.evaluation: a cross-field rule): before, the schema's problem alone, then the
+    benchmark's, then the path's, three tries. `compass validate` exits 2 and writes nothing."""
+    spec = with_evaluation(tmp_path, "[{name: arc_easyy}]", **{
+        "corpus/code": "corpus/cod",
+        "parallelism: {micro_batch_size: 2}": "parallelism: {micro_batch_size: 2, zero_stage: 7}"})
+    text = spec.read_text().splitlines()
+    line = {needle: next(i for i, t in enumerate(text, 1) if needle in t)
+            for needle in ("corpus/cod", "arc_easyy", "zero_stage")}
+    found = problems(spec)
+    assert len(found) == 3, found
+    path, benchmark, field = found
+    assert path.startswith(f"{spec}:{line['corpus/cod']}: what.data.sources[1].uri: local source")
+    assert "corpus/cod' does not exist" in path
+    assert benchmark.startswith(f"{spec}:{line['arc_easyy']}: what.evaluation.benchmarks[0].name: 'arc_easyy' is not")
+    assert "did you mean 'arc_easy'?" in benchmark
+    assert field.startswith(f"{spec}:{line['zero_stage']}: how.parallelism.zero_stage: Input should be 0, 1, 2 or 3")
+
+    done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "validate", str(spec)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "3 problems" in done.stderr and "nothing was run or written" in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith(str(spec))] == found
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]  # no store, no .compass
+
+
+def test_a_misspelled_benchmark_is_said_once_where_it_is_written(tmp_path: Path):
+    """The criterion names the benchmark as it should be (arc_easy:cf/acc), the suite misspells it: one problem, at
+    the benchmark, with the name meant. Before, the first problem was the criterion's, whose hint listed the
+    misspelled `arc_easyy:cf/<metric>` as what the suite gives."""
+    spec = with_evaluation(tmp_path, "[{name: arc_easyy}]",
+                           '{metric: "arc_easy:cf/acc", op: ">=", threshold: 0.3, checkpoint: final}')
+    (only,) = problems(spec)
+    assert "what.evaluation.benchmarks[0].name: 'arc_easyy' is not a benchmark compass has offline data for" in only
+    assert "did you mean 'arc_easy'?" in only and "arc_easyy:cf" not in only.split("(", 1)[1]
+
+
+def test_a_criterion_on_a_benchmark_not_in_the_suite_lists_only_what_the_suite_gives(tmp_path: Path):
+    spec = with_evaluation(tmp_path, "[{name: arc_easy}, {name: piqa, formulation: gen}]",
+                           '{metric: "hellaswag:cf/acc", op: ">=", threshold: 0.3, checkpoint: final}')
+    criterion, formulation = problems(spec)  # in file order: the criterion is written first
+    assert "what.evaluation.benchmarks[1].formulation: piqa has no 'gen' formulation (use formulation: cf or mcf)" \
+        in formulation
+    assert "why.success_criteria[0].metric: no evaluation produces the metric 'hellaswag:cf/acc'" in criterion
+    given = criterion.split("the evaluation suite gives: ", 1)[1]
+    assert "arc_easy:cf/<metric>" in given and "piqa" not in given  # a benchmark written wrong gives nothing
+
+
+def test_what_a_refused_field_leaves_to_its_default_is_not_judged(tmp_path: Path):
+    """Benchmarks written as bare names (the schema wants mappings): the schema's problem is said; the checks that
+    run on the rest see an empty suite in its place, and what they would say of it (the criterion that reads the
+    suite) is left out rather than blamed on the researcher."""
+    spec = with_evaluation(tmp_path, "[arc_easy]",
+                           '{metric: "arc_easy:cf/acc", op: ">=", threshold: 0.3, checkpoint: final}',
+                           **{"corpus/code": "corpus/cod"})
+    found = problems(spec)
+    assert len(found) == 2, found
+    assert "what.data.sources[1].uri: local source" in found[0]
+    assert "what.evaluation.benchmarks[0]: Input should be a valid dictionary or instance of Benchmark" in found[1]
+
+
+def test_the_spec_names_the_benchmarks_compass_holds_data_for():
+    """The spec's vocabulary of compass benchmarks (specs/evaluation.py) is the offline data's (tasks/evaluation)."""
+    from compass.tasks.evaluation.offline_benchmarks import BENCHMARKS, GENERATIVE, VERIFIED
+
+    assert set(COMPASS_BENCHMARKS) == {*BENCHMARKS, *GENERATIVE, *VERIFIED}
+    assert all(COMPASS_BENCHMARKS[name] == ("gen",) for name in [*GENERATIVE, *VERIFIED])
+
+
+
+def record_source(tmp_path: Path, files: dict[str, bytes], format: str = "jsonl", text_key: str = "text") -> Path:
+    """The minimal spec with its code source replaced by a folder of record files."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, body in files.items():
+        (data / name).write_bytes(body)
+    return write_minimal_spec(tmp_path, **{
+        f'uri: {FIXTURES}/corpus/code\n        include: ["*.py"]\n        format: code':
+        f'uri: {data}\n        include: ["*.{format}"]\n        format: {format}\n        text_key: {text_key}'})
+
+
+def records(n: int, key: str = "text") -> bytes:
+    return b"".join(json.dumps({key: f"document {i} " * 10, "id": i}).encode() + b"\n" for i in range(n))
+
+
+def test_a_broken_line_in_a_pretraining_source_is_refused_at_validate_where_it_is(tmp_path: Path):
+    """Before, `compass validate` passed and the run stopped 9 s in, at ingest, saying to run again. The line is
+    past the first records every file gets read for: the source's few files are each read further."""
+    spec = record_source(tmp_path, {"a.jsonl": records(40), "b.jsonl": records(30) + b'{"text": "cut sho\n' +
+                                    records(3)})
+    (problem,) = problems(spec)
+    assert f"what.data.sources[1].uri: {tmp_path}/data/b.jsonl:31: not a JSON record" in problem
+    assert "fix or remove that line, or leave the file out with exclude" in problem and "run again" not in problem
+
+
+def test_records_without_the_text_key_are_refused_with_the_keys_they_have(tmp_path: Path):
+    (problem,) = problems(record_source(tmp_path, {"a.jsonl": records(5, key="content")}))
+    assert "a.jsonl: no record among its first lines has the key 'text' (the first has: content, id)" in problem
+    assert "set text_key to the key holding the text" in problem
+    (tmp_path / "fixed").mkdir()
+    fixed = record_source(tmp_path / "fixed", {"a.jsonl": records(5, key="content")}, text_key="content")
+    assert load_checked(fixed).spec.what.data.sources[1].text_key == "content"
+
+
+def test_a_parquet_source_without_its_text_column_is_refused(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a document"] * 4}), tmp_path / "t.parquet")
+    (problem,) = problems(record_source(tmp_path, {"t.parquet": (tmp_path / "t.parquet").read_bytes()}, "parquet"))
+    assert "t.parquet: has no column 'text' (its columns: body)" in problem
