@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 # A name becomes part of artifact folder names (`<kind>/<name>-<fingerprint>`, evaluation steps join two names):
 # capped so those stay well under a file system's 255 bytes per name.
@@ -23,6 +24,18 @@ class SpecModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, validate_default=True,
                               allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, data: Any) -> Any:
+        """YAML's true and false are no counts or rates, but pydantic reads `num_layers: true` as 1: a bool where a
+        number-only field expects its number is handed on as the word it was written as, which the field refuses
+        at its own line ("Input should be a valid integer")."""
+        if not isinstance(data, dict):
+            return data
+        words = {key: str(value).lower() for key, value in data.items() if isinstance(value, bool)
+                 and (field := cls.model_fields.get(key)) is not None and _a_number_only(field.annotation)}
+        return {**data, **words} if words else data
+
     @field_validator("*", mode="after")
     @classmethod
     def _finite_inside(cls, value: Any) -> Any:
@@ -31,6 +44,27 @@ class SpecModel(BaseModel):
         if where is not None:
             raise ValueError(f"{where or 'the value'} is not a finite number (.inf and .nan are not allowed)")
         return value
+
+
+def _a_number_only(annotation: Any) -> bool:
+    """Whether a field's type takes numbers (int, float, their constrained forms, optional) and no bool."""
+    kinds: set[Any] = set()
+
+    def leaves(t: Any) -> None:
+        origin = get_origin(t)
+        if origin is Annotated:
+            leaves(get_args(t)[0])
+        elif origin is Literal:
+            kinds.update(type(v) for v in get_args(t))
+        elif origin in (Union, UnionType):
+            for arg in get_args(t):
+                leaves(arg)
+        else:
+            kinds.add(origin or t)
+
+    leaves(annotation)
+    kinds.discard(type(None))
+    return bool(kinds) and kinds <= {int, float}
 
 
 def _non_finite(value: Any, where: str = "") -> str | None:

@@ -13,6 +13,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -176,16 +177,33 @@ class Parallelism(SpecModel):
 
 
 SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr")
+# folders that hold others' folders: never written into themselves (a store at /home would put its kind folders
+# beside the users' homes), though a folder of one's own under them may be
+SHARED_PARENTS = ("/home", "/root", "/opt", "/srv", "/var", "/mnt", "/media", "/tmp", "/scratch")
 
 
-def write_root_problem(folder: str, what: str = "a store") -> str | None:
+def spec_folder(info: ValidationInfo) -> Path | None:
+    """The folder of the spec being validated (the loader passes it as the validation's context): where a relative
+    path in it starts, in its checks as at its writes."""
+    context = info.context if isinstance(info.context, dict) else {}
+    base = context.get("base_dir")
+    return Path(base) if base is not None else None
+
+
+def write_root_problem(folder: str, what: str = "a store", base: Path | None = None) -> str | None:
     """The one rule for every local folder compass writes under (a store, `--store`, a submitted store root, the
     monitoring folder, a tracker's database, a cluster's shared root): never the file system's root or a system
-    folder. None: it may write there."""
-    path = os.path.normpath(os.path.abspath(os.path.expanduser(folder.removeprefix("file://"))))
+    folder, nor a folder that holds others' (/home, /tmp). Judged on the folder as the write will reach it: links
+    followed, `//x`, `/./x` and `x/..` resolved. None: it may write there."""
+    path = os.path.realpath(os.path.join(base or os.getcwd(), os.path.expanduser(folder.removeprefix("file://"))))
     if path == "/" or any(path == f or path.startswith(f + "/") for f in SYSTEM_FOLDERS):
-        return (f"{folder} is {'the file system root' if path == '/' else 'a system folder'}: {what} writes and "
+        shown = folder if path == folder else f"{folder} (that is {path})"
+        return (f"{shown} is {'the file system root' if path == '/' else 'a system folder'}: {what} writes and "
                 "deletes folders under it; give a folder of its own")
+    if path in SHARED_PARENTS:
+        shown = folder if path == folder else f"{folder} (that is {path})"
+        return (f"{shown} holds other folders than compass's: {what} writes and deletes folders under it; give a "
+                f"folder of its own, e.g. {path}/compass")
     return None
 
 
@@ -248,14 +266,23 @@ class Storage(SpecModel):
 
     @field_validator("root")
     @classmethod
-    def _not_a_system_folder(cls, root: str) -> str:
+    def _not_a_system_folder(cls, root: str, info: ValidationInfo) -> str:
         """The store writes, locks and sets aside folders under its root: never `/` or the system's own folders."""
         if "://" in root and not root.startswith("file://"):
             return root
-        problem = write_root_problem(root)
+        problem = write_root_problem(root, base=spec_folder(info))
         if problem:
             raise ValueError(problem + " (e.g. store)")
         return root
+
+    @field_validator("local_cache")
+    @classmethod
+    def _staging_not_a_system_folder(cls, folder: str | None, info: ValidationInfo) -> str | None:
+        """Each node copies token shards into it and evicts copies from it: the write rule of every root."""
+        problem = write_root_problem(folder, "node-local staging", base=spec_folder(info)) if folder else None
+        if problem:
+            raise ValueError(problem)
+        return folder
 
 
 SLURM_WORD = r"^[A-Za-z0-9_][A-Za-z0-9_.,:@%+=\[\]-]{0,200}$"  # one sbatch value: no spaces, no leading '-'
@@ -569,21 +596,22 @@ class Monitoring(SpecModel):
 
     @field_validator("mlflow_tracking_uri")
     @classmethod
-    def _mlflow_server(cls, uri: str | None) -> str | None:
+    def _mlflow_server(cls, uri: str | None, info: ValidationInfo) -> str | None:
         if uri is not None and not re.match(r"^(https?|databricks|sqlite|postgresql|mysql|file)[:+]", uri):
             raise ValueError(f"{uri!r} is not an MLflow tracking URI: give the server as http://host:5000")
-        local = re.match(r"^(?:sqlite:///|file://|file:)(/?[^?#]*)", uri or "")
+        # SQLAlchemy's sqlite URLs with any driver (sqlite+pysqlite:///...) and any number of slashes
+        local = re.match(r"^(?:sqlite(?:\+\w+)?:///|file://|file:)(/*[^?#]*)", uri or "")
         if local and local.group(1):
             problem = write_root_problem(str(Path(local.group(1)).parent) if uri.startswith("sqlite") else
-                                         local.group(1), "MLflow")
+                                         local.group(1), "MLflow", base=spec_folder(info))
             if problem:
                 raise ValueError(problem)
         return uri
 
     @field_validator("folder")
     @classmethod
-    def _monitoring_folder(cls, folder: str | None) -> str | None:
-        problem = write_root_problem(folder, "monitoring") if folder else None
+    def _monitoring_folder(cls, folder: str | None, info: ValidationInfo) -> str | None:
+        problem = write_root_problem(folder, "monitoring", base=spec_folder(info)) if folder else None
         if problem:
             raise ValueError(problem)
         return folder

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -88,15 +89,29 @@ def spec_hash(spec: TrainingSpec) -> str:
 def load_spec(path: str | Path) -> LoadedSpec:
     p = Path(path)
     try:
-        too_big = yaml_limits.size_problem(p.stat().st_size)
-        if too_big:
-            raise SpecError([SpecProblem(str(path), 1, "<spec>", too_big.message, too_big.hint)])
-        text = p.read_text(encoding="utf-8")
+        text = _bounded_text(p)
     except FileNotFoundError:
         raise SpecError([SpecProblem(str(path), 1, "", "file not found", "check the path")]) from None
     except (IsADirectoryError, UnicodeDecodeError) as exc:
         raise SpecError([SpecProblem(str(path), 1, "", f"cannot read: {exc}", "give a UTF-8 YAML file")]) from None
     return load_spec_text(text, str(path), base_dir=p.resolve().parent)
+
+
+def _bounded_text(p: Path) -> str:
+    """The spec file's text, read no further than the size limit allows: a regular file only (a device such as
+    /dev/zero reads forever, a FIFO blocks), its size as read, not as stat says."""
+    if p.is_dir():
+        raise IsADirectoryError(str(p))
+    if not stat.S_ISREG(p.stat().st_mode):
+        raise SpecError([SpecProblem(str(p), 1, "<spec>", "not a regular file (a device, a FIFO or a socket)",
+                                     "give the spec's YAML file")])
+    limit = yaml_limits.max_bytes()
+    with open(p, "rb") as f:
+        body = f.read(limit + 1)
+    too_big = yaml_limits.size_problem(max(len(body), p.stat().st_size) if len(body) > limit else len(body))
+    if too_big:
+        raise SpecError([SpecProblem(str(p), 1, "<spec>", too_big.message, too_big.hint)])
+    return body.decode("utf-8")
 
 
 def load_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
@@ -132,9 +147,9 @@ def parse_spec_text(text: str, filename: str = "<spec>", base_dir: Path | None =
     lines = _LineIndex(data)
     plain = _to_plain(data)
     try:
-        spec = TrainingSpec.model_validate(plain)
+        spec = TrainingSpec.model_validate(plain, context=_context(base))
     except ValidationError as exc:
-        repaired = _repaired(plain, exc)
+        repaired = _repaired(plain, exc, base)
         partial = None if repaired is None else LoadedSpec(spec=repaired[0], path=filename, base_dir=base, text=text,
                                                            lines=lines, data=plain, defaulted=repaired[1])
         raise SpecError(_problems_from_validation(exc, plain, lines, filename), partial) from None
@@ -150,7 +165,12 @@ READS_ALSO: dict[Loc, tuple[Loc, ...]] = {
 }
 
 
-def _repaired(plain: Any, exc: ValidationError) -> tuple[TrainingSpec, tuple[Loc, ...]] | None:
+def _context(base: Path) -> dict[str, Any]:
+    """What the schema's validators know of where the spec is: its folder, where its relative paths start."""
+    return {"base_dir": base}
+
+
+def _repaired(plain: Any, exc: ValidationError, base: Path) -> tuple[TrainingSpec, tuple[Loc, ...]] | None:
     """The spec with each field the schema refused left out (its default in its place; a field that has none, the
     nearest mapping above it), and those fields; None when that leaves nothing the schema accepts."""
     data = copy.deepcopy(plain)
@@ -171,7 +191,7 @@ def _repaired(plain: Any, exc: ValidationError) -> tuple[TrainingSpec, tuple[Loc
             if err["type"] != "extra_forbidden":  # an unknown key means nothing: leaving it out defaults nothing
                 defaulted.append(target)
         try:
-            return TrainingSpec.model_validate(data), tuple(defaulted)
+            return TrainingSpec.model_validate(data, context=_context(base)), tuple(defaulted)
         except ValidationError as again:
             exc = again
     return None

@@ -241,7 +241,7 @@ class _Shrinker:
         self.set("how.orchestration", orch, "retries", 0)
         self.set("how.checkpoints", how["checkpoints"], "every_steps", STEPS)  # one checkpoint a stage
         storage = how["storage"]
-        self.set("how.storage", storage, "root", storage["root"].rstrip("/") + "-smoke")
+        self.set("how.storage", storage, "root", sized_root(storage["root"], "smoke"))
         self.set("how.storage", storage, "local_cache", None)  # a cluster's /scratch is not on this machine
         if "local_cache_gib" in storage:  # ... nor its capacity
             self.changes.append(Shrink("how.storage", "local_cache_gib", storage.pop("local_cache_gib"), None))
@@ -268,8 +268,19 @@ class _Shrinker:
             self.set("how.parallelism", par, "shard_group", min(par["shard_group"], data_parallel))
         self.set("how.checkpoints", how["checkpoints"], "every_steps", STEPS // 2)  # a resume point mid-stage
         storage = how["storage"]
-        self.set("how.storage", storage, "root", storage["root"].rstrip("/") + "-rehearsal")
+        self.set("how.storage", storage, "root", sized_root(storage["root"], "rehearsal"))
         self.shaped = How.model_validate(how)
+
+
+def sized_root(root: str, size: str) -> str:
+    """Where a smoke run or a rehearsal of the store at `root` writes: beside it (`<root>-smoke`), never among its
+    artifacts; for a whole bucket (`s3://corp-data`), under a prefix of that bucket (`s3://corp-data/smoke`), never
+    in a bucket of another name, which anyone may own."""
+    bare = root.rstrip("/")
+    scheme, sep, rest = bare.partition("://")
+    if sep and scheme != "file" and "/" not in rest:
+        return f"{bare}/{size}"
+    return f"{bare}-{size}"
 
 
 def smoke_spec(spec: TrainingSpec) -> tuple[TrainingSpec, list[Shrink]]:

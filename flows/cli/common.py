@@ -18,7 +18,7 @@ from compass.flows.compiler import UnknownTarget
 from compass.flows.validation import CheckedSpec, load_checked
 from compass.specs.base import Issue
 from compass.specs.loader import SpecError
-from compass.specs.smoke import Size
+from compass.specs.smoke import Size, sized_root
 from compass.specs.sources import source_holding
 
 
@@ -110,14 +110,16 @@ def store_root(checked: CheckedSpec, store: str | None, option: str = "--store")
     `<root>-rehearsal`, never among real artifacts. Exit 2 when it cannot hold a store."""
     from compass.infra.store import root_problem
 
+    given = store
     if store and checked.loaded.size != "full":
-        store = store.rstrip("/") + f"-{checked.loaded.size}"
+        store = sized_root(store, checked.loaded.size)
     root = store or checked.spec.how.storage.root_at(checked.loaded.base_dir)
-    problem = root_problem(root) or _inside_a_source(checked, root)
+    # the root as given too: `--store / --smoke` must not become `<cwd>/-smoke`
+    problem = (given and root_problem(given)) or root_problem(root) or _inside_a_source(checked, root)
     if problem is None:
         return root
     if store:
-        err.print(f"{option} {store}: {problem}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"{option} {given}: {problem}", markup=False, highlight=False, soft_wrap=True)
     else:
 
         (located,) = checked.loaded.problems([Issue(("how", "storage", "root"), problem, "set another root")])

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from pydantic import ValidationError
 
 from compass.infra import resource_ledger
 from compass.infra.resource_ledger import Resources, size_text
@@ -84,12 +88,25 @@ def _goodput_splits(client: Any, run_id: Any) -> list[GoodputSplit]:
     artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
         flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(like_=f"%-{GOODPUT_TABLE}-%")))
     splits = []
-    for artifact in artifacts:
-        rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-        for row in rows if isinstance(rows, list) else []:
-            if isinstance(row, dict) and {"total_s", "compute_s"} <= row.keys():
+    for row in _table_rows(artifacts):
+        if {"total_s", "compute_s"} <= row.keys():
+            with contextlib.suppress(ValidationError):
                 splits.append(GoodputSplit.model_validate({k: v for k, v in row.items() if k != "goodput"}))
     return splits
+
+
+def _table_rows(artifacts: list[Any]) -> Iterator[dict[str, Any]]:
+    """The rows of the table artifacts among `artifacts`: a key filter also matches other artifacts whose key holds
+    the same word (a spec named `probe_goodput_test` makes markdown artifacts `probe-goodput-test-...`), and those,
+    or a row of another shape, are passed over, never fatal to `compass status`."""
+    for artifact in artifacts:
+        if getattr(artifact, "type", None) != "table":
+            continue
+        try:
+            rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        except ValueError:
+            continue
+        yield from (row for row in rows if isinstance(row, dict)) if isinstance(rows, list) else ()
 
 
 def _resource_ledgers(client: Any, run_id: Any) -> list[Resources]:
@@ -100,10 +117,9 @@ def _resource_ledgers(client: Any, run_id: Any) -> list[Resources]:
     artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
         flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=key))
     ledgers = []
-    for artifact in artifacts:
-        rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-        for row in rows if isinstance(rows, list) else []:
-            if isinstance(row, dict) and "written" in row:
+    for row in _table_rows(artifacts):
+        if "written" in row:
+            with contextlib.suppress(ValidationError):
                 ledgers.append(Resources.model_validate(row))
     return ledgers
 

@@ -1,0 +1,138 @@
+"""Reliability and security IV (issue 80): the write rule judged on the folder the write reaches (links followed,
+`//x`, `/./x` and relative escapes resolved, relative paths from the spec's folder as at the write), on every root
+a spec names (node-local staging and every SQLite URL form included); smoke and rehearsal stores of a bucket in
+that bucket; a spec read no further than its limit (a device, a FIFO); booleans refused where numbers go; and
+`compass status` that no spec name can break."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compass.specs.loader import SpecError, load_spec
+from compass.specs.smoke import sized_root
+from tests.conftest import base_env, write_minimal_spec
+from tests.test_reliability_iii_roots import MINIMAL_HOW, refused
+
+ESCAPE = "/".join([".."] * 16)  # from any folder here up to `/`
+
+
+def bypasses(tmp_path: Path) -> list[tuple[str, str]]:
+    """(--store, what the refusal says it is): each a way to reach /etc or / that the string alone does not show."""
+    link = tmp_path / "etc-link"
+    link.symlink_to("/etc")
+    return [("//etc/compass-probe", "a system folder"), ("/./etc/compass-probe", "a system folder"),
+            (f"{ESCAPE}/etc/compass-probe", "a system folder"), (f"{link}/compass-probe", "a system folder"),
+            ("//", "the file system root"), ("/tmp", "holds other folders than compass's")]
+
+
+def test_a_store_option_that_reaches_a_system_folder_by_any_form_is_refused(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    spec = write_minimal_spec(tmp_path)
+    for store, what in bypasses(tmp_path):
+        out = refused(tmp_path, monkeypatch, "plan", str(spec), "--store", store)
+        assert f"--store {store}" in out and what in out, (store, out)
+    out = refused(tmp_path, monkeypatch, "plan", str(spec), "--store", "/", "--smoke")  # not <cwd>/-smoke
+    assert "--store /: / is the file system root" in out, out
+
+
+@pytest.mark.parametrize(("how", "field", "what"), [
+    (f"  monitoring: {{folder: {ESCAPE}/etc/compass-monitoring}}", "how.monitoring.folder", "a system folder"),
+    ("  monitoring: {folder: etc-link/m}", "how.monitoring.folder", "(that is /etc/m) is a system folder"),
+    ("  storage: {local_cache: /etc/compass-cache}", "how.storage.local_cache",
+     "a system folder: node-local staging"),
+    ("  monitoring: {trackers: [mlflow], mlflow_tracking_uri: 'sqlite+pysqlite:////etc/x.db'}",
+     "how.monitoring.mlflow_tracking_uri", "a system folder: MLflow"),
+    ("  monitoring: {trackers: [mlflow], mlflow_tracking_uri: 'sqlite://///etc/x.db'}",
+     "how.monitoring.mlflow_tracking_uri", "a system folder: MLflow"),
+])
+def test_a_write_root_in_the_spec_is_judged_where_the_write_reaches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     how: str, field: str, what: str):
+    """Relative paths start at the spec's folder, in the check as at the write (tasks/steps/context.py
+    monitoring_dir): the check once started at the working directory, from where the escape reached elsewhere."""
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    (folder / "etc-link").symlink_to("/etc")
+    spec = write_minimal_spec(folder, **{MINIMAL_HOW: f"how:\n{how}\n"})
+    line = spec.read_text().splitlines().index(how) + 1
+    out = refused(tmp_path, monkeypatch, "validate", str(spec))
+    assert f"{spec}:{line}: {field}:" in out and what in out, out
+
+
+def test_the_smoke_and_rehearsal_stores_of_a_bucket_stay_in_that_bucket(tmp_path: Path):
+    """`s3://corp-data-smoke` is another bucket, which anyone may register; a prefix of the same bucket is not."""
+    assert sized_root("s3://corp-data", "smoke") == "s3://corp-data/smoke"
+    assert sized_root("s3://corp-data/", "rehearsal") == "s3://corp-data/rehearsal"
+    assert sized_root("s3://corp-data/runs/x", "smoke") == "s3://corp-data/runs/x-smoke"
+    assert sized_root("/data/store", "smoke") == "/data/store-smoke"
+    from compass.specs.smoke import shrunk_spec
+
+    spec = load_spec(write_minimal_spec(tmp_path, **{MINIMAL_HOW: "how:\n  storage: {root: 's3://corp-data'}\n"}))
+    small, _ = shrunk_spec(spec.spec, "smoke")
+    assert small.how.storage.root == "s3://corp-data/smoke"
+
+
+def test_a_spec_that_is_no_regular_file_is_refused_without_reading_it(tmp_path: Path):
+    """`compass validate /dev/zero` read until killed (its size says 0); a FIFO blocked forever. The command runs
+    with its address space capped, so that a reader that does not stop fails with MemoryError instead of taking
+    the machine's memory (the kernel's OOM killer ends it, or a neighbour)."""
+    import resource
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))
+
+    fifo = tmp_path / "spec.yaml"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "validate", path], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env=base_env(tmp_path / "home"),
+                              preexec_fn=capped)
+        assert done.returncode == 2 and f"{path}:1: <spec>: not a regular file" in done.stderr, done.stderr
+
+
+def test_a_true_or_false_where_a_number_goes_is_refused_at_its_line(tmp_path: Path):
+    spec = write_minimal_spec(tmp_path, **{"num_layers: 2": "num_layers: true",
+                                           "micro_batch_size: 2": "micro_batch_size: false"})
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    found = {p.path: p for p in info.value.problems}
+    assert set(found) == {"what.architecture.num_layers", "how.parallelism.micro_batch_size"}, info.value
+    assert all("Input should be a valid integer" in p.message for p in found.values())
+    lines = spec.read_text().splitlines()
+    assert lines[found["what.architecture.num_layers"].line - 1].strip() == "num_layers: true"
+
+
+@pytest.mark.slow
+def test_status_reads_only_the_tables_compass_wrote_whatever_a_spec_is_named(prefect_server: str, tmp_path: Path):
+    """A spec named `probe_goodput_test` made markdown artifacts whose keys hold `-goodput-`, and `compass status`
+    parsed them as the goodput tables: a JSONDecodeError traceback for every user of the server. Artifacts of
+    another type, rows of another shape and unparsable data are passed over."""
+    from prefect import flow
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from compass.flows.reports.recent_runs import LIFECYCLE_FLOW
+
+    @flow(name=LIFECYCLE_FLOW, flow_run_name="probe_goodput_test")
+    def probe_goodput_test() -> None:
+        create_markdown_artifact(key="probe-goodput-test-report", markdown="# not JSON: {")
+        create_markdown_artifact(key="probe-resources-test-report", markdown="# not JSON either")
+        create_table_artifact(key="x-goodput-y", table=[{"total_s": "many", "compute_s": None}, ["a row"]])
+        create_table_artifact(key="x-resources-y", table=[{"written": "lots", "read": -1.5, "other": 1}])
+
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        probe_goodput_test()
+    env = base_env(tmp_path / "client") | {"PREFECT_API_URL": prefect_server}
+    for args in (["status", "--json"], ["status"]):
+        done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (row,) = [r for r in json.loads(subprocess.run(
+        [sys.executable, "-m", "compass.flows.cli.app", "status", "--json"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=300, env=env).stdout) if r["name"] == "probe_goodput_test"]
+    assert row["goodput"] is None and row["resources"] is None and row["state"] == "Completed"
