@@ -40,15 +40,16 @@ class CheckedSpec:
         return self.loaded.spec
 
 
-def check(loaded: LoadedSpec, machine: bool = True) -> CheckedSpec:
+def check(loaded: LoadedSpec, machine: bool = True, writes: bool = True) -> CheckedSpec:
     """Compile the plan and run every kind's checks; SpecError lists all problems found. `machine=False` leaves out
     what depends on the machine it runs on (GPUs, GPU extras, memory, credentials, local paths, the Hugging Face
-    cache): for checking a spec alone, or planning a cluster's run from a laptop."""
+    cache): for checking a spec alone, or planning a cluster's run from a laptop. `writes=False` leaves out the
+    checks that write (a cluster's probe job): for a spec found wrong already."""
     issues = list(_step_kind_names(loaded.spec))
     if machine or loaded.spec.how.hardware.accelerator != "cpu":  # a GPU's memory is its kind's, wherever it runs
         issues += _memory(loaded.spec)
     if machine:
-        issues += _machine(loaded.spec, loaded.base_dir, rehearsal=loaded.size == "rehearsal")
+        issues += _machine(loaded.spec, loaded.base_dir, rehearsal=loaded.size == "rehearsal", writes=writes)
     for kind in registry.kinds():
         if kind.check_spec is not None:
             issues += kind.check_spec(loaded.spec, loaded.base_dir)
@@ -82,7 +83,7 @@ def _checked(load: Callable[[], LoadedSpec], machine: bool, size: Size) -> Check
         if exc.partial is None:
             raise
         try:
-            check(shrunk(exc.partial, size), machine)
+            check(shrunk(exc.partial, size), machine, writes=False)  # no probe job: bad input writes nothing
         except SpecError as more:
             raise SpecError(merged_problems([*exc.problems, *more.problems])) from None
         except Exception:  # a check that cannot judge a spec with problems: the problems found so far
@@ -152,7 +153,7 @@ def _node_paths(spec: TrainingSpec, base_dir: Path) -> dict[str, tuple[Loc, str]
     return wanted
 
 
-def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Iterator[Issue]:
+def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False, writes: bool = True) -> Iterator[Issue]:
     """What the spec's `how` needs from the machine it runs on: CUDA for GPUs, the GPU extras for the kernels it
     names, memory per device for every training stage, credentials for S3. With a cluster, the compute nodes'
     (by a probe job), and nothing here imports torch: this machine only plans, submits and follows. A `rehearsal`
@@ -162,7 +163,7 @@ def _machine(spec: TrainingSpec, base_dir: Path, rehearsal: bool = False) -> Ite
 
     how = spec.how
     accelerator = how.hardware.accelerator
-    check = MachineCheck(spec, base_dir, rehearsal, node_paths=lambda: _node_paths(spec, base_dir))
+    check = MachineCheck(spec, base_dir, rehearsal, node_paths=lambda: _node_paths(spec, base_dir), writes=writes)
     for backend in one_of_each(backends_of(how, phases_of(spec))):  # each kind of machine the steps run on, once
         yield from backend.machine_checks(check)
     if how.attention == "flex" and accelerator == "cpu":

@@ -89,6 +89,9 @@ class MachineCheck:
     base_dir: Path
     rehearsal: bool
     node_paths: Callable[[], dict[str, tuple[Loc, str]]]
+    # the checks that write (a probe job's token under the shared root): not for a spec that already has problems,
+    # whose other checks still run in the same pass: bad input writes nothing
+    writes: bool = True
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def slurm_machine_checks(check: MachineCheck) -> Iterator[Issue]:
         if not reachable and named:
             reachable += slurm_partition(named, SMOKE_HINT, ("how", "resources", phase, "partition"))
     yield from reachable
-    if not reachable and cluster.shared_root:
+    if not reachable and cluster.shared_root and check.writes:
         yield from _shared_paths(check, gpu_extras=not check.rehearsal)
 
 
