@@ -78,7 +78,15 @@ class RestartableS3:
                             region_name="us-east-1")
 
     def create_bucket(self, name: str) -> None:
-        self.client().create_bucket(Bucket=name)
+        """A bucket of that name, empty: moto keeps buckets in this process's memory for as long as it lives, so an
+        earlier test of this pytest worker may have left one of the same name with its objects (and us-east-1
+        answers a second create of one's own bucket with success): those are deleted."""
+        client = self.client()
+        client.create_bucket(Bucket=name)
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=name, Delete={"Objects": keys})
 
 
 @contextmanager
