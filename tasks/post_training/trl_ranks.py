@@ -59,18 +59,21 @@ def write_rows(path: Path, rows: Rows) -> None:
     tmp.replace(path)
 
 
-def rows_dataset(job: TrlJob) -> Any:
+def rows_dataset(job: TrlJob, rows: Rows) -> Any:
     """The step's rows as an on-disk dataset: Arrow files in the work folder that every rank memory-maps, with
     TRL's tokenized and packed forms of them cached beside them. TRL prepares a dataset in the global main process
     first, then in the others (trl.trainer.utils.global_then_local_main_first); on disk, the others load what it
     cached, so the rows are tokenized and packed once per step instead of once per rank (a 64k-token SFT set on
     each of 8 ranks, one core each), and an attempt after a requeue loads them again. Loaded main process first
-    too: the ranks must not build the same Arrow files at once."""
+    too: the ranks must not build the same Arrow files at once. `rows` are the file's (written where it holds
+    others: a trainer built in this process, by the step or a test)."""
     from datasets import load_dataset
     from trl.trainer.utils import global_then_local_main_first
 
     work = WorkFolder(job.work)
     with global_then_local_main_first():
+        work.root.mkdir(parents=True, exist_ok=True)
+        write_rows(work.trl_rows, rows)
         return load_dataset("json", data_files=str(work.trl_rows), split="train", cache_dir=str(work.trl_datasets))
 
 
@@ -224,7 +227,7 @@ def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: Trl
     config, trainer_class = trl_classes(method_of(section))
     args = config(**common_args(job), max_length=section.max_length, packing=section.packing,
                   assistant_only_loss=section.assistant_only_loss, dataset_num_proc=None)
-    trainer = trainer_class(model=model, args=args, train_dataset=rows_dataset(job), processing_class=tokenizer,
+    trainer = trainer_class(model=model, args=args, train_dataset=rows_dataset(job, rows), processing_class=tokenizer,
                             callbacks=_callbacks(job, ledger))
     facts: dict[str, Any] = {}
     if not section.packing:  # one row per conversation: the template's tokens, every system prompt in them
@@ -252,7 +255,7 @@ def preference_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledg
         rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
                 for p in rows for side in ("chosen", "rejected")]
     reference = {"ref_model": _reference(model)} if method.reference_model else {}
-    dataset = Dataset.from_list(rows) if method.splits_pairs else rows_dataset(job)
+    dataset = Dataset.from_list(rows) if method.splits_pairs else rows_dataset(job, rows)
     trainer = trainer_class(model=model, **reference, args=args, train_dataset=dataset,
                             processing_class=tokenizer, callbacks=_callbacks(job, ledger))
     return trainer, {}
