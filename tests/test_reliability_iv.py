@@ -122,7 +122,7 @@ def test_status_reads_only_the_tables_compass_wrote_whatever_a_spec_is_named(pre
     def probe_goodput_test() -> None:
         create_markdown_artifact(key="probe-goodput-test-report", markdown="# not JSON: {")
         create_markdown_artifact(key="probe-resources-test-report", markdown="# not JSON either")
-        create_table_artifact(key="x-goodput-y", table=[{"total_s": "many", "compute_s": None}, ["a row"]])
+        create_table_artifact(key="x-goodput-y", table=[{"total_s": "many", "compute_s": None}])
         create_table_artifact(key="x-resources-y", table=[{"written": "lots", "read": -1.5, "other": 1}])
 
     with temporary_settings({PREFECT_API_URL: prefect_server}):
