@@ -14,6 +14,7 @@ from typing import Any
 
 import psutil
 
+from compass.infra.process_identity import identity_of, recorded_alive
 from compass.infra.store import Store
 
 
@@ -40,8 +41,10 @@ class StepLock:
         self.facts: dict[str, str] = {}  # what the holder says it is doing (the Slurm job computing the step)
 
     def _body(self) -> str:
+        me = identity_of(os.getpid())
         return json.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                           "started": _process_start(os.getpid()), "heartbeat": time.time(), **self.facts})
+                           "started": _process_start(os.getpid()), "heartbeat": time.time(),
+                           **(me.as_record() if me else {}), **self.facts})
 
     def annotate(self, **facts: str) -> None:
         """Record facts with the lock (a waiting run shows them); written at once and kept with each heartbeat."""
@@ -173,15 +176,20 @@ def holder_of(value: Any) -> dict | None:
 
 
 def holder_alive_here(holder: dict) -> bool | None:
-    """On this machine: whether the holder's process is alive (its pid runs with the recorded start time, so a
-    reused pid is not taken for it). None: it ran elsewhere, or recorded too little to tell."""
+    """On this machine: whether the holder's process is alive, by its boot id and start ticks
+    (infra/process_identity.py: what a stepped clock cannot move, and a reused pid does not have). A record of an
+    older compass (its wall-clock start time alone) is judged by that. None: it ran elsewhere, or recorded too
+    little to tell (then its heartbeat decides)."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return None
-    started = _process_start(holder["pid"])
-    if started is None:
-        return False
+    by_ticks = recorded_alive(holder)
+    if by_ticks is not None:
+        return by_ticks
     recorded = holder.get("started")
-    return recorded is None or abs(started - recorded) <= 1e-3
+    if recorded is None:
+        return None
+    started = _process_start(holder["pid"])
+    return started is not None and abs(started - recorded) <= 1e-3
 
 
 def holder_stale(holder: dict, file_age_s: Callable[[], float], stale_after_s: float) -> bool:
@@ -193,6 +201,7 @@ def holder_stale(holder: dict, file_age_s: Callable[[], float], stale_after_s: f
         return not alive
     beat = float(holder.get("heartbeat", 0))
     now = time.time()
+    # a heartbeat in the future is no proof of life: broken once the file itself is that old
     return now - beat > stale_after_s or (beat > now and file_age_s() > stale_after_s)
 
 

@@ -51,8 +51,8 @@ def dead_runs(store: Store, stale_after_s: float = 60.0) -> list[tuple[str, Dead
                 holder = holder_of(json.loads(f.read()))
         except (FileNotFoundError, OSError, json.JSONDecodeError, UnicodeDecodeError):
             continue  # being written or just removed
-        if holder is None or holder.get("store", store.root) != store.root:
-            continue  # malformed, or another store's record: it says nothing about this store's runs
+        if holder is None or holder.get("store") != store.root:
+            continue  # malformed, another store's or none's (planted, or still being annotated): never acted on
         if holder_stale(holder, lambda at=path: _age_s(store, at), stale_after_s):
             run_id = str(path).rsplit("/", 1)[-1].removesuffix(".lock")
             found.append((str(path), DeadRun(run_id, str(holder.get("host")), int(holder.get("pid") or -1))))

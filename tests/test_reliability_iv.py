@@ -2,7 +2,8 @@
 `//x`, `/./x` and relative escapes resolved, relative paths from the spec's folder as at the write), on every root
 a spec names (node-local staging and every SQLite URL form included); smoke and rehearsal stores of a bucket in
 that bucket; a spec read no further than its limit (a device, a FIFO); booleans refused where numbers go; and
-`compass status` that no spec name can break."""
+`compass status` that no spec name can break; liveness by boot id and start ticks, run records bound to their
+store."""
 
 from __future__ import annotations
 
@@ -136,3 +137,69 @@ def test_status_reads_only_the_tables_compass_wrote_whatever_a_spec_is_named(pre
         [sys.executable, "-m", "compass.flows.cli.app", "status", "--json"], cwd=tmp_path, capture_output=True,
         text=True, timeout=300, env=env).stdout) if r["name"] == "probe_goodput_test"]
     assert row["goodput"] is None and row["resources"] is None and row["state"] == "Completed"
+
+
+def test_a_paused_run_keeps_its_lock_when_the_clock_moves_its_start_time(tmp_path: Path):
+    """psutil's start time is the boot time plus the process's ticks, and the boot time follows the wall clock: on a
+    VM it moved 17 s, and a SIGSTOPped run's lock, compared at 1 ms, was taken (two runs computing in one work
+    folder). The lock names its holder by boot id and start ticks (infra/process_identity.py) instead; a record
+    that names a process this way but one that has ended, or the pid of another boot, is dead."""
+    import signal
+    import socket
+    import time
+
+    import psutil
+
+    from compass.infra.locks import LockTimeout, holder_alive_here, step_lock
+    from compass.infra.process_identity import identity_of
+    from compass.infra.store import Store
+    from tests.test_reliability_iii_store import _lock_file
+
+    paused = subprocess.Popen(["sleep", "300"])
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        me = identity_of(paused.pid)
+        assert me is not None
+        drifted = psutil.Process(paused.pid).create_time() + 17.0  # what the stepped clock made of it
+        holder = {"host": socket.gethostname(), "started": drifted, "heartbeat": time.time() - 600,
+                  "token": "paused", **me.as_record()}
+        assert holder_alive_here(holder) is True
+        store = Store(str(tmp_path / "store"))
+        _lock_file(store, "pretrain/stage1", json.dumps(holder), age_s=600)
+        with pytest.raises(LockTimeout, match=f"pid {paused.pid}"), step_lock(store, "pretrain/stage1", timeout_s=2):
+            pass
+        assert holder_alive_here(holder | {"ticks": me.ticks + 1}) is False  # a reused pid: another process
+        assert holder_alive_here(holder | {"boot": "another-boot"}) is False
+    finally:
+        paused.kill()
+        paused.wait()
+    assert holder_alive_here(holder) is False  # ended
+
+
+def test_a_record_of_this_host_that_names_no_start_is_judged_by_its_heartbeat(tmp_path: Path):
+    """A lock of this host naming a live pid (1) and no start: before, alive forever, and every run waited on it;
+    now its heartbeat decides, and one in the future is broken once the file is that old."""
+    import socket
+    import time
+
+    from compass.infra.locks import holder_alive_here, holder_stale
+
+    future = {"host": socket.gethostname(), "pid": 1, "heartbeat": time.time() + 10 * 365 * 86400}
+    assert holder_alive_here(future) is None
+    assert holder_stale(future, lambda: 120.0, stale_after_s=60.0)
+    assert not holder_stale(future, lambda: 5.0, stale_after_s=60.0)  # a fresh file: a clock may be off a while
+
+
+def test_a_run_record_that_names_no_store_ends_no_run(tmp_path: Path):
+    """A record without `store` (planted, or one a run is still annotating) is never acted on: it once made a run
+    of this store mark another store's live run Crashed."""
+    import time
+
+    from compass.infra.run_records import RECORDS, dead_runs
+    from compass.infra.store import Store
+    from tests.test_reliability_iii_store import _lock_file
+
+    store = Store(str(tmp_path / "b"))
+    _lock_file(store, f"{RECORDS}/planted", json.dumps({"host": "elsewhere", "pid": 3,
+                                                        "heartbeat": time.time() - 3600}), age_s=3600)
+    assert dead_runs(store) == []
