@@ -26,6 +26,7 @@ from fsspec.core import url_to_fs
 from compass.infra import resource_ledger, shard_index
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
+from compass.infra.process_identity import identity_of
 from compass.infra.verified_read import verified
 from compass.specs.how import write_root_problem
 
@@ -58,12 +59,16 @@ def _is_link(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return isinstance(fs, LocalFileSystem) and (os.path.islink(folder) or os.path.islink(os.path.dirname(folder)))
 
 
-_STAGED = re.compile(r"(step|scratch)-(?P<pid>\d+)@(?P<host>.*)-[A-Za-z0-9_]+(\.moving)?")
+_STAGED = re.compile(r"(step|scratch)-(?P<pid>\d+)(\.(?P<ticks>\d+)\.(?P<boot>[0-9a-f]{8}))?@(?P<host>.*)"
+                     r"-[A-Za-z0-9_]+(\.moving)?")
 
 
 def owned_prefix(label: str) -> str:
-    """Prefix of a temporary folder that names its process and host, so a sweep can tell a dead owner's."""
-    return f"{label}-{os.getpid()}@{socket.gethostname()}-"
+    """Prefix of a temporary folder that names its process (pid, start ticks and boot: infra/process_identity.py)
+    and host, so a sweep can tell a dead owner's, whatever the clock did meanwhile."""
+    me = identity_of(os.getpid())
+    named = f"{os.getpid()}.{me.ticks}.{me.boot.replace('-', '')[:8]}" if me else str(os.getpid())
+    return f"{label}-{named}@{socket.gethostname()}-"
 
 
 def _sweep_staging(base: Path) -> None:
@@ -73,14 +78,18 @@ def _sweep_staging(base: Path) -> None:
     host = socket.gethostname()
     for folder in base.iterdir():
         match = _STAGED.fullmatch(folder.name)
-        if match and match["host"] == host and not _owner_alive(int(match["pid"]), folder):
+        if match and match["host"] == host and not _owner_alive(int(match["pid"]), folder, match["ticks"],
+                                                                 match["boot"]):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _owner_alive(pid: int, folder: Path) -> bool:
-    """Whether the process that made `folder` still runs: its PID exists and that process started before the
-    folder was last written (a busy machine reuses the PID of a killed run for a process that started later)."""
-
+def _owner_alive(pid: int, folder: Path, ticks: str | None = None, boot: str | None = None) -> bool:
+    """Whether the process that made `folder` still runs: the one its name records (pid, start ticks, boot), or,
+    for a folder named by an older compass, a process of that PID that started before the folder was last written
+    (a busy machine reuses the PID of a killed run for a process that started later)."""
+    if ticks is not None and boot is not None:
+        now = identity_of(pid)
+        return now is not None and now.ticks == int(ticks) and now.boot.replace("-", "")[:8] == boot
     try:
         started = psutil.Process(pid).create_time()
         changed = folder.stat().st_mtime

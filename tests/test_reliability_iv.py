@@ -203,3 +203,43 @@ def test_a_run_record_that_names_no_store_ends_no_run(tmp_path: Path):
     _lock_file(store, f"{RECORDS}/planted", json.dumps({"host": "elsewhere", "pid": 3,
                                                         "heartbeat": time.time() - 3600}), age_s=3600)
     assert dead_runs(store) == []
+
+
+def test_a_paused_owners_staging_folder_survives_the_sweep_whatever_its_age(tmp_path: Path):
+    """A staging folder names its process by pid, start ticks and boot (Store.staging's owned_prefix): a sweep by
+    another run of this machine keeps a paused owner's folder however long since it was written (the owner's
+    psutil start time, which a stepped clock moves, decides nothing), and removes one whose named process ended or
+    whose pid another process now has."""
+    import signal
+    import socket
+    import time
+
+    from compass.infra.process_identity import identity_of
+    from compass.infra.store import Store
+
+    paused = subprocess.Popen(["sleep", "300"])
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        me = identity_of(paused.pid)
+        assert me is not None
+        store = Store(str(tmp_path / "store"))
+        base = Path(store.root_path) / ".staging"
+        base.mkdir(parents=True)
+        host, boot = socket.gethostname(), me.boot.replace("-", "")[:8]
+        kept = base / f"step-{paused.pid}.{me.ticks}.{boot}@{host}-abc123"
+        reused = base / f"step-{paused.pid}.{me.ticks + 1}.{boot}@{host}-def456"  # the pid, another process
+        for folder in (kept, reused):
+            folder.mkdir()
+            os.utime(folder, (time.time() - 7200, time.time() - 7200))
+        with store.staging():  # a run's staging sweeps what dead processes of this machine left
+            pass
+        assert kept.exists() and not reused.exists()
+    finally:
+        paused.kill()
+        paused.wait()
+    with store.staging():
+        pass
+    assert not kept.exists()  # its process ended
+    from compass.infra.store import owned_prefix  # how this process names its own
+
+    assert owned_prefix("step").startswith(f"step-{os.getpid()}.{identity_of(os.getpid()).ticks}.")
