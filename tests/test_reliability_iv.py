@@ -243,3 +243,26 @@ def test_a_paused_owners_staging_folder_survives_the_sweep_whatever_its_age(tmp_
     from compass.infra.store import owned_prefix  # how this process names its own
 
     assert owned_prefix("step").startswith(f"step-{os.getpid()}.{identity_of(os.getpid()).ticks}.")
+
+
+@pytest.mark.slow
+def test_filters_that_remove_every_document_are_a_data_error_not_retried(tmp_path: Path):
+    """The same source and filters give the same empty result every time: a DataError (the flow spends no retry on
+    it), with the reasons; before, a ValueError retried three times with three tracebacks."""
+    import logging
+
+    from compass.flows.compiler import compile_spec
+    from compass.flows.runner import RunContext, run_step
+    from compass.infra.errors import DataError
+    from compass.infra.store import Store
+    from compass.tasks.steps.context import Runtime
+
+    spec = write_minimal_spec(tmp_path, **{"{name: gopher_quality, params: {min_doc_words: 20}}":
+                                           "{name: gopher_quality, params: {min_doc_words: 1000000}}"})
+    loaded = load_spec(spec)
+    plan = compile_spec(loaded.spec)
+    ctx = RunContext(plan, Store(str(tmp_path / "store")), loaded.spec_hash,
+                     Runtime(how=loaded.spec.how, base_dir=loaded.base_dir))
+    run_step(ctx, plan.step("ingest:notes"), logging.getLogger("test"))
+    with pytest.raises(DataError, match="curation of notes removed every document"):
+        run_step(ctx, plan.step("curate:notes"), logging.getLogger("test"))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from compass.infra.errors import DataError
 from compass.infra.layout import DOCUMENTS, HELDOUT, SHARD_SUFFIX, SPLITS, TRAIN, CuratedArtifact
 from compass.specs.base import Issue
 from compass.specs.data import Curation, DataSource, HeldoutUnit
@@ -140,7 +141,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
         folder = places.intermediate("filtered")
         stages.append(run("filter", [*read(current), *pending, ShardWriter(folder)], n_shards, CONTENT_BYTE_COST))
         if not _written(stages[-1]):
-            raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
+            raise DataError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                              "loosen its filters")
         current, pending = folder, []
 
@@ -171,7 +172,7 @@ def run_curate(ctx: StepContext[CurateConfig]) -> StepResult:
                                     adapter=portable_record, written_records=places.records("split"))], n_shards,
                        CONTENT_BYTE_COST if pending else 1.0))
     if not _written(stages[-1]):
-        raise ValueError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
+        raise DataError(f"curation of {ctx.name} removed every document ({_removal_reasons(stages)}); "
                          "loosen its filters")
     places.publish(ctx, ["split"], "split")
     return _curation_result(ctx, ingested, logs, stages, n_shards)
@@ -196,7 +197,7 @@ def _curation_result(ctx: StepContext[CurateConfig], ingested: InputArtifact, lo
              "dropped_at_ingest": ingested.manifest.metrics.get("dropped", {})}
     curated.stats.write_text(json.dumps(stats, indent=2))
     if kept["documents"] == 0:
-        raise ValueError(f"curation of {ctx.name} removed every document ({reasons}); loosen its filters")
+        raise DataError(f"curation of {ctx.name} removed every document ({reasons}); loosen its filters")
     metrics = {
         "documents_in": before["documents"], "documents_out": kept["documents"],
         "words_in": before["words"], "words_out": kept["words"],
