@@ -143,3 +143,16 @@ def test_a_parquet_source_without_its_text_column_is_refused(tmp_path: Path):
     pq.write_table(pa.table({"body": ["a document"] * 4}), tmp_path / "t.parquet")
     (problem,) = problems(record_source(tmp_path, {"t.parquet": (tmp_path / "t.parquet").read_bytes()}, "parquet"))
     assert "t.parquet: has no column 'text' (its columns: body)" in problem
+
+
+def test_validation_opens_a_bounded_number_of_a_large_sources_files(tmp_path: Path):
+    """A source of many files has FILES_CHECKED of them checked, spread over it (the broken one among them here:
+    the last file), not every one: validation stays seconds long at millions of files."""
+    from compass.tasks.data import source_check
+
+    files = {f"f{i:05d}.jsonl": records(2) for i in range(3 * source_check.FILES_CHECKED)}
+    spread = source_check._spread(sorted(files), source_check.FILES_CHECKED)
+    assert len(spread) == source_check.FILES_CHECKED and spread[0] == "f00000.jsonl"
+    files[spread[-1]] = b"not json\n"
+    (problem,) = problems(record_source(tmp_path, files))
+    assert f"{spread[-1]}:1: not a JSON record" in problem

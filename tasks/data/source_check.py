@@ -1,7 +1,8 @@
 """A record source's files read at validation, as far as validation affords: a broken JSONL line or a text column
 that is not there used to pass `compass validate` and stop the run at its ingest step, after the steps before it
-(and with advice to run again, which cannot help bad data). Reads the first records of every file and many more of
-a few files spread over the source; a source of millions of files is still checked in seconds."""
+(and with advice to run again, which cannot help bad data). Reads the first records of every file (of at most
+FILES_CHECKED spread over a larger source) and many more of a few files spread over it: validation opens at most
+about a thousand files, whatever the source's size."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Literal
 from compass.infra.errors import MalformedData
 from compass.tasks.data.source_files import BYTES_PER_CHAR, jsonl_objects, opened
 
-FIRST_RECORDS = 16  # of every file
+FIRST_RECORDS = 16  # of every file checked
+FILES_CHECKED = 1024  # a source of more files has this many checked, spread evenly over it
 SAMPLED_FILES = 32  # spread evenly over the source's files, each read further
 SAMPLED_RECORDS = 4096
 
@@ -30,9 +32,8 @@ def record_problem(fs, root: str, files: list[str], format: Literal["jsonl", "pa
                    max_document_chars: int) -> RecordProblem | None:
     """The first problem the source's files give its ingest step (None: the records read); `files` relative to
     `root`, in the order ingest reads them."""
-    step = max(1, len(files) // SAMPLED_FILES)
-    sampled = set(files[::step][:SAMPLED_FILES])
-    for rel in files:
+    sampled = set(_spread(files, SAMPLED_FILES))
+    for rel in _spread(files, FILES_CHECKED):
         where = f"{root.rstrip('/')}/{rel}"
         try:
             with opened(fs, where) as stream:
@@ -49,6 +50,12 @@ def record_problem(fs, root: str, files: list[str], format: Literal["jsonl", "pa
         if problem is not None:
             return problem
     return None
+
+
+def _spread(files: list[str], most: int) -> list[str]:
+    """At most `most` of the files, evenly spread over them, in their order."""
+    step = max(1, -(-len(files) // most))
+    return files[::step][:most]
 
 
 def _jsonl_problem(stream, where: str, key: str, max_bytes: int, limit: int) -> RecordProblem | None:
