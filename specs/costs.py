@@ -304,6 +304,8 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         per_layer = 34 * seq * rows * d * act_bytes / 2
         acts = (2 * L * seq * rows * d * act_bytes + per_layer) if how.parallelism.activation_checkpointing \
             else L * per_layer
+        acts += dense_mask_bytes(how.attention, packed=getattr(post, "packing", False), rows=rows, length=seq,
+                                 act_bytes=act_bytes)
         logits = (fused_logits(rows * seq, vocab, d) if how.loss == "liger" and method.fused_loss else
                   rows * seq * vocab * 4 * method.logits_copies)
         out.append(LibraryStepMemory(f"post_train:{post.name}", ranks, batch, per_rank, micro, seq, weights, acts,
@@ -322,6 +324,16 @@ def library_step_memory(spec: TrainingSpec) -> list[LibraryStepMemory]:
         one_layer = longest * (3 * f + 4 * d) * act_bytes
         out.append(LibraryStepMemory("evaluate: passkey", 1, 1, 1, 1, longest, n * act_bytes, kv + one_layer, 0.0))
     return out
+
+
+def dense_mask_bytes(attention: str, packed: bool, rows: int, length: int, act_bytes: int) -> float:
+    """The [rows, 1, L, L] mask transformers builds for a library step's forward where its attention takes one:
+    padded rows on SDPA (a bool a pair) or eager (a float a pair), packed rows on eager only (packed SFT runs
+    compass's document attention: tasks/post_training/trl_ranks.packed_attention); flash and FlexAttention (a
+    block mask) build none. At 64k tokens a row's is 4 GiB."""
+    if attention in ("flash", "flex") or (packed and attention != "eager"):
+        return 0.0
+    return float(rows * length * length * (act_bytes if attention == "eager" else 1))
 
 
 def fused_logits(tokens: int, vocab: int, hidden: int) -> float:

@@ -124,6 +124,10 @@ def test_packed_sft_keeps_conversations_apart(tmp_path: Path):
     packed_job = TrlJob(step="post_train:sft", section=section, seed=0, how=How(), work=tmp_path / "work", world=1,
                         device="cpu", bf16=False)
     trainer, _ = sft_trainer(packed_job, model, tokenizer, rows, TrlGoodput(tmp_path / "goodput", time.time(), rank=0))
+    # issue 73, H3: compass's document attention, which builds no [L, L] mask (transformers' SDPA would)
+    from compass.model.attention import DOCUMENT_SDPA
+
+    assert model.config._attn_implementation == DOCUMENT_SDPA
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
     assert batch["input_ids"].shape[0] == 1 and len(starts) == len(rows)  # one row holding every conversation

@@ -177,6 +177,9 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
                                  "and AdamW moments (LoRA: frozen weights); the reference model of "
                                  f"{' and '.join(with_reference_model())} (not under LoRA) and GKD's teacher beside "
                                  "them",
+                                 "activations hold the [L, L] attention mask transformers builds for padded rows on "
+                                 "SDPA or eager (a bool or a float a pair); packed SFT rows run compass's document "
+                                 "attention and build none",
                                  "passkey: the KV cache at the longest context and one layer at a time, no "
                                  "full-vocabulary logits"]))
     kv_rows = [[k.seq_len, gib(k.bytes_gqa), gib(k.bytes_mha), f"{k.bytes_mha / k.bytes_gqa:.0f}x"]

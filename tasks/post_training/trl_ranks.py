@@ -222,9 +222,25 @@ def _imported(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def packed_attention(job: TrlJob, model: Any) -> str:
+    """The attention of packed SFT rows: compass's document attention, as pretraining's (model/attention.py: flash
+    or torch's varlen kernels on CUDA, per-document SDPA elsewhere), which keeps each conversation to itself from
+    the position ids and cumulative lengths TRL's padding-free collator passes. transformers' own SDPA builds a
+    dense [L, L] mask from them on every call (4-8 GiB at 64k tokens), which the memory estimate would have to
+    hold."""
+    from compass.model import attention
+
+    attention.register()
+    dropout = bool(getattr(model.config, "attention_dropout", 0.0))
+    return attention.implementation(job.how.attention, job.device == "cuda", dropout=dropout)
+
+
 def sft_trainer(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, ledger: TrlGoodput) -> tuple[Any, dict]:
     section: Sft = job.section
     config, trainer_class = trl_classes(method_of(section))
+    if section.packing:  # (a LoRA model's base holds the attention)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.set_attn_implementation(packed_attention(job, base))
     args = config(**common_args(job), max_length=section.max_length, packing=section.packing,
                   assistant_only_loss=section.assistant_only_loss, dataset_num_proc=None)
     trainer = trainer_class(model=model, args=args, train_dataset=rows_dataset(job, rows), processing_class=tokenizer,
