@@ -25,6 +25,7 @@ from compass.infra.environment import prepare_environment
 from compass.infra.errors import StopRequested
 from compass.infra.exits import broken_collective, failed_device
 from compass.infra.layout import WorkFolder
+from compass.model import attention
 from compass.model.training.goodput import process_start
 from compass.specs.post_training import Distillation, Grpo, Preference, Sft
 from compass.specs.post_training_methods import PostTrainingMethod, method_of
@@ -228,8 +229,6 @@ def packed_attention(job: TrlJob, model: Any) -> str:
     the position ids and cumulative lengths TRL's padding-free collator passes. transformers' own SDPA builds a
     dense [L, L] mask from them on every call (4-8 GiB at 64k tokens), which the memory estimate would have to
     hold."""
-    from compass.model import attention
-
     attention.register()
     dropout = bool(getattr(model.config, "attention_dropout", 0.0))
     return attention.implementation(job.how.attention, job.device == "cuda", dropout=dropout)
