@@ -108,3 +108,45 @@ def test_a_trl_ranks_endpoint_reads_its_gpu_through_nvml(cuda, tmp_path: Path):
     finally:
         served.on_train_end(None, state, None)
     assert {"compass_gpu_temperature_celsius", "compass_gpu_memory_used_bytes", "compass_gpu_power_watts"} <= names
+
+
+def test_packed_sft_rows_run_the_document_kernels_on_the_gpu_and_keep_conversations_apart(cuda, tmp_path: Path):
+    """Issue 73, H3 on CUDA: a packed SFT row in bf16 runs compass's varlen attention (flash where flash-attn is
+    installed) on the cumulative lengths TRL's padding-free collator gives, with no [L, L] mask, and each
+    conversation's logits equal its own forward alone."""
+    from compass.model.attention import DOCUMENT_VARLEN, flash_kernel
+    from compass.specs.how import How
+    from compass.specs.post_training import Sft
+    from compass.tasks.common.devices import Device
+    from compass.tasks.post_training.chat import load_chat_model
+    from compass.tasks.post_training.trl_goodput import TrlGoodput
+    from compass.tasks.post_training.trl_job import TrlJob
+    from compass.tasks.post_training.trl_ranks import sft_trainer
+    from tests.hub_cache import tiny_llama
+
+    model, tokenizer = load_chat_model(tiny_llama(tmp_path / "model"), Device("cuda", bf16=True))
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {a}?"},
+                          {"role": "assistant", "content": f"It is {2 * a}."}]} for a in range(6)]
+    how = How.model_validate({"hardware": {"accelerator": "h100"}, "precision": "bf16"})
+    job = TrlJob(step="post_train:sft", seed=0, how=how, work=tmp_path / "work", world=1, device="cuda", bf16=True,
+                 section=Sft(method="sft", name="sft", dataset="x", lr=1e-4, batch_size=2, packing=True,
+                             max_length=128))
+    trainer, _ = sft_trainer(job, model, tokenizer, rows, TrlGoodput(tmp_path / "goodput", time.time(), rank=0))
+    assert model.config._attn_implementation == (flash_kernel() or DOCUMENT_VARLEN)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    batch = {k: v.to(cuda) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != "labels"}
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = model(**batch).logits[0].float()
+        for begin, end in zip(starts, [*starts[1:], batch["input_ids"].shape[1]], strict=True):
+            ids = batch["input_ids"][:, begin:end]
+            alone = model(input_ids=ids, position_ids=torch.arange(end - begin, device=cuda)[None],
+                          **_lengths(end - begin, cuda)).logits[0].float()
+            assert torch.allclose(alone, packed[begin:end], atol=5e-2, rtol=5e-2)
+
+
+def _lengths(length: int, device: torch.device) -> dict:
+    """One document's cumulative lengths, as the varlen kernels take them."""
+    cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": length, "max_length_k": length}
