@@ -251,19 +251,29 @@ def test_parquet_records_of_a_megabyte_are_held_a_batch_of_bytes_at_a_time(tmp_p
 @pytest.mark.slow
 def test_compass_run_of_a_malformed_jsonl_line_prints_one_message_and_no_traceback(prefect_server: str,
                                                                                    tmp_path: Path):
+    from compass.tasks.data.source_check import SAMPLED_RECORDS
     from tests.conftest import Cli, base_env, write_minimal_spec
 
     data = tmp_path / "data"
     data.mkdir()
-    (data / "docs.jsonl").write_text('{"text": "A fine first document."}\n{"text": "broken\n')
+    docs = data / "docs.jsonl"
+    docs.write_text('{"text": "A fine first document."}\n{"text": "broken\n')
     spec = write_minimal_spec(tmp_path, **{"        include: [\"*.txt\"]\n        format: text":
                                            "        include: [\"*.jsonl\"]\n        format: jsonl"})
     spec.write_text(spec.read_text().replace(spec.read_text().split("uri: ")[1].split("\n")[0], str(data), 1))
-    done = Cli(tmp_path, base_env(tmp_path / "home") | {"COLUMNS": "400", "PREFECT_API_URL": prefect_server})(
-        "run", str(spec), "--until", "ingest:notes", "--store", str(tmp_path / "store"), check=False, timeout=600)
+    cli = Cli(tmp_path, base_env(tmp_path / "home") | {"COLUMNS": "400", "PREFECT_API_URL": prefect_server})
+    refused = cli("run", str(spec), "--until", "ingest:notes", "--store", str(tmp_path / "store"), check=False,
+                  timeout=600)  # validation reads the file's first records (tasks/data/source_check.py)
+    assert refused.returncode == 2 and "docs.jsonl:2: not a JSON record" in refused.stderr, refused.stderr[-3000:]
+    # past what validation reads, the line stops ingest: one message, no traceback
+    broken = SAMPLED_RECORDS + 2
+    docs.write_text('{"text": "A fine document."}\n' * (broken - 1) + '{"text": "broken\n')
+    done = cli("run", str(spec), "--until", "ingest:notes", "--store", str(tmp_path / "store"), check=False,
+               timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
-    assert f"failed: {spec}: " in done.stderr and "docs.jsonl:2: not a JSON record" in done.stderr, output[-3000:]
+    assert f"failed: {spec}: " in done.stderr and f"docs.jsonl:{broken}: not a JSON record" in done.stderr, \
+        output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert not list((tmp_path / "store").glob("ingest/notes-*/manifest.json"))  # nothing committed for it
 
