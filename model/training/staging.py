@@ -4,7 +4,7 @@ SmolLM3's run lost throughput to a shared file system that evicted dataset shard
 local NVMe on every node. With `how.storage.local_cache`, the first rank of each node copies from the store (local
 or S3) into that folder, each file checked against its manifest's sha256, before any rank reads; the node's other
 ranks wait for the copies. A node copies only what its ranks read: every source's small files (metadata, the
-shards' document offsets, the held-out split) first, then the training token shards that hold the documents of
+shards' document offsets, the held-out sample its validation scores: model/training/heldout_sample.py) first, then the training token shards that hold the documents of
 its ranks' rows (model/training/packing.py: a row reads a contiguous block of documents), so a corpus far larger
 than one node's disk is spread over the nodes; and only the documents the stage reads (its windows,
 model/training/windows.py): a short ablation of a large corpus copies what it trains on, not the corpus. With a
@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from compass.infra import resource_ledger
-from compass.infra.layout import TRAIN
+from compass.infra.layout import HELDOUT, TRAIN
 from compass.infra.manifest import MANIFEST
 from compass.infra.store import Store
+from compass.model.training.heldout_sample import sample_files, sampled_shards
 from compass.model.training.job import StageRecipe, Staging
 from compass.model.training.node_scratch import make_room
 from compass.model.training.packing import row_documents
@@ -69,8 +70,8 @@ def _stage(staging: Staging, local_rank: int, rows: range, total_rows: int, time
         needed = needed_shards(documents, rows, total_rows, windows.get(name))
         # with a counts file a reader indexes the shards without their offsets: only those of the shards it reads
         indexed = name in sizes and _has_counts(store, uri)
-        staged[name] = _copied(store, uri, staging, _only_shards(needed, indexed), local_rank, timeout_s,
-                               frozenset(staged.values()))
+        staged[name] = _copied(store, uri, staging, _only_shards(needed, indexed, heldout_sampled(store, uri)),
+                               local_rank, timeout_s, frozenset(staged.values()))
         if local_rank == 0:
             log.info("staged %s at %s: %d of %d training shards, for rows %d-%d of %d (%.1fs)", name, staged[name],
                      len(needed), len(documents), rows.start, rows.stop - 1, total_rows, time.perf_counter() - start)
@@ -131,12 +132,24 @@ def _span(window: Window, block: range, total: int) -> list[range]:
     return [range(start, end)] if end <= total else [range(start, total), range(0, end - total)]
 
 
-def _only_shards(shards: set[str], indexed: bool) -> Callable[[str], bool]:
+def heldout_sampled(store: Store, uri: str) -> set[str] | None:
+    """The held-out split's files the trainer's validation reads (its sample: model/training/heldout_sample.py);
+    None for a source written without held-out counts (then the whole split)."""
+    counted = counts_path(Path(), HELDOUT).as_posix()
+    if not any(e.path == counted for e in store.read_manifest(uri).files):
+        return None
+    _, tokens = read_counts(store.read_bytes(uri, counted).decode(), f"{uri}/{counted}")
+    return sample_files(HELDOUT, sampled_shards(tokens))
+
+
+def _only_shards(shards: set[str], indexed: bool, heldout: set[str] | None = None) -> Callable[[str], bool]:
     """Every file but the training shards' token files (and, when `indexed`, offsets) other than those of
-    `shards`."""
+    `shards`, and the held-out shards outside `heldout` (when given)."""
     def select(path: str) -> bool:
         if is_training_tokens(path):
             return path in shards
+        if heldout is not None and path.startswith(f"{HELDOUT}/"):
+            return path in heldout
         if indexed and path.startswith(f"{TRAIN}/") and path.endswith(OFFSETS_SUFFIX):
             return path.removesuffix(OFFSETS_SUFFIX) + TOKENS_SUFFIX in shards
         return True

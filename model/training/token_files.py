@@ -146,6 +146,19 @@ class TokenizedSource:
     def n_tokens(self) -> int:
         return self._n_tokens
 
+    @property
+    def shard_counts(self) -> list[tuple[int, int]]:
+        """(documents, tokens) of each shard, in order."""
+        return list(self._counts)
+
+    def first_document(self, shard: int) -> int:
+        """The split's index of the shard's first document."""
+        return int(self._first[shard])
+
+    def shard_tokens(self, shard: int) -> np.ndarray:
+        """One shard's tokens (mapped, not read)."""
+        return self._shard(shard)
+
     def document(self, i: int) -> np.ndarray:
         shard = int(np.searchsorted(self._first, i, side="right")) - 1
         offsets, local = self._shard_offsets(shard), i - int(self._first[shard])

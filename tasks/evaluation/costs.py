@@ -10,14 +10,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from compass.model.training.heldout_sample import SAMPLE_TOKENS
 from compass.specs.costs import count_parameters, flops_per_token, planning_vocab, reached_context, stage_costs
 from compass.specs.goodput_plan import exported_every, predicted_splits
 from compass.specs.how import slurm_seconds
 from compass.specs.post_training import MidTraining
 from compass.specs.spec import TrainingSpec
+from compass.specs.staging_costs import token_bytes
 from compass.tasks.evaluation.offline_benchmarks import request_tokens
 
 HELDOUT_SEQUENCES = 16  # held-out sequences scored per source and checkpoint (model/training/heldout.py)
+
+
+def heldout_sample_bytes(vocab: int) -> int:
+    """Bytes of one source's held-out sample an evaluate step reads (its tokens; a shard's boundary adds up to a
+    shard): the same at any corpus size (model/training/heldout_sample.py)."""
+    return SAMPLE_TOKENS * token_bytes(vocab)
 REQUEST_CONTEXT = 1024  # a benchmark request's length for its attention FLOPs: a question, its choices, few shots
 
 

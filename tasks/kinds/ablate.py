@@ -288,7 +288,7 @@ def _plot(rows: list[dict], metric: str, out: Path) -> None:
     out.write_bytes(figure_png(fig, dpi=100))
 
 
-ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="4", resources=phase("ablation"),
+ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="5", resources=phase("ablation"),
                   trains=True, reads_how=TRAINER_HOW, inputs=TrainingInputs, after=("gate", "tokenize"),
                   imports=TRANSFORMERS, deployment="ablations", headline=("val_loss", "final_loss"))
 # 3: verdicts from a 95% interval paired by seed; one seed says it has no noise estimate

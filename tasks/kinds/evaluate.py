@@ -19,7 +19,6 @@ from compass.infra.layout import CHECKPOINTS, FINAL, HELDOUT, METRICS, checkpoin
 from compass.model.attention import DOCUMENT_SDPA, register
 from compass.model.training.history import checkpoint_tokens, tokens_seen
 from compass.model.training.records import GoodputSplit, goodput_table
-from compass.model.training.token_files import split_parts
 from compass.model.training.trackers import Trackers
 from compass.specs.base import Issue
 from compass.specs.evaluation import COMPASS_BENCHMARKS, Benchmark, Evaluation
@@ -29,6 +28,7 @@ from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.inputs import EvaluateInputs, tokens
 from compass.tasks.common.tracking import tracker_run_of
 from compass.tasks.evaluation.costs import evaluation_costs
+from compass.tasks.evaluation.heldout_reads import heldout_sample
 from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
 from compass.tasks.evaluation.lighteval_run import run_lighteval
 from compass.tasks.evaluation.scored import ModelEvaluation, ScoredCheckpoints, folder_digest
@@ -194,11 +194,12 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
             rows.append({"task": f"held-out {name}", "metric": "perplexity", "value": round(math.exp(loss), 3),
                          "stderr": ""})
     if retrieval and haystack is not None:
+        from compass.model.training.heldout_sample import HeldoutSample
         from compass.model.training.token_files import TokenizedSource
         from compass.tasks.evaluation.retrieval import passkey_accuracy
 
         began = time.perf_counter()
-        text = TokenizedSource(haystack, HELDOUT).tokens
+        text = HeldoutSample(TokenizedSource(haystack, HELDOUT)).tokens
         cells = passkey_accuracy(model_dir, np.asarray(text), retrieval.lengths, retrieval.depths, retrieval.samples,
                                  where=where)
         score_s += time.perf_counter() - began
@@ -225,11 +226,12 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     given = ctx.given(EvaluateInputs)
     model = given.model
     # only what is scored: the final weights (and, one at a time, the kept checkpoints), the history, the held-out
-    # splits; never a model's training state or a source's training split (the step's resource ledger shows it)
+    # samples; never a model's training state, a source's training split or the rest of its held-out split (the
+    # step's resource ledger shows it)
     model_folder = model.local(METRICS)  # the history: tokens seen at each checkpoint
-    sources = {name: tokens.local(*split_parts(HELDOUT)) for name, tokens in given.tokens.items()}
+    sources = {name: heldout_sample(tokens) for name, tokens in given.tokens.items()}
     retrieval = ctx.config.retrieval
-    haystack = given.haystack.local(*split_parts(HELDOUT)) if given.haystack else None
+    haystack = heldout_sample(given.haystack) if given.haystack else None
     where = device_for(ctx.runtime.how)
     lighteval = _lighteval_on_ranks(ctx, where)
     scored = ScoredCheckpoints(ctx.workdir / "scored")
@@ -365,7 +367,7 @@ def _shown(values: dict[str, Any]) -> str:
 
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
-KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="3", resources=phase("evaluation"),
+KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="4", resources=phase("evaluation"),
                 imports=TRANSFORMERS, check_spec=check_spec, check_machine=check_machine,
                 node_files=node_files, reads_how=EVALUATION_HOW, inputs=EvaluateInputs, after=("tokenize",),
                 after_models=True, headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))

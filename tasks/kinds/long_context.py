@@ -73,7 +73,7 @@ def run_long_context(ctx: StepContext[LongContextConfig]) -> StepResult:
 
 
 # 2: the stage's WSD decay follows its decay_fraction (it was a hidden 0.2); 3: the training core of pretrain 2
-KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="4",
+KIND = StepKind("long_context", LongContextConfig, run_long_context, build, version="5",
                 resources=phase("long_context"),
                 trains=True, imports=TRANSFORMERS, reads_how=MODEL_TRAINER_HOW,
                 inputs=TrainingInputs,

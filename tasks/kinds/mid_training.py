@@ -71,7 +71,7 @@ def run_mid_training(ctx: StepContext[MidTrainingConfig]) -> StepResult:
     return result
 
 
-KIND = StepKind("mid_training", MidTrainingConfig, run_mid_training, None, version="2",
+KIND = StepKind("mid_training", MidTrainingConfig, run_mid_training, None, version="3",
                 resources=phase("mid_training"), inputs=TrainingInputs, provide=provide,
                 after=("tokenize", "base_model", "tokenizer"), evaluated=True, advances_model=True,
                 trains=True, imports=TRANSFORMERS, reads_how=MODEL_TRAINER_HOW,

@@ -36,7 +36,7 @@ def run_pretrain(ctx: StepContext[PretrainConfig]) -> StepResult:
 
 
 # 2: a stream per batch row (each rank packs its own rows), chunked loss, per-document attention
-KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="3", resources=phase("pretraining"),
+KIND = StepKind("pretrain", PretrainConfig, run_pretrain, build, version="4", resources=phase("pretraining"),
                 trains=True, reads_how=MODEL_TRAINER_HOW, inputs=TrainingInputs,
                 after=("base_model", "gate", "tokenize"), evaluated=True, advances_model=True,
                 imports=TRANSFORMERS,

@@ -68,6 +68,12 @@ class InputArtifact:
         wanted = tuple(parts)
         return self.store.local_path(self.uri, select=lambda path: path.split("/", 1)[0] in wanted)
 
+    def local_files(self, files: set[str]) -> Path:
+        """The artifact's folder on local disk holding just `files` (artifact-relative paths: a sample of a split's
+        shards): from a remote store only they are downloaded, and only they are counted as read."""
+        self._read_files(files)
+        return self.store.local_path(self.uri, select=lambda path: path in files)
+
     def local_folder(self, under: str) -> Path:
         """One sub-folder of the artifact on local disk (one checkpoint of a model): from a remote store only its
         files are downloaded, and only they are counted as read. `release` removes that download."""
@@ -122,6 +128,23 @@ class InputArtifact:
                 for entry in self.store.shard_members(self.manifest, shards.folder):
                     if entry.path.startswith(prefix):
                         once(entry.path, entry.size)
+        for folder, size in by_folder.items():
+            self._count(folder, size)
+
+    def _read_files(self, files: set[str]) -> None:
+        """Count `files` as read (each once per step), by top folder, a shard set's members from its index."""
+        if resource_ledger.current() is None:
+            return
+        by_folder: dict[str, int] = {}
+        entries = list(self.manifest.files)
+        for shards in self.manifest.shard_sets:
+            if any(path.startswith(f"{shards.folder}/") for path in files):
+                entries += self.store.shard_members(self.manifest, shards.folder)
+        for entry in entries:
+            if entry.path in files and entry.path not in self._counted:
+                self._counted.add(entry.path)
+                top = entry.path.split("/", 1)[0] if "/" in entry.path else "."
+                by_folder[top] = by_folder.get(top, 0) + entry.size
         for folder, size in by_folder.items():
             self._count(folder, size)
 
