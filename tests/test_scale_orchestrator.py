@@ -88,3 +88,40 @@ def test_the_plot_is_published_at_its_own_cadence_and_every_publication_is_count
         live._tick(final=tick == 19)
     assert published.count("progress") == 20 and published.count("plot") == 2  # the first tick's and the last
     assert ledger.snapshot().artifacts_published == 22
+
+
+def _short_steps(steps: int) -> dict[str, str]:
+    """The minimal spec's first stage made `steps` optimizer steps of one 32-token sequence, its progress ticking
+    every half second and its plot every two."""
+    return {"{name: stage1, tokens: 20000, sequence_length: 64, global_batch_size: 4,":
+            f"{{name: stage1, tokens: {steps * 32}, sequence_length: 32, global_batch_size: 1,",
+            "  parallelism: {micro_batch_size: 2}":
+            "  parallelism: {micro_batch_size: 1}\n  monitoring: {progress_every_s: 0.5, plot_every_s: 2}"}
+
+
+@pytest.mark.slow
+def test_a_run_of_3000_steps_keeps_the_orchestrators_memory_of_a_300_step_run(data_store: Path, tmp_path: Path):
+    """Issue 73's end-to-end check: `compass run` of a stage ten times as long, each in a fresh process (the
+    stage trains in the orchestrating process here, the live view beside it), peaks within 10% of the short
+    run's resident memory, as its step's resource ledger samples it. It catches anything on the orchestrator's
+    path that keeps ~20 KB or more a step (the history, the live series, Prefect's logs); the tick tests above
+    catch smaller costs a tick."""
+    from compass.infra.resource_ledger import Resources
+    from tests.conftest import Cli, base_env, seeded, write_minimal_spec
+
+    ledgers: dict[int, Resources] = {}
+    for steps in (300, 3000):
+        folder = tmp_path / f"steps-{steps}"
+        folder.mkdir()
+        spec = write_minimal_spec(folder, **_short_steps(steps))
+        store = seeded(folder / "store", data_store)
+        Cli(folder, base_env(folder / "prefect"))("run", str(spec), "--until", "pretrain:stage1", "--store",
+                                                  str(store))
+        (manifest,) = store.glob("pretrain/stage1-*/manifest.json")
+        recorded = json.loads(manifest.read_text())
+        assert recorded["metrics"]["steps"] == steps
+        assert sum(1 for _ in (manifest.parent / "metrics.jsonl").open()) >= steps  # the whole history is kept
+        ledgers[steps] = Resources.model_validate(recorded["resources"])
+    short, long = ledgers[300], ledgers[3000]
+    assert short.peak_rss_mb > 100 and long.cpu_s > short.cpu_s  # sampled, and the long run did ten times the work
+    assert long.peak_rss_mb <= 1.1 * short.peak_rss_mb, (short.peak_rss_mb, long.peak_rss_mb)
