@@ -20,9 +20,11 @@ from pydantic import ValidationError
 
 from compass.specs.architecture import Architecture, architecture_rules
 from compass.specs.base import Issue, Loc, repeats, unused
+from compass.specs.costs import PHASE_OF_SECTION
 from compass.specs.data import data_rules
 from compass.specs.evaluation import COMPASS_BENCHMARKS
-from compass.specs.how import PHASES, Phase, how_rules
+from compass.specs.goodput_plan import predicted_splits
+from compass.specs.how import PHASES, Phase, how_rules, slurm_seconds
 from compass.specs.post_training import MidTraining, PostTrainStep, checkpoint_refs
 from compass.specs.post_training_methods import family_reads
 from compass.specs.spec import TrainingSpec
@@ -241,6 +243,7 @@ def _parallelism(spec: TrainingSpec) -> Iterator[Issue]:
                     "engine would train in fp32", "use bf16, or parallelism.engine: deepspeed")
     yield from _gradient_reduction(spec)
     yield from _node_scratch(spec)
+    yield from _checkpoint_cadence(spec)
     if par.pipeline_parallel > 1:
         yield Issue(("how", "parallelism", "pipeline_parallel"), "pipeline parallelism is not supported",
                     "use data and tensor parallelism (with ZeRO) instead")
@@ -444,6 +447,32 @@ def _node_scratch(spec: TrainingSpec) -> Iterator[Issue]:
                     f"{spec.how.storage.local_cache_gib:,.0f} GiB of local_cache_gib",
                     f"give how.resources.{cost.phase} more nodes (now {shape.nodes}: each copies its share), "
                     "train the step on fewer tokens, or point local_cache at a larger disk")
+
+
+def _checkpoint_cadence(spec: TrainingSpec) -> Iterator[Issue]:
+    """Without a stop signal before the time limit (cluster.requeue: false) a job saves only at the checkpoint
+    cadence: a stage whose checkpoint interval is longer than its jobs' time never commits progress, and each retry
+    starts from the same checkpoint again (specs/goodput_plan.py times the interval)."""
+    how = spec.how
+    cluster = how.orchestration.cluster
+    if cluster is None or cluster.requeue:
+        return
+    for split in predicted_splits(spec):
+        limit = how.shape(PHASE_OF_SECTION[split.stage.split(":", 1)[0]]).time_limit
+        if limit is None:
+            continue
+        usable = slurm_seconds(limit) - how.hardware.startup_estimate_s
+        interval = split.compute_s / max(1, split.checkpoints)
+        if interval > usable:
+            steps = how.checkpoints.every_steps
+            fewer = max(1, int(steps * usable / interval))
+            yield Issue(("how", "checkpoints", "every_steps"),
+                        f"{split.stage} saves a checkpoint every ~{interval / 3600:,.1f} h ({steps:,} steps), longer "
+                        f"than the ~{usable / 3600:,.1f} h a job of its {limit} time limit trains, and nothing stops "
+                        "a job to save before its limit (how.orchestration.cluster.requeue: false): no job would "
+                        "commit progress",
+                        f"set how.checkpoints.every_steps to at most {fewer:,}, or requeue: true (a job saves and "
+                        "requeues itself before its limit)")
 
 
 def _gradient_reduction(spec: TrainingSpec) -> Iterator[Issue]:

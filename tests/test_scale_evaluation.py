@@ -45,18 +45,13 @@ def test_the_example_plan_times_every_evaluate_step_and_each_fits_its_jobs():
 
 
 def test_an_evaluation_time_limit_no_checkpoint_fits_in_is_refused_naming_the_steps(tmp_path: Path):
-    from compass.flows.validation import load_checked
-    from compass.specs.loader import SpecError
+    from tests.test_scale_plan import refused_at
 
     text = EXAMPLE.read_text()
     given = 'evaluation: {devices_per_node: 1, time_limit: "4:00:00"}'
     assert given in text
     short = tmp_path / "smollm3-3b.yaml"
     short.write_text(text.replace(given, 'evaluation: {devices_per_node: 1, time_limit: "10:00"}'))
-    line = next(i for i, t in enumerate(short.read_text().splitlines(), 1) if 'time_limit: "10:00"' in t)
-    with pytest.raises(SpecError, match=rf"smollm3-3b.yaml:{line}: how.resources.evaluation.time_limit: "
-                                        r"evaluate:pretrain-stage1, .*evaluate:post_train-apo: one checkpoint's "
-                                        r"evaluation takes ~\d+ min .* longer than .* 10:00 \(10 min\)"
-                                        r".*set how.resources.evaluation.time_limit to at least 1:00:00"):
-        load_checked(short, machine=False)
-    assert [p.name for p in tmp_path.iterdir()] == [short.name]  # nothing written
+    refused_at(short, 'time_limit: "10:00"', r"how.resources.evaluation.time_limit: evaluate:pretrain-stage1, "
+               r".*evaluate:post_train-apo: one checkpoint's evaluation takes ~\d+ min .* longer than .* 10:00 "
+               r"\(10 min\).*set how.resources.evaluation.time_limit to at least 1:00:00")

@@ -9,7 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from compass.flows.compiler import Plan
+from compass.flows.reports.phase_scale import orchestrator_note, phase_scales
 from compass.flows.reports.plan_status import StepStatus
+from compass.infra.resource_ledger import size_text
 from compass.model.attention import DOCUMENT_SDPA, DOCUMENT_VARLEN, flash_kernel
 from compass.specs import costs, scaling
 from compass.specs.checks import phases_of, zero0_cannot_reduce_in_fp32
@@ -135,6 +137,8 @@ def cost_sections(spec: TrainingSpec, tflops_per_gpu: float | None = None) -> li
         sections.append(staging)
     if (evaluation := evaluation_section(spec)) is not None:
         sections.append(evaluation)
+    if (scale := scale_section(spec)) is not None:
+        sections.append(scale)
     if (fence := fence_section(spec)) is not None:
         sections.append(fence)
 
@@ -205,6 +209,33 @@ def staging_section(spec: TrainingSpec) -> Section | None:
                     f"{spec.how.storage.local_cache}: an upper bound (a window never exceeds its source); earlier "
                     "copies there are removed, least recently used first, to make room; the step's resource ledger "
                     "counts what it copied (copied_by_node)"])
+
+
+def scale_section(spec: TrainingSpec) -> Section | None:
+    """Each training stage and evaluate step at the spec's size: the jobs it takes, what it copies, reads, writes,
+    commits and uploads (for GPU specs and specs with a cluster: what grows with the run)."""
+    how = spec.how
+    if how.hardware.accelerator == "cpu" and how.orchestration.cluster is None:
+        return None
+    rows = phase_scales(spec)
+    if not rows:
+        return None
+
+    def size(n: float) -> str:
+        return size_text(n) if n else "-"
+
+    table = [[p.step, p.jobs, rough_duration(p.wall_s), size(p.staged_per_node), size(p.read),
+              size(p.checkpoint_bytes), size(p.artifact_bytes), size(p.uploaded), "yes" if p.fits_job else "NO"]
+             for p in rows]
+    return Section("Scale (per step, at full size)",
+                   ["step", "jobs", "wall", "staged per node", "reads", "checkpoints write", "commits", "uploads",
+                    "fits its jobs"], table,
+                   ["jobs: one per time limit (its requeue) and per expected interruption; reads: the state and final "
+                    "export a stage continues, or the exported weights and held-out samples an evaluation scores; "
+                    "checkpoints write the whole training state each time; uploads: the checkpoint mirror and the "
+                    "artifact on an S3 store; fits its jobs: a job holds a checkpoint interval (or a stop signal "
+                    "saves one) and one checkpoint's scoring", orchestrator_note(spec),
+                    "a run counts the same quantities in each step's resource ledger: compare with `compass status`"])
 
 
 def evaluation_section(spec: TrainingSpec) -> Section | None:

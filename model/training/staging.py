@@ -4,12 +4,12 @@ SmolLM3's run lost throughput to a shared file system that evicted dataset shard
 local NVMe on every node. With `how.storage.local_cache`, the first rank of each node copies from the store (local
 or S3) into that folder, each file checked against its manifest's sha256, before any rank reads; the node's other
 ranks wait for the copies. A node copies only what its ranks read: every source's small files (metadata, the
-shards' document offsets, the held-out sample its validation scores: model/training/heldout_sample.py) first, then the training token shards that hold the documents of
-its ranks' rows (model/training/packing.py: a row reads a contiguous block of documents), so a corpus far larger
-than one node's disk is spread over the nodes; and only the documents the stage reads (its windows,
-model/training/windows.py): a short ablation of a large corpus copies what it trains on, not the corpus. With a
-counts file, only the read shards' offsets are copied too. A complete copy whose sizes still match is reused, so a
-requeued job or the next stage with the same rows starts at once.
+shards' document offsets) and the held-out sample its validation scores (model/training/heldout_sample.py) first,
+then the training token shards that hold the documents of its ranks' rows (model/training/packing.py: a row reads a
+contiguous block of documents), so a corpus far larger than one node's disk is spread over the nodes; and only the
+documents the stage reads (its windows, model/training/windows.py): a short ablation of a large corpus copies what
+it trains on, not the corpus. With a counts file, only the read shards' offsets are copied too. A complete copy
+whose sizes still match is reused, so a requeued job or the next stage with the same rows starts at once.
 """
 
 from __future__ import annotations
