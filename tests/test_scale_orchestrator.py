@@ -100,7 +100,8 @@ def _short_steps(steps: int) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_a_run_of_3000_steps_keeps_the_orchestrators_memory_of_a_300_step_run(data_store: Path, tmp_path: Path):
+def test_a_run_of_3000_steps_keeps_the_orchestrators_memory_of_a_300_step_run(data_store: Path, prefect_server: str,
+                                                                              tmp_path: Path):
     """Issue 73's end-to-end check: `compass run` of a stage ten times as long, each in a fresh process (the
     stage trains in the orchestrating process here, the live view beside it), peaks within 10% of the short
     run's resident memory, as its step's resource ledger samples it. It catches anything on the orchestrator's
@@ -115,8 +116,8 @@ def test_a_run_of_3000_steps_keeps_the_orchestrators_memory_of_a_300_step_run(da
         folder.mkdir()
         spec = write_minimal_spec(folder, **_short_steps(steps))
         store = seeded(folder / "store", data_store)
-        Cli(folder, base_env(folder / "prefect"))("run", str(spec), "--until", "pretrain:stage1", "--store",
-                                                  str(store))
+        env = base_env(folder / "prefect") | {"PREFECT_API_URL": prefect_server}  # the suite's server: no start-up
+        Cli(folder, env)("run", str(spec), "--until", "pretrain:stage1", "--store", str(store))
         (manifest,) = store.glob("pretrain/stage1-*/manifest.json")
         recorded = json.loads(manifest.read_text())
         assert recorded["metrics"]["steps"] == steps
