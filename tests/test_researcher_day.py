@@ -156,3 +156,20 @@ def test_validation_opens_a_bounded_number_of_a_large_sources_files(tmp_path: Pa
     files[spread[-1]] = b"not json\n"
     (problem,) = problems(record_source(tmp_path, files))
     assert f"{spread[-1]}:1: not a JSON record" in problem
+
+
+@pytest.mark.slow  # the session's trained store
+def test_why_explains_each_step_once_where_inputs_share_a_cause(trained_store: Path, tmp_path: Path):
+    """One tokenizer field edited: the first stage's three changed inputs all trace back to the tokenizer. Before,
+    its cause came out under each of them (three times here; eight in a 20-line answer for a larger plan)."""
+    from tests.conftest import seeded
+    from tests.test_identity import why
+
+    store = seeded(tmp_path / "store", trained_store)
+    spec = write_minimal_spec(tmp_path, **{"train_chars: 100000": "train_chars: 100001"})
+    answer = why("pretrain:stage2", str(spec), "--store", str(store)).splitlines()
+    steps = [line.split()[0] for line in answer]
+    assert len(steps) == len(set(steps)) and {"tokenizer:select", "tokenize:code", "tokenize:notes",
+                                                "pretrain:stage1"} <= set(steps)
+    said = [line.strip() for line in answer if "train_chars 100000 -> 100001" in line]
+    assert said == ["tokenizer:select runs: config changed: train_chars 100000 -> 100001"]

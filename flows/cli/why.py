@@ -57,10 +57,14 @@ def why(step: Annotated[str, typer.Argument(help="A step id (pretrain:stage1), o
     statuses = {s.step_id: s for s in plan_status(plan, target)}
     root = target.root.rstrip("/") + "/"
 
-    def answer(step_id: str, seen: frozenset[str] = frozenset()) -> Because:
-        status = statuses[step_id]
-        return Because(step_id, status.state, status.reason, status.uri.removeprefix(root),
-                       tuple(answer(dep, seen | {step_id}) for dep in status.changed_inputs if dep not in seen))
+    answered: dict[str, Because] = {}
+
+    def answer(step_id: str) -> Because:  # each step's once: a DAG's shared inputs are not walked again
+        if step_id not in answered:
+            status = statuses[step_id]
+            answered[step_id] = Because(step_id, status.state, status.reason, status.uri.removeprefix(root),
+                                        tuple(answer(dep) for dep in status.changed_inputs))
+        return answered[step_id]
 
     found = answer(matches[0])
     if as_json:
@@ -70,12 +74,17 @@ def why(step: Annotated[str, typer.Argument(help="A step id (pretrain:stage1), o
         out.print(line, markup=False, highlight=False)
 
 
-def lines(found: Because, depth: int = 0) -> list[str]:
+def lines(found: Because, depth: int = 0, said: set[str] | None = None) -> list[str]:
+    """The answer as indented lines, each step's once: an input two steps share (the tokenizer of every tokenized
+    source) is explained where it first comes, and not again under the others."""
+    said = set() if said is None else said
+    said.add(found.step)
     verb = {"run": "runs", "cached": "is reused", "unknown": "is unknown"}.get(found.state, found.state)
     where = f" ({found.artifact})" if found.state == "cached" else ""
     out_lines = [f"{'  ' * depth}{found.step} {verb}{where}: {found.reason}"]
     for dep in found.inputs:
-        out_lines += lines(dep, depth + 1)
+        if dep.step not in said:
+            out_lines += lines(dep, depth + 1, said)
     return out_lines
 
 
