@@ -173,3 +173,38 @@ def test_why_explains_each_step_once_where_inputs_share_a_cause(trained_store: P
                                                 "pretrain:stage1"} <= set(steps)
     said = [line.strip() for line in answer if "train_chars 100000 -> 100001" in line]
     assert said == ["tokenizer:select runs: config changed: train_chars 100000 -> 100001"]
+
+
+QUIRKY_ABLATIONS = """  ablations:
+    # the proxy every variant changes one thing of
+    baseline: {tokens:   8000, sequence_length: 64, global_batch_size: 4, mixture: {notes: 0.7,code: 0.3}}
+    variants:
+      # untied embeddings: does the small model need the extra parameters?
+      - {name: untied, change: {architecture.tied_embeddings: false}}
+      - name: 'more_code'    # more code in the mix
+        change: {mixture: {notes: 0.5, code: 0.5}}
+    seeds: [0, 1]     # two seeds: a paired interval
+  pretraining:"""
+
+
+def test_promote_changes_exactly_the_promoted_line_and_the_variants_own(tmp_path: Path):
+    """The spec as its author wrote it (odd spacing, a quoted name, comments above and beside): the promoted field
+    is the one line that changes, and the variant's lines (its comment with it) are the ones removed. A load and
+    dump rewrote the baseline's spacing, the quoted name and the comment columns."""
+    import difflib
+
+    from compass.flows.cli.promote import promote
+
+    spec = write_minimal_spec(tmp_path, **{"  pretraining:": QUIRKY_ABLATIONS})
+    before = spec.read_text().splitlines()
+    comment, untied = (f"-{line}" for line in QUIRKY_ABLATIONS.splitlines()[4:6])
+    more_code = [f"-{line}" for line in QUIRKY_ABLATIONS.splitlines()[6:8]]
+    baseline = "    baseline: {tokens:   8000, sequence_length: 64, global_batch_size: 4, mixture: {notes: %s}}"
+    for variant, expected in (("untied", ["+    tied_embeddings: false", comment, untied]),
+                              ("more_code", [f"-{baseline % '0.7,code: 0.3'}", f"+{baseline % '0.5, code: 0.5'}",
+                                             *more_code])):
+        out = tmp_path / f"{variant}.yaml"
+        promote(spec, variant, out)
+        diff = [line for line in difflib.unified_diff(before, out.read_text().splitlines(), lineterm="", n=0)
+                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+        assert sorted(diff) == sorted(expected), diff
