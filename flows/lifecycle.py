@@ -97,12 +97,24 @@ def _publish(ctx: RunContext, step: Step, outcome: StepOutcome) -> None:
         create_table_artifact(key=artifact_key(ctx.plan.spec_name, resource_ledger.TABLE, step.name),
                               table=[m.resources.row()], description=f"{step.id}: its resource ledger")
         resource_ledger.count(artifacts_published=1)
-    if outcome.result:
-        for name, rows in outcome.result.tables.items():
-            if rows:
-                create_table_artifact(key=artifact_key(ctx.plan.spec_name, name, step.name), table=rows,
-                                      description=f"{step.id}: {name}")
-                resource_ledger.count(artifacts_published=1)
+    for name, rows in (outcome.result.tables if outcome.result else _cached_tables(step, m)).items():
+        if rows:
+            create_table_artifact(key=artifact_key(ctx.plan.spec_name, name, step.name), table=rows,
+                                  description=f"{step.id}: {name}")
+            resource_ledger.count(artifacts_published=1)
+
+
+# tables a cached step publishes again from its manifest's metrics, so every run shows them (`compass status` and
+# `submit --watch` read the verdict from the success table whether the report ran or was reused)
+CACHED_TABLES = {"report": ("success", "criteria")}
+
+
+def _cached_tables(step: Step, manifest: Any) -> dict[str, list[dict]]:
+    if step.kind not in CACHED_TABLES:
+        return {}
+    name, metric = CACHED_TABLES[step.kind]
+    rows = (manifest.metrics or {}).get(metric)
+    return {name: rows} if isinstance(rows, list) else {}
 
 
 def _cached_summary(store: Store, step: Step, manifest: Any) -> str:

@@ -365,6 +365,17 @@ def test_status_shows_the_run_its_last_step_and_store(production: Production):
     shown = production.cli("status").stdout
     assert "goodput" in shown and f"{row['goodput']['compute_s'] / row['goodput']['total_s']:.0%}" in shown
     assert "bytes" in shown and "wrote" in shown
+    # the verdict wherever a run ends (issue 75, item 7): `submit --watch` and `status`, for the run that computed
+    # its report and for the fully cached re-run (its reused report publishes its criteria again)
+    report = production.one("report/success-*/report.json")
+    submitted = production.submitted["verdict"]
+    assert submitted["passed"] == report["passed"] and len(submitted["criteria"]) == len(report["criteria"])
+    assert row["verdict"]["passed"] == report["passed"]
+    passing = sum(c["verdict"] == "pass" for c in report["criteria"])
+    assert f"{'MET' if report['passed'] else 'NOT MET'}: {passing} of {len(report['criteria'])} pass" in shown
+    rerun = production.summary["outcome"]["prefect_run"].rsplit("/", 1)[1]
+    (again,) = [r for r in rows if r["id"] == rerun]
+    assert again["verdict"] == row["verdict"]
 
 
 def test_rerun_on_s3_is_fully_cached_and_logs_hold_no_secret(production: Production):

@@ -208,3 +208,51 @@ def test_promote_changes_exactly_the_promoted_line_and_the_variants_own(tmp_path
         diff = [line for line in difflib.unified_diff(before, out.read_text().splitlines(), lineterm="", n=0)
                 if line[:1] in "+-" and not line.startswith(("+++", "---"))]
         assert sorted(diff) == sorted(expected), diff
+
+
+@pytest.mark.slow  # the session's Prefect server
+def test_status_shows_each_runs_verdict_with_its_numbers(prefect_server: str, tmp_path: Path):
+    """A run's success report publishes its criteria as a table (tasks/kinds/success_report.py; a reused report
+    publishes them again: flows/lifecycle.CACHED_TABLES); `compass status` reads the verdict from it, beside the
+    state that said only "Completed"."""
+    from types import SimpleNamespace
+
+    from prefect import flow
+    from prefect.artifacts import create_table_artifact
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from compass.flows.lifecycle import _cached_tables
+    from compass.flows.reports.recent_runs import LIFECYCLE_FLOW
+    from tests.conftest import base_env
+
+    criteria = [{"criterion": "arc_easy:cf/acc >= 0.3", "checkpoint": "evaluate:post_train-sft", "measured": 0.4166,
+                 "interval": [0.3012, 0.5321], "verdict": "pass", "note": ""},
+                {"criterion": "val_ppl:notes <= 100.0", "checkpoint": "evaluate:post_train-sft",
+                 "measured": 316.94117, "interval": None, "verdict": "fail", "note": ""}]
+    reused = SimpleNamespace(metrics={"passed": False, "criteria": criteria})
+    assert _cached_tables(SimpleNamespace(kind="report"), reused) == {"success": criteria}
+    assert _cached_tables(SimpleNamespace(kind="evaluate"), reused) == {}
+
+    @flow(name=LIFECYCLE_FLOW, flow_run_name="verdict-probe")
+    def verdict_probe() -> None:
+        create_table_artifact(key="verdict-probe-success-success", table=criteria)
+
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        verdict_probe()
+    env = base_env(tmp_path / "client") | {"PREFECT_API_URL": prefect_server}
+
+    def status(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "compass.flows.cli.app", "status", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    (row,) = [r for r in json.loads(status("--json")) if r["name"] == "verdict-probe"]
+    assert row["verdict"]["passed"] is False and len(row["verdict"]["criteria"]) == 2
+    assert "NOT MET: 1 of 2 pass" in status()
+    # the terminal's criterion lines carry the interval and round to four figures
+    from compass.flows.reports.run_outcome import Criterion
+
+    assert [Criterion.model_validate(c).line() for c in criteria] == [
+        "arc_easy:cf/acc >= 0.3 at evaluate:post_train-sft: 0.4166 (95% interval 0.3012 to 0.5321), pass",
+        "val_ppl:notes <= 100.0 at evaluate:post_train-sft: 316.9, fail"]

@@ -182,6 +182,7 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
     need_server("compass submit")
     from prefect.exceptions import ObjectNotFound
 
+    from compass.flows.reports.recent_runs import run_verdict
     from compass.flows.server.submit import submit as create_run
     from compass.flows.server.submit import ui_url
     from compass.flows.server.submit import watch as follow
@@ -199,10 +200,15 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
         final = follow(run.id, (lambda line: print(line, file=sys.stderr)) if as_json else
                        (lambda line: out.print(line, markup=False, highlight=False)))
     state = final.state.name if final.state else "Scheduled"
+    verdict = run_verdict(run.id) if watch else None
     if as_json:
-        print(json.dumps({"id": str(run.id), "name": run.name, "url": url, "state": state}))
+        print(json.dumps({"id": str(run.id), "name": run.name, "url": url, "state": state,
+                          "verdict": verdict.model_dump(mode="json") if verdict else None}))
     elif watch:
-        out.print(f"{run.name}: {state}", markup=False)
+        out.print(f"{run.name}: {state}" + (f"; success criteria {verdict.headline()}" if verdict else ""),
+                  markup=False)
+        for criterion in verdict.criteria if verdict else ():
+            out.print(f"  {criterion.line()}", markup=False)
     if watch and not (final.state and final.state.is_completed()):
         raise typer.Exit(1)
 
@@ -219,9 +225,10 @@ def status(limit: Annotated[int, typer.Option(help="How many recent runs.")] = 1
         return
 
     table = Table(title="compass runs", title_justify="left")
-    for col in ("run", "state", "started", "step", "done", "goodput", "bytes", "store", "deployment"):
-        table.add_column(col, overflow="fold")
+    for col in ("run", "state", "verdict", "started", "step", "done", "goodput", "bytes", "store", "deployment"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("state", "verdict"))
     for r in rows:
-        table.add_row(*(escape(str(value)) for value in (r.name, r.state, r.started, r.current_step, r.steps_done,
-                                                         r.goodput_cell(), r.resources_cell(), r.store, r.deployment)))
+        table.add_row(*(escape(str(value)) for value in (r.name, r.state, r.verdict_cell(), r.started,
+                                                         r.current_step, r.steps_done, r.goodput_cell(),
+                                                         r.resources_cell(), r.store, r.deployment)))
     out.print(table)

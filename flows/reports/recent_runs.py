@@ -10,11 +10,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from compass.flows.reports.run_outcome import Criterion, Verdict
 from compass.infra import resource_ledger
 from compass.infra.resource_ledger import Resources, size_text
 from compass.model.training.records import CAUSES, GOODPUT_TABLE, GoodputSplit, cause_label, summed
 
 LIFECYCLE_FLOW = "compass-lifecycle"
+SUCCESS_TABLE = "success"  # the report step's table of criteria (tasks/kinds/success_report.py)
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,16 @@ class RunRow:
     goodput_steps: int = 0  # how many steps it sums (those that ran in this run, not the cached)
     resources: Resources | None = None  # the resource ledgers of the steps that ran in this run, summed
     resources_steps: int = 0
+    verdict: Verdict | None = None  # its success report's, once the run reached it
+
+    def verdict_cell(self) -> str:
+        """`MET: 2 of 2 pass`, or `-` before (or without) a success report."""
+        return self.verdict.headline() if self.verdict else "-"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"goodput": self.goodput.model_dump(mode="json") if self.goodput else None,
-                               "resources": self.resources.row() if self.resources else None}
+                               "resources": self.resources.row() if self.resources else None,
+                               "verdict": self.verdict.model_dump(mode="json") if self.verdict else None}
 
     def resources_cell(self) -> str:
         """`read 1.2 GiB, wrote 3.4 GiB, up 3.4 GiB`: the bytes the run's steps moved."""
@@ -77,8 +85,32 @@ def recent_runs(limit: int = 10) -> list[RunRow]:
                 store=str(run.parameters.get("store_root") or "-"),
                 deployment=deployments.get(run.deployment_id, "-") if run.deployment_id else "-",
                 goodput=summed(splits), goodput_steps=len(splits),
-                resources=_summed(ledgers), resources_steps=len(ledgers)))
+                resources=_summed(ledgers), resources_steps=len(ledgers), verdict=_verdict(client, run.id)))
         return rows
+
+
+def run_verdict(run_id: Any) -> Verdict | None:
+    """The success report's verdict of one flow run (what `compass submit --watch` ends with)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return _verdict(client, run_id)
+
+
+def _verdict(client: Any, run_id: Any) -> Verdict | None:
+    """From the run's `success` table artifact (the report step's criteria, published cached or not)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(like_=f"%-{SUCCESS_TABLE}-%")))
+    criteria = []
+    for row in _table_rows(artifacts):
+        if {"criterion", "checkpoint", "verdict"} <= row.keys():
+            with contextlib.suppress(ValidationError):
+                criteria.append(Criterion.model_validate(row))
+    if not criteria:
+        return None
+    return Verdict(passed=all(c.verdict == "pass" for c in criteria), criteria=tuple(criteria), report="")
 
 
 def _goodput_splits(client: Any, run_id: Any) -> list[GoodputSplit]:

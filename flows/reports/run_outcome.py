@@ -22,6 +22,14 @@ class Criterion(BaseModel):
     measured: float | None
     verdict: str  # pass, fail, or "not measured"
     note: str = ""  # why it could not be judged
+    interval: tuple[float, float] | None = None  # the 95% interval over the benchmark's items, where it has items
+
+    def line(self) -> str:
+        """`arc_easy:cf/acc >= 0.3 at evaluate:...: 0.42 (95% interval 0.36 to 0.48), pass`."""
+        if self.measured is None:
+            return f"{self.criterion} at {self.checkpoint}: not measured ({self.note})"
+        interval = f" (95% interval {self.interval[0]:.4g} to {self.interval[1]:.4g})" if self.interval else ""
+        return f"{self.criterion} at {self.checkpoint}: {self.measured:.4g}{interval}, {self.verdict}"
 
 
 class Verdict(BaseModel):
@@ -32,6 +40,11 @@ class Verdict(BaseModel):
     passed: bool
     criteria: tuple[Criterion, ...]
     report: str  # the report.json's location in the store
+
+    def headline(self) -> str:
+        """`MET: 2 of 2 pass`."""
+        passing = sum(c.verdict == "pass" for c in self.criteria)
+        return f"{'MET' if self.passed else 'NOT MET'}: {passing} of {len(self.criteria)} pass"
 
 
 class KindResources(BaseModel):
@@ -88,11 +101,8 @@ def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
     lines = []
     if outcome.verdict is not None:
         v = outcome.verdict
-        lines.append(f"success criteria {'MET' if v.passed else 'NOT MET'}: "
-                     f"{sum(c.verdict == 'pass' for c in v.criteria)} of {len(v.criteria)} pass")
-        for c in v.criteria:
-            measured = f"not measured ({c.note})" if c.measured is None else f"{c.measured:.4g}, {c.verdict}"
-            lines.append(f"  {c.criterion} at {c.checkpoint}: {measured}")
+        lines.append(f"success criteria {v.headline()}")
+        lines += [f"  {c.line()}" for c in v.criteria]
         lines.append(f"report: {v.report}")
     if outcome.goodput is not None:
         n = outcome.goodput_steps

@@ -86,9 +86,10 @@ def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
     override = ctx.config.override
     (ctx.out / "report.json").write_text(json.dumps({"passed": passed, "criteria": rows, "override": override},
                                                     indent=2))
-    lines = [f"- **{r['verdict'].upper()}** {r['criterion']} at `{r['checkpoint']}`: measured {r['measured']}"
-             + (f", 95% interval {r['interval']}" if r["interval"] else "") + (f" ({r['note']})" if r["note"] else "")
-             for r in rows]
+    lines = [f"- **{r['verdict'].upper()}** {r['criterion']} at `{r['checkpoint']}`: measured "
+             + ("nothing" if r["measured"] is None else f"{r['measured']:.4g}")
+             + (f", 95% interval {r['interval'][0]:.4g} to {r['interval'][1]:.4g}" if r["interval"] else "")
+             + (f" ({r['note']})" if r["note"] else "") for r in rows]
     summary = f"### success criteria: {'MET' if passed else 'NOT MET'}\n\n" + "\n".join(lines)
     if override:
         summary += f"\n\n**trained despite the gate** (why.override): {override}"
@@ -96,8 +97,8 @@ def run_success_report(ctx: StepContext[ReportConfig]) -> StepResult:
                       tables={"success": rows})
 
 
-# 2: pass or fail only when the interval over the benchmark's items clears the threshold
-KIND = StepKind("report", ReportConfig, run_success_report, build, version="2", inputs=Evaluations,
+# 2: pass or fail only when the interval over the benchmark's items clears the threshold; 3: the summary rounds
+KIND = StepKind("report", ReportConfig, run_success_report, build, version="3", inputs=Evaluations,
                 after=("evaluate",), after_models=True,
                 headline=("passed",))
 STEP_KINDS = (KIND,)
