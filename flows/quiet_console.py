@@ -19,22 +19,34 @@ from typing import TextIO
 
 from rich.console import Console
 
+from compass.infra.redact import redact
+
 SHOWN = ("prefect", "compass")  # loggers whose records reach the terminal; the others go to the log file
 REDUNDANT = ("Finished in state Completed()",)  # a task run's: compass's commit line already said it
 
 
 class _TerminalFilter(logging.Filter):
-    """Prefect's console handler keeps compass's and Prefect's records, minus the redundant ones."""
+    """Prefect's console handler keeps compass's and Prefect's records, minus the redundant ones, secrets hidden."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _shown(record)
+        return _shown(record) and _redacted(record)
 
 
 class _LogFileFilter(logging.Filter):
-    """The records the terminal leaves out, for the log file."""
+    """The records the terminal leaves out, for the log file, secrets hidden."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not _shown(record)
+        return not _shown(record) and _redacted(record)
+
+
+def _redacted(record: logging.LogRecord) -> bool:
+    """The record's message with any URL password or query credential as *** (a library's message passing a
+    connection string through); always True."""
+    message = record.getMessage()
+    hidden = redact(message)
+    if hidden != message:
+        record.msg, record.args = hidden, ()
+    return True
 
 
 def _shown(record: logging.LogRecord) -> bool:

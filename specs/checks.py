@@ -27,6 +27,7 @@ from compass.specs.goodput_plan import predicted_splits
 from compass.specs.how import PHASES, Phase, how_rules, slurm_seconds
 from compass.specs.post_training import MidTraining, PostTrainStep, checkpoint_refs
 from compass.specs.post_training_methods import family_reads
+from compass.specs.secrets import redact
 from compass.specs.spec import TrainingSpec
 from compass.specs.staging_costs import GIB, over_capacity
 from compass.specs.starting_model import NAMED_MODEL_PREFIX
@@ -44,7 +45,7 @@ def check_spec(spec: TrainingSpec) -> list[Issue]:
         lambda s: architecture_rules(s.what.architecture, ("what", "architecture")), lambda s: data_rules(s.what.data),
         _mixtures, _stages, lambda s: pretraining_rules(s.what.pretraining), _parallelism, _resources,
         _trl_micro_batches, _tokenizer, _post_training, _ablations, lambda s: how_rules(s.how), _evaluation, _gate,
-        _attention)
+        _attention, _credentials)
     return [issue for check in checks for issue in check(spec)]
 
 
@@ -447,6 +448,26 @@ def _node_scratch(spec: TrainingSpec) -> Iterator[Issue]:
                     f"{spec.how.storage.local_cache_gib:,.0f} GiB of local_cache_gib",
                     f"give how.resources.{cost.phase} more nodes (now {shape.nodes}: each copies its share), "
                     "train the step on fewer tokens, or point local_cache at a larger disk")
+
+
+def _credentials(spec: TrainingSpec) -> Iterator[Issue]:
+    """No value holds a password in a URL (`scheme://user:password@host`): the spec's text is a flow run's
+    parameter in Prefect's database, is printed with the plan and sits in every manifest's lineage."""
+    def walk(value: Any, at: tuple) -> Iterator[Issue]:
+        if isinstance(value, str) and "://" in value and redact(value) != value:  # URLs only, not prose
+            yield Issue(at, "holds a password (a URL's user:password@, or a password= or token= in its query): the "
+                        "spec is stored with the run in Prefect's database and in every artifact's lineage",
+                        "give the login to the library through its environment on the machines that run the steps "
+                        "(MLflow: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; S3: AWS_ACCESS_KEY_ID or "
+                        "how.storage.credentials_block) and write the URL without it")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield from walk(item, (*at, key))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                yield from walk(item, (*at, i))
+
+    yield from walk(spec.model_dump(mode="json", exclude_defaults=True), ())
 
 
 def _checkpoint_cadence(spec: TrainingSpec) -> Iterator[Issue]:

@@ -266,3 +266,55 @@ def test_filters_that_remove_every_document_are_a_data_error_not_retried(tmp_pat
     run_step(ctx, plan.step("ingest:notes"), logging.getLogger("test"))
     with pytest.raises(DataError, match="curation of notes removed every document"):
         run_step(ctx, plan.step("curate:notes"), logging.getLogger("test"))
+
+
+PLANTED = "Pa55-planted-7x"  # a password no output may hold
+
+
+def test_a_spec_value_holding_a_password_is_refused_at_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A tracker URL with its login (or a token in its query) would sit in Prefect's flow-run parameters, the plan
+    and every manifest's lineage: refused where it is written, with where the login goes instead."""
+    for uri in (f"http://admin:{PLANTED}@127.0.0.1:5000", f"http://127.0.0.1:5000/?token={PLANTED}"):
+        spec = write_minimal_spec(tmp_path, **{MINIMAL_HOW: MINIMAL_HOW + "  monitoring: {trackers: [mlflow], "
+                                                                         f"mlflow_tracking_uri: '{uri}'}}\n"})
+        out = refused(tmp_path, monkeypatch, "validate", str(spec))
+        line = next(i for i, t in enumerate(spec.read_text().splitlines(), 1) if "mlflow_tracking_uri" in t)
+        assert f"spec.yaml:{line}: how.monitoring.mlflow_tracking_uri: holds a password" in out
+        assert "MLFLOW_TRACKING_PASSWORD" in out and PLANTED not in out
+
+
+def test_a_log_record_passing_a_connection_string_through_is_shown_without_its_password():
+    import logging
+
+    from compass.flows.quiet_console import _LogFileFilter, _TerminalFilter
+
+    for kept, name in ((_TerminalFilter(), "compass.run"), (_LogFileFilter(), "datatrove")):
+        record = logging.LogRecord(name, logging.ERROR, __file__, 1, "cannot reach %s", (
+            f"postgresql://compass:{PLANTED}@db:5432/prefect",), None)
+        assert kept.filter(record)
+        assert record.getMessage() == "cannot reach postgresql://compass:***@db:5432/prefect"
+
+
+@pytest.mark.slow  # the session's Prefect server, a run of the (cached) data steps
+def test_a_login_in_the_prefect_api_url_is_never_printed_logged_or_stored(prefect_server: str, data_store: Path,
+                                                                          tmp_path: Path):
+    """PREFECT_API_URL=http://admin:pw@host/api: Prefect's "View at ..." line and compass's "Prefect run:" link
+    printed the password on every run. The links are made without the login; the run still reaches the server."""
+    from tests.conftest import Cli, prefect_client, seeded
+
+    api = prefect_server.replace("http://", f"http://admin:{PLANTED}@", 1)
+    spec = write_minimal_spec(tmp_path)
+    store = seeded(tmp_path / "store", data_store)
+    cli = Cli(tmp_path, base_env(tmp_path / "client") | {"PREFECT_API_URL": api})
+    done = cli("run", str(spec), "--until", "tokenize", "--store", str(store))
+    shown = done.stdout + done.stderr
+    assert "/runs/flow-run/" in shown and PLANTED not in shown
+    run_id = shown.split("/runs/flow-run/", 1)[1].split()[0]
+    assert PLANTED not in "".join(p.read_text(errors="replace") for p in (tmp_path / ".compass").rglob("*.log"))
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with prefect_client(prefect_server) as client:
+        run = client.read_flow_run(run_id)
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
+    assert logs and not [log for log in logs if PLANTED in log.message]
+    assert PLANTED not in json.dumps(run.parameters, default=str)

@@ -37,6 +37,7 @@ from compass.flows.validation import checked_for_this_run
 from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 from compass.infra.environment import prepare_environment
 from compass.infra.errors import DataError, RunStopped
+from compass.infra.redact import prefect_links_without_userinfo
 from compass.infra.temporary_server import start_tied_temporary_server
 from compass.specs.file_stamp import FileStamp
 from compass.specs.loader import SpecError
@@ -49,6 +50,14 @@ if TYPE_CHECKING:
 
 app = typer.Typer(help="compass: a declarative workflow DAG for training a small language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.callback()
+def _every_command(ctx: typer.Context) -> None:
+    """compass: a declarative workflow DAG for training a small language model."""
+    ctx.with_resource(prefect_links_without_userinfo())  # a login in PREFECT_API_URL is never printed
+
+
 app.add_typer(ops)  # server, worker, deploy, submit, status
 app.command()(preflight)
 app.command()(monitor)

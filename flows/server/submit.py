@@ -14,6 +14,7 @@ from uuid import UUID
 
 from prefect.client.schemas.objects import FlowRun
 
+from compass.infra.redact import without_userinfo
 from compass.specs.loader import load_spec_text
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -24,7 +25,7 @@ def ui_url(flow_run_id: UUID | str) -> str:
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
     base = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
-    return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}"
+    return f"{without_userinfo(base).rstrip('/')}/runs/flow-run/{flow_run_id}"
 
 
 def submit(loaded: Any, spec_path: str, deployment: str, store_root: str,
