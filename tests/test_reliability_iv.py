@@ -318,3 +318,27 @@ def test_a_login_in_the_prefect_api_url_is_never_printed_logged_or_stored(prefec
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
     assert logs and not [log for log in logs if PLANTED in log.message]
     assert PLANTED not in json.dumps(run.parameters, default=str)
+
+
+@pytest.mark.slow  # a PostgreSQL cluster on loopback
+def test_a_database_password_with_slashes_and_hashes_connects_and_is_never_printed():
+    """`--database postgresql://compass:Pa55/x#y@host/db`: the driver read `Pa55` as a port and its error printed
+    it. The login is percent-encoded for the server (it connects), and what the driver says of a database that
+    fails is reworded to where it is, never its text."""
+    from compass.flows.server.database import prefect_database_url, unreachable
+    from compass.infra.net import free_port
+    from tests.postgres_server import USER, pg_bin, postgres_cluster
+
+    password = "Pa55/x#y@z:w"
+    with postgres_cluster() as postgres:
+        subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(postgres.port), "-U", USER, "-d", "prefect", "-c",
+                        f"ALTER USER {USER} PASSWORD '{password}'"], check=True, capture_output=True,
+                       env={**os.environ, "PGPASSWORD": postgres.url.split(":")[2].split("@")[0]})
+        raw = f"postgresql://{USER}:{password}@127.0.0.1:{postgres.port}/prefect"
+        assert unreachable(prefect_database_url(raw)) is None  # the server would connect with it
+        refused = unreachable(prefect_database_url(raw.replace(password, "Pa55/wrong#")))
+        assert refused == f"PostgreSQL at 127.0.0.1:{postgres.port}, database prefect refused the login (user or " \
+                          "password)"
+    closed = unreachable(prefect_database_url(raw.replace(str(postgres.port), str(free_port()))))
+    assert closed is not None and closed.startswith("PostgreSQL at 127.0.0.1:") and "does not answer" in closed
+    assert "Pa55" not in closed and "x#y" not in refused

@@ -5,6 +5,7 @@ or an unreachable database is one clear line, not a migration traceback."""
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import quote, unquote, urlsplit
 
 from compass.infra.redact import redact
 
@@ -23,6 +24,8 @@ def prefect_database_url(given: str) -> str:
     if not sep or scheme not in DRIVERS:
         raise DatabaseError(f"--database {redacted(given)!r} is not a PostgreSQL (or SQLite) URL: give {EXAMPLE}")
     if DRIVERS[scheme].startswith("postgresql"):
+        rest = _encoded_login(rest)
+        given = f"{scheme}://{rest}"
         try:
             from sqlalchemy.engine import make_url  # the parser the server itself reads the URL with
 
@@ -35,6 +38,17 @@ def prefect_database_url(given: str) -> str:
                                 f"must be percent-encoded (a '/', '#' or '@' in the password: %2F, %23, %40): give "
                                 f"{EXAMPLE}")
     return f"{DRIVERS[scheme]}://{rest}"
+
+
+def _encoded_login(rest: str) -> str:
+    """`user:password@host...` with the login percent-encoded, so a password holding '/', '#', ':' or '@' (the
+    login runs to the last '@' before the host, as redact reads it) reaches the server whole; one already encoded
+    stays as it is."""
+    if "@" not in rest:
+        return rest
+    login, host = rest.rsplit("@", 1)
+    user, colon, password = login.partition(":")
+    return f"{quote(unquote(user), safe='')}{colon}{quote(unquote(password), safe='')}@{host}"
 
 
 def redacted(url: str) -> str:
@@ -52,8 +66,23 @@ def unreachable(url: str, timeout_s: float = 10) -> str | None:
         connection = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1), timeout=timeout_s)
         await connection.close()
 
+    where = _where(url)
     try:
         asyncio.run(probe())
-    except (TimeoutError, OSError, ValueError, asyncpg.PostgresError) as exc:
-        return redact(f"{type(exc).__name__}: {exc}")
+    except asyncpg.InvalidPasswordError:
+        return f"{where} refused the login (user or password)"
+    except asyncpg.InvalidCatalogNameError:
+        return f"{where} has no such database (create it first: createdb)"
+    except (TimeoutError, OSError) as exc:
+        reason = getattr(exc, "strerror", None)
+        return f"{where} does not answer ({type(exc).__name__}{': ' + reason if reason else ''})"
+    except (ValueError, asyncpg.PostgresError) as exc:  # said by the driver: only its kind, never its text
+        return f"{where}: the driver refused the connection ({type(exc).__name__})"
     return None
+
+
+def _where(url: str) -> str:
+    """`PostgreSQL at host:port, database db` (no login)."""
+    parsed = urlsplit(url)
+    return (f"PostgreSQL at {parsed.hostname or '?'}:{parsed.port or 5432}, database "
+            f"{unquote(parsed.path.lstrip('/')) or '?'}")
