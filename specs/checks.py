@@ -453,13 +453,19 @@ def _node_scratch(spec: TrainingSpec) -> Iterator[Issue]:
 def _credentials(spec: TrainingSpec) -> Iterator[Issue]:
     """No value holds a password in a URL (`scheme://user:password@host`): the spec's text is a flow run's
     parameter in Prefect's database, is printed with the plan and sits in every manifest's lineage."""
-    def walk(value: Any, at: tuple) -> Iterator[Issue]:
-        if isinstance(value, str) and "://" in value and redact(value) != value:  # URLs only, not prose
-            yield Issue(at, "holds a password (a URL's user:password@, or a password= or token= in its query): the "
-                        "spec is stored with the run in Prefect's database and in every artifact's lineage",
-                        "give the login to the library through its environment on the machines that run the steps "
-                        "(MLflow: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; S3: AWS_ACCESS_KEY_ID or "
-                        "how.storage.credentials_block) and write the URL without it")
+    for at in _urls_holding_secrets(spec):
+        yield Issue(at, "holds a password (a URL's user:password@, or a password= or token= in its query): the "
+                    "spec is stored with the run in Prefect's database and in every artifact's lineage",
+                    "give the login to the library through its environment on the machines that run the steps "
+                    "(MLflow: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; S3: AWS_ACCESS_KEY_ID or "
+                    "how.storage.credentials_block) and write the URL without it")
+
+
+def _urls_holding_secrets(model: TrainingSpec) -> Iterator[Loc]:
+    """Where a value of `model` is a URL holding a credential (prose is not judged: a URL has a scheme)."""
+    def walk(value: Any, at: tuple) -> Iterator[Loc]:
+        if isinstance(value, str) and "://" in value and redact(value) != value:
+            yield at
         elif isinstance(value, dict):
             for key, item in value.items():
                 yield from walk(item, (*at, key))
@@ -467,7 +473,7 @@ def _credentials(spec: TrainingSpec) -> Iterator[Issue]:
             for i, item in enumerate(value):
                 yield from walk(item, (*at, i))
 
-    yield from walk(spec.model_dump(mode="json", exclude_defaults=True), ())
+    yield from walk(model.model_dump(mode="json", exclude_defaults=True), ())
 
 
 def _checkpoint_cadence(spec: TrainingSpec) -> Iterator[Issue]:
