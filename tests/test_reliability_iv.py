@@ -342,3 +342,22 @@ def test_a_database_password_with_slashes_and_hashes_connects_and_is_never_print
     closed = unreachable(prefect_database_url(raw.replace(str(postgres.port), str(free_port()))))
     assert closed is not None and closed.startswith("PostgreSQL at 127.0.0.1:") and "does not answer" in closed
     assert "Pa55" not in closed and "x#y" not in refused
+
+
+def test_zero_width_and_fullwidth_characters_do_not_hide_a_benchmark_item_from_the_fence():
+    """datatrove's normalization keeps format characters: a question with a zero-width space inside each word (or a
+    soft hyphen, a word joiner; or written in fullwidth letters) matched none of its n-grams."""
+    from compass.specs.evaluation import Benchmark
+    from compass.tasks.data.decontamination import Fence, Matcher, problem_key
+    from compass.tasks.evaluation.benchmark_items import items_of
+
+    item = next(i for i in items_of(Benchmark(name="mmlu")) if len(i.query.split()) >= 20)
+    matcher = Matcher(Fence.build([item], n=13))
+    page = "Some notes from a study group, copied as they were written down. "
+    assert matcher.match(page + item.query) is not None
+    for hide in ("\u200b", "\u00ad", "\u2060", "\ufeff"):
+        hidden = " ".join(word[:1] + hide + word[1:] for word in item.query.split())
+        assert matcher.match(page + hidden) is not None, repr(hide)
+    fullwidth = "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in item.query)
+    assert matcher.match(page + fullwidth) is not None
+    assert problem_key("What is 12\u200b + 7?") == problem_key("What is 12 + 7?")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,14 +50,23 @@ def _text_tools():
     hash_of = create_hash_func(HashConfig())
 
     def words(text: str) -> list[str]:
-        return simplify_text(text, norm).split()
+        return simplify_text(folded(text), norm).split()
 
     return words, hash_of
 
 
+def folded(text: str) -> str:
+    """`text` in Unicode's compatibility form (NFKC: fullwidth and styled letters as plain ones) without format
+    characters (zero-width spaces and joiners, soft hyphens, word joiners, byte-order marks): a benchmark question
+    with a zero-width space inside each word matched none of its n-grams, and datatrove's normalization keeps
+    them."""
+    return "".join(c for c in unicodedata.normalize("NFKC", text) if unicodedata.category(c) != "Cf")
+
+
 def problem_key(text: str) -> str:
-    """A problem's identity for item-for-item comparison: lowercased, whitespace collapsed, operators kept."""
-    return re.sub(r"\s+", " ", text.strip().lower())
+    """A problem's identity for item-for-item comparison: folded, lowercased, whitespace collapsed, operators
+    kept."""
+    return re.sub(r"\s+", " ", folded(text).strip().lower())
 
 
 @dataclass(frozen=True)

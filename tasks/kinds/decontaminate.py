@@ -217,7 +217,8 @@ def check_spec(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
                                 "what.decontamination.policy: remove (leave the matches out) or report")
 
 
-INDEX = StepKind(FENCE_INDEX_KIND, FenceIndexConfig, run_index, None, version="1", resources=phase("data"),
+# 2: text folded (NFKC, format characters out) before datatrove's normalization
+INDEX = StepKind(FENCE_INDEX_KIND, FenceIndexConfig, run_index, None, version="2", resources=phase("data"),
                  provide=provide_index, headline=("items",))
 KIND = StepKind(FENCE_KIND, DecontaminateConfig, run_decontaminate, build, version="1",
                 resources=phase("data"), inputs=FenceInputs, fans_out=True,
