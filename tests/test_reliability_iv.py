@@ -361,3 +361,11 @@ def test_zero_width_and_fullwidth_characters_do_not_hide_a_benchmark_item_from_t
     fullwidth = "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in item.query)
     assert matcher.match(page + fullwidth) is not None
     assert problem_key("What is 12\u200b + 7?") == problem_key("What is 12 + 7?")
+
+
+def test_a_scheduled_evaluation_of_a_missing_folder_is_refused_and_creates_nothing(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch):
+    spec = write_minimal_spec(tmp_path)
+    missing = tmp_path / "work" / "no-such-store"
+    out = refused(tmp_path, monkeypatch, "evaluate-schedule", str(spec), "--root", str(missing), "--once")
+    assert f"--root {missing}: no such folder" in out and not missing.exists()

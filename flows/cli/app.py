@@ -363,6 +363,12 @@ def evaluate_schedule(
     """Serve a Prefect deployment that evaluates every new checkpoint under a root, on a schedule."""
     checked = load(spec)
     loaded = checked.loaded
+    checkpoint_root = store_root(checked, root, "--root")
+    if "://" not in checkpoint_root and not Path(checkpoint_root).is_dir():  # a scan would make it: nothing to score
+        option = "--root" if root else "how.storage.root"
+        err.print(f"{option} {checkpoint_root}: no such folder: name the store a run wrote its checkpoints to "
+                  "(its how.storage.root, or the --store it ran with)", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
     prepare_environment()
     if once:
         start_tied_temporary_server()
@@ -373,7 +379,7 @@ def evaluate_schedule(
         err.print(f"{spec}: what.evaluation.benchmarks is empty: nothing to evaluate (add benchmarks to the suite)",
                   markup=False)
         raise typer.Exit(EXIT_BAD_INPUT)
-    params = {"checkpoint_root": store_root(checked, root, "--root"), "benchmarks": benchmarks,
+    params = {"checkpoint_root": checkpoint_root, "benchmarks": benchmarks,
               "credentials_block": loaded.spec.how.storage.credentials_block,
               "how": loaded.spec.how.model_dump(mode="json")}  # where and how each evaluation computes
     if once and as_json:
