@@ -265,10 +265,15 @@ def _stamps_file(store: Store, manifest: Manifest) -> Path:
 
 
 def _read_stamps(path: Path) -> dict[str, list]:
+    """The stamps recorded for an artifact: {file or shard set: its stamp key}. A file of another shape (`[]`, a
+    key that is no list, unreadable text) is no record: those files are hashed again, never a traceback."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
         return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, list)}
 
 
 def _write_stamps(path: Path, stamps: dict[str, list]) -> None:

@@ -369,3 +369,26 @@ def test_a_scheduled_evaluation_of_a_missing_folder_is_refused_and_creates_nothi
     missing = tmp_path / "work" / "no-such-store"
     out = refused(tmp_path, monkeypatch, "evaluate-schedule", str(spec), "--root", str(missing), "--once")
     assert f"--root {missing}: no such folder" in out and not missing.exists()
+
+
+@pytest.mark.parametrize("stamps", ["[]", '{"train/0.jsonl": 5, "7": null}', "not json", '"text"'])
+def test_a_stamps_file_of_another_shape_is_no_record_and_damage_is_still_found(tmp_path: Path, stamps: str):
+    """A `.verified`-style stamps file holding `[]` stopped every run with a traceback: it is read as no stamps
+    (the files are hashed again), and a changed file is still reported."""
+    from compass.infra.store import Store
+    from compass.infra.verify import _stamps_file, damage
+    from tests.test_store import manifest_for
+
+    store = Store(str(tmp_path / "store"))
+    with store.staging() as out:
+        (out / "train").mkdir()
+        (out / "train" / "0.jsonl").write_text('{"text": "x"}\n')
+        manifest = store.commit(out, manifest_for(store, "curate", "web", "a" * 64))
+    assert damage(store, manifest.uri) == []  # records the stamps
+    stamped = _stamps_file(store, manifest)
+    assert stamped.exists()
+    stamped.write_text(stamps)
+    assert damage(store, manifest.uri) == []
+    (Path(store.path_of(manifest.uri)) / "train" / "0.jsonl").write_text('{"text": "y"}\n')
+    stamped.write_text(stamps)
+    assert damage(store, manifest.uri)  # the same size, another content: found by its hash
