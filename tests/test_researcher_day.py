@@ -256,3 +256,28 @@ def test_status_shows_each_runs_verdict_with_its_numbers(prefect_server: str, tm
     assert [Criterion.model_validate(c).line() for c in criteria] == [
         "arc_easy:cf/acc >= 0.3 at evaluate:post_train-sft: 0.4166 (95% interval 0.3012 to 0.5321), pass",
         "val_ppl:notes <= 100.0 at evaluate:post_train-sft: 316.9, fail"]
+
+
+def test_the_run_summary_ends_with_each_ablations_verdict_and_interval(tmp_path: Path):
+    """`compass run` ended with the success criteria but not the ablations' verdicts: each variant's difference,
+    its 95% interval paired by seed and its verdict now follow them, from the committed comparison."""
+    from compass.flows.reports.run_outcome import outcome_lines, run_outcome
+    from compass.flows.reports.step_record import StepRecord
+    from compass.infra.layout import COMPARISON
+    from compass.infra.store import Store
+    from compass.tasks.common.comparison import ComparedVariant, Comparison
+    from tests.test_store import manifest_for
+
+    store = Store(str(tmp_path / "store"))
+    comparison = Comparison(metric="val_loss", rows=[
+        ComparedVariant(variant="baseline", verdict="reference", delta=0.0),
+        ComparedVariant(variant="untied", verdict="better", delta=-0.02134, interval=[-0.0311, -0.0116]),
+        ComparedVariant(variant="more_code", verdict="within noise", delta=0.004, interval=[-0.01, 0.018])])
+    with store.staging() as out:
+        (out / COMPARISON).write_text(comparison.json_text())
+        manifest = store.commit(out, manifest_for(store, "compare", "ablations", "c" * 64))
+    record = StepRecord(step="compare:ablations", uri=manifest.uri, executed=True, seconds=1.0, pid=1)
+    lines = outcome_lines(run_outcome([record], store))
+    at = lines.index("ablations against the baseline (val_loss, paired by seed):")
+    assert lines[at + 1:at + 3] == ["  untied: val_loss -0.0213 (95% interval -0.0311 to -0.0116), better",
+                                    "  more_code: val_loss +0.004 (95% interval -0.01 to 0.018), within noise"]

@@ -7,9 +7,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from compass.flows.reports.step_record import StepRecord
+from compass.infra.layout import COMPARISON
 from compass.infra.resource_ledger import Resources
 from compass.infra.store import Store
 from compass.model.training.records import GoodputSplit, summed
+from compass.tasks.common.comparison import Comparison
 
 PLOTTING_KINDS = ("curves", "compare")  # the run-level plots (each training stage's loss.png sits in its step)
 
@@ -47,6 +49,24 @@ class Verdict(BaseModel):
         return f"{'MET' if self.passed else 'NOT MET'}: {passing} of {len(self.criteria)} pass"
 
 
+class AblationVerdict(BaseModel):
+    """One variant of the ablations against the baseline: its difference on the comparison's metric, the 95%
+    interval paired by seed, and the verdict (better, worse, within noise)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    variant: str
+    metric: str
+    delta: float
+    interval: tuple[float, float] | None
+    verdict: str
+
+    def line(self) -> str:
+        """`untied: val_loss -0.0213 (95% interval -0.031 to -0.0116), better`."""
+        interval = f" (95% interval {self.interval[0]:.3g} to {self.interval[1]:.3g})" if self.interval else ""
+        return f"{self.variant}: {self.metric} {self.delta:+.3g}{interval}, {self.verdict}"
+
+
 class KindResources(BaseModel):
     """What the steps of one kind that ran in this run read, copied, wrote and sent (their manifests' resource
     ledgers summed: the jobs' and ranks' counts, wherever they ran)."""
@@ -67,11 +87,13 @@ class RunOutcome(BaseModel):
     goodput: GoodputSplit | None = None  # the steps that trained or evaluated in this run (not the cached), summed
     goodput_steps: int = 0
     resources: tuple[KindResources, ...] = ()  # by kind, in the order the kinds first ended
+    ablations: tuple[AblationVerdict, ...] = ()  # the comparison's verdict of each variant, when the run compared
 
 
 def run_outcome(results: list[StepRecord], store: Store, prefect_run: str | None = None) -> RunOutcome:
     """From the run's step records and their committed manifests."""
     verdict, plots, splits = None, [], []
+    ablations: list[AblationVerdict] = []
     by_kind: dict[str, tuple[int, Resources]] = {}
     for result in results:
         kind = result.kind
@@ -90,9 +112,20 @@ def run_outcome(results: list[StepRecord], store: Store, prefect_run: str | None
         elif kind in PLOTTING_KINDS:
             plots += [f"{result.uri}/{f.path}" for f in store.read_manifest(result.uri).files
                       if f.path.endswith(".png")]
+        if kind == "compare":
+            ablations += _ablation_verdicts(store, result.uri)
     return RunOutcome(verdict=verdict, plots=tuple(plots), prefect_run=prefect_run, goodput=summed(splits),
+                      ablations=tuple(ablations),
                       goodput_steps=len(splits),
                       resources=tuple(KindResources(kind=k, steps=n, resources=r) for k, (n, r) in by_kind.items()))
+
+
+def _ablation_verdicts(store: Store, uri: str) -> list[AblationVerdict]:
+    """Each variant's row of the committed comparison (the baseline's row, its reference, left out)."""
+    comparison = Comparison.model_validate_json(store.read_bytes(uri, COMPARISON))
+    return [AblationVerdict(variant=r.variant, metric=comparison.metric, delta=r.delta, verdict=r.verdict,
+                            interval=tuple(r.interval) if r.interval and len(r.interval) == 2 else None)
+            for r in comparison.rows[1:]]
 
 
 def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
@@ -104,6 +137,9 @@ def outcome_lines(outcome: RunOutcome, log: str | None = None) -> list[str]:
         lines.append(f"success criteria {v.headline()}")
         lines += [f"  {c.line()}" for c in v.criteria]
         lines.append(f"report: {v.report}")
+    if outcome.ablations:
+        lines.append(f"ablations against the baseline ({outcome.ablations[0].metric}, paired by seed):")
+        lines += [f"  {a.line()}" for a in outcome.ablations]
     if outcome.goodput is not None:
         n = outcome.goodput_steps
         lines.append(f"time of the {n} step{'s' * (n != 1)} that trained or evaluated: {outcome.goodput.line()}")
