@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,26 +27,31 @@ REDUNDANT = ("Finished in state Completed()",)  # a task run's: compass's commit
 
 
 class _TerminalFilter(logging.Filter):
-    """Prefect's console handler keeps compass's and Prefect's records, minus the redundant ones, secrets hidden."""
+    """Prefect's console handler keeps compass's and Prefect's records, minus the redundant ones, cleaned."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _shown(record) and _redacted(record)
+        return _shown(record) and _cleaned(record)
 
 
 class _LogFileFilter(logging.Filter):
-    """The records the terminal leaves out, for the log file, secrets hidden."""
+    """The records the terminal leaves out, for the log file, cleaned."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not _shown(record) and _redacted(record)
+        return not _shown(record) and _cleaned(record)
 
 
-def _redacted(record: logging.LogRecord) -> bool:
-    """The record's message with any URL password or query credential as *** (a library's message passing a
-    connection string through); always True."""
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029]")  # but tab and newline: escapes, returns, bells
+
+
+def _cleaned(record: logging.LogRecord) -> bool:
+    """The record's message as it may be shown: any URL password or query credential as *** (a library's message
+    passing a connection string through); control characters written as escapes (a terminal escape sequence or a
+    carriage return in a file name); every line after the first indented, so a name holding a newline cannot
+    print a line that poses as a record of its own ("12:00:00 | ERROR | ..."). Always True."""
     message = record.getMessage()
-    hidden = redact(message)
-    if hidden != message:
-        record.msg, record.args = hidden, ()
+    shown = CONTROL.sub(lambda m: repr(m.group())[1:-1], redact(message)).replace("\n", "\n    ")
+    if shown != message:
+        record.msg, record.args = shown, ()
     return True
 
 

@@ -420,3 +420,20 @@ def test_a_prepared_benchmark_with_a_malformed_line_is_prepared_again(caplog: py
         assert len(ob._request_chars("arc_easy", "cf")) == first["documents"]  # the damaged counts counted again
     finally:
         ob._request_chars.cache_clear()
+
+
+def test_a_name_holding_a_newline_or_an_escape_cannot_pose_as_a_log_line():
+    """A source file named `a.txt\\n12:00:00.000 | ERROR | ...` printed a fake ERROR record on the terminal: on
+    compass's console and log-file handlers every line after a record's first is indented, and control characters
+    (a terminal escape, a carriage return) are written as escapes."""
+    import logging
+
+    from compass.flows.quiet_console import _LogFileFilter, _TerminalFilter
+
+    for kept, name in ((_TerminalFilter(), "prefect.flow_runs"), (_LogFileFilter(), "datatrove")):
+        record = logging.LogRecord(name, logging.INFO, __file__, 1, "ingest read %s", (
+            "a.txt\n12:00:00.000 | ERROR   | Flow run 'x' - Finished in state Failed\x1b[2K\r",), None)
+        assert kept.filter(record)
+        first, *rest = record.getMessage().split("\n")
+        assert first == "ingest read a.txt" and rest == [
+            "    12:00:00.000 | ERROR   | Flow run 'x' - Finished in state Failed\\x1b[2K\\r"]
