@@ -56,9 +56,11 @@ def test_ablation_runs_comparison_and_promotion(trained_store: Path, tmp_path: P
     from compass.tasks.common.plots import PlotDescription
 
     (panel,) = PlotDescription.read(Path(outcomes["compare:ablations"].uri) / "comparison.png").panels
-    assert panel.ylabel == comparison["metric"]  # one bar per variant, as tall as its comparison row
-    assert panel.bars == pytest.approx({v: r[comparison["metric"]] for v, r in rows.items()}, abs=1e-6)
-    assert panel.outside == []  # and each bar's top within the axes
+    # one bar per variant from zero (the baseline), as tall as its difference, its verdict and interval on it
+    assert panel.ylabel.startswith(f"{comparison['metric']} minus the baseline's") and "lower is better" in panel.ylabel
+    assert panel.bars == pytest.approx({v: r["delta"] for v, r in rows.items() if v != "baseline"}, abs=1e-6)
+    assert [t.split("\n")[0] for t in panel.texts] == [rows[v]["verdict"] for v in panel.bars]
+    assert panel.ylim[0] <= 0 <= panel.ylim[1] and panel.outside == []  # zero and each bar's top within the axes
 
     cli = Cli(tmp_path, base_env(tmp_path / "prefect-home"))
     out = tmp_path / "next.yaml"

@@ -294,8 +294,13 @@ def test_every_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
         assert image.width > 400 and image.height > 200
     panels = {p.title: p for p in PlotDescription.read(Path(drawn.uri) / "curves.png").panels}
     assert set(panels) == set(points) and panels["val_ppl:notes"].yscale == "log"  # a panel per metric
-    assert {s.label: [list(pt) for pt in zip(s.x, s.y, strict=True)] for s in panels["arc_easy:cf/acc"].series} \
-        == points["arc_easy:cf/acc"]  # a line per model step, its points the evaluated checkpoints
+    drawn_series = {s.label: [list(pt) for pt in zip(s.x, s.y, strict=True)] for s in panels["arc_easy:cf/acc"].series}
+    joined = drawn_series.pop("the model across its stages")  # one line through both stages' checkpoints
+    assert drawn_series == points["arc_easy:cf/acc"]  # a line per model step, its points the evaluated checkpoints
+    assert joined == sorted(pt for pts in points["arc_easy:cf/acc"].values() for pt in pts)
+    criteria = panels["val_ppl:notes"].thresholds  # the spec's success criterion on it, drawn where it is
+    assert criteria == {"criterion <= 1000": 1000.0} and "criterion <= 1000" in panels["val_ppl:notes"].texts
+    assert panels["val_ppl:notes"].ylabel.startswith("perplexity")
     assert all(p.outside == [] for p in panels.values())  # inside the axes: shown, not only held
 
 

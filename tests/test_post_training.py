@@ -255,6 +255,12 @@ def test_grpo_and_every_post_trained_model_is_exported_and_evaluated(post_traine
     history = (Path(post_trained["post_train:grpo"].uri) / "metrics.jsonl").read_text()
     rows = [json.loads(x) for x in history.splitlines()]
     assert {"stage1", "stage2", "mid", "sft", "apo", "grpo"} <= {r["stage"] for r in rows}
+    from compass.tasks.common.plots import PlotDescription  # every post-training step draws its loss (issue 75)
+
+    for name in ("sft", "apo", "grpo"):
+        (panel,) = PlotDescription.read(Path(post_trained[f"post_train:{name}"].uri) / "loss.png").panels
+        drawn = {s.label: list(s.y) for s in panel.series if not s.label.endswith(" (smoothed)")}
+        assert drawn[name] == [r["loss"] for r in rows if r["stage"] == name] and panel.ylabel == "training loss"
     report = post_trained["report:success"].manifest.metrics
     assert report["criteria"][0]["checkpoint"] == "post_train:distill"
 

@@ -281,3 +281,55 @@ def test_the_run_summary_ends_with_each_ablations_verdict_and_interval(tmp_path:
     at = lines.index("ablations against the baseline (val_loss, paired by seed):")
     assert lines[at + 1:at + 3] == ["  untied: val_loss -0.0213 (95% interval -0.0311 to -0.0116), better",
                                     "  more_code: val_loss +0.004 (95% interval -0.01 to 0.018), within noise"]
+
+
+def test_a_long_loss_series_is_drawn_faint_with_its_moving_average_over_it():
+    """A per-step loss is mostly noise: from 30 points on, a stage's raw loss is faint and its debiased moving
+    average drawn over it; a short stage keeps its marked points."""
+    from compass.model.training.records import MetricsRow
+    from compass.tasks.common.plots import PlotDescription
+    from compass.tasks.common.training import loss_png, smoothed
+
+    rows = [MetricsRow(step=i, stage="stage1", stage_step=i, loss=3.0 - i / 100 + (0.3 if i % 2 else -0.3),
+                       tokens=100 * i) for i in range(1, 61)]
+    rows += [MetricsRow(step=60 + i, stage="sft", stage_step=i, loss=1.0, tokens=6000 + 10 * i) for i in range(1, 5)]
+    (panel,) = PlotDescription.read(loss_png(rows, "t")).panels
+    series = {s.label: list(s.y) for s in panel.series}
+    assert list(series) == ["stage1", "stage1 (smoothed)", "sft"]
+    assert series["stage1 (smoothed)"] == pytest.approx(smoothed(series["stage1"]))
+    assert smoothed([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # debiased: no ramp up from zero
+    swing = max(series["stage1"][30:]) - min(series["stage1"][30:])
+    assert max(series["stage1 (smoothed)"][30:]) - min(series["stage1 (smoothed)"][30:]) < swing / 2
+
+
+def test_the_curves_join_the_model_across_stages_and_draw_its_criteria(tmp_path: Path):
+    from compass.tasks.common.plots import PlotDescription
+    from compass.tasks.kinds.curves import plot_curves
+
+    points = {"val_ppl:notes": {"pretrain:stage1": [(1000, 900.0), (2000, 500.0)], "pretrain:stage2": [(3000, 300.0)],
+                                "post_train:sft": [(3000, 320.0)]}}
+    plot_curves(points, tmp_path / "curves.png", "t", {"val_ppl:notes": ["<= 1000"]})
+    (panel,) = PlotDescription.read(tmp_path / "curves.png").panels
+    series = {s.label: list(zip(s.x, s.y, strict=True)) for s in panel.series}
+    # pretraining's stages continue one model: one line through them; a post-training variant stays a point
+    assert series["the model across its stages"] == [(1000, 900.0), (2000, 500.0), (3000, 300.0)]
+    assert panel.thresholds == {"criterion <= 1000": 1000.0} and "criterion <= 1000" in panel.texts
+    assert panel.ylabel == "perplexity (log scale, lower is better)" and panel.outside == []
+
+
+def test_the_ablation_plot_draws_differences_from_zero_with_verdicts_and_intervals(tmp_path: Path):
+    """Raw means on an axis cut just below them made a 0.2% difference look like a factor of two."""
+    from compass.tasks.common.plots import PlotDescription
+    from compass.tasks.kinds.ablate import _plot
+
+    rows = [{"variant": "baseline", "val_loss": 4.5123, "delta": 0.0, "delta 95% interval": None,
+             "verdict": "reference"},
+            {"variant": "untied", "val_loss": 4.491, "delta": -0.0213, "delta 95% interval": [-0.0311, -0.0116],
+             "verdict": "better"},
+            {"variant": "more_code", "val_loss": 4.516, "delta": 0.004, "delta 95% interval": [-0.01, 0.018],
+             "verdict": "within noise"}]
+    _plot(rows, "val_loss", tmp_path / "comparison.png")
+    (panel,) = PlotDescription.read(tmp_path / "comparison.png").panels
+    assert panel.bars == {"untied": -0.0213, "more_code": 0.004} and panel.ylim[0] < -0.0311 and panel.ylim[1] > 0.018
+    assert panel.texts == ("better\n-0.0213 [-0.0311, -0.0116]", "within noise\n+0.004 [-0.01, +0.018]")
+    assert "minus the baseline's" in panel.ylabel and "4.512" in panel.title

@@ -53,6 +53,8 @@ class Panel(BaseModel):
     ylim: tuple[float, float]
     series: tuple[Series, ...]
     bars: dict[str, float]
+    texts: tuple[str, ...] = ()  # what is written on the axes (a bar's verdict, a threshold's name)
+    thresholds: dict[str, float] = {}  # horizontal lines across the axes, by label (a success criterion's)
 
     @property
     def outside(self) -> list[str]:
@@ -86,9 +88,12 @@ def describe(fig: Any) -> PlotDescription:
     for ax in fig.axes:
         if not ax.axison:
             continue
+        lines = [line for line in ax.get_lines() if not str(line.get_label()).startswith("_")]
+        spanning = [line for line in lines if line.get_transform() == ax.get_yaxis_transform()]  # axhline
         series = tuple(Series(label=str(line.get_label()), x=tuple(float(v) for v in line.get_xdata()),
                               y=tuple(float(v) for v in line.get_ydata()))
-                       for line in ax.get_lines() if not str(line.get_label()).startswith("_"))
+                       for line in lines if line not in spanning)
+        thresholds = {str(line.get_label()): float(line.get_ydata()[0]) for line in spanning}
         bars: dict[str, float] = {}
         for container in ax.containers:
             patches = getattr(container, "patches", None)
@@ -98,7 +103,8 @@ def describe(fig: Any) -> PlotDescription:
                              for i, p in enumerate(patches)})
         panels.append(Panel(title=ax.get_title(), xlabel=ax.get_xlabel(), ylabel=ax.get_ylabel(),
                             yscale=ax.get_yscale(), xlim=tuple(float(v) for v in ax.get_xlim()),
-                            ylim=tuple(float(v) for v in ax.get_ylim()), series=series, bars=bars))
+                            ylim=tuple(float(v) for v in ax.get_ylim()), series=series, bars=bars,
+                            texts=tuple(t.get_text() for t in ax.texts), thresholds=thresholds))
     title = fig._suptitle.get_text() if fig._suptitle is not None else ""  # noqa: SLF001 - matplotlib's own field
     return PlotDescription(title=title, panels=tuple(panels))
 

@@ -173,8 +173,21 @@ def plot_loss(metrics: Path, out: Path, title: str) -> None:
     out.write_bytes(loss_png(read_metrics(metrics), title))
 
 
+SMOOTH_FROM = 30  # points of a stage from which its loss is drawn smoothed over the faint raw series
+
+
+def smoothed(values: list[float], weight: float = 0.9) -> list[float]:
+    """An exponential moving average, debiased at the start (TensorBoard's smoothing)."""
+    out, average = [], 0.0
+    for i, value in enumerate(values, 1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight**i))
+    return out
+
+
 def loss_png(rows: list[MetricsRow], title: str, dpi: int = 100) -> bytes:
-    """Training loss against tokens seen, one line per stage (points marked while there are few)."""
+    """Training loss against tokens seen, one line per stage: points marked while there are few; from SMOOTH_FROM
+    on, the raw series faint and its moving average over it (a per-step loss is mostly noise at a glance)."""
 
     import matplotlib
 
@@ -183,9 +196,14 @@ def loss_png(rows: list[MetricsRow], title: str, dpi: int = 100) -> bytes:
 
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for stage in dict.fromkeys(r.stage for r in rows):
-        ax.plot([r.tokens for r in rows if r.stage == stage], [r.loss for r in rows if r.stage == stage],
-                label=stage, marker="o" if len(rows) < 30 else None, markersize=3)
+    for i, stage in enumerate(dict.fromkeys(r.stage for r in rows)):
+        tokens, losses = [r.tokens for r in rows if r.stage == stage], [r.loss for r in rows if r.stage == stage]
+        colour = f"C{i % 10}"
+        many = len(tokens) >= SMOOTH_FROM
+        ax.plot(tokens, losses, label=stage, color=colour, alpha=0.3 if many else 1.0,
+                marker=None if many else "o", markersize=3, linewidth=0.8 if many else 1.5)
+        if many:
+            ax.plot(tokens, smoothed(losses), label=f"{stage} (smoothed)", color=colour, linewidth=1.8)
     use_token_axis(ax)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("training loss")

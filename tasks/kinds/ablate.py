@@ -233,7 +233,7 @@ def run_comparison(ctx: StepContext[CompareConfig]) -> StepResult:
     comparison = Comparison(metric=first, metrics=metrics, better_is=directions,
                             rows=[ComparedVariant.model_validate(r) for r in rows])
     (ctx.out / COMPARISON).write_text(comparison.json_text())
-    _plot(rows, first, ctx.out / "comparison.png")
+    _plot(rows, first, ctx.out / "comparison.png", directions[first] == "lower")
     if probes:
         _plot_probes(probes, [m for m in metrics if "/" in m], ctx.out / "probes.png")
     best = [r for r in rows[1:] if r["verdict"] == "better"]
@@ -268,22 +268,35 @@ def _plot_probes(probes: dict[str, list[list[dict[str, Any]]]], metrics: list[st
     out.write_bytes(figure_png(fig, dpi=90))
 
 
-def _plot(rows: list[dict], metric: str, out: Path) -> None:
+def _plot(rows: list[dict], metric: str, out: Path, lower_is_better: bool = True) -> None:
+    """Each variant's difference from the baseline on `metric`: bars from zero (the baseline), the 95% interval
+    paired by seed as the error bar, the verdict and the interval written on the bar. A bar chart of the raw means
+    on an axis cut just below them made a 0.2% difference look like a factor of two."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [r["variant"] for r in rows]
-    ax.bar(names, [r[metric] for r in rows], yerr=[r["seed std"] for r in rows], capsize=4,
-           color=["grey"] + ["tab:green" if r["verdict"] == "better" else "tab:red" if r["verdict"] == "worse"
-                             else "tab:blue" for r in rows[1:]])
-    low = min(r[metric] - r["seed std"] for r in rows)
-    ax.set_ylim(bottom=low * 0.98)
-    ax.set_ylabel(metric)
-    ax.set_title("ablations (error bars: seed std)")
+    variants = rows[1:]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(variants) + 2), 3.6))
+    names = [r["variant"] for r in variants]
+    deltas = [r["delta"] for r in variants]
+    intervals = [r["delta 95% interval"] for r in variants]
+    errors = [[d - i[0] if i else 0.0 for d, i in zip(deltas, intervals, strict=True)],
+              [i[1] - d if i else 0.0 for d, i in zip(deltas, intervals, strict=True)]]
+    colours = {"better": "tab:green", "worse": "tab:red"}
+    ax.bar(names, deltas, yerr=errors, capsize=4, color=[colours.get(r["verdict"], "tab:blue") for r in variants])
+    ax.axhline(0.0, color="black", linewidth=0.8, label=f"_baseline {rows[0][metric]:.4g}")
+    for i, r in enumerate(variants):
+        interval = r["delta 95% interval"]
+        said = f"{r['verdict']}\n{r['delta']:+.3g}" + (f" [{interval[0]:+.3g}, {interval[1]:+.3g}]" if interval else "")
+        top = max(r["delta"], interval[1] if interval else r["delta"], 0.0)
+        ax.annotate(said, (i, top), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom", fontsize=7)
+    ax.margins(y=0.35)
+    better = "lower" if lower_is_better else "higher"
+    ax.set_ylabel(f"{metric} minus the baseline's\n({better} is better)")
+    ax.set_title(f"ablations against the baseline ({metric} {rows[0][metric]:.4g})\nerror bars: 95% interval "
+                 "paired by seed", fontsize=9)
     fig.tight_layout()
     out.write_bytes(figure_png(fig, dpi=100))
 
@@ -291,7 +304,7 @@ def _plot(rows: list[dict], metric: str, out: Path) -> None:
 ABLATE = StepKind("ablate", AblateConfig, run_ablation, build, version="5", resources=phase("ablation"),
                   trains=True, reads_how=TRAINER_HOW, inputs=TrainingInputs, after=("gate", "tokenize"),
                   imports=TRANSFORMERS, deployment="ablations", headline=("val_loss", "final_loss"))
-# 3: verdicts from a 95% interval paired by seed; one seed says it has no noise estimate
-COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="3", deployment="ablations",
+# 3: verdicts from a 95% interval paired by seed; one seed says it has no noise estimate; 4: the plot of differences
+COMPARE = StepKind("compare", CompareConfig, run_comparison, None, version="4", deployment="ablations",
                    inputs=CompareInputs)
 STEP_KINDS = (ABLATE, COMPARE)

@@ -17,13 +17,32 @@ from compass.tasks.steps.step_config import StepConfig
 
 class CurvesConfig(StepConfig):
     runs: list[str]  # the model steps drawn, in training order
+    thresholds: dict[str, list[str]] = {}  # metric -> the success criteria on it ("<= 1000"), drawn as lines
+
+
+CONTINUING = ("pretrain", "long_context", "mid_training")  # kinds that continue one model: joined across stages
 
 
 def build(plan: PlanBuilder) -> None:
     evaluations = evaluations_by_model(plan)
     runs = [m.id for m in plan.evaluated_models() if m.id in evaluations]
+    thresholds: dict[str, list[str]] = {}
+    for criterion in plan.spec.why.success_criteria:
+        thresholds.setdefault(criterion.metric, []).append(f"{criterion.op} {criterion.threshold:g}")
     if runs:
-        plan.add(KIND, "evaluation", CurvesConfig(runs=runs), Evaluations({m: evaluations[m] for m in runs}))
+        plan.add(KIND, "evaluation", CurvesConfig(runs=runs, thresholds=thresholds),
+                 Evaluations({m: evaluations[m] for m in runs}))
+
+
+def y_label(metric: str) -> str:
+    """What a metric's axis measures, with its unit."""
+    if metric.startswith("val_ppl"):
+        return "perplexity (log scale, lower is better)"
+    if metric.startswith("passkey"):
+        return "retrieval accuracy (0-1)"
+    if metric.endswith(("/acc", "/acc_norm", "/em", "/f1", "/pass@1")) or "accuracy" in metric:
+        return f"{metric.rsplit('/', 1)[-1]} (0-1, higher is better)"
+    return metric
 
 
 def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -43,7 +62,11 @@ def curve_points(evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path, title: str) -> None:
+def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path, title: str,
+                thresholds: dict[str, list[str]] | None = None) -> None:
+    """A panel per metric: each model step's checkpoints (its own marker), one faint line joining the checkpoints
+    of the model that continues through pretraining, long context and mid-training, and each success criterion on
+    the metric as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,15 +88,29 @@ def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path
             (line,) = ax.plot([t for t, _ in pts], [v for _, v in pts], marker=MARKERS[i % len(MARKERS)],
                               markersize=5, fillstyle="full" if i % 2 == 0 else "none", label=run)
             line.set_transform(offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(order) - 1) / 2), units="points"))
+        joined = sorted(p for run, pts in runs.items() if run.split(":", 1)[0] in CONTINUING for p in pts)
+        if len(joined) > 1:
+            ax.plot([t for t, _ in joined], [v for _, v in joined], color="grey", linewidth=1, alpha=0.5,
+                    zorder=0, label="the model across its stages")
+        for said in (thresholds or {}).get(metric, []):
+            value = float(said.split()[1])
+            ax.axhline(value, color="tab:red", linestyle="--", linewidth=1, label=f"criterion {said}")
+            ax.annotate(f"criterion {said}", (0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 2),
+                        textcoords="offset points", fontsize=7, color="tab:red")
         ax.set_title(metric, fontsize=9)
+        ax.set_ylabel(y_label(metric), fontsize=8)
         ax.set_xlabel("tokens seen")
         use_token_axis(ax)
         if "ppl" in metric:
             ax.set_yscale("log")
     for ax in list(axes.flat)[len(points):]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize=8)
+    shown: dict[str, Any] = {}  # every panel's runs once (a criterion's line is named on its panel)
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if not label.startswith("criterion "):
+                shown.setdefault(label, handle)
+    fig.legend(list(shown.values()), list(shown), loc="lower center", ncol=min(4, max(1, len(shown))), fontsize=8)
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     out.write_bytes(figure_png(fig, dpi=90))
@@ -84,7 +121,7 @@ def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
                    for model, art in ctx.given(Evaluations).evaluations.items()}
     points = curve_points(evaluations)
     (ctx.out / "curves.json").write_text(json.dumps(points, indent=1))
-    plot_curves(points, ctx.out / "curves.png", "evaluation against tokens seen")
+    plot_curves(points, ctx.out / "curves.png", "evaluation against tokens seen", ctx.config.thresholds)
     table = [{"run": run, "metric": metric, "tokens": t, "value": round(v, 4)}
              for metric, runs in points.items() for run, pts in runs.items() for t, v in pts]
     n = sum(len(p) for runs in points.values() for p in runs.values())
@@ -93,6 +130,7 @@ def run_curves(ctx: StepContext[CurvesConfig]) -> StepResult:
     return StepResult(metrics={"metrics": sorted(points), "points": n}, summary=summary, tables={"curve_points": table})
 
 
-KIND = StepKind("curves", CurvesConfig, run_curves, build, version="1", inputs=Evaluations, after=("evaluate",),
+# 2: the model joined across stages, criteria drawn, axis labels with units
+KIND = StepKind("curves", CurvesConfig, run_curves, build, version="2", inputs=Evaluations, after=("evaluate",),
                 after_models=True)
 STEP_KINDS = (KIND,)

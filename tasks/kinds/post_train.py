@@ -34,7 +34,7 @@ from compass.tasks.common.arithmetic import fenced, training_arithmetic
 from compass.tasks.common.devices import Device, device_for, setup_of
 from compass.tasks.common.fence import INDEX_FOLDER, fence_read_by
 from compass.tasks.common.tracking import tracker_run_of
-from compass.tasks.common.training import telemetry_of
+from compass.tasks.common.training import plot_loss, telemetry_of
 from compass.tasks.evaluation.offline_benchmarks import PACKAGE
 from compass.tasks.post_training.adapters import export_merged
 from compass.tasks.post_training.chat import IM_END, IM_START, generate, load_chat_model, on_device
@@ -435,6 +435,7 @@ def run_post_train(ctx: StepContext[PostTrainConfig]) -> StepResult:
                               method=method)  # GRPO logs its count as num_tokens
                    for i, h in enumerate(logs)]
     write_metrics(out.metrics, read_metrics(previous.metrics) + metric_rows)
+    plot_loss(out.metrics, out.loss_plot, f"{ctx.name} ({method}): loss over all stages so far")
     vibe = _vibe_check(ctx, exported, tokenizer)
     if isinstance(cfg, Grpo):
         facts |= _reward_facts([h["reward"] for h in result.log_history if "reward" in h], ctx)
@@ -538,7 +539,8 @@ def check_machine(spec: TrainingSpec, base_dir: Path) -> Iterator[Issue]:
                             f"{step.method} reads JSONL lines shaped {PAIR_SHAPES if pairs else CONVERSATION_SHAPES}")
 
 
-KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="3",
+# 4: a loss plot in every post-training artifact
+KIND = StepKind("post_train", PostTrainConfig, run_post_train, build, version="4",
                 resources=phase("post_training"), trains=True, reads_how=TRL_HOW,
                 imports=TRANSFORMERS, check_machine=check_machine, inputs=PostTrainInputs,
                 after=("mid_training", "tokenizer", "base_model", "model"), after_models=True,
