@@ -24,14 +24,17 @@ def run_progress(results: list[StepRecord], total: int, elapsed_s: float) -> str
 
 
 def time_left(rows: list[MetricsRow]) -> str:
-    """`, about 3m05s left` in the stage, from its last steps' tokens per step and tokens per second; empty until
-    two steps of the stage have been seen."""
-    stage = [r for r in rows if r.stage == rows[-1].stage and r.stage_step is not None]
-    if len(stage) < 2 or not stage[-1].tokens_per_s or not stage[-1].stage_steps:
+    """`, about 3m05s left` in the stage: its steps left at the mean time a step of it took over the rows seen
+    (each step's tokens over its own tokens per second), so one slow or fast step (a checkpoint's stall, a warm
+    cache) does not swing it as the last step's rate did (23 s -> 48 s -> 62 s); empty until two steps of the
+    stage have been seen."""
+    stage = [r for r in rows if r.stage == rows[-1].stage and r.stage_step is not None and r.tokens_per_s]
+    if len(stage) < 2 or not stage[-1].stage_steps:
         return ""
-    first, last = stage[max(0, len(stage) - 10)], stage[-1]
+    first, last = stage[0], stage[-1]
     if last.stage_step <= first.stage_step:  # type: ignore[operator]
         return ""
     per_step = (last.tokens - first.tokens) / (last.stage_step - first.stage_step)  # type: ignore[operator]
-    left = (last.stage_steps - last.stage_step) * per_step / last.tokens_per_s  # type: ignore[operator]
+    step_s = sum(per_step / r.tokens_per_s for r in stage[1:]) / (len(stage) - 1)  # type: ignore[operator]
+    left = (last.stage_steps - last.stage_step) * step_s  # type: ignore[operator]
     return f", about {duration(left)} left"
