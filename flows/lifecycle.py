@@ -26,6 +26,7 @@ from compass.flows.reports.mixture import consumption_section, source_sizes
 from compass.flows.reports.plan_status import plan_status
 from compass.flows.reports.plan_tables import cost_sections, dag_section, to_markdown
 from compass.flows.reports.progress import run_progress
+from compass.flows.reports.run_clock import RunClock, predicted_seconds
 from compass.flows.reports.run_outcome import run_outcome
 from compass.flows.reports.run_summary import RunSummary
 from compass.flows.reports.smoke import smoke_table
@@ -190,19 +191,20 @@ def _ray_options(ctx: RunContext, step: Step):
     return remote_options(**resources)
 
 
-def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[StepRecord]:
+def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration, clock: RunClock | None = None) -> list[StepRecord]:
     """Submit each step once its inputs are done, at most `max_parallel_steps` at a time.
 
     Submitting only ready steps means no worker thread ever blocks waiting for an upstream step; the finished
     upstream futures still go in `wait_for`, so the Prefect UI draws the DAG's edges.
     """
     try:
-        return _run_ready_steps(plan, ctx, orch)
+        return _run_ready_steps(plan, ctx, orch, clock)
     except (KeyboardInterrupt, TerminationSignal) as exc:  # steps' threads would keep the process alive
         stop_run(exc)
 
 
-def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[StepRecord]:
+def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration,
+                     clock: RunClock | None = None) -> list[StepRecord]:
     _resolve_imports_of_steps_to_compute(plan, ctx)
     started = time.monotonic()
     limited = limited_tags(plan)
@@ -242,7 +244,8 @@ def _run_ready_steps(plan: Plan, ctx: RunContext, orch: Orchestration) -> list[S
         done = finished[step_id] = running.pop(step_id)
         try:
             results.append(done.result())
-            get_run_logger().info(run_progress(results, len(plan.steps), time.monotonic() - started))
+            get_run_logger().info(run_progress(results, len(plan.steps), time.monotonic() - started)
+                                  + (clock.line(results) if clock else ""))
         except (KeyboardInterrupt, TerminationSignal):
             raise  # the run stops now (run_plan), not after the running steps
         except BaseException as exc:  # let the running steps finish, submit nothing new, then fail the flow
@@ -356,7 +359,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         runtime = Runtime(how=how, base_dir=base, run=spec.name)
         ctx = RunContext(plan, store, loaded.spec_hash, runtime)
         with _rehearsing(loaded.size == "rehearsal"):
-            results = run_plan(plan, ctx, orch)
+            results = run_plan(plan, ctx, orch, RunClock(plan, predicted_seconds(spec, plan)))
         ran = [r.step for r in results if r.executed]
         logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
         # a flow run's page is linked when a server outlives the run (a temporary server ends with it)

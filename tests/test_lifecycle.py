@@ -44,6 +44,7 @@ def quiet_terminal(terminal: str, steps: set[str], cwd: Path) -> None:
     assert any("pretrain:stage1: step" in line and "tokens/s" in line for line in lines)  # its progress line
     counted = [line for line in lines if re.search(rf"\[\d+/{len(steps)}\] \S+ done: \d+ ran, \d+ cached", line)]
     assert len(counted) == len(steps) and f"[{len(steps)}/{len(steps)}]" in counted[-1]  # how far the run is
+    assert all("left in the run" in line for line in counted[:-1]) and "left in the run" not in counted[-1]
     assert not [line for line in lines if "datatrove" in line or "it/s]" in line or "Launching pipeline" in line]
     assert len(lines) < 5 * len(steps) + 12, terminal  # a few lines per step, not hundreds
     log = (cwd / first.split(": ", 1)[1].split(" (")[0]).read_text()

@@ -34,3 +34,30 @@ def test_a_training_stage_says_how_long_it_has_left():
     assert time_left(rows[:1]) == ""  # one step: nothing to measure a step by yet
     other = [*rows, row(1, stage="stage2")]  # a new stage starts its own count
     assert time_left(other) == ""
+
+
+def test_the_run_says_how_long_it_has_left_along_its_longest_chain_corrected_by_what_it_measured(tmp_path):
+    """After each step: the plan's model of every step left (here stage 1 5 s, stage 2 3 s), times how much slower
+    or faster the steps it timed ran, along the longest chain still to end (two ingests side by side count once);
+    a step the model cannot time counts at the mean of its kind's (else all) steps this run computed."""
+    from compass.flows.compiler import compile_spec
+    from compass.flows.reports.run_clock import RunClock, predicted_seconds
+    from compass.specs import load_spec
+    from tests.conftest import write_minimal_spec
+
+    spec = load_spec(write_minimal_spec(tmp_path)).spec
+    plan = compile_spec(spec)
+    assert set(predicted_seconds(spec, plan)) == {"pretrain:stage1", "pretrain:stage2"}
+    clock = RunClock(plan, {"pretrain:stage1": 5.0, "pretrain:stage2": 3.0})
+
+    def ended(step: str, seconds: float, executed: bool = True) -> StepRecord:
+        return StepRecord(step=step, uri=f"store/{step}", executed=executed, seconds=seconds, pid=1)
+
+    assert clock.line([]) == "; about 8s left in the run (the plan's model)"
+    # ingest:code 4 s like ingest:notes, the rest of the data steps 4 s (all computed steps' mean): 16 s of data
+    # steps on the chain ingest:code -> curate:code -> tokenizer -> tokenize, then 5 + 3 s
+    assert clock.left_s([ended("ingest:notes", 4.0)]) == 24.0
+    data = [ended(s.id, 0.0, executed=False) for s in plan.steps if s.kind != "pretrain"]
+    assert clock.line([*data, ended("pretrain:stage1", 10.0)]) == \
+        "; about 6s left in the run (the plan's model x 2, measured)"
+    assert clock.line([*data, ended("pretrain:stage1", 10.0), ended("pretrain:stage2", 6.0)]) == ""
