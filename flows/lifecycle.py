@@ -46,6 +46,7 @@ from compass.infra.temporary_server import temporary_server_running
 from compass.model.training.rank_device import REHEARSAL_ENV
 from compass.specs.how import Orchestration
 from compass.specs.loader import SpecError, load_spec_text, parse_spec_text
+from compass.specs.spec import TrainingSpec
 from compass.tasks.steps import registry
 from compass.tasks.steps.backends import launcher_for
 from compass.tasks.steps.context import Runtime
@@ -189,6 +190,16 @@ def _ray_options(ctx: RunContext, step: Step):
     from prefect_ray.context import remote_options
 
     return remote_options(**resources)
+
+
+def _clock(spec: TrainingSpec, plan: Plan) -> RunClock | None:
+    """The run's time-left estimate; none when the plan's model cannot time this spec (a display never fails a
+    run)."""
+    try:
+        return RunClock(plan, predicted_seconds(spec, plan))
+    except Exception as exc:  # noqa: BLE001 - any failure of the estimate only costs the estimate
+        get_run_logger().warning("no time-left estimate for this run: %s", exc)
+        return None
 
 
 def run_plan(plan: Plan, ctx: RunContext, orch: Orchestration, clock: RunClock | None = None) -> list[StepRecord]:
@@ -359,7 +370,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         runtime = Runtime(how=how, base_dir=base, run=spec.name)
         ctx = RunContext(plan, store, loaded.spec_hash, runtime)
         with _rehearsing(loaded.size == "rehearsal"):
-            results = run_plan(plan, ctx, orch, RunClock(plan, predicted_seconds(spec, plan)))
+            results = run_plan(plan, ctx, orch, _clock(spec, plan))
         ran = [r.step for r in results if r.executed]
         logger.info("%d steps ran, %d cached, %d left out", len(ran), len(results) - len(ran), len(left_out))
         # a flow run's page is linked when a server outlives the run (a temporary server ends with it)
