@@ -477,20 +477,28 @@ def _urls_holding_secrets(model: TrainingSpec) -> Iterator[Loc]:
 
 
 def _checkpoint_cadence(spec: TrainingSpec) -> Iterator[Issue]:
-    """Without a stop signal before the time limit (cluster.requeue: false) a job saves only at the checkpoint
-    cadence: a stage whose checkpoint interval is longer than its jobs' time never commits progress, and each retry
-    starts from the same checkpoint again (specs/goodput_plan.py times the interval)."""
+    """Each training job trains long enough to commit progress: its time limit outlasts the start-up and the stop
+    signal's lead; and without a stop signal before the limit (cluster.requeue: false) a job saves only at the
+    checkpoint cadence, so a stage whose checkpoint interval is longer than its jobs' time never commits progress
+    and each retry starts from the same checkpoint again (specs/goodput_plan.py times the interval)."""
     how = spec.how
     cluster = how.orchestration.cluster
-    if cluster is None or cluster.requeue:
+    if cluster is None:
         return
     for split in predicted_splits(spec):
-        limit = how.shape(PHASE_OF_SECTION[split.stage.split(":", 1)[0]]).time_limit
+        phase = PHASE_OF_SECTION[split.stage.split(":", 1)[0]]
+        limit = how.shape(phase).time_limit
         if limit is None:
             continue
-        usable = slurm_seconds(limit) - how.hardware.startup_estimate_s
+        given = getattr(how.resources, phase).time_limit is not None
+        at = ("how", "resources", phase, "time_limit") if given else ("how", "orchestration", "cluster", "time_limit")
+        usable = slurm_seconds(limit) - how.hardware.startup_estimate_s - how.stop_lead_s
         interval = split.compute_s / max(1, split.checkpoints)
-        if interval > usable:
+        if usable <= 0:  # a job ends (or is asked to stop) before it has started training
+            yield Issue(at, f"{split.stage}: its jobs' time limit {limit} leaves no time to train after the start-up "
+                        f"(~{how.hardware.startup_estimate_s:,.0f} s, how.hardware.startup_s) and the stop signal's "
+                        f"lead ({how.stop_lead_s:,.0f} s)", "give the phase a longer time limit")
+        elif not cluster.requeue and interval > usable:
             steps = how.checkpoints.every_steps
             fewer = max(1, int(steps * usable / interval))
             yield Issue(("how", "checkpoints", "every_steps"),

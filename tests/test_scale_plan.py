@@ -113,3 +113,12 @@ def test_the_plan_guide_quotes_the_scale_table():
     assert int(checkpoints.replace(",", "")) * int(gb) * 1e9 == pytest.approx(stage1.checkpoint_bytes, rel=0.01)
     assert round(stage1.wall_s / 86400) == 18
     assert int(quoted_in_prose(PLAN_GUIDE, r"commits ~(\d+) TiB \(its kept")) == round(stage1.artifact_bytes / 2**40)
+
+
+def test_a_training_time_limit_shorter_than_the_start_up_and_the_stop_lead_is_refused(tmp_path: Path):
+    """A 4-minute limit with a 5-minute stop signal and 3 minutes of start-up: every job would be asked to stop
+    before it trained a step (the table said "fits its jobs: NO"; validation let it through)."""
+    path = example(tmp_path, **{'time_limit: "2-00:00:00"': 'time_limit: "4:00"'})
+    refused_at(path, 'time_limit: "4:00"', r"how.orchestration.cluster.time_limit: pretrain:stage1: its jobs' time "
+               r"limit 4:00 leaves no time to train after the start-up \(~180 s, how.hardware.startup_s\) and the "
+               r"stop signal's lead \(300 s\).*give the phase a longer time limit")

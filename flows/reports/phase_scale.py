@@ -73,7 +73,9 @@ def phase_scales(spec: TrainingSpec) -> list[PhaseScale]:
         kept = exports if how.evaluation.every_checkpoint else min(exports, how.checkpoints.keep_last)
         interval = split.compute_s / max(1, split.checkpoints)
         # with a requeue the stop signal saves a checkpoint at the limit; without one a job must reach the next
-        fits = usable is None or (usable > 0 and (lead > 0 or interval <= usable))
+        # (specs/checks._checkpoint_cadence refuses what does not fit)
+        requeue = how.orchestration.cluster is not None and how.orchestration.cluster.requeue
+        fits = usable is None or (usable > 0 and (requeue or interval <= usable))
         continues = previous is not None or spec.what.model is not None
         checkpoints = split.checkpoints * state
         artifact = state + export + kept * export
