@@ -254,7 +254,8 @@ def test_the_run_ends_with_what_each_step_exercised_and_what_was_shrunk(producti
     verdict = f"success criteria {'MET' if report['passed'] else 'NOT MET'}: "
     ending = shown[shown.index(verdict):].splitlines()  # the criteria with their numbers, then where things are
     assert [line.split(" at ")[0].strip() for line in ending[1:4]] == [c["criterion"] for c in report["criteria"]]
-    assert ending[4].startswith(f"report: {ROOT}/report/success-") and ending[5].startswith("plots: ")
+    assert ending[4].startswith(f"report: {ROOT}/report/success-")
+    assert ending[5].startswith("ablations against the baseline") or ending[5].startswith("plots: ")
     assert ending[6].startswith("log: .compass/logs/") and "/runs/flow-run/" in ending[7]
     assert ending[8].startswith(f"0 ran, {len(production.summary['steps'])} cached")
 

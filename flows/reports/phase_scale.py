@@ -64,7 +64,7 @@ def phase_scales(spec: TrainingSpec) -> list[PhaseScale]:
     for split in predicted_splits(spec):
         section = split.stage.split(":", 1)[0]
         shape = how.shape(PHASE_OF_SECTION[section])
-        limit = slurm_seconds(shape.time_limit) if shape.time_limit and how.orchestration.cluster else None
+        limit = slurm_seconds(shape.time_limit) if shape.time_limit else None  # a time limit is a cluster's
         usable = None if limit is None else limit - how.hardware.startup_estimate_s - lead
         jobs = 1 + math.ceil(split.interruptions)
         if usable is not None and usable > 0:
@@ -74,8 +74,7 @@ def phase_scales(spec: TrainingSpec) -> list[PhaseScale]:
         interval = split.compute_s / max(1, split.checkpoints)
         # with a requeue the stop signal saves a checkpoint at the limit; without one a job must reach the next
         # (specs/checks._checkpoint_cadence refuses what does not fit)
-        requeue = how.orchestration.cluster is not None and how.orchestration.cluster.requeue
-        fits = usable is None or (usable > 0 and (requeue or interval <= usable))
+        fits = usable is None or (usable > 0 and (lead > 0 or interval <= usable))  # lead: the requeue's signal
         continues = previous is not None or spec.what.model is not None
         checkpoints = split.checkpoints * state
         artifact = state + export + kept * export

@@ -215,7 +215,7 @@ def scale_section(spec: TrainingSpec) -> Section | None:
     """Each training stage and evaluate step at the spec's size: the jobs it takes, what it copies, reads, writes,
     commits and uploads (for GPU specs and specs with a cluster: what grows with the run)."""
     how = spec.how
-    if how.hardware.accelerator == "cpu" and how.orchestration.cluster is None:
+    if how.hardware.accelerator == "cpu" and how.shape("pretraining").time_limit is None:
         return None
     rows = phase_scales(spec)
     if not rows:
