@@ -255,9 +255,14 @@ def test_the_run_ends_with_what_each_step_exercised_and_what_was_shrunk(producti
     ending = shown[shown.index(verdict):].splitlines()  # the criteria with their numbers, then where things are
     assert [line.split(" at ")[0].strip() for line in ending[1:4]] == [c["criterion"] for c in report["criteria"]]
     assert ending[4].startswith(f"report: {ROOT}/report/success-")
-    assert ending[5].startswith("ablations against the baseline") or ending[5].startswith("plots: ")
-    assert ending[6].startswith("log: .compass/logs/") and "/runs/flow-run/" in ending[7]
-    assert ending[8].startswith(f"0 ran, {len(production.summary['steps'])} cached")
+    tail = ending[5:]  # then the ablations' verdicts (one line each), the plots, the log, the Prefect run, the counts
+    headers = [line for line in tail if not line.startswith("  ")]
+    assert headers[0].startswith("ablations against the baseline (")
+    variants = tail[1:tail.index(headers[1])]  # `  mha: val_loss -0.0278, one seed: no noise estimate`
+    assert variants and all(v.split(": ")[1].startswith("val_loss ") for v in variants), variants
+    log = next(i for i, line in enumerate(tail) if line.startswith("log: .compass/logs/"))
+    assert any(line.startswith("plots: ") for line in tail[:log]) and "/runs/flow-run/" in tail[log + 1]
+    assert tail[log + 2].startswith(f"0 ran, {len(production.summary['steps'])} cached")
 
 
 def site_copy(folder: Path) -> Path:
