@@ -32,7 +32,7 @@ from compass.flows.reports.run_summary import RunSummary
 from compass.flows.reports.smoke import smoke_table
 from compass.flows.reports.step_record import StepRecord
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
-from compass.flows.server.confinement import outside_roots, store_outside_worker, worker_roots
+from compass.flows.server.confinement import outside_roots, store_outside_worker, worker_roots, worker_store
 from compass.flows.server.submit import ui_url
 from compass.flows.validation import check, checked_already, shrunk
 from compass.infra import resource_ledger
@@ -343,7 +343,11 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
             smoke=smoke, no_recompute=no_recompute, rehearse=rehearse)
     full = checked.plan
     plan = full.up_to(until) if until else full
-    root = store_root or spec.how.storage.root_at(base)
+    own = None if store_root or not deployment.id else worker_store(spec.how.storage.root, size)
+    root = store_root or own or spec.how.storage.root_at(base)
+    if own:  # the submitter named no store: a local root of theirs means nothing here
+        logger.info("store %s: this worker's --store (the spec's how.storage.root %s is the submitter's folder)",
+                    own, spec.how.storage.root)
     if deployment.id:  # submitted to a shared worker: read local files only under its own roots, never the submitter's
         outside = list(outside_roots(spec, base, worker_roots()))
         if outside:

@@ -9,7 +9,6 @@ result is never computed twice and a changed suite evaluates everything again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -20,14 +19,16 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
+from compass.flows.server.confinement import store_outside_worker
 from compass.infra.credentials import apply_credentials_block
 from compass.infra.environment import prepare_environment
-from compass.infra.fingerprint import canonical_json
 from compass.infra.layout import WEIGHTS, ModelArtifact, pending_copy
 from compass.infra.locks import step_lock
 from compass.infra.store import Store
 from compass.specs.evaluation import Benchmark
 from compass.specs.how import How
+from compass.tasks.evaluation.live_results import result_path as weights_result_path
+from compass.tasks.evaluation.live_results import suite_hash as versioned_suite_hash
 from compass.tasks.steps import registry
 
 # Evaluations started by checkpoint events wait their turn: each holds a device while it runs.
@@ -35,11 +36,6 @@ ONE_EVALUATION_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=Co
 # A scan still running when the schedule fires again makes the new run cancel itself: overlapping scans would
 # only wait on each other's locks, and one run per tick that finds nothing new is the expected rhythm.
 SCAN_ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
-
-
-def suite_hash(benchmarks: list[dict[str, Any]]) -> str:
-    version = registry.kind("evaluate").version
-    return hashlib.sha256(canonical_json({"benchmarks": benchmarks, "version": version}).encode()).hexdigest()
 
 
 def discover(store: Store) -> list[dict[str, Any]]:
@@ -56,8 +52,12 @@ def discover(store: Store) -> list[dict[str, Any]]:
     return sorted(found, key=lambda c: (c["artifact"], c["folder"]))
 
 
+def suite_hash(benchmarks: list[dict[str, Any]]) -> str:
+    return versioned_suite_hash(benchmarks, registry.kind("evaluate").version)
+
+
 def result_path(store: Store, suite: str, checkpoint: dict[str, Any]) -> str:
-    return f"{store.root_path}/.evaluations/{suite[:12]}/{checkpoint['weights_sha256'][:20]}.json"
+    return weights_result_path(store, suite, checkpoint["weights_sha256"])
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="evaluate {checkpoint[step]} {checkpoint[folder]}")
@@ -152,15 +152,19 @@ def evaluate_committed_checkpoint(checkpoint: dict[str, Any], benchmarks: list[d
                                   credentials_block: str | None = None,
                                   how: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate the checkpoint a `compass.checkpoint.committed` event names (compass deploy's automation runs this
-    for each one). Results go where the scheduled evaluation keeps them, keyed by the weights: neither this flow
-    nor the schedule evaluates the same weights twice for one suite."""
+    for each one, with the store of the run that committed it). Results go where the scheduled evaluation keeps
+    them, keyed by the weights: neither this flow nor the schedule evaluates the same weights twice for one suite,
+    and the run's own evaluate step takes a kept checkpoint's benchmark scores from here (live_results)."""
 
     prepare_environment()
     apply_credentials_block(credentials_block)
     logger = get_run_logger()
+    name = f"{checkpoint.get('step')} {checkpoint.get('folder')}"
+    if refused := store_outside_worker(store_root):  # the event names the run's store: within this worker's limits
+        logger.error("%s: not evaluated: store %s", name, refused)
+        return {"suite": None, "evaluated": None, "checkpoint": checkpoint}
     store = Store(store_root)
     suite = suite_hash(benchmarks)
-    name = f"{checkpoint.get('step')} {checkpoint.get('folder')}"
     if store.fs.exists(result_path(store, suite, checkpoint)):
         logger.info("%s: already evaluated for suite %s", name, suite[:12])
         return {"suite": suite, "evaluated": None, "checkpoint": checkpoint}

@@ -269,6 +269,45 @@ def test_an_evaluation_stopped_between_checkpoints_scores_only_the_rest_when_it_
     assert [p["val_ppl:notes"] for p in curve] == pytest.approx([p["val_ppl:notes"] for p in whole], rel=1e-6)
 
 
+def test_a_checkpoint_scored_live_is_not_scored_again_by_the_runs_evaluate_step(evaluated, tmp_path: Path):
+    """Issue 75 item 4: compass deploy's per-checkpoint evaluation scores a stage's checkpoints as they are committed
+    (results keyed by the suite and the weights' sha256); the run's own evaluate step, reaching those checkpoints
+    later, takes their benchmark scores and computes only what the live evaluation does not (held-out perplexity),
+    so no checkpoint's benchmarks are scored twice. The final weights are scored by the step (their items feed the
+    paired verdicts)."""
+    import shutil
+
+    from compass.flows.runner import run_step
+    from compass.flows.scheduled_eval import discover, result_path, suite_hash
+    from compass.tasks.evaluation.checkpoint_job import CheckpointEvaluation, score
+
+    loaded = evaluated_spec()
+    store = tmp_path / "store"
+    for kind in Path(evaluated["pretrain:stage1"].uri).parents[1].iterdir():  # every artifact but the evaluations'
+        if kind.is_dir() and not kind.name.startswith(".") and kind.name not in ("evaluate", "monitoring"):
+            shutil.copytree(kind, store / kind.name)
+    ctx = run_context(loaded, store)
+    benchmarks = [b.model_dump(mode="json") for b in loaded.spec.what.evaluation.benchmarks]
+    suite = suite_hash(benchmarks)
+    (live,) = [c for c in discover(ctx.store) if c["step"] == "pretrain:stage1"
+               and c["folder"] == "checkpoints/step-00000030"]
+    record = score(CheckpointEvaluation(store_root=str(store), checkpoint=live, suite=suite,
+                                        target=result_path(ctx.store, suite, live), how=loaded.spec.how,
+                                        benchmarks=loaded.spec.what.evaluation.benchmarks))  # what the flow runs
+
+    outcome = run_step(ctx, ctx.plan.step("evaluate:pretrain-stage1"), logging.getLogger("test"))
+    metrics = outcome.manifest.metrics
+    assert metrics["benchmarks_scored_live"] == 1  # step 30's; step 60 and the final weights scored here
+    first = metrics["curve"][0]
+    assert first["checkpoint"] == "step-00000030"
+    assert {k: first[k] for k in record["metrics"]} == record["metrics"]
+    whole = evaluated["evaluate:pretrain-stage1"].manifest.metrics["curve"]  # the run that scored everything itself
+    assert first["arc_easy:cf/acc"] == pytest.approx(whole[0]["arc_easy:cf/acc"])  # the same weights, the same score
+    assert first["val_ppl:notes"] == pytest.approx(whole[0]["val_ppl:notes"], rel=1e-6)  # computed by the step
+    assert "benchmarks_scored_live" not in evaluated["evaluate:pretrain-stage1"].manifest.metrics or \
+        evaluated["evaluate:pretrain-stage1"].manifest.metrics["benchmarks_scored_live"] == 0
+
+
 def test_every_checkpoint_is_evaluated_and_drawn_as_curves(evaluated):
     from PIL import Image
 

@@ -82,7 +82,10 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
                                       env=env | {"COMPASS_ALLOWED_ROOTS": f"{FIXTURES}:{home}"},
                                       stdout=open(home / "worker.log", "w"),  # noqa: SIM115
                                       stderr=subprocess.STDOUT, start_new_session=True)
-            shells = [subprocess.Popen([str(VENV_BIN / "compass"), "submit", str(spec), "--store", str(store),
+            # team-a names no store (its spec's local root is a folder of the submitter's: the worker writes its own
+            # --store); team-b names the worker's store itself
+            named = [[], ["--store", str(store)]]
+            shells = [subprocess.Popen([str(VENV_BIN / "compass"), "submit", str(spec), *named[i],
                                         "--until", UNTIL, "--watch", "--json"], cwd=home, env=env,
                                        stdout=subprocess.PIPE, stderr=open(home / f"submit-{i}.log", "w"),  # noqa: SIM115
                                        text=True) for i, spec in enumerate(specs)]
@@ -118,6 +121,19 @@ def test_two_specs_submitted_at_once_both_complete(team: Team):
     assert [s["state"] for s in team.submitted] == ["Completed", "Completed"]
     assert {s["name"].split("-")[1] for s in team.submitted} == {"a", "b"}
     assert set(team.before_restart) == {s["id"] for s in team.submitted}  # they ran side by side
+
+
+@pytest.mark.slow
+def test_a_spec_submitted_without_a_store_runs_first_try_into_the_workers_store(team: Team):
+    """Issue 75 item 4: `compass submit SPEC` (no --store) to a worker started with `--store` is not refused: the run
+    writes the worker's store, not the spec's local root (a folder of the submitter's), and the submitter was told
+    which local files the worker reads from its own disk."""
+    assert team.submitted[0]["state"] == "Completed"
+    stages = list(team.store.glob("pretrain/stage1-*/manifest.json"))
+    assert len(stages) == 2  # team-a's stage (150k tokens) beside team-b's (140k), both in the worker's store
+    assert not (team.specs[0].parent / "store").exists()  # the spec's own root: never written
+    warned = " ".join((team.specs[0].parents[1] / "submit-0.log").read_text().split())
+    assert "warning: what.data.sources.0.uri: the worker reads" in warned and "from its own disk" in warned
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from compass.flows.cli.common import EXIT_BAD_INPUT, RehearseOption, SmokeOption, err, load, out, store_root
 from compass.flows.reports.recent_runs import recent_runs
-from compass.flows.server.confinement import WORKER_SPECS, WORKER_STORE
+from compass.flows.server.confinement import WORKER_SPECS, WORKER_STORE, worker_read_warnings
 from compass.flows.server.database import DatabaseError, prefect_database_url, redacted, unreachable
 from compass.flows.server.worker import serve
 
@@ -169,7 +169,9 @@ def deploy(spec: Annotated[Path | None, typer.Argument(
 
 @ops.command()
 def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", show_default=False)],
-           store: Annotated[str | None, typer.Option(help="Override how.storage.root.")] = None,
+           store: Annotated[str | None, typer.Option(
+               help="Override how.storage.root. Without it a local root is the worker's --store (a folder of "
+                    "this machine means nothing on the worker's), an s3:// root the spec's.")] = None,
            deployment: Annotated[str, typer.Option(help="Deployment to run.")] = "compass-lifecycle/lifecycle",
            until: Annotated[list[str] | None, typer.Option(
                help="Run only these steps (kind or step id) and the steps they need (repeatable).")] = None,
@@ -187,8 +189,12 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
     from compass.flows.server.submit import ui_url
     from compass.flows.server.submit import watch as follow
 
+    remote_root = "://" in checked.spec.how.storage.root and not checked.spec.how.storage.root.startswith("file://")
+    root = store_root(checked, store) if store or remote_root else None  # None: the worker's --store decides
+    for line in worker_read_warnings(checked.spec, checked.loaded.base_dir):
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
     try:
-        run = create_run(checked.loaded, str(spec), deployment, store_root(checked, store), until)
+        run = create_run(checked.loaded, str(spec), deployment, root, until)
     except ObjectNotFound:
         err.print(f"deployment '{deployment}' not found on the server: run `compass deploy` first", markup=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None

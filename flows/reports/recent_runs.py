@@ -82,7 +82,7 @@ def recent_runs(limit: int = 10) -> list[RunRow]:
                 started=f"{run.start_time:%Y-%m-%d %H:%M:%S}" if run.start_time else "-",
                 current_step=_current_step(tasks),
                 steps_done=sum(t.state_type is not None and t.state_type.value == "COMPLETED" for t in tasks),
-                store=str(run.parameters.get("store_root") or "-"),
+                store=str(run.parameters.get("store_root") or ("the worker's" if run.deployment_id else "-")),
                 deployment=deployments.get(run.deployment_id, "-") if run.deployment_id else "-",
                 goodput=summed(splits), goodput_steps=len(splits),
                 resources=_summed(ledgers), resources_steps=len(ledgers), verdict=_verdict(client, run.id)))

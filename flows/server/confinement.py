@@ -53,6 +53,14 @@ def local_paths(spec: TrainingSpec, base_dir: Path) -> list[tuple[Loc, str, Path
     return out
 
 
+def worker_read_warnings(spec: TrainingSpec, base_dir: Path) -> list[str]:
+    """What `compass submit` warns of: each local file the run reads is read from the worker's disk, under its own
+    roots, not from the submitter's (the run fails at its start, naming the field, where the worker lacks it)."""
+    return [f"warning: {'.'.join(str(part) for part in loc)}: the worker reads {uri} from its own disk ({path} "
+            f"there, under its --store, --specs or {ALLOWED_ROOTS}); put it on S3 where the worker is another "
+            f"machine" for loc, uri, path in local_paths(spec, base_dir)]
+
+
 def outside_roots(spec: TrainingSpec, base_dir: Path, roots: list[Path]) -> Iterator[Issue]:
     """Every local path the spec reads that resolves (symlinks and '..' followed) outside `roots`."""
     for loc, uri, path in local_paths(spec, base_dir):
@@ -61,6 +69,19 @@ def outside_roots(spec: TrainingSpec, base_dir: Path, roots: list[Path]) -> Iter
                         f"({', '.join(str(r) for r in roots) or 'none'})", f"put the data on S3 or under the "
                         f"worker's store or spec folder ({WORKER_STORE}, {WORKER_SPECS}), or add its folder to "
                         f"{ALLOWED_ROOTS} in the worker's environment")
+
+
+def worker_store(spec_root: str, size: str) -> str | None:
+    """The store a run a deployment started writes when its submitter named none: the worker's own (`compass worker
+    --store`, beside it at smoke or rehearsal size) in place of a local `how.storage.root`, which names a folder of
+    the submitter's machine; an s3:// root is the spec's own bucket and stays. None: the spec's root (a worker started
+    without `--store`)."""
+    from compass.specs.smoke import sized_root
+
+    own = os.environ.get(WORKER_STORE)
+    if not own or ("://" in spec_root and not spec_root.startswith("file://")):
+        return None
+    return own if size == "full" else sized_root(own, size)
 
 
 def store_outside_worker(root: str) -> str | None:
@@ -79,4 +100,4 @@ def store_outside_worker(root: str) -> str | None:
     if any(path.is_relative_to(r) for r in roots):
         return None
     return (f"{path} is outside the stores this worker writes ({store}, or under {ALLOWED_ROOTS}): submit without "
-            f"store_root, or start the worker with --store {path}")
+            f"--store (the run then writes this worker's store), or start a worker with --store {path}")

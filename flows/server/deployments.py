@@ -118,6 +118,8 @@ def ensure_checkpoint_automation(spec_name: str, deployment: str) -> str:
                              match={"prefect.resource.id": "compass.checkpoint.*", "compass.run": spec_name},
                              posture=Posture.Reactive, threshold=1, within=timedelta(0)),
         actions=[RunDeployment(source="selected", deployment_id=target.id,
-                               parameters={"checkpoint": "{{ event.payload.checkpoint }}"})],
+                               # the store of the run that committed it: where its weights and its results are
+                               parameters={"checkpoint": "{{ event.payload.checkpoint }}",
+                                           "store_root": "{{ event.payload.store_root }}"})],
     ).create()
     return str(automation.id)

@@ -28,10 +28,11 @@ def ui_url(flow_run_id: UUID | str) -> str:
     return f"{without_userinfo(base).rstrip('/')}/runs/flow-run/{flow_run_id}"
 
 
-def submit(loaded: Any, spec_path: str, deployment: str, store_root: str,
+def submit(loaded: Any, spec_path: str, deployment: str, store_root: str | None,
            until: list[str] | None = None) -> FlowRun:
     """Create a flow run of `deployment` for the loaded spec; returns at once (the worker picks it up). A spec
-    loaded at smoke or rehearsal size goes as its text, with `smoke` or `rehearse` set: the flow shrinks it again."""
+    loaded at smoke or rehearsal size goes as its text, with `smoke` or `rehearse` set: the flow shrinks it again.
+    `store_root` None: the run writes the worker's --store, else the spec's own root."""
     from prefect.deployments import run_deployment
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from compass.infra.errors import StopRequested
-from compass.infra.layout import CHECKPOINTS, FINAL, HELDOUT, METRICS, checkpoint_step
+from compass.infra.layout import CHECKPOINTS, FINAL, HELDOUT, METRICS, WEIGHTS, checkpoint_step
 from compass.model.attention import DOCUMENT_SDPA, register
 from compass.model.training.history import checkpoint_tokens, tokens_seen
 from compass.model.training.records import GoodputSplit, goodput_table
@@ -31,12 +31,16 @@ from compass.tasks.evaluation.costs import evaluation_costs
 from compass.tasks.evaluation.heldout_reads import heldout_sample
 from compass.tasks.evaluation.lighteval_benchmarks import TaskDataMissing, locate
 from compass.tasks.evaluation.lighteval_run import run_lighteval
+from compass.tasks.evaluation.live_results import live_scores
 from compass.tasks.evaluation.scored import ModelEvaluation, ScoredCheckpoints, folder_digest
 from compass.tasks.evaluation.scores import ITEMS, BenchmarkScores
 from compass.tasks.steps.context import InputArtifact, StepContext, StepResult
 from compass.tasks.steps.kind import EVALUATION_HOW, TRANSFORMERS, NodeFile, PlanBuilder, StepKind
 from compass.tasks.steps.placement import phase
 from compass.tasks.steps.step_config import StepConfig
+
+# how this kind scores (in its steps' fingerprints and in the suite hash live evaluations key their results by)
+VERSION = "4"
 
 
 class Retrieval(BaseModel):
@@ -147,8 +151,10 @@ Lighteval = Callable[[Path, list[Benchmark], Path], BenchmarkScores]
 def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path], scratch: Path,
                    retrieval: Retrieval | None = None, haystack: Path | None = None,
                    where: Device | None = None, how: How | None = None,
-                   lighteval: Lighteval | None = None) -> ModelEvaluation:
-    """Score one Hugging Face checkpoint. `lighteval` runs the benchmarks (default: lighteval in this process)."""
+                   lighteval: Lighteval | None = None, scored: dict[str, float] | None = None) -> ModelEvaluation:
+    """Score one Hugging Face checkpoint. `lighteval` runs the benchmarks (default: lighteval in this process);
+    `scored`: its benchmark scores as an evaluation outside the run computed them (then only the held-out and
+    passkey scores are computed here)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -160,7 +166,9 @@ def evaluate_model(model_dir: Path, suite: Evaluation, sources: dict[str, Path],
     rows: list[dict] = []
     scores = BenchmarkScores()
     load_s = score_s = 0.0
-    if suite.benchmarks:
+    if suite.benchmarks and scored is not None:
+        metrics.update(scored)
+    elif suite.benchmarks:
         began = time.perf_counter()
         if lighteval is not None:
             scores = lighteval(model_dir, suite.benchmarks, scratch)
@@ -238,15 +246,21 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
     reused = 0
     this_attempt: list[ModelEvaluation] = []  # its time split: what an earlier attempt scored took that one's time
 
+    live = 0  # checkpoints whose benchmarks an evaluation outside the run scored (compass deploy's, per checkpoint)
+
     def evaluated_at(folder_in_artifact: str, name: str) -> ModelEvaluation:
-        nonlocal reused
+        nonlocal reused, live
         digest = folder_digest(model.manifest.files, folder_in_artifact)
         if (kept := scored.get(digest)) is not None:
             reused += 1
             return kept
+        # the final model's items are scored here (a paired verdict reads them); a kept checkpoint's benchmark
+        # scores are taken from a live evaluation of the same weights and suite where one exists
+        outside = None if folder_in_artifact == FINAL else _live_scores(ctx, model, folder_in_artifact, where)
+        live += outside is not None
         folder = model.local_folder(folder_in_artifact)
         evaluation = evaluate_model(folder, suite, sources, ctx.scratch / name, retrieval, haystack, where,
-                                    ctx.runtime.how, lighteval)
+                                    ctx.runtime.how, lighteval, outside)
         scored.put(digest, evaluation)
         this_attempt.append(evaluation)
         model.release(folder, folder_in_artifact)
@@ -273,7 +287,8 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
                      reused, len(evaluated))
     goodput = evaluation_split(this_attempt, time.perf_counter() - started)
     metrics = {"checkpoint": model.step_id, "tokens_seen": tokens_seen(model_folder), **final_metrics,
-               "curve": curve, "scored_before": reused, "setup": setup_of(ctx.runtime.how),
+               "curve": curve, "scored_before": reused, "benchmarks_scored_live": live,
+               "setup": setup_of(ctx.runtime.how),
                "goodput": goodput.model_dump(mode="json")}
     (ctx.out / "results.json").write_text(json.dumps(metrics, indent=2))
     if final.items:  # the final model's benchmark items as scored: what a paired verdict and a recount read
@@ -284,6 +299,19 @@ def run_evaluate(ctx: StepContext[EvaluateConfig]) -> StepResult:
                f"{len(curve)} checkpoint(s) evaluated: {', '.join(p['checkpoint'] for p in curve)}; {goodput.line()}")
     return StepResult(metrics=metrics, summary=summary, tables={"evaluation": final.rows, **goodput_table(goodput)},
                       provenance=final.provenance)
+
+
+def _live_scores(ctx: StepContext[EvaluateConfig], model: InputArtifact, folder: str,
+                 where: Device) -> dict[str, float] | None:
+    """The benchmark scores an evaluation outside the run wrote for the weights under `folder`, if any."""
+    weights = next((e.sha256 for e in model.manifest.files if e.path == f"{folder}/{WEIGHTS}"), None)
+    if ctx.store is None or weights is None or not ctx.config.suite.benchmarks:
+        return None
+    found = live_scores(ctx.store, ctx.config.suite.benchmarks, VERSION, weights, where)
+    if found is not None:
+        ctx.log.info("%s %s: benchmark scores taken from the live evaluation of these weights", model.step_id,
+                     folder.rsplit("/", 1)[-1])
+    return found
 
 
 def _checkpoint_names(model: InputArtifact) -> list[str]:
@@ -367,7 +395,7 @@ def _shown(values: dict[str, Any]) -> str:
 
 
 # 3: held-out loss packed by the new packer, with the chunked loss and per-document attention
-KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version="4", resources=phase("evaluation"),
+KIND = StepKind("evaluate", EvaluateConfig, run_evaluate, build, version=VERSION, resources=phase("evaluation"),
                 imports=TRANSFORMERS, check_spec=check_spec, check_machine=check_machine,
                 node_files=node_files, reads_how=EVALUATION_HOW, inputs=EvaluateInputs, after=("tokenize",),
                 after_models=True, headline=("*:cf/acc", "*verified_acc", "val_ppl:*"))
