@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compass.flows.reports.progress import time_left
+from compass.flows.reports.progress import STEP_PROGRESS, time_left
 from compass.infra import resource_ledger
 from compass.infra.layout import CheckpointFolder, ModelArtifact, WorkFolder
 from compass.model.training.goodput import read_attempts, split
@@ -175,7 +175,7 @@ class LiveTraining:
         else:
             update_progress_artifact(self.progress_id, percent)
         goodput = self._goodput()
-        self.log.info("%s: step %d of %d (%s%%), loss %.4f, %s tokens/s, %s tokens seen%s%s", self.step.id, step,
+        self.log.info(STEP_PROGRESS, self.step.id, step,
                       total, f"{percent:g}", last.loss, f"{last.tokens_per_s or 0:,.0f}", token_axis(last.tokens),
                       time_left(list(self.tail.recent)), f"; {goodput}" if goodput else "")
         published = 1

@@ -2,7 +2,8 @@
 a progress line per training step every how.monitoring.progress_every_s, warnings and failures, the summary).
 Everything else the run writes (third-party progress bars and warnings, datatrove's logs and stats, the training
 ranks' and the temporary server's output) goes to the run's log file, named on the first line; `--verbose` shows
-it all on the terminal instead.
+it all on the terminal instead. On a terminal, the training steps' progress and the run's bar are redrawn in place
+below the lines (flows/live_display.py).
 
 The split is made on file descriptors 1 and 2, so the processes the run starts (datatrove's workers, torchrun's
 ranks) write to the log file as well; compass's lines go to a duplicate of the terminal's descriptors."""
@@ -20,6 +21,7 @@ from typing import TextIO
 
 from rich.console import Console
 
+from compass.flows.live_display import LiveDisplay
 from compass.infra.redact import redact
 
 SHOWN = ("prefect", "compass")  # loggers whose records reach the terminal; the others go to the log file
@@ -101,16 +103,26 @@ def quiet_console(log_path: Path, consoles: tuple[Console, Console]) -> Iterator
         handler.setStream(terminal_err)
         handler.console.file = terminal_err  # type: ignore[attr-defined]
         handler.addFilter(shown)
+    on_terminal = bool(handlers) and terminal_err.isatty()
+    display = LiveDisplay(handlers[0].console) if on_terminal else None  # type: ignore[attr-defined]
+    for handler in handlers if display else ():
+        handler.addFilter(display)
     to_file = logging.StreamHandler(sys.stderr)  # fd 2: the log file
     to_file.setLevel(logging.INFO)
     to_file.addFilter(kept)
     logging.getLogger().addHandler(to_file)
+    if display:
+        display.start()
     try:
         yield terminal_err
     finally:
+        if display:
+            display.stop()
         logging.getLogger().removeHandler(to_file)
         for handler, stream, file in streams:
             handler.removeFilter(shown)
+            if display:
+                handler.removeFilter(display)
             handler.setStream(stream)
             handler.console.file = file  # type: ignore[attr-defined]
         out.file = err.file = None  # type: ignore[assignment]  # back to sys.stdout / sys.stderr

@@ -6,6 +6,10 @@ from __future__ import annotations
 from compass.flows.reports.step_record import StepRecord
 from compass.model.training.records import MetricsRow
 
+# a training step's live progress line (its arguments: step id, step, steps, percent, loss, tokens/s, tokens seen,
+# time left, goodput); the terminal's live display reads them from the record (flows/live_display.py)
+STEP_PROGRESS = "%s: step %d of %d (%s%%), loss %.4f, %s tokens/s, %s tokens seen%s%s"
+
 
 def duration(seconds: float) -> str:
     """1h02m, 3m05s or 12s."""
