@@ -4,6 +4,7 @@ and where it is written, with a fix that fits it."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -315,6 +316,10 @@ def test_the_curves_join_the_model_across_stages_and_draw_its_criteria(tmp_path:
     assert series["the model across its stages"] == [(1000, 900.0), (2000, 500.0), (3000, 300.0)]
     assert panel.thresholds == {"criterion <= 1000": 1000.0} and "criterion <= 1000" in panel.texts
     assert panel.ylabel == "perplexity (log scale, lower is better)" and panel.outside == []
+    # a few plain numbers on the log axis, not a label at every minor tick in scientific notation (3x10^2, 4x10^2..)
+    assert 3 <= len(panel.yticks) <= 5 and all(re.fullmatch(r"[\d,.]+", t) for t in panel.yticks), panel.yticks
+    values = [float(t.replace(",", "")) for t in panel.yticks]
+    assert values == sorted(values) and panel.ylim[0] < values[0] and values[-1] < panel.ylim[1]
 
 
 def test_the_ablation_plot_draws_differences_from_zero_with_verdicts_and_intervals(tmp_path: Path):

@@ -29,6 +29,23 @@ def use_token_axis(ax: Any) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: token_axis(x)))
 
 
+def use_readable_log_axis(ax: Any, ticks: int = 5) -> None:
+    """A log-scale y axis labelled at `ticks` plain numbers spread over what it shows (320, 450, 640): matplotlib's
+    own labels a narrow range at every minor tick in scientific notation (3x10^2, 4x10^2, ...) over each other."""
+    import numpy as np
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    low, high = sorted(v for v in ax.get_ylim())
+    if not (low > 0 and high > low):
+        return
+    spread = [float(f"{v:.2g}") for v in np.geomspace(low, high, ticks + 2)[1:-1]]
+    ax.yaxis.set_major_locator(FixedLocator(sorted(set(spread))))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}" if v >= 100 else f"{v:.3g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(low, high)
+
+
 PLOT_KEY = "compass:plot"  # the PNG text chunk that describes what a plot draws
 
 
@@ -54,6 +71,7 @@ class Panel(BaseModel):
     series: tuple[Series, ...]
     bars: dict[str, float]
     texts: tuple[str, ...] = ()  # what is written on the axes (a bar's verdict, a threshold's name)
+    yticks: tuple[str, ...] = ()  # the y axis's labels as drawn (minor ticks' included: empty ones left out)
     thresholds: dict[str, float] = {}  # horizontal lines across the axes, by label (a success criterion's)
 
     @property
@@ -104,9 +122,22 @@ def describe(fig: Any) -> PlotDescription:
         panels.append(Panel(title=ax.get_title(), xlabel=ax.get_xlabel(), ylabel=ax.get_ylabel(),
                             yscale=ax.get_yscale(), xlim=tuple(float(v) for v in ax.get_xlim()),
                             ylim=tuple(float(v) for v in ax.get_ylim()), series=series, bars=bars,
-                            texts=tuple(t.get_text() for t in ax.texts), thresholds=thresholds))
+                            texts=tuple(t.get_text() for t in ax.texts), thresholds=thresholds,
+                            yticks=_tick_labels(ax)))
     title = fig._suptitle.get_text() if fig._suptitle is not None else ""  # noqa: SLF001 - matplotlib's own field
     return PlotDescription(title=title, panels=tuple(panels))
+
+
+def _tick_labels(ax: Any) -> tuple[str, ...]:
+    """The y labels the axes draw within its limits, major and minor, as the formatters write them."""
+    low, high = sorted(ax.get_ylim())
+    shown = []
+    for which, formatter in ((False, ax.yaxis.get_major_formatter()), (True, ax.yaxis.get_minor_formatter())):
+        values = [v for v in ax.yaxis.get_ticklocs(minor=which) if low <= v <= high]
+        if hasattr(formatter, "set_locs"):
+            formatter.set_locs(values)
+        shown += [label for v in values if (label := formatter(v))]
+    return tuple(shown)
 
 
 def figure_png(fig: Any, dpi: int) -> bytes:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from compass.tasks.common.inputs import Evaluations, evaluations_by_model
-from compass.tasks.common.plots import figure_png, use_token_axis
+from compass.tasks.common.plots import figure_png, use_readable_log_axis, use_token_axis
 from compass.tasks.steps.context import StepContext, StepResult
 from compass.tasks.steps.kind import PlanBuilder, StepKind
 from compass.tasks.steps.step_config import StepConfig
@@ -102,7 +102,7 @@ def plot_curves(points: dict[str, dict[str, list[tuple[int, float]]]], out: Path
         ax.set_xlabel("tokens seen")
         use_token_axis(ax)
         if "ppl" in metric:
-            ax.set_yscale("log")
+            use_readable_log_axis(ax)
     for ax in list(axes.flat)[len(points):]:
         ax.axis("off")
     shown: dict[str, Any] = {}  # every panel's runs once (a criterion's line is named on its panel)
