@@ -24,6 +24,7 @@ import psutil
 from fsspec.core import url_to_fs
 
 from compass.infra import resource_ledger, shard_index
+from compass.infra.errors import RootRefused
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest, parse_manifest, relocated
 from compass.infra.process_identity import identity_of
@@ -49,6 +50,20 @@ def checked_manifest(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> Mani
     if not uri.rstrip("/").endswith(f"/{named}"):
         raise DamagedManifest(f"{uri}: its manifest describes another artifact ({named})")
     return relocated(manifest, uri)
+
+
+def inside_folder(root: Path, folder: Path, what: str) -> Path:
+    """`folder` (a store's own folder: a kind's, `.staging`, `.damaged`) where it is, neither a link nor reaching
+    outside `root` through one: a link planted there would make compass write (or move an artifact) into the
+    folder it names. RootRefused says which and what to do."""
+    if folder.is_symlink():
+        raise RootRefused(f"{folder} ({what}) is a link to {os.path.realpath(folder)}, not a folder of the store "
+                          f"{root}: remove the link (compass makes the folder)")
+    real, real_root = Path(os.path.realpath(folder)), Path(os.path.realpath(root))
+    if folder.exists() and not real.is_relative_to(real_root):
+        raise RootRefused(f"{folder} ({what}) resolves to {real}, outside the store {real_root}: remove the link "
+                          f"on its way")
+    return folder
 
 
 def _is_link(fs: fsspec.AbstractFileSystem, path: str) -> bool:
@@ -333,7 +348,7 @@ class Store:
     def staging(self) -> Iterator[Path]:
         """A fresh local folder to write an artifact into; removed afterwards unless committed (moved)."""
         base = (self._local_base("staging", Path(tempfile.gettempdir()) / "compass-staging") if self.is_remote
-                else Path(self.root) / ".staging")
+                else inside_folder(Path(self.root), Path(self.root) / ".staging", "half-written artifacts"))
         base.mkdir(parents=True, exist_ok=True, mode=0o700)  # half-written artifacts: this user's only
         _sweep_staging(base)
         folder = Path(tempfile.mkdtemp(prefix=owned_prefix("step"), dir=base))
@@ -411,6 +426,7 @@ class Store:
 
     def _move_into_place(self, staged: Path, target: Path, body: str) -> None:
         (staged / MANIFEST).write_text(body)
+        inside_folder(Path(self.root), target.parent, "the artifacts of one kind")
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():
             if (target / MANIFEST).exists():

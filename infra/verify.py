@@ -27,7 +27,7 @@ from typing import Literal
 from compass.infra import shard_index
 from compass.infra.fingerprint import sha256_file
 from compass.infra.manifest import MANIFEST, DamagedManifest, FileEntry, Manifest
-from compass.infra.store import Store, artifact_folder
+from compass.infra.store import Store, artifact_folder, inside_folder
 from compass.infra.verified_read import ChangedSinceCommit
 
 STAMPS = ".verified"  # under the store's root: one JSON per artifact, {path: [size, mtime_ns, inode] or [size, ETag]}
@@ -79,7 +79,10 @@ def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
             continue
         fresh[entry.path] = key
     listed = {e.path for e in manifest.files} | {e.path for e in members}
-    problems += [f"{rel}: not part of the committed artifact" for rel in _files(folder) if rel not in listed]
+    files, links = _walk(folder)
+    problems += [f"{rel}: not part of the committed artifact" for rel in files if rel not in listed]
+    problems += [f"{rel}: a link to {os.path.realpath(folder / rel)}, not a file of the artifact"
+                 for rel in links]  # what it names may change with no change to the artifact's own files
     if fresh != stamps and depth != "sizes":  # a damaged file loses its stamp: a later `stamped` check hashes it
         _write_stamps(stamps_file, fresh)
     return problems
@@ -184,7 +187,9 @@ def set_aside(store: Store, uri: str) -> str:
     if store.is_remote:  # the files stay and are overwritten by the next commit; the manifest marks the damage
         store.fs.mv(f"{path}/{MANIFEST}", f"{path}/{MANIFEST}.damaged-{suffix}")
         return f"{uri.rstrip('/')}/{MANIFEST}.damaged-{suffix}"
-    target = Path(store.root_path) / SET_ASIDE / f"{folder}-{suffix}"
+    aside = inside_folder(Path(store.root_path), Path(store.root_path) / SET_ASIDE, "damaged artifacts set aside")
+    target = aside / f"{folder}-{suffix}"
+    inside_folder(Path(store.root_path), target.parent, "damaged artifacts of one kind")
     target.parent.mkdir(parents=True, exist_ok=True)
     Path(path).rename(target)
     (Path(store.root_path) / STAMPS / f"{folder}.json").unlink(missing_ok=True)
@@ -255,8 +260,17 @@ def _write_remote_stamps(store: Store, manifest: Manifest, stamps: dict[str, lis
     store.fs.pipe_file(_remote_stamps_path(store, manifest), json.dumps(stamps).encode())  # one PUT: atomic
 
 
-def _files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+def _walk(folder: Path) -> tuple[list[str], list[str]]:
+    """The files under an artifact's folder (its manifest left out) and every symbolic link among them (a committed
+    file replaced by one, or one added), in one walk."""
+    files, links = [], []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_symlink():
+            links.append(rel)
+        if p.is_file() and p.name != MANIFEST:
+            files.append(rel)
+    return sorted(files), sorted(links)
 
 
 def _stamps_file(store: Store, manifest: Manifest) -> Path:
