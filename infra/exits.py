@@ -78,6 +78,16 @@ def failed_device(workdir: Path, rank: int, error: BaseException) -> int | None:
     return RETRIABLE_EXIT
 
 
+def trained_a_step(workdir: Path) -> bool:
+    """Whether the ranks working in `workdir` made progress before they ended: a training step logged (the metrics
+    file), or a checkpoint complete (compass's or TRL's)."""
+    work = WorkFolder(workdir)
+    metrics = work.metrics
+    if metrics.exists() and metrics.stat().st_size > 0:
+        return True
+    return bool(work.complete_checkpoints()) or any(work.trl_checkpoints.glob("checkpoint-*/trainer_state.json"))
+
+
 def retriable_reasons(workdir: Path) -> list[str]:
     folder = WorkFolder(workdir).retriable
     return [p.read_text() for p in sorted(folder.iterdir()) if p.is_file()] if folder.exists() else []

@@ -356,7 +356,8 @@ class WorkFolder:
 
     @property
     def failure_requeues(self) -> Path:
-        """How often the batch shell requeued the job for such faults (its budget: how.orchestration.retries)."""
+        """When the batch shell requeued the job for such faults, a Unix time per line (its budget:
+        how.orchestration.retries in any 24 hours)."""
         return self.root / "failure-requeues"
 
     @property

@@ -196,15 +196,21 @@ def ranks_command(module_argv: list[str], python: str, nodes: int, ranks_per_nod
 
 
 LAUNCH_FAILED = re.compile(r"Task launch for \S+ failed on node (\S+): (.+)")  # srun's words (22.05 to 24.x)
+# srun's line for a task a signal ended (`srun: error: gpu-12: task 3: Aborted (core dumped)`): NCCL's watchdog
+# aborts (SIGABRT) before Python sees an error, the kernel or a watchdog kills (SIGKILL), a driver fault (SIGBUS)
+SIGNAL_DEATH = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-\[\]]+): "
+                          r"(?P<signal>Aborted|Killed|Bus error|Segmentation fault)")
 
 
 @dataclass(frozen=True)
 class RanksStepEnd:
-    """How srun starting a step's ranks ended: its exit status, and the nodes it could not start them on with
-    Slurm's reason (their slurmd gone or refusing: the ranks there never ran)."""
+    """How srun starting a step's ranks ended: its exit status, the nodes it could not start them on with
+    Slurm's reason (their slurmd gone or refusing: the ranks there never ran), and the ranks a signal ended, as
+    srun said (`gpu-12: task 3: Aborted`), the first one first (srun then terminates the others)."""
 
     code: int
     unlaunched: tuple[str, ...] = ()
+    signalled: tuple[str, ...] = ()
 
 
 def run_ranks_step(argv: list[str], cwd: Path) -> RanksStepEnd:
@@ -213,32 +219,38 @@ def run_ranks_step(argv: list[str], cwd: Path) -> RanksStepEnd:
     proc = subprocess.Popen(argv, cwd=cwd, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     out = getattr(sys.stderr, "buffer", None)
-    unlaunched = []
+    unlaunched, signalled = [], []
     for line in proc.stderr:
         if out is not None:
             out.write(line)
             out.flush()
         else:
             sys.stderr.write(line.decode(errors="replace"))
-        if found := LAUNCH_FAILED.search(line.decode(errors="replace")):
+        text = line.decode(errors="replace")
+        if found := LAUNCH_FAILED.search(text):
             unlaunched.append(f"{found[1]}: {found[2].strip()}")
-    return RanksStepEnd(proc.wait(), tuple(unlaunched))
+        if died := SIGNAL_DEATH.search(text):
+            signalled.append(f"{died['node']}: task {died['tasks']}: {died['signal']}")
+    return RanksStepEnd(proc.wait(), tuple(unlaunched), tuple(signalled))
 
 
 def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
-    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, or ranks srun could not
-    start on a lost node: infra/exits.py) requeues its own job, at most `budget` times over the job's life (counted
-    in the work folder: time-limit requeues do not spend it), so a fault weeks into a stage resumes from the newest
-    checkpoint with no orchestrator alive."""
+    """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, a failed device, a rank a
+    signal ended after progress, or ranks srun could not start on a lost node: infra/exits.py) requeues its own job,
+    at most `budget` times in any 24 hours of the job's life (each fault's time appended in the work folder;
+    time-limit requeues do not spend it): a 384-GPU run meets several faults over weeks, each resumed from the newest
+    checkpoint with no orchestrator alive, while a fault that repeats at once (a bad node back, a bug) still stops."""
     if budget <= 0:
         return []
-    count = shlex.quote(str(work.failure_requeues))
+    times = shlex.quote(str(work.failure_requeues))
     return [f'if [ "$status" = {RETRIABLE_EXIT} ]; then',
-            f'  faults=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo "$faults" > {count}',
+            f'  now=$(date +%s); echo "$now" >> {times}',
+            f"  faults=$(awk -v since=$(( now - 86400 )) '$1 >= since' {times} | wc -l)",
             f'  if [ "$faults" -le {budget} ]; then echo "compass: a retriable fault (exit {RETRIABLE_EXIT}: a hung or '
-            f'broken collective, a failed device, or a lost node): requeue $faults of {budget}"; '
-            f'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
-            f'  echo "compass: retriable faults beyond the budget of {budget} (how.orchestration.retries)"',
+            f'broken collective, a failed device, a rank ended by a signal, or a lost node): requeue $faults of '
+            f'{budget} in 24 hours"; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+            f'  echo "compass: {budget} retriable faults in 24 hours already, the budget of '
+            f'how.orchestration.retries: the job ends here"',
             "fi"]
 
 

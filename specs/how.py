@@ -447,7 +447,8 @@ class Orchestration(SpecModel):
                                        "max_parallel_steps", "max_parallel_gpu_steps")}
 
     retries: int = Field(default=1, ge=0, le=MAX_RETRIES, description="Times a failed step is retried (faults "
-                         "only: a data or spec error fails at once).")
+                         "only: a data or spec error fails at once); under a cluster with requeue, also the times a "
+                         "job requeues itself for a retriable fault in any 24 hours of its life.")
     retry_delay_seconds: float = Field(default=10, ge=0, description="Seconds to wait before a retry.")
     timeout_seconds: PositiveFloat | None = Field(default=None, description="Per-step limit (none = no limit).")
     step_timeouts: dict[str, PositiveFloat] = Field(

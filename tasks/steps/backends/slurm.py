@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from compass.infra.disk_full import disk_full_named, ended_on_a_full_disk
-from compass.infra.exits import mark_retriable
+from compass.infra.exits import mark_retriable, trained_a_step
 from compass.infra.layout import WorkFolder
 from compass.infra.manifest import Execution
 from compass.infra.net import free_port
@@ -91,6 +91,12 @@ class SlurmBackend(Backend):
         if ended.code and ended.unlaunched:  # a node lost after the job began: a requeued job finds it back
             mark_retriable(ranks.job_path.parent, "launch",
                            "srun could not start the ranks on " + "; ".join(ended.unlaunched))
+        if ended.code and ended.signalled and trained_a_step(ranks.job_path.parent):
+            # a rank a signal ended after the step made progress (NCCL's watchdog abort, a kill, a bus error): the
+            # same code ran before, so the fault is the node's or the fabric's; before any progress it is the
+            # code's or the spec's, and requeueing would only repeat it
+            mark_retriable(ranks.job_path.parent, "signal",
+                           "a rank died by a signal after the step made progress: " + "; ".join(ended.signalled))
         return ended.code
 
     def stage_executor(self, stage: Stage, how: How, log: Log) -> StageExecutor:
