@@ -99,12 +99,8 @@ def run_verdict(run_id: Any) -> Verdict | None:
 
 def _verdict(client: Any, run_id: Any) -> Verdict | None:
     """From the run's `success` table artifact (the report step's criteria, published cached or not)."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(like_=f"%-{SUCCESS_TABLE}-%")))
     criteria = []
-    for row in _table_rows(artifacts):
+    for row in _tables(client, run_id, SUCCESS_TABLE):
         if {"criterion", "checkpoint", "verdict"} <= row.keys():
             with contextlib.suppress(ValidationError):
                 criteria.append(Criterion.model_validate(row))
@@ -115,16 +111,20 @@ def _verdict(client: Any, run_id: Any) -> Verdict | None:
 
 def _goodput_splits(client: Any, run_id: Any) -> list[GoodputSplit]:
     """The splits the run's steps published (their `goodput` table artifacts: only steps that ran publish one)."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(like_=f"%-{GOODPUT_TABLE}-%")))
     splits = []
-    for row in _table_rows(artifacts):
+    for row in _tables(client, run_id, GOODPUT_TABLE):
         if {"total_s", "compute_s"} <= row.keys():
             with contextlib.suppress(ValidationError):
                 splits.append(GoodputSplit.model_validate({k: v for k, v in row.items() if k != "goodput"}))
     return splits
+
+
+def _tables(client: Any, run_id: Any, word: str) -> Iterator[dict[str, Any]]:
+    """The rows of the run's table artifacts whose key holds `-word-` (`<spec>-goodput-<step>`)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    yield from _table_rows(client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(like_=f"%-{word}-%"))))
 
 
 def _table_rows(artifacts: list[Any]) -> Iterator[dict[str, Any]]:
@@ -143,13 +143,8 @@ def _table_rows(artifacts: list[Any]) -> Iterator[dict[str, Any]]:
 
 def _resource_ledgers(client: Any, run_id: Any) -> list[Resources]:
     """The ledgers the run's steps published (their `resources` table artifacts: only steps that ran publish one)."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    key = ArtifactFilterKey(like_=f"%-{resource_ledger.TABLE}-%")
-    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-        flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=key))
     ledgers = []
-    for row in _table_rows(artifacts):
+    for row in _tables(client, run_id, resource_ledger.TABLE):
         if "written" in row:
             with contextlib.suppress(ValidationError):
                 ledgers.append(Resources.model_validate(row))
