@@ -8,6 +8,7 @@ terminal (a pipe, CI, a file): nothing changes, every line is printed as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -32,16 +33,34 @@ class LiveDisplay(logging.Filter):
         self.running: dict[str, Text] = {}  # step id -> its progress row, in the order they started
         self.done, self.total, self.counts, self.left = 0, 0, "", ""
         self.lock = threading.Lock()
+        self.broken = False
         self.live = Live(self._render(), console=console, refresh_per_second=4, transient=True,
                          redirect_stdout=False, redirect_stderr=False)
 
     def start(self) -> None:
-        self.live.start()
+        try:
+            self.live.start()
+        except Exception:  # noqa: BLE001 - plain lines instead
+            self.broken = True
 
     def stop(self) -> None:
-        self.live.stop()
+        with contextlib.suppress(Exception):
+            self.live.stop()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """False for a record drawn in the live rows; a display that fails gives way to plain lines, never fails
+        the run."""
+        if self.broken:
+            return True
+        try:
+            return self._drawn(record)
+        except Exception:  # noqa: BLE001 - the terminal's display is never worth a run
+            self.broken = True
+            with contextlib.suppress(Exception):
+                self.live.stop()
+            return True
+
+    def _drawn(self, record: logging.LogRecord) -> bool:
         if record.msg == STEP_PROGRESS and isinstance(record.args, tuple) and len(record.args) == 9:
             step, at, steps, percent, loss, rate, seen, left, goodput = record.args
             row = Text(f"  {step}  step {at}/{steps} {percent}%  loss {loss:.4f}  {rate} tokens/s  {seen} tokens"
@@ -64,7 +83,9 @@ class LiveDisplay(logging.Filter):
     def _render(self) -> Group:
         bar = Table.grid(padding=(0, 1))
         bar.add_row(Text(f"[{self.done}/{self.total or '?'}]"),
-                    ProgressBar(total=max(1, self.total), completed=self.done, width=30),
+                    # its styles named: the console's theme (Prefect's) has none of rich's progress styles
+                    ProgressBar(total=max(1, self.total), completed=self.done, width=30, style="grey35",
+                                complete_style="green", finished_style="green", pulse_style="green"),
                     Text(f"{self.done / self.total:.0%}" if self.total else ""), Text(self.counts),
                     Text(self.left))
         return Group(*self.running.values(), bar)

@@ -98,10 +98,14 @@ def quiet_console(log_path: Path, consoles: tuple[Console, Console]) -> Iterator
     out.file, err.file = terminal_out, terminal_err
     handlers = _console_handlers()
     streams = [(h, h.stream, h.console.file) for h in handlers]  # type: ignore[attr-defined]
+    interactive = {id(h): h.console.is_interactive for h in handlers}  # type: ignore[attr-defined]
     shown, kept = _TerminalFilter(), _LogFileFilter()
     for handler in handlers:
         handler.setStream(terminal_err)
         handler.console.file = terminal_err  # type: ignore[attr-defined]
+        # rich judged interactivity when Prefect made the console, on the stream of that moment (the log file by
+        # now): judged again for the terminal it now writes to, or rich's live display never draws in place
+        handler.console.is_interactive = terminal_err.isatty()  # type: ignore[attr-defined]
         handler.addFilter(shown)
     on_terminal = bool(handlers) and terminal_err.isatty()
     display = LiveDisplay(handlers[0].console) if on_terminal else None  # type: ignore[attr-defined]
@@ -125,6 +129,7 @@ def quiet_console(log_path: Path, consoles: tuple[Console, Console]) -> Iterator
                 handler.removeFilter(display)
             handler.setStream(stream)
             handler.console.file = file  # type: ignore[attr-defined]
+            handler.console.is_interactive = interactive[id(handler)]  # type: ignore[attr-defined]
         out.file = err.file = None  # type: ignore[assignment]  # back to sys.stdout / sys.stderr
         sys.stdout.flush()
         sys.stderr.flush()
