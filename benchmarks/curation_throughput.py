@@ -120,7 +120,9 @@ def run_through_compass(docs: Path, out: Path, workers: int) -> None:
     files = [FileEntry(path=f"documents/{shard.name}", size=shard.stat().st_size, sha256=sha256_file(str(shard)))
              for shard in sorted(docs.glob("*" + SHARD_SUFFIX))]
     with store.staging() as staged:  # register the ingested documents as a committed input artifact
-        os.symlink(docs, staged / "documents")
+        (staged / "documents").mkdir()  # hard links: an artifact holds files, never a link out of the store
+        for shard in sorted(docs.glob("*" + SHARD_SUFFIX)):
+            os.link(shard, staged / "documents" / shard.name)
         store._move_into_place(staged, Path(raw_uri), Manifest(
             kind="ingest", name="bench", fingerprint=fps[raw.id], uri=raw_uri, config={}, spec_hash="-",
             spec_name="bench", code_version="-", phase_version="-", libraries={}, host="-", python="-",

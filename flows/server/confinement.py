@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from compass.specs.base import Issue, Loc
+from compass.specs.smoke import sized_root
 from compass.specs.sources import parse_source_uri
 from compass.specs.spec import TrainingSpec
 
@@ -76,8 +77,6 @@ def worker_store(spec_root: str, size: str) -> str | None:
     --store`, beside it at smoke or rehearsal size) in place of a local `how.storage.root`, which names a folder of
     the submitter's machine; an s3:// root is the spec's own bucket and stays. None: the spec's root (a worker started
     without `--store`)."""
-    from compass.specs.smoke import sized_root
-
     own = os.environ.get(WORKER_STORE)
     if not own or ("://" in spec_root and not spec_root.startswith("file://")):
         return None
