@@ -68,6 +68,8 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         folder.mkdir()
         stage = "{name: stage1, tokens: "
         edits = {"name: minimal": f"name: {name}", f"{stage}20000": f"{stage}{tokens}"}
+        if name == "team-a":  # its criterion's perplexity measured: a run to its verdict
+            edits["  pretraining:"] = "  evaluation: {perplexity_sources: [notes]}\n  pretraining:"
         specs.append(write_minimal_spec(folder, **edits))
     with postgres_cluster() as postgres:
         port = free_port()
@@ -77,16 +79,18 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         cli = Cli(home, env)
         worker = None
         try:
-            cli.json("deploy")
+            cli.json("deploy", str(specs[0]))  # a spec deployed: its GPU slots (and evaluations, where it has them)
             worker = subprocess.Popen([str(VENV_BIN / "compass"), "worker", "--store", str(store)], cwd=home,
                                       env=env | {"COMPASS_ALLOWED_ROOTS": f"{FIXTURES}:{home}"},
                                       stdout=open(home / "worker.log", "w"),  # noqa: SIM115
                                       stderr=subprocess.STDOUT, start_new_session=True)
             # team-a names no store (its spec's local root is a folder of the submitter's: the worker writes its own
             # --store); team-b names the worker's store itself
+            # team-a runs its whole lifecycle, to its success criteria's verdict; team-b stops after its training
             named = [[], ["--store", str(store)]]
-            shells = [subprocess.Popen([str(VENV_BIN / "compass"), "submit", str(spec), *named[i],
-                                        "--until", UNTIL, "--watch", "--json"], cwd=home, env=env,
+            until = [[], ["--until", UNTIL]]
+            shells = [subprocess.Popen([str(VENV_BIN / "compass"), "submit", str(spec), *named[i], *until[i],
+                                        "--watch", "--json"], cwd=home, env=env,
                                        stdout=subprocess.PIPE, stderr=open(home / f"submit-{i}.log", "w"),  # noqa: SIM115
                                        text=True) for i, spec in enumerate(specs)]
             # mid-way: both runs running, each with a committed step (its task run completed, its artifact made)
@@ -134,6 +138,20 @@ def test_a_spec_submitted_without_a_store_runs_first_try_into_the_workers_store(
     assert not (team.specs[0].parent / "store").exists()  # the spec's own root: never written
     warned = " ".join((team.specs[0].parents[1] / "submit-0.log").read_text().split())
     assert "warning: what.data.sources.0.uri: the worker reads" in warned and "from its own disk" in warned
+
+
+@pytest.mark.slow
+def test_the_team_path_runs_a_spec_first_try_and_ends_with_its_verdict(team: Team):
+    """Issue 75's team path end to end: `deploy SPEC`, `worker --store`, `submit SPEC --watch` (no store named) run
+    the whole lifecycle in one submission, and the submitter's watch ends with the success criteria's verdict and
+    their numbers (read from the run's success report on the server)."""
+    verdict = team.submitted[0]["verdict"]
+    assert verdict is not None and verdict["passed"] is True, team.submitted[0]
+    (criterion,) = verdict["criteria"]
+    assert criterion["criterion"].startswith("val_ppl:notes") and criterion["verdict"] == "pass"
+    assert 1 < criterion["measured"] <= 1000
+    assert list(team.store.glob("report/success-*/report.json"))  # the report is in the worker's store
+    assert team.submitted[1]["verdict"] is None  # --until before the report: no verdict to show
 
 
 @pytest.mark.slow
