@@ -14,6 +14,8 @@ the job: a bug or bad data would fail again.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import socket
 from pathlib import Path
 
@@ -32,11 +34,24 @@ class RetriableRanksFailure(RuntimeError):
         super().__init__("the ranks ended for faults a retry may cure: " + "; ".join(reasons))
 
 
-def mark_retriable(workdir: Path, who: int | str, why: str) -> None:
-    """Say why the ranks' end is retriable: `who` is a rank (its number) or what launched them (`launch`)."""
-    folder = WorkFolder(workdir).retriable
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / (f"rank-{who}" if isinstance(who, int) else who)).write_text(why[:2000])
+def mark_retriable(workdir: Path, who: int | str, why: str, nodes: tuple[str, ...] = ()) -> None:
+    """Say why the ranks' end is retriable: `who` is a rank (its number) or what launched them (`launch`); `nodes`:
+    the Slurm nodes the fault was seen on, which the requeued job leaves out (infra/slurm.sbatch_script)."""
+    work = WorkFolder(workdir)
+    work.retriable.mkdir(parents=True, exist_ok=True)
+    (work.retriable / (f"rank-{who}" if isinstance(who, int) else who)).write_text(why[:2000])
+    named = [n for n in nodes if SLURM_NODE_NAME.fullmatch(n)]  # a name, never an option or a range to expand
+    if named:
+        with work.fault_nodes.open("a") as out:
+            out.write("".join(f"{n}\n" for n in named))
+
+
+SLURM_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def this_node() -> str:
+    """The Slurm node this process runs on (SLURMD_NODENAME, which Slurm sets in every task), else the host."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def broken_collective(workdir: Path, rank: int, error: BaseException) -> int:
@@ -72,9 +87,10 @@ def failed_device(workdir: Path, rank: int, error: BaseException) -> int | None:
     first = device_fault(error)
     if first is None:
         return None
-    why = f"rank {rank} on {socket.gethostname()}: its device failed ({first})"
-    log.error("%s; the job retries from its newest checkpoint", why)
-    mark_retriable(workdir, rank, why)
+    node = this_node()
+    why = f"rank {rank} on {node}: its device failed ({first})"
+    log.error("%s; the job retries from its newest checkpoint, without this node", why)
+    mark_retriable(workdir, rank, why, nodes=(node,) if os.environ.get("SLURMD_NODENAME") else ())
     return RETRIABLE_EXIT
 
 

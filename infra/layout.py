@@ -361,6 +361,12 @@ class WorkFolder:
         return self.root / "failure-requeues"
 
     @property
+    def fault_nodes(self) -> Path:
+        """The nodes a retriable fault was seen on (a rank's failed device, the rank a signal ended first, a node
+        srun could not start ranks on), a Slurm node name per line: the batch shell excludes them on the requeue."""
+        return self.root / "fault-nodes"
+
+    @property
     def stop_file(self) -> Path:
         """Touched by the batch shell when Slurm signals the time limit: the trainer checkpoints and stops."""
         return self.root / "stop-requested"

@@ -163,7 +163,7 @@ def sbatch_script(job: JobRequest, cluster: SlurmCluster) -> str:
              'while true; do wait "$step"; status=$?; kill -0 "$step" 2>/dev/null || break; done',
              'if [ "$requeue" = 1 ]; then echo "compass: requeueing job $SLURM_JOB_ID"; '
              'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
-             *_fault_requeue(work, job.fault_requeues),
+             *_fault_requeue(work, job.fault_requeues, cluster.exclude),
              'exit "$status"', ""]
     return "\n".join(lines)
 
@@ -200,17 +200,30 @@ LAUNCH_FAILED = re.compile(r"Task launch for \S+ failed on node (\S+): (.+)")  #
 # aborts (SIGABRT) before Python sees an error, the kernel or a watchdog kills (SIGKILL), a driver fault (SIGBUS)
 SIGNAL_DEATH = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-\[\]]+): "
                           r"(?P<signal>Aborted|Killed|Bus error|Segmentation fault)")
+# a task that ended by itself with an error (`srun: error: gpu-12: task 0: Exited with exit code 75`): the tasks a
+# signal ends after it are the ones srun terminated for it (--kill-on-bad-exit), not the fault
+EXITED = re.compile(r"srun: error: \S+: tasks? [\d,\-\[\]]+: Exited with exit code")
 
 
 @dataclass(frozen=True)
 class RanksStepEnd:
     """How srun starting a step's ranks ended: its exit status, the nodes it could not start them on with
-    Slurm's reason (their slurmd gone or refusing: the ranks there never ran), and the ranks a signal ended, as
-    srun said (`gpu-12: task 3: Aborted`), the first one first (srun then terminates the others)."""
+    Slurm's reason (their slurmd gone or refusing: the ranks there never ran), and the ranks a signal ended before
+    any rank exited by itself, as srun said (`gpu-12: task 3: Aborted`), the first one first (srun then terminates
+    the others)."""
 
     code: int
     unlaunched: tuple[str, ...] = ()
     signalled: tuple[str, ...] = ()
+
+    @property
+    def unlaunched_nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(line.split(":", 1)[0] for line in self.unlaunched))
+
+    @property
+    def first_signalled_node(self) -> str | None:
+        """The node of the rank a signal ended first: the others srun terminated after it."""
+        return self.signalled[0].split(":", 1)[0] if self.signalled else None
 
 
 def run_ranks_step(argv: list[str], cwd: Path) -> RanksStepEnd:
@@ -219,7 +232,7 @@ def run_ranks_step(argv: list[str], cwd: Path) -> RanksStepEnd:
     proc = subprocess.Popen(argv, cwd=cwd, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     out = getattr(sys.stderr, "buffer", None)
-    unlaunched, signalled = [], []
+    unlaunched, signalled, exited = [], [], False
     for line in proc.stderr:
         if out is not None:
             out.write(line)
@@ -229,26 +242,48 @@ def run_ranks_step(argv: list[str], cwd: Path) -> RanksStepEnd:
         text = line.decode(errors="replace")
         if found := LAUNCH_FAILED.search(text):
             unlaunched.append(f"{found[1]}: {found[2].strip()}")
-        if died := SIGNAL_DEATH.search(text):
+        if EXITED.search(text):
+            exited = True
+        elif (died := SIGNAL_DEATH.search(text)) and not exited:
             signalled.append(f"{died['node']}: task {died['tasks']}: {died['signal']}")
     return RanksStepEnd(proc.wait(), tuple(unlaunched), tuple(signalled))
 
 
-def _fault_requeue(work: WorkFolder, budget: int) -> list[str]:
+def _fault_requeue(work: WorkFolder, budget: int, excluded: list[str]) -> list[str]:
     """Batch-shell lines: a step that exits RETRIABLE_EXIT (a hung or broken collective, a failed device, a rank a
     signal ended after progress, or ranks srun could not start on a lost node: infra/exits.py) requeues its own job,
     at most `budget` times in any 24 hours of the job's life (each fault's time appended in the work folder;
     time-limit requeues do not spend it): a 384-GPU run meets several faults over weeks, each resumed from the newest
-    checkpoint with no orchestrator alive, while a fault that repeats at once (a bad node back, a bug) still stops."""
+    checkpoint with no orchestrator alive, while a fault that repeats at once (a bad node back, a bug) still stops.
+    The nodes the faults were seen on (WorkFolder.fault_nodes) are left out of the requeued job, with the cluster's
+    own `exclude`, while the partition keeps enough other nodes for the job (else it would wait forever)."""
     if budget <= 0:
         return []
-    times = shlex.quote(str(work.failure_requeues))
+    times, faulty = shlex.quote(str(work.failure_requeues)), shlex.quote(str(work.fault_nodes))
+    static = shlex.quote(",".join(excluded))
     return [f'if [ "$status" = {RETRIABLE_EXIT} ]; then',
             f'  now=$(date +%s); echo "$now" >> {times}',
             f"  faults=$(awk -v since=$(( now - 86400 )) '$1 >= since' {times} | wc -l)",
             f'  if [ "$faults" -le {budget} ]; then echo "compass: a retriable fault (exit {RETRIABLE_EXIT}: a hung or '
             f'broken collective, a failed device, a rank ended by a signal, or a lost node): requeue $faults of '
-            f'{budget} in 24 hours"; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+            f'{budget} in 24 hours"',
+            "    exclude=''",
+            f'    if [ -s {faulty} ]; then',
+            f'      left_out=$(scontrol show hostnames "$(sort -u {faulty} | paste -sd, -),"{static} | sort -u)',
+            '      others=$(sinfo -h -N -p "$SLURM_JOB_PARTITION" -o %N | sort -u | grep -cvxF -f <(echo "$left_out"))',
+            '      if [ "$others" -ge "${SLURM_JOB_NUM_NODES:-1}" ]; then exclude=$(echo "$left_out" | paste -sd, -); '
+            'echo "compass: the requeued job leaves out node(s) $exclude (where faults were seen)"; '
+            'else echo "compass: the faulty node(s) stay in: $others other node(s) in partition $SLURM_JOB_PARTITION, '
+            'the job needs ${SLURM_JOB_NUM_NODES:-1}"; fi',
+            "    fi",
+            # Slurm ends the requeued job's processes (SIGTERM, then SIGKILL after KillWait): the shell outlives the
+            # TERM to set the pending job's excluded nodes, which a running job's cannot be
+            "    trap 'true' TERM",
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            '    if [ -n "$exclude" ]; then for _ in $(seq 20); do scontrol update JobId="$SLURM_JOB_ID" '
+            'ExcNodeList="$exclude" 2>/dev/null && break; sleep 1; done; fi',
+            "    exit 0",
+            "  fi",
             f'  echo "compass: {budget} retriable faults in 24 hours already, the budget of '
             f'how.orchestration.retries: the job ends here"',
             "fi"]

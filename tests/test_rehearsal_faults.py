@@ -100,61 +100,94 @@ def rank_process(work: Path, rank: int, timeout_s: float = 60) -> int:
         time.sleep(0.2)
 
 
-def test_a_hung_rank_and_a_failed_device_requeue_their_job_with_no_orchestrator_and_resume(
+@pytest.mark.timeout(1500)  # an undisturbed run, then three faults, each requeued
+def test_a_hung_rank_a_failed_device_and_an_aborted_rank_requeue_their_job_with_no_orchestrator_and_resume(
         gpu_cluster, data_store: Path, prefect_server: str, tmp_path: Path):
     """N6 and H6: a rank frozen mid-stage (SIGSTOP): its peer waits in a collective until the hang watchdog (20 s
     here) names the frozen rank (its collective ledger's heartbeat stopped) and ends it with the retriable exit; the
     batch shell requeues the job itself (budget: orchestration.retries). In the requeued job a rank's GPU reports
     an uncorrectable ECC error (CUDA's RuntimeError, raised by tests/faults/sitecustomize.py on SIGUSR2): the rank
-    says its device failed and ends retriable, and the job requeues itself again. The job resumes each time from
-    its newest checkpoint and commits. Before, only the time-limit signal requeued (then: hangs and broken
-    collectives); a CUDA error ended the job FAILED, waiting for a live orchestrator's retry."""
+    says its device failed and ends retriable, and the job requeues itself again, leaving that node out. On the
+    other node a rank aborts (SIGABRT, as NCCL's watchdog does): srun names it, the step marks a retriable signal
+    fault, and the job requeues a third time (with both nodes faulty neither is left out: the job could not run).
+    The job resumes each time from its newest checkpoint and commits weights bitwise equal to the same stage run
+    undisturbed. Before, a CUDA error or a signal ended the job FAILED, waiting for a live orchestrator's retry."""
     import signal
     import time
 
     from compass.infra.slurm import read_record, state_of
+    from tests.conftest import final_weights_sha
 
-    spec = faulty_spec(tmp_path, nodes=1, tokens=10240, retries=2)
+    undisturbed = tmp_path / "undisturbed"
+    undisturbed.mkdir()
+    seeded(undisturbed / "store", data_store)
+    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
+    done = subprocess.run([str(VENV_BIN / "compass"), "run", str(faulty_spec(undisturbed, 1, 10240, retries=3)),
+                           "--store", str(undisturbed / "store"), "--until", "pretrain:stage1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stderr[-6000:]
+
+    spec = faulty_spec(tmp_path, nodes=1, tokens=10240, retries=3)
     store = tmp_path / "store"
     seeded(store, data_store)
-    env = base_env(tmp_path / "prefect") | {"PREFECT_API_URL": prefect_server}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tests" / "faults"), env.get("PYTHONPATH")) if p)
     run = subprocess.Popen([str(VENV_BIN / "compass"), "run", str(spec), "--store", str(store), "--until",
                             "pretrain:stage1", "--json"], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + 1200
 
     def wait_for(arrived) -> None:
         while not arrived():
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-4000:]
             time.sleep(0.5)
 
-    def requeued_and_released(job: str) -> None:
-        wait_for(lambda: (state_of(job).state if state_of(job) else "") == "PENDING")  # by its own batch shell
+    def job_field(job: str, field: str) -> str:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+        return next((f.split("=", 1)[1] for f in shown.split() if f.startswith(f"{field}=")), "")
+
+    def requeued_and_released(job: str, restarts: int, left_out: str = "(null)") -> None:
+        # by its own batch shell, which then sets the nodes the requeued job leaves out
+        wait_for(lambda: (s := state_of(job)) is not None and s.state == "PENDING" and s.restarts == restarts
+                 and job_field(job, "ExcNodeList") == left_out)
         time.sleep(2.5)  # Slurm's two-minute BeginTime for a requeued job, moved to now (tests/test_slurm.py)
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+    def running_on(job: str) -> str:
+        wait_for(lambda: (s := state_of(job)) is not None and s.state == "RUNNING")
+        return state_of(job).nodes
+
+    def trains_again(work: Path) -> None:
+        kept = {p.name for p in (work / "checkpoints").glob("step-*")}
+        wait_for(lambda: {p.name for p in (work / "checkpoints").glob("step-*")} - kept)
 
     wait_for(lambda: list(store.glob(".work/pretrain/stage1-*/checkpoints/step-00000010")))
     (work,) = store.glob(".work/pretrain/stage1-*")
     os.kill(rank_process(work, 1), signal.SIGSTOP)
     job = read_record(work).job_id
-    requeued_and_released(job)
-    kept = {p.name for p in (work / "checkpoints").glob("step-*")}  # the frozen attempt's (it may have reached 20)
-    wait_for(lambda: {p.name for p in (work / "checkpoints").glob("step-*")} - kept)  # the requeued job trains
+    requeued_and_released(job, 1)  # a hang names no faulty node: none is left out
+    failed_on = running_on(job)
+    trains_again(work)  # the requeued job trains
     os.kill(rank_process(work, 1), signal.SIGUSR2)  # its GPU fails: CUDA's ECC error at the next call
-    requeued_and_released(job)
+    requeued_and_released(job, 2, left_out=failed_on)
+    assert running_on(job) != failed_on  # the requeued job runs on the other node
+    trains_again(work)
+    os.kill(rank_process(work, 0), signal.SIGABRT)  # rank 0 aborts, as NCCL's watchdog does
+    requeued_and_released(job, 3, left_out=failed_on)  # both nodes faulty: the exclusion stays as it was
     out, err = run.communicate(timeout=600)
     assert run.returncode == 0, err[-6000:]
-    assert "hang watchdog: rank 0" in err and "requeue 1 of 2" in err, err[-6000:]
+    assert "hang watchdog: rank 0" in err and "requeue 1 of 3" in err, err[-6000:]
     # rank 0's line (the stopped rank may print its own when Slurm's SIGCONT before SIGTERM wakes its watchdog)
     (located,) = {line[line.index("compass hang: "):] for line in err.splitlines() if "compass hang: rank 0 " in line}
     assert "frozen or gone" in located and "rank 1 on node " in located, located  # named by its stale heartbeat
-    assert "rank 1 on " in err and "its device failed (CUDA error: uncorrectable ECC error encountered)" in err
-    assert "requeue 2 of 2" in err, err[-6000:]
+    assert f"rank 1 on {failed_on}: its device failed (CUDA error: uncorrectable ECC error encountered)" in err
+    assert "requeue 2 of 3" in err and f"leaves out node(s) {failed_on} (where faults were seen)" in err
+    assert "a rank died by a signal after the step made progress" in err and "task 0: Aborted" in err, err[-6000:]
+    assert "requeue 3 of 3" in err and "the faulty node(s) stay in: 0 other node(s)" in err, err[-6000:]
     step = next(s for s in json.loads(out)["steps"] if s["step"] == "pretrain:stage1")
     manifest = Store(str(store)).read_manifest(step["uri"])
     assert manifest.metrics["resumed_from"] >= 15 and manifest.metrics["steps"] == 40
-    assert manifest.execution.slurm_job == job  # the same job, requeued by itself twice
+    assert manifest.execution.slurm_job == job  # the same job, requeued by itself three times
+    assert final_weights_sha(store, "pretrain:stage1") == final_weights_sha(undisturbed / "store", "pretrain:stage1")
 
 
 @pytest.mark.timeout(1500)  # an undisturbed run, then the lost node's run with Slurm's two-minute requeue delay

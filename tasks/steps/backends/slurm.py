@@ -90,13 +90,14 @@ class SlurmBackend(Backend):
         ended = run_ranks_step(argv, ranks.job_path.parent)
         if ended.code and ended.unlaunched:  # a node lost after the job began: a requeued job finds it back
             mark_retriable(ranks.job_path.parent, "launch",
-                           "srun could not start the ranks on " + "; ".join(ended.unlaunched))
+                           "srun could not start the ranks on " + "; ".join(ended.unlaunched), ended.unlaunched_nodes)
         if ended.code and ended.signalled and trained_a_step(ranks.job_path.parent):
             # a rank a signal ended after the step made progress (NCCL's watchdog abort, a kill, a bus error): the
             # same code ran before, so the fault is the node's or the fabric's; before any progress it is the
             # code's or the spec's, and requeueing would only repeat it
             mark_retriable(ranks.job_path.parent, "signal",
-                           "a rank died by a signal after the step made progress: " + "; ".join(ended.signalled))
+                           "a rank died by a signal after the step made progress: " + "; ".join(ended.signalled),
+                           (ended.first_signalled_node,) if ended.first_signalled_node else ())
         return ended.code
 
     def stage_executor(self, stage: Stage, how: How, log: Log) -> StageExecutor:
