@@ -45,8 +45,11 @@ def test_how_reaches_trls_arguments():
 def test_how_attention_names_the_kernel_of_library_models():
     from compass.tasks.common.devices import hf_attention
 
-    assert hf_attention(How(attention="eager")) == "eager" and hf_attention(How(attention="sdpa")) == "sdpa"
-    assert hf_attention(How()) is None  # auto: the library's default
+    assert hf_attention(How(attention="eager"), "cuda") == "eager"
+    assert hf_attention(How(attention="sdpa"), "cpu") == "sdpa"
+    assert hf_attention(How(), "cuda") is None  # auto: the library's default
+    flash = How(attention="flash")
+    assert hf_attention(flash, "cuda") == "flash_attention_2" and hf_attention(flash, "cpu") == "sdpa"  # needs CUDA
 
 
 def test_chat_examples_from_the_index_are_those_of_a_full_parse(tmp_path: Path, monkeypatch):

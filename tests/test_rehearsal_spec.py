@@ -112,11 +112,13 @@ def test_a_gpu_specs_trl_ranks_on_the_cpu_take_trls_own_loss_instead_of_liger():
     assert not uses_liger(How.model_validate({"loss": "auto"}), "cpu")
 
 
-def test_a_rehearsals_library_steps_say_their_cpu_ranks_ran_fp32(hub_cache: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path):
-    """TRL and lighteval load their models in fp32 on a rank without CUDA: a GPU spec's post-training and
-    evaluation steps record it in their manifests (`setup.substituted`), and the rehearsal's table says it on their
-    rows, as it says the trainer's kernel substitutions. A smoke run (accelerator cpu) substitutes nothing."""
+def test_a_rehearsals_library_steps_keep_bf16_and_say_what_their_cpu_ranks_replaced(
+        hub_cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """TRL and lighteval compute in the spec's bf16 on a rank without CUDA (issue 74 item 5: before, fp32 there, so
+    the bf16 path first ran on the cluster); what they do replace there (flash-attn, which needs CUDA, by SDPA) a GPU
+    spec's post-training and evaluation steps record in their manifests (`setup.substituted`), and the rehearsal's
+    table says it on their rows, as it says the trainer's kernel substitutions. A smoke run (accelerator cpu)
+    computes in fp32 and substitutes nothing."""
     import torch
 
     from compass.flows.reports.smoke import smoke_table
@@ -124,20 +126,25 @@ def test_a_rehearsals_library_steps_say_their_cpu_ranks_ran_fp32(hub_cache: Path
     from compass.tasks.common.devices import cpu_substitutions, setup_of
     from tests.test_store import manifest_for
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a rehearsal's CPU node, on any machine
     rehearsal = checked("rehearsal", hub_cache, monkeypatch)
-    fp32 = [] if torch.cuda.is_available() else ["precision bf16 -> fp32 (a library's model on a CPU rank)"]
-    assert cpu_substitutions(rehearsal.spec.how) == fp32
-    assert cpu_substitutions(checked("smoke", hub_cache, monkeypatch).spec.how) == []
+    flash = rehearsal.spec.how.model_copy(update={"attention": "flash"})
+    replaced = ["attention flash -> sdpa (a library's model on a CPU rank: flash-attn needs CUDA)"]
+    assert cpu_substitutions(flash) == replaced and cpu_substitutions(rehearsal.spec.how) == []
+    assert cpu_substitutions(checked("smoke", hub_cache, monkeypatch).spec.how.model_copy(
+        update={"attention": "flash"})) == []
 
     from compass.model.training.rank_device import REHEARSAL_ENV
 
     monkeypatch.setenv(REHEARSAL_ENV, "1")  # as in the rehearsal's jobs: a GPU spec's step here computes on the CPU
+    assert setup_of(rehearsal.spec.how) == {"device": "cpu", "precision": "bfloat16", "substituted": []}
+    assert setup_of(flash) == {"device": "cpu", "precision": "bfloat16", "substituted": replaced}
     store = Store(str(tmp_path / "store"))
     results = []
     for step_id in ("post_train:apo", "evaluate:pretrain-stage3"):
         kind, name = step_id.split(":")
         manifest = manifest_for(store, kind, name, rehearsal.plan.fingerprints[step_id],
-                                metrics={"setup": setup_of(rehearsal.spec.how)})
+                                metrics={"setup": setup_of(flash)})
         with store.staging() as out:
             store.commit(out, manifest)
         results.append(StepRecord(step=step_id, uri=manifest.uri, executed=True, seconds=1.0, pid=1))
@@ -145,5 +152,5 @@ def test_a_rehearsals_library_steps_say_their_cpu_ranks_ran_fp32(hub_cache: Path
                                               "rehearsal", results, store)}
     for step_id in ("post_train:apo", "evaluate:pretrain-stage3"):
         said = rows[step_id]["exercised"]
-        assert said.endswith("; on CPU ranks: " + "; ".join(fp32)) if fp32 else "on CPU ranks" not in said, said
+        assert said.endswith("; on CPU ranks: " + "; ".join(replaced)), said
     assert "on CPU ranks" not in rows["post_train:sft"]["exercised"]  # no manifest read: nothing said

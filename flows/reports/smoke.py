@@ -88,7 +88,7 @@ def _sections(step: Step) -> tuple[str, ...]:
 
 def substituted(result: StepRecord | None, store: Store | None) -> list[str]:
     """What a step's CPU ranks replaced (its manifest's setup): the trainer's CUDA-only kernels, a library model's
-    bf16."""
+    flash-attn."""
     if not result or not store:
         return []
     try:
@@ -102,7 +102,7 @@ def smoke_table(plan: Plan, spec: TrainingSpec, changes: tuple[Shrink, ...], siz
                 results: list[StepRecord] | None = None, store: Store | None = None) -> list[dict[str, str]]:
     """One row per step, then one for what changed for every step (`how`: hardware, precision, parallelism). A
     rehearsal's training, post-training and evaluation rows also say what its CPU ranks replaced (CUDA-only kernels,
-    bf16 for TRL and lighteval), read from the steps' manifests (`results`)."""
+    flash-attn for TRL and lighteval), read from the steps' manifests (`results`)."""
     rehearsal = size == "rehearsal"
     by_step = {r.step: r for r in results or []}
     rows = []

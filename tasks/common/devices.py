@@ -1,6 +1,8 @@
-"""The device post-training and evaluation compute on, from `how`: the GPU with bf16 autocast when the spec asks
-for a GPU and bf16 and CUDA is here; otherwise the CPU in fp32 (bf16 on CPU is slower than fp32, and is refused
-there). Where the step itself runs is its placement (tasks/steps/placement.py)."""
+"""The device post-training and evaluation compute on, from `how`: the GPU when the spec asks for one and CUDA is
+here, else the CPU (a CPU spec, or a rehearsal's CPU rank). A GPU spec's precision holds on either: a rehearsal's
+TRL and lighteval models compute in bf16 on the CPU (slower there than fp32, but the arithmetic and the DeepSpeed
+bf16 path the cluster will run); a CPU spec computes in fp32. Where the step itself runs is its placement
+(tasks/steps/placement.py)."""
 
 from __future__ import annotations
 
@@ -24,21 +26,20 @@ class Device:
 def device_for(how: How) -> Device:
     import torch
 
-
     refuse_cpu_ranks(how.hardware.accelerator, torch.cuda.is_available())  # a GPU spec on the CPU: rehearsals only
-    cuda = how.hardware.accelerator != "cpu" and torch.cuda.is_available()
-    return Device("cuda" if cuda else "cpu", cuda and how.precision == "bf16")
+    gpu_spec = how.hardware.accelerator != "cpu"
+    return Device("cuda" if gpu_spec and torch.cuda.is_available() else "cpu", gpu_spec and how.precision == "bf16")
 
 
 def cpu_substitutions(how: How) -> list[str]:
-    """What a GPU spec's TRL or lighteval model gives up on a rank without CUDA (a rehearsal's CPU node): bf16, run
-    in fp32 there. The step's manifest records it (`setup.substituted`), and a rehearsal's table says it, as the
-    trainer's CPU ranks say which CUDA-only kernels they replaced."""
+    """What a GPU spec's TRL or lighteval model gives up on a rank without CUDA (a rehearsal's CPU node): flash-attn,
+    which needs CUDA, for SDPA. The step's manifest records it (`setup.substituted`), and a rehearsal's table says
+    it, as the trainer's CPU ranks say which CUDA-only kernels they replaced. Its precision it keeps."""
     import torch
 
-    if how.hardware.accelerator == "cpu" or how.precision == "fp32" or torch.cuda.is_available():
+    if how.hardware.accelerator == "cpu" or torch.cuda.is_available() or how.attention != "flash":
         return []
-    return [f"precision {how.precision} -> fp32 (a library's model on a CPU rank)"]
+    return ["attention flash -> sdpa (a library's model on a CPU rank: flash-attn needs CUDA)"]
 
 
 def setup_of(how: How) -> dict[str, object]:
@@ -52,9 +53,12 @@ HF_ATTENTION = {"flash": "flash_attention_2", "varlen": "sdpa", "flex": "flex_at
                 "eager": "eager"}
 
 
-def hf_attention(how: How) -> str | None:
-    """transformers' attn_implementation for how.attention on a library's model (TRL, lighteval); None for `auto`:
-    the library's default (SDPA), since their batches are padded rows, not compass's packed documents."""
+def hf_attention(how: How, device: str) -> str | None:
+    """transformers' attn_implementation for how.attention on a library's model (TRL, lighteval) on `device`; None
+    for `auto`: the library's default (SDPA), since their batches are padded rows, not compass's packed documents.
+    flash on a CPU rank is SDPA (cpu_substitutions says so)."""
+    if device == "cpu" and how.attention == "flash":
+        return "sdpa"
     return HF_ATTENTION.get(how.attention)
 
 

@@ -85,7 +85,7 @@ def _run_lighteval(model_dir: Path, tasks: list[Benchmark], scratch: Path, where
         launcher = ParallelismManager.ACCELERATE if data_parallel else ParallelismManager.NONE
         params = PipelineParameters(launcher_type=launcher, custom_tasks_directory=str(module), max_samples=limit)
         tracker = EvaluationTracker(output_dir=str(scratch / "lighteval"), save_details=False)
-        attention = hf_attention(how) if how else None
+        attention = hf_attention(how, where.device) if how else None
         if how is not None and how.generation == "vllm":
             config = _vllm_config(model_dir, where, how)
         else:

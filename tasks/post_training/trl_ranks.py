@@ -356,7 +356,7 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
     result)."""
 
     work = WorkFolder(job.work)
-    if attention := hf_attention(job.how):
+    if attention := hf_attention(job.how, job.device):
         model.set_attn_implementation(attention)
     if job.section.peft is not None:
 
@@ -392,8 +392,11 @@ def train(job: TrlJob, model: Any, tokenizer: Any, rows: Rows, started_at: float
             if isinstance(callback, TrlPrometheus):
                 callback.close()
         raise
-    if trainer.is_deepspeed_enabled:  # the stage DeepSpeed's engine ran (what the spec asked for, or not)
-        facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
+    if trainer.is_deepspeed_enabled:  # the stage and precision DeepSpeed's engine ran (what the spec asked, or not)
+        engine = trainer.model_wrapped
+        facts["zero_stage"] = engine.zero_optimization_stage()
+        facts["engine_precision"] = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    facts["weights_dtype"] = str(next(trainer.model_wrapped.parameters()).dtype).removeprefix("torch.")
     if job.world > 1 or job.section.peft is not None:  # one full-weight rank: the step exports trainer.model
         trainer.save_model(str(work.trl_final))  # every rank calls it: DeepSpeed/FSDP gather the weights for rank 0
     result = TrlResult(log_history=trainer.state.log_history, global_step=trainer.state.global_step,
