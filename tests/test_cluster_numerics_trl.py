@@ -34,6 +34,7 @@ what:
       - {{name: arc_easy, formulation: cf, limit: 8}}
 how:
   hardware: {{accelerator: h100, devices_per_node: 2, nodes: 1}}
+  resources: {{post_training: {{devices_per_node: 2}}}}
   parallelism: {{deepspeed: true, zero_stage: 2, data_parallel: 2, micro_batch_size: 1}}
   precision: bf16
 """
@@ -53,7 +54,7 @@ def test_a_rehearsed_lora_sft_runs_deepspeeds_bf16_engine_on_cpu_ranks(tmp_path:
     _, outcomes = run_up_to(spec, "post_train:sft", tmp_path / "store")
     metrics = outcomes["post_train:sft"].manifest.metrics
     assert metrics["setup"] == {"device": "cpu", "precision": "bfloat16", "substituted": []}
-    assert metrics["zero_stage"] == 2 and metrics["engine_precision"] == "bf16"  # as DeepSpeed's engine reports
+    assert metrics["ranks"] == 2 and metrics["zero_stage"] == 2 and metrics["engine_precision"] == "bf16"  # as DeepSpeed's engine reports
     assert metrics["weights_dtype"] == "bfloat16"  # what the ranks computed with, not an fp32 copy
     assert metrics["peft"] == "lora" and 0 < metrics["trainable_parameters"] < metrics["total_parameters"]
     assert math.isfinite(metrics["final_loss"])
