@@ -190,16 +190,25 @@ def spec_folder(info: ValidationInfo) -> Path | None:
     return Path(base) if base is not None else None
 
 
+def system_folder_problem(folder: str, writes: str, base: Path | None = None) -> str | None:
+    """Why compass may not write into `folder` at all: it resolves (links, `//x`, `/./x`, `x/..`) to the file
+    system's root or into a system folder. `writes`: what would be written there, for the message."""
+    path = os.path.realpath(os.path.join(base or os.getcwd(), os.path.expanduser(folder.removeprefix("file://"))))
+    if path == "/" or any(path == f or path.startswith(f + "/") for f in SYSTEM_FOLDERS):
+        shown = folder if path == folder else f"{folder} (that is {path})"
+        return (f"{shown} is {'the file system root' if path == '/' else 'a system folder'}: {writes}; give a "
+                "folder of its own")
+    return None
+
+
 def write_root_problem(folder: str, what: str = "a store", base: Path | None = None) -> str | None:
     """The one rule for every local folder compass writes under (a store, `--store`, a submitted store root, the
     monitoring folder, a tracker's database, a cluster's shared root): never the file system's root or a system
     folder, nor a folder that holds others' (/home, /tmp). Judged on the folder as the write will reach it: links
     followed, `//x`, `/./x` and `x/..` resolved. None: it may write there."""
+    if problem := system_folder_problem(folder, f"{what} writes and deletes folders under it", base):
+        return problem
     path = os.path.realpath(os.path.join(base or os.getcwd(), os.path.expanduser(folder.removeprefix("file://"))))
-    if path == "/" or any(path == f or path.startswith(f + "/") for f in SYSTEM_FOLDERS):
-        shown = folder if path == folder else f"{folder} (that is {path})"
-        return (f"{shown} is {'the file system root' if path == '/' else 'a system folder'}: {what} writes and "
-                "deletes folders under it; give a folder of its own")
     if path in SHARED_PARENTS:
         shown = folder if path == folder else f"{folder} (that is {path})"
         return (f"{shown} holds other folders than compass's: {what} writes and deletes folders under it; give a "

@@ -25,6 +25,7 @@ from compass.flows.cli.common import (
     err,
     load,
     out,
+    refuse_write_file_option,
     store_root,
 )
 from compass.flows.cli.monitor import monitor
@@ -425,6 +426,7 @@ def ablate_promote(
     from compass.flows.cli.promote import PromoteError, promote, winning_variant
     from compass.infra.store import Store
 
+    refuse_write_file_option("--out", out_path, "the promoted spec would be written there")
     checked = load(spec)
     target = out_path or spec.with_name(spec.stem + ".promoted.yaml")
     try:

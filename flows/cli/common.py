@@ -3,6 +3,7 @@ check (schema, rules, machine checks) so that a bad spec stops here with all its
 
 from __future__ import annotations
 
+import os
 import sys
 import unicodedata
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ from rich.segment import Segment
 from compass.flows.compiler import UnknownTarget
 from compass.flows.validation import CheckedSpec, load_checked
 from compass.specs.base import Issue
+from compass.specs.how import system_folder_problem, write_root_problem
 from compass.specs.loader import SpecError
 from compass.specs.smoke import Size, sized_root
 from compass.specs.sources import source_holding
@@ -125,3 +127,29 @@ def store_root(checked: CheckedSpec, store: str | None, option: str = "--store")
         (located,) = checked.loaded.problems([Issue(("how", "storage", "root"), problem, "set another root")])
         err.print(str(located), markup=False, highlight=False)
     raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def refuse_write_option(option: str, value: str | Path | None, what: str) -> None:
+    """Exit 2, before anything is written, when the folder a command writes under by `option` breaks the write
+    rule (specs/how.write_root_problem: system folders, the root, folders that hold others', by any form)."""
+    folder = _without_file_scheme(value)
+    if folder is not None and "://" not in folder and (problem := write_root_problem(folder, what)):
+        err.print(f"{option} {value}: {problem}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def refuse_write_file_option(option: str, value: Path | None, what: str) -> None:
+    """Exit 2 when the file a command writes by `option` would land in a system folder (by any form)."""
+    if (given := _without_file_scheme(value)) is not None:
+        folder = str(Path(os.path.realpath(os.path.expanduser(given))).parent)
+        if problem := system_folder_problem(folder, what):
+            err.print(f"{option} {value}: {problem}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def _without_file_scheme(value: str | Path | None) -> str | None:
+    """The local path a `file:` URI names (a Path option turns `file:///x` into `file:/x`); other values as given."""
+    if value is None:
+        return None
+    text = str(value)
+    return "/" + text[5:].lstrip("/") if text.startswith("file:") else text

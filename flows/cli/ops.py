@@ -16,7 +16,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from compass.flows.cli.common import EXIT_BAD_INPUT, RehearseOption, SmokeOption, err, load, out, store_root
+from compass.flows.cli.common import (
+    EXIT_BAD_INPUT,
+    RehearseOption,
+    SmokeOption,
+    err,
+    load,
+    out,
+    refuse_write_option,
+    store_root,
+)
 from compass.flows.reports.recent_runs import recent_runs
 from compass.flows.server.confinement import WORKER_SPECS, WORKER_STORE, worker_read_warnings
 from compass.flows.server.database import DatabaseError, prefect_database_url, redacted, unreachable
@@ -110,6 +119,7 @@ def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")
     """Start a process worker on the work pool (created when missing); it runs submitted specs, which read local
     files only under its --store, its --specs and COMPASS_ALLOWED_ROOTS (never where the submitter says), and write
     only into its --store when one is given."""
+    refuse_write_option("--store", store, "the worker's runs")
     need_server("compass worker")
     from compass.flows.server.deployments import ensure_pool
 
@@ -181,6 +191,8 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
     """Validate a spec here, then run it on the server's workers as a flow run of the lifecycle deployment (the
     worker checks its own machine: GPUs, extras, memory, credentials)."""
     checked = load(spec, until, smoke=smoke, machine=False, rehearse=rehearse)
+    remote_root = "://" in checked.spec.how.storage.root and not checked.spec.how.storage.root.startswith("file://")
+    root = store_root(checked, store) if store or remote_root else None  # None: the worker's --store decides
     need_server("compass submit")
     from prefect.exceptions import ObjectNotFound
 
@@ -189,8 +201,6 @@ def submit(spec: Annotated[Path, typer.Argument(help="Training spec (YAML).", sh
     from compass.flows.server.submit import ui_url
     from compass.flows.server.submit import watch as follow
 
-    remote_root = "://" in checked.spec.how.storage.root and not checked.spec.how.storage.root.startswith("file://")
-    root = store_root(checked, store) if store or remote_root else None  # None: the worker's --store decides
     for line in worker_read_warnings(checked.spec, checked.loaded.base_dir):
         err.print(line, markup=False, highlight=False, soft_wrap=True)
     try:

@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from compass.flows.cli.common import SpecArg, err, load, out, store_root
+from compass.flows.cli.common import SpecArg, err, load, out, refuse_write_option, store_root
 from compass.infra.net import free_port
 from compass.specs.how import PEAK_TFLOPS
 from compass.specs.scaling import MATMUL_SHARE_OF_PEAK as ACHIEVABLE
@@ -39,6 +39,7 @@ def preflight(spec: SpecArg,
     the way training runs, or here for this node."""
     from compass.model.training.preflight import judge
 
+    refuse_write_option("--staging", staging, "preflight's staging test")
     checked = load(spec)
     how = checked.loaded.spec.how
     hw = how.hardware

@@ -5,9 +5,11 @@ or an unreachable database is one clear line, not a migration traceback."""
 from __future__ import annotations
 
 import asyncio
+import os
 from urllib.parse import quote, unquote, urlsplit
 
 from compass.infra.redact import redact
+from compass.specs.how import system_folder_problem
 
 PG, LITE = "postgresql+asyncpg", "sqlite+aiosqlite"
 DRIVERS = {"postgresql": PG, "postgres": PG, PG: PG, "sqlite": LITE, LITE: LITE}
@@ -37,7 +39,19 @@ def prefect_database_url(given: str) -> str:
             raise DatabaseError(f"--database {redacted(given)!r} names no host or no database, or a character in it "
                                 f"must be percent-encoded (a '/', '#' or '@' in the password: %2F, %23, %40): give "
                                 f"{EXAMPLE}")
+    elif problem := _database_folder_problem(rest):
+        raise DatabaseError(f"--database {redacted(given)!r}: {problem}")
     return f"{DRIVERS[scheme]}://{rest}"
+
+
+def _database_folder_problem(rest: str) -> str | None:
+    """Why SQLite may not write its file where a `sqlite:///...` URL puts it (never in a system folder, by any form):
+    `sqlite:///x.db` is relative, `sqlite:////x.db` absolute."""
+    path = rest.split("?", 1)[0]
+    if not path.startswith("/") or path in ("/", "/:memory:"):
+        return None
+    folder = os.path.dirname(path[1:]) or "."
+    return system_folder_problem(folder, "the server's SQLite database would be written there")
 
 
 def _encoded_login(rest: str) -> str:
