@@ -32,7 +32,13 @@ from compass.flows.reports.run_summary import RunSummary
 from compass.flows.reports.smoke import smoke_table
 from compass.flows.reports.step_record import StepRecord
 from compass.flows.runner import SUMMARY_FILE, RunContext, StepOutcome, placement_of, run_step, step_uri
-from compass.flows.server.confinement import outside_roots, store_outside_worker, worker_roots, worker_store
+from compass.flows.server.confinement import (
+    outside_roots,
+    store_outside_worker,
+    worker_roots,
+    worker_store,
+    writes_outside_worker,
+)
 from compass.flows.server.submit import ui_url
 from compass.flows.validation import check, checked_already, shrunk
 from compass.infra import resource_ledger
@@ -349,7 +355,7 @@ def lifecycle(spec_yaml: str, spec_path: str = "spec.yaml", base_dir: str | None
         logger.info("store %s: this worker's --store (the spec's how.storage.root %s is the submitter's folder)",
                     own, spec.how.storage.root)
     if deployment.id:  # submitted to a shared worker: read local files only under its own roots, never the submitter's
-        outside = list(outside_roots(spec, base, worker_roots()))
+        outside = [*outside_roots(spec, base, worker_roots()), *writes_outside_worker(spec, base)]
         if outside:
             raise SpecError(loaded.problems(outside))
     unwritable = root_problem(root) or (store_outside_worker(root) if deployment.id else None)

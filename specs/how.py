@@ -216,6 +216,16 @@ def write_root_problem(folder: str, what: str = "a store", base: Path | None = N
     return None
 
 
+def tracking_folder(uri: str | None) -> str | None:
+    """The local folder an MLflow tracking URI writes under (a sqlite database's folder, a file store), as written;
+    None for a server. SQLAlchemy's sqlite URLs with any driver (sqlite+pysqlite:///...) and any number of
+    slashes."""
+    local = re.match(r"^(?:sqlite(?:\+\w+)?:///|file://|file:)(/*[^?#]*)", uri or "")
+    if not (local and local.group(1)):
+        return None
+    return str(Path(local.group(1)).parent) if uri.startswith("sqlite") else local.group(1)
+
+
 class Storage(SpecModel):
     """Where the artifacts live and how they are checked before use."""
 
@@ -609,13 +619,10 @@ class Monitoring(SpecModel):
     def _mlflow_server(cls, uri: str | None, info: ValidationInfo) -> str | None:
         if uri is not None and not re.match(r"^(https?|databricks|sqlite|postgresql|mysql|file)[:+]", uri):
             raise ValueError(f"{uri!r} is not an MLflow tracking URI: give the server as http://host:5000")
-        # SQLAlchemy's sqlite URLs with any driver (sqlite+pysqlite:///...) and any number of slashes
-        local = re.match(r"^(?:sqlite(?:\+\w+)?:///|file://|file:)(/*[^?#]*)", uri or "")
-        if local and local.group(1):
-            problem = write_root_problem(str(Path(local.group(1)).parent) if uri.startswith("sqlite") else
-                                         local.group(1), "MLflow", base=spec_folder(info))
-            if problem:
-                raise ValueError(problem)
+        folder = tracking_folder(uri)
+        problem = write_root_problem(folder, "MLflow", base=spec_folder(info)) if folder else None
+        if problem:
+            raise ValueError(problem)
         return uri
 
     @field_validator("folder")
