@@ -68,8 +68,9 @@ def _run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerA
     store = ctx.store
     uri = step_uri(ctx, step)
     storage = ctx.runtime.how.storage
+    fingerprint = ctx.plan.fingerprints[step.id]
     if store.is_committed(uri):
-        damaged = verify.damage(store, uri, storage.verify)
+        damaged = verify.damage(store, uri, storage.verify, expects=fingerprint)
         if not damaged:
             log.info("%s is cached at %s", step.id, uri)
             _sweep_finished_work(ctx, step)
@@ -82,7 +83,6 @@ def _run_step(ctx: RunContext, step: Step, log: logging.Logger | logging.LoggerA
         where = verify.set_aside(store, uri)
         log.warning("%s at %s was altered after its commit (%s): set aside at %s; running it again", step.id,
                     uri, verify.describe(damaged), where)
-    fingerprint = ctx.plan.fingerprints[step.id]
     key = artifact_folder(step.kind, step.name, fingerprint)
 
     def waiting(holder: dict) -> None:
@@ -120,7 +120,8 @@ def _inputs(ctx: RunContext, step: Step) -> dict[str, InputArtifact]:
         dep_uri = step_uri(ctx, dep)
         if not store.is_committed(dep_uri):
             raise RuntimeError(f"{step.id} needs {dep_id}, which is not committed at {dep_uri}")
-        damaged = verify.damage(store, dep_uri, storage.verify)  # stat only, unless files changed
+        damaged = verify.damage(store, dep_uri, storage.verify,  # stat only, unless files changed
+                                expects=ctx.plan.fingerprints[dep_id])
         if damaged:
             where = "" if storage.on_damage == "stop" else f"; set aside at {verify.set_aside(store, dep_uri)}"
             raise DamagedArtifact(

@@ -35,18 +35,22 @@ SET_ASIDE = ".damaged"
 Depth = Literal["sizes", "stamped", "full"]
 
 
-def damage(store: Store, uri: str, depth: Depth = "stamped") -> list[str]:
+def damage(store: Store, uri: str, depth: Depth = "stamped", expects: str | None = None) -> list[str]:
     """What differs between a committed artifact's files and its manifest (empty: intact); a manifest (or a shard
     index) that cannot describe the artifact (store.checked_manifest) is the one problem. The files of shard sets
     (infra/shard_index.py) are all compared by size, and hashed all under `full`, by a fresh sample under `stamped`
     unless every file of the set still has the stamp key it had when the set was last wholly hashed: one digest
     per set is kept, not a stamp per file (a million of them would make the stamps file the large manifest the
-    index avoids)."""
+    index avoids). `expects`: the whole fingerprint the plan computed for the artifact (its folder names only the
+    first 12 characters): a manifest made for another is damage, so a step never reuses another identity's files."""
     try:
         manifest = store.read_manifest(uri)
         members = store.shard_members(manifest, cached=False)
     except DamagedManifest as exc:
         return [str(exc)]
+    if expects is not None and manifest.fingerprint != expects:
+        return [f"{uri}: its manifest was made for fingerprint {manifest.fingerprint[:24]}..., not the "
+                f"{expects[:24]}... this plan computes for it (another artifact's files and manifest)"]
     to_hash = _hashed_members(manifest, members, depth)
     if store.is_remote:
         return _remote_damage(store, uri, manifest, depth, members, to_hash)

@@ -105,7 +105,8 @@ def plan_status(plan: Plan, store: Store, depth: verify.Depth | None = None) -> 
                 why = f"damaged manifest, set aside when run: {str(exc).removeprefix(uri + '/')}"
                 out.append(StepStatus(step.id, uri, "run", why))
                 continue
-            damaged = verify.damage(store, uri, depth or plan.how.storage.verify)  # as the run checks it
+            damaged = verify.damage(store, uri, depth or plan.how.storage.verify,  # as the run checks it
+                                    expects=plan.fingerprints[step.id])
             if damaged:
                 then = ("set aside and run again" if plan.how.storage.on_damage == "recompute" else
                         "the run stops there (how.storage.on_damage: stop)")
