@@ -13,15 +13,20 @@ launcher).
 from __future__ import annotations
 
 import atexit
+import errno
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from compass.infra.die_with_parent import parent_death_preexec
+from compass.infra.disk_full import FULL, NEARLY_FULL_BYTES, full_disk_of
 from compass.infra.environment import SERVER_STARTUP_S
+from compass.infra.errors import DiskFull
 from compass.infra.net import free_port
 
 PORT_TAKEN = 3  # uvicorn's exit status when its port is bound by someone else between our check and its bind
@@ -63,7 +68,13 @@ def start_tied_temporary_server() -> TemporaryServer | None:
         raise RuntimeError("the temporary Prefect server must be started from the main thread")
 
     timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", SERVER_STARTUP_S))
-    server = _launch(timeout)
+    home = _prefect_home()
+    _refuse_full_home(home)
+    try:
+        server = _launch(timeout)
+    except RuntimeError:
+        _refuse_full_home(home)  # filled while it started: the disk is why, not the wait
+        raise
     atexit.register(server.stop)
     os.environ["PREFECT_API_URL"] = server.api_url  # the run's own children see the same server
     from prefect.context import refresh_global_settings_context
@@ -71,6 +82,38 @@ def start_tied_temporary_server() -> TemporaryServer | None:
     refresh_global_settings_context()  # Prefect read its settings when first imported: read them again
     _running = server
     return server
+
+
+def _prefect_home() -> Path:
+    from prefect.settings import get_current_settings
+
+    return Path(get_current_settings().home).expanduser()
+
+
+def _refuse_full_home(home: Path) -> None:
+    """DiskFull, naming the folder and what is free there, when Prefect's home cannot take its database's writes:
+    the server would otherwise never answer, and the run would wait out the start-up timeout to blame it."""
+    probe_at = next((p for p in [home, *home.parents] if p.exists()), Path("/"))
+    code = errno.ENOSPC if shutil.disk_usage(probe_at).free < NEARLY_FULL_BYTES else None
+    if code is None and home.is_dir():
+        probe = home / f".compass-write-probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as out:
+                out.write(b"\0" * 65536)
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as exc:
+            full = full_disk_of(exc)
+            code = full.code if full is not None else None
+            if code is None:
+                raise
+        finally:
+            probe.unlink(missing_ok=True)
+    if code is not None:
+        free = shutil.disk_usage(probe_at).free / 2**20
+        raise DiskFull(code, f"Prefect's home {home}: {FULL[code]} it ({free:,.1f} MiB free there): its database "
+                             "cannot be written, so its server would never answer. Free space there, or set "
+                             "PREFECT_HOME to a folder on a larger disk")
 
 
 def _launch(timeout: float) -> TemporaryServer:

@@ -7,6 +7,7 @@ store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -437,3 +438,35 @@ def test_a_name_holding_a_newline_or_an_escape_cannot_pose_as_a_log_line():
         first, *rest = record.getMessage().split("\n")
         assert first == "ingest read a.txt" and rest == [
             "    12:00:00.000 | ERROR   | Flow run 'x' - Finished in state Failed\\x1b[2K\\r"]
+
+
+def test_a_full_disk_under_the_prefect_home_is_named_with_its_free_space_at_once(tmp_path: Path):
+    """`compass run` with PREFECT_HOME on a full disk: one line naming the folder and what is free there, exit 1,
+    no traceback, and no wait for a server that could never answer (the start-up timeout is set far beyond the
+    test's own, so a wait would fail the test by its timeout rather than pass)."""
+    from tests.conftest import VENV_BIN
+
+    if os.geteuid() != 0:
+        pytest.fail("a disk of its own is a tmpfs mount, which needs root: run the suite as infra/setup.sh sets it "
+                    "up (as root)")
+    home = tmp_path / "prefect-home"
+    env = base_env(home)  # its migrated database, copied before the disk is mounted over it
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "compass-test-prefect-home", str(disk)], check=True)
+    try:
+        with contextlib.suppress(OSError), open(disk / "filler", "wb") as filler:  # full to its last byte
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+        env.update({"PREFECT_HOME": str(disk), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "3600"})
+        spec = write_minimal_spec(tmp_path)
+        done = subprocess.run([str(VENV_BIN / "compass"), "run", str(spec), "--until", "ingest:notes"], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 1, said
+    assert f"Prefect's home {disk}: no space left on the device of it (0.0 MiB free there)" in said, said
+    assert "PREFECT_HOME" in said and "Traceback" not in said
+    assert not (tmp_path / "store").exists()  # nothing ran

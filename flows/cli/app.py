@@ -37,7 +37,7 @@ from compass.flows.reports.run_summary import RunSummary
 from compass.flows.validation import checked_for_this_run
 from compass.infra.credentials import CredentialsBlockError, apply_credentials_block
 from compass.infra.environment import prepare_environment
-from compass.infra.errors import DataError, RunStopped
+from compass.infra.errors import DataError, DiskFull, RunStopped
 from compass.infra.redact import prefect_links_without_userinfo
 from compass.infra.temporary_server import start_tied_temporary_server
 from compass.specs.file_stamp import FileStamp
@@ -170,6 +170,9 @@ def _run(spec: Path, checked: CheckedSpec, root: str, until: list[str] | None, n
     except (RayNeedsServer, CredentialsBlockError) as exc:
         err.print(f"[red]error:[/red] {escape(str(spec))}: {escape(str(exc))}")
         raise typer.Exit(2) from None
+    except DiskFull as full:  # Prefect's home: nothing ran
+        err.print(f"failed: {spec}: {full.strerror}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
     flow = lifecycle.with_options(task_runner=runner, flow_run_name=f"{loaded.spec.name}-{loaded.spec_hash[:8]}")
 
     try:
@@ -372,7 +375,11 @@ def evaluate_schedule(
         raise typer.Exit(EXIT_BAD_INPUT)
     prepare_environment()
     if once:
-        start_tied_temporary_server()
+        try:
+            start_tied_temporary_server()
+        except DiskFull as full:  # Prefect's home: nothing scanned
+            err.print(f"failed: {spec}: {full.strerror}", markup=False, highlight=False)
+            raise typer.Exit(1) from None
     from compass.flows.scheduled_eval import SCAN_ONE_AT_A_TIME, evaluate_new_checkpoints
 
     benchmarks = [t.model_dump(mode="json") for t in loaded.spec.what.evaluation.benchmarks]
