@@ -284,3 +284,5 @@ def test_the_fine_tune_example_plans_a_3b_base_read_from_its_config(tmp_path: Pa
     assert plan.step("base_model:init").inputs == {"gate:huggingfacetb-smollm3-3b": "gate:huggingfacetb-smollm3-3b"}
     assert not {"tokenizer", "pretrain", "long_context", "ablate"} & {s.kind for s in plan.steps}
     assert plan.step("mid_training:reasoning_mid").inputs["tokens:traces"] == "tokenize:traces"
+    # its ZeRO-2 over 8 data-parallel ranks reaches SFT and mid-training: the node's 8 GPUs, not post-training's 1
+    assert loaded.spec.how.shape("post_training").ranks == 8 == loaded.spec.how.parallelism.data_parallel
