@@ -59,11 +59,50 @@ def broke_a_collective(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and GLOO_TRANSPORT in str(error))
 
 
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"
+
+
+def gloo_interface() -> str | None:
+    """The network interface gloo groups use: GLOO_SOCKET_IFNAME where the cluster sets it, else the one this node
+    reaches the launcher's rendezvous (MASTER_ADDR) through. Without a choice gloo takes the address the host name
+    resolves to, which on a GPU node with several networks (Ethernet, InfiniBand's IPoIB, a container bridge) may
+    be one the other nodes cannot reach: FSDP2's checkpoint group (and a CPU rank's training group) would then hang
+    at its first collective across nodes. None: no rendezvous named, or no interface holds the route's address."""
+    if os.environ.get(GLOO_INTERFACE):
+        return os.environ[GLOO_INTERFACE]
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return None
+    import socket
+
+    import psutil
+
+    try:
+        family, _, _, _, address = socket.getaddrinfo(master, None, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet is sent: the kernel picks the route
+            probe.connect((address[0], 9))
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addresses):
+            return name
+    return None
+
+
+def _choose_gloo_interface() -> None:
+    """Name the interface for every gloo group this process opens (read by gloo when a group is made)."""
+    interface = gloo_interface()
+    if interface and not os.environ.get(GLOO_INTERFACE):
+        os.environ[GLOO_INTERFACE] = interface
+
+
 def init(backend: str, timeout_s: float | None = None) -> None:
     """Join the launcher's process group (several ranks only; one rank needs none). `timeout_s`: how long a
     collective may wait before the backend gives up (the hang watchdog fires first, with every rank's stacks)."""
     rank, world, _ = rank_env()
     if world > 1 and not active():
+        _choose_gloo_interface()
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
 
@@ -161,7 +200,10 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
 def side_group() -> Any:
     """A gloo group of every rank beside the training group, for collectives off the training thread (DCP's
     background checkpoint writes): the training group's collectives must stay in one order on every rank."""
-    return dist.new_group(backend="gloo") if active() else None
+    if not active():
+        return None
+    _choose_gloo_interface()
+    return dist.new_group(backend="gloo")
 
 
 def barrier() -> None:
