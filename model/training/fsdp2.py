@@ -34,10 +34,14 @@ class FSDP2Engine:
 
     def __init__(self, model: torch.nn.Module, groups_of: Callable[[torch.nn.Module], list[dict]], opt: Optimizer,
                  accumulation: int, precision: str, shard_group: int | None = None,
-                 reshard_after_forward: bool = True, tensor_parallel: int = 1, reduce_precision: str = "fp32"):
+                 reshard_after_forward: bool = True, tensor_parallel: int = 1, reduce_precision: str = "fp32",
+                 device: torch.device | None = None):
+        """`model` may be on the host with `device` a GPU (the trainer's way): tensor parallelism and fully_shard
+        move each block's weights to the device as they split them, so a rank's GPU never holds the whole fp32
+        model, only its shards and one block's weights at a time."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        device = next(model.parameters()).device
+        device = device or next(model.parameters()).device
         collectives.group_of_one("nccl" if device.type == "cuda" else "gloo")  # the mesh needs a group, even of one
         mesh, data_mesh, self.sharding = _meshes(device.type, collectives.world_size(), shard_group, tensor_parallel)
         if tensor_parallel > 1:
@@ -53,7 +57,7 @@ class FSDP2Engine:
         for block in model.hf.model.layers:
             fully_shard(block, mesh=data_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=data_mesh, mp_policy=policy)  # embeddings, final norm and head: the root's unit
-        self.module = model
+        self.module = model.to(device)  # what no unit manages (a buffer outside the blocks); the shards stay
         self.optimizer = adamw(_one_mesh_each(groups_of(model.hf)), opt, device)
         self.accumulation = accumulation
         self.clip = opt.grad_clip

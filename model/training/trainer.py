@@ -260,9 +260,10 @@ class Trainer:
             from compass.model.training.fsdp2 import FSDP2Engine
 
             decay = recipe.optimizer.weight_decay, recipe.architecture.embedding_weight_decay
-            return FSDP2Engine(lm.to(self.device), lambda hf: parameter_groups(hf, *decay), recipe.optimizer,
+            return FSDP2Engine(lm, lambda hf: parameter_groups(hf, *decay), recipe.optimizer,  # built on the host:
                                self.accumulation, job.precision, par.shard_group, par.reshard_after_forward,
-                               par.tensor_parallel, job.how.reduce_precision)  # groups of the sharded parameters
+                               par.tensor_parallel, job.how.reduce_precision,  # sharding moves it block by block
+                               device=self.device)  # groups of the sharded parameters
         if par.deepspeed:
             return DeepSpeedEngine(lm, groups, recipe.optimizer, self.accumulation, job.micro_batch_size,
                                    par.zero_stage, job.precision, backend, par.tensor_parallel,
