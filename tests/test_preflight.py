@@ -35,7 +35,8 @@ def test_two_ranks_are_measured_and_judged(tmp_path: Path):
     report = json.loads(done.stdout)
     rows = report["rows"]
     assert [r["rank"] for r in rows] == [0, 1] and {r["world"] for r in rows} == {2}
-    assert all(r["matmul_tflops"] > 0 and r["allreduce_busbw_gbps"] > 0 and r["rounds"] >= 2 for r in rows)
+    assert all(r["matmul_tflops"] > 0 and r["allreduce_busbw_gbps"] > 0 and r["rounds"] >= 1 for r in rows), rows
+    assert len({r["rounds"] for r in rows}) == 1, rows  # the ranks agree when the burn-in ends (how many: the load's)
     assert rows[0]["store"]["write_mbps"] > 0 and rows[0]["staging"]["read_mbps"] > 0  # one per node
     assert "store" not in rows[1] and report["exclude"] == "" and report["flagged"] == {}
     # each rank ran one packed-attention forward and backward on its own torch (the spec's attention is auto)

@@ -125,9 +125,8 @@ def spec_write_paths(spec: TrainingSpec, base_dir: Path) -> list[tuple[Loc, str,
     or file store (relative ones from the spec's folder, links and '..' followed, as the write reaches them)."""
     how = spec.how
     named = [(("how", "storage", "local_cache"), how.storage.local_cache),
-             (("how", "monitoring", "folder"), how.monitoring.folder)]
-    if how.orchestration.cluster is not None:
-        named.append((("how", "orchestration", "cluster", "shared_root"), how.orchestration.cluster.shared_root))
+             (("how", "monitoring", "folder"), how.monitoring.folder),
+             (("how", "orchestration", "cluster", "shared_root"), how.orchestration.shared_root)]
     uri = how.monitoring.mlflow_tracking_uri
     if folder := tracking_folder(uri):
         named.append((("how", "monitoring", "mlflow_tracking_uri"), folder))
