@@ -440,6 +440,7 @@ def test_a_name_holding_a_newline_or_an_escape_cannot_pose_as_a_log_line():
             "    12:00:00.000 | ERROR   | Flow run 'x' - Finished in state Failed\\x1b[2K\\r"]
 
 
+@pytest.mark.slow  # a compass process of its own
 def test_a_full_disk_under_the_prefect_home_is_named_with_its_free_space_at_once(tmp_path: Path):
     """`compass run` with PREFECT_HOME on a full disk: one line naming the folder and what is free there, exit 1,
     no traceback, and no wait for a server that could never answer (the start-up timeout is set far beyond the

@@ -66,6 +66,7 @@ def test_a_submitted_spec_naming_write_folders_outside_the_worker_is_refused_bef
     assert not (tmp_path / "elsewhere").exists() and not list(store.glob("ingest/*"))  # before any step
 
 
+@pytest.mark.slow  # ingests the minimal spec's source
 def test_the_same_folders_under_the_workers_roots_run(prefect_server: str, worker: tuple[Path, Path],
                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Under the worker's store, or a folder of COMPASS_ALLOWED_ROOTS (the node-local disk a team's worker names):
