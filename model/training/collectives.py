@@ -13,10 +13,12 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import socket
 import sys
 from datetime import timedelta
 from typing import Any, Literal, NoReturn
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -73,10 +75,6 @@ def gloo_interface() -> str | None:
     master = os.environ.get("MASTER_ADDR")
     if not master:
         return None
-    import socket
-
-    import psutil
-
     try:
         family, _, _, _, address = socket.getaddrinfo(master, None, proto=socket.IPPROTO_UDP)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet is sent: the kernel picks the route
