@@ -34,6 +34,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return {"0": reports[0], "1": reports[1]}
 
 
+@pytest.mark.slow  # 2 DeepSpeed/FSDP2 ranks per engine: ~30 s of start-up
 @pytest.mark.parametrize("setup", ["zero1", "zero2", "fsdp2"])
 def test_bf16_gradients_are_summed_and_reduced_in_fp32(ranks: dict[str, dict], setup: str):
     for rank in ("0", "1"):

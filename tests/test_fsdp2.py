@@ -220,6 +220,7 @@ print(isinstance(lm.hf.model.layers[0].self_attn.q_proj.weight, DTensor))
 """
 
 
+@pytest.mark.slow  # a process each, building and sharding a model
 @pytest.mark.parametrize(("reshard", "sharded_between"), [("true", "True"), ("false", "False")])
 def test_reshard_after_forward_decides_whether_a_block_stays_gathered_until_its_backward(reshard, sharded_between):
     done = subprocess.run([sys.executable, "-c", KEPT_OR_FREED, reshard], cwd=REPO, capture_output=True, text=True,

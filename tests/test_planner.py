@@ -50,6 +50,7 @@ def test_a_slow_interconnect_makes_more_gpus_stop_helping(smollm3):
     assert scaling.wall_days(slow, 256)[0] > 1.3 * fast
 
 
+@pytest.mark.slow  # two plans of the SmolLM3 example through the CLI
 def test_plan_uses_measured_throughput_from_a_preflight_report(tmp_path: Path):
     spec = tmp_path / "spec.yaml"
     text = (EXAMPLES / "smollm3-3b.yaml").read_text()

@@ -37,6 +37,7 @@ def test_flat_params_name_nested_fields():
                                                                             "e": "{}"}
 
 
+@pytest.mark.slow  # an MLflow server and a training step
 def test_a_step_run_in_mlflow_wandb_and_trackio(tmp_path: Path, mlflow_uri: str):
     from mlflow import MlflowClient
 
