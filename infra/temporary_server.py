@@ -99,7 +99,7 @@ def _refuse_full_home(home: Path) -> None:
         probe = home / f".compass-write-probe-{os.getpid()}"
         try:
             with open(probe, "wb") as out:
-                out.write(b"\0" * 65536)
+                out.write(b"\0" * 4096)  # a page: what a quota or a size limit refuses first
                 out.flush()
                 os.fsync(out.fileno())
         except OSError as exc:

@@ -118,7 +118,7 @@ def worker(pool: Annotated[str, typer.Option(help="Process work pool to serve.")
            ) -> None:
     """Start a process worker on the work pool (created when missing); it runs submitted specs, which read local
     files only under its --store, its --specs and COMPASS_ALLOWED_ROOTS (never where the submitter says), and write
-    only into its --store when one is given."""
+    only into its --store and COMPASS_ALLOWED_ROOTS when a --store is given (every folder a spec names included)."""
     refuse_write_option("--store", store, "the worker's runs")
     need_server("compass worker")
     from compass.flows.server.deployments import ensure_pool
