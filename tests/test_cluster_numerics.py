@@ -49,6 +49,7 @@ def test_bf16_gradients_are_summed_and_reduced_in_fp32(ranks: dict[str, dict], s
     assert ranks["0"][setup]["relative_error"] == ranks["1"][setup]["relative_error"]  # one reduced gradient
 
 
+@pytest.mark.slow  # reads the module's 2-rank runs
 def test_a_bf16_reduction_is_what_the_test_would_see(ranks: dict[str, dict]):
     """The same measurement on the reduction compass ran before (DeepSpeed ZeRO-0, bf16): bf16 on the wire, bf16
     sums, an error of bf16's order. The fp32 check above would have failed on it."""
@@ -58,6 +59,7 @@ def test_a_bf16_reduction_is_what_the_test_would_see(ranks: dict[str, dict]):
     assert BF16_EPS / 100 < report["relative_error"] < BF16_EPS, report
 
 
+@pytest.mark.slow  # reads the module's 2-rank runs
 def test_the_norm_compass_reports_is_the_one_deepspeed_clips_with(ranks: dict[str, dict]):
     for setup in ("zero1", "zero2"):
         ours, deepspeeds = ranks["0"][setup]["norm"]
@@ -65,6 +67,7 @@ def test_the_norm_compass_reports_is_the_one_deepspeed_clips_with(ranks: dict[st
         assert ranks["1"][setup]["norm"] == ranks["0"][setup]["norm"]
 
 
+@pytest.mark.slow  # reads the module's 2-rank runs
 def test_at_zero1_each_rank_writes_and_reads_only_its_share_of_the_optimizer_state(ranks: dict[str, dict]):
     """The SmolLM3 example's engine: the fp32 masters and AdamW's moments are split over the data-parallel ranks;
     each checkpoints its own share and a resumed rank loads only its own (at ZeRO-0 rank 0 wrote the whole state

@@ -53,6 +53,7 @@ def test_the_grad_norm_is_the_global_one_at_every_zero_stage(ranks: Path):
             assert report[str(stage)]["deepspeed_norm"] == pytest.approx(before, rel=1e-6), f"ZeRO-{stage}"
 
 
+@pytest.mark.slow  # reads the module's 2-rank runs
 def test_ranks_reduce_through_gloo_without_building_deepspeeds_shared_memory_op(ranks: Path):
     """The op's JIT build takes a file lock a killed rank leaves behind (every later start then waits forever);
     the compiler probe that would decide it is never run either."""
@@ -61,6 +62,7 @@ def test_ranks_reduce_through_gloo_without_building_deepspeeds_shared_memory_op(
         assert backend == {"shm_comm_op": "None", "ops_probed": False}
 
 
+@pytest.mark.slow  # reads the module's 2-rank runs
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("run", ["rolled_back", "resumed"])
 def test_a_rollback_or_a_resume_ends_at_the_weights_of_an_undisturbed_run(ranks: Path, stage: int, run: str):
