@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compass.infra.die_with_parent import parent_death_preexec
-from compass.infra.disk_full import FULL, NEARLY_FULL_BYTES, full_disk_of
+from compass.infra.disk_full import FULL, full_disk_of, nearly_full
 from compass.infra.environment import SERVER_STARTUP_S
 from compass.infra.errors import DiskFull
 from compass.infra.net import free_port
@@ -94,7 +94,7 @@ def _refuse_full_home(home: Path) -> None:
     """DiskFull, naming the folder and what is free there, when Prefect's home cannot take its database's writes:
     the server would otherwise never answer, and the run would wait out the start-up timeout to blame it."""
     probe_at = next((p for p in [home, *home.parents] if p.exists()), Path("/"))
-    code = errno.ENOSPC if shutil.disk_usage(probe_at).free < NEARLY_FULL_BYTES else None
+    code = errno.ENOSPC if nearly_full(home) else None
     if code is None and home.is_dir():
         probe = home / f".compass-write-probe-{os.getpid()}"
         try:

@@ -45,12 +45,12 @@ def damage(store: Store, uri: str, depth: Depth = "stamped", expects: str | None
     first 12 characters): a manifest made for another is damage, so a step never reuses another identity's files."""
     try:
         manifest = store.read_manifest(uri)
+        if expects is not None and manifest.fingerprint != expects:  # before its shard index is read
+            return [f"{uri}: its manifest was made for fingerprint {manifest.fingerprint[:24]}..., not the "
+                    f"{expects[:24]}... this plan computes for it (another artifact's files and manifest)"]
         members = store.shard_members(manifest, cached=False)
     except DamagedManifest as exc:
         return [str(exc)]
-    if expects is not None and manifest.fingerprint != expects:
-        return [f"{uri}: its manifest was made for fingerprint {manifest.fingerprint[:24]}..., not the "
-                f"{expects[:24]}... this plan computes for it (another artifact's files and manifest)"]
     to_hash = _hashed_members(manifest, members, depth)
     if store.is_remote:
         return _remote_damage(store, uri, manifest, depth, members, to_hash)
